@@ -1,0 +1,151 @@
+/*
+ * colibri.h — public C API of the Colibri MoE inference engine.
+ *
+ * The engine memory-maps one `.colibri` file (docs/format.md), carves every buffer it
+ * will ever need from one arena at init, and then runs `colibri_forward` with no heap
+ * allocation. The library never prints, exits or aborts: every function returns a
+ * `colibri_status`, and a context keeps a message saying what went wrong and what to do.
+ *
+ * Objects are opaque; read them through accessor functions (no struct layouts to copy
+ * into other languages). Thread-safety: one context is used by one thread at a time;
+ * distinct contexts are independent.
+ */
+#ifndef COLIBRI_H
+#define COLIBRI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define COLIBRI_API __declspec(dllexport)
+#else
+#define COLIBRI_API __attribute__((visibility("default")))
+#endif
+
+/* Bumped whenever a signature or the meaning of an argument changes; bindings check it. */
+#define COLIBRI_ABI_VERSION 1
+/* The newest file format version this build reads. */
+#define COLIBRI_FORMAT_VERSION 1
+
+typedef enum colibri_status {
+    COLIBRI_OK = 0,
+    COLIBRI_E_INVALID_ARG = 1,   /* a NULL pointer, a negative count, a bad option value */
+    COLIBRI_E_IO = 2,            /* open/stat/mmap failed, missing file, a directory */
+    COLIBRI_E_FORMAT = 3,        /* not a .colibri file, truncated, bad offsets or sizes */
+    COLIBRI_E_VERSION = 4,       /* a format version this build does not read */
+    COLIBRI_E_CHECKSUM = 5,      /* a CRC-32 or stored norm does not match */
+    COLIBRI_E_UNSUPPORTED = 6,   /* valid file, but a family/dtype/option this build lacks */
+    COLIBRI_E_NOMEM = 7,         /* the arena could not be allocated */
+    COLIBRI_E_TOKEN_RANGE = 8,   /* a token id < 0 or >= vocab_size */
+    COLIBRI_E_SEQ_TOO_LONG = 9,  /* start_pos + n_tokens > max_seq_len */
+    COLIBRI_E_BUFFER_TOO_SMALL = 10, /* caller's output buffer too small; *_needed says the size */
+    COLIBRI_E_NUMERIC = 11,      /* NaN or Inf in the logits */
+    COLIBRI_E_INTERNAL = 12
+} colibri_status;
+
+typedef struct colibri_ctx colibri_ctx;
+typedef struct colibri_tokenizer colibri_tokenizer;
+
+/* Options for colibri_init_ex. Fill with colibri_options_init, then change fields.
+ * `struct_size` lets the library reject a struct from a different ABI. */
+typedef struct colibri_options {
+    uint32_t struct_size;     /* = sizeof(colibri_options), set by colibri_options_init */
+    int32_t num_threads;      /* 0: default (physical cores); forward is single-threaded in ABI 1 builds without a pool */
+    int64_t max_seq_len;      /* 0: min(file's max_seq_len, 4096); else ≤ file's max_seq_len */
+    int64_t max_batch;        /* tokens per internal forward chunk; 0: min(max_seq_len, 512) */
+    int32_t populate;         /* 1: MAP_POPULATE (pre-fault the whole file at init) */
+    int32_t group_pad;        /* pad each expert's token group to a multiple of this (1 = none) */
+    int32_t verify_checksums; /* 1: also verify weight-section and per-tensor CRCs at init */
+} colibri_options;
+
+COLIBRI_API int colibri_abi_version(void);
+COLIBRI_API const char *colibri_version_string(void);
+COLIBRI_API const char *colibri_status_string(colibri_status s);
+
+COLIBRI_API void colibri_options_init(colibri_options *opt);
+
+/* Open `path`, validate it fully (header, sections, metadata, tensor directory, tokenizer),
+ * allocate the arena. On failure *out is NULL and the message is in `err` (if non-NULL). */
+COLIBRI_API colibri_status colibri_init(const char *path, colibri_ctx **out);
+COLIBRI_API colibri_status colibri_init_ex(const char *path, const colibri_options *opt,
+                                           colibri_ctx **out, char *err, size_t err_len);
+COLIBRI_API void colibri_free(colibri_ctx *ctx);
+
+/* The message of the last failed call on this context ("" if none). */
+COLIBRI_API const char *colibri_last_error(const colibri_ctx *ctx);
+
+/* Run the model on `n_tokens` ids starting a new sequence (position 0).
+ * logits: caller's buffer of n_tokens × vocab_size floats, row t = logits after token t. */
+COLIBRI_API colibri_status colibri_forward(colibri_ctx *ctx, const int32_t *input_ids,
+                                           int64_t n_tokens, float *logits);
+/* Same, continuing a sequence: positions 0..start_pos-1 must already be in the KV cache
+ * (start_pos ≤ the current cached length). start_pos 0 starts a new sequence. */
+COLIBRI_API colibri_status colibri_forward_at(colibri_ctx *ctx, const int32_t *input_ids,
+                                              int64_t n_tokens, int64_t start_pos, float *logits);
+/* Number of positions currently in the KV cache. */
+COLIBRI_API int64_t colibri_cached_len(const colibri_ctx *ctx);
+
+/* Integer and float facts about the loaded model and run settings, by name:
+ * ints: "n_layers" "hidden_size" "intermediate_size" "vocab_size" "n_heads" "n_kv_heads"
+ *       "head_dim" "n_experts" "top_k" "max_seq_len" (effective) "file_max_seq_len"
+ *       "max_batch" "num_threads" "group_pad" "sliding_window" "bos_id" "eos_id"
+ *       "arena_bytes" "file_size" "format_version" "router_int8" "tie_word_embeddings"
+ *       "norm_topk_prob"
+ * floats: "rope_theta" "rms_norm_eps"
+ * Unknown names give COLIBRI_E_INVALID_ARG. */
+COLIBRI_API colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t *out);
+COLIBRI_API colibri_status colibri_get_float(const colibri_ctx *ctx, const char *name, double *out);
+/* "architecture", "name", "weight_dtype", "router_dtype": a pointer into the context. */
+COLIBRI_API colibri_status colibri_get_string(const colibri_ctx *ctx, const char *name, const char **out);
+
+/* Verify every per-tensor CRC-32 and the weight-section CRCs (reads the whole file). */
+COLIBRI_API colibri_status colibri_verify(colibri_ctx *ctx);
+/* Recompute each router tensor's L2 norm and compare with the stored one
+ * (relative tolerance 1e-5). */
+COLIBRI_API colibri_status colibri_verify_router(colibri_ctx *ctx);
+
+/* Sample one token from a row of logits (vocab_size floats). temperature 0 = greedy
+ * (lowest id wins ties); top_k 0 = off; top_p 1 = off. *rng is a xorshift64* state,
+ * advanced by the call (a zero state is replaced by a fixed non-zero one). Uses scratch
+ * from the context's arena: no allocation. */
+COLIBRI_API colibri_status colibri_sample(colibri_ctx *ctx, const float *logits, float temperature,
+                                          int32_t top_k, float top_p, uint64_t *rng,
+                                          int32_t *out_id);
+
+/* ---- Tokenizer (SentencePiece-BPE in ABI 1), usable with or without an engine ---- */
+
+/* The tokenizer of a context (owned by it; valid until colibri_free). */
+COLIBRI_API colibri_tokenizer *colibri_get_tokenizer(colibri_ctx *ctx);
+/* A tokenizer over the bytes of a tokenizer section (docs/format.md). `data` must stay
+ * valid while the tokenizer lives; it is not copied. */
+COLIBRI_API colibri_status colibri_tokenizer_from_memory(const void *data, uint64_t size,
+                                                         colibri_tokenizer **out, char *err,
+                                                         size_t err_len);
+COLIBRI_API void colibri_tokenizer_free(colibri_tokenizer *tok); /* no-op for a context's own */
+COLIBRI_API const char *colibri_tokenizer_last_error(const colibri_tokenizer *tok);
+COLIBRI_API int32_t colibri_tokenizer_vocab_size(const colibri_tokenizer *tok);
+COLIBRI_API int32_t colibri_tokenizer_bos_id(const colibri_tokenizer *tok); /* -1 if none */
+COLIBRI_API int32_t colibri_tokenizer_eos_id(const colibri_tokenizer *tok); /* -1 if none */
+
+/* Encode `len` bytes of UTF-8 (invalid sequences are encoded byte by byte through byte
+ * fallback, as sentencepiece does). Writes at most `cap` ids; *n_out is the full count.
+ * If *n_out > cap the status is COLIBRI_E_BUFFER_TOO_SMALL and the call can be repeated. */
+COLIBRI_API colibri_status colibri_tokenize(colibri_tokenizer *tok, const char *text, uint64_t len,
+                                            int add_bos, int32_t *out, int64_t cap, int64_t *n_out);
+/* Decode ids to UTF-8 text as sentencepiece does (control ids produce nothing, the leading
+ * space of the first piece is dropped, byte pieces are joined and invalid UTF-8 becomes
+ * U+FFFD). Writes at most `cap` bytes (no NUL); *len_out is the full length. */
+COLIBRI_API colibri_status colibri_detokenize(colibri_tokenizer *tok, const int32_t *ids, int64_t n,
+                                              char *out, uint64_t cap, uint64_t *len_out);
+/* The raw piece of one id (e.g. "▁Hello", "<0x0A>", "<s>"), not NUL-terminated. */
+COLIBRI_API colibri_status colibri_token_piece(colibri_tokenizer *tok, int32_t id,
+                                               const char **piece, uint64_t *len);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* COLIBRI_H */
