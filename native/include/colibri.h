@@ -54,7 +54,7 @@ typedef struct colibri_tokenizer colibri_tokenizer;
  * `struct_size` lets the library reject a struct from a different ABI. */
 typedef struct colibri_options {
     uint32_t struct_size;     /* = sizeof(colibri_options), set by colibri_options_init */
-    int32_t num_threads;      /* 0: default (physical cores); forward is single-threaded in ABI 1 builds without a pool */
+    int32_t num_threads;      /* 0: default (online CPUs); the forward is single-threaded until the thread pool lands */
     int64_t max_seq_len;      /* 0: min(file's max_seq_len, 4096); else ≤ file's max_seq_len */
     int64_t max_batch;        /* tokens per internal forward chunk; 0: min(max_seq_len, 512) */
     int32_t populate;         /* 1: MAP_POPULATE (pre-fault the whole file at init) */
@@ -131,8 +131,9 @@ COLIBRI_API int32_t colibri_tokenizer_vocab_size(const colibri_tokenizer *tok);
 COLIBRI_API int32_t colibri_tokenizer_bos_id(const colibri_tokenizer *tok); /* -1 if none */
 COLIBRI_API int32_t colibri_tokenizer_eos_id(const colibri_tokenizer *tok); /* -1 if none */
 
-/* Encode `len` bytes of UTF-8 (invalid sequences are encoded byte by byte through byte
- * fallback, as sentencepiece does). Writes at most `cap` ids; *n_out is the full count.
+/* Encode `len` bytes of UTF-8 as sentencepiece does: each malformed byte is first replaced
+ * by U+FFFD (so invalid input does not round-trip), characters missing from the
+ * vocabulary go through byte fallback. Writes at most `cap` ids; *n_out is the full count.
  * If *n_out > cap the status is COLIBRI_E_BUFFER_TOO_SMALL and the call can be repeated. */
 COLIBRI_API colibri_status colibri_tokenize(colibri_tokenizer *tok, const char *text, uint64_t len,
                                             int add_bos, int32_t *out, int64_t cap, int64_t *n_out);

@@ -1,0 +1,66 @@
+# Colibri Lab — the two commands of the README, each doing its own set-up from a fresh
+# clone (a virtual environment in .venv, the package built and installed into it).
+#
+#   make demo   convert the tiny Mixtral in data/, show its header, generate, top-5
+#   make test   native C tests (ctest, warnings as errors) and the Python tests (pytest)
+#
+# Both are idempotent: re-running them reuses .venv and the CMake build folders.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+BIN    := $(VENV)/bin
+CMAKE  ?= cmake
+JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
+
+DEMO_SRC    := data/tiny-mixtral
+DEMO_MODEL  := build/tiny-mixtral.colibri
+DEMO_PROMPT ?= The capital of France is
+NATIVE_TEST_DIR := build/native-tests
+
+.PHONY: demo test venv native-tests pytest clean help
+
+help:
+	@echo "make demo   - install, convert $(DEMO_SRC), inspect it, generate text and show the top-5"
+	@echo "make test   - install with the test extra, run the native C tests and pytest"
+	@echo "make clean  - remove build/ and .venv/"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+venv: $(PY)
+
+demo: $(PY)
+	$(PIP) install .
+	@mkdir -p build
+	$(BIN)/colibri-convert --model_name_or_path $(DEMO_SRC) --output_path $(DEMO_MODEL) --dtype bf16
+	$(PY) -m colibri_lab inspect $(DEMO_MODEL)
+	@echo
+	@echo '== colibri_cli: 24 new tokens after "$(DEMO_PROMPT)"'
+	$(BIN)/colibri_cli --model $(DEMO_MODEL) --prompt "$(DEMO_PROMPT)" --max_new_tokens 24 --verbose
+	@echo
+	@echo '== colibri_cli: the 5 most likely next tokens'
+	$(BIN)/colibri_cli --model $(DEMO_MODEL) --prompt "$(DEMO_PROMPT)" --max_new_tokens 1
+
+test: $(PY)
+	# torch first, pinned: the CPU wheel. An unpinned torch pulled in by another package
+	# would download a multi-GB CUDA build.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e ".[test]"
+	$(MAKE) native-tests
+	$(MAKE) pytest
+
+native-tests:
+	$(CMAKE) -S native -B $(NATIVE_TEST_DIR) -DCMAKE_BUILD_TYPE=Release \
+	    -DCOLIBRI_WERROR=ON -DCOLIBRI_BUILD_TESTS=ON
+	$(CMAKE) --build $(NATIVE_TEST_DIR) -j $(JOBS)
+	cd $(NATIVE_TEST_DIR) && ctest --output-on-failure -j $(JOBS)
+
+# The notebooks will join the test run with nbval once notebooks/*.ipynb exist:
+#   $(BIN)/pytest -q tests --nbval --nbval-current-env notebooks
+pytest:
+	$(BIN)/pytest -q tests
+
+clean:
+	rm -rf build $(VENV) colibri_lab/_lib

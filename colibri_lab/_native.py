@@ -1,0 +1,398 @@
+"""The raw ctypes layer over libcolibri (native/include/colibri.h).
+
+This module only loads the library, declares every function of the public C API with
+its argument and result types, checks the ABI version, and turns a ``colibri_status``
+into a Python exception (``check`` is the one place where that happens). The handle
+classes in :mod:`colibri_lab.engine` are built on it.
+
+The library is searched in this order:
+
+1. ``$COLIBRI_LIB`` — a path to ``libcolibri.so`` or to a folder that holds it;
+2. ``_lib/`` beside this file (a regular ``pip install .``);
+3. ``colibri_lab/_lib/`` in every folder of the package's ``__path__`` and in every
+   site-packages folder (an editable install, where the Python sources stay in the
+   work tree while the built library is installed into site-packages).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import site
+import sys
+import sysconfig
+from ctypes import (
+    POINTER,
+    c_char,
+    c_char_p,
+    c_double,
+    c_float,
+    c_int,
+    c_int32,
+    c_int64,
+    c_size_t,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
+from pathlib import Path
+
+ABI_VERSION = 1
+LIB_NAME = "libcolibri.so" if sys.platform != "darwin" else "libcolibri.dylib"
+
+# colibri_status values (colibri.h).
+OK = 0
+E_INVALID_ARG = 1
+E_IO = 2
+E_FORMAT = 3
+E_VERSION = 4
+E_CHECKSUM = 5
+E_UNSUPPORTED = 6
+E_NOMEM = 7
+E_TOKEN_RANGE = 8
+E_SEQ_TOO_LONG = 9
+E_BUFFER_TOO_SMALL = 10
+E_NUMERIC = 11
+E_INTERNAL = 12
+
+
+# ---------------------------------------------------------------------------------------
+# Exceptions: one class per status, all ColibriError, each with .status and .message.
+
+
+class ColibriError(RuntimeError):
+    """An error reported by the Colibri engine.
+
+    ``status`` is the ``colibri_status`` code, ``message`` the engine's explanation.
+    """
+
+    status: int = E_INTERNAL
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.status))
+
+
+class ColibriInvalidArgError(ColibriError, ValueError):
+    status = E_INVALID_ARG
+
+
+class ColibriIOError(ColibriError, OSError):
+    status = E_IO
+
+
+class ColibriFormatError(ColibriError):
+    status = E_FORMAT
+
+
+class ColibriVersionError(ColibriError):
+    status = E_VERSION
+
+
+class ColibriChecksumError(ColibriError):
+    status = E_CHECKSUM
+
+
+class ColibriUnsupportedError(ColibriError):
+    status = E_UNSUPPORTED
+
+
+class ColibriNoMemoryError(ColibriError, MemoryError):
+    status = E_NOMEM
+
+
+class ColibriTokenRangeError(ColibriError, ValueError):
+    status = E_TOKEN_RANGE
+
+
+class ColibriSeqTooLongError(ColibriError, ValueError):
+    status = E_SEQ_TOO_LONG
+
+
+class ColibriBufferTooSmallError(ColibriError):
+    status = E_BUFFER_TOO_SMALL
+
+
+class ColibriNumericError(ColibriError, ArithmeticError):
+    status = E_NUMERIC
+
+
+class ColibriInternalError(ColibriError):
+    status = E_INTERNAL
+
+
+class ColibriClosedError(ColibriError):
+    """A method was called on an Engine or Tokenizer after ``close()``."""
+
+    status = E_INVALID_ARG
+
+
+ERRORS: dict[int, type[ColibriError]] = {
+    cls.status: cls
+    for cls in (
+        ColibriInvalidArgError,
+        ColibriIOError,
+        ColibriFormatError,
+        ColibriVersionError,
+        ColibriChecksumError,
+        ColibriUnsupportedError,
+        ColibriNoMemoryError,
+        ColibriTokenRangeError,
+        ColibriSeqTooLongError,
+        ColibriBufferTooSmallError,
+        ColibriNumericError,
+        ColibriInternalError,
+    )
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Opaque handles and the one struct of the API.
+
+
+class ColibriCtx(ctypes.Structure):
+    """``struct colibri_ctx`` — opaque, used only through pointers."""
+
+
+class ColibriTokenizerStruct(ctypes.Structure):
+    """``struct colibri_tokenizer`` — opaque, used only through pointers."""
+
+
+ctx_p = POINTER(ColibriCtx)
+tok_p = POINTER(ColibriTokenizerStruct)
+
+
+class ColibriOptions(ctypes.Structure):
+    """``colibri_options``; its layout is checked against the library at import
+    (``struct_size`` written by ``colibri_options_init``)."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("num_threads", c_int32),
+        ("max_seq_len", c_int64),
+        ("max_batch", c_int64),
+        ("populate", c_int32),
+        ("group_pad", c_int32),
+        ("verify_checksums", c_int32),
+    ]
+
+
+# name: (restype, argtypes) for every function in colibri.h.
+_SIGNATURES: dict[str, tuple[object, list[object]]] = {
+    "colibri_abi_version": (c_int, []),
+    "colibri_version_string": (c_char_p, []),
+    "colibri_status_string": (c_char_p, [c_int]),
+    "colibri_options_init": (None, [c_void_p]),
+    "colibri_init": (c_int, [c_char_p, POINTER(ctx_p)]),
+    "colibri_init_ex": (
+        c_int,
+        [c_char_p, POINTER(ColibriOptions), POINTER(ctx_p), c_char_p, c_size_t],
+    ),
+    "colibri_free": (None, [ctx_p]),
+    "colibri_last_error": (c_char_p, [ctx_p]),
+    "colibri_forward": (c_int, [ctx_p, POINTER(c_int32), c_int64, POINTER(c_float)]),
+    "colibri_forward_at": (
+        c_int,
+        [ctx_p, POINTER(c_int32), c_int64, c_int64, POINTER(c_float)],
+    ),
+    "colibri_cached_len": (c_int64, [ctx_p]),
+    "colibri_get_int": (c_int, [ctx_p, c_char_p, POINTER(c_int64)]),
+    "colibri_get_float": (c_int, [ctx_p, c_char_p, POINTER(c_double)]),
+    "colibri_get_string": (c_int, [ctx_p, c_char_p, POINTER(c_char_p)]),
+    "colibri_verify": (c_int, [ctx_p]),
+    "colibri_verify_router": (c_int, [ctx_p]),
+    "colibri_sample": (
+        c_int,
+        [ctx_p, POINTER(c_float), c_float, c_int32, c_float, POINTER(c_uint64), POINTER(c_int32)],
+    ),
+    "colibri_get_tokenizer": (tok_p, [ctx_p]),
+    "colibri_tokenizer_from_memory": (
+        c_int,
+        [c_void_p, c_uint64, POINTER(tok_p), c_char_p, c_size_t],
+    ),
+    "colibri_tokenizer_free": (None, [tok_p]),
+    "colibri_tokenizer_last_error": (c_char_p, [tok_p]),
+    "colibri_tokenizer_vocab_size": (c_int32, [tok_p]),
+    "colibri_tokenizer_bos_id": (c_int32, [tok_p]),
+    "colibri_tokenizer_eos_id": (c_int32, [tok_p]),
+    "colibri_tokenize": (
+        c_int,
+        [tok_p, c_char_p, c_uint64, c_int, POINTER(c_int32), c_int64, POINTER(c_int64)],
+    ),
+    "colibri_detokenize": (
+        c_int,
+        [tok_p, POINTER(c_int32), c_int64, POINTER(c_char), c_uint64, POINTER(c_uint64)],
+    ),
+    "colibri_token_piece": (
+        c_int,
+        [tok_p, c_int32, POINTER(POINTER(c_char)), POINTER(c_uint64)],
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Loading.
+
+
+def _candidates() -> list[Path]:
+    """Where to look for the library, in order (see the module docstring)."""
+    out: list[Path] = []
+    env = os.environ.get("COLIBRI_LIB")
+    if env:
+        p = Path(env)
+        out.append(p / LIB_NAME if p.is_dir() else p)
+    here = Path(__file__).resolve().parent
+    out.append(here / "_lib" / LIB_NAME)
+    pkg = sys.modules.get(__package__ or "colibri_lab")
+    for d in getattr(pkg, "__path__", []) or []:
+        out.append(Path(d) / "_lib" / LIB_NAME)
+    dirs: list[str] = []
+    for key in ("platlib", "purelib"):
+        try:
+            dirs.append(sysconfig.get_paths()[key])
+        except KeyError:
+            pass
+    try:
+        dirs.extend(site.getsitepackages())
+    except AttributeError:  # old virtualenv's site module
+        pass
+    user = getattr(site, "getusersitepackages", lambda: None)()
+    if user:
+        dirs.append(user)
+    dirs.extend(p for p in sys.path if p.endswith(("site-packages", "dist-packages")))
+    for d in dirs:
+        out.append(Path(d) / "colibri_lab" / "_lib" / LIB_NAME)
+    seen: set[str] = set()
+    unique = []
+    for p in out:
+        if str(p) not in seen:
+            seen.add(str(p))
+            unique.append(p)
+    return unique
+
+
+def _load() -> tuple[ctypes.CDLL, Path]:
+    env = os.environ.get("COLIBRI_LIB")
+    if env and not _candidates()[0].is_file():
+        raise ImportError(
+            f"colibri_lab: COLIBRI_LIB={env!r} does not name {LIB_NAME} or a folder holding "
+            "it; unset it to use the library installed with the package"
+        )
+    tried = _candidates()
+    for path in tried:
+        if path.is_file():
+            try:
+                return ctypes.CDLL(str(path)), path
+            except OSError as e:
+                raise ImportError(f"colibri_lab: found {path} but could not load it: {e}") from e
+    where = "\n  ".join(str(p) for p in tried)
+    raise ImportError(
+        "colibri_lab: the native library libcolibri.so was not found. It is built and "
+        "installed by `pip install .` (or `pip install -e .`) from the repository root; "
+        "or set COLIBRI_LIB to a libcolibri.so built with "
+        "`cmake -S native -B build && cmake --build build`. Looked in:\n  " + where
+    )
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    missing = []
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            missing.append(name)
+            continue
+        fn.restype = restype
+        fn.argtypes = argtypes
+    if missing:
+        raise ImportError(
+            f"colibri_lab: {lib._name} lacks {', '.join(missing)}: it is not a complete "
+            "Colibri library of ABI version 1; rebuild it with `pip install .`"
+        )
+
+
+def _check_abi(lib: ctypes.CDLL, path: Path) -> None:
+    got = lib.colibri_abi_version()
+    if got != ABI_VERSION:
+        raise ImportError(
+            f"colibri_lab: {path} has ABI version {got}, this package needs {ABI_VERSION}; "
+            "reinstall the package so that the library and the binding match"
+        )
+    # colibri_options_init writes sizeof(colibri_options) into struct_size. Give it a
+    # generous zeroed buffer so that a larger struct cannot overrun ours, then compare.
+    buf = (ctypes.c_uint8 * 1024)()
+    lib.colibri_options_init(ctypes.cast(buf, c_void_p))
+    size = ctypes.cast(buf, POINTER(c_uint32))[0]
+    if size != ctypes.sizeof(ColibriOptions):
+        raise ImportError(
+            f"colibri_lab: {path} has a colibri_options of {size} bytes, the binding "
+            f"declares {ctypes.sizeof(ColibriOptions)}; reinstall the package"
+        )
+
+
+lib, lib_path = _load()
+_declare(lib)
+_check_abi(lib, lib_path)
+
+
+def version() -> str:
+    """The library's version string."""
+    return lib.colibri_version_string().decode("utf-8", "replace")
+
+
+def status_string(status: int) -> str:
+    s = lib.colibri_status_string(status)
+    return s.decode("utf-8", "replace") if s else f"status {status}"
+
+
+# ---------------------------------------------------------------------------------------
+# The one place where a status becomes an exception.
+
+
+def _text(b: bytes | None) -> str:
+    return b.decode("utf-8", "replace") if b else ""
+
+
+def error_for(status: int, message: str = "") -> ColibriError:
+    """The exception for ``status`` with ``message`` (the status name if empty)."""
+    cls = ERRORS.get(status, ColibriError)
+    msg = message or status_string(status)
+    return cls(msg, status)
+
+
+def check(status: int, *, ctx=None, tok=None, err: ctypes.Array | None = None) -> None:
+    """Raise the ColibriError subclass for ``status`` unless it is OK.
+
+    The message is taken from the error buffer ``err`` (init calls), the tokenizer
+    ``tok`` or the context ``ctx``, whichever is given, else the status name.
+    """
+    if status == OK:
+        return
+    msg = ""
+    if err is not None:
+        msg = _text(err.value)
+    elif tok is not None:
+        msg = _text(lib.colibri_tokenizer_last_error(tok))
+    elif ctx is not None:
+        msg = _text(lib.colibri_last_error(ctx))
+    raise error_for(status, msg)
+
+
+__all__ = [name for name in globals() if name.startswith("Colibri")] + [
+    "ABI_VERSION",
+    "ERRORS",
+    "check",
+    "error_for",
+    "lib",
+    "lib_path",
+    "status_string",
+    "version",
+]

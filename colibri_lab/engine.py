@@ -1,0 +1,518 @@
+"""The Python face of the Colibri engine: Engine, Tokenizer, Token, EngineConfig.
+
+Handle classes over :mod:`colibri_lab._native`: each owns one C object, frees it in
+``close()`` (idempotent, also run by ``__del__`` and by ``with``), and raises
+:class:`ColibriClosedError` when used afterwards. Every C status goes through
+``_native.check``, so failures surface as :class:`ColibriError` subclasses carrying the
+engine's own message.
+
+    with Engine("model.colibri") as eng:
+        logits = eng.forward(eng.tokenizer.encode("Hello"))   # [n, vocab] float32
+        for tok in eng.generate("Once upon a time", max_new_tokens=20):
+            print(tok.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from . import _native
+from ._native import (
+    ColibriClosedError,
+    ColibriError,
+    ColibriTokenRangeError,
+    check,
+    lib,
+)
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_FFFD = "\ufffd"
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token: its id and the text it added to the output."""
+
+    id: int
+    text: str
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine reports about the loaded model and its run settings."""
+
+    path: str
+    family: str
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    max_seq_len: int  # effective, as chosen at init
+    file_max_seq_len: int
+    max_batch: int
+    num_threads: int
+    group_pad: int
+    sliding_window: int
+    norm_topk_prob: bool
+    tie_word_embeddings: bool
+    router_int8: bool
+    rope_theta: float
+    rms_norm_eps: float
+    weight_dtype: str
+    router_dtype: str
+    bos_id: int
+    eos_id: int
+    arena_bytes: int
+    file_size: int
+    format_version: int
+
+
+_CONFIG_INTS = (
+    "vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads",
+    "head_dim", "n_experts", "top_k", "max_seq_len", "file_max_seq_len", "max_batch",
+    "num_threads", "group_pad", "sliding_window", "bos_id", "eos_id", "arena_bytes",
+    "file_size", "format_version",
+)  # fmt: skip
+_CONFIG_BOOLS = ("norm_topk_prob", "tie_word_embeddings", "router_int8")
+_CONFIG_FLOATS = ("rope_theta", "rms_norm_eps")
+_CONFIG_STRINGS = {"family": "architecture", "name": "name",
+                   "weight_dtype": "weight_dtype", "router_dtype": "router_dtype"}  # fmt: skip
+
+
+def _as_ids(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a contiguous int32 array, checking only what int32 needs."""
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise _native.ColibriInvalidArgError(
+            f"token ids must be a 1-D sequence, got an array of shape {arr.shape}"
+        )
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int32)
+    if arr.dtype == object:
+        try:
+            vals = [int(x) for x in arr.tolist()]
+        except (TypeError, ValueError) as e:
+            raise _native.ColibriInvalidArgError(f"token ids must be integers: {e}") from None
+        lo, hi = min(vals), max(vals)
+    elif arr.dtype.kind in "iu":
+        lo, hi = int(arr.min()), int(arr.max())
+    else:
+        raise _native.ColibriInvalidArgError(f"token ids must be integers, got dtype {arr.dtype}")
+    if lo < _INT32_MIN or hi > _INT32_MAX:
+        bad = lo if lo < _INT32_MIN else hi
+        raise ColibriTokenRangeError(f"token id {bad} does not fit in int32")
+    arr = arr.astype(np.int32)
+    return np.ascontiguousarray(arr)
+
+
+def _i32_ptr(arr: np.ndarray):
+    return arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+
+
+class Tokenizer:
+    """The engine's SentencePiece tokenizer (byte-exact with ``sentencepiece``).
+
+    Either the tokenizer of an :class:`Engine` (``engine.tokenizer``, valid while the
+    engine is open) or a standalone one over the bytes of a tokenizer section
+    (:meth:`from_section_bytes`).
+    """
+
+    def __init__(self, handle, *, owner=None, data=None, owned: bool = False):
+        # Use Engine.tokenizer or Tokenizer.from_section_bytes instead.
+        self._handle = handle
+        self._owner = owner  # the Engine whose context owns the handle
+        self._data = data  # keeps the section bytes alive for a standalone tokenizer
+        self._owned = owned
+
+    @classmethod
+    def from_section_bytes(cls, data: bytes | bytearray | memoryview) -> "Tokenizer":
+        """A tokenizer over a copy of ``data``, the bytes of a tokenizer section."""
+        raw = bytes(data)
+        buf = (ctypes.c_char * max(len(raw), 1)).from_buffer_copy(raw or b"\0")
+        handle = _native.tok_p()
+        err = ctypes.create_string_buffer(1024)
+        status = lib.colibri_tokenizer_from_memory(
+            ctypes.cast(buf, ctypes.c_void_p), len(raw), ctypes.byref(handle), err, len(err)
+        )
+        check(status, err=err)
+        return cls(handle, data=buf, owned=True)
+
+    # -- lifetime -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free a standalone tokenizer (an engine's one is freed with the engine)."""
+        handle, self._handle = self._handle, None
+        if handle and self._owned:
+            lib.colibri_tokenizer_free(handle)
+        self._data = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "Tokenizer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return not self._handle or (self._owner is not None and self._owner.closed)
+
+    def _h(self):
+        if self.closed:
+            raise ColibriClosedError("the tokenizer is closed (or its Engine is)")
+        return self._handle
+
+    # -- facts ----------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return int(lib.colibri_tokenizer_vocab_size(self._h()))
+
+    @property
+    def bos_id(self) -> int:
+        """The BOS id, -1 if the tokenizer has none."""
+        return int(lib.colibri_tokenizer_bos_id(self._h()))
+
+    @property
+    def eos_id(self) -> int:
+        """The EOS id, -1 if the tokenizer has none."""
+        return int(lib.colibri_tokenizer_eos_id(self._h()))
+
+    # -- encode / decode ------------------------------------------------------------
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of ``text`` (UTF-8), with BOS first when ``add_bos``."""
+        h = self._h()
+        data = text.encode("utf-8", "surrogatepass")
+        cap = len(data) // 2 + 8
+        n = ctypes.c_int64(0)
+        while True:
+            out = (ctypes.c_int32 * cap)()
+            status = lib.colibri_tokenize(h, data, len(data), int(bool(add_bos)), out, cap,
+                                          ctypes.byref(n))  # fmt: skip
+            if status == _native.E_BUFFER_TOO_SMALL and n.value > cap:
+                cap = n.value
+                continue
+            check(status, tok=h)
+            return list(out[: n.value])
+
+    def decode_bytes(self, ids: Sequence[int] | np.ndarray) -> bytes:
+        """The UTF-8 bytes that ``ids`` decode to (as sentencepiece decodes)."""
+        h = self._h()
+        arr = _as_ids(ids)
+        cap = max(16, 8 * len(arr))
+        n = ctypes.c_uint64(0)
+        while True:
+            out = ctypes.create_string_buffer(cap)
+            status = lib.colibri_detokenize(h, _i32_ptr(arr), len(arr), out, cap,
+                                            ctypes.byref(n))  # fmt: skip
+            if status == _native.E_BUFFER_TOO_SMALL and n.value > cap:
+                cap = n.value
+                continue
+            check(status, tok=h)
+            return out.raw[: n.value]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """The text that ``ids`` decode to (as sentencepiece decodes)."""
+        return self.decode_bytes(ids).decode("utf-8", "replace")
+
+    def piece_bytes(self, token_id: int) -> bytes:
+        """The raw piece of one id, e.g. b'\\xe2\\x96\\x81Hello', b'<0x0A>', b'<s>'."""
+        h = self._h()
+        if not _INT32_MIN <= int(token_id) <= _INT32_MAX:
+            raise ColibriTokenRangeError(f"token id {token_id} does not fit in int32")
+        p = ctypes.POINTER(ctypes.c_char)()
+        n = ctypes.c_uint64(0)
+        check(lib.colibri_token_piece(h, int(token_id), ctypes.byref(p), ctypes.byref(n)), tok=h)
+        return ctypes.string_at(p, n.value) if n.value else b""
+
+    def piece(self, token_id: int) -> str:
+        """The raw piece of one id as text, e.g. '▁Hello', '<0x0A>', '<s>'."""
+        return self.piece_bytes(token_id).decode("utf-8", "replace")
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "Tokenizer(closed)"
+        return f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
+
+
+class Engine:
+    """A loaded ``.colibri`` model: one C context (mmap'd weights, arena, KV cache).
+
+    Options left as ``None`` take the engine's defaults (colibri.h, ``colibri_options``).
+    One Engine is used by one thread at a time; distinct Engines are independent.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        num_threads: int | None = None,
+        max_seq_len: int | None = None,
+        max_batch: int | None = None,
+        group_pad: int | None = None,
+        populate: bool = False,
+        verify_checksums: bool = False,
+    ):
+        self._ctx = None
+        self.path = os.fspath(path)
+        opt = _native.ColibriOptions()
+        lib.colibri_options_init(ctypes.byref(opt))
+        if num_threads is not None:
+            opt.num_threads = int(num_threads)
+        if max_seq_len is not None:
+            opt.max_seq_len = int(max_seq_len)
+        if max_batch is not None:
+            opt.max_batch = int(max_batch)
+        if group_pad is not None:
+            opt.group_pad = int(group_pad)
+        opt.populate = int(bool(populate))
+        opt.verify_checksums = int(bool(verify_checksums))
+
+        ctx = _native.ctx_p()
+        err = ctypes.create_string_buffer(1024)
+        status = lib.colibri_init_ex(os.fsencode(self.path), ctypes.byref(opt), ctypes.byref(ctx),
+                                     err, len(err))  # fmt: skip
+        check(status, err=err)
+        self._ctx = ctx
+        self._vocab = self._get_int("vocab_size")
+        self._config: EngineConfig | None = None
+        self._tokenizer: Tokenizer | None = None
+
+    # -- lifetime -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the context (weights unmapped, arena freed). Safe to call twice."""
+        ctx, self._ctx = self._ctx, None
+        if ctx:
+            lib.colibri_free(ctx)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return not self._ctx
+
+    def _c(self):
+        if not self._ctx:
+            raise ColibriClosedError(f"the Engine for {self.path!r} is closed")
+        return self._ctx
+
+    # -- facts ----------------------------------------------------------------------
+
+    def _get_int(self, name: str) -> int:
+        ctx = self._c()
+        out = ctypes.c_int64(0)
+        check(lib.colibri_get_int(ctx, name.encode(), ctypes.byref(out)), ctx=ctx)
+        return int(out.value)
+
+    def _get_float(self, name: str) -> float:
+        ctx = self._c()
+        out = ctypes.c_double(0)
+        check(lib.colibri_get_float(ctx, name.encode(), ctypes.byref(out)), ctx=ctx)
+        return float(out.value)
+
+    def _get_string(self, name: str) -> str:
+        ctx = self._c()
+        out = ctypes.c_char_p()
+        check(lib.colibri_get_string(ctx, name.encode(), ctypes.byref(out)), ctx=ctx)
+        return (out.value or b"").decode("utf-8", "replace")
+
+    @property
+    def config(self) -> EngineConfig:
+        """The model's shape and the run settings, read from the engine once."""
+        self._c()
+        if self._config is None:
+            kw: dict = {"path": self.path}
+            kw.update({k: self._get_int(k) for k in _CONFIG_INTS})
+            kw.update({k: bool(self._get_int(k)) for k in _CONFIG_BOOLS})
+            kw.update({k: self._get_float(k) for k in _CONFIG_FLOATS})
+            kw.update({k: self._get_string(v) for k, v in _CONFIG_STRINGS.items()})
+            self._config = EngineConfig(**kw)
+        return self._config
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (valid while the engine is open)."""
+        ctx = self._c()
+        if self._tokenizer is None:
+            handle = lib.colibri_get_tokenizer(ctx)
+            if not handle:
+                raise _native.ColibriUnsupportedError(
+                    f"{self.path!r} has no tokenizer: pass token ids instead of text"
+                )
+            self._tokenizer = Tokenizer(handle, owner=self)
+        return self._tokenizer
+
+    @property
+    def cached_len(self) -> int:
+        """Positions currently in the KV cache."""
+        return int(lib.colibri_cached_len(self._c()))
+
+    # -- running --------------------------------------------------------------------
+
+    def forward(self, token_ids: Sequence[int] | np.ndarray, start_pos: int = 0) -> np.ndarray:
+        """Logits after each token, float32 ``[len(token_ids), vocab_size]``.
+
+        ``start_pos`` 0 starts a new sequence; a larger value continues the one in the
+        KV cache (``start_pos <= cached_len``), as ``colibri_forward_at``.
+        """
+        ctx = self._c()
+        ids = _as_ids(token_ids)
+        logits = np.empty((len(ids), self._vocab), dtype=np.float32)
+        status = lib.colibri_forward_at(ctx, _i32_ptr(ids), len(ids), int(start_pos),
+                                        logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))  # fmt: skip
+        check(status, ctx=ctx)
+        return logits
+
+    def _sample(self, row: np.ndarray, temperature: float, top_k: int, top_p: float,
+                rng: ctypes.c_uint64) -> int:  # fmt: skip
+        ctx = self._c()
+        row = np.ascontiguousarray(row, dtype=np.float32)
+        if row.shape != (self._vocab,):
+            raise _native.ColibriInvalidArgError(
+                f"a logits row must have shape ({self._vocab},), got {row.shape}"
+            )
+        out = ctypes.c_int32(0)
+        status = lib.colibri_sample(ctx, row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                                    float(temperature), int(top_k), float(top_p),
+                                    ctypes.byref(rng), ctypes.byref(out))  # fmt: skip
+        check(status, ctx=ctx)
+        return int(out.value)
+
+    def sample(self, logits_row, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int = 0) -> int:  # fmt: skip
+        """Sample one id from one row of logits with the engine's sampler."""
+        return self._sample(np.asarray(logits_row), temperature, top_k, top_p,
+                            ctypes.c_uint64(int(seed) & 0xFFFFFFFFFFFFFFFF))  # fmt: skip
+
+    def generate(
+        self,
+        prompt: str | Sequence[int] | np.ndarray,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_at_eos: bool = True,
+    ) -> Iterator[Token]:
+        """Yield generated tokens one by one.
+
+        ``prompt`` is text (encoded with BOS) or a list of ids. The prompt is run once,
+        then one forward per new token; each token is chosen by ``colibri_sample`` with
+        one xorshift state seeded by ``seed``, so ``colibri_cli`` with the same flags
+        yields the same ids. Generation ends after ``max_new_tokens`` or, when
+        ``stop_at_eos``, with EOS (yielded as the last token). ``Token.text`` is the
+        text the token adds; bytes of a character split over byte-fallback tokens are
+        held back until it is complete (the last token gets whatever is left).
+        """
+        self._c()
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt, add_bos=True)
+        else:
+            prompt_ids = [int(x) for x in _as_ids(prompt)]
+        if not prompt_ids:
+            raise _native.ColibriInvalidArgError("the prompt is empty: give text or at least one id")
+        max_new_tokens = int(max_new_tokens)
+        if max_new_tokens <= 0:
+            return
+        tok = self.tokenizer if self._has_tokenizer() else None
+        eos = tok.eos_id if tok is not None else -1
+        rng = ctypes.c_uint64(int(seed) & 0xFFFFFFFFFFFFFFFF)
+
+        text = _TextStream(tok, prompt_ids)
+        row = self.forward(prompt_ids, 0)[-1]
+        pos = len(prompt_ids)
+        for i in range(max_new_tokens):
+            next_id = self._sample(row, temperature, top_k, top_p, rng)
+            last = i == max_new_tokens - 1 or (stop_at_eos and next_id == eos)
+            yield Token(next_id, text.push(next_id, final=last))
+            if last:
+                return
+            row = self.forward([next_id], pos)[0]
+            pos += 1
+
+    def _has_tokenizer(self) -> bool:
+        return bool(lib.colibri_get_tokenizer(self._c()))
+
+    # -- checks ---------------------------------------------------------------------
+
+    def verify(self) -> None:
+        """Check every per-tensor and weight-section CRC-32 (reads the whole file)."""
+        ctx = self._c()
+        check(lib.colibri_verify(ctx), ctx=ctx)
+
+    def verify_router(self) -> None:
+        """Recompute each router tensor's L2 norm and compare it with the stored one."""
+        ctx = self._c()
+        check(lib.colibri_verify_router(ctx), ctx=ctx)
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return f"Engine({self.path!r}, closed)"
+        c = self.config
+        return (
+            f"Engine({self.path!r}, family={c.family!r}, layers={c.n_layers}, "
+            f"hidden={c.hidden_size}, experts={c.n_experts}, top_k={c.top_k}, "
+            f"vocab={c.vocab_size}, weights={c.weight_dtype}, max_seq_len={c.max_seq_len}, "
+            f"cached={self.cached_len})"
+        )
+
+
+class _TextStream:
+    """Turns generated ids into text deltas: decodes prompt + generated ids and returns
+    what is new, holding back a trailing U+FFFD (a character whose bytes are still
+    arriving through byte-fallback tokens)."""
+
+    def __init__(self, tok: Tokenizer | None, prompt_ids: list[int]):
+        self.tok = tok
+        self.ids = list(prompt_ids)
+        if tok is None:
+            self.done = 0
+            return
+        base = tok.decode(self.ids)
+        self.done = len(base.rstrip(_FFFD))
+
+    def push(self, token_id: int, final: bool = False) -> str:
+        if self.tok is None:
+            return ""
+        self.ids.append(token_id)
+        full = self.tok.decode(self.ids)
+        upto = len(full) if final else len(full.rstrip(_FFFD))
+        if upto <= self.done:
+            return ""
+        delta, self.done = full[self.done : upto], upto
+        return delta

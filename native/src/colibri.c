@@ -1,0 +1,355 @@
+/*
+ * colibri.c — the public API (colibri.h): init/free, errors, accessors, forward entry
+ * points and verification. The work is done in format.c (validation), model.c (arena and
+ * forward pass), kernels.c and sampler.c; this file checks arguments, keeps the error
+ * message and owns the lifetime of the mapping, the arena and the tokenizer.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "internal.h"
+#include "tokenizer.h"
+
+#define COLIBRI_VERSION_STRING "colibri 0.1.0 (format 1, abi 1, kernels: reference)"
+
+void cb_set_err(char *buf, size_t len, const char *fmt, ...) {
+    if (!buf || len == 0) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, len, fmt, ap);
+    va_end(ap);
+}
+
+colibri_status cb_fail(colibri_ctx *ctx, colibri_status st, const char *fmt, ...) {
+    if (ctx) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(ctx->err, sizeof ctx->err, fmt, ap);
+        va_end(ap);
+    }
+    return st;
+}
+
+int colibri_abi_version(void) { return COLIBRI_ABI_VERSION; }
+
+const char *colibri_version_string(void) { return COLIBRI_VERSION_STRING; }
+
+const char *colibri_status_string(colibri_status s) {
+    switch (s) {
+    case COLIBRI_OK: return "ok";
+    case COLIBRI_E_INVALID_ARG: return "invalid argument";
+    case COLIBRI_E_IO: return "i/o error";
+    case COLIBRI_E_FORMAT: return "bad file format";
+    case COLIBRI_E_VERSION: return "unsupported format version";
+    case COLIBRI_E_CHECKSUM: return "checksum mismatch";
+    case COLIBRI_E_UNSUPPORTED: return "unsupported model";
+    case COLIBRI_E_NOMEM: return "out of memory";
+    case COLIBRI_E_TOKEN_RANGE: return "token id out of range";
+    case COLIBRI_E_SEQ_TOO_LONG: return "sequence too long";
+    case COLIBRI_E_BUFFER_TOO_SMALL: return "buffer too small";
+    case COLIBRI_E_NUMERIC: return "numeric error (NaN or Inf)";
+    case COLIBRI_E_INTERNAL: return "internal error";
+    }
+    return "unknown status";
+}
+
+void colibri_options_init(colibri_options *opt) {
+    if (!opt) return;
+    memset(opt, 0, sizeof *opt);
+    opt->struct_size = (uint32_t)sizeof *opt;
+    opt->num_threads = 0;
+    opt->max_seq_len = 0;
+    opt->max_batch = 0;
+    opt->populate = 0;
+    opt->group_pad = 1;
+    opt->verify_checksums = 0;
+}
+
+colibri_status colibri_init(const char *path, colibri_ctx **out) {
+    return colibri_init_ex(path, NULL, out, NULL, 0);
+}
+
+void colibri_free(colibri_ctx *ctx) {
+    if (!ctx) return;
+    if (ctx->tok) {
+        if (ctx->tok_loaded) cb_tokenizer_unload(ctx->tok);
+        free(ctx->tok);
+    }
+    free(ctx->arena);
+    free(ctx->w.layers);
+    free(ctx->tensors);
+    free(ctx->meta);
+    if (ctx->map) munmap((void *)ctx->map, (size_t)ctx->map_size);
+    if (ctx->fd >= 0) close(ctx->fd);
+    free(ctx);
+}
+
+static colibri_status init_fail(colibri_ctx *ctx, colibri_status st, char *err, size_t err_len) {
+    colibri_free(ctx);
+    (void)err;
+    (void)err_len;
+    return st;
+}
+
+colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
+                               colibri_ctx **out, char *err, size_t err_len) {
+    if (err && err_len) err[0] = 0;
+    if (out) *out = NULL;
+    if (!path || !out) {
+        cb_set_err(err, err_len, "colibri_init: path and out must not be NULL");
+        return COLIBRI_E_INVALID_ARG;
+    }
+    {
+        const uint16_t one = 1;
+        if (*(const uint8_t *)&one != 1) {
+            cb_set_err(err, err_len, "this host is big-endian; .colibri files are little-endian and this "
+                       "build reads them only on little-endian hosts");
+            return COLIBRI_E_UNSUPPORTED;
+        }
+    }
+    colibri_options opt;
+    colibri_options_init(&opt);
+    if (opt_in) {
+        if (opt_in->struct_size != sizeof(colibri_options)) {
+            cb_set_err(err, err_len, "colibri_options.struct_size is %u but this library expects %u; "
+                       "fill the options with colibri_options_init from the same colibri.h",
+                       opt_in->struct_size, (unsigned)sizeof(colibri_options));
+            return COLIBRI_E_INVALID_ARG;
+        }
+        opt = *opt_in;
+    }
+    if (opt.num_threads < 0 || opt.max_seq_len < 0 || opt.max_batch < 0 || opt.group_pad < 0 ||
+        opt.group_pad > 4096) {
+        cb_set_err(err, err_len, "invalid options: num_threads %d, max_seq_len %lld, max_batch %lld and "
+                   "group_pad %d must be >= 0 (group_pad <= 4096); 0 means the default",
+                   opt.num_threads, (long long)opt.max_seq_len, (long long)opt.max_batch, opt.group_pad);
+        return COLIBRI_E_INVALID_ARG;
+    }
+
+    colibri_ctx *ctx = calloc(1, sizeof *ctx);
+    if (!ctx) {
+        cb_set_err(err, err_len, "out of memory allocating the context");
+        return COLIBRI_E_NOMEM;
+    }
+    ctx->fd = -1;
+    ctx->kern = cb_kernels_best();
+
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        cb_set_err(err, err_len, "cannot open '%s': %s", path, strerror(errno));
+        return init_fail(ctx, COLIBRI_E_IO, err, err_len);
+    }
+    ctx->fd = fd;
+    struct stat stt;
+    if (fstat(fd, &stt) != 0) {
+        cb_set_err(err, err_len, "cannot stat '%s': %s", path, strerror(errno));
+        return init_fail(ctx, COLIBRI_E_IO, err, err_len);
+    }
+    if (S_ISDIR(stt.st_mode)) {
+        cb_set_err(err, err_len, "'%s' is a directory, not a .colibri file; pass the path of the file", path);
+        return init_fail(ctx, COLIBRI_E_IO, err, err_len);
+    }
+    if (!S_ISREG(stt.st_mode)) {
+        cb_set_err(err, err_len, "'%s' is not a regular file; pass the path of a .colibri file", path);
+        return init_fail(ctx, COLIBRI_E_IO, err, err_len);
+    }
+    if (stt.st_size <= 0) {
+        cb_set_err(err, err_len, "'%s' is empty (0 bytes), not a .colibri file; re-convert the model "
+                   "with colibri-convert", path);
+        return init_fail(ctx, COLIBRI_E_FORMAT, err, err_len);
+    }
+    if ((uint64_t)stt.st_size > (uint64_t)SIZE_MAX) {
+        cb_set_err(err, err_len, "'%s' is too large to map on this machine", path);
+        return init_fail(ctx, COLIBRI_E_IO, err, err_len);
+    }
+    int flags = MAP_SHARED;
+#ifdef MAP_POPULATE
+    if (opt.populate) flags |= MAP_POPULATE;
+#endif
+    void *m = mmap(NULL, (size_t)stt.st_size, PROT_READ, flags, fd, 0);
+    if (m == MAP_FAILED) {
+        cb_set_err(err, err_len, "cannot map '%s' (%lld bytes): %s", path, (long long)stt.st_size,
+                   strerror(errno));
+        return init_fail(ctx, COLIBRI_E_IO, err, err_len);
+    }
+    ctx->map = m;
+    ctx->map_size = (uint64_t)stt.st_size;
+
+    colibri_status st = cb_format_load(ctx, path, err, err_len);
+    if (st != COLIBRI_OK) return init_fail(ctx, st, err, err_len);
+
+    /* run settings */
+    const cb_config *c = &ctx->cfg;
+    int64_t file_max = (int64_t)c->file_max_seq_len;
+    if (opt.max_seq_len == 0) {
+        ctx->max_seq_len = file_max < 4096 ? file_max : 4096;
+    } else if (opt.max_seq_len > file_max) {
+        cb_set_err(err, err_len, "max_seq_len %lld exceeds the %lld positions '%s' was converted for; "
+                   "use at most %lld or re-convert with a larger --max-seq-len",
+                   (long long)opt.max_seq_len, (long long)file_max, path, (long long)file_max);
+        return init_fail(ctx, COLIBRI_E_INVALID_ARG, err, err_len);
+    } else {
+        ctx->max_seq_len = opt.max_seq_len;
+    }
+    if (opt.max_batch == 0) ctx->max_batch = ctx->max_seq_len < 512 ? ctx->max_seq_len : 512;
+    else ctx->max_batch = opt.max_batch < ctx->max_seq_len ? opt.max_batch : ctx->max_seq_len;
+    ctx->group_pad = opt.group_pad == 0 ? 1 : opt.group_pad;
+    ctx->populate = opt.populate;
+    if (opt.num_threads == 0) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        ctx->num_threads = n > 0 ? (int32_t)(n > 1024 ? 1024 : n) : 1;
+    } else {
+        ctx->num_threads = opt.num_threads;
+    }
+
+    st = cb_arena_init(ctx, err, err_len);
+    if (st != COLIBRI_OK) return init_fail(ctx, st, err, err_len);
+
+    const cb_section *ts = &c->sections[CB_SEC_TOK];
+    if (ts->size > 0) {
+        ctx->tok = calloc(1, cb_tokenizer_struct_size());
+        if (!ctx->tok) {
+            cb_set_err(err, err_len, "out of memory allocating the tokenizer");
+            return init_fail(ctx, COLIBRI_E_NOMEM, err, err_len);
+        }
+        char terr[CB_ERR_LEN] = {0};
+        st = cb_tokenizer_load(ctx->tok, ctx->map + ts->offset, ts->size, 1, terr, sizeof terr);
+        if (st != COLIBRI_OK) {
+            cb_set_err(err, err_len, "'%s': %s", path, terr);
+            return init_fail(ctx, st, err, err_len);
+        }
+        ctx->tok_loaded = 1;
+    }
+    if (opt.verify_checksums) {
+        st = cb_verify_all(ctx);
+        if (st != COLIBRI_OK) {
+            cb_set_err(err, err_len, "%s", ctx->err);
+            return init_fail(ctx, st, err, err_len);
+        }
+    }
+    *out = ctx;
+    return COLIBRI_OK;
+}
+
+const char *colibri_last_error(const colibri_ctx *ctx) {
+    if (!ctx) return "no context (NULL)";
+    return ctx->err;
+}
+
+colibri_status colibri_forward_at(colibri_ctx *ctx, const int32_t *input_ids, int64_t n_tokens,
+                                  int64_t start_pos, float *logits) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (!input_ids || !logits)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_forward: input_ids and logits must not be NULL");
+    if (n_tokens <= 0)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_forward: n_tokens is %lld; pass at least one token",
+                       (long long)n_tokens);
+    if (start_pos < 0)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_forward_at: start_pos %lld is negative",
+                       (long long)start_pos);
+    return cb_forward(ctx, input_ids, n_tokens, start_pos, logits);
+}
+
+colibri_status colibri_forward(colibri_ctx *ctx, const int32_t *input_ids, int64_t n_tokens,
+                               float *logits) {
+    return colibri_forward_at(ctx, input_ids, n_tokens, 0, logits);
+}
+
+int64_t colibri_cached_len(const colibri_ctx *ctx) { return ctx ? ctx->sess.cached_len : 0; }
+
+/* Accessors report unknown names through the context's message; the message buffer is
+ * mutable state of a logically const context, so the cast is deliberate. */
+static colibri_status unknown_name(const colibri_ctx *ctx, const char *what, const char *name) {
+    return cb_fail((colibri_ctx *)ctx, COLIBRI_E_INVALID_ARG, "%s: unknown name '%s'; see colibri.h for the list",
+                   what, name);
+}
+
+colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t *out) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (!name || !out) return cb_fail((colibri_ctx *)ctx, COLIBRI_E_INVALID_ARG, "colibri_get_int: NULL argument");
+    const cb_config *c = &ctx->cfg;
+    struct { const char *n; int64_t v; } tab[] = {
+        {"n_layers", c->n_layers},
+        {"hidden_size", c->hidden},
+        {"intermediate_size", c->inter},
+        {"vocab_size", c->vocab},
+        {"n_heads", c->n_heads},
+        {"n_kv_heads", c->n_kv_heads},
+        {"head_dim", c->head_dim},
+        {"n_experts", c->n_experts},
+        {"top_k", c->top_k},
+        {"max_seq_len", ctx->max_seq_len},
+        {"file_max_seq_len", (int64_t)c->file_max_seq_len},
+        {"max_batch", ctx->max_batch},
+        {"num_threads", ctx->num_threads},
+        {"group_pad", ctx->group_pad},
+        {"sliding_window", c->sliding_window > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)c->sliding_window},
+        {"bos_id", c->bos_id},
+        {"eos_id", c->eos_id},
+        {"arena_bytes", (int64_t)ctx->arena_bytes},
+        {"file_size", (int64_t)c->file_size},
+        {"format_version", c->version},
+        {"router_int8", c->router_int8},
+        {"tie_word_embeddings", c->tie_word_embeddings},
+        {"norm_topk_prob", c->norm_topk_prob},
+        {"block_size", c->block_size},
+        {"unk_id", c->unk_id},
+        {"pad_id", c->pad_id},
+    };
+    for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++) {
+        if (strcmp(tab[i].n, name) == 0) {
+            *out = tab[i].v;
+            return COLIBRI_OK;
+        }
+    }
+    return unknown_name(ctx, "colibri_get_int", name);
+}
+
+colibri_status colibri_get_float(const colibri_ctx *ctx, const char *name, double *out) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (!name || !out) return cb_fail((colibri_ctx *)ctx, COLIBRI_E_INVALID_ARG, "colibri_get_float: NULL argument");
+    if (strcmp(name, "rope_theta") == 0) *out = ctx->cfg.rope_theta;
+    else if (strcmp(name, "rms_norm_eps") == 0) *out = ctx->cfg.rms_norm_eps;
+    else return unknown_name(ctx, "colibri_get_float", name);
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_get_string(const colibri_ctx *ctx, const char *name, const char **out) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (!name || !out) return cb_fail((colibri_ctx *)ctx, COLIBRI_E_INVALID_ARG, "colibri_get_string: NULL argument");
+    if (strcmp(name, "architecture") == 0) *out = ctx->cfg.architecture;
+    else if (strcmp(name, "name") == 0) *out = ctx->cfg.name;
+    else if (strcmp(name, "weight_dtype") == 0) *out = ctx->cfg.weight_dtype_str;
+    else if (strcmp(name, "router_dtype") == 0) *out = ctx->cfg.router_dtype_str;
+    else if (strcmp(name, "kernels") == 0) *out = ctx->kern->name;
+    else return unknown_name(ctx, "colibri_get_string", name);
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_verify(colibri_ctx *ctx) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    return cb_verify_all(ctx);
+}
+
+colibri_status colibri_verify_router(colibri_ctx *ctx) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    return cb_verify_router(ctx);
+}
+
+colibri_tokenizer *colibri_get_tokenizer(colibri_ctx *ctx) {
+    if (!ctx) return NULL;
+    if (!ctx->tok || !ctx->tok_loaded) {
+        cb_fail(ctx, COLIBRI_E_INVALID_ARG, "this model file has no tokenizer; pass token ids, or re-convert "
+                "the model with its tokenizer");
+        return NULL;
+    }
+    return ctx->tok;
+}

@@ -1,0 +1,947 @@
+/*
+ * format.c — reads and validates a mapped .colibri file (docs/format.md, version 1).
+ *
+ * Nothing in the file is trusted: every read is bounds-checked with overflow-safe 64-bit
+ * arithmetic before it happens, in this order: header (magic, version, header_size, CRC,
+ * file_size, value constraints), sections (bounds, order, overlap, alignment), section
+ * CRCs (metadata, tensor directory, tokenizer), metadata records, required keys and their
+ * agreement with the header, tensor directory records, then every tensor the model uses,
+ * looked up by name and checked for dtype, layout, shape and section together.
+ * A failure returns a status and a message that names the field and says what to do.
+ */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define RECONVERT "re-convert the model with colibri-convert"
+
+static uint32_t rd_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+static uint64_t rd_u64(const uint8_t *p) { return (uint64_t)rd_u32(p) | ((uint64_t)rd_u32(p + 4) << 32); }
+static double rd_f64(const uint8_t *p) {
+    uint64_t u = rd_u64(p);
+    double d;
+    memcpy(&d, &u, 8);
+    return d;
+}
+
+/* A printable, NUL-terminated copy of file bytes for messages: bytes outside printable
+ * ASCII become '?', so a damaged file cannot put invalid UTF-8 into an error message. */
+static const char *printable(char *dst, size_t cap, const uint8_t *s, uint64_t n) {
+    size_t k = 0;
+    for (uint64_t i = 0; i < n && k + 1 < cap; i++) dst[k++] = (s[i] >= 0x20 && s[i] < 0x7f) ? (char)s[i] : '?';
+    if (n > cap - 1 && cap > 4) memcpy(dst + cap - 4, "...", 3), k = cap - 1;
+    dst[k] = 0;
+    return dst;
+}
+
+/* A bounds-checked cursor over one section. */
+typedef struct cb_reader {
+    const uint8_t *p; /* [len] */
+    uint64_t len;
+    uint64_t pos;
+} cb_reader;
+
+static int rd_has(const cb_reader *r, uint64_t n) { return r->pos <= r->len && n <= r->len - r->pos; }
+
+static const char *sec_name(int k) {
+    static const char *names[CB_N_SECTIONS] = {"metadata", "tensor directory", "tokenizer",
+                                               "dense weights", "router", "experts"};
+    return names[k];
+}
+
+static size_t meta_type_size(uint32_t t) {
+    switch (t) {
+    case CB_MT_U32: case CB_MT_I32: case CB_MT_F32: return 4;
+    case CB_MT_BOOL: return 1;
+    case CB_MT_U64: case CB_MT_I64: case CB_MT_F64: return 8;
+    default: return 0;
+    }
+}
+
+static const char *meta_type_name(uint32_t t) {
+    static const char *n[] = {"U32", "I32", "F32", "BOOL", "STRING", "U64", "I64", "F64", "ARRAY"};
+    return t <= CB_MT_ARRAY ? n[t] : "unknown";
+}
+
+/* ---- name hashing for uniqueness checks ---- */
+
+static uint64_t fnv1a(const uint8_t *s, uint64_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (uint64_t i = 0; i < n; i++) {
+        h ^= s[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+/* Returns 1 if all n names are distinct, 0 if a duplicate (index in *dup), -1 on no memory. */
+static int names_unique(const uint8_t *const *names, const uint32_t *lens, uint64_t stride_names,
+                        uint64_t n, uint64_t *dup) {
+    (void)stride_names;
+    uint64_t cap = 16;
+    while (cap < 2 * n) cap <<= 1;
+    uint64_t *slots = calloc(cap, sizeof(uint64_t));
+    if (!slots) return -1;
+    int ok = 1;
+    for (uint64_t i = 0; i < n && ok; i++) {
+        uint64_t h = fnv1a(names[i], lens[i]) & (cap - 1);
+        for (;;) {
+            uint64_t s = slots[h];
+            if (s == 0) {
+                slots[h] = i + 1;
+                break;
+            }
+            if (lens[s - 1] == lens[i] && memcmp(names[s - 1], names[i], lens[i]) == 0) {
+                *dup = i;
+                ok = 0;
+                break;
+            }
+            h = (h + 1) & (cap - 1);
+        }
+    }
+    free(slots);
+    return ok;
+}
+
+/* ---- metadata ---- */
+
+#define PK(p, n) printable(pk_buf, sizeof pk_buf, (p), (n))
+
+static colibri_status parse_metadata(colibri_ctx *ctx, char *err, size_t len) {
+    char pk_buf[160];
+    const cb_section *sec = &ctx->cfg.sections[CB_SEC_META];
+    cb_reader r = {ctx->map + sec->offset, sec->size, 0};
+    if (!rd_has(&r, 8)) {
+        cb_set_err(err, len, "metadata section is %llu bytes, too small for its entry count; " RECONVERT,
+                   (unsigned long long)sec->size);
+        return COLIBRI_E_FORMAT;
+    }
+    uint64_t n = rd_u64(r.p);
+    r.pos = 8;
+    /* the smallest entry is 4 (key_len) + 1 (key) + 4 (type) + 1 (BOOL) = 10 bytes */
+    if (n > (sec->size - 8) / 10) {
+        cb_set_err(err, len, "metadata says %llu entries but the section holds at most %llu; " RECONVERT,
+                   (unsigned long long)n, (unsigned long long)((sec->size - 8) / 10));
+        return COLIBRI_E_FORMAT;
+    }
+    ctx->meta = calloc(n ? n : 1, sizeof(cb_meta_entry));
+    if (!ctx->meta) {
+        cb_set_err(err, len, "out of memory reading %llu metadata entries", (unsigned long long)n);
+        return COLIBRI_E_NOMEM;
+    }
+    ctx->n_meta = n;
+    for (uint64_t i = 0; i < n; i++) {
+        cb_meta_entry *e = &ctx->meta[i];
+        if (!rd_has(&r, 4)) goto truncated;
+        uint32_t kl = rd_u32(r.p + r.pos);
+        r.pos += 4;
+        if (kl < 1 || kl > 1024) {
+            cb_set_err(err, len, "metadata entry %llu has key length %u (allowed 1..1024); " RECONVERT,
+                       (unsigned long long)i, kl);
+            return COLIBRI_E_FORMAT;
+        }
+        if (!rd_has(&r, (uint64_t)kl + 4)) goto truncated;
+        e->key = r.p + r.pos;
+        e->key_len = kl;
+        r.pos += kl;
+        e->type = rd_u32(r.p + r.pos);
+        r.pos += 4;
+        if (e->type == CB_MT_STRING) {
+            if (!rd_has(&r, 8)) goto truncated;
+            uint64_t sl = rd_u64(r.p + r.pos);
+            r.pos += 8;
+            if (!rd_has(&r, sl)) goto truncated;
+            e->count = sl;
+            e->value = r.p + r.pos;
+            e->value_len = sl;
+            r.pos += sl;
+        } else if (e->type == CB_MT_ARRAY) {
+            if (!rd_has(&r, 12)) goto truncated;
+            e->elem_type = rd_u32(r.p + r.pos);
+            uint64_t cnt = rd_u64(r.p + r.pos + 4);
+            r.pos += 12;
+            size_t es = meta_type_size(e->elem_type);
+            if (es == 0) {
+                cb_set_err(err, len, "metadata key '%s' is an ARRAY of type %u (%s), which arrays may "
+                           "not hold; " RECONVERT, PK(e->key, kl), e->elem_type,
+                           meta_type_name(e->elem_type));
+                return COLIBRI_E_FORMAT;
+            }
+            uint64_t bytes;
+            if (!cb_mul_u64(cnt, es, &bytes) || !rd_has(&r, bytes)) goto truncated;
+            e->count = cnt;
+            e->value = r.p + r.pos;
+            e->value_len = bytes;
+            r.pos += bytes;
+        } else {
+            size_t es = meta_type_size(e->type);
+            if (es == 0) {
+                cb_set_err(err, len, "metadata key '%s' has unknown value type %u; " RECONVERT,
+                           PK(e->key, kl), e->type);
+                return COLIBRI_E_FORMAT;
+            }
+            if (!rd_has(&r, es)) goto truncated;
+            e->value = r.p + r.pos;
+            e->value_len = es;
+            e->count = 1;
+            r.pos += es;
+            if (e->type == CB_MT_BOOL && e->value[0] > 1) {
+                cb_set_err(err, len, "metadata key '%s' is a BOOL with value %u (must be 0 or 1); " RECONVERT,
+                           PK(e->key, kl), e->value[0]);
+                return COLIBRI_E_FORMAT;
+            }
+        }
+    }
+    /* trailing bytes are tolerated only if they are zero padding */
+    for (uint64_t i = r.pos; i < r.len; i++) {
+        if (r.p[i] != 0) {
+            cb_set_err(err, len, "metadata section has %llu unexpected bytes after its %llu entries; " RECONVERT,
+                       (unsigned long long)(r.len - r.pos), (unsigned long long)n);
+            return COLIBRI_E_FORMAT;
+        }
+    }
+    {
+        const uint8_t **names = malloc((n ? n : 1) * sizeof(*names));
+        uint32_t *lens = malloc((n ? n : 1) * sizeof(*lens));
+        if (!names || !lens) {
+            free(names);
+            free(lens);
+            cb_set_err(err, len, "out of memory checking metadata keys");
+            return COLIBRI_E_NOMEM;
+        }
+        for (uint64_t i = 0; i < n; i++) {
+            names[i] = ctx->meta[i].key;
+            lens[i] = ctx->meta[i].key_len;
+        }
+        uint64_t dup = 0;
+        int u = names_unique(names, lens, 0, n, &dup);
+        free(names);
+        free(lens);
+        if (u < 0) {
+            cb_set_err(err, len, "out of memory checking metadata keys");
+            return COLIBRI_E_NOMEM;
+        }
+        if (u == 0) {
+            cb_set_err(err, len, "metadata key '%s' appears more than once; " RECONVERT,
+                       PK(ctx->meta[dup].key, ctx->meta[dup].key_len));
+            return COLIBRI_E_FORMAT;
+        }
+    }
+    return COLIBRI_OK;
+truncated:
+    cb_set_err(err, len, "metadata section is cut short (an entry at byte %llu of %llu entries runs past its %llu bytes); " RECONVERT,
+               (unsigned long long)(r.pos), (unsigned long long)n, (unsigned long long)sec->size);
+    return COLIBRI_E_FORMAT;
+}
+
+static const cb_meta_entry *meta_find(const colibri_ctx *ctx, const char *key) {
+    size_t kl = strlen(key);
+    for (uint64_t i = 0; i < ctx->n_meta; i++) {
+        const cb_meta_entry *e = &ctx->meta[i];
+        if (e->key_len == kl && memcmp(e->key, key, kl) == 0) return e;
+    }
+    return NULL;
+}
+
+/* Look up a required key of an exact type. */
+static colibri_status meta_req(const colibri_ctx *ctx, const char *key, uint32_t type,
+                               const cb_meta_entry **out, char *err, size_t len) {
+    const cb_meta_entry *e = meta_find(ctx, key);
+    if (!e) {
+        cb_set_err(err, len, "metadata key '%s' is missing; " RECONVERT, key);
+        return COLIBRI_E_FORMAT;
+    }
+    if (e->type != type) {
+        cb_set_err(err, len, "metadata key '%s' has type %s, expected %s; " RECONVERT, key,
+                   meta_type_name(e->type), meta_type_name(type));
+        return COLIBRI_E_FORMAT;
+    }
+    *out = e;
+    return COLIBRI_OK;
+}
+
+#define REQ(key, type)                                                       \
+    do {                                                                     \
+        st = meta_req(ctx, key, type, &e, err, len);                         \
+        if (st != COLIBRI_OK) return st;                                     \
+    } while (0)
+
+static int str_is(const cb_meta_entry *e, const char *s) {
+    size_t n = strlen(s);
+    return e->count == n && memcmp(e->value, s, n) == 0;
+}
+
+/* Copy a STRING value: free text (general.name) keeps its UTF-8 bytes (a NUL inside
+ * becomes '?'); identifiers that may appear in messages are made printable ASCII. */
+static void str_copy(char *dst, size_t cap, const cb_meta_entry *e) {
+    printable(dst, cap, e->value, e->count);
+}
+static void text_copy(char *dst, size_t cap, const cb_meta_entry *e) {
+    uint64_t n = e->count < cap - 1 ? e->count : cap - 1;
+    memcpy(dst, e->value, (size_t)n);
+    dst[n] = 0;
+    for (uint64_t i = 0; i < n; i++)
+        if (dst[i] == 0) dst[i] = '?'; /* a NUL inside would truncate silently */
+}
+
+static int parse_dtype_str(const cb_meta_entry *e, uint32_t *dt) {
+    if (str_is(e, "f32")) *dt = CB_DT_F32;
+    else if (str_is(e, "f16")) *dt = CB_DT_F16;
+    else if (str_is(e, "bf16")) *dt = CB_DT_BF16;
+    else if (str_is(e, "int8")) *dt = CB_DT_I8;
+    else return 0;
+    return 1;
+}
+
+/* Check that a U32 metadata key equals the header value. */
+static colibri_status agree_u32(const colibri_ctx *ctx, const char *key, uint64_t header_val,
+                                const char *header_field, char *err, size_t len) {
+    const cb_meta_entry *e = meta_find(ctx, key);
+    if (!e) {
+        cb_set_err(err, len, "metadata key '%s' is missing; " RECONVERT, key);
+        return COLIBRI_E_FORMAT;
+    }
+    uint64_t v;
+    if (e->type == CB_MT_U32) v = rd_u32(e->value);
+    else if (e->type == CB_MT_U64) v = rd_u64(e->value);
+    else {
+        cb_set_err(err, len, "metadata key '%s' has type %s, expected %s; " RECONVERT, key,
+                   meta_type_name(e->type), strcmp(key, "model.max_seq_len") == 0 ? "U64" : "U32");
+        return COLIBRI_E_FORMAT;
+    }
+    if (v != header_val) {
+        cb_set_err(err, len, "metadata key '%s' = %llu disagrees with header field %s = %llu; " RECONVERT,
+                   key, (unsigned long long)v, header_field, (unsigned long long)header_val);
+        return COLIBRI_E_FORMAT;
+    }
+    return COLIBRI_OK;
+}
+
+static colibri_status read_config(colibri_ctx *ctx, char *err, size_t len) {
+    cb_config *c = &ctx->cfg;
+    const cb_meta_entry *e;
+    colibri_status st;
+
+    /* the family first: a file of another family must say "unsupported", not "bad shape" */
+    REQ("general.architecture", CB_MT_STRING);
+    str_copy(c->architecture, sizeof c->architecture, e);
+    if (!str_is(e, "mixtral")) {
+        cb_set_err(err, len, "architecture '%s' is not supported by this build (supported: mixtral); "
+                   "use a newer Colibri or a mixtral model", c->architecture);
+        return COLIBRI_E_UNSUPPORTED;
+    }
+    REQ("general.name", CB_MT_STRING);
+    text_copy(c->name, sizeof c->name, e);
+
+    if ((st = agree_u32(ctx, "model.n_layers", c->n_layers, "n_layers", err, len))) return st;
+    if ((st = agree_u32(ctx, "model.hidden_size", c->hidden, "hidden_size", err, len))) return st;
+    if ((st = agree_u32(ctx, "model.intermediate_size", c->inter, "intermediate_size", err, len))) return st;
+    if ((st = agree_u32(ctx, "model.vocab_size", c->vocab, "vocab_size", err, len))) return st;
+    if ((st = agree_u32(ctx, "model.n_experts", c->n_experts, "n_experts", err, len))) return st;
+    if ((st = agree_u32(ctx, "model.top_k", c->top_k, "top_k", err, len))) return st;
+    if ((st = agree_u32(ctx, "model.max_seq_len", c->file_max_seq_len, "max_seq_len", err, len))) return st;
+    if ((st = agree_u32(ctx, "convert.block_size", c->block_size, "block_size", err, len))) return st;
+
+    REQ("model.n_heads", CB_MT_U32);
+    c->n_heads = rd_u32(e->value);
+    REQ("model.n_kv_heads", CB_MT_U32);
+    c->n_kv_heads = rd_u32(e->value);
+    REQ("model.head_dim", CB_MT_U32);
+    c->head_dim = rd_u32(e->value);
+    if (c->n_heads == 0) {
+        cb_set_err(err, len, "model.n_heads is 0 (must be >= 1); " RECONVERT);
+        return COLIBRI_E_FORMAT;
+    }
+    if (c->n_kv_heads == 0 || c->n_heads % c->n_kv_heads != 0) {
+        cb_set_err(err, len, "model.n_kv_heads = %u must be >= 1 and divide model.n_heads = %u; " RECONVERT,
+                   c->n_kv_heads, c->n_heads);
+        return COLIBRI_E_FORMAT;
+    }
+    if (c->head_dim == 0 || c->head_dim % 2 != 0) {
+        cb_set_err(err, len, "model.head_dim = %u must be even and >= 2 (RoPE rotates pairs); " RECONVERT,
+                   c->head_dim);
+        return COLIBRI_E_FORMAT;
+    }
+    /* widths must stay far from overflow in every size computed from them */
+    if ((uint64_t)c->n_heads * c->head_dim > (1u << 24) || (uint64_t)c->hidden > (1u << 24) ||
+        (uint64_t)c->inter > (1u << 26)) {
+        cb_set_err(err, len, "model widths are implausible (n_heads*head_dim = %llu, hidden_size = %u, "
+                   "intermediate_size = %u); " RECONVERT,
+                   (unsigned long long)c->n_heads * c->head_dim, c->hidden, c->inter);
+        return COLIBRI_E_FORMAT;
+    }
+
+    REQ("model.norm_topk_prob", CB_MT_BOOL);
+    c->norm_topk_prob = e->value[0];
+    REQ("model.rms_norm_eps", CB_MT_F64);
+    c->rms_norm_eps = rd_f64(e->value);
+    if (!isfinite(c->rms_norm_eps) || c->rms_norm_eps < 0) {
+        cb_set_err(err, len, "model.rms_norm_eps = %g must be finite and >= 0; " RECONVERT, c->rms_norm_eps);
+        return COLIBRI_E_FORMAT;
+    }
+    REQ("model.rope_theta", CB_MT_F64);
+    c->rope_theta = rd_f64(e->value);
+    if (!isfinite(c->rope_theta) || c->rope_theta <= 0) {
+        cb_set_err(err, len, "model.rope_theta = %g must be finite and > 0; " RECONVERT, c->rope_theta);
+        return COLIBRI_E_FORMAT;
+    }
+    REQ("model.rope_type", CB_MT_STRING);
+    if (!str_is(e, "default")) {
+        char tmp[64];
+        str_copy(tmp, sizeof tmp, e);
+        cb_set_err(err, len, "model.rope_type '%s' is not supported by this build (supported: default)", tmp);
+        return COLIBRI_E_UNSUPPORTED;
+    }
+    REQ("model.max_position_embeddings", CB_MT_U64);
+    c->max_position_embeddings = rd_u64(e->value);
+    REQ("model.sliding_window", CB_MT_U64);
+    c->sliding_window = rd_u64(e->value);
+    REQ("model.tie_word_embeddings", CB_MT_BOOL);
+    c->tie_word_embeddings = e->value[0];
+    if (c->tie_word_embeddings != (int)((c->flags >> 1) & 1u)) {
+        cb_set_err(err, len, "model.tie_word_embeddings = %d disagrees with header flags bit 1 = %u; " RECONVERT,
+                   c->tie_word_embeddings, (c->flags >> 1) & 1u);
+        return COLIBRI_E_FORMAT;
+    }
+    REQ("model.router_dtype", CB_MT_STRING);
+    str_copy(c->router_dtype_str, sizeof c->router_dtype_str, e);
+    if (!parse_dtype_str(e, &c->router_dtype)) {
+        cb_set_err(err, len, "model.router_dtype '%s' is not one of f32, f16, bf16, int8; " RECONVERT,
+                   c->router_dtype_str);
+        return COLIBRI_E_UNSUPPORTED;
+    }
+    c->router_int8 = c->router_dtype == CB_DT_I8;
+    if (c->router_int8 != (int)(c->flags & 1u)) {
+        cb_set_err(err, len, "model.router_dtype '%s' disagrees with header flags bit 0 (routers int8) = %u; " RECONVERT,
+                   c->router_dtype_str, c->flags & 1u);
+        return COLIBRI_E_FORMAT;
+    }
+    REQ("model.weight_dtype", CB_MT_STRING);
+    str_copy(c->weight_dtype_str, sizeof c->weight_dtype_str, e);
+    if (!parse_dtype_str(e, &c->weight_dtype) || c->weight_dtype == CB_DT_I8) {
+        cb_set_err(err, len, "model.weight_dtype '%s' is not one of f32, f16, bf16; " RECONVERT,
+                   c->weight_dtype_str);
+        return COLIBRI_E_UNSUPPORTED;
+    }
+    REQ("tokenizer.type", CB_MT_STRING);
+    {
+        int none = str_is(e, "none");
+        int has = ctx->cfg.sections[CB_SEC_TOK].size > 0;
+        if (none && has) {
+            cb_set_err(err, len, "tokenizer.type is 'none' but the tokenizer section holds %llu bytes; " RECONVERT,
+                       (unsigned long long)ctx->cfg.sections[CB_SEC_TOK].size);
+            return COLIBRI_E_FORMAT;
+        }
+        if (!none && !has) {
+            char tmp[64];
+            str_copy(tmp, sizeof tmp, e);
+            cb_set_err(err, len, "tokenizer.type is '%s' but the tokenizer section is empty; " RECONVERT, tmp);
+            return COLIBRI_E_FORMAT;
+        }
+    }
+    REQ("tokenizer.bos_id", CB_MT_I32);
+    c->bos_id = (int32_t)rd_u32(e->value);
+    REQ("tokenizer.eos_id", CB_MT_I32);
+    c->eos_id = (int32_t)rd_u32(e->value);
+    REQ("tokenizer.unk_id", CB_MT_I32);
+    c->unk_id = (int32_t)rd_u32(e->value);
+    REQ("tokenizer.pad_id", CB_MT_I32);
+    c->pad_id = (int32_t)rd_u32(e->value);
+    REQ("convert.source", CB_MT_STRING);
+    return COLIBRI_OK;
+}
+
+/* ---- tensor directory ---- */
+
+static colibri_status parse_tensors(colibri_ctx *ctx, char *err, size_t len) {
+    const cb_config *c = &ctx->cfg;
+    const cb_section *sec = &c->sections[CB_SEC_TDIR];
+    cb_reader r = {ctx->map + sec->offset, sec->size, 0};
+    if (!rd_has(&r, 8)) {
+        cb_set_err(err, len, "tensor directory is %llu bytes, too small for its count; " RECONVERT,
+                   (unsigned long long)sec->size);
+        return COLIBRI_E_FORMAT;
+    }
+    uint64_t n = rd_u64(r.p);
+    r.pos = 8;
+    const uint64_t min_rec = 4 + 1 + 16 + 32 + 24; /* 77 bytes with a 1-byte name */
+    if (n > (sec->size - 8) / min_rec) {
+        cb_set_err(err, len, "tensor directory says %llu tensors but holds at most %llu; " RECONVERT,
+                   (unsigned long long)n, (unsigned long long)((sec->size - 8) / min_rec));
+        return COLIBRI_E_FORMAT;
+    }
+    ctx->tensors = calloc(n ? n : 1, sizeof(cb_tensor));
+    if (!ctx->tensors) {
+        cb_set_err(err, len, "out of memory reading %llu tensor records", (unsigned long long)n);
+        return COLIBRI_E_NOMEM;
+    }
+    ctx->n_tensors = n;
+    for (uint64_t i = 0; i < n; i++) {
+        cb_tensor *t = &ctx->tensors[i];
+        if (!rd_has(&r, 4)) goto truncated;
+        uint32_t nl = rd_u32(r.p + r.pos);
+        r.pos += 4;
+        if (nl < 1 || nl > 256) {
+            cb_set_err(err, len, "tensor record %llu has name length %u (allowed 1..256); " RECONVERT,
+                       (unsigned long long)i, nl);
+            return COLIBRI_E_FORMAT;
+        }
+        if (!rd_has(&r, (uint64_t)nl + 72)) goto truncated;
+        t->name = r.p + r.pos;
+        t->name_len = nl;
+        for (uint32_t k = 0; k < nl; k++) {
+            if (t->name[k] < 0x21 || t->name[k] > 0x7e) {
+                cb_set_err(err, len, "tensor record %llu has a name that is not printable ASCII; " RECONVERT,
+                           (unsigned long long)i);
+                return COLIBRI_E_FORMAT;
+            }
+        }
+        const uint8_t *p = r.p + r.pos + nl;
+        t->dtype = rd_u32(p);
+        t->layout = rd_u32(p + 4);
+        t->n_dims = rd_u32(p + 8);
+        t->crc32 = rd_u32(p + 12);
+        for (int d = 0; d < 4; d++) t->dims[d] = rd_u64(p + 16 + 8 * d);
+        t->offset = rd_u64(p + 48);
+        t->nbytes = rd_u64(p + 56);
+        t->l2norm = rd_f64(p + 64);
+        r.pos += (uint64_t)nl + 72;
+        const int NL = (int)nl;
+        const char *NM = (const char *)t->name;
+        size_t es = cb_dtype_size(t->dtype);
+        if (es == 0) {
+            cb_set_err(err, len, "tensor '%.*s' has dtype %u, which this build does not know "
+                       "(known: 0 f32, 1 f16, 2 bf16, 3 i8); use a newer Colibri or " RECONVERT, NL, NM, t->dtype);
+            return COLIBRI_E_UNSUPPORTED;
+        }
+        if (t->layout > CB_LAYOUT_EXPERTS_PACKED) {
+            cb_set_err(err, len, "tensor '%.*s' has layout %u, which this build does not know "
+                       "(known: 0 row-major, 1 experts-packed); use a newer Colibri or " RECONVERT, NL, NM, t->layout);
+            return COLIBRI_E_UNSUPPORTED;
+        }
+        if (t->n_dims < 1 || t->n_dims > 4) {
+            cb_set_err(err, len, "tensor '%.*s' has %u dims (allowed 1..4); " RECONVERT, NL, NM, t->n_dims);
+            return COLIBRI_E_FORMAT;
+        }
+        uint64_t prod = 1;
+        for (uint32_t d = 0; d < 4; d++) {
+            if (d >= t->n_dims && t->dims[d] != 1) {
+                cb_set_err(err, len, "tensor '%.*s' has n_dims %u but unused dim %u is %llu (must be 1); " RECONVERT,
+                           NL, NM, t->n_dims, d, (unsigned long long)t->dims[d]);
+                return COLIBRI_E_FORMAT;
+            }
+            if (!cb_mul_u64(prod, t->dims[d], &prod)) {
+                cb_set_err(err, len, "tensor '%.*s' has dims whose product overflows 64 bits; " RECONVERT, NL, NM);
+                return COLIBRI_E_FORMAT;
+            }
+        }
+        uint64_t want;
+        if (!cb_mul_u64(prod, es, &want) || want != t->nbytes) {
+            cb_set_err(err, len, "tensor '%.*s' says %llu bytes but its dims and dtype make %s%llu; " RECONVERT,
+                       NL, NM, (unsigned long long)t->nbytes, cb_mul_u64(prod, es, &want) ? "" : "more than ",
+                       (unsigned long long)(cb_mul_u64(prod, es, &want) ? want : UINT64_MAX));
+            return COLIBRI_E_FORMAT;
+        }
+        if (t->offset % c->alignment != 0) {
+            cb_set_err(err, len, "tensor '%.*s' starts at offset %llu, not a multiple of the alignment %u; " RECONVERT,
+                       NL, NM, (unsigned long long)t->offset, c->alignment);
+            return COLIBRI_E_FORMAT;
+        }
+        uint64_t end;
+        if (!cb_add_u64(t->offset, t->nbytes, &end) || end > c->file_size) {
+            cb_set_err(err, len, "tensor '%.*s' (offset %llu, %llu bytes) runs past the end of the file "
+                       "(%llu bytes); the file is damaged or truncated: re-download or " RECONVERT,
+                       NL, NM, (unsigned long long)t->offset, (unsigned long long)t->nbytes,
+                       (unsigned long long)c->file_size);
+            return COLIBRI_E_FORMAT;
+        }
+        int inside = 0;
+        for (int k = CB_SEC_DENSE; k <= CB_SEC_EXPERTS; k++) {
+            const cb_section *s = &c->sections[k];
+            if (t->offset >= s->offset && end <= s->offset + s->size) inside = 1;
+        }
+        if (!inside) {
+            cb_set_err(err, len, "tensor '%.*s' (offset %llu, %llu bytes) lies outside the weight sections; " RECONVERT,
+                       NL, NM, (unsigned long long)t->offset, (unsigned long long)t->nbytes);
+            return COLIBRI_E_FORMAT;
+        }
+    }
+    for (uint64_t i = r.pos; i < r.len; i++) {
+        if (r.p[i] != 0) {
+            cb_set_err(err, len, "tensor directory has %llu unexpected bytes after its %llu records; " RECONVERT,
+                       (unsigned long long)(r.len - r.pos), (unsigned long long)n);
+            return COLIBRI_E_FORMAT;
+        }
+    }
+    {
+        const uint8_t **names = malloc((n ? n : 1) * sizeof(*names));
+        uint32_t *lens = malloc((n ? n : 1) * sizeof(*lens));
+        if (!names || !lens) {
+            free(names);
+            free(lens);
+            cb_set_err(err, len, "out of memory checking tensor names");
+            return COLIBRI_E_NOMEM;
+        }
+        for (uint64_t i = 0; i < n; i++) {
+            names[i] = ctx->tensors[i].name;
+            lens[i] = ctx->tensors[i].name_len;
+        }
+        uint64_t dup = 0;
+        int u = names_unique(names, lens, 0, n, &dup);
+        free(names);
+        free(lens);
+        if (u < 0) {
+            cb_set_err(err, len, "out of memory checking tensor names");
+            return COLIBRI_E_NOMEM;
+        }
+        if (u == 0) {
+            cb_set_err(err, len, "tensor '%.*s' appears more than once in the tensor directory; " RECONVERT,
+                       (int)ctx->tensors[dup].name_len, (const char *)ctx->tensors[dup].name);
+            return COLIBRI_E_FORMAT;
+        }
+    }
+    return COLIBRI_OK;
+truncated:
+    cb_set_err(err, len, "tensor directory is cut short (a record runs past its %llu bytes); " RECONVERT,
+               (unsigned long long)sec->size);
+    return COLIBRI_E_FORMAT;
+}
+
+const cb_tensor *cb_find_tensor(const colibri_ctx *ctx, const char *name) {
+    size_t nl = strlen(name);
+    for (uint64_t i = 0; i < ctx->n_tensors; i++) {
+        const cb_tensor *t = &ctx->tensors[i];
+        if (t->name_len == nl && memcmp(t->name, name, nl) == 0) return t;
+    }
+    return NULL;
+}
+
+static void fmt_shape(char *buf, size_t cap, uint32_t n_dims, const uint64_t *dims) {
+    size_t o = 0;
+    o += (size_t)snprintf(buf + o, cap - o, "[");
+    for (uint32_t d = 0; d < n_dims && o < cap; d++)
+        o += (size_t)snprintf(buf + o, cap - o, "%s%llu", d ? ", " : "", (unsigned long long)dims[d]);
+    if (o < cap) snprintf(buf + o, cap - o, "]");
+}
+
+/* Look a tensor up by name and check dtype, layout, shape and section together. */
+static colibri_status want_tensor(const colibri_ctx *ctx, const char *name, uint32_t dtype,
+                                  uint32_t layout, uint32_t n_dims, uint64_t d0, uint64_t d1,
+                                  uint64_t d2, int section, const void **out, char *err,
+                                  size_t len) {
+    const cb_tensor *t = cb_find_tensor(ctx, name);
+    if (!t) {
+        cb_set_err(err, len, "tensor '%s' is missing from the tensor directory; " RECONVERT, name);
+        return COLIBRI_E_FORMAT;
+    }
+    uint64_t wd[4] = {d0, d1, d2, 1};
+    int ok = t->dtype == dtype && t->layout == layout && t->n_dims == n_dims;
+    for (uint32_t d = 0; ok && d < n_dims; d++) ok = t->dims[d] == wd[d];
+    if (!ok) {
+        char have[128], exp[128];
+        fmt_shape(have, sizeof have, t->n_dims, t->dims);
+        fmt_shape(exp, sizeof exp, n_dims, wd);
+        cb_set_err(err, len, "tensor '%s' is %s %s %s, expected %s %s %s; " RECONVERT, name,
+                   cb_dtype_name(t->dtype), have, t->layout ? "experts-packed" : "row-major",
+                   cb_dtype_name(dtype), exp, layout ? "experts-packed" : "row-major");
+        return COLIBRI_E_FORMAT;
+    }
+    const cb_section *s = &ctx->cfg.sections[section];
+    if (t->offset < s->offset || t->offset + t->nbytes > s->offset + s->size) {
+        cb_set_err(err, len, "tensor '%s' lies outside the %s section; " RECONVERT, name, sec_name(section));
+        return COLIBRI_E_FORMAT;
+    }
+    *out = ctx->map + t->offset;
+    return COLIBRI_OK;
+}
+
+static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
+    const cb_config *c = &ctx->cfg;
+    uint64_t H = c->hidden, I = c->inter, V = c->vocab, E = c->n_experts;
+    uint64_t Nq = (uint64_t)c->n_heads * c->head_dim, Nkv = (uint64_t)c->n_kv_heads * c->head_dim;
+    uint32_t W = c->weight_dtype;
+    colibri_status st;
+    const void *p;
+    char name[96];
+    ctx->w.layers = calloc(c->n_layers, sizeof(cb_layer));
+    if (!ctx->w.layers) {
+        cb_set_err(err, len, "out of memory for %u layer records", c->n_layers);
+        return COLIBRI_E_NOMEM;
+    }
+#define WANT(nm, dt, lay, nd, a, b, cc, sec)                                                \
+    do {                                                                                    \
+        st = want_tensor(ctx, nm, dt, lay, nd, a, b, cc, sec, &p, err, len);                \
+        if (st != COLIBRI_OK) return st;                                                    \
+    } while (0)
+    WANT("token_embd.weight", W, 0, 2, V, H, 1, CB_SEC_DENSE);
+    ctx->w.tok_embd = p;
+    WANT("output_norm.weight", CB_DT_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
+    ctx->w.out_norm = p;
+    if (c->tie_word_embeddings) {
+        ctx->w.lm_head = ctx->w.tok_embd;
+    } else {
+        WANT("output.weight", W, 0, 2, V, H, 1, CB_SEC_DENSE);
+        ctx->w.lm_head = p;
+    }
+    for (uint32_t l = 0; l < c->n_layers; l++) {
+        cb_layer *L = &ctx->w.layers[l];
+        snprintf(name, sizeof name, "blk.%u.attn_norm.weight", l);
+        WANT(name, CB_DT_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
+        L->attn_norm = p;
+        snprintf(name, sizeof name, "blk.%u.attn_q.weight", l);
+        WANT(name, W, 0, 2, Nq, H, 1, CB_SEC_DENSE);
+        L->wq = p;
+        snprintf(name, sizeof name, "blk.%u.attn_k.weight", l);
+        WANT(name, W, 0, 2, Nkv, H, 1, CB_SEC_DENSE);
+        L->wk = p;
+        snprintf(name, sizeof name, "blk.%u.attn_v.weight", l);
+        WANT(name, W, 0, 2, Nkv, H, 1, CB_SEC_DENSE);
+        L->wv = p;
+        snprintf(name, sizeof name, "blk.%u.attn_output.weight", l);
+        WANT(name, W, 0, 2, H, Nq, 1, CB_SEC_DENSE);
+        L->wo = p;
+        snprintf(name, sizeof name, "blk.%u.ffn_norm.weight", l);
+        WANT(name, CB_DT_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
+        L->ffn_norm = p;
+        snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.weight", l);
+        WANT(name, c->router_dtype, 0, 2, E, H, 1, CB_SEC_ROUTER);
+        L->router = p;
+        if (c->router_int8) {
+            snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.scale", l);
+            WANT(name, CB_DT_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
+            L->router_scale = p;
+            snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.zero", l);
+            WANT(name, CB_DT_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
+            L->router_zero = p;
+        }
+        snprintf(name, sizeof name, "blk.%u.ffn_experts", l);
+        WANT(name, W, CB_LAYOUT_EXPERTS_PACKED, 3, E, 3 * I, H, CB_SEC_EXPERTS);
+        L->experts = p;
+        L->expert_stride = 3 * I * H * cb_dtype_size(W);
+    }
+#undef WANT
+    return COLIBRI_OK;
+}
+
+/* ---- top level ---- */
+
+colibri_status cb_format_load(colibri_ctx *ctx, const char *path, char *err, size_t len) {
+    const uint8_t *m = ctx->map;
+    uint64_t fs = ctx->map_size;
+    cb_config *c = &ctx->cfg;
+    static const uint8_t magic[8] = {'C', 'O', 'L', 'I', 'B', 'R', 'I', 0};
+
+    if (fs < 8 || memcmp(m, magic, 8) != 0) {
+        cb_set_err(err, len, "'%s' is not a .colibri file (it does not start with the COLIBRI magic); "
+                   "convert the model with colibri-convert", path);
+        return COLIBRI_E_FORMAT;
+    }
+    if (fs < 16) {
+        cb_set_err(err, len, "'%s' is truncated: %llu bytes, shorter than the %u-byte header; "
+                   "re-download or " RECONVERT, path, (unsigned long long)fs, CB_HEADER_SIZE);
+        return COLIBRI_E_FORMAT;
+    }
+    c->version = rd_u32(m + 8);
+    if (c->version != COLIBRI_FORMAT_VERSION) {
+        cb_set_err(err, len, "'%s' is file format version %u; this build reads version %d; "
+                   "re-convert with colibri-convert%s", path, c->version, COLIBRI_FORMAT_VERSION,
+                   c->version > COLIBRI_FORMAT_VERSION ? " (or use a newer Colibri)" : "");
+        return COLIBRI_E_VERSION;
+    }
+    uint32_t hs = rd_u32(m + 12);
+    if (hs != CB_HEADER_SIZE) {
+        cb_set_err(err, len, "'%s' has header_size %u; version 1 headers are %u bytes; " RECONVERT,
+                   path, hs, CB_HEADER_SIZE);
+        return COLIBRI_E_FORMAT;
+    }
+    if (fs < CB_HEADER_SIZE) {
+        cb_set_err(err, len, "'%s' is truncated: %llu bytes, shorter than the %u-byte header; "
+                   "re-download or " RECONVERT, path, (unsigned long long)fs, CB_HEADER_SIZE);
+        return COLIBRI_E_FORMAT;
+    }
+    uint32_t hcrc = rd_u32(m + 252), calc = cb_crc32(0, m, 252);
+    if (hcrc != calc) {
+        cb_set_err(err, len, "'%s' header CRC-32 mismatch (stored 0x%08x, computed 0x%08x): the file is "
+                   "damaged; re-download or " RECONVERT, path, hcrc, calc);
+        return COLIBRI_E_CHECKSUM;
+    }
+    c->file_size = rd_u64(m + 16);
+    if (c->file_size != fs) {
+        if (c->file_size > fs)
+            cb_set_err(err, len, "'%s' is truncated: the header expects %llu bytes but the file has %llu; "
+                       "re-download or " RECONVERT, path, (unsigned long long)c->file_size, (unsigned long long)fs);
+        else
+            cb_set_err(err, len, "'%s' is longer than its header says: expected %llu bytes, the file has %llu; "
+                       "re-download or " RECONVERT, path, (unsigned long long)c->file_size, (unsigned long long)fs);
+        return COLIBRI_E_FORMAT;
+    }
+    c->n_experts = rd_u32(m + 24);
+    c->top_k = rd_u32(m + 28);
+    c->hidden = rd_u32(m + 32);
+    c->inter = rd_u32(m + 36);
+    c->vocab = rd_u32(m + 40);
+    c->file_max_seq_len = rd_u32(m + 44);
+    c->n_layers = rd_u32(m + 48);
+    c->flags = rd_u32(m + 52);
+    c->alignment = rd_u32(m + 200);
+    c->block_size = rd_u32(m + 204);
+    struct { const char *name; uint64_t v; } nonzero[] = {
+        {"n_experts", c->n_experts}, {"hidden_size", c->hidden}, {"intermediate_size", c->inter},
+        {"vocab_size", c->vocab}, {"max_seq_len", c->file_max_seq_len}, {"n_layers", c->n_layers},
+        {"block_size", c->block_size}, {"top_k", c->top_k}};
+    for (size_t i = 0; i < sizeof nonzero / sizeof nonzero[0]; i++) {
+        if (nonzero[i].v == 0) {
+            cb_set_err(err, len, "header field %s is 0 (must be >= 1); " RECONVERT, nonzero[i].name);
+            return COLIBRI_E_FORMAT;
+        }
+    }
+    if (c->top_k > c->n_experts) {
+        cb_set_err(err, len, "header field top_k = %u exceeds n_experts = %u; " RECONVERT, c->top_k, c->n_experts);
+        return COLIBRI_E_FORMAT;
+    }
+    if (c->flags & ~3u) {
+        cb_set_err(err, len, "header flags 0x%x has unknown bits set (known: bit 0 int8 routers, bit 1 tied LM head); "
+                   "use a newer Colibri or " RECONVERT, c->flags);
+        return COLIBRI_E_FORMAT;
+    }
+    if (c->alignment < 64 || (c->alignment & (c->alignment - 1)) != 0) {
+        cb_set_err(err, len, "header field alignment = %u must be a power of two >= 64; " RECONVERT, c->alignment);
+        return COLIBRI_E_FORMAT;
+    }
+    for (int i = 208; i < 252; i++) {
+        if (m[i] != 0) {
+            cb_set_err(err, len, "header reserved byte %d is not zero; use a newer Colibri or " RECONVERT, i);
+            return COLIBRI_E_FORMAT;
+        }
+    }
+    /* sections: inside the file, in order, not overlapping, aligned */
+    uint64_t prev_end = CB_HEADER_SIZE;
+    for (int k = 0; k < CB_N_SECTIONS; k++) {
+        const uint8_t *s = m + 56 + 24 * k;
+        cb_section *sec = &c->sections[k];
+        sec->offset = rd_u64(s);
+        sec->size = rd_u64(s + 8);
+        sec->crc32 = rd_u32(s + 16);
+        uint64_t end;
+        if (rd_u32(s + 20) != 0) {
+            cb_set_err(err, len, "%s section entry has a non-zero reserved field; " RECONVERT, sec_name(k));
+            return COLIBRI_E_FORMAT;
+        }
+        if (!cb_add_u64(sec->offset, sec->size, &end) || end > fs) {
+            cb_set_err(err, len, "%s section (offset %llu, %llu bytes) runs past the end of the file "
+                       "(%llu bytes); the file is damaged or truncated: re-download or " RECONVERT, sec_name(k),
+                       (unsigned long long)sec->offset, (unsigned long long)sec->size, (unsigned long long)fs);
+            return COLIBRI_E_FORMAT;
+        }
+        if (sec->offset < prev_end) {
+            cb_set_err(err, len, "%s section starts at %llu, before the end (%llu) of what precedes it: "
+                       "sections overlap or are out of order; " RECONVERT, sec_name(k),
+                       (unsigned long long)sec->offset, (unsigned long long)prev_end);
+            return COLIBRI_E_FORMAT;
+        }
+        uint64_t align = k >= CB_SEC_DENSE ? 4096 : 64;
+        if (sec->offset % align != 0) {
+            cb_set_err(err, len, "%s section starts at %llu, not a multiple of %llu; " RECONVERT, sec_name(k),
+                       (unsigned long long)sec->offset, (unsigned long long)align);
+            return COLIBRI_E_FORMAT;
+        }
+        if (sec->size == 0 && k != CB_SEC_TOK) {
+            cb_set_err(err, len, "%s section is empty; " RECONVERT, sec_name(k));
+            return COLIBRI_E_FORMAT;
+        }
+        prev_end = end;
+    }
+    for (int k = 0; k <= CB_SEC_TOK; k++) {
+        const cb_section *sec = &c->sections[k];
+        uint32_t got = cb_crc32(0, m + sec->offset, sec->size);
+        if (got != sec->crc32) {
+            cb_set_err(err, len, "%s section CRC-32 mismatch (stored 0x%08x, computed 0x%08x): the file is "
+                       "damaged; re-download or " RECONVERT, sec_name(k), sec->crc32, got);
+            return COLIBRI_E_CHECKSUM;
+        }
+    }
+    colibri_status st;
+    if ((st = parse_metadata(ctx, err, len))) return st;
+    if ((st = read_config(ctx, err, len))) return st;
+    if ((st = parse_tensors(ctx, err, len))) return st;
+    if ((st = bind_weights(ctx, err, len))) return st;
+    return COLIBRI_OK;
+}
+
+/* ---- verification on request ---- */
+
+colibri_status cb_verify_all(colibri_ctx *ctx) {
+    const cb_config *c = &ctx->cfg;
+    for (int k = 0; k < CB_N_SECTIONS; k++) {
+        const cb_section *sec = &c->sections[k];
+        uint32_t got = cb_crc32(0, ctx->map + sec->offset, sec->size);
+        if (got != sec->crc32)
+            return cb_fail(ctx, COLIBRI_E_CHECKSUM, "%s section CRC-32 mismatch (stored 0x%08x, computed 0x%08x): "
+                           "the file is damaged; re-download or " RECONVERT, sec_name(k), sec->crc32, got);
+    }
+    for (uint64_t i = 0; i < ctx->n_tensors; i++) {
+        const cb_tensor *t = &ctx->tensors[i];
+        uint32_t got = cb_crc32(0, ctx->map + t->offset, t->nbytes);
+        if (got != t->crc32)
+            return cb_fail(ctx, COLIBRI_E_CHECKSUM, "tensor '%.*s' CRC-32 mismatch (stored 0x%08x, computed 0x%08x): "
+                           "the file is damaged; re-download or " RECONVERT, (int)t->name_len,
+                           (const char *)t->name, t->crc32, got);
+    }
+    return COLIBRI_OK;
+}
+
+static double tensor_l2(const cb_tensor *t, const uint8_t *data, const float *scale, const float *zero) {
+    uint64_t n = t->nbytes / cb_dtype_size(t->dtype);
+    double ss = 0;
+    if (t->dtype == CB_DT_I8) {
+        uint64_t cols = t->n_dims >= 2 ? t->dims[1] : n;
+        for (uint64_t i = 0; i < n; i++) {
+            uint64_t r = cols ? i / cols : 0;
+            double v = ((double)(int8_t)data[i] - (double)zero[r]) * (double)scale[r];
+            ss += v * v;
+        }
+    } else {
+        for (uint64_t i = 0; i < n; i++) {
+            double v;
+            if (t->dtype == CB_DT_F32) {
+                float f;
+                memcpy(&f, data + 4 * i, 4);
+                v = f;
+            } else {
+                uint16_t h = (uint16_t)(data[2 * i] | (data[2 * i + 1] << 8));
+                v = t->dtype == CB_DT_F16 ? cb_f16_to_f32(h) : cb_bf16_to_f32(h);
+            }
+            ss += v * v;
+        }
+    }
+    return sqrt(ss);
+}
+
+colibri_status cb_verify_router(colibri_ctx *ctx) {
+    const cb_config *c = &ctx->cfg;
+    char name[96];
+    for (uint32_t l = 0; l < c->n_layers; l++) {
+        const cb_layer *L = &ctx->w.layers[l];
+        const char *suffix[3] = {"weight", "scale", "zero"};
+        int n_check = c->router_int8 ? 3 : 1;
+        for (int s = 0; s < n_check; s++) {
+            snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.%s", l, suffix[s]);
+            const cb_tensor *t = cb_find_tensor(ctx, name);
+            if (!t) return cb_fail(ctx, COLIBRI_E_INTERNAL, "tensor '%s' vanished", name);
+            double got = tensor_l2(t, ctx->map + t->offset, L->router_scale, L->router_zero);
+            double want = t->l2norm;
+            double tol = 1e-5 * fabs(want);
+            if (!(fabs(got - want) <= tol) && !(want == 0 && got == 0))
+                return cb_fail(ctx, COLIBRI_E_CHECKSUM, "router of layer %u: tensor '%s' has L2 norm %.9g but the "
+                               "directory stores %.9g (relative tolerance 1e-5): the router weights are damaged "
+                               "or were written wrongly; " RECONVERT, l, name, got, want);
+        }
+    }
+    return COLIBRI_OK;
+}

@@ -1,0 +1,285 @@
+/*
+ * kernels.c — plain reference kernels (see kernels.h for each contract).
+ *
+ * These are written for clarity and for float32 parity with PyTorch, not speed: each
+ * loop says what it computes. Faster variants (SIMD, threads, GEMM tiling) are to be
+ * added as additional cb_kernels tables; test_kernels.c compares them with these.
+ * Weight loops are ordered "weight row outer, token inner" so that one pass over the
+ * weights serves the whole token batch, as the fast versions will.
+ */
+#include "kernels.h"
+
+#include <math.h>
+#include <string.h>
+
+size_t cb_dtype_size(uint32_t dt) {
+    switch (dt) {
+    case CB_DT_F32: return 4;
+    case CB_DT_F16: return 2;
+    case CB_DT_BF16: return 2;
+    case CB_DT_I8: return 1;
+    default: return 0;
+    }
+}
+
+const char *cb_dtype_name(uint32_t dt) {
+    switch (dt) {
+    case CB_DT_F32: return "f32";
+    case CB_DT_F16: return "f16";
+    case CB_DT_BF16: return "bf16";
+    case CB_DT_I8: return "int8";
+    default: return "unknown";
+    }
+}
+
+static inline float bits_to_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint32_t f32_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+float cb_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign; /* +-0 */
+        } else {
+            /* subnormal: value = mant * 2^-24; normalise into a binary32 normal */
+            int32_t e = 127 - 15 + 1;
+            while ((mant & 0x400u) == 0) {
+                mant <<= 1;
+                e--;
+            }
+            mant &= 0x3ffu;
+            bits = sign | ((uint32_t)e << 23) | (mant << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13); /* inf, or nan keeping its payload */
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    return bits_to_f32(bits);
+}
+
+uint16_t cb_f32_to_f16(float f) {
+    uint32_t x = f32_to_bits(f);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t exp = (x >> 23) & 0xffu;
+    uint32_t mant = x & 0x7fffffu;
+    if (exp == 0xff) { /* inf / nan (keep nan quiet and non-zero) */
+        if (mant == 0) return (uint16_t)(sign | 0x7c00u);
+        return (uint16_t)(sign | 0x7e00u | (mant >> 13));
+    }
+    int32_t e = (int32_t)exp - 127 + 15;
+    if (e >= 31) return (uint16_t)(sign | 0x7c00u); /* overflow -> inf */
+    if (e <= 0) {
+        /* subnormal half (or zero): shift the full significand right with RNE */
+        if (e < -10) return sign; /* below half of the smallest subnormal */
+        uint32_t m = mant | 0x800000u;
+        uint32_t shift = (uint32_t)(14 - e); /* 24-bit significand -> 10-bit at exponent -14 */
+        uint32_t half = 1u << (shift - 1);
+        uint32_t rem = m & ((1u << shift) - 1u);
+        uint32_t q = m >> shift;
+        if (rem > half || (rem == half && (q & 1u))) q++;
+        return (uint16_t)(sign | q); /* q may carry into the exponent field: correct */
+    }
+    uint32_t q = ((uint32_t)e << 10) | (mant >> 13);
+    uint32_t rem = mant & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) q++; /* carry may give inf: correct */
+    return (uint16_t)(sign | q);
+}
+
+float cb_bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
+
+uint16_t cb_f32_to_bf16(float f) {
+    uint32_t x = f32_to_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet nan */
+    uint32_t lsb = (x >> 16) & 1u;
+    x += 0x7fffu + lsb;
+    return (uint16_t)(x >> 16);
+}
+
+/* ---- row primitives ---- */
+
+float cb_dot_ref(const void *w_row, uint32_t dt, const float *x, int64_t n) {
+    float acc = 0.0f;
+    if (dt == CB_DT_F32) {
+        const float *w = (const float *)w_row;
+        for (int64_t i = 0; i < n; i++) acc += w[i] * x[i];
+    } else if (dt == CB_DT_F16) {
+        const uint16_t *w = (const uint16_t *)w_row;
+        for (int64_t i = 0; i < n; i++) acc += cb_f16_to_f32(w[i]) * x[i];
+    } else { /* BF16 */
+        const uint16_t *w = (const uint16_t *)w_row;
+        for (int64_t i = 0; i < n; i++) acc += cb_bf16_to_f32(w[i]) * x[i];
+    }
+    return acc;
+}
+
+void cb_axpy_ref(float *y, float a, const void *w_row, uint32_t dt, int64_t n) {
+    if (dt == CB_DT_F32) {
+        const float *w = (const float *)w_row;
+        for (int64_t i = 0; i < n; i++) y[i] += a * w[i];
+    } else if (dt == CB_DT_F16) {
+        const uint16_t *w = (const uint16_t *)w_row;
+        for (int64_t i = 0; i < n; i++) y[i] += a * cb_f16_to_f32(w[i]);
+    } else {
+        const uint16_t *w = (const uint16_t *)w_row;
+        for (int64_t i = 0; i < n; i++) y[i] += a * cb_bf16_to_f32(w[i]);
+    }
+}
+
+/* ---- reference kernels ---- */
+
+static void matmul_ref(float *y, const float *x, const void *w, uint32_t dt, int64_t T,
+                       int64_t N, int64_t K) {
+    size_t row_bytes = (size_t)K * cb_dtype_size(dt);
+    for (int64_t n = 0; n < N; n++) {
+        const void *row = (const uint8_t *)w + (size_t)n * row_bytes;
+        for (int64_t t = 0; t < T; t++) y[t * N + n] = cb_dot_ref(row, dt, x + t * K, K);
+    }
+}
+
+static void matmul_i8_ref(float *y, const float *x, const int8_t *q, const float *scale,
+                          const float *zero, int64_t T, int64_t N, int64_t K) {
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *row = q + n * K;
+        for (int64_t t = 0; t < T; t++) {
+            const float *xt = x + t * K;
+            float acc = 0.0f;
+            /* dequantise exactly as the writer defines it, then the same float dot */
+            for (int64_t k = 0; k < K; k++) acc += (((float)row[k] - zero[n]) * scale[n]) * xt[k];
+            y[t * N + n] = acc;
+        }
+    }
+}
+
+static void rmsnorm_ref(float *y, const float *x, const float *w, int64_t T, int64_t H,
+                        float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * H;
+        float *yt = y + t * H;
+        /* the mean of squares is reduced in double: torch's vectorised float sum is
+         * closer to the exact value than a naive float loop */
+        double ss = 0.0;
+        for (int64_t i = 0; i < H; i++) ss += (double)xt[i] * (double)xt[i];
+        float var = (float)(ss / (double)H);
+        float r = 1.0f / sqrtf(var + eps);
+        for (int64_t i = 0; i < H; i++) yt[i] = w[i] * (xt[i] * r);
+    }
+}
+
+static void rope_ref(float *x, int64_t T, int64_t n_heads, int64_t D, const float *cos,
+                     const float *sin) {
+    int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * half;
+        const float *s = sin + t * half;
+        for (int64_t h = 0; h < n_heads; h++) {
+            float *v = x + (t * n_heads + h) * D;
+            for (int64_t i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                /* HF: q*cos + rotate_half(q)*sin, rotate_half(q) = (-q2, q1) */
+                v[i] = a * c[i] + (-b) * s[i];
+                v[i + half] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+static void softmax_ref(float *x, int64_t n) {
+    float m = x[0];
+    for (int64_t i = 1; i < n; i++)
+        if (x[i] > m) m = x[i];
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        sum += x[i];
+    }
+    float inv = 1.0f / sum;
+    for (int64_t i = 0; i < n; i++) x[i] *= inv;
+}
+
+static void attention_ref(float *out, const float *q, const float *kc, const float *vc,
+                          float *scores, int64_t T, int64_t start_pos, int64_t Hq, int64_t Hkv,
+                          int64_t D, int64_t window) {
+    int64_t group = Hq / Hkv;
+    int64_t nq = Hq * D, nkv = Hkv * D;
+    float scale = (float)(1.0 / sqrt((double)D));
+    for (int64_t t = 0; t < T; t++) {
+        int64_t pos = start_pos + t;
+        int64_t lo = (window > 0 && pos >= window) ? pos - window + 1 : 0;
+        int64_t cnt = pos - lo + 1;
+        for (int64_t h = 0; h < Hq; h++) {
+            const float *qh = q + t * nq + h * D;
+            int64_t kvh = h / group;
+            for (int64_t j = 0; j < cnt; j++) {
+                const float *kr = kc + (lo + j) * nkv + kvh * D;
+                float acc = 0.0f;
+                for (int64_t d = 0; d < D; d++) acc += qh[d] * kr[d];
+                scores[j] = acc * scale;
+            }
+            softmax_ref(scores, cnt);
+            float *oh = out + t * nq + h * D;
+            for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
+            for (int64_t j = 0; j < cnt; j++) {
+                const float *vr = vc + (lo + j) * nkv + kvh * D;
+                float p = scores[j];
+                for (int64_t d = 0; d < D; d++) oh[d] += p * vr[d];
+            }
+        }
+    }
+}
+
+static void expert_ffn_ref(float *y, float *h, const float *x, const void *expert, uint32_t dt,
+                           int64_t R, int64_t H, int64_t I, int64_t B) {
+    size_t row_bytes = (size_t)H * cb_dtype_size(dt);
+    const uint8_t *base = (const uint8_t *)expert;
+    /* 1. gate/up, streamed block by block: block b = packed rows 2bB .. 2bB + 2nb - 1 */
+    for (int64_t b0 = 0; b0 < I; b0 += B) {
+        int64_t nb = (I - b0 < B) ? I - b0 : B;
+        const uint8_t *blk = base + (size_t)(2 * b0) * row_bytes;
+        for (int64_t j = 0; j < nb; j++) {
+            const void *grow = blk + (size_t)j * row_bytes;
+            const void *urow = blk + (size_t)(nb + j) * row_bytes;
+            for (int64_t r = 0; r < R; r++) {
+                const float *xr = x + r * H;
+                float g = cb_dot_ref(grow, dt, xr, H);
+                float u = cb_dot_ref(urow, dt, xr, H);
+                float s = g / (1.0f + expf(-g)); /* silu, as torch */
+                h[r * I + b0 + j] = s * u;
+            }
+        }
+    }
+    /* 2. down: y[r, :] = sum_i h[r, i] * w2T[i, :] */
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t c = 0; c < H; c++) y[r * H + c] = 0.0f;
+    const uint8_t *down = base + (size_t)(2 * I) * row_bytes;
+    for (int64_t i = 0; i < I; i++) {
+        const void *row = down + (size_t)i * row_bytes;
+        for (int64_t r = 0; r < R; r++) cb_axpy_ref(y + r * H, h[r * I + i], row, dt, H);
+    }
+}
+
+static const cb_kernels k_ref = {
+    .name = "reference",
+    .matmul = matmul_ref,
+    .matmul_i8 = matmul_i8_ref,
+    .rmsnorm = rmsnorm_ref,
+    .rope = rope_ref,
+    .softmax = softmax_ref,
+    .attention = attention_ref,
+    .expert_ffn = expert_ffn_ref,
+};
+
+const cb_kernels *cb_kernels_ref(void) { return &k_ref; }
+const cb_kernels *cb_kernels_best(void) { return &k_ref; }

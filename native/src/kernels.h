@@ -1,0 +1,83 @@
+/*
+ * kernels.h — the compute kernels of the forward pass, behind one table of function
+ * pointers (cb_kernels) so that a SIMD or threaded version can replace any entry while
+ * the plain reference version stays beside it (tests compare the two).
+ *
+ * Conventions: every matrix is row-major; weights are stored as nn.Linear, [out, in],
+ * so y = W x is one dot product per weight row. Activations are float32 [T, width]:
+ * each stage processes a batch of T tokens, which is where GEMM and row-splitting across
+ * threads will later drop in. All arithmetic is float32 unless a comment says otherwise.
+ */
+#ifndef COLIBRI_KERNELS_H
+#define COLIBRI_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Tensor dtypes (docs/format.md, "Tensor directory section"). */
+enum { CB_DT_F32 = 0, CB_DT_F16 = 1, CB_DT_BF16 = 2, CB_DT_I8 = 3, CB_DT_COUNT = 4 };
+
+/* Bytes per element of a dtype; 0 for an unknown dtype. */
+size_t cb_dtype_size(uint32_t dt);
+const char *cb_dtype_name(uint32_t dt);
+
+/* IEEE binary16 <-> binary32 in software (subnormals, inf and nan handled;
+ * f32 -> f16 rounds to nearest, ties to even). */
+float cb_f16_to_f32(uint16_t h);
+uint16_t cb_f32_to_f16(float f);
+/* bfloat16 <-> binary32: bf16 is the upper half; f32 -> bf16 rounds to nearest even
+ * (nan stays nan). */
+float cb_bf16_to_f32(uint16_t h);
+uint16_t cb_f32_to_bf16(float f);
+
+/* Plain row primitives for a weight row of `dt` (F32/F16/BF16). */
+float cb_dot_ref(const void *w_row, uint32_t dt, const float *x, int64_t n);
+void cb_axpy_ref(float *y, float a, const void *w_row, uint32_t dt, int64_t n); /* y += a*w */
+
+typedef struct cb_kernels {
+    const char *name;
+
+    /* y[t, n] = sum_k x[t, k] * W[n, k] for t < T, n < N.
+     * w: [N, K] in dt (F32/F16/BF16); x: [T, K]; y: [T, N] (overwritten). */
+    void (*matmul)(float *y, const float *x, const void *w, uint32_t dt, int64_t T, int64_t N,
+                   int64_t K);
+
+    /* Same with an int8 weight: W[n, k] = ((float)q[n, k] - zero[n]) * scale[n].
+     * q: [N, K]; scale, zero: [N]. */
+    void (*matmul_i8)(float *y, const float *x, const int8_t *q, const float *scale,
+                      const float *zero, int64_t T, int64_t N, int64_t K);
+
+    /* y[t, :] = x[t, :] * rsqrt(mean(x[t, :]^2) + eps) * w  (as HF RMSNorm, float32).
+     * x, y: [T, H] (may alias); w: [H]. */
+    void (*rmsnorm)(float *y, const float *x, const float *w, int64_t T, int64_t H, float eps);
+
+    /* RoPE "default", rotate_half (non-interleaved): pairs (i, i + D/2) of each head.
+     * x: [T, n_heads * D] in place; cos, sin: [T, D/2] for each token's position. */
+    void (*rope)(float *x, int64_t T, int64_t n_heads, int64_t D, const float *cos,
+                 const float *sin);
+
+    /* x[0..n) <- softmax(x) in float32 (max-subtracted). n >= 1. */
+    void (*softmax)(float *x, int64_t n);
+
+    /* Causal grouped-query attention of T queries at positions start_pos.. over a cache.
+     * q: [T, Hq*D]; kc, vc: [>= start_pos+T, Hkv*D] (rows = positions); out: [T, Hq*D];
+     * scores: [start_pos+T] scratch. window > 0: key j visible from query i iff
+     * j <= i and i - j < window. Scale 1/sqrt(D). */
+    void (*attention)(float *out, const float *q, const float *kc, const float *vc,
+                      float *scores, int64_t T, int64_t start_pos, int64_t Hq, int64_t Hkv,
+                      int64_t D, int64_t window);
+
+    /* SwiGLU expert FFN over a group of R rows with the EXPERTS_PACKED layout
+     * (docs/format.md): expert: [3I, H] in dt, rows 0..2I-1 gate/up interleaved by
+     * blocks of B rows, rows 2I..3I-1 = w2^T [I, H].
+     * x: [R, H]; h: [R, I] scratch (silu(gate)*up); y: [R, H] (overwritten). */
+    void (*expert_ffn)(float *y, float *h, const float *x, const void *expert, uint32_t dt,
+                       int64_t R, int64_t H, int64_t I, int64_t B);
+} cb_kernels;
+
+/* The plain reference kernels. */
+const cb_kernels *cb_kernels_ref(void);
+/* The kernels the engine uses (today: the reference ones). */
+const cb_kernels *cb_kernels_best(void);
+
+#endif

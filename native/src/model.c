@@ -1,0 +1,329 @@
+/*
+ * model.c — the arena (one allocation, carved by a size table) and the Mixtral forward
+ * pass over it.
+ *
+ * The forward pass processes tokens in chunks of at most max_batch; inside a chunk each
+ * stage runs on the whole batch [T, width] through the kernel table (kernels.h), so GEMM
+ * and row-splitting across threads can replace a stage without touching this file's
+ * structure. The MoE block groups (token, slot) pairs by expert with a counting sort and
+ * a prefix sum (no qsort, no allocation), gathers each group's rows, runs the packed
+ * expert FFN once per non-empty expert, and scatter-adds weight * output into each
+ * token's residual delta, in expert order as transformers does.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "internal.h"
+
+#define ARENA_ALIGN ((size_t)2 << 20) /* 2 MiB: huge-page friendly */
+#define CARVE_ALIGN 64u
+
+/* One row of the arena size table: where the pointer goes and how many bytes it needs. */
+typedef struct arena_item {
+    void **ptr;
+    uint64_t count;
+    uint64_t elem;
+    const char *what;
+} arena_item;
+
+colibri_status cb_arena_init(colibri_ctx *ctx, char *err, size_t err_len) {
+    const cb_config *c = &ctx->cfg;
+    cb_scratch *s = &ctx->s;
+    cb_session *ss = &ctx->sess;
+    uint64_t B = (uint64_t)ctx->max_batch, S = (uint64_t)ctx->max_seq_len;
+    uint64_t H = c->hidden, I = c->inter, V = c->vocab, E = c->n_experts, K = c->top_k;
+    uint64_t Nq = (uint64_t)c->n_heads * c->head_dim, Nkv = (uint64_t)c->n_kv_heads * c->head_dim;
+    uint64_t half = c->head_dim / 2, L = c->n_layers;
+    uint64_t R = 0, tmp = 0, kv = 0;
+    int ok = 1;
+    /* R = B*K + E*(group_pad-1): each non-empty group gains at most group_pad-1 zero rows */
+    ok &= cb_mul_u64(B, K, &R);
+    ok &= cb_mul_u64(E, (uint64_t)(ctx->group_pad - 1), &tmp);
+    ok &= cb_add_u64(R, tmp, &R);
+    ok &= cb_mul_u64(L, S, &kv);
+    ok &= cb_mul_u64(kv, Nkv, &kv);
+    if (!ok) {
+        cb_set_err(err, err_len, "the run-time buffers for these options overflow 64 bits; "
+                   "lower max_seq_len, max_batch or group_pad");
+        return COLIBRI_E_NOMEM;
+    }
+    s->max_rows = (int64_t)R;
+    uint64_t BH = B * H; /* B <= 2^32 and H <= 2^24: cannot overflow */
+    arena_item items[] = {
+        {(void **)&ss->k_cache, kv, 4, "K cache"},
+        {(void **)&ss->v_cache, kv, 4, "V cache"},
+        {(void **)&s->x, BH, 4, "x"},
+        {(void **)&s->xn, BH, 4, "xn"},
+        {(void **)&s->q, B * Nq, 4, "q"},
+        {(void **)&s->k, B * Nkv, 4, "k"},
+        {(void **)&s->v, B * Nkv, 4, "v"},
+        {(void **)&s->att, B * Nq, 4, "att"},
+        {(void **)&s->delta, BH, 4, "delta"},
+        {(void **)&s->att_scores, S, 4, "att_scores"},
+        {(void **)&s->rope_cos, B * half, 4, "rope_cos"},
+        {(void **)&s->rope_sin, B * half, 4, "rope_sin"},
+        {(void **)&s->inv_freq, half, 4, "inv_freq"},
+        {(void **)&s->router_logits, B * E, 4, "router_logits"},
+        {(void **)&s->router_probs, B * E, 4, "router_probs"},
+        {(void **)&s->topk_ids, B * K, 4, "topk_ids"},
+        {(void **)&s->topk_w, B * K, 4, "topk_w"},
+        {(void **)&s->expert_count, E, 8, "expert_count"},
+        {(void **)&s->expert_offset, E + 1, 8, "expert_offset"},
+        {(void **)&s->expert_fill, E, 8, "expert_fill"},
+        {(void **)&s->row_token, R, 4, "row_token"},
+        {(void **)&s->row_weight, R, 4, "row_weight"},
+        {(void **)&s->ex_in, R * H, 4, "ex_in"},
+        {(void **)&s->ex_h, R * I, 4, "ex_h"},
+        {(void **)&s->ex_out, R * H, 4, "ex_out"},
+        {(void **)&s->sample_p, V, 4, "sample_p"},
+        {(void **)&s->sample_idx, V, 4, "sample_idx"},
+    };
+    const size_t n_items = sizeof items / sizeof items[0];
+    uint64_t offs[sizeof items / sizeof items[0]];
+    uint64_t total = 0;
+    for (size_t i = 0; i < n_items; i++) {
+        uint64_t bytes;
+        if (!cb_mul_u64(items[i].count, items[i].elem, &bytes) ||
+            !cb_add_u64(bytes, CARVE_ALIGN, &bytes) || !cb_add_u64(total, bytes, &tmp)) {
+            cb_set_err(err, err_len, "the %s buffer for these options overflows 64 bits; "
+                       "lower max_seq_len, max_batch or group_pad", items[i].what);
+            return COLIBRI_E_NOMEM;
+        }
+        offs[i] = total;
+        total += (items[i].count * items[i].elem + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN;
+    }
+    uint64_t alloc = (total + ARENA_ALIGN - 1) / ARENA_ALIGN * ARENA_ALIGN;
+    if (alloc > (uint64_t)SIZE_MAX || alloc < total) {
+        cb_set_err(err, err_len, "the arena would need %llu bytes, more than this machine can address; "
+                   "lower max_seq_len or max_batch", (unsigned long long)total);
+        return COLIBRI_E_NOMEM;
+    }
+    void *mem = NULL;
+    if (posix_memalign(&mem, ARENA_ALIGN, (size_t)alloc) != 0 || !mem) {
+        cb_set_err(err, err_len, "cannot allocate the %.1f MiB arena (KV cache %.1f MiB for max_seq_len %lld); "
+                   "lower max_seq_len or max_batch", (double)alloc / 1048576.0,
+                   2.0 * (double)kv * 4 / 1048576.0, (long long)ctx->max_seq_len);
+        return COLIBRI_E_NOMEM;
+    }
+#ifdef MADV_HUGEPAGE
+    (void)madvise(mem, (size_t)alloc, MADV_HUGEPAGE); /* advisory: failure is harmless */
+#endif
+    ctx->arena = mem;
+    ctx->arena_bytes = alloc;
+    for (size_t i = 0; i < n_items; i++) *items[i].ptr = (uint8_t *)mem + offs[i];
+
+    /* RoPE inverse frequencies as transformers computes them, in float32:
+     * 1.0 / (base ** (arange(0, dim, 2).float() / dim)) */
+    for (uint64_t i = 0; i < half; i++) {
+        float expo = (float)(2 * i) / (float)c->head_dim;
+        s->inv_freq[i] = 1.0f / powf((float)c->rope_theta, expo);
+    }
+    ss->cached_len = 0;
+    return COLIBRI_OK;
+}
+
+/* Widen one embedding row of dtype dt into dst[H]. */
+static void widen_row(float *dst, const void *src, uint32_t dt, int64_t n) {
+    if (dt == CB_DT_F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else {
+        const uint16_t *h = (const uint16_t *)src;
+        if (dt == CB_DT_F16)
+            for (int64_t i = 0; i < n; i++) dst[i] = cb_f16_to_f32(h[i]);
+        else
+            for (int64_t i = 0; i < n; i++) dst[i] = cb_bf16_to_f32(h[i]);
+    }
+}
+
+/* Route T tokens: softmax over experts, top-k (highest first, lower id wins ties),
+ * optional renormalisation. logits: [T, E] -> probs [T, E], ids/w [T, K]. */
+static void route(colibri_ctx *ctx, int64_t T) {
+    const cb_config *c = &ctx->cfg;
+    cb_scratch *s = &ctx->s;
+    int64_t E = c->n_experts, K = c->top_k;
+    memcpy(s->router_probs, s->router_logits, (size_t)(T * E) * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        float *p = s->router_probs + t * E;
+        ctx->kern->softmax(p, E);
+        int32_t *ids = s->topk_ids + t * K;
+        float *w = s->topk_w + t * K;
+        for (int64_t k = 0; k < K; k++) {
+            int32_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t j = 0; j < k; j++) taken |= ids[j] == (int32_t)e;
+                if (taken) continue;
+                /* strict > keeps the lower id on ties; NaN never wins unless all are NaN */
+                if (best < 0 || p[e] > p[best]) best = (int32_t)e;
+            }
+            ids[k] = best;
+            w[k] = p[best];
+        }
+        if (c->norm_topk_prob) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < K; k++) sum += w[k];
+            for (int64_t k = 0; k < K; k++) w[k] /= sum;
+        }
+    }
+}
+
+/* Group (token, slot) pairs by expert: counting sort + prefix sum into the row map.
+ * Each group is padded with zero rows (token -1, weight 0) to a multiple of group_pad. */
+static void group_tokens(colibri_ctx *ctx, int64_t T) {
+    const cb_config *c = &ctx->cfg;
+    cb_scratch *s = &ctx->s;
+    int64_t E = c->n_experts, K = c->top_k, pad = ctx->group_pad;
+    for (int64_t e = 0; e < E; e++) s->expert_count[e] = 0;
+    for (int64_t i = 0; i < T * K; i++) s->expert_count[s->topk_ids[i]]++;
+    s->expert_offset[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t n = s->expert_count[e];
+        int64_t padded = (n + pad - 1) / pad * pad;
+        s->expert_offset[e + 1] = s->expert_offset[e] + padded;
+        s->expert_fill[e] = s->expert_offset[e];
+    }
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t k = 0; k < K; k++) {
+            int32_t e = s->topk_ids[t * K + k];
+            int64_t r = s->expert_fill[e]++;
+            s->row_token[r] = (int32_t)t;
+            s->row_weight[r] = s->topk_w[t * K + k];
+        }
+    }
+    for (int64_t e = 0; e < E; e++) {
+        for (int64_t r = s->expert_fill[e]; r < s->expert_offset[e + 1]; r++) {
+            s->row_token[r] = -1;
+            s->row_weight[r] = 0.0f;
+        }
+    }
+}
+
+/* The MoE block: xn [T, H] -> delta [T, H]. */
+static void moe_block(colibri_ctx *ctx, const cb_layer *L, int64_t T) {
+    const cb_config *c = &ctx->cfg;
+    const cb_kernels *K = ctx->kern;
+    cb_scratch *s = &ctx->s;
+    int64_t H = c->hidden, I = c->inter, E = c->n_experts;
+    if (c->router_int8)
+        K->matmul_i8(s->router_logits, s->xn, (const int8_t *)L->router, L->router_scale,
+                     L->router_zero, T, E, H);
+    else
+        K->matmul(s->router_logits, s->xn, L->router, c->router_dtype, T, E, H);
+    route(ctx, T);
+    group_tokens(ctx, T);
+    int64_t rows = s->expert_offset[E];
+    for (int64_t r = 0; r < rows; r++) {
+        int32_t t = s->row_token[r];
+        if (t >= 0) memcpy(s->ex_in + r * H, s->xn + (int64_t)t * H, (size_t)H * sizeof(float));
+        else memset(s->ex_in + r * H, 0, (size_t)H * sizeof(float));
+    }
+    for (int64_t e = 0; e < E; e++) {
+        int64_t r0 = s->expert_offset[e], R = s->expert_offset[e + 1] - r0;
+        if (R == 0) continue;
+        const void *ew = (const uint8_t *)L->experts + (size_t)e * L->expert_stride;
+        K->expert_ffn(s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, ew,
+                      c->weight_dtype, R, H, I, c->block_size);
+    }
+    memset(s->delta, 0, (size_t)(T * H) * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) { /* rows are in expert order, as HF's index_add_ */
+        int32_t t = s->row_token[r];
+        if (t < 0) continue;
+        float w = s->row_weight[r];
+        float *d = s->delta + (int64_t)t * H;
+        const float *y = s->ex_out + r * H;
+        for (int64_t i = 0; i < H; i++) d[i] += y[i] * w;
+    }
+}
+
+static void add_inplace(float *x, const float *d, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] + d[i];
+}
+
+/* One chunk of T <= max_batch tokens at positions pos0..pos0+T-1. logits: [T, V]. */
+static void forward_chunk(colibri_ctx *ctx, const int32_t *ids, int64_t T, int64_t pos0,
+                          float *logits) {
+    const cb_config *c = &ctx->cfg;
+    const cb_kernels *K = ctx->kern;
+    cb_scratch *s = &ctx->s;
+    int64_t H = c->hidden, V = c->vocab, hd = c->head_dim, half = hd / 2;
+    int64_t Nq = (int64_t)c->n_heads * hd, Nkv = (int64_t)c->n_kv_heads * hd;
+    int64_t S = ctx->max_seq_len;
+    uint32_t W = c->weight_dtype;
+    size_t es = cb_dtype_size(W);
+    float eps = (float)c->rms_norm_eps;
+    int64_t window = c->sliding_window > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)c->sliding_window;
+
+    for (int64_t t = 0; t < T; t++)
+        widen_row(s->x + t * H, (const uint8_t *)ctx->w.tok_embd + (size_t)ids[t] * (size_t)H * es, W, H);
+    for (int64_t t = 0; t < T; t++) {
+        float p = (float)(pos0 + t);
+        for (int64_t i = 0; i < half; i++) {
+            float f = p * s->inv_freq[i];
+            s->rope_cos[t * half + i] = cosf(f);
+            s->rope_sin[t * half + i] = sinf(f);
+        }
+    }
+    for (uint32_t l = 0; l < c->n_layers; l++) {
+        const cb_layer *L = &ctx->w.layers[l];
+        float *kc = ctx->sess.k_cache + (int64_t)l * S * Nkv;
+        float *vc = ctx->sess.v_cache + (int64_t)l * S * Nkv;
+        /* attention */
+        K->rmsnorm(s->xn, s->x, L->attn_norm, T, H, eps);
+        K->matmul(s->q, s->xn, L->wq, W, T, Nq, H);
+        K->matmul(s->k, s->xn, L->wk, W, T, Nkv, H);
+        K->matmul(s->v, s->xn, L->wv, W, T, Nkv, H);
+        K->rope(s->q, T, c->n_heads, hd, s->rope_cos, s->rope_sin);
+        K->rope(s->k, T, c->n_kv_heads, hd, s->rope_cos, s->rope_sin);
+        memcpy(kc + pos0 * Nkv, s->k, (size_t)(T * Nkv) * sizeof(float));
+        memcpy(vc + pos0 * Nkv, s->v, (size_t)(T * Nkv) * sizeof(float));
+        K->attention(s->att, s->q, kc, vc, s->att_scores, T, pos0, c->n_heads, c->n_kv_heads, hd, window);
+        K->matmul(s->delta, s->att, L->wo, W, T, H, Nq);
+        add_inplace(s->x, s->delta, T * H);
+        /* mixture of experts */
+        K->rmsnorm(s->xn, s->x, L->ffn_norm, T, H, eps);
+        moe_block(ctx, L, T);
+        add_inplace(s->x, s->delta, T * H);
+    }
+    K->rmsnorm(s->xn, s->x, ctx->w.out_norm, T, H, eps);
+    K->matmul(logits, s->xn, ctx->w.lm_head, W, T, V, H);
+}
+
+/* Caller (colibri_forward_at) guarantees ctx, ids, logits non-NULL, n >= 1, start_pos >= 0.
+ * Every check happens before the cache is touched, so a refused call changes nothing. */
+colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos,
+                          float *logits) {
+    const int64_t V = ctx->cfg.vocab;
+    if (start_pos < 0 || start_pos > ctx->sess.cached_len)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "start_pos %lld is not in [0, %lld] (the cached length); "
+                       "continue at or before the cached length, or start again at 0",
+                       (long long)start_pos, (long long)ctx->sess.cached_len);
+    if (n > ctx->max_seq_len - start_pos)
+        return cb_fail(ctx, COLIBRI_E_SEQ_TOO_LONG, "start_pos %lld + %lld tokens = %lld exceeds max_seq_len %lld; "
+                       "raise colibri_options.max_seq_len (the file allows up to %llu) or shorten the input",
+                       (long long)start_pos, (long long)n, (long long)(start_pos + n),
+                       (long long)ctx->max_seq_len, (unsigned long long)ctx->cfg.file_max_seq_len);
+    /* ids are read only once n is known to be a sane length */
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= (int64_t)V)
+            return cb_fail(ctx, COLIBRI_E_TOKEN_RANGE, "token id %d at position %lld is out of range [0, %lld)",
+                           ids[i], (long long)i, (long long)V);
+    }
+    /* positions from start_pos on are about to be overwritten */
+    ctx->sess.cached_len = start_pos;
+    for (int64_t c0 = 0; c0 < n; c0 += ctx->max_batch) {
+        int64_t T = n - c0 < ctx->max_batch ? n - c0 : ctx->max_batch;
+        float *lg = logits + c0 * V;
+        forward_chunk(ctx, ids + c0, T, start_pos + c0, lg);
+        ctx->sess.cached_len = start_pos + c0 + T;
+        for (int64_t i = 0; i < T * V; i++) {
+            if (!isfinite(lg[i]))
+                return cb_fail(ctx, COLIBRI_E_NUMERIC, "logit %lld of token %lld is %s: the weights or the "
+                               "activations overflowed; check the model with colibri_verify or use f32 weights",
+                               (long long)(i % V), (long long)(c0 + i / V), isnan(lg[i]) ? "NaN" : "Inf");
+        }
+    }
+    return COLIBRI_OK;
+}

@@ -1,0 +1,483 @@
+/*
+ * test_kernels.c — every kernel of the engine's kernel tables against a naive
+ * double-precision loop written here, on fresh random inputs (never zeros) at sizes that
+ * are not multiples of any vector width (1, 7, 33, 129, ...), plus exhaustive and
+ * edge-case checks of the f16/bf16 conversions.
+ *
+ * Both the reference table (cb_kernels_ref) and the engine's table (cb_kernels_best) are
+ * checked, so a faster kernel dropped in later is held to the same standard.
+ * Exit 0 when every check passes; otherwise prints each failure and exits 1.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../src/kernels.h" /* internal header: the kernels are not public API */
+
+static int n_fail = 0, n_check = 0;
+static uint64_t rng_state = 0x1234567887654321ull;
+
+static double urand(void) { /* uniform in [-1, 1) */
+    uint64_t x = rng_state;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    rng_state = x;
+    return (double)((x * 0x2545F4914F6CDD1Dull) >> 11) / 9007199254740992.0 * 2.0 - 1.0;
+}
+
+static void fill(float *x, int64_t n, double scale) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = (float)(urand() * scale);
+        if (v == 0.0f) v = 0.5f; /* never zeros */
+        x[i] = v;
+    }
+}
+
+#define FAIL(...)                                                   \
+    do {                                                            \
+        n_fail++;                                                   \
+        if (n_fail <= 40) {                                         \
+            printf("FAIL %s:%d: ", __FILE__, __LINE__);             \
+            printf(__VA_ARGS__);                                    \
+            printf("\n");                                           \
+        }                                                           \
+    } while (0)
+
+/* |got - want| <= rel * mag + abs_tol, where mag is the sum of |terms| of the reduction */
+static int close_to(double got, double want, double mag, double rel) {
+    n_check++;
+    return fabs(got - want) <= rel * mag + 1e-6;
+}
+
+static float f32_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static uint32_t bits_f32(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+/* ---- weights stored in a dtype, with their exact f32 value beside them ---- */
+
+typedef struct wbuf {
+    void *raw;    /* [n] in dt */
+    float *val;   /* [n] what the stored values mean, exactly */
+} wbuf;
+
+static wbuf make_w(uint32_t dt, int64_t n, double scale) {
+    wbuf w;
+    w.raw = malloc((size_t)n * cb_dtype_size(dt) + 1);
+    w.val = malloc((size_t)n * sizeof(float) + 1);
+    for (int64_t i = 0; i < n; i++) {
+        float v = (float)(urand() * scale);
+        if (v == 0.0f) v = 0.25f;
+        if (dt == CB_DT_F32) {
+            ((float *)w.raw)[i] = v;
+            w.val[i] = v;
+        } else if (dt == CB_DT_F16) {
+            uint16_t h = cb_f32_to_f16(v);
+            ((uint16_t *)w.raw)[i] = h;
+            w.val[i] = cb_f16_to_f32(h);
+        } else {
+            uint16_t h = cb_f32_to_bf16(v);
+            ((uint16_t *)w.raw)[i] = h;
+            w.val[i] = cb_bf16_to_f32(h);
+        }
+    }
+    return w;
+}
+static void free_w(wbuf *w) {
+    free(w->raw);
+    free(w->val);
+}
+
+/* ---- conversions ---- */
+
+static double f16_value(uint16_t h) { /* independent decoding via ldexp */
+    int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
+    double v;
+    if (e == 0) v = ldexp((double)m, -24);
+    else if (e == 31) v = m ? NAN : INFINITY;
+    else v = ldexp((double)(m + 1024), e - 25);
+    return s ? -v : v;
+}
+
+static void test_conversions(void) {
+    /* f16 -> f32 for all 65536 values, and back */
+    for (uint32_t h = 0; h < 65536; h++) {
+        float f = cb_f16_to_f32((uint16_t)h);
+        double want = f16_value((uint16_t)h);
+        n_check++;
+        if (isnan(want)) {
+            if (!isnan(f)) FAIL("f16 0x%04x: want nan, got %g", h, (double)f);
+            else if (!isnan(cb_f16_to_f32(cb_f32_to_f16(f)))) FAIL("f16 nan 0x%04x does not round-trip as nan", h);
+            continue;
+        }
+        if ((double)f != want || (signbit(f) != 0) != ((h >> 15) != 0)) {
+            FAIL("f16 0x%04x -> %.9g, want %.9g", h, (double)f, want);
+            continue;
+        }
+        uint16_t back = cb_f32_to_f16(f);
+        if (back != h) FAIL("f16 round trip 0x%04x -> %g -> 0x%04x", h, (double)f, back);
+    }
+    /* f32 -> f16 rounding: compare with the nearest f16 found by search (ties to even) */
+    for (int i = 0; i < 200000; i++) {
+        float f;
+        if (i % 4 == 0) f = (float)(urand() * 70000.0);
+        else if (i % 4 == 1) f = (float)(urand() * 1e-4); /* subnormal range */
+        else if (i % 4 == 2) f = (float)(urand() * 4.0);
+        else { /* exact halfway points between adjacent halves */
+            uint16_t h = (uint16_t)((uint64_t)(urand() * 32767.0 + 32767.0) & 0x7bff);
+            if ((h & 0x7c00) == 0x7c00) h = 0x7bfe;
+            f = (float)((f16_value(h) + f16_value((uint16_t)(h + 1))) / 2.0);
+        }
+        uint16_t got = cb_f32_to_f16(f);
+        double a = fabs((double)f);
+        /* candidates: brute-force nearest among all finite positive halves via bisection */
+        uint16_t lo = 0, hi = 0x7bff;
+        while (lo < hi) {
+            uint16_t mid = (uint16_t)((lo + hi + 1) / 2);
+            if (f16_value(mid) <= a) lo = mid;
+            else hi = (uint16_t)(mid - 1);
+        }
+        uint16_t want;
+        if (a >= 65520.0) want = 0x7c00; /* rounds to inf */
+        else {
+            double dl = a - f16_value(lo), dh = lo < 0x7bff ? f16_value((uint16_t)(lo + 1)) - a : INFINITY;
+            if (dl < dh) want = lo;
+            else if (dh < dl) want = (uint16_t)(lo + 1);
+            else want = (lo & 1) ? (uint16_t)(lo + 1) : lo;
+        }
+        if (signbit(f)) want |= 0x8000;
+        n_check++;
+        if (got != want) FAIL("f32 %.9g -> f16 0x%04x, want 0x%04x", (double)f, got, want);
+    }
+    /* special values */
+    n_check += 4;
+    if (cb_f32_to_f16(INFINITY) != 0x7c00) FAIL("f16(+inf)");
+    if (cb_f32_to_f16(-INFINITY) != 0xfc00) FAIL("f16(-inf)");
+    if (!isnan(cb_f16_to_f32(cb_f32_to_f16(NAN)))) FAIL("f16(nan) is not nan");
+    if (cb_f32_to_f16(1e-10f) != 0 || cb_f32_to_f16(-0.0f) != 0x8000) FAIL("f16 tiny/neg zero");
+
+    /* bf16: all values round-trip; f32 -> bf16 is round to nearest even */
+    for (uint32_t h = 0; h < 65536; h++) {
+        float f = cb_bf16_to_f32((uint16_t)h);
+        n_check++;
+        if (bits_f32(f) != h << 16) FAIL("bf16 0x%04x widening", h);
+        if (isnan(f)) {
+            if (!isnan(cb_bf16_to_f32(cb_f32_to_bf16(f)))) FAIL("bf16 nan round trip 0x%04x", h);
+        } else if (cb_f32_to_bf16(f) != h) {
+            FAIL("bf16 round trip 0x%04x", h);
+        }
+    }
+    for (int i = 0; i < 200000; i++) {
+        uint32_t u = (uint32_t)((uint64_t)((urand() + 1.0) * 2147483647.0));
+        float f = f32_bits(u);
+        if (isnan(f)) continue;
+        uint16_t got = cb_f32_to_bf16(f);
+        uint32_t lo = u & 0xffff0000u, low = u & 0xffffu;
+        uint16_t want = (uint16_t)(lo >> 16);
+        if (low > 0x8000u || (low == 0x8000u && (want & 1))) want++;
+        n_check++;
+        if (got != want) FAIL("f32 0x%08x -> bf16 0x%04x, want 0x%04x", u, got, want);
+    }
+}
+
+/* ---- kernels ---- */
+
+static void test_matmul(const cb_kernels *K) {
+    const int64_t Ts[] = {1, 3, 7};
+    const int64_t Ns[] = {1, 7, 33};
+    const int64_t Ks[] = {1, 7, 33, 129};
+    for (uint32_t dt = CB_DT_F32; dt <= CB_DT_BF16; dt++)
+        for (size_t a = 0; a < 3; a++)
+            for (size_t b = 0; b < 3; b++)
+                for (size_t c = 0; c < 4; c++) {
+                    int64_t T = Ts[a], N = Ns[b], Kd = Ks[c];
+                    wbuf w = make_w(dt, N * Kd, 1.0);
+                    float *x = malloc((size_t)(T * Kd) * 4), *y = malloc((size_t)(T * N) * 4);
+                    fill(x, T * Kd, 2.0);
+                    K->matmul(y, x, w.raw, dt, T, N, Kd);
+                    for (int64_t t = 0; t < T; t++)
+                        for (int64_t n = 0; n < N; n++) {
+                            double s = 0, mag = 0;
+                            for (int64_t k = 0; k < Kd; k++) {
+                                double p = (double)x[t * Kd + k] * w.val[n * Kd + k];
+                                s += p;
+                                mag += fabs(p);
+                            }
+                            if (!close_to(y[t * N + n], s, mag, 1e-5))
+                                FAIL("[%s] matmul %s T%lld N%lld K%lld (%lld,%lld): %.9g vs %.9g", K->name,
+                                     cb_dtype_name(dt), (long long)T, (long long)N, (long long)Kd, (long long)t,
+                                     (long long)n, (double)y[t * N + n], s);
+                        }
+                    free(x);
+                    free(y);
+                    free_w(&w);
+                }
+}
+
+static void test_matmul_i8(const cb_kernels *K) {
+    const int64_t T = 5, N = 7, Kd = 33;
+    int8_t q[7 * 33];
+    float scale[7], zero[7], x[5 * 33], y[5 * 7];
+    for (int64_t i = 0; i < N * Kd; i++) q[i] = (int8_t)(int)floor(urand() * 128.0);
+    for (int64_t n = 0; n < N; n++) {
+        scale[n] = (float)(0.001 + fabs(urand()) * 0.01);
+        zero[n] = (float)floor(urand() * 100.0);
+    }
+    fill(x, T * Kd, 1.0);
+    K->matmul_i8(y, x, q, scale, zero, T, N, Kd);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < N; n++) {
+            double s = 0, mag = 0;
+            for (int64_t k = 0; k < Kd; k++) {
+                double wv = (double)(((float)q[n * Kd + k] - zero[n]) * scale[n]);
+                s += wv * x[t * Kd + k];
+                mag += fabs(wv * x[t * Kd + k]);
+            }
+            if (!close_to(y[t * N + n], s, mag, 1e-5))
+                FAIL("[%s] matmul_i8 (%lld,%lld): %.9g vs %.9g", K->name, (long long)t, (long long)n,
+                     (double)y[t * N + n], s);
+        }
+}
+
+static void test_rmsnorm(const cb_kernels *K) {
+    const int64_t Hs[] = {1, 7, 33, 129};
+    for (size_t i = 0; i < 4; i++) {
+        int64_t H = Hs[i], T = 3;
+        float *x = malloc((size_t)(T * H) * 4), *y = malloc((size_t)(T * H) * 4), *w = malloc((size_t)H * 4);
+        fill(x, T * H, 3.0);
+        fill(w, H, 1.5);
+        K->rmsnorm(y, x, w, T, H, 1e-5f);
+        for (int64_t t = 0; t < T; t++) {
+            double ss = 0;
+            for (int64_t k = 0; k < H; k++) ss += (double)x[t * H + k] * x[t * H + k];
+            double r = 1.0 / sqrt(ss / (double)H + 1e-5);
+            for (int64_t k = 0; k < H; k++) {
+                double want = (double)x[t * H + k] * r * w[k];
+                if (!close_to(y[t * H + k], want, fabs(want), 2e-6))
+                    FAIL("[%s] rmsnorm H%lld: %.9g vs %.9g", K->name, (long long)H, (double)y[t * H + k], want);
+            }
+        }
+        /* in place gives the same result */
+        K->rmsnorm(x, x, w, T, H, 1e-5f);
+        n_check++;
+        if (memcmp(x, y, (size_t)(T * H) * 4) != 0) FAIL("[%s] rmsnorm in place differs", K->name);
+        free(x);
+        free(y);
+        free(w);
+    }
+}
+
+static void test_rope(const cb_kernels *K) {
+    const int64_t Ds[] = {2, 6, 16, 130};
+    for (size_t i = 0; i < 4; i++) {
+        int64_t D = Ds[i], T = 3, nh = 3, half = D / 2;
+        float *x = malloc((size_t)(T * nh * D) * 4), *x0 = malloc((size_t)(T * nh * D) * 4);
+        float *c = malloc((size_t)(T * half) * 4), *s = malloc((size_t)(T * half) * 4);
+        fill(x, T * nh * D, 2.0);
+        memcpy(x0, x, (size_t)(T * nh * D) * 4);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t k = 0; k < half; k++) {
+                double ang = (double)(t + 17) * pow(10000.0, -2.0 * (double)k / (double)D);
+                c[t * half + k] = (float)cos(ang);
+                s[t * half + k] = (float)sin(ang);
+            }
+        K->rope(x, T, nh, D, c, s);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < nh; h++)
+                for (int64_t k = 0; k < half; k++) {
+                    const float *v0 = x0 + (t * nh + h) * D;
+                    const float *v = x + (t * nh + h) * D;
+                    double a = v0[k], b = v0[k + half], cc = c[t * half + k], ss = s[t * half + k];
+                    double w1 = a * cc - b * ss, w2 = b * cc + a * ss;
+                    if (!close_to(v[k], w1, fabs(a * cc) + fabs(b * ss), 1e-6) ||
+                        !close_to(v[k + half], w2, fabs(b * cc) + fabs(a * ss), 1e-6))
+                        FAIL("[%s] rope D%lld t%lld h%lld k%lld", K->name, (long long)D, (long long)t,
+                             (long long)h, (long long)k);
+                }
+        free(x);
+        free(x0);
+        free(c);
+        free(s);
+    }
+}
+
+static void test_softmax(const cb_kernels *K) {
+    const int64_t Ns[] = {1, 7, 33, 129, 1000};
+    for (size_t i = 0; i < 5; i++) {
+        int64_t n = Ns[i];
+        float *x = malloc((size_t)n * 4), *x0 = malloc((size_t)n * 4);
+        fill(x, n, 20.0);
+        memcpy(x0, x, (size_t)n * 4);
+        K->softmax(x, n);
+        double m = -INFINITY, sum = 0;
+        for (int64_t k = 0; k < n; k++) m = x0[k] > m ? x0[k] : m;
+        for (int64_t k = 0; k < n; k++) sum += exp((double)x0[k] - m);
+        for (int64_t k = 0; k < n; k++) {
+            double want = exp((double)x0[k] - m) / sum;
+            if (!close_to(x[k], want, want, 1e-5)) FAIL("[%s] softmax n%lld k%lld: %.9g vs %.9g", K->name,
+                                                        (long long)n, (long long)k, (double)x[k], want);
+        }
+        free(x);
+        free(x0);
+    }
+}
+
+static void test_attention(const cb_kernels *K) {
+    struct { int64_t T, start, Hq, Hkv, D, window; } cs[] = {
+        {1, 0, 1, 1, 2, 0}, {7, 0, 4, 2, 6, 0}, {3, 30, 6, 3, 16, 0}, {33, 5, 4, 1, 10, 7},
+        {1, 128, 2, 2, 8, 129}, {5, 3, 8, 8, 4, 1},
+    };
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        int64_t T = cs[i].T, P = cs[i].start + T, nq = cs[i].Hq * cs[i].D, nkv = cs[i].Hkv * cs[i].D;
+        int64_t D = cs[i].D, group = cs[i].Hq / cs[i].Hkv;
+        float *q = malloc((size_t)(T * nq) * 4), *out = malloc((size_t)(T * nq) * 4);
+        float *kc = malloc((size_t)(P * nkv) * 4), *vc = malloc((size_t)(P * nkv) * 4);
+        float *sc = malloc((size_t)P * 4);
+        double *p = malloc((size_t)P * 8);
+        fill(q, T * nq, 1.5);
+        fill(kc, P * nkv, 1.5);
+        fill(vc, P * nkv, 1.0);
+        K->attention(out, q, kc, vc, sc, T, cs[i].start, cs[i].Hq, cs[i].Hkv, D, cs[i].window);
+        for (int64_t t = 0; t < T; t++) {
+            int64_t pos = cs[i].start + t;
+            for (int64_t h = 0; h < cs[i].Hq; h++) {
+                int64_t kvh = h / group;
+                double m = -INFINITY, sum = 0;
+                for (int64_t j = 0; j <= pos; j++) {
+                    int vis = cs[i].window <= 0 || pos - j < cs[i].window;
+                    double s = -INFINITY;
+                    if (vis) {
+                        s = 0;
+                        for (int64_t d = 0; d < D; d++) s += (double)q[t * nq + h * D + d] * kc[j * nkv + kvh * D + d];
+                        s /= sqrt((double)D);
+                    }
+                    p[j] = s;
+                    if (s > m) m = s;
+                }
+                for (int64_t j = 0; j <= pos; j++) {
+                    p[j] = isinf(p[j]) ? 0.0 : exp(p[j] - m);
+                    sum += p[j];
+                }
+                for (int64_t d = 0; d < D; d++) {
+                    double o = 0, mag = 0;
+                    for (int64_t j = 0; j <= pos; j++) {
+                        o += p[j] / sum * vc[j * nkv + kvh * D + d];
+                        mag += fabs(p[j] / sum * vc[j * nkv + kvh * D + d]);
+                    }
+                    if (!close_to(out[t * nq + h * D + d], o, mag, 2e-5))
+                        FAIL("[%s] attention case %zu t%lld h%lld d%lld: %.9g vs %.9g", K->name, i, (long long)t,
+                             (long long)h, (long long)d, (double)out[t * nq + h * D + d], o);
+                }
+            }
+        }
+        free(q);
+        free(out);
+        free(kc);
+        free(vc);
+        free(sc);
+        free(p);
+    }
+}
+
+/* Pack w1 (gate) [I, H], w3 (up) [I, H], w2 (down) [H, I] into the EXPERTS_PACKED rows. */
+static void pack_expert(float *dst, const float *w1, const float *w3, const float *w2, int64_t I,
+                        int64_t H, int64_t B) {
+    int64_t row = 0;
+    for (int64_t b0 = 0; b0 < I; b0 += B) {
+        int64_t nb = I - b0 < B ? I - b0 : B;
+        for (int64_t j = 0; j < nb; j++, row++) memcpy(dst + row * H, w1 + (b0 + j) * H, (size_t)H * 4);
+        for (int64_t j = 0; j < nb; j++, row++) memcpy(dst + row * H, w3 + (b0 + j) * H, (size_t)H * 4);
+    }
+    for (int64_t i = 0; i < I; i++, row++)
+        for (int64_t c = 0; c < H; c++) dst[row * H + c] = w2[c * I + i];
+}
+
+static void test_expert_ffn(const cb_kernels *K) {
+    struct { int64_t R, H, I, B; } cs[] = {
+        {1, 7, 5, 32}, {3, 33, 37, 1}, {4, 45, 37, 8}, {7, 17, 64, 32}, {2, 129, 33, 5}, {1, 1, 1, 1},
+    };
+    for (uint32_t dt = CB_DT_F32; dt <= CB_DT_BF16; dt++)
+        for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+            int64_t R = cs[i].R, H = cs[i].H, I = cs[i].I, B = cs[i].B;
+            wbuf w = make_w(dt, 3 * I * H, 0.5);
+            /* interpret the random stored rows as w1 | w3 | w2 in plain layout, then pack */
+            const float *w1 = w.val, *w3 = w.val + I * H, *w2 = w.val + 2 * I * H;
+            float *packed = malloc((size_t)(3 * I * H) * 4);
+            pack_expert(packed, w1, w3, w2, I, H, B);
+            void *raw = malloc((size_t)(3 * I * H) * cb_dtype_size(dt));
+            for (int64_t k = 0; k < 3 * I * H; k++) {
+                if (dt == CB_DT_F32) ((float *)raw)[k] = packed[k];
+                else if (dt == CB_DT_F16) ((uint16_t *)raw)[k] = cb_f32_to_f16(packed[k]); /* exact */
+                else ((uint16_t *)raw)[k] = cb_f32_to_bf16(packed[k]);
+            }
+            float *x = malloc((size_t)(R * H) * 4), *y = malloc((size_t)(R * H) * 4), *h = malloc((size_t)(R * I) * 4);
+            double *hd = malloc((size_t)I * 8), *hm = malloc((size_t)I * 8);
+            fill(x, R * H, 1.0);
+            K->expert_ffn(y, h, x, raw, dt, R, H, I, B);
+            for (int64_t r = 0; r < R; r++) {
+                for (int64_t k = 0; k < I; k++) {
+                    double g = 0, u = 0, mg = 0, mu = 0;
+                    for (int64_t c = 0; c < H; c++) {
+                        g += (double)w1[k * H + c] * x[r * H + c];
+                        u += (double)w3[k * H + c] * x[r * H + c];
+                        mg += fabs((double)w1[k * H + c] * x[r * H + c]);
+                        mu += fabs((double)w3[k * H + c] * x[r * H + c]);
+                    }
+                    hd[k] = g / (1.0 + exp(-g)) * u;
+                    hm[k] = (mg + 1e-3) * (mu + 1e-3);
+                    if (!close_to(h[r * I + k], hd[k], hm[k], 2e-5))
+                        FAIL("[%s] expert_ffn %s case %zu h[%lld,%lld]: %.9g vs %.9g", K->name, cb_dtype_name(dt),
+                             i, (long long)r, (long long)k, (double)h[r * I + k], hd[k]);
+                }
+                for (int64_t c = 0; c < H; c++) {
+                    double o = 0, mag = 0;
+                    for (int64_t k = 0; k < I; k++) {
+                        o += hd[k] * w2[c * I + k];
+                        mag += fabs(hm[k] * w2[c * I + k]);
+                    }
+                    if (!close_to(y[r * H + c], o, mag, 3e-5))
+                        FAIL("[%s] expert_ffn %s case %zu y[%lld,%lld]: %.9g vs %.9g", K->name, cb_dtype_name(dt),
+                             i, (long long)r, (long long)c, (double)y[r * H + c], o);
+                }
+            }
+            free(packed);
+            free(raw);
+            free(x);
+            free(y);
+            free(h);
+            free(hd);
+            free(hm);
+            free_w(&w);
+        }
+}
+
+static void test_table(const cb_kernels *K) {
+    test_matmul(K);
+    test_matmul_i8(K);
+    test_rmsnorm(K);
+    test_rope(K);
+    test_softmax(K);
+    test_attention(K);
+    test_expert_ffn(K);
+}
+
+int main(void) {
+    test_conversions();
+    test_table(cb_kernels_ref());
+    if (cb_kernels_best() != cb_kernels_ref()) test_table(cb_kernels_best());
+    if (n_fail) {
+        printf("test_kernels: %d of %d checks FAILED\n", n_fail, n_check);
+        return 1;
+    }
+    printf("test_kernels: OK (%d checks)\n", n_check);
+    return 0;
+}

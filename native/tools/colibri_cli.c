@@ -1,0 +1,435 @@
+/*
+ * colibri_cli — run a .colibri model from the command line, using only colibri.h.
+ *
+ *   colibri_cli --model m.colibri --prompt "Hello" --max_new_tokens 24   stream text
+ *   colibri_cli --model m.colibri --prompt "Hello" --max_new_tokens 1    top-5 table
+ *
+ * Before running, the router tensors' L2 norms are re-computed and compared with the
+ * ones stored in the file (colibri_verify_router); --verify also checks every CRC-32.
+ * Generation is: one prefill forward over the prompt, then one forward per generated
+ * token, sampling with colibri_sample (the same calls the Python Engine.generate makes,
+ * so both produce the same tokens for the same seed).
+ *
+ * Exit status: 0 success, 1 an engine error (the engine's message on stderr), 2 a usage
+ * error. Generated text goes to stdout, everything else to stderr.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "colibri.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define EXIT_ENGINE 1
+#define EXIT_USAGE 2
+#define TOP_N 5
+
+typedef struct args {
+    const char *model;
+    const char *prompt;
+    int64_t max_new_tokens;
+    double temperature;
+    int64_t top_k;
+    double top_p;
+    uint64_t seed;
+    int64_t num_threads;
+    int64_t max_seq_len;
+    int verbose;
+    int verify;
+} args;
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: colibri_cli --model PATH --prompt TEXT [options]\n"
+            "\n"
+            "Runs a .colibri model. With --max_new_tokens 1 prints the 5 most likely next\n"
+            "tokens and their probabilities; otherwise streams the generated text.\n"
+            "\n"
+            "options:\n"
+            "  --model PATH           .colibri file (required)\n"
+            "  --prompt TEXT          prompt text, encoded with BOS (required)\n"
+            "  --max_new_tokens N     tokens to generate, >= 1 (default 24)\n"
+            "  --temperature T        0 = greedy (default 0)\n"
+            "  --top_k K              keep the K most likely tokens, 0 = off (default 0)\n"
+            "  --top_p P              nucleus sampling, 0 < P <= 1, 1 = off (default 1)\n"
+            "  --seed S               sampler seed, an unsigned 64-bit integer (default 0)\n"
+            "  --num_threads N        0 = the engine's default (default 0)\n"
+            "  --max_seq_len N        0 = the engine's default (default 0)\n"
+            "  --verify               check every CRC-32 in the file before running\n"
+            "  --verbose              print load and timing figures to stderr\n"
+            "  --help                 print this help and exit\n");
+}
+
+static int usage_error(const char *fmt, ...) {
+    va_list ap;
+    fprintf(stderr, "colibri_cli: ");
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "\nTry 'colibri_cli --help'.\n");
+    return EXIT_USAGE;
+}
+
+static int parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return 0;
+    *out = v;
+    return 1;
+}
+
+static int parse_u64(const char *s, uint64_t *out) {
+    char *end;
+    if (*s == '-') return 0;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || *end) return 0;
+    *out = v;
+    return 1;
+}
+
+static int parse_f64(const char *s, double *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !isfinite(v)) return 0;
+    *out = v;
+    return 1;
+}
+
+/* Parse argv into *a. Returns -1 to go on, or an exit status (0 for --help). */
+static int parse_args(int argc, char **argv, args *a) {
+    memset(a, 0, sizeof *a);
+    a->max_new_tokens = 24;
+    a->top_p = 1.0;
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
+            usage(stdout);
+            return 0;
+        }
+        if (!strcmp(arg, "--verbose")) { a->verbose = 1; continue; }
+        if (!strcmp(arg, "--verify")) { a->verify = 1; continue; }
+        if (strncmp(arg, "--", 2) != 0) return usage_error("unexpected argument '%s'", arg);
+
+        /* --name VALUE or --name=VALUE */
+        char name[64];
+        const char *val;
+        const char *eq = strchr(arg, '=');
+        if (eq) {
+            size_t n = (size_t)(eq - arg);
+            if (n >= sizeof name) return usage_error("unknown option '%s'", arg);
+            memcpy(name, arg, n);
+            name[n] = '\0';
+            val = eq + 1;
+        } else {
+            if (strlen(arg) >= sizeof name) return usage_error("unknown option '%s'", arg);
+            strcpy(name, arg);
+            val = NULL;
+        }
+        static const char *const known[] = {"--model", "--prompt", "--max_new_tokens",
+                                            "--temperature", "--top_k", "--top_p", "--seed",
+                                            "--num_threads", "--max_seq_len"};
+        int is_known = 0;
+        for (size_t k = 0; k < sizeof known / sizeof known[0]; k++)
+            if (!strcmp(name, known[k])) is_known = 1;
+        if (!is_known) return usage_error("unknown option '%s'", name);
+        if (!val) {
+            if (i + 1 >= argc) return usage_error("option '%s' needs a value", name);
+            val = argv[++i];
+        }
+
+        if (!strcmp(name, "--model")) {
+            if (!*val) return usage_error("--model needs a path");
+            a->model = val;
+        } else if (!strcmp(name, "--prompt")) {
+            a->prompt = val;
+        } else if (!strcmp(name, "--max_new_tokens")) {
+            if (!parse_i64(val, 1, INT32_MAX, &a->max_new_tokens))
+                return usage_error("--max_new_tokens must be an integer >= 1, got '%s'", val);
+        } else if (!strcmp(name, "--temperature")) {
+            if (!parse_f64(val, &a->temperature) || a->temperature < 0)
+                return usage_error("--temperature must be a number >= 0, got '%s'", val);
+        } else if (!strcmp(name, "--top_k")) {
+            if (!parse_i64(val, 0, INT32_MAX, &a->top_k))
+                return usage_error("--top_k must be an integer >= 0, got '%s'", val);
+        } else if (!strcmp(name, "--top_p")) {
+            if (!parse_f64(val, &a->top_p) || !(a->top_p > 0 && a->top_p <= 1))
+                return usage_error("--top_p must be a number in (0, 1], got '%s'", val);
+        } else if (!strcmp(name, "--seed")) {
+            if (!parse_u64(val, &a->seed))
+                return usage_error("--seed must be an unsigned integer, got '%s'", val);
+        } else if (!strcmp(name, "--num_threads")) {
+            if (!parse_i64(val, 0, 4096, &a->num_threads))
+                return usage_error("--num_threads must be an integer in 0..4096, got '%s'", val);
+        } else if (!strcmp(name, "--max_seq_len")) {
+            if (!parse_i64(val, 0, INT64_MAX, &a->max_seq_len))
+                return usage_error("--max_seq_len must be an integer >= 0, got '%s'", val);
+        }
+    }
+    if (!a->model) return usage_error("--model is required");
+    if (!a->prompt) return usage_error("--prompt is required");
+    return -1;
+}
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+/* Report a failed engine call and return the exit status for it. */
+static int engine_error(colibri_ctx *ctx, colibri_status st, const char *what) {
+    const char *msg = ctx ? colibri_last_error(ctx) : "";
+    fprintf(stderr, "colibri_cli: error: %s: %s\n", what,
+            (msg && *msg) ? msg : colibri_status_string(st));
+    return EXIT_ENGINE;
+}
+
+static int tok_error(colibri_tokenizer *tok, colibri_status st, const char *what) {
+    const char *msg = colibri_tokenizer_last_error(tok);
+    fprintf(stderr, "colibri_cli: error: %s: %s\n", what,
+            (msg && *msg) ? msg : colibri_status_string(st));
+    return EXIT_ENGINE;
+}
+
+/* Print a piece between quotes with control characters, quotes and backslashes escaped;
+ * other bytes (UTF-8 included) as they are. */
+static void print_escaped(FILE *f, const char *s, uint64_t n) {
+    fputc('"', f);
+    for (uint64_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        switch (c) {
+        case '\n': fputs("\\n", f); break;
+        case '\t': fputs("\\t", f); break;
+        case '\r': fputs("\\r", f); break;
+        case '"': fputs("\\\"", f); break;
+        case '\\': fputs("\\\\", f); break;
+        default:
+            if (c < 0x20 || c == 0x7f) fprintf(f, "\\x%02x", c);
+            else fputc(c, f);
+        }
+    }
+    fputc('"', f);
+}
+
+/* The top-5 table for the last row of logits: softmax in double, ties to the lower id. */
+static int print_top(colibri_ctx *ctx, colibri_tokenizer *tok, const float *row, int64_t vocab,
+                     int64_t n_prompt) {
+    double maxv = -INFINITY;
+    for (int64_t v = 0; v < vocab; v++)
+        if (row[v] > maxv) maxv = row[v];
+    double sum = 0;
+    for (int64_t v = 0; v < vocab; v++) sum += exp((double)row[v] - maxv);
+
+    int64_t best[TOP_N];
+    int nbest = 0;
+    for (int64_t v = 0; v < vocab; v++) {
+        /* insert v if it beats the current last (strictly: earlier ids win ties) */
+        int pos = nbest;
+        while (pos > 0 && row[v] > row[best[pos - 1]]) pos--;
+        if (pos >= TOP_N) continue;
+        int last = nbest < TOP_N ? nbest : TOP_N - 1;
+        for (int j = last; j > pos; j--) best[j] = best[j - 1];
+        best[pos] = v;
+        if (nbest < TOP_N) nbest++;
+    }
+
+    printf("top-%d next tokens after %" PRId64 " prompt tokens:\n", nbest, n_prompt);
+    for (int r = 0; r < nbest; r++) {
+        const char *piece = NULL;
+        uint64_t plen = 0;
+        colibri_status st = colibri_token_piece(tok, (int32_t)best[r], &piece, &plen);
+        double p = exp((double)row[best[r]] - maxv) / sum;
+        printf("%2d  id=%-7" PRId64 " p=%.6f  piece=", r + 1, best[r], p);
+        if (st == COLIBRI_OK) print_escaped(stdout, piece, plen);
+        else fputs("(none)", stdout); /* an id the tokenizer lacks (padded embedding) */
+        fputc('\n', stdout);
+    }
+    (void)ctx;
+    return 0;
+}
+
+/* Length of the run of U+FFFD (EF BF BD) at the end of s[0..n): bytes that may still turn
+ * into a character when the next byte-fallback token arrives. */
+static uint64_t replacement_tail(const char *s, uint64_t n) {
+    uint64_t k = n;
+    while (k >= 3 && (unsigned char)s[k - 3] == 0xEF && (unsigned char)s[k - 2] == 0xBF &&
+           (unsigned char)s[k - 1] == 0xBD)
+        k -= 3;
+    return n - k;
+}
+
+/* Decode ids[0..n) into *buf (grown as needed); *len gets the byte length. */
+static colibri_status decode_all(colibri_tokenizer *tok, const int32_t *ids, int64_t n,
+                                 char **buf, uint64_t *cap, uint64_t *len) {
+    for (;;) {
+        colibri_status st = colibri_detokenize(tok, ids, n, *buf, *cap, len);
+        if (st != COLIBRI_E_BUFFER_TOO_SMALL) return st;
+        uint64_t want = *len + *len / 2 + 64;
+        char *nb = realloc(*buf, want);
+        if (!nb) return COLIBRI_E_NOMEM;
+        *buf = nb;
+        *cap = want;
+    }
+}
+
+int main(int argc, char **argv) {
+    args a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc >= 0) return rc;
+    if (colibri_abi_version() != COLIBRI_ABI_VERSION) {
+        fprintf(stderr, "colibri_cli: error: library ABI %d, tool built for %d\n",
+                colibri_abi_version(), COLIBRI_ABI_VERSION);
+        return EXIT_ENGINE;
+    }
+
+    colibri_options opt;
+    colibri_options_init(&opt);
+    opt.num_threads = (int32_t)a.num_threads;
+    opt.max_seq_len = a.max_seq_len;
+
+    double t0 = now_ms();
+    colibri_ctx *ctx = NULL;
+    char err[1024] = "";
+    colibri_status st = colibri_init_ex(a.model, &opt, &ctx, err, sizeof err);
+    if (st != COLIBRI_OK) {
+        fprintf(stderr, "colibri_cli: error: cannot open model: %s\n",
+                *err ? err : colibri_status_string(st));
+        return EXIT_ENGINE;
+    }
+    double t_load = now_ms() - t0;
+
+    int32_t *ids = NULL;
+    float *logits = NULL;
+    char *text = NULL;
+    rc = EXIT_ENGINE;
+
+    if (a.verify) {
+        double tv = now_ms();
+        st = colibri_verify(ctx);
+        if (st != COLIBRI_OK) { rc = engine_error(ctx, st, "checksum verification failed"); goto done; }
+        if (a.verbose) fprintf(stderr, "verify: all CRC-32 match (%.1f ms)\n", now_ms() - tv);
+    }
+    st = colibri_verify_router(ctx);
+    if (st != COLIBRI_OK) { rc = engine_error(ctx, st, "router weights do not match their stored norms"); goto done; }
+
+    int64_t vocab = 0, max_seq = 0, threads = 0;
+    if ((st = colibri_get_int(ctx, "vocab_size", &vocab)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "max_seq_len", &max_seq)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "num_threads", &threads)) != COLIBRI_OK) {
+        rc = engine_error(ctx, st, "reading the model's settings");
+        goto done;
+    }
+    colibri_tokenizer *tok = colibri_get_tokenizer(ctx);
+    if (!tok) {
+        fprintf(stderr, "colibri_cli: error: the model has no tokenizer\n");
+        goto done;
+    }
+
+    /* Encode the prompt with BOS, then make room for the generated ids. */
+    uint64_t plen = strlen(a.prompt);
+    int64_t cap = (int64_t)plen + 2, n_prompt = 0;
+    ids = malloc((size_t)cap * sizeof *ids);
+    if (!ids) goto oom;
+    st = colibri_tokenize(tok, a.prompt, plen, 1, ids, cap, &n_prompt);
+    if (st == COLIBRI_E_BUFFER_TOO_SMALL) {
+        cap = n_prompt;
+        int32_t *ni = realloc(ids, (size_t)cap * sizeof *ids);
+        if (!ni) goto oom;
+        ids = ni;
+        st = colibri_tokenize(tok, a.prompt, plen, 1, ids, cap, &n_prompt);
+    }
+    if (st != COLIBRI_OK) { rc = tok_error(tok, st, "encoding the prompt"); goto done; }
+    {
+        int32_t *ni = realloc(ids, (size_t)(n_prompt + a.max_new_tokens) * sizeof *ids);
+        if (!ni) goto oom;
+        ids = ni;
+    }
+    if (a.verbose)
+        fprintf(stderr, "load: %.1f ms (%s, vocab %" PRId64 ", max_seq_len %" PRId64
+                        ", %" PRId64 " threads)\nprompt: %" PRId64 " tokens\n",
+                t_load, a.model, vocab, max_seq, threads, n_prompt);
+
+    /* Prefill: all prompt rows are computed; only the last one is used. */
+    logits = malloc((size_t)n_prompt * (size_t)vocab * sizeof *logits);
+    if (!logits) goto oom;
+    double tp = now_ms();
+    st = colibri_forward_at(ctx, ids, n_prompt, 0, logits);
+    double t_prefill = now_ms() - tp;
+    if (st != COLIBRI_OK) { rc = engine_error(ctx, st, "prefill"); goto done; }
+    if (a.verbose)
+        fprintf(stderr, "prefill: %" PRId64 " tokens in %.2f ms (%.1f tok/s)\n", n_prompt,
+                t_prefill, t_prefill > 0 ? (double)n_prompt / t_prefill * 1e3 : 0.0);
+    const float *row = logits + (size_t)(n_prompt - 1) * (size_t)vocab;
+
+    if (a.max_new_tokens == 1) {
+        rc = print_top(ctx, tok, row, vocab, n_prompt);
+        goto done;
+    }
+
+    /* Decode loop. Text is streamed by decoding prompt + generated ids and printing what
+     * is new, holding back a trailing U+FFFD that the next byte token may complete. */
+    uint64_t tcap = 256, tlen = 0, printed = 0;
+    text = malloc(tcap);
+    if (!text) goto oom;
+    if ((st = decode_all(tok, ids, n_prompt, &text, &tcap, &tlen)) != COLIBRI_OK) {
+        rc = tok_error(tok, st, "decoding");
+        goto done;
+    }
+    printed = tlen - replacement_tail(text, tlen);
+
+    uint64_t rng = a.seed;
+    int64_t n = n_prompt, n_gen = 0;
+    double td = now_ms();
+    for (;;) {
+        int32_t next;
+        st = colibri_sample(ctx, row, (float)a.temperature, (int32_t)a.top_k, (float)a.top_p, &rng,
+                            &next);
+        if (st != COLIBRI_OK) { rc = engine_error(ctx, st, "sampling"); goto done; }
+        if (next == colibri_tokenizer_eos_id(tok)) break;
+        ids[n++] = next;
+        n_gen++;
+
+        if ((st = decode_all(tok, ids, n, &text, &tcap, &tlen)) != COLIBRI_OK) {
+            rc = tok_error(tok, st, "decoding");
+            goto done;
+        }
+        uint64_t upto = tlen - replacement_tail(text, tlen);
+        if (upto > printed) {
+            fwrite(text + printed, 1, upto - printed, stdout);
+            fflush(stdout);
+            printed = upto;
+        }
+        if (n_gen >= a.max_new_tokens) break;
+
+        st = colibri_forward_at(ctx, &ids[n - 1], 1, n - 1, logits);
+        if (st != COLIBRI_OK) { rc = engine_error(ctx, st, "decode"); goto done; }
+        row = logits;
+    }
+    double t_decode = now_ms() - td;
+    if (tlen > printed) fwrite(text + printed, 1, tlen - printed, stdout);
+    fputc('\n', stdout);
+    fflush(stdout);
+    if (a.verbose)
+        fprintf(stderr, "decode: %" PRId64 " tokens in %.2f ms (%.1f tok/s)\n", n_gen, t_decode,
+                t_decode > 0 ? (double)n_gen / t_decode * 1e3 : 0.0);
+    rc = 0;
+    goto done;
+
+oom:
+    fprintf(stderr, "colibri_cli: error: out of memory\n");
+    rc = EXIT_ENGINE;
+done:
+    free(text);
+    free(logits);
+    free(ids);
+    colibri_free(ctx);
+    return rc;
+}

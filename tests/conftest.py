@@ -1,0 +1,103 @@
+"""Session fixtures shared by the test files: the repository root and a factory of small
+random Mixtral checkpoints converted to .colibri.
+
+    def test_x(make_model):
+        hf_dir, path = make_model()                       # the default small model
+        hf_dir, path = make_model(vocab=1003, dtype="bf16")
+
+``make_model(**shape)`` takes the fields of ``hf_models.Shape`` (vocab, hidden, inter,
+layers, heads, kv_heads, head_dim, experts, top_k, sliding_window, tie, max_pos, std,
+seed) plus ``dtype`` ("f32", "f16", "bf16") for the converter. The Hugging Face folder is
+built once per shape and the .colibri file once per (shape, dtype), for the whole session.
+A 32000-entry vocabulary gets the real Mixtral tokenizer (tokenizer.model).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# The default test model: the real Mixtral vocabulary (so text round-trips through the
+# real tokenizer), everything else tiny. Sizes are multiples of 4 so transformers' CPU
+# grouped_mm works on it as well.
+DEFAULT_SHAPE = dict(vocab=32000, hidden=64, inter=96, layers=2, heads=4, kv_heads=2,
+                     experts=4, top_k=2, max_pos=256, seed=0)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+def _tokenizer_model() -> Path:
+    """The Mixtral SentencePiece model: data/tokenizer.model.v1, else the copy inside the
+    mistral-common wheel (a test dependency)."""
+    p = REPO_ROOT / "data" / "tokenizer.model.v1"
+    if p.is_file():
+        return p
+    import mistral_common
+
+    return Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_model() -> Path:
+    p = _tokenizer_model()
+    if not p.is_file():
+        pytest.fail(f"the Mixtral tokenizer model is missing ({p})")
+    return p
+
+
+@pytest.fixture(scope="session")
+def make_model(tmp_path_factory, tokenizer_model):
+    """Factory: make_model(**shape) -> (hf_dir, colibri_path), cached per shape."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import colibri_lab
+    from hf_models import Shape, build_model
+
+    folders: dict[tuple, Path] = {}
+    files: dict[tuple, Path] = {}
+
+    def make(**kw) -> tuple[Path, Path]:
+        dtype = kw.pop("dtype", "f32")
+        shape = Shape(**{**DEFAULT_SHAPE, **kw})
+        key = tuple(sorted((k, repr(v)) for k, v in vars(shape).items()))
+        if key not in folders:
+            d = tmp_path_factory.mktemp("hf")
+            model = build_model(shape)
+            model.save_pretrained(d)
+            if shape.vocab == 32000:
+                shutil.copy(tokenizer_model, d / "tokenizer.model")
+            folders[key] = d
+        hf_dir = folders[key]
+        if (key, dtype) not in files:
+            out = hf_dir.parent / f"{hf_dir.name}-{dtype}.colibri"
+            colibri_lab.convert(hf_dir, out, dtype=dtype, progress=False)
+            files[(key, dtype)] = out
+        return hf_dir, files[(key, dtype)]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def cli_path() -> str:
+    """The colibri_cli installed beside this Python (pip puts it in the venv's bin/),
+    else one on PATH, else $COLIBRI_CLI."""
+    env = os.environ.get("COLIBRI_CLI")
+    if env:
+        return env
+    beside = Path(sys.executable).parent / "colibri_cli"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("colibri_cli")
+    if not found:
+        pytest.fail("colibri_cli not found: install the package with `pip install -e .` "
+                    "or set COLIBRI_CLI")  # fmt: skip
+    return found

@@ -1,0 +1,125 @@
+"""colibri_cli, run as a subprocess: the top-5 table, streamed generation (the same
+tokens as Engine.generate), router-norm verification, and its exit codes (0 ok,
+1 engine error with the engine's message, 2 usage error)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from colibri_lab import Engine
+from colibri_lab.format import SECTION_ROUTER, inspect
+
+PROMPT = "The quick brown fox"
+TOP_LINE = re.compile(r'^\s*(\d+)\s+id=(\d+)\s+p=([0-9.]+)\s+piece=(".*"|\(none\))$')
+
+
+@pytest.fixture(scope="module")
+def model(make_model):
+    return make_model()[1]
+
+
+def run(cli, *args, timeout=120):
+    return subprocess.run([cli, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_help(cli_path):
+    r = run(cli_path, "--help")
+    assert r.returncode == 0 and "--max_new_tokens" in r.stdout and "--model" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ([], "--model is required"),
+        (["--model", "m.colibri"], "--prompt is required"),
+        (["--model", "m.colibri", "--prompt", "hi", "--bogus", "1"], "unknown option"),
+        (["--model", "m.colibri", "--prompt", "hi", "--max_new_tokens", "0"], "--max_new_tokens"),
+        (["--model", "m.colibri", "--prompt", "hi", "--max_new_tokens", "ten"], "--max_new_tokens"),
+        (["--model", "m.colibri", "--prompt", "hi", "--temperature", "-1"], "--temperature"),
+        (["--model", "m.colibri", "--prompt", "hi", "--top_p", "1.5"], "--top_p"),
+        (["--model", "m.colibri", "--prompt", "hi", "--seed", "-3"], "--seed"),
+        (["--model", "m.colibri", "--prompt"], "needs a value"),
+        (["stray"], "unexpected argument"),
+    ],
+)
+def test_usage_errors_exit_2(cli_path, args, needle):
+    r = run(cli_path, *args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and r.stdout == ""
+
+
+def test_missing_model_exits_1(cli_path, tmp_path):
+    r = run(cli_path, "--model", tmp_path / "absent.colibri", "--prompt", "hi")
+    assert r.returncode == 1
+    assert "absent.colibri" in r.stderr and r.stdout == ""
+
+
+def test_top5(cli_path, model):
+    r = run(cli_path, "--model", model, "--prompt", PROMPT, "--max_new_tokens", "1")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    with Engine(model) as eng:
+        ids = eng.tokenizer.encode(PROMPT)
+        row = eng.forward(ids)[-1].astype(np.float64)
+        pieces = {i: eng.tokenizer.piece(i) for i in np.argsort(-row, kind="stable")[:5]}
+    assert lines[0] == f"top-5 next tokens after {len(ids)} prompt tokens:"
+    p = np.exp(row - row.max())
+    p /= p.sum()
+    expect = np.argsort(-row, kind="stable")[:5]
+    rows = [TOP_LINE.match(line) for line in lines[1:]]
+    assert len(rows) == 5 and all(rows), r.stdout
+    for rank, (m, want) in enumerate(zip(rows, expect), start=1):
+        assert int(m.group(1)) == rank
+        assert int(m.group(2)) == want
+        assert float(m.group(3)) == pytest.approx(p[want], abs=2e-6)
+        shown = m.group(4)[1:-1]
+        assert shown.encode().decode("unicode_escape").encode("latin-1").decode() == pieces[want]
+    probs = [float(m.group(3)) for m in rows]
+    assert probs == sorted(probs, reverse=True)
+
+
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8", "--top_k", "40", "--seed", "7"]])
+def test_streaming_matches_engine_generate(cli_path, model, sampling):
+    r = run(cli_path, "--model", model, "--prompt", PROMPT, "--max_new_tokens", "10", *sampling)
+    assert r.returncode == 0, r.stderr
+    kw = {}
+    if sampling:
+        kw = dict(temperature=0.8, top_k=40, seed=7)
+    with Engine(model) as eng:
+        text = "".join(t.text for t in eng.generate(PROMPT, max_new_tokens=10, **kw))
+    assert r.stdout == text + "\n"
+
+
+def test_verbose_and_verify(cli_path, model):
+    r = run(cli_path, "--model", model, "--prompt", PROMPT, "--max_new_tokens", "4",
+            "--verbose", "--verify", "--num_threads", "1")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    for needle in ("load:", "prompt:", "prefill:", "decode:", "tok/s", "verify:"):
+        assert needle in r.stderr, r.stderr
+
+
+def test_prompt_too_long_exits_1(cli_path, model):
+    r = run(cli_path, "--model", model, "--prompt", "word " * 50, "--max_seq_len", "8")
+    assert r.returncode == 1
+    assert "error" in r.stderr and r.stdout == ""
+
+
+def test_router_norm_mismatch_exits_1(cli_path, model, tmp_path):
+    """Damage the first router tensor: colibri_cli must refuse to run."""
+    bad = tmp_path / "bad-router.colibri"
+    shutil.copy(model, bad)
+    info = inspect(bad)
+    router = [t for t in info.tensors if t.name == "blk.0.ffn_gate_inp.weight"][0]
+    assert info.sections[SECTION_ROUTER].offset <= router.offset
+    with open(bad, "r+b") as f:
+        f.seek(router.offset)
+        f.write(np.full(8, 100.0, dtype="<f4").tobytes())
+    r = run(cli_path, "--model", bad, "--prompt", PROMPT, "--max_new_tokens", "1")
+    assert r.returncode == 1
+    assert "router" in r.stderr and r.stdout == ""

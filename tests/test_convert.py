@@ -1,0 +1,391 @@
+"""The converter on real checkpoint variants: transformers 4 and 5 config styles, sharded
+checkpoints, fused expert keys, the tokenizer, the embedded default model, refusals
+with clear messages and no leftover files, and the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_format import load_source, make_hf  # noqa: E402
+
+from colibri_lab.convert import ConversionError, convert, main  # noqa: E402
+from colibri_lab.format import inspect  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def hf5(tmp_path_factory):
+    return make_hf(tmp_path_factory.mktemp("v5") / "hf")
+
+
+def signature(path: Path):
+    """What must not depend on how the checkpoint was stored: header, metadata (less the
+    folder name), every tensor's name/dtype/shape/offset/CRC/norm."""
+    info = inspect(path, verify=True)
+    meta = {k: v for k, v in info.metadata.items() if k != "general.name"}
+    tensors = [(t.name, t.dtype, t.layout, t.shape, t.offset, t.nbytes, t.crc32, t.l2norm)
+               for t in info.tensors]
+    return info.header, meta, tensors
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith((".tmp", ".colibri")))
+
+
+def test_v4_and_v5_config_styles_give_the_same_file(hf5, tmp_path):
+    cfg = json.loads((hf5 / "config.json").read_text())
+    assert "rope_parameters" in cfg and cfg["head_dim"] == 4    # v5 style as written
+    v4 = tmp_path / "hf"
+    v4.mkdir()
+    for f in hf5.iterdir():
+        (v4 / f.name).write_bytes(f.read_bytes())
+    old = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "head_dim")}
+    old |= {"rope_theta": 1e6, "rope_scaling": None, "transformers_version": "4.46.0",
+            "torch_dtype": "float32"}
+    (v4 / "config.json").write_text(json.dumps(old))
+    a, b = tmp_path / "a.colibri", tmp_path / "b.colibri"
+    convert(hf5, a, progress=False)
+    convert(v4, b, progress=False)   # head_dim missing -> hidden / heads = 4
+    assert signature(a) == signature(b)
+
+
+def test_head_dim_null_and_theta_sliding_tie(tmp_path):
+    hf = make_hf(tmp_path / "hf", head_dim=None, hidden_size=24, num_attention_heads=4,
+                 num_key_value_heads=2, sliding_window=7, tie_word_embeddings=True,
+                 rope_parameters={"rope_theta": 12345.0, "rope_type": "default"})
+    cfg = json.loads((hf / "config.json").read_text())
+    assert cfg["head_dim"] is None and cfg["tie_word_embeddings"] is True
+    out = tmp_path / "m.colibri"
+    convert(hf, out, progress=False)
+    info = inspect(out)
+    m = info.metadata
+    assert m["model.head_dim"] == 6 and m["model.sliding_window"] == 7
+    assert m["model.rope_theta"] == 12345.0 and m["model.tie_word_embeddings"] is True
+    assert info.flags["tied_embeddings"] and info.header["flags"] == 2
+    names = {t.name for t in info.tensors}
+    assert "output.weight" not in names and "token_embd.weight" in names
+    assert info.header["max_seq_len"] == m["model.max_seq_len"] == 300   # default
+
+
+def test_sharded_checkpoint_with_index(hf5, tmp_path):
+    sharded = make_hf(tmp_path / "sharded", shard="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) >= 2
+    a, b = tmp_path / "a.colibri", tmp_path / "b.colibri"
+    convert(hf5, a, progress=False)
+    convert(sharded, b, progress=False)
+    assert signature(a) == signature(b)
+    # shards without an index are found too
+    (sharded / "model.safetensors.index.json").unlink()
+    c = tmp_path / "c.colibri"
+    convert(sharded, c, progress=False)
+    assert signature(a) == signature(c)
+
+
+def test_fused_expert_keys(hf5, tmp_path):
+    """transformers' in-memory layout: mlp.experts.gate_up_proj [E, 2I, H] (gate rows,
+    then up rows) and down_proj [E, H, I], router mlp.gate.weight."""
+    from safetensors.torch import save_file
+
+    src = load_source(hf5)
+    fused = {}
+    for name, t in src.items():
+        if ".block_sparse_moe.experts." in name:
+            continue
+        fused[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = t
+    for n in range(2):
+        p = f"model.layers.{n}.block_sparse_moe.experts"
+        w1 = torch.stack([src[f"{p}.{e}.w1.weight"] for e in range(3)])
+        w3 = torch.stack([src[f"{p}.{e}.w3.weight"] for e in range(3)])
+        w2 = torch.stack([src[f"{p}.{e}.w2.weight"] for e in range(3)])
+        fused[f"model.layers.{n}.mlp.experts.gate_up_proj"] = torch.cat([w1, w3], 1).contiguous()
+        fused[f"model.layers.{n}.mlp.experts.down_proj"] = w2.contiguous()
+    d = tmp_path / "fused"
+    d.mkdir()
+    (d / "config.json").write_bytes((hf5 / "config.json").read_bytes())
+    save_file(fused, d / "model.safetensors")
+    a, b = tmp_path / "a.colibri", tmp_path / "b.colibri"
+    convert(hf5, a, dtype="f32", block_size=4, progress=False)
+    convert(d, b, dtype="f32", block_size=4, progress=False)
+    assert signature(a) == signature(b)
+
+
+def test_fused_keys_are_what_transformers_uses(hf5):
+    """Guard for the fused order: transformers' module holds exactly [w1; w3] and w2."""
+    from transformers import MixtralForCausalLM
+
+    model = MixtralForCausalLM.from_pretrained(hf5)
+    src = load_source(hf5)
+    ex = model.model.layers[0].mlp.experts
+    p = "model.layers.0.block_sparse_moe.experts"
+    torch.testing.assert_close(ex.gate_up_proj[1, :13], src[f"{p}.1.w1.weight"])
+    torch.testing.assert_close(ex.gate_up_proj[1, 13:], src[f"{p}.1.w3.weight"])
+    torch.testing.assert_close(ex.down_proj[1], src[f"{p}.1.w2.weight"])
+
+
+def test_tokenizer_section_from_tokenizer_model(tmp_path):
+    pytest.importorskip("sentencepiece")
+    tok = REPO / "data" / "tokenizer.model.v1"
+    hf = make_hf(tmp_path / "hf", vocab_size=32000, num_hidden_layers=1)
+    (hf / "tokenizer.model").write_bytes(tok.read_bytes())
+    out = tmp_path / "m.colibri"
+    convert(hf, out, progress=False)
+    info = inspect(out)
+    m = info.metadata
+    assert m["tokenizer.type"] == "sentencepiece_bpe"
+    assert (m["tokenizer.bos_id"], m["tokenizer.eos_id"], m["tokenizer.unk_id"]) == (1, 2, 0)
+    assert m["tokenizer.pad_id"] == -1
+    assert info.section("tokenizer").size > 0 and info.section("tokenizer").crc_ok
+
+
+def test_default_model_converts(tmp_path):
+    d = REPO / "data" / "tiny-mixtral"
+    out = tmp_path / "tiny.colibri"
+    convert(d, out, progress=False)
+    info = inspect(out, verify=True)
+    h = info.header
+    assert (h["vocab_size"], h["hidden_size"], h["n_layers"], h["n_experts"], h["top_k"],
+            h["intermediate_size"], h["max_seq_len"]) == (32000, 64, 4, 8, 2, 128, 4096)
+    assert info.metadata["model.head_dim"] == 16 and info.metadata["model.n_kv_heads"] == 2
+    assert info.metadata["tokenizer.type"] == "sentencepiece_bpe"
+    assert info.metadata["general.name"] == "tiny-mixtral"
+
+
+def test_default_model_files():
+    d = REPO / "data" / "tiny-mixtral"
+    total = sum(f.stat().st_size for f in d.iterdir())
+    assert total < 20e6
+    assert (d / "tokenizer.model").read_bytes() == (REPO / "data" / "tokenizer.model.v1").read_bytes()
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["MixtralForCausalLM"]
+
+
+# ------------------------------------------------------------------------ refusals
+
+def test_missing_tensor_is_named_and_leaves_nothing(hf5, tmp_path):
+    from safetensors.torch import save_file
+
+    src = load_source(hf5)
+    gone = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    del src[gone]
+    d = tmp_path / "broken"
+    d.mkdir()
+    (d / "config.json").write_bytes((hf5 / "config.json").read_bytes())
+    save_file(src, d / "model.safetensors")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with pytest.raises(ConversionError, match=gone.replace(".", r"\.")):
+        convert(d, out_dir / "m.colibri", progress=False)
+    assert leftovers(out_dir) == []
+
+
+def test_wrong_shape_is_named(hf5, tmp_path):
+    d = tmp_path / "hf"
+    d.mkdir()
+    for f in hf5.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 14
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConversionError, match=r"experts\.0\.w1\.weight.*shape \[13, 20\]"):
+        convert(d, tmp_path / "m.colibri", progress=False)
+    assert leftovers(tmp_path) == []
+
+
+def test_failure_while_writing_leaves_nothing_and_keeps_old_output(hf5, tmp_path):
+    d = tmp_path / "hf"
+    d.mkdir()
+    for f in hf5.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    out = tmp_path / "out.colibri"
+    out.write_bytes(b"previous")
+    # truncate the weights: the header is fine, the last tensors' bytes are gone
+    st = d / "model.safetensors"
+    data = st.read_bytes()
+    st.write_bytes(data[: len(data) - 400])
+    with pytest.raises(ConversionError, match="past the end|truncated"):
+        convert(d, out, progress=False)
+    assert out.read_bytes() == b"previous"
+    assert not (tmp_path / "out.colibri.tmp").exists()
+
+
+def test_failure_mid_write_removes_tmp(hf5, tmp_path, monkeypatch):
+    from colibri_lab import convert as conv
+
+    calls = {"n": 0}
+    real = conv.SrcTensor.read_flat
+
+    def flaky(self, first, count):
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise OSError("disk on fire")
+        return real(self, first, count)
+
+    monkeypatch.setattr(conv.SrcTensor, "read_flat", flaky)
+    with pytest.raises(OSError, match="disk on fire"):
+        convert(hf5, tmp_path / "m.colibri", progress=False)
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("model_type,arch", [("llama", "LlamaForCausalLM"),
+                                             ("qwen2_moe", "Qwen2MoeForCausalLM")])
+def test_unknown_architecture_names_supported(tmp_path, model_type, arch):
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": [arch],
+                                               "hidden_size": 8}))
+    with pytest.raises(ConversionError, match=rf"unsupported architecture '{model_type}'.*mixtral"):
+        convert(d, tmp_path / "m.colibri", progress=False)
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_parameters": None, "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}},
+     "rope_scaling"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"head_dim": 5}, "head_dim 5 is odd"),
+    ({"num_experts_per_tok": 4}, "num_experts_per_tok 4 > num_local_experts 3"),
+    ({"num_key_value_heads": 2}, "not a multiple of num_key_value_heads"),
+])  # fmt: skip
+def test_unsupported_config_is_refused(hf5, tmp_path, change, match):
+    d = tmp_path / "hf"
+    d.mkdir()
+    for f in hf5.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((d / "config.json").read_text()) | change
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConversionError, match=match):
+        convert(d, tmp_path / "m.colibri", progress=False)
+
+
+def test_bad_arguments(hf5, tmp_path):
+    for kw, match in [({"dtype": "q8"}, "dtype"), ({"quantize_router": "int4"}, "quantize_router"),
+                      ({"block_size": 0}, "block_size"), ({"max_seq_len": 0}, "max_seq_len")]:
+        with pytest.raises(ConversionError, match=match):
+            convert(hf5, tmp_path / "m.colibri", progress=False, **kw)
+    with pytest.raises(ConversionError, match="not a folder"):
+        convert(tmp_path / "nope", tmp_path / "m.colibri", progress=False)
+    with pytest.raises(ConversionError, match="no config.json"):
+        convert(tmp_path, tmp_path / "m.colibri", progress=False)
+    assert leftovers(tmp_path) == []
+
+
+def test_big_endian_host_is_refused(hf5, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "byteorder", "big")
+    with pytest.raises(ValueError, match="big-endian"):
+        convert(hf5, tmp_path / "m.colibri", progress=False)
+
+
+# ------------------------------------------------------------------------ command line
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def test_cli_flags_subprocess(hf5, tmp_path):
+    out = tmp_path / "m.colibri"
+    r = subprocess.run([sys.executable, "-m", "colibri_lab.convert", "--model_name_or_path",
+                        str(hf5), "--output_path", str(out), "--dtype", "f16",
+                        "--quantize_router", "int8", "--block_size", "5", "--max_seq_len", "77"],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    for stage in ("reading config", "tokenizer", "dense weights", "routers", "experts",
+                  "finalising checksums"):
+        assert stage in r.stderr
+    assert "no tokenizer.model" in r.stderr
+    info = inspect(out, verify=True)
+    assert info.header["block_size"] == 5 and info.header["max_seq_len"] == 77
+    assert info.metadata["model.weight_dtype"] == "f16"
+    assert info.metadata["model.router_dtype"] == "int8"
+    assert info.tensor("blk.0.ffn_gate_inp.weight").dtype == "i8"
+
+    r = subprocess.run([sys.executable, "-m", "colibri_lab", "inspect", str(out), "--verify"],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "blk.1.ffn_experts" in r.stdout and "all CRCs verified" in r.stdout
+
+    out2 = tmp_path / "n.colibri"
+    r = subprocess.run([sys.executable, "-m", "colibri_lab", "convert", "--model_name_or_path",
+                        str(hf5), "--output_path", str(out2), "--quiet"],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    assert inspect(out2).metadata["model.weight_dtype"] == "bf16"
+
+
+def test_cli_main_errors(tmp_path, capsys):
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    rc = main(["--model_name_or_path", str(d), "--output_path", str(tmp_path / "m.colibri")])
+    assert rc == 1
+    assert "supported: mixtral" in capsys.readouterr().err
+    bad = tmp_path / "bad.colibri"
+    bad.write_bytes(b"x" * 300)
+    from colibri_lab.__main__ import main as lab_main
+
+    assert lab_main(["inspect", str(bad)]) == 1
+    assert "not a .colibri file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--output_path", "x"])            # --model_name_or_path is required
+
+
+def test_progress_output_in_process(hf5, tmp_path, capsys):
+    convert(hf5, tmp_path / "m.colibri", progress=True)
+    err = capsys.readouterr().err
+    assert "[1/6] reading config" in err and "[6/6] finalising checksums" in err
+    convert(hf5, tmp_path / "n.colibri", progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_values_survive_in_model_terms(hf5, tmp_path):
+    """A spot check in model terms: one expert's FFN computed from the packed file rows
+    equals the same FFN from the checkpoint (f32)."""
+    out = tmp_path / "m.colibri"
+    convert(hf5, out, dtype="f32", block_size=4, progress=False)
+    info = inspect(out)
+    packed = info.read_tensor("blk.1.ffn_experts")[2]      # expert 2, [3I, H]
+    I, B = 13, 4
+    x = np.random.default_rng(0).standard_normal(20).astype(np.float64)
+    h = np.empty(I)
+    for b in range((I + B - 1) // B):          # the kernel's order: a block, then silu*up
+        lo, hi = b * B, min((b + 1) * B, I)
+        nb = hi - lo
+        g = packed[2 * b * B: 2 * b * B + nb] @ x
+        u = packed[2 * b * B + nb: 2 * b * B + 2 * nb] @ x
+        h[lo:hi] = g / (1 + np.exp(-g)) * u
+    y = h @ packed[2 * I:]
+    src = load_source(hf5)
+    p = "model.layers.1.block_sparse_moe.experts.2"
+    w1, w3, w2 = (src[f"{p}.{k}.weight"].double().numpy() for k in ("w1", "w3", "w2"))
+    g = w1 @ x
+    want = w2 @ (g / (1 + np.exp(-g)) * (w3 @ x))
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-9)
+
+
+def test_unused_checkpoint_tensors_are_reported(hf5, tmp_path):
+    from safetensors.torch import save_file
+
+    src = load_source(hf5)
+    src["model.layers.0.block_sparse_moe.shared_expert.w1.weight"] = torch.zeros(3, 4)
+    d = tmp_path / "extra"
+    d.mkdir()
+    (d / "config.json").write_bytes((hf5 / "config.json").read_bytes())
+    save_file(src, d / "model.safetensors")
+    with pytest.warns(RuntimeWarning, match="shared_expert"):
+        convert(d, tmp_path / "m.colibri", progress=False)
