@@ -24,7 +24,6 @@ import numpy as np
 from . import _native
 from ._native import (
     ColibriClosedError,
-    ColibriError,
     ColibriTokenRangeError,
     check,
     lib,
@@ -112,8 +111,7 @@ def _as_ids(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     if lo < _INT32_MIN or hi > _INT32_MAX:
         bad = lo if lo < _INT32_MIN else hi
         raise ColibriTokenRangeError(f"token id {bad} does not fit in int32")
-    arr = arr.astype(np.int32)
-    return np.ascontiguousarray(arr)
+    return np.ascontiguousarray(arr, dtype=np.int32)
 
 
 def _i32_ptr(arr: np.ndarray):
@@ -252,7 +250,8 @@ class Tokenizer:
     def __repr__(self) -> str:
         if self.closed:
             return "Tokenizer(closed)"
-        return f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
+        return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+                f"eos_id={self.eos_id})")
 
 
 class Engine:
@@ -393,8 +392,8 @@ class Engine:
         ctx = self._c()
         ids = _as_ids(token_ids)
         logits = np.empty((len(ids), self._vocab), dtype=np.float32)
-        status = lib.colibri_forward_at(ctx, _i32_ptr(ids), len(ids), int(start_pos),
-                                        logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))  # fmt: skip
+        out = logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        status = lib.colibri_forward_at(ctx, _i32_ptr(ids), len(ids), int(start_pos), out)
         check(status, ctx=ctx)
         return logits
 
@@ -445,7 +444,7 @@ class Engine:
         else:
             prompt_ids = [int(x) for x in _as_ids(prompt)]
         if not prompt_ids:
-            raise _native.ColibriInvalidArgError("the prompt is empty: give text or at least one id")
+            raise _native.ColibriInvalidArgError("the prompt is empty: give text or an id")
         max_new_tokens = int(max_new_tokens)
         if max_new_tokens <= 0:
             return

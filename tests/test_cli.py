@@ -67,14 +67,14 @@ def test_top5(cli_path, model):
     with Engine(model) as eng:
         ids = eng.tokenizer.encode(PROMPT)
         row = eng.forward(ids)[-1].astype(np.float64)
-        pieces = {i: eng.tokenizer.piece(i) for i in np.argsort(-row, kind="stable")[:5]}
+        expect = np.argsort(-row, kind="stable")[:5]  # ties: the lower id first
+        pieces = {i: eng.tokenizer.piece(i) for i in expect}
     assert lines[0] == f"top-5 next tokens after {len(ids)} prompt tokens:"
     p = np.exp(row - row.max())
     p /= p.sum()
-    expect = np.argsort(-row, kind="stable")[:5]
     rows = [TOP_LINE.match(line) for line in lines[1:]]
     assert len(rows) == 5 and all(rows), r.stdout
-    for rank, (m, want) in enumerate(zip(rows, expect), start=1):
+    for rank, (m, want) in enumerate(zip(rows, expect, strict=True), start=1):
         assert int(m.group(1)) == rank
         assert int(m.group(2)) == want
         assert float(m.group(3)) == pytest.approx(p[want], abs=2e-6)

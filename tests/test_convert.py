@@ -221,7 +221,9 @@ def test_failure_while_writing_leaves_nothing_and_keeps_old_output(hf5, tmp_path
 
 
 def test_failure_mid_write_removes_tmp(hf5, tmp_path, monkeypatch):
-    from colibri_lab import convert as conv
+    import importlib
+
+    conv = importlib.import_module("colibri_lab.convert")
 
     calls = {"n": 0}
     real = conv.SrcTensor.read_flat

@@ -26,8 +26,8 @@ from colibri_lab import (
     EngineConfig,
     Token,
     Tokenizer,
+    _native,
 )
-from colibri_lab import _native
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -69,7 +69,7 @@ def test_lifecycle(model):
     with pytest.raises(ColibriClosedError):
         eng.forward([1, 2])
     with pytest.raises(ColibriError):
-        eng.config
+        _ = eng.config
     with Engine(model[1]) as eng2:
         tok = eng2.tokenizer
         assert tok.encode("Hello") == [1, 22557]
@@ -297,3 +297,17 @@ def test_library_search_order(tmp_path):
     # a wrong $COLIBRI_LIB is an error, not a silent fall-back
     r = _import_native({"COLIBRI_LIB": str(tmp_path / "missing.so")})
     assert r.returncode != 0 and "COLIBRI_LIB" in r.stderr and "ImportError" in r.stderr
+
+
+def test_text_deltas_hold_back_split_characters(engine):
+    """A character whose UTF-8 bytes come as byte-fallback tokens appears once complete."""
+    from colibri_lab.engine import _TextStream
+
+    tok = engine.tokenizer
+    parrot = [3 + b for b in "🦜".encode()]  # <0xF0> <0x9F> <0xA6> <0x9C>
+    assert [tok.piece(i) for i in parrot] == ["<0xF0>", "<0x9F>", "<0xA6>", "<0x9C>"]
+    ts = _TextStream(tok, tok.encode("Hello"))
+    assert [ts.push(i) for i in parrot] == ["", "", "", "🦜"]
+    assert ts.push(22557) == " Hello"
+    ts = _TextStream(tok, tok.encode("Hello"))
+    assert ts.push(parrot[0]) == "" and ts.push(parrot[1], final=True) == "\ufffd\ufffd"

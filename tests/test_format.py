@@ -322,12 +322,16 @@ def test_int8_router(odd_model, tmp_path):
 
 
 def test_int8_quantiser_constant_row_and_extremes():
-    w = np.array([[0.5] * 6, [-1, 0, 1, 2, 3, 4], [0, 0, 0, 0, 0, 1e-3]], dtype=np.float32)
+    w = np.array([[0.5] * 6, [-1, 0, 1, 2, 3, 4], [0, 0, 0, 0, 0, 1e-3], [0.0] * 6,
+                  [2.0, 3.0, 4.0, 2.5, 3.5, 2.25]], dtype=np.float32)
     q, scale, zero = fmt.quantize_router_int8(w)
-    assert scale[0] == 1.0
+    assert scale[3] == 1.0  # an all-zero row: empty range
     deq = fmt.dequantize_router_int8(q, scale, zero)
-    assert np.all(np.abs(deq - w) <= scale[:, None] * 0.5 + 1e-7)
+    # The range always contains 0, so even an all-positive row keeps error <= scale/2.
+    assert np.all(np.abs(deq - w) <= scale[:, None] * 0.5 * (1 + 1e-6) + 1e-7)
+    assert np.all(deq[3] == 0)
     assert q[1].min() == -128 and q[1].max() == 127
+    assert np.all((zero >= -128) & (zero <= 127))
 
 
 # ------------------------------------------------------------------------ reader refusals
