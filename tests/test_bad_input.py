@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -200,10 +199,8 @@ def test_bad_token_ids_and_lengths_lose_nothing(good):
         colibri_lab.Engine(good, max_seq_len=10**9)  # above the file's max_seq_len
 
 
-def test_cli_reports_errors(good, tmp_path):
-    cli = shutil.which("colibri_cli")
-    if cli is None:
-        pytest.skip("colibri_cli is not on PATH (install the package)")
+def test_cli_reports_errors(good, tmp_path, cli_path):
+    cli = cli_path
     bad = tmp_path / "bad.colibri"
     bad.write_bytes(good.read_bytes()[:1000])
     for args, needle in [

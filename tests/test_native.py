@@ -1,0 +1,66 @@
+"""The C test programs that need a model file, run on freshly converted models.
+
+`make test` builds them (ctest alone skips them: it has no model); here each runs on
+files in every weight dtype, with and without the int8 router, so the zero-allocation
+proof and the file checks cover every code path of the forward pass.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import colibri_lab
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = REPO / "build" / "native-tests"
+
+
+@pytest.fixture(scope="module")
+def native_tests(tmp_path_factory) -> Path:
+    """The folder with test_noalloc and test_format: `make test`'s build, or a fresh one."""
+    if (BUILD / "test_noalloc").exists() and (BUILD / "test_format").exists():
+        return BUILD
+    out = tmp_path_factory.mktemp("native-build")
+    subprocess.run(["cmake", "-S", str(REPO / "native"), "-B", str(out),
+                    "-DCOLIBRI_BUILD_TESTS=ON", "-DCMAKE_BUILD_TYPE=Release"],
+                   check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(out), "--target", "test_noalloc", "test_format"],
+                   check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module", params=["f32", "bf16", "f16-int8"])
+def model_file(request, tmp_path_factory) -> Path:
+    dtype, _, router = request.param.partition("-")
+    out = tmp_path_factory.mktemp("native") / f"tiny-{request.param}.colibri"
+    colibri_lab.convert(REPO / "data" / "tiny-mixtral", out, dtype=dtype,
+                        quantize_router=router or None, progress=False)
+    return out
+
+
+def run_ok(program: Path, model: Path):
+    proc = subprocess.run([str(program), str(model)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK" in proc.stdout and "SKIP" not in proc.stdout, proc.stdout
+
+
+def test_no_allocation_in_forward(native_tests, model_file):
+    run_ok(native_tests / "test_noalloc", model_file)
+
+
+def test_file_checks(native_tests, tmp_path):
+    """test_format mutates its model many times: a small one without a tokenizer keeps it
+    quick (the tokenizer section has its own C and Python tests)."""
+    pytest.importorskip("torch")
+    from hf_models import Shape, build_model, save_checkpoint
+
+    folder = save_checkpoint(build_model(Shape(vocab=300, hidden=32, inter=24, layers=2,
+                                                heads=4, kv_heads=2, experts=4, top_k=2)),
+                             tmp_path / "hf")
+    out = tmp_path / "small.colibri"
+    colibri_lab.convert(folder, out, dtype="bf16", quantize_router="int8", progress=False)
+    run_ok(native_tests / "test_format", out)
