@@ -1,4 +1,8 @@
-"""Convert a Hugging Face Mixtral checkpoint folder into one `.colibri` file (docs/format.md).
+"""Convert a Hugging Face MoE checkpoint folder into one `.colibri` file (docs/format.md).
+
+Supported families: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE. Their differences (biases,
+q/k norms, clipping, dense layers, shared expert, per-layer windows) become the format's
+family-option metadata keys; see `read_config`.
 
 The converter streams: it never holds the model in memory. It parses the safetensors
 headers itself and reads each source tensor (or a row range of it) with seek +
@@ -37,7 +41,10 @@ from .format import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_I8, DTYPE_IDS, DTYP
 
 CONVERTER_NAME = "colibri_lab.convert"
 CHUNK_ELEMS = 1 << 20   # values per conversion chunk (about 4 MiB of f32)
-SUPPORTED = "mixtral (MixtralForCausalLM)"
+# model_type -> the architectures class name transformers writes for it
+FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+SUPPORTED = ", ".join(f"{k} ({v})" for k, v in FAMILIES.items())
 
 
 class ConversionError(ValueError):
@@ -183,8 +190,8 @@ class Checkpoint:
     def get(self, name: str, shape: tuple[int, ...]) -> SrcTensor:
         t = self.tensors.get(name)
         if t is None:
-            raise ConversionError(f"missing tensor {name!r} in {self.dir} "
-                                  "(incomplete or not a Mixtral checkpoint)")
+            raise ConversionError(f"missing tensor {name!r} in {self.dir} (incomplete "
+                                  "checkpoint, or not of the family config.json names)")
         if t.st_dtype not in _ST_DTYPES:
             raise ConversionError(f"tensor {name!r} has dtype {t.st_dtype}; the converter "
                                   "reads F32, F16 and BF16 checkpoints")
@@ -201,14 +208,21 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
+    def skip(self, name: str) -> None:
+        """Mark a tensor as deliberately left out (e.g. an empty shared expert)."""
+        if name in self.tensors:
+            self.used.add(name)
+
 
 # --------------------------------------------------------------------------- config
 
 @dataclass
-class MixtralSpec:
+class ModelSpec:
+    """What the converter needs from config.json. The fields after `tie_word_embeddings`
+    are the format's family options (docs/format.md); their defaults are Mixtral's."""
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int           # routed experts' width
     n_layers: int
     n_heads: int
     n_kv_heads: int
@@ -220,6 +234,23 @@ class MixtralSpec:
     max_position_embeddings: int
     sliding_window: int
     tie_word_embeddings: bool
+    architecture: str = "mixtral"
+    norm_topk_prob: bool = True
+    layer_ffn: tuple = ()            # per layer 1 = MoE, 0 = dense MLP; () = all MoE
+    dense_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    attn_qkv_bias: bool = False
+    attn_output_bias: bool = False
+    attn_qk_norm: str = "none"       # none | head | full
+    clip_qkv: float = 0.0
+    layer_sliding_window: tuple = () # per-layer windows; () = all `sliding_window`
+
+    def is_moe(self, layer: int) -> bool:
+        return not self.layer_ffn or bool(self.layer_ffn[layer])
+
+
+MixtralSpec = ModelSpec   # the name before the other families arrived
 
 
 def _cfg_int(cfg: dict, key: str, default=None) -> int:
@@ -231,20 +262,57 @@ def _cfg_int(cfg: dict, key: str, default=None) -> int:
     return int(v)
 
 
-def read_config(model_dir: str) -> MixtralSpec:
-    """Parse config.json (transformers 4 or 5 style) of a Mixtral checkpoint."""
+def _cfg_bool(cfg: dict, key: str, default: bool) -> bool:
+    v = cfg.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ConversionError(f"config.json: {key} must be true or false, got {v!r}")
+    return v
+
+
+def _cfg_size(cfg: dict, key: str, default=None) -> int:
+    """An integer width that may be 0."""
+    v = cfg.get(key, default)
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < 0:
+        raise ConversionError(f"config.json: {key} must be an integer >= 0, got {v!r}")
+    return int(v)
+
+
+def _family(cfg: dict) -> str:
+    mt = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    if mt in FAMILIES:
+        return mt
+    for fam, cls in FAMILIES.items():
+        if cls in archs:
+            return fam
+    what = mt or (archs[0] if archs else "unknown")
+    raise ConversionError(f"unsupported architecture {what!r} (model_type={mt!r}, "
+                          f"architectures={archs}); supported: {SUPPORTED}")
+
+
+def _sparse_layers(cfg: dict, n_layers: int, n_experts: int) -> tuple:
+    """Qwen's rule (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer): layer i is an MoE block
+    iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise ConversionError(f"config.json: mlp_only_layers must be a list of layer indices, "
+                              f"got {only!r}")
+    step = _cfg_int(cfg, "decoder_sparse_step", 1)
+    return tuple(int(i not in only and n_experts > 0 and (i + 1) % step == 0)
+                 for i in range(n_layers))
+
+
+def read_config(model_dir: str) -> ModelSpec:
+    """Parse config.json (transformers 4 or 5 style) of a supported MoE checkpoint."""
     p = os.path.join(model_dir, "config.json")
     if not os.path.isfile(p):
         raise ConversionError(f"no config.json in {model_dir}: give the folder of a Hugging "
                               "Face checkpoint")
     with open(p) as f:
         cfg = json.load(f)
-    mt = cfg.get("model_type")
-    archs = cfg.get("architectures") or []
-    if mt != "mixtral" and "MixtralForCausalLM" not in archs:
-        what = mt or (archs[0] if archs else "unknown")
-        raise ConversionError(f"unsupported architecture {what!r} (model_type={mt!r}, "
-                              f"architectures={archs}); supported: {SUPPORTED}")
+    fam = _family(cfg)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"config.json: hidden_act {act!r}; colibri runs silu experts only")
@@ -288,28 +356,102 @@ def read_config(model_dir: str) -> MixtralSpec:
         if rtype != "default":
             raise ConversionError(f"config.json: rope_scaling {rs!r}; version 1 of the format "
                                   "supports only the default RoPE (no scaling)")
-    if theta is None:
-        theta = cfg.get("rope_theta", 1e6)   # MixtralConfig's default
+    if theta is None:   # each config class's default
+        theta = cfg.get("rope_theta", 1e6 if fam == "mixtral" else 10000.0)
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
         raise ConversionError(f"config.json: rope_theta must be a positive number, got {theta!r}")
 
-    sw = cfg.get("sliding_window")
-    sw = 0 if sw is None else int(sw)
+    n_layers = _cfg_int(cfg, "num_hidden_layers")
+    opts: dict = {"architecture": fam}
+    if fam == "mixtral":
+        E = _cfg_int(cfg, "num_local_experts")
+        inter = _cfg_int(cfg, "intermediate_size")
+        sw = cfg.get("sliding_window")
+        sw = 0 if sw is None else int(sw)
+        eps_default = 1e-5
+    else:
+        # Qwen3-MoE's config.json says num_local_experts (attribute_map), the others num_experts
+        ek = "num_experts" if "num_experts" in cfg else "num_local_experts"
+        E = _cfg_int(cfg, ek)
+        opts["norm_topk_prob"] = _cfg_bool(cfg, "norm_topk_prob", False)
+        eps_default = 1e-5 if fam == "olmoe" else 1e-6
+        sw = 0
+        if fam == "olmoe":
+            # OlmoeExperts use intermediate_size; OlmoeAttention normalises the whole q and
+            # k projections (q_norm over hidden_size, k_norm over (H // nh) * nkv values),
+            # which only fits the projections when head_dim == H // nh.
+            inter = _cfg_int(cfg, "intermediate_size")
+            if H % nh or hd != H // nh:
+                raise ConversionError(f"config.json: OLMoE's q/k norms need head_dim == "
+                                      f"hidden_size / num_attention_heads ({H}/{nh}), got "
+                                      f"head_dim {hd}")
+            bias = _cfg_bool(cfg, "attention_bias", False)
+            clip = cfg.get("clip_qkv")
+            if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                                     or not clip > 0 or not math.isfinite(clip)):
+                raise ConversionError(f"config.json: clip_qkv must be a positive number or "
+                                      f"null, got {clip!r}")
+            opts.update(attn_qkv_bias=bias, attn_output_bias=bias, attn_qk_norm="full",
+                        clip_qkv=float(clip or 0.0))
+        else:
+            inter = _cfg_int(cfg, "moe_intermediate_size")
+            layer_ffn = _sparse_layers(cfg, n_layers, E)
+            if not any(layer_ffn):
+                raise ConversionError("config.json: no layer is an MoE block (mlp_only_layers / "
+                                      "decoder_sparse_step); colibri runs MoE models")
+            if not all(layer_ffn):
+                opts["layer_ffn"] = layer_ffn
+                opts["dense_intermediate_size"] = _cfg_int(cfg, "intermediate_size")
+            use_sw = _cfg_bool(cfg, "use_sliding_window", False)
+            win = cfg.get("sliding_window") if use_sw else None
+            win = 0 if win is None else _cfg_size(cfg, "sliding_window")
+            if fam == "qwen2_moe":
+                opts["shared_expert_intermediate_size"] = Is = \
+                    _cfg_size(cfg, "shared_expert_intermediate_size")
+                opts["shared_expert_gate"] = Is > 0   # Qwen2MoeSparseMoeBlock always gates it
+                bias = _cfg_bool(cfg, "qkv_bias", True)
+                opts.update(attn_qkv_bias=bias)
+                # Qwen2MoeConfig: sliding_window only when use_sliding_window; layer_types
+                # default: sliding on even layers below max_window_layers.
+                types = cfg.get("layer_types")
+                if types is None:
+                    mwl = _cfg_size(cfg, "max_window_layers", 28)
+                    types = ["sliding_attention" if (i + 1) % 2 and i < mwl and use_sw
+                             else "full_attention" for i in range(n_layers)]
+                if not isinstance(types, list) or len(types) != n_layers or \
+                        any(t not in ("sliding_attention", "full_attention") for t in types):
+                    raise ConversionError(f"config.json: layer_types {types!r} must list "
+                                          f"sliding_attention or full_attention for each of "
+                                          f"the {n_layers} layers")
+                if "sliding_attention" in types and win == 0:
+                    raise ConversionError("config.json: layer_types has sliding_attention "
+                                          "layers but no sliding window (use_sliding_window / "
+                                          "sliding_window)")
+                windows = tuple(win if t == "sliding_attention" else 0 for t in types)
+                if len(set(windows)) == 1:
+                    sw = windows[0]
+                else:
+                    opts["layer_sliding_window"] = windows
+            else:   # qwen3_moe: one window for every layer when use_sliding_window
+                sw = win
+                bias = _cfg_bool(cfg, "attention_bias", False)
+                opts.update(attn_qkv_bias=bias, attn_output_bias=bias, attn_qk_norm="head")
     if sw < 0:
         raise ConversionError(f"config.json: sliding_window {sw} < 0")
-    E = _cfg_int(cfg, "num_local_experts")
     k = _cfg_int(cfg, "num_experts_per_tok")
     if k > E:
-        raise ConversionError(f"config.json: num_experts_per_tok {k} > num_local_experts {E}")
-    eps = cfg.get("rms_norm_eps", 1e-5)
-    spec = MixtralSpec(
-        vocab_size=_cfg_int(cfg, "vocab_size"), hidden_size=H,
-        intermediate_size=_cfg_int(cfg, "intermediate_size"),
-        n_layers=_cfg_int(cfg, "num_hidden_layers"), n_heads=nh, n_kv_heads=nkv, head_dim=hd,
+        ek = "num_local_experts" if fam == "mixtral" else "num_experts"
+        raise ConversionError(f"config.json: num_experts_per_tok {k} > {ek} {E}")
+    eps = cfg.get("rms_norm_eps", eps_default)
+    spec = ModelSpec(
+        vocab_size=_cfg_int(cfg, "vocab_size"), hidden_size=H, intermediate_size=inter,
+        n_layers=n_layers, n_heads=nh, n_kv_heads=nkv, head_dim=hd,
         n_experts=E, top_k=k, rms_norm_eps=float(eps), rope_theta=float(theta),
         max_position_embeddings=_cfg_int(cfg, "max_position_embeddings"),
-        sliding_window=sw, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
-    for name in ("hidden_size", "intermediate_size", "vocab_size", "n_layers", "n_experts"):
+        sliding_window=sw, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **opts)
+    for name in ("hidden_size", "intermediate_size", "vocab_size", "n_layers", "n_experts",
+                 "dense_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(spec, name) > fmt.U32_MAX:
             raise ConversionError(f"config.json: {name} does not fit the format's u32")
     return spec
@@ -481,8 +623,9 @@ class _RouterInt8:
 
 
 def _expert_sources(ck: Checkpoint, layer: int, E: int, I: int, H: int) -> list[ExpertSource]:
-    """Hub-style per-expert keys (w1/w2/w3) or fused gate_up_proj [E, 2I, H] (gate rows
-    first, then up, as transformers' MixtralExperts) + down_proj [E, H, I]."""
+    """Hub-style per-expert keys (Mixtral w1/w3/w2, Qwen/OLMoE gate_proj/up_proj/down_proj)
+    or fused gate_up_proj [E, 2I, H] (gate rows first, then up, as transformers' experts
+    modules) + down_proj [E, H, I]."""
     for moe in ("block_sparse_moe", "mlp"):
         p = f"model.layers.{layer}.{moe}.experts"
         if ck.has(f"{p}.gate_up_proj") or ck.has(f"{p}.down_proj"):
@@ -490,12 +633,22 @@ def _expert_sources(ck: Checkpoint, layer: int, E: int, I: int, H: int) -> list[
             dn = ck.get(f"{p}.down_proj", (E, H, I))
             return [ExpertSource((gu, e * 2 * I), (gu, e * 2 * I + I), (dn, e * H))
                     for e in range(E)]
+    p = f"model.layers.{layer}.mlp.experts"
+    if ck.has(f"{p}.0.gate_proj.weight"):
+        return [_mlp_source(ck, f"{p}.{e}", I, H) for e in range(E)]
     p = f"model.layers.{layer}.block_sparse_moe.experts"
     if not ck.has(f"{p}.0.w1.weight") and ck.has(f"model.layers.{layer}.mlp.experts.0.w1.weight"):
         p = f"model.layers.{layer}.mlp.experts"
     return [ExpertSource((ck.get(f"{p}.{e}.w1.weight", (I, H)), 0),
                          (ck.get(f"{p}.{e}.w3.weight", (I, H)), 0),
                          (ck.get(f"{p}.{e}.w2.weight", (H, I)), 0)) for e in range(E)]
+
+
+def _mlp_source(ck: Checkpoint, prefix: str, I: int, H: int) -> ExpertSource:
+    """A SwiGLU MLP `prefix.{gate_proj,up_proj,down_proj}.weight` as one expert."""
+    return ExpertSource((ck.get(f"{prefix}.gate_proj.weight", (I, H)), 0),
+                        (ck.get(f"{prefix}.up_proj.weight", (I, H)), 0),
+                        (ck.get(f"{prefix}.down_proj.weight", (H, I)), 0))
 
 
 def _router_source(ck: Checkpoint, layer: int, E: int, H: int) -> SrcTensor:
@@ -506,38 +659,63 @@ def _router_source(ck: Checkpoint, layer: int, E: int, H: int) -> SrcTensor:
     return ck.get(f"model.layers.{layer}.block_sparse_moe.gate.weight", (E, H))
 
 
-def plan_tensors(ck: Checkpoint, s: MixtralSpec, W: int, int8_router: bool,
+def plan_tensors(ck: Checkpoint, s: ModelSpec, W: int, int8_router: bool,
                  B: int) -> list[PlannedTensor]:
     """Every tensor of the output in file order, with its source checked (name, shape)."""
     V, H, I, E = s.vocab_size, s.hidden_size, s.intermediate_size, s.n_experts
+    Id, Is = s.dense_intermediate_size, s.shared_expert_intermediate_size
     nq, nkv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     D, R, X = fmt.SECTION_DENSE, fmt.SECTION_ROUTER, fmt.SECTION_EXPERTS
     out: list[PlannedTensor] = []
 
-    def dense(name, src_name, shape):
+    def dense(name, src_name, shape, section=D):
         src = ck.get(src_name, shape)
-        out.append(PlannedTensor(name, W, LAYOUT_ROW_MAJOR, shape, D, _dense_producer(src, W)))
+        out.append(PlannedTensor(name, W, LAYOUT_ROW_MAJOR, shape, section,
+                                 _dense_producer(src, W)))
 
-    def norm(name, src_name):
-        src = ck.get(src_name, (H,))
-        out.append(PlannedTensor(name, DTYPE_F32, LAYOUT_ROW_MAJOR, (H,), D, _norm_producer(src)))
+    def vec(name, src_name, n=H):
+        """A 1-D tensor (norm weight, bias), always f32."""
+        src = ck.get(src_name, (n,))
+        out.append(PlannedTensor(name, DTYPE_F32, LAYOUT_ROW_MAJOR, (n,), D, _norm_producer(src)))
 
+    def packed(name, srcs, width):
+        out.append(PlannedTensor(name, W, LAYOUT_EXPERTS_PACKED, (len(srcs), 3 * width, H), X,
+                                 _experts_producer(srcs, width, H, B, W)))
+
+    qk = {"none": None, "head": (s.head_dim, s.head_dim), "full": (nq, nkv)}[s.attn_qk_norm]
     dense("token_embd.weight", "model.embed_tokens.weight", (V, H))
     for n in range(s.n_layers):
         p = f"model.layers.{n}"
-        if ck.has(f"{p}.self_attn.q_proj.bias") or ck.has(f"{p}.self_attn.o_proj.bias"):
-            raise ConversionError(f"{p}.self_attn has biases; Mixtral attention has none and "
-                                  "colibri does not run them")
-        norm(f"blk.{n}.attn_norm.weight", f"{p}.input_layernorm.weight")
-        dense(f"blk.{n}.attn_q.weight", f"{p}.self_attn.q_proj.weight", (nq, H))
-        dense(f"blk.{n}.attn_k.weight", f"{p}.self_attn.k_proj.weight", (nkv, H))
-        dense(f"blk.{n}.attn_v.weight", f"{p}.self_attn.v_proj.weight", (nkv, H))
-        dense(f"blk.{n}.attn_output.weight", f"{p}.self_attn.o_proj.weight", (H, nq))
-        norm(f"blk.{n}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight")
-    norm("output_norm.weight", "model.norm.weight")
+        a = f"{p}.self_attn"
+        for what, has, names in (("q/k/v", s.attn_qkv_bias, ("q_proj", "k_proj", "v_proj")),
+                                 ("output", s.attn_output_bias, ("o_proj",))):
+            if not has and any(ck.has(f"{a}.{x}.bias") for x in names):
+                raise ConversionError(f"{a} has {what} biases but config.json does not enable "
+                                      f"them for {s.architecture}; colibri would not run them")
+        if qk is None and (ck.has(f"{a}.q_norm.weight") or ck.has(f"{a}.k_norm.weight")):
+            raise ConversionError(f"{a} has q/k norm weights, which {s.architecture} does not "
+                                  "use; colibri would not run them")
+        vec(f"blk.{n}.attn_norm.weight", f"{p}.input_layernorm.weight")
+        dense(f"blk.{n}.attn_q.weight", f"{a}.q_proj.weight", (nq, H))
+        dense(f"blk.{n}.attn_k.weight", f"{a}.k_proj.weight", (nkv, H))
+        dense(f"blk.{n}.attn_v.weight", f"{a}.v_proj.weight", (nkv, H))
+        if s.attn_qkv_bias:
+            vec(f"blk.{n}.attn_q.bias", f"{a}.q_proj.bias", nq)
+            vec(f"blk.{n}.attn_k.bias", f"{a}.k_proj.bias", nkv)
+            vec(f"blk.{n}.attn_v.bias", f"{a}.v_proj.bias", nkv)
+        if qk is not None:
+            vec(f"blk.{n}.attn_q_norm.weight", f"{a}.q_norm.weight", qk[0])
+            vec(f"blk.{n}.attn_k_norm.weight", f"{a}.k_norm.weight", qk[1])
+        dense(f"blk.{n}.attn_output.weight", f"{a}.o_proj.weight", (H, nq))
+        if s.attn_output_bias:
+            vec(f"blk.{n}.attn_output.bias", f"{a}.o_proj.bias", H)
+        vec(f"blk.{n}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight")
+    vec("output_norm.weight", "model.norm.weight")
     if not s.tie_word_embeddings:
         dense("output.weight", "lm_head.weight", (V, H))
     for n in range(s.n_layers):
+        if not s.is_moe(n):
+            continue
         src = _router_source(ck, n, E, H)
         name = f"blk.{n}.ffn_gate_inp"
         if int8_router:
@@ -551,19 +729,54 @@ def plan_tensors(ck: Checkpoint, s: MixtralSpec, W: int, int8_router: bool,
         else:
             out.append(PlannedTensor(f"{name}.weight", W, LAYOUT_ROW_MAJOR, (E, H), R,
                                      _dense_producer(src, W)))
+        if s.shared_expert_gate:
+            dense(f"blk.{n}.ffn_shared_gate.weight",
+                  f"model.layers.{n}.mlp.shared_expert_gate.weight", (1, H), R)
+        elif Is == 0:   # Qwen2-MoE with shared_expert_intermediate_size 0: empty tensors
+            for x in ("shared_expert.gate_proj", "shared_expert.up_proj",
+                      "shared_expert.down_proj", "shared_expert_gate"):
+                ck.skip(f"model.layers.{n}.mlp.{x}.weight")
     for n in range(s.n_layers):
-        srcs = _expert_sources(ck, n, E, I, H)
-        out.append(PlannedTensor(f"blk.{n}.ffn_experts", W, LAYOUT_EXPERTS_PACKED,
-                                 (E, 3 * I, H), X, _experts_producer(srcs, I, H, B, W)))
+        if not s.is_moe(n):
+            packed(f"blk.{n}.ffn_dense", [_mlp_source(ck, f"model.layers.{n}.mlp", Id, H)], Id)
+            continue
+        packed(f"blk.{n}.ffn_experts", _expert_sources(ck, n, E, I, H), I)
+        if Is > 0:
+            packed(f"blk.{n}.ffn_shared",
+                   [_mlp_source(ck, f"model.layers.{n}.mlp.shared_expert", Is, H)], Is)
     return out
 
 
-def build_metadata(s: MixtralSpec, name: str, W: int, int8_router: bool, B: int,
+def family_metadata(s: ModelSpec) -> list[tuple[str, MetaValue]]:
+    """The family-option keys (docs/format.md, "Family options"). A Mixtral file needs
+    none of them (their defaults are Mixtral's); other families write them all, so that
+    `colibri-inspect` shows every option."""
+    if s.architecture == "mixtral":
+        return []
+    M = MetaValue
+    L = s.n_layers
+    out = [
+        ("model.layer_ffn", M(fmt.MT_ARRAY, list(s.layer_ffn or (1,) * L), fmt.MT_U32)),
+        ("model.dense_intermediate_size", M(fmt.MT_U32, s.dense_intermediate_size)),
+        ("model.shared_expert_intermediate_size", M(fmt.MT_U32, s.shared_expert_intermediate_size)),
+        ("model.shared_expert_gate", M(fmt.MT_BOOL, s.shared_expert_gate)),
+        ("model.attn_qkv_bias", M(fmt.MT_BOOL, s.attn_qkv_bias)),
+        ("model.attn_output_bias", M(fmt.MT_BOOL, s.attn_output_bias)),
+        ("model.attn_qk_norm", M(fmt.MT_STRING, s.attn_qk_norm)),
+        ("model.clip_qkv", M(fmt.MT_F64, s.clip_qkv)),
+    ]
+    if s.layer_sliding_window:
+        out.append(("model.layer_sliding_window",
+                     M(fmt.MT_ARRAY, list(s.layer_sliding_window), fmt.MT_U64)))
+    return out
+
+
+def build_metadata(s: ModelSpec, name: str, W: int, int8_router: bool, B: int,
                    max_seq_len: int, tok_meta: dict) -> bytes:
     wname = fmt.DTYPE_NAMES[W]
     M = MetaValue
     entries = [
-        ("general.architecture", M(fmt.MT_STRING, "mixtral")),
+        ("general.architecture", M(fmt.MT_STRING, s.architecture)),
         ("general.name", M(fmt.MT_STRING, name)),
         ("model.n_layers", M(fmt.MT_U32, s.n_layers)),
         ("model.hidden_size", M(fmt.MT_U32, s.hidden_size)),
@@ -574,7 +787,7 @@ def build_metadata(s: MixtralSpec, name: str, W: int, int8_router: bool, B: int,
         ("model.head_dim", M(fmt.MT_U32, s.head_dim)),
         ("model.n_experts", M(fmt.MT_U32, s.n_experts)),
         ("model.top_k", M(fmt.MT_U32, s.top_k)),
-        ("model.norm_topk_prob", M(fmt.MT_BOOL, True)),
+        ("model.norm_topk_prob", M(fmt.MT_BOOL, s.norm_topk_prob)),
         ("model.rms_norm_eps", M(fmt.MT_F64, s.rms_norm_eps)),
         ("model.rope_theta", M(fmt.MT_F64, s.rope_theta)),
         ("model.rope_type", M(fmt.MT_STRING, "default")),
@@ -584,6 +797,7 @@ def build_metadata(s: MixtralSpec, name: str, W: int, int8_router: bool, B: int,
         ("model.max_seq_len", M(fmt.MT_U64, max_seq_len)),
         ("model.router_dtype", M(fmt.MT_STRING, "int8" if int8_router else wname)),
         ("model.weight_dtype", M(fmt.MT_STRING, wname)),
+        *family_metadata(s),
         *_tokenizer_meta_entries(tok_meta),
         ("convert.block_size", M(fmt.MT_U32, B)),
         ("convert.source", M(fmt.MT_STRING, f"{CONVERTER_NAME} {_version()}")),
@@ -616,7 +830,8 @@ class _Out:
 def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str | None = None,
             block_size: int = fmt.DEFAULT_BLOCK_SIZE, max_seq_len: int | None = None,
             progress: bool = True) -> str:
-    """Convert the Hugging Face Mixtral checkpoint in `model_dir` to `output_path`.
+    """Convert the Hugging Face checkpoint in `model_dir` (Mixtral, Qwen2-MoE, Qwen3-MoE or
+    OLMoE) to `output_path`.
 
     dtype: weight dtype "f32", "f16" or "bf16" (1-D norm weights are always f32).
     quantize_router: None/"none" (routers in `dtype`) or "int8".
@@ -652,7 +867,8 @@ def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str
     tensors = plan_tensors(ck, spec, W, int8_router, block_size)
     extra = ck.unused()
     if extra:
-        warnings.warn(f"{len(extra)} checkpoint tensors are not used by a Mixtral model and "
+        warnings.warn(f"{len(extra)} checkpoint tensors are not used by a {spec.architecture} "
+                      "model and "
                       f"are left out: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}",
                       RuntimeWarning, stacklevel=2)
 
@@ -805,7 +1021,8 @@ class _NoBar:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="colibri-convert",
-        description="Convert a Hugging Face Mixtral checkpoint folder into a .colibri file.")
+        description="Convert a Hugging Face MoE checkpoint folder (Mixtral, Qwen2-MoE, "
+                    "Qwen3-MoE, OLMoE) into a .colibri file.")
     p.add_argument("--model_name_or_path", required=True,
                    help="checkpoint folder: config.json, *.safetensors, optional tokenizer.model")
     p.add_argument("--output_path", required=True, help="the .colibri file to write")

@@ -113,6 +113,22 @@ TENSOR_RECORD_FIXED = 4 + _REC_HEAD.size + _REC_TAIL.size  # + name_len
 HEADER_FIELDS = ("n_experts", "top_k", "hidden_size", "intermediate_size", "vocab_size",
                  "max_seq_len", "n_layers", "flags")
 
+# The family-option metadata keys (docs/format.md, "Family options") and their defaults,
+# which are Mixtral's behaviour. None = "model.sliding_window for every layer".
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+FAMILY_OPTION_DEFAULTS: dict[str, Any] = {
+    "model.layer_ffn": None,                      # ARRAY of U32, 1 MoE / 0 dense; None = all MoE
+    "model.dense_intermediate_size": 0,
+    "model.shared_expert_intermediate_size": 0,
+    "model.shared_expert_gate": False,
+    "model.attn_qkv_bias": False,
+    "model.attn_output_bias": False,
+    "model.attn_qk_norm": "none",                 # none | head | full
+    "model.clip_qkv": 0.0,
+    "model.layer_sliding_window": None,           # ARRAY of U64
+}
+QK_NORMS = ("none", "head", "full")
+
 U32_MAX = 0xFFFFFFFF
 U64_MAX = 0xFFFFFFFFFFFFFFFF
 
@@ -382,6 +398,11 @@ class ColibriInfo:
         arr = raw.view(DTYPE_NUMPY[t.dtype_id]).reshape(t.shape)
         return stored_to_f32(arr, t.dtype_id) if as_float32 else arr
 
+    @property
+    def family_options(self) -> dict[str, Any]:
+        """Every family option (docs/format.md), from the metadata or its default."""
+        return {k: self.metadata.get(k, d) for k, d in FAMILY_OPTION_DEFAULTS.items()}
+
     def expert_stride(self, layer: int) -> int:
         t = self.tensor(f"blk.{layer}.ffn_experts")
         e, r, h = t.shape[:3]
@@ -398,6 +419,13 @@ class ColibriInfo:
                                        ("n_layers", "hidden_size", "intermediate_size",
                                         "vocab_size", "n_experts", "top_k", "max_seq_len")))
         fl = [k for k, v in self.flags.items() if v]
+        sw = self.metadata.get("model.sliding_window")
+        same = {"model.layer_ffn": lambda v: all(x == 1 for x in v),
+                "model.layer_sliding_window": lambda v: all(x == sw for x in v)}
+        set_opts = [f"{k[len('model.'):]}={_short(v, 40)}" for k, v in self.family_options.items()
+                    if v != FAMILY_OPTION_DEFAULTS[k] and not (k in same and same[k](v))]
+        if set_opts:
+            lines.append("  family options: " + "  ".join(set_opts))
         lines.append(f"  flags={h['flags']:#x} ({', '.join(fl) or 'none'})  "
                      f"alignment={h['alignment']}  block_size={h['block_size']}  "
                      f"header_crc32={self.header_crc32:08x}")

@@ -241,7 +241,7 @@ def test_failure_mid_write_removes_tmp(hf5, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("model_type,arch", [("llama", "LlamaForCausalLM"),
-                                             ("qwen2_moe", "Qwen2MoeForCausalLM")])
+                                             ("deepseek_v2", "DeepseekV2ForCausalLM")])
 def test_unknown_architecture_names_supported(tmp_path, model_type, arch):
     d = tmp_path / "hf"
     d.mkdir()

@@ -18,6 +18,7 @@
 #include "internal.h"
 
 #define RECONVERT "re-convert the model with colibri-convert"
+#define CB_SUPPORTED "mixtral, qwen2_moe, qwen3_moe, olmoe"
 
 static uint32_t rd_u32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
@@ -323,6 +324,120 @@ static colibri_status agree_u32(const colibri_ctx *ctx, const char *key, uint64_
     return COLIBRI_OK;
 }
 
+/* Look up an optional key: OK with *out = NULL when absent, an error when of another type. */
+static colibri_status meta_opt(const colibri_ctx *ctx, const char *key, uint32_t type, uint32_t elem_type,
+                               const cb_meta_entry **out, char *err, size_t len) {
+    const cb_meta_entry *e = meta_find(ctx, key);
+    *out = NULL;
+    if (!e) return COLIBRI_OK;
+    if (e->type != type || (type == CB_MT_ARRAY && e->elem_type != elem_type)) {
+        char have[48], want[48];
+        snprintf(have, sizeof have, "%s%s%s", meta_type_name(e->type), e->type == CB_MT_ARRAY ? " of " : "",
+                 e->type == CB_MT_ARRAY ? meta_type_name(e->elem_type) : "");
+        snprintf(want, sizeof want, "%s%s%s", meta_type_name(type), type == CB_MT_ARRAY ? " of " : "",
+                 type == CB_MT_ARRAY ? meta_type_name(elem_type) : "");
+        cb_set_err(err, len, "metadata key '%s' has type %s, expected %s; " RECONVERT, key, have, want);
+        return COLIBRI_E_FORMAT;
+    }
+    *out = e;
+    return COLIBRI_OK;
+}
+
+#define OPT(key, type, elem)                                                 \
+    do {                                                                     \
+        st = meta_opt(ctx, key, type, elem, &e, err, len);                   \
+        if (st != COLIBRI_OK) return st;                                     \
+    } while (0)
+
+/* The family options (docs/format.md, "Family options"): all optional, Mixtral's
+ * behaviour by default. Read once here; the forward pass only sees cb_config/cb_layer. */
+static colibri_status read_family_options(colibri_ctx *ctx, char *err, size_t len) {
+    cb_config *c = &ctx->cfg;
+    const cb_meta_entry *e;
+    colibri_status st;
+    uint32_t n_dense = 0;
+
+    OPT("model.layer_ffn", CB_MT_ARRAY, CB_MT_U32);
+    if (e) {
+        if (e->count != c->n_layers) {
+            cb_set_err(err, len, "model.layer_ffn has %llu entries but the model has %u layers; " RECONVERT,
+                       (unsigned long long)e->count, c->n_layers);
+            return COLIBRI_E_FORMAT;
+        }
+        for (uint32_t l = 0; l < c->n_layers; l++) {
+            uint32_t v = rd_u32(e->value + 4 * (uint64_t)l);
+            if (v > 1) {
+                cb_set_err(err, len, "model.layer_ffn[%u] = %u (must be 1 for an MoE block or 0 for a dense "
+                           "MLP); " RECONVERT, l, v);
+                return COLIBRI_E_FORMAT;
+            }
+            n_dense += v == 0;
+        }
+        c->layer_ffn = e->value;
+    }
+    OPT("model.dense_intermediate_size", CB_MT_U32, 0);
+    c->dense_inter = e ? rd_u32(e->value) : 0;
+    if (n_dense > 0 && c->dense_inter == 0) {
+        cb_set_err(err, len, "model.layer_ffn has %u dense layers but model.dense_intermediate_size is %s; "
+                   RECONVERT, n_dense, e ? "0" : "missing");
+        return COLIBRI_E_FORMAT;
+    }
+    OPT("model.shared_expert_intermediate_size", CB_MT_U32, 0);
+    c->shared_inter = e ? rd_u32(e->value) : 0;
+    if (c->dense_inter > (1u << 26) || c->shared_inter > (1u << 26)) {
+        cb_set_err(err, len, "model widths are implausible (dense_intermediate_size = %u, "
+                   "shared_expert_intermediate_size = %u); " RECONVERT, c->dense_inter, c->shared_inter);
+        return COLIBRI_E_FORMAT;
+    }
+    OPT("model.shared_expert_gate", CB_MT_BOOL, 0);
+    c->shared_gate = e ? e->value[0] : 0;
+    if (c->shared_gate && c->shared_inter == 0) {
+        cb_set_err(err, len, "model.shared_expert_gate is true but the model has no shared expert "
+                   "(model.shared_expert_intermediate_size is 0); " RECONVERT);
+        return COLIBRI_E_FORMAT;
+    }
+    OPT("model.attn_qkv_bias", CB_MT_BOOL, 0);
+    c->attn_qkv_bias = e ? e->value[0] : 0;
+    OPT("model.attn_output_bias", CB_MT_BOOL, 0);
+    c->attn_output_bias = e ? e->value[0] : 0;
+    OPT("model.attn_qk_norm", CB_MT_STRING, 0);
+    c->qk_norm = CB_QKNORM_NONE;
+    if (e) {
+        if (str_is(e, "none")) c->qk_norm = CB_QKNORM_NONE;
+        else if (str_is(e, "head")) c->qk_norm = CB_QKNORM_HEAD;
+        else if (str_is(e, "full")) c->qk_norm = CB_QKNORM_FULL;
+        else {
+            char tmp[64];
+            str_copy(tmp, sizeof tmp, e);
+            cb_set_err(err, len, "model.attn_qk_norm '%s' is not supported by this build (supported: none, "
+                       "head, full); use a newer Colibri or " RECONVERT, tmp);
+            return COLIBRI_E_UNSUPPORTED;
+        }
+    }
+    OPT("model.clip_qkv", CB_MT_F64, 0);
+    c->clip_qkv = 0.0f;
+    if (e) {
+        double v = rd_f64(e->value);
+        if (!isfinite(v) || v < 0 || v > 3.0e38) {
+            cb_set_err(err, len, "model.clip_qkv = %g must be finite and >= 0 (0 = no clipping); " RECONVERT, v);
+            return COLIBRI_E_FORMAT;
+        }
+        c->clip_qkv = (float)v;
+        if (v > 0 && c->clip_qkv == 0.0f) c->clip_qkv = 1e-45f; /* a positive clip stays positive */
+    }
+    OPT("model.layer_sliding_window", CB_MT_ARRAY, CB_MT_U64);
+    if (e) {
+        if (e->count != c->n_layers) {
+            cb_set_err(err, len, "model.layer_sliding_window has %llu entries but the model has %u layers; "
+                       RECONVERT, (unsigned long long)e->count, c->n_layers);
+            return COLIBRI_E_FORMAT;
+        }
+        c->layer_window = e->value;
+    }
+    return COLIBRI_OK;
+}
+#undef OPT
+
 static colibri_status read_config(colibri_ctx *ctx, char *err, size_t len) {
     cb_config *c = &ctx->cfg;
     const cb_meta_entry *e;
@@ -331,9 +446,10 @@ static colibri_status read_config(colibri_ctx *ctx, char *err, size_t len) {
     /* the family first: a file of another family must say "unsupported", not "bad shape" */
     REQ("general.architecture", CB_MT_STRING);
     str_copy(c->architecture, sizeof c->architecture, e);
-    if (!str_is(e, "mixtral")) {
-        cb_set_err(err, len, "architecture '%s' is not supported by this build (supported: mixtral); "
-                   "use a newer Colibri or a mixtral model", c->architecture);
+    /* the architecture selects nothing in the forward pass: the family options below do */
+    if (!str_is(e, "mixtral") && !str_is(e, "qwen2_moe") && !str_is(e, "qwen3_moe") && !str_is(e, "olmoe")) {
+        cb_set_err(err, len, "architecture '%s' is not supported by this build (supported: " CB_SUPPORTED "); "
+                   "use a newer Colibri or a model of a supported family", c->architecture);
         return COLIBRI_E_UNSUPPORTED;
     }
     REQ("general.name", CB_MT_STRING);
@@ -454,7 +570,7 @@ static colibri_status read_config(colibri_ctx *ctx, char *err, size_t len) {
     REQ("tokenizer.pad_id", CB_MT_I32);
     c->pad_id = (int32_t)rd_u32(e->value);
     REQ("convert.source", CB_MT_STRING);
-    return COLIBRI_OK;
+    return read_family_options(ctx, err, len);
 }
 
 /* ---- tensor directory ---- */
@@ -709,6 +825,43 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
         snprintf(name, sizeof name, "blk.%u.ffn_norm.weight", l);
         WANT(name, CB_DT_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
         L->ffn_norm = p;
+        if (c->attn_qkv_bias) {
+            snprintf(name, sizeof name, "blk.%u.attn_q.bias", l);
+            WANT(name, CB_DT_F32, 0, 1, Nq, 1, 1, CB_SEC_DENSE);
+            L->bq = p;
+            snprintf(name, sizeof name, "blk.%u.attn_k.bias", l);
+            WANT(name, CB_DT_F32, 0, 1, Nkv, 1, 1, CB_SEC_DENSE);
+            L->bk = p;
+            snprintf(name, sizeof name, "blk.%u.attn_v.bias", l);
+            WANT(name, CB_DT_F32, 0, 1, Nkv, 1, 1, CB_SEC_DENSE);
+            L->bv = p;
+        }
+        if (c->attn_output_bias) {
+            snprintf(name, sizeof name, "blk.%u.attn_output.bias", l);
+            WANT(name, CB_DT_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
+            L->bo = p;
+        }
+        if (c->qk_norm != CB_QKNORM_NONE) {
+            int head = c->qk_norm == CB_QKNORM_HEAD;
+            snprintf(name, sizeof name, "blk.%u.attn_q_norm.weight", l);
+            WANT(name, CB_DT_F32, 0, 1, head ? c->head_dim : Nq, 1, 1, CB_SEC_DENSE);
+            L->q_norm = p;
+            snprintf(name, sizeof name, "blk.%u.attn_k_norm.weight", l);
+            WANT(name, CB_DT_F32, 0, 1, head ? c->head_dim : Nkv, 1, 1, CB_SEC_DENSE);
+            L->k_norm = p;
+        }
+        L->moe = c->layer_ffn ? (int)rd_u32(c->layer_ffn + 4 * (uint64_t)l) : 1;
+        {
+            uint64_t w = c->layer_window ? rd_u64(c->layer_window + 8 * (uint64_t)l) : c->sliding_window;
+            L->window = w > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)w;
+        }
+        if (!L->moe) {
+            uint64_t Id = c->dense_inter;
+            snprintf(name, sizeof name, "blk.%u.ffn_dense", l);
+            WANT(name, W, CB_LAYOUT_EXPERTS_PACKED, 3, 1, 3 * Id, H, CB_SEC_EXPERTS);
+            L->dense = p;
+            continue;
+        }
         snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.weight", l);
         WANT(name, c->router_dtype, 0, 2, E, H, 1, CB_SEC_ROUTER);
         L->router = p;
@@ -724,6 +877,17 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
         WANT(name, W, CB_LAYOUT_EXPERTS_PACKED, 3, E, 3 * I, H, CB_SEC_EXPERTS);
         L->experts = p;
         L->expert_stride = 3 * I * H * cb_dtype_size(W);
+        if (c->shared_inter > 0) {
+            uint64_t Is = c->shared_inter;
+            snprintf(name, sizeof name, "blk.%u.ffn_shared", l);
+            WANT(name, W, CB_LAYOUT_EXPERTS_PACKED, 3, 1, 3 * Is, H, CB_SEC_EXPERTS);
+            L->shared = p;
+            if (c->shared_gate) {
+                snprintf(name, sizeof name, "blk.%u.ffn_shared_gate.weight", l);
+                WANT(name, W, 0, 2, 1, H, 1, CB_SEC_ROUTER);
+                L->shared_gate = p;
+            }
+        }
     }
 #undef WANT
     return COLIBRI_OK;
@@ -928,10 +1092,12 @@ colibri_status cb_verify_router(colibri_ctx *ctx) {
     char name[96];
     for (uint32_t l = 0; l < c->n_layers; l++) {
         const cb_layer *L = &ctx->w.layers[l];
+        if (!L->moe) continue; /* a dense layer has no router */
         const char *suffix[3] = {"weight", "scale", "zero"};
         int n_check = c->router_int8 ? 3 : 1;
-        for (int s = 0; s < n_check; s++) {
-            snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.%s", l, suffix[s]);
+        for (int s = 0; s < n_check + (L->shared_gate != NULL); s++) {
+            if (s < n_check) snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.%s", l, suffix[s]);
+            else snprintf(name, sizeof name, "blk.%u.ffn_shared_gate.weight", l);
             const cb_tensor *t = cb_find_tensor(ctx, name);
             if (!t) return cb_fail(ctx, COLIBRI_E_INTERNAL, "tensor '%s' vanished", name);
             double got = tensor_l2(t, ctx->map + t->offset, L->router_scale, L->router_zero);

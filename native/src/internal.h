@@ -32,6 +32,9 @@ enum { CB_MT_U32 = 0, CB_MT_I32 = 1, CB_MT_F32 = 2, CB_MT_BOOL = 3, CB_MT_STRING
 /* Tensor layouts. (dtypes are CB_DT_* in kernels.h) */
 enum { CB_LAYOUT_ROW_MAJOR = 0, CB_LAYOUT_EXPERTS_PACKED = 1 };
 
+/* model.attn_qk_norm (docs/format.md, "Family options"). */
+enum { CB_QKNORM_NONE = 0, CB_QKNORM_HEAD = 1, CB_QKNORM_FULL = 2 };
+
 typedef struct cb_section {
     uint64_t offset;
     uint64_t size;
@@ -80,6 +83,16 @@ typedef struct cb_config {
     uint32_t weight_dtype;     /* CB_DT_F32/F16/BF16 */
     uint32_t router_dtype;     /* CB_DT_F32/F16/BF16/I8 */
     int32_t bos_id, eos_id, unk_id, pad_id;
+    /* family options (docs/format.md, "Family options"); defaults are Mixtral's */
+    uint32_t dense_inter;      /* width of the dense-MLP layers; 0 when every layer is MoE */
+    uint32_t shared_inter;     /* shared-expert width; 0 = no shared expert */
+    int shared_gate;           /* shared expert scaled by sigmoid(g . x) */
+    int attn_qkv_bias;         /* q/k/v projections have biases */
+    int attn_output_bias;      /* o projection has a bias */
+    int qk_norm;               /* CB_QKNORM_* */
+    float clip_qkv;            /* > 0: clamp q, k, v to [-clip, clip] after the q/k norm */
+    const uint8_t *layer_ffn;  /* [n_layers] u32 in the mapped metadata (1 MoE, 0 dense), or NULL = all MoE */
+    const uint8_t *layer_window; /* [n_layers] u64 in the mapped metadata, or NULL = all sliding_window */
     char architecture[64];
     char name[256];
     char weight_dtype_str[8];
@@ -98,8 +111,19 @@ typedef struct cb_layer {
     const void *router;        /* [E, H] router dtype (f32/f16/bf16/i8) */
     const float *router_scale; /* [E] f32, int8 routers only, else NULL */
     const float *router_zero;  /* [E] f32, int8 routers only, else NULL */
-    const void *experts;       /* [E, 3I, H] weight dtype, EXPERTS_PACKED */
+    const void *experts;       /* [E, 3I, H] weight dtype, EXPERTS_PACKED (MoE layers) */
     uint64_t expert_stride;    /* bytes between experts = 3*I*H*dtype size */
+    /* family options; NULL when the file has none */
+    const float *bq, *bk, *bv; /* [Nq], [Nkv], [Nkv] f32 q/k/v biases */
+    const float *bo;           /* [H] f32 output-projection bias */
+    const float *q_norm;       /* [head_dim] (qk_norm head) or [Nq] (full) f32 */
+    const float *k_norm;       /* [head_dim] (qk_norm head) or [Nkv] (full) f32 */
+    const void *dense;         /* [1, 3*Id, H] weight dtype, EXPERTS_PACKED: dense-MLP layers */
+    const void *shared;        /* [1, 3*Is, H] weight dtype, EXPERTS_PACKED: shared expert */
+    const void *shared_gate;   /* [1, H] weight dtype: shared-expert gate */
+    /* per-layer options, from the metadata at load */
+    int moe;                   /* 1: MoE block (router, experts); 0: dense MLP (`dense`) */
+    int64_t window;            /* attention window in tokens, 0 = full */
 } cb_layer;
 
 typedef struct cb_weights {
@@ -110,7 +134,8 @@ typedef struct cb_weights {
 } cb_weights;
 
 /* Every run-time buffer, carved from the arena. B = max_batch, S = max_seq_len,
- * Nq = n_heads*head_dim, Nkv = n_kv_heads*head_dim, R = max_rows (B*top_k + E*(group_pad-1)). */
+ * Nq = n_heads*head_dim, Nkv = n_kv_heads*head_dim, R = max_rows (B*top_k + E*(group_pad-1)),
+ * Id = dense_inter, Is = shared_inter. */
 typedef struct cb_scratch {
     float *x;            /* [B, H] residual stream */
     float *xn;           /* [B, H] normed input of a sub-block */
@@ -135,6 +160,9 @@ typedef struct cb_scratch {
     float *ex_in;        /* [R, H] gathered expert inputs */
     float *ex_h;         /* [R, I] silu(gate)*up */
     float *ex_out;       /* [R, H] expert outputs */
+    float *ffn_h;        /* [B, max(Id, Is)] silu(gate)*up of the dense MLP / shared expert */
+    float *sh_out;       /* [B, H] shared-expert output */
+    float *sh_gate;      /* [B] shared-expert gate logits */
     float *sample_p;     /* [V] sampler probabilities */
     int32_t *sample_idx; /* [V] sampler candidate ids */
     int64_t max_rows;    /* R */

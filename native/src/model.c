@@ -1,6 +1,9 @@
 /*
- * model.c — the arena (one allocation, carved by a size table) and the Mixtral forward
- * pass over it.
+ * model.c — the arena (one allocation, carved by a size table) and the forward pass over
+ * it: one decoder for every supported family, parameterised by the options read from the
+ * file's metadata at load (cb_config, cb_layer): q/k/v and output biases, q/k RMSNorm per
+ * head or over the whole projection, q/k/v clipping, per-layer attention windows, dense
+ * MLP layers among MoE layers and a (gated) shared expert. Nothing here tests the family.
  *
  * The forward pass processes tokens in chunks of at most max_batch; inside a chunk each
  * stage runs on the whole batch [T, width] through the kernel table (kernels.h), so GEMM
@@ -37,6 +40,7 @@ colibri_status cb_arena_init(colibri_ctx *ctx, char *err, size_t err_len) {
     uint64_t H = c->hidden, I = c->inter, V = c->vocab, E = c->n_experts, K = c->top_k;
     uint64_t Nq = (uint64_t)c->n_heads * c->head_dim, Nkv = (uint64_t)c->n_kv_heads * c->head_dim;
     uint64_t half = c->head_dim / 2, L = c->n_layers;
+    uint64_t F = c->dense_inter > c->shared_inter ? c->dense_inter : c->shared_inter;
     uint64_t R = 0, tmp = 0, kv = 0;
     int ok = 1;
     /* R = B*K + E*(group_pad-1): each non-empty group gains at most group_pad-1 zero rows */
@@ -78,6 +82,9 @@ colibri_status cb_arena_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&s->ex_in, R * H, 4, "ex_in"},
         {(void **)&s->ex_h, R * I, 4, "ex_h"},
         {(void **)&s->ex_out, R * H, 4, "ex_out"},
+        {(void **)&s->ffn_h, B * F, 4, "ffn_h"},
+        {(void **)&s->sh_out, c->shared_inter ? BH : 0, 4, "sh_out"},
+        {(void **)&s->sh_gate, c->shared_gate ? B : 0, 4, "sh_gate"},
         {(void **)&s->sample_p, V, 4, "sample_p"},
         {(void **)&s->sample_idx, V, 4, "sample_idx"},
     };
@@ -236,6 +243,38 @@ static void moe_block(colibri_ctx *ctx, const cb_layer *L, int64_t T) {
         const float *y = s->ex_out + r * H;
         for (int64_t i = 0; i < H; i++) d[i] += y[i] * w;
     }
+    if (L->shared) { /* routed sum + sigmoid(g . x) * shared(x), as transformers' Qwen2-MoE */
+        int64_t Is = c->shared_inter;
+        K->expert_ffn(s->sh_out, s->ffn_h, s->xn, L->shared, c->weight_dtype, T, H, Is, c->block_size);
+        if (L->shared_gate) K->matmul(s->sh_gate, s->xn, L->shared_gate, c->weight_dtype, T, 1, H);
+        for (int64_t t = 0; t < T; t++) {
+            float g = L->shared_gate ? 1.0f / (1.0f + expf(-s->sh_gate[t])) : 1.0f;
+            float *d = s->delta + t * H;
+            const float *y = s->sh_out + t * H;
+            for (int64_t i = 0; i < H; i++) d[i] += g * y[i];
+        }
+    }
+}
+
+/* A dense MLP layer: xn [T, H] -> delta [T, H] through its one-expert packed tensor. */
+static void dense_block(colibri_ctx *ctx, const cb_layer *L, int64_t T) {
+    const cb_config *c = &ctx->cfg;
+    ctx->kern->expert_ffn(ctx->s.delta, ctx->s.ffn_h, ctx->s.xn, L->dense, c->weight_dtype, T,
+                          c->hidden, c->dense_inter, c->block_size);
+}
+
+/* x[t, :] += b for t < T. x: [T, n]; b: [n]. */
+static void add_bias(float *x, const float *b, int64_t T, int64_t n) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < n; i++) x[t * n + i] += b[i];
+}
+
+/* Clamp to [-c, c] as torch.clamp_ (NaN stays NaN). */
+static void clamp_inplace(float *x, int64_t n, float c) {
+    for (int64_t i = 0; i < n; i++) {
+        if (x[i] < -c) x[i] = -c;
+        else if (x[i] > c) x[i] = c;
+    }
 }
 
 static void add_inplace(float *x, const float *d, int64_t n) {
@@ -254,7 +293,6 @@ static void forward_chunk(colibri_ctx *ctx, const int32_t *ids, int64_t T, int64
     uint32_t W = c->weight_dtype;
     size_t es = cb_dtype_size(W);
     float eps = (float)c->rms_norm_eps;
-    int64_t window = c->sliding_window > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)c->sliding_window;
 
     for (int64_t t = 0; t < T; t++)
         widen_row(s->x + t * H, (const uint8_t *)ctx->w.tok_embd + (size_t)ids[t] * (size_t)H * es, W, H);
@@ -275,16 +313,36 @@ static void forward_chunk(colibri_ctx *ctx, const int32_t *ids, int64_t T, int64
         K->matmul(s->q, s->xn, L->wq, W, T, Nq, H);
         K->matmul(s->k, s->xn, L->wk, W, T, Nkv, H);
         K->matmul(s->v, s->xn, L->wv, W, T, Nkv, H);
+        if (L->bq) {
+            add_bias(s->q, L->bq, T, Nq);
+            add_bias(s->k, L->bk, T, Nkv);
+            add_bias(s->v, L->bv, T, Nkv);
+        }
+        if (c->qk_norm == CB_QKNORM_HEAD) { /* RMSNorm over each head's head_dim values */
+            K->rmsnorm(s->q, s->q, L->q_norm, T * c->n_heads, hd, eps);
+            K->rmsnorm(s->k, s->k, L->k_norm, T * c->n_kv_heads, hd, eps);
+        } else if (c->qk_norm == CB_QKNORM_FULL) { /* RMSNorm over the whole projection */
+            K->rmsnorm(s->q, s->q, L->q_norm, T, Nq, eps);
+            K->rmsnorm(s->k, s->k, L->k_norm, T, Nkv, eps);
+        }
+        if (c->clip_qkv > 0.0f) {
+            clamp_inplace(s->q, T * Nq, c->clip_qkv);
+            clamp_inplace(s->k, T * Nkv, c->clip_qkv);
+            clamp_inplace(s->v, T * Nkv, c->clip_qkv);
+        }
         K->rope(s->q, T, c->n_heads, hd, s->rope_cos, s->rope_sin);
         K->rope(s->k, T, c->n_kv_heads, hd, s->rope_cos, s->rope_sin);
         memcpy(kc + pos0 * Nkv, s->k, (size_t)(T * Nkv) * sizeof(float));
         memcpy(vc + pos0 * Nkv, s->v, (size_t)(T * Nkv) * sizeof(float));
-        K->attention(s->att, s->q, kc, vc, s->att_scores, T, pos0, c->n_heads, c->n_kv_heads, hd, window);
+        K->attention(s->att, s->q, kc, vc, s->att_scores, T, pos0, c->n_heads, c->n_kv_heads, hd,
+                     L->window);
         K->matmul(s->delta, s->att, L->wo, W, T, H, Nq);
+        if (L->bo) add_bias(s->delta, L->bo, T, H);
         add_inplace(s->x, s->delta, T * H);
-        /* mixture of experts */
+        /* mixture of experts, or a dense MLP */
         K->rmsnorm(s->xn, s->x, L->ffn_norm, T, H, eps);
-        moe_block(ctx, L, T);
+        if (L->moe) moe_block(ctx, L, T);
+        else dense_block(ctx, L, T);
         add_inplace(s->x, s->delta, T * H);
     }
     K->rmsnorm(s->xn, s->x, ctx->w.out_norm, T, H, eps);

@@ -1,0 +1,118 @@
+"""Random-init Hugging Face checkpoints of the other MoE families (Qwen2-MoE, Qwen3-MoE,
+OLMoE) for the parity tests — the counterpart of ``hf_models.py`` (Mixtral), whose
+``save_checkpoint``, ``hf_logits`` and ``first_near_tie`` serve these models too.
+
+Models are made with transformers itself (torch==2.13.0 CPU, float32, eager experts),
+seeded, with every 1-D parameter randomised: RMSNorm weights (layer norms, q/k norms) in
+[0.5, 1.5] and biases in [-0.5, 0.5], so that a norm or bias applied in the wrong place,
+or not at all, changes the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FAMILIES = ("qwen2_moe", "qwen3_moe", "olmoe")
+
+
+@dataclass(frozen=True)
+class FamilyShape:
+    family: str                       # one of FAMILIES
+    vocab: int = 1003
+    hidden: int = 60
+    inter: int = 38                   # routed experts: Qwen moe_intermediate_size,
+                                      # OLMoE intermediate_size
+    dense_inter: int = 90             # Qwen dense-MLP layers (intermediate_size)
+    shared_inter: int = 54            # Qwen2-MoE shared expert; 0 = none
+    layers: int = 3
+    heads: int = 5
+    kv_heads: int = 5
+    head_dim: int | None = None       # Qwen3-MoE only (the others use hidden // heads)
+    experts: int = 6
+    top_k: int = 2
+    norm_topk: bool = False
+    mlp_only_layers: tuple = ()
+    sparse_step: int = 1
+    bias: bool = True                 # Qwen2 qkv_bias; Qwen3/OLMoE attention_bias (q/k/v and o)
+    clip_qkv: float | None = None     # OLMoE
+    sliding_window: int | None = None  # Qwen: use_sliding_window with this window
+    max_window_layers: int = 28       # Qwen2-MoE
+    tie: bool = False
+    max_pos: int = 1024
+    std: float = 0.08
+    seed: int = 0
+    extra: tuple = field(default=())
+
+    def config(self):
+        common = dict(
+            vocab_size=self.vocab, hidden_size=self.hidden, num_hidden_layers=self.layers,
+            num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+            num_experts=self.experts, num_experts_per_tok=self.top_k,
+            norm_topk_prob=self.norm_topk, tie_word_embeddings=self.tie,
+            max_position_embeddings=self.max_pos, initializer_range=self.std,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )
+        if self.family == "olmoe":
+            from transformers import OlmoeConfig
+
+            return OlmoeConfig(**common, intermediate_size=self.inter, rms_norm_eps=1e-5,
+                               attention_bias=self.bias, clip_qkv=self.clip_qkv,
+                               **dict(self.extra))
+        qwen = dict(common, moe_intermediate_size=self.inter, intermediate_size=self.dense_inter,
+                    mlp_only_layers=list(self.mlp_only_layers),
+                    decoder_sparse_step=self.sparse_step, rms_norm_eps=1e-6,
+                    use_sliding_window=self.sliding_window is not None,
+                    sliding_window=self.sliding_window)
+        if self.family == "qwen2_moe":
+            from transformers import Qwen2MoeConfig
+
+            return Qwen2MoeConfig(**qwen, shared_expert_intermediate_size=self.shared_inter,
+                                  qkv_bias=self.bias, max_window_layers=self.max_window_layers,
+                                  **dict(self.extra))
+        if self.family == "qwen3_moe":
+            from transformers import Qwen3MoeConfig
+
+            return Qwen3MoeConfig(**qwen, head_dim=self.head_dim or self.hidden // self.heads,
+                                  attention_bias=self.bias, **dict(self.extra))
+        raise ValueError(f"unknown family {self.family!r}")
+
+
+def model_class(family: str):
+    import transformers
+
+    return getattr(transformers, {"qwen2_moe": "Qwen2MoeForCausalLM",
+                                  "qwen3_moe": "Qwen3MoeForCausalLM",
+                                  "olmoe": "OlmoeForCausalLM"}[family])
+
+
+def randomise_vectors(model) -> None:
+    """Norm weights in [0.5, 1.5], biases in [-0.5, 0.5] (under the caller's seed)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                if name.endswith(".bias"):
+                    p.uniform_(-0.5, 0.5)
+                else:
+                    p.uniform_(0.5, 1.5)
+
+
+def build_family_model(shape: FamilyShape):
+    """A seeded random model of `shape.family` in float32, eval mode, eager experts."""
+    import torch
+
+    torch.manual_seed(shape.seed)
+    model = model_class(shape.family)(shape.config()).eval()
+    randomise_vectors(model)
+    model.set_experts_implementation("eager")
+    return model
+
+
+def load_family_model(family: str, folder, dtype=None):
+    """from_pretrained in float32 (e.g. of a bf16 checkpoint), eval, eager experts."""
+    import torch
+
+    model = model_class(family).from_pretrained(folder, dtype=dtype or torch.float32).eval()
+    model.set_experts_implementation("eager")
+    return model
