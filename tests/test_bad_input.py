@@ -212,3 +212,20 @@ def test_cli_reports_errors(good, tmp_path, cli_path):
         proc = subprocess.run([cli, *args], capture_output=True, text=True, timeout=60)
         assert proc.returncode != 0, args
         assert needle in proc.stderr.lower() or needle in proc.stderr, proc.stderr
+
+
+def test_duplicate_names_are_refused(good, tmp_path):
+    """A tensor name or metadata key that appears twice makes lookups ambiguous."""
+    data = good.read_bytes()
+    (moff, msize, _), (doff, dsize, _) = sections(data)[:2]
+    b = bytearray(data)
+    at = b.index(b"blk.0.attn_q.weight", doff, doff + dsize)
+    b[at:at + 19] = b"blk.0.attn_k.weight"
+    dup_tensor = fix_crcs(b)
+    b = bytearray(data)
+    at = b.index(b"tokenizer.bos_id", moff, moff + msize)
+    b[at:at + 16] = b"tokenizer.eos_id"
+    dup_key = fix_crcs(b)
+    (k1, m1), (k2, m2) = open_all(write_variants(tmp_path, [dup_tensor, dup_key]))
+    assert k1 == "ColibriFormatError" and "blk.0.attn_k.weight" in m1 and "more than once" in m1
+    assert k2 == "ColibriFormatError" and "tokenizer.eos_id" in m2 and "more than once" in m2

@@ -107,7 +107,8 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     out = tmp_path_factory.mktemp("cbtok") / "libcbtok.so"
     cmd = [cc, "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
            f"-I{REPO / 'native' / 'include'}", f"-I{REPO / 'native' / 'src'}",
-           str(REPO / "native" / "src" / "tokenizer.c"), "-o", str(out), "-lm"]
+           str(REPO / "native" / "src" / "tokenizer.c"), str(REPO / "native" / "src" / "tokenizer_bpe.c"),
+           str(REPO / "native" / "src" / "unicode_tables.c"), "-o", str(out), "-lm"]
     subprocess.run(cmd, check=True)
     return _declare(ctypes.CDLL(str(out)))
 

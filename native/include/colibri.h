@@ -116,7 +116,9 @@ COLIBRI_API colibri_status colibri_sample(colibri_ctx *ctx, const float *logits,
                                           int32_t top_k, float top_p, uint64_t *rng,
                                           int32_t *out_id);
 
-/* ---- Tokenizer (SentencePiece-BPE in ABI 1), usable with or without an engine ---- */
+/* ---- Tokenizer, usable with or without an engine: SentencePiece-BPE (tokenizer section
+ * type 1) or byte-level BPE from a Hugging Face tokenizer.json (type 2, GPT-2 / Qwen2 /
+ * Llama-3 style); docs/format.md, "Tokenizer section encoding" ---- */
 
 /* The tokenizer of a context (owned by it; valid until colibri_free). */
 COLIBRI_API colibri_tokenizer *colibri_get_tokenizer(colibri_ctx *ctx);
@@ -131,18 +133,26 @@ COLIBRI_API int32_t colibri_tokenizer_vocab_size(const colibri_tokenizer *tok);
 COLIBRI_API int32_t colibri_tokenizer_bos_id(const colibri_tokenizer *tok); /* -1 if none */
 COLIBRI_API int32_t colibri_tokenizer_eos_id(const colibri_tokenizer *tok); /* -1 if none */
 
-/* Encode `len` bytes of UTF-8 as sentencepiece does: each malformed byte is first replaced
- * by U+FFFD (so invalid input does not round-trip), characters missing from the
- * vocabulary go through byte fallback. Writes at most `cap` ids; *n_out is the full count.
+/* Encode `len` bytes of UTF-8. SentencePiece: as sentencepiece does (each malformed byte is
+ * first replaced by U+FFFD, so invalid input does not round-trip; characters missing from
+ * the vocabulary go through byte fallback). Byte-level BPE: as `tokenizers`'
+ * encode(text, add_special_tokens=False) (added / special tokens in the text are matched
+ * first; each maximal malformed UTF-8 subpart is first replaced by U+FFFD).
+ * add_bos = 1 prepends the BOS id; it is a no-op for a tokenizer without BOS (bos_id -1).
+ * Writes at most `cap` ids; *n_out is the full count.
  * If *n_out > cap the status is COLIBRI_E_BUFFER_TOO_SMALL and the call can be repeated. */
 COLIBRI_API colibri_status colibri_tokenize(colibri_tokenizer *tok, const char *text, uint64_t len,
                                             int add_bos, int32_t *out, int64_t cap, int64_t *n_out);
-/* Decode ids to UTF-8 text as sentencepiece does (control ids produce nothing, the leading
- * space of the first piece is dropped, byte pieces are joined and invalid UTF-8 becomes
- * U+FFFD). Writes at most `cap` bytes (no NUL); *len_out is the full length. */
+/* Decode ids to UTF-8 text. SentencePiece: as sentencepiece does (control ids produce
+ * nothing, the leading space of the first piece is dropped, byte pieces are joined and
+ * invalid UTF-8 becomes U+FFFD). Byte-level BPE: as `tokenizers`' decode(ids,
+ * skip_special_tokens=True) with the ByteLevel decoder (special tokens produce nothing,
+ * token bytes are joined, each maximal malformed UTF-8 subpart becomes U+FFFD).
+ * Writes at most `cap` bytes (no NUL); *len_out is the full length. */
 COLIBRI_API colibri_status colibri_detokenize(colibri_tokenizer *tok, const int32_t *ids, int64_t n,
                                               char *out, uint64_t cap, uint64_t *len_out);
-/* The raw piece of one id (e.g. "▁Hello", "<0x0A>", "<s>"), not NUL-terminated. */
+/* The raw piece of one id (e.g. "▁Hello", "<0x0A>", "<s>"; byte-level BPE: the
+ * tokenizer.json string, e.g. "Ġhello", "<|im_end|>"), not NUL-terminated. */
 COLIBRI_API colibri_status colibri_token_piece(colibri_tokenizer *tok, int32_t id,
                                                const char **piece, uint64_t *len);
 

@@ -13,6 +13,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "internal.h"
@@ -81,24 +82,35 @@ static uint64_t fnv1a(const uint8_t *s, uint64_t n) {
     return h;
 }
 
-/* Returns 1 if all n names are distinct, 0 if a duplicate (index in *dup), -1 on no memory. */
-static int names_unique(const uint8_t *const *names, const uint32_t *lens, uint64_t stride_names,
+/* Checks that n records at `base` (each `stride` bytes, holding a `const uint8_t *` name at
+ * `name_off` and its uint32_t length at `len_off`) have distinct names, with one hash
+ * table allocated at init time. Returns 1, 0 with the duplicate's index in *dup, or -1
+ * when the table cannot be allocated. */
+static int names_unique(const void *base, size_t stride, size_t name_off, size_t len_off,
                         uint64_t n, uint64_t *dup) {
-    (void)stride_names;
+    const char *b = (const char *)base;
     uint64_t cap = 16;
     while (cap < 2 * n) cap <<= 1;
     uint64_t *slots = calloc(cap, sizeof(uint64_t));
     if (!slots) return -1;
     int ok = 1;
     for (uint64_t i = 0; i < n && ok; i++) {
-        uint64_t h = fnv1a(names[i], lens[i]) & (cap - 1);
+        const uint8_t *name;
+        uint32_t nlen;
+        memcpy(&name, b + i * stride + name_off, sizeof name);
+        memcpy(&nlen, b + i * stride + len_off, sizeof nlen);
+        uint64_t h = fnv1a(name, nlen) & (cap - 1);
         for (;;) {
             uint64_t s = slots[h];
             if (s == 0) {
                 slots[h] = i + 1;
                 break;
             }
-            if (lens[s - 1] == lens[i] && memcmp(names[s - 1], names[i], lens[i]) == 0) {
+            const uint8_t *other;
+            uint32_t olen;
+            memcpy(&other, b + (s - 1) * stride + name_off, sizeof other);
+            memcpy(&olen, b + (s - 1) * stride + len_off, sizeof olen);
+            if (olen == nlen && memcmp(other, name, nlen) == 0) {
                 *dup = i;
                 ok = 0;
                 break;
@@ -208,22 +220,9 @@ static colibri_status parse_metadata(colibri_ctx *ctx, char *err, size_t len) {
         }
     }
     {
-        const uint8_t **names = malloc((n ? n : 1) * sizeof(*names));
-        uint32_t *lens = malloc((n ? n : 1) * sizeof(*lens));
-        if (!names || !lens) {
-            free(names);
-            free(lens);
-            cb_set_err(err, len, "out of memory checking metadata keys");
-            return COLIBRI_E_NOMEM;
-        }
-        for (uint64_t i = 0; i < n; i++) {
-            names[i] = ctx->meta[i].key;
-            lens[i] = ctx->meta[i].key_len;
-        }
         uint64_t dup = 0;
-        int u = names_unique(names, lens, 0, n, &dup);
-        free(names);
-        free(lens);
+        int u = names_unique(ctx->meta, sizeof *ctx->meta, offsetof(cb_meta_entry, key),
+                             offsetof(cb_meta_entry, key_len), n, &dup);
         if (u < 0) {
             cb_set_err(err, len, "out of memory checking metadata keys");
             return COLIBRI_E_NOMEM;
@@ -696,22 +695,9 @@ static colibri_status parse_tensors(colibri_ctx *ctx, char *err, size_t len) {
         }
     }
     {
-        const uint8_t **names = malloc((n ? n : 1) * sizeof(*names));
-        uint32_t *lens = malloc((n ? n : 1) * sizeof(*lens));
-        if (!names || !lens) {
-            free(names);
-            free(lens);
-            cb_set_err(err, len, "out of memory checking tensor names");
-            return COLIBRI_E_NOMEM;
-        }
-        for (uint64_t i = 0; i < n; i++) {
-            names[i] = ctx->tensors[i].name;
-            lens[i] = ctx->tensors[i].name_len;
-        }
         uint64_t dup = 0;
-        int u = names_unique(names, lens, 0, n, &dup);
-        free(names);
-        free(lens);
+        int u = names_unique(ctx->tensors, sizeof *ctx->tensors, offsetof(cb_tensor, name),
+                             offsetof(cb_tensor, name_len), n, &dup);
         if (u < 0) {
             cb_set_err(err, len, "out of memory checking tensor names");
             return COLIBRI_E_NOMEM;

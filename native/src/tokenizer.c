@@ -1,6 +1,8 @@
 /*
  * tokenizer.c — SentencePiece-BPE tokenizer read in place from a tokenizer section
- * (docs/format.md, "Tokenizer section encoding").
+ * (docs/format.md, "Tokenizer section encoding"), and the public tokenizer API, which
+ * dispatches sections of type 2 (byte-level BPE) to tokenizer_bpe.c. For both types
+ * colibri_tokenize(add_bos = 1) on a tokenizer without BOS adds nothing.
  *
  * What it reproduces, byte for byte, is `sentencepiece`'s SentencePieceProcessor for a BPE
  * model whose normalizer has no character map (the Llama / Mistral / Mixtral models):
@@ -27,6 +29,7 @@
  * COLIBRI_E_NOMEM if it cannot; nothing here prints, exits or aborts.
  */
 #include "tokenizer.h"
+#include "tokenizer_bpe.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -79,6 +82,8 @@ struct colibri_tokenizer {
     int has_unused;
     int has_tokenizer; /* 0: the file has no tokenizer (empty section) */
     int owned_by_ctx;
+    uint32_t type;             /* TOK_TYPE_SENTENCEPIECE_BPE or CB_BPE_TYPE (byte-level BPE, tokenizer_bpe.c) */
+    cb_bpe bpe;                /* the byte-level BPE tokenizer when type == CB_BPE_TYPE */
     char err[256];
 };
 
@@ -281,9 +286,24 @@ colibri_status cb_tokenizer_load(colibri_tokenizer *tok, const uint8_t *data, ui
         return load_fail(err, err_len, COLIBRI_E_UNSUPPORTED,
                          "tokenizer section: version %u, this build reads version %u (use a newer Colibri or re-convert)",
                          version, TOK_VERSION);
+    if (type == CB_BPE_TYPE) {
+        colibri_status bst = cb_bpe_load(&tok->bpe, data, size, err, err_len);
+        if (bst != COLIBRI_OK) return bst;
+        tok->type = CB_BPE_TYPE;
+        tok->base = data;
+        tok->size = size;
+        tok->n_pieces = tok->bpe.n_tokens;
+        tok->bos_id = tok->bpe.bos_id;
+        tok->eos_id = tok->bpe.eos_id;
+        tok->unk_id = tok->bpe.unk_id;
+        tok->pad_id = tok->bpe.pad_id;
+        tok->has_tokenizer = 1;
+        return COLIBRI_OK;
+    }
     if (type != TOK_TYPE_SENTENCEPIECE_BPE)
         return load_fail(err, err_len, COLIBRI_E_UNSUPPORTED,
-                         "tokenizer section: tokenizer type %u is not supported by this build (only 1 = sentencepiece_bpe)", type);
+                         "tokenizer section: tokenizer type %u is not supported by this build (1 = sentencepiece_bpe, 2 = byte_level_bpe)",
+                         type);
     if (hsize < TOK_HEADER_SIZE || hsize > size)
         return load_fail(err, err_len, COLIBRI_E_FORMAT, "tokenizer section: header_size %u is invalid", hsize);
 
@@ -348,6 +368,7 @@ colibri_status cb_tokenizer_load(colibri_tokenizer *tok, const uint8_t *data, ui
     t->unk_id = unk;
     t->pad_id = pad;
     t->flags = flags;
+    t->type = TOK_TYPE_SENTENCEPIECE_BPE;
 
     colibri_status st = COLIBRI_E_FORMAT;
     /* Pieces: strings inside the blob, known types, one unknown piece = unk_id, byte pieces
@@ -536,6 +557,10 @@ colibri_status colibri_token_piece(colibri_tokenizer *tok, int32_t id, const cha
     if (id < 0 || id >= tok->n_pieces) {
         tok_err(tok, "colibri_token_piece: token id %d is outside 0..%d", id, tok->n_pieces - 1);
         return COLIBRI_E_TOKEN_RANGE;
+    }
+    if (tok->type == CB_BPE_TYPE) {
+        cb_bpe_piece(&tok->bpe, id, piece, len);
+        return COLIBRI_OK;
     }
     *piece = (const char *)(tok->blob + piece_off(tok, id));
     *len = piece_len(tok, id);
@@ -815,10 +840,9 @@ colibri_status colibri_tokenize(colibri_tokenizer *tok, const char *text, uint64
     }
     *n_out = 0;
     if (!tok->has_tokenizer) return no_tokenizer(tok, "colibri_tokenize");
-    if (add_bos && tok->bos_id < 0) {
-        tok_err(tok, "colibri_tokenize: add_bos requested but this tokenizer has no BOS piece");
-        return COLIBRI_E_INVALID_ARG;
-    }
+    if (add_bos && tok->bos_id < 0) add_bos = 0; /* no BOS piece: add_bos is a no-op */
+    if (tok->type == CB_BPE_TYPE)
+        return cb_bpe_tokenize(&tok->bpe, (const uint8_t *)text, len, add_bos, out, cap, n_out, tok->err, sizeof tok->err);
     if (len > MAX_ENCODE_BYTES || len > (SIZE_MAX - 8) / 3) {
         tok_err(tok, "colibri_tokenize: %llu bytes of text exceed the %llu-byte limit of one call; split the text",
                 (unsigned long long)len, (unsigned long long)MAX_ENCODE_BYTES);
@@ -991,6 +1015,7 @@ colibri_status colibri_detokenize(colibri_tokenizer *tok, const int32_t *ids, in
             return COLIBRI_E_TOKEN_RANGE;
         }
     }
+    if (tok->type == CB_BPE_TYPE) return cb_bpe_detokenize(&tok->bpe, ids, n, out, cap, len_out, tok->err, sizeof tok->err);
     const int strip_first = (tok->flags & (FLAG_ADD_DUMMY_PREFIX | FLAG_REMOVE_EXTRA_WS)) != 0;
     const int remove_ws = (tok->flags & FLAG_REMOVE_EXTRA_WS) != 0;
     wbuf_t w = {out, cap, 0};
