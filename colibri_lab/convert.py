@@ -459,18 +459,36 @@ def read_config(model_dir: str) -> ModelSpec:
 
 # --------------------------------------------------------------------------- tokenizer
 
-def _tokenizer_section(model_dir: str, say: Callable[[str], None]):
-    """(section bytes, metadata dict) — empty section and type 'none' without tokenizer.model."""
+def _tokenizer_section(model_dir: str, say: Callable[[str], None], tokenizer: str = "auto"):
+    """(section bytes, metadata dict) for the checkpoint's tokenizer.
+
+    "auto": `tokenizer.model` (SentencePiece BPE: Mixtral, Llama) if present, else
+    `tokenizer.json` (byte-level BPE: Qwen, OLMoE, GPT-2 style), else none. "none": write a
+    file without a tokenizer (the engine then runs on token ids only)."""
     none = {"tokenizer.type": "none", "tokenizer.bos_id": -1, "tokenizer.eos_id": -1,
             "tokenizer.unk_id": -1, "tokenizer.pad_id": -1}
-    path = os.path.join(model_dir, "tokenizer.model")
-    if not os.path.isfile(path):
-        say(f"note: no tokenizer.model in {model_dir}; writing a file without a tokenizer "
-            "(the engine then runs on token ids only)")
+    if tokenizer not in ("auto", "none"):
+        raise ConversionError(f"tokenizer {tokenizer!r}: choose auto or none")
+    if tokenizer == "none":
+        say("tokenizer: none (asked for); the engine will run on token ids only")
         return b"", none
-    from ._spm import build_tokenizer_section
-
-    data, info = build_tokenizer_section(path)
+    spm = os.path.join(model_dir, "tokenizer.model")
+    bpe = os.path.join(model_dir, "tokenizer.json")
+    if os.path.isfile(spm):
+        from ._spm import build_tokenizer_section as build
+        path = spm
+    elif os.path.isfile(bpe):
+        from ._bpe import build_bpe_tokenizer_section as build
+        path = bpe
+    else:
+        say(f"note: no tokenizer.model or tokenizer.json in {model_dir}; writing a file without "
+            "a tokenizer (the engine then runs on token ids only)")
+        return b"", none
+    try:
+        data, info = build(path)
+    except ValueError as e:
+        raise ConversionError(f"{e}. To convert the weights anyway, without a tokenizer, pass "
+                              "tokenizer='none' (colibri-convert --no_tokenizer)") from e
     # Keys named "tokenizer.*" go to the metadata; others (n_pieces) are information.
     meta = {k: v for k, v in info.items() if k.startswith("tokenizer.")}
     if "n_pieces" in info:
@@ -829,7 +847,7 @@ class _Out:
 
 def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str | None = None,
             block_size: int = fmt.DEFAULT_BLOCK_SIZE, max_seq_len: int | None = None,
-            progress: bool = True) -> str:
+            progress: bool = True, tokenizer: str = "auto") -> str:
     """Convert the Hugging Face checkpoint in `model_dir` (Mixtral, Qwen2-MoE, Qwen3-MoE or
     OLMoE) to `output_path`.
 
@@ -838,6 +856,7 @@ def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str
     block_size: row block B of the packed expert layout.
     max_seq_len: written to the header; default the config's max_position_embeddings.
     progress: print stages and a progress bar to stderr.
+    tokenizer: "auto" (tokenizer.model, else tokenizer.json, else none) or "none".
     Returns the output path. Raises ConversionError (a ValueError) on a bad checkpoint
     or argument; on any error no output (and no OUT.tmp) is left behind.
     """
@@ -873,7 +892,7 @@ def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str
                       RuntimeWarning, stacklevel=2)
 
     say.stage(2, "tokenizer")
-    tok_bytes, tok_meta = _tokenizer_section(model_dir, say)
+    tok_bytes, tok_meta = _tokenizer_section(model_dir, say, tokenizer)
 
     name = os.path.basename(os.path.normpath(os.path.abspath(model_dir)))
     meta = build_metadata(spec, name, W, int8_router, block_size, msl, tok_meta)
@@ -1024,7 +1043,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Convert a Hugging Face MoE checkpoint folder (Mixtral, Qwen2-MoE, "
                     "Qwen3-MoE, OLMoE) into a .colibri file.")
     p.add_argument("--model_name_or_path", required=True,
-                   help="checkpoint folder: config.json, *.safetensors, optional tokenizer.model")
+                   help="checkpoint folder: config.json, *.safetensors, optional tokenizer.model "
+                        "or tokenizer.json")
     p.add_argument("--output_path", required=True, help="the .colibri file to write")
     p.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="bf16",
                    help="weight dtype (norm weights are always f32); default bf16")
@@ -1034,12 +1054,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="row block of the packed expert layout; default 32")
     p.add_argument("--max_seq_len", type=int, default=None,
                    help="longest sequence; default the config's max_position_embeddings")
+    p.add_argument("--no_tokenizer", action="store_true",
+                   help="write no tokenizer (default: tokenizer.model, else tokenizer.json)")
     p.add_argument("--quiet", action="store_true", help="no stages, no progress bar")
     a = p.parse_args(argv)
     try:
         convert(a.model_name_or_path, a.output_path, dtype=a.dtype,
                 quantize_router=a.quantize_router, block_size=a.block_size,
-                max_seq_len=a.max_seq_len, progress=not a.quiet)
+                max_seq_len=a.max_seq_len, progress=not a.quiet,
+                tokenizer="none" if a.no_tokenizer else "auto")
     except (ConversionError, fmt.FormatError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
