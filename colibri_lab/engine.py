@@ -60,7 +60,8 @@ class EngineConfig:
     max_seq_len: int  # effective, as chosen at init
     file_max_seq_len: int
     max_batch: int
-    num_threads: int
+    num_threads: int  # requested (0 in the options = online CPUs)
+    threads_used: int  # by the forward pass: 1 until the thread pool lands
     group_pad: int
     sliding_window: int
     norm_topk_prob: bool
@@ -80,7 +81,7 @@ class EngineConfig:
 _CONFIG_INTS = (
     "vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads",
     "head_dim", "n_experts", "top_k", "max_seq_len", "file_max_seq_len", "max_batch",
-    "num_threads", "group_pad", "sliding_window", "bos_id", "eos_id", "arena_bytes",
+    "num_threads", "threads_used", "group_pad", "sliding_window", "bos_id", "eos_id", "arena_bytes",
     "file_size", "format_version",
 )  # fmt: skip
 _CONFIG_BOOLS = ("norm_topk_prob", "tie_word_embeddings", "router_int8")
@@ -119,7 +120,8 @@ def _i32_ptr(arr: np.ndarray):
 
 
 class Tokenizer:
-    """The engine's SentencePiece tokenizer (byte-exact with ``sentencepiece``).
+    """The engine's tokenizer: SentencePiece BPE (byte-exact with ``sentencepiece``) or
+    byte-level BPE (byte-exact with Hugging Face ``tokenizers``), as the file holds.
 
     Either the tokenizer of an :class:`Engine` (``engine.tokenizer``, valid while the
     engine is open) or a standalone one over the bytes of a tokenizer section
@@ -194,10 +196,25 @@ class Tokenizer:
 
     # -- encode / decode ------------------------------------------------------------
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of ``text`` (UTF-8), with BOS first when ``add_bos``."""
+    def encode(self, text: str | bytes, add_bos: bool = True) -> list[int]:
+        """Token ids of ``text``, with BOS first when ``add_bos`` (and the tokenizer has one).
+
+        A ``str`` is encoded as UTF-8. ``bytes`` (or a ``bytearray`` / ``memoryview``) go
+        to the tokenizer as they are, so malformed UTF-8 can be tokenized too, handled as
+        the reference tokenizer handles it: each malformed byte becomes U+FFFD
+        (sentencepiece), or each maximal malformed subpart does, as
+        ``bytes.decode("utf-8", "replace")`` (byte-level BPE). Anything else raises
+        :class:`ColibriInvalidArgError`.
+        """
         h = self._h()
-        data = text.encode("utf-8", "surrogatepass")
+        if isinstance(text, str):
+            data = text.encode("utf-8", "surrogatepass")
+        elif isinstance(text, (bytes, bytearray, memoryview)):
+            data = bytes(text)
+        else:
+            raise _native.ColibriInvalidArgError(
+                f"text must be str or bytes, got {type(text).__name__}"
+            )
         cap = len(data) // 2 + 8
         n = ctypes.c_int64(0)
         while True:
@@ -211,7 +228,7 @@ class Tokenizer:
             return list(out[: n.value])
 
     def decode_bytes(self, ids: Sequence[int] | np.ndarray) -> bytes:
-        """The UTF-8 bytes that ``ids`` decode to (as sentencepiece decodes)."""
+        """The UTF-8 bytes that ``ids`` decode to (as the reference tokenizer decodes)."""
         h = self._h()
         arr = _as_ids(ids)
         cap = max(16, 8 * len(arr))
@@ -227,7 +244,7 @@ class Tokenizer:
             return out.raw[: n.value]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """The text that ``ids`` decode to (as sentencepiece decodes)."""
+        """The text that ``ids`` decode to (as the reference tokenizer decodes)."""
         return self.decode_bytes(ids).decode("utf-8", "replace")
 
     def piece_bytes(self, token_id: int) -> bytes:

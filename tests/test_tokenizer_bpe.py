@@ -17,115 +17,34 @@ points, and added / special tokens inside the text.
 
 The tokenizers are compared on text of the Unicode version of Python's unicodedata (the
 tables' source): characters assigned later may be classified differently by `tokenizers`.
+
+The C tokenizer is used only through colibri_lab.Tokenizer (from_section_bytes, encode of
+bytes, decode_bytes, piece_bytes); its errors are ColibriError subclasses carrying the C
+message.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import random
-import sys
 import time
 import unicodedata
 from pathlib import Path
 
 import pytest
 
+import colibri_lab
+from colibri_lab._bpe import LLAMA3_PATTERN, QWEN2_PATTERN, build_bpe_tokenizer_section
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 tokenizers = pytest.importorskip("tokenizers")
-_native = pytest.importorskip("colibri_lab._native")
-
-from colibri_lab._bpe import (  # noqa: E402
-    GPT2_PATTERN,
-    LLAMA3_PATTERN,
-    QWEN2_PATTERN,
-    build_bpe_tokenizer_section,
-)
-
-COLIBRI_OK = 0
-COLIBRI_E_FORMAT = 3
-COLIBRI_E_TOKEN_RANGE = 8
-COLIBRI_E_BUFFER_TOO_SMALL = 10
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_NORMALIZED = "colibri_added"  # a non-special added token (normalized=True)
 ADDED_RAW = "naïve tok"  # added token with characters outside the ByteLevel alphabet (decoded as UTF-8)
 TARGET_BYTES = 1_050_000
-
-
-# ---------------------------------------------------------------------------------
-# The C library (own handle, own argtypes).
-
-
-def _lib() -> ctypes.CDLL:
-    c = ctypes
-    lib = c.CDLL(_native.lib._name)
-    lib.colibri_tokenizer_from_memory.argtypes = [c.c_void_p, c.c_uint64, c.POINTER(c.c_void_p), c.c_char_p,
-                                                  c.c_size_t]
-    lib.colibri_tokenizer_from_memory.restype = c.c_int
-    lib.colibri_tokenizer_free.argtypes = [c.c_void_p]
-    lib.colibri_tokenizer_free.restype = None
-    lib.colibri_tokenizer_last_error.argtypes = [c.c_void_p]
-    lib.colibri_tokenizer_last_error.restype = c.c_char_p
-    for fn in ("colibri_tokenizer_vocab_size", "colibri_tokenizer_bos_id", "colibri_tokenizer_eos_id"):
-        getattr(lib, fn).argtypes = [c.c_void_p]
-        getattr(lib, fn).restype = c.c_int32
-    lib.colibri_tokenize.argtypes = [c.c_void_p, c.c_char_p, c.c_uint64, c.c_int, c.POINTER(c.c_int32), c.c_int64,
-                                     c.POINTER(c.c_int64)]
-    lib.colibri_tokenize.restype = c.c_int
-    lib.colibri_detokenize.argtypes = [c.c_void_p, c.POINTER(c.c_int32), c.c_int64, c.c_char_p, c.c_uint64,
-                                       c.POINTER(c.c_uint64)]
-    lib.colibri_detokenize.restype = c.c_int
-    lib.colibri_token_piece.argtypes = [c.c_void_p, c.c_int32, c.POINTER(c.c_void_p), c.POINTER(c.c_uint64)]
-    lib.colibri_token_piece.restype = c.c_int
-    return lib
-
-
-LIB = _lib()
-
-
-class CTok:
-    def __init__(self, section: bytes):
-        self._buf = ctypes.create_string_buffer(section, len(section))
-        self.h = ctypes.c_void_p()
-        err = ctypes.create_string_buffer(512)
-        st = LIB.colibri_tokenizer_from_memory(self._buf, len(section), ctypes.byref(self.h), err, 512)
-        if st != COLIBRI_OK:
-            raise RuntimeError(f"load failed ({st}): {err.value.decode()}")
-
-    def close(self):
-        if self.h:
-            LIB.colibri_tokenizer_free(self.h)
-            self.h = ctypes.c_void_p()
-
-    def encode(self, data: bytes | str, add_bos: bool = False) -> list[int]:
-        if isinstance(data, str):
-            data = data.encode("utf-8")
-        cap = 3 * len(data) + 8  # malformed bytes become U+FFFD (3 bytes)
-        out = (ctypes.c_int32 * cap)()
-        n = ctypes.c_int64()
-        st = LIB.colibri_tokenize(self.h, data, len(data), int(add_bos), out, cap, ctypes.byref(n))
-        assert st == COLIBRI_OK, LIB.colibri_tokenizer_last_error(self.h)
-        return list(out[: n.value])
-
-    def decode(self, ids: list[int]) -> bytes:
-        arr = (ctypes.c_int32 * max(len(ids), 1))(*ids)
-        n = ctypes.c_uint64()
-        st = LIB.colibri_detokenize(self.h, arr, len(ids), None, 0, ctypes.byref(n))
-        assert st in (COLIBRI_OK, COLIBRI_E_BUFFER_TOO_SMALL)
-        buf = ctypes.create_string_buffer(max(n.value, 1))
-        st = LIB.colibri_detokenize(self.h, arr, len(ids), buf, n.value, ctypes.byref(n))
-        assert st == COLIBRI_OK
-        return buf.raw[: n.value]
-
-    def piece(self, i: int) -> bytes:
-        p, n = ctypes.c_void_p(), ctypes.c_uint64()
-        assert LIB.colibri_token_piece(self.h, i, ctypes.byref(p), ctypes.byref(n)) == COLIBRI_OK
-        return ctypes.string_at(p, n.value)
 
 
 # ---------------------------------------------------------------------------------
@@ -312,7 +231,7 @@ def _pair(path: Path):
     from tokenizers import Tokenizer
 
     section, meta = build_bpe_tokenizer_section(path)
-    return Tokenizer.from_file(str(path)), CTok(section), meta
+    return Tokenizer.from_file(str(path)), colibri_lab.Tokenizer.from_section_bytes(section), meta
 
 
 # ---------------------------------------------------------------------------------
@@ -327,7 +246,7 @@ def _parity(hf, ct, seed: int, label: str):
     t_hf = time.perf_counter() - t0
     data = [d.encode("utf-8") for d in docs]
     t0 = time.perf_counter()
-    got = [ct.encode(d) for d in data]
+    got = [ct.encode(d, add_bos=False) for d in data]
     t_c = time.perf_counter() - t0
     bad = [i for i in range(len(docs)) if got[i] != want[i]]
     if bad:
@@ -338,11 +257,11 @@ def _parity(hf, ct, seed: int, label: str):
         raise AssertionError(f"{label}: {len(bad)} of {len(docs)} documents differ; first doc {i} at id {k}: "
                              f"C {got[i][max(0, k - 3):k + 3]} HF {want[i][max(0, k - 3):k + 3]} {ctx}")
     hf_dec = hf.decode_batch(want, skip_special_tokens=True)
-    bad_dec = [i for i in range(len(docs)) if ct.decode(want[i]).decode("utf-8") != hf_dec[i]]
+    bad_dec = [i for i in range(len(docs)) if ct.decode_bytes(want[i]).decode("utf-8") != hf_dec[i]]
     assert not bad_dec, f"{label}: decode differs for {len(bad_dec)} documents (first {bad_dec[0]})"
     n_ids = sum(map(len, want))
     print(f"\n[{label}] {n_bytes} bytes, {len(docs)} docs, {n_ids} ids, 0 mismatches; encode C {t_c:.3f}s "
-          f"({n_bytes / t_c / 1e6:.1f} MB/s, 1 thread incl. ctypes) vs tokenizers encode_batch {t_hf:.3f}s")
+          f"({n_bytes / t_c / 1e6:.1f} MB/s, 1 thread, via colibri_lab.Tokenizer) vs tokenizers encode_batch {t_hf:.3f}s")
     return n_bytes
 
 
@@ -371,17 +290,17 @@ def test_special_ids_and_add_bos(qwen_style, gpt2_style):
     assert meta["tokenizer.bos_id"] == -1  # tokenizer_config.json: bos_token null
     assert meta["tokenizer.eos_id"] == vocab["<|im_end|>"] and meta["tokenizer.pad_id"] == vocab["<|endoftext|>"]
     assert meta["tokenizer.special_source"] == "tokenizer_config.json"
-    assert LIB.colibri_tokenizer_bos_id(ct.h) == -1
-    assert LIB.colibri_tokenizer_vocab_size(ct.h) == hf.get_vocab_size()
+    assert ct.bos_id == -1
+    assert ct.vocab_size == hf.get_vocab_size()
     # add_bos without a BOS token is a no-op
-    assert ct.encode("hello world", add_bos=True) == ct.encode("hello world") == hf.encode("hello world").ids
+    assert ct.encode("hello world", add_bos=True) == ct.encode("hello world", add_bos=False) == hf.encode("hello world").ids
     assert ct.encode("", add_bos=True) == []
     hf2, ct2, meta2 = _pair(gpt2_style)  # no tokenizer_config.json: well-known names
     eot = hf2.get_vocab()["<|endoftext|>"]
     assert meta2["tokenizer.eos_id"] == eot and meta2["tokenizer.bos_id"] == -1
     assert ct2.encode("hi", add_bos=True) == hf2.encode("hi").ids
     for i in (0, 100, eot, hf.get_vocab_size() - 1):
-        assert ct.piece(i).decode("utf-8") == hf.id_to_token(i)
+        assert ct.piece_bytes(i).decode("utf-8") == hf.id_to_token(i)
 
 
 def test_invalid_utf8_and_random_decode(qwen_style):
@@ -391,11 +310,11 @@ def test_invalid_utf8_and_random_decode(qwen_style):
             "é".encode(), b"a", b" ", b"\n", "中".encode(), b"<|im_end|>", "😀".encode()]
     for _ in range(300):
         data = b"".join(rng.choice(pool) for _ in range(rng.randint(1, 30)))
-        assert ct.encode(data) == hf.encode(data.decode("utf-8", "replace"), add_special_tokens=False).ids, data
+        assert ct.encode(data, add_bos=False) == hf.encode(data.decode("utf-8", "replace"), add_special_tokens=False).ids, data
     n = hf.get_vocab_size()
     for _ in range(300):  # arbitrary id sequences: partial UTF-8, specials
         ids = [rng.randrange(n) for _ in range(rng.randint(0, 40))]
-        assert ct.decode(ids).decode("utf-8") == hf.decode(ids, skip_special_tokens=True), ids
+        assert ct.decode_bytes(ids).decode("utf-8") == hf.decode(ids, skip_special_tokens=True), ids
 
 
 def test_refusals(tmp_path, qwen_style):
@@ -421,6 +340,8 @@ def test_refusals(tmp_path, qwen_style):
 
 
 def test_corrupt_sections_refused(qwen_style):
+    """Random byte flips and truncations: loading raises a ColibriError with a message, or
+    the tokenizer loads and works (any other exception, or a crash, fails)."""
     section, _ = build_bpe_tokenizer_section(qwen_style)
     rng = random.Random(11)
     for _ in range(200):
@@ -428,18 +349,13 @@ def test_corrupt_sections_refused(qwen_style):
         for _ in range(rng.randint(1, 4)):
             pos = rng.randrange(len(b)) if rng.random() < 0.5 else rng.randrange(128)
             b[pos] = rng.randrange(256)
-        buf = ctypes.create_string_buffer(bytes(b), len(b))
-        h = ctypes.c_void_p()
-        err = ctypes.create_string_buffer(256)
-        st = LIB.colibri_tokenizer_from_memory(buf, len(b), ctypes.byref(h), err, 256)
-        if st == COLIBRI_OK:  # a harmless change: it must still encode / decode without crashing
-            out = (ctypes.c_int32 * 64)()
-            n = ctypes.c_int64()
-            LIB.colibri_tokenize(h, b"Hello <|im_end|> world 123", 26, 1, out, 64, ctypes.byref(n))
-            LIB.colibri_tokenizer_free(h)
-        else:
-            assert err.value
+        try:
+            t = colibri_lab.Tokenizer.from_section_bytes(b)
+        except colibri_lab.ColibriError as e:
+            assert e.message
+            continue
+        with t:  # a harmless change: it must still encode / decode without crashing
+            t.decode_bytes(t.encode(b"Hello <|im_end|> world 123", add_bos=True))
     for cut in (0, 16, 127, 128, len(section) // 2, len(section) - 8):
-        buf = ctypes.create_string_buffer(section[:cut], max(cut, 1))
-        h = ctypes.c_void_p()
-        assert LIB.colibri_tokenizer_from_memory(buf, cut, ctypes.byref(h), None, 0) != COLIBRI_OK
+        with pytest.raises(colibri_lab.ColibriError):
+            colibri_lab.Tokenizer.from_section_bytes(section[:cut])

@@ -92,7 +92,7 @@ COLIBRI_API int64_t colibri_cached_len(const colibri_ctx *ctx);
 /* Integer and float facts about the loaded model and run settings, by name:
  * ints: "n_layers" "hidden_size" "intermediate_size" "vocab_size" "n_heads" "n_kv_heads"
  *       "head_dim" "n_experts" "top_k" "max_seq_len" (effective) "file_max_seq_len"
- *       "max_batch" "num_threads" "group_pad" "sliding_window" "bos_id" "eos_id"
+ *       "max_batch" "num_threads" (requested) "threads_used" (by the forward) "group_pad" "sliding_window" "bos_id" "eos_id"
  *       "arena_bytes" "file_size" "format_version" "router_int8" "tie_word_embeddings"
  *       "norm_topk_prob"
  * floats: "rope_theta" "rms_norm_eps"

@@ -290,6 +290,7 @@ colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t
         {"file_max_seq_len", (int64_t)c->file_max_seq_len},
         {"max_batch", ctx->max_batch},
         {"num_threads", ctx->num_threads},
+        {"threads_used", 1}, /* the forward is single-threaded until the thread pool lands */
         {"group_pad", ctx->group_pad},
         {"sliding_window", c->sliding_window > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)c->sliding_window},
         {"bos_id", c->bos_id},

@@ -323,7 +323,7 @@ int main(int argc, char **argv) {
     int64_t vocab = 0, max_seq = 0, threads = 0;
     if ((st = colibri_get_int(ctx, "vocab_size", &vocab)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "max_seq_len", &max_seq)) != COLIBRI_OK ||
-        (st = colibri_get_int(ctx, "num_threads", &threads)) != COLIBRI_OK) {
+        (st = colibri_get_int(ctx, "threads_used", &threads)) != COLIBRI_OK) {
         rc = engine_error(ctx, st, "reading the model's settings");
         goto done;
     }
@@ -354,7 +354,7 @@ int main(int argc, char **argv) {
     }
     if (a.verbose)
         fprintf(stderr, "load: %.1f ms (%s, vocab %" PRId64 ", max_seq_len %" PRId64
-                        ", %" PRId64 " threads)\nprompt: %" PRId64 " tokens\n",
+                        ", %" PRId64 " thread(s) used)\nprompt: %" PRId64 " tokens\n",
                 t_load, a.model, vocab, max_seq, threads, n_prompt);
 
     /* Prefill: all prompt rows are computed; only the last one is used. */
