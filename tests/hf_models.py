@@ -92,7 +92,7 @@ def save_checkpoint(model, folder: Path, *, dtype=None, with_tokenizer: bool | N
     return folder
 
 
-def hf_logits(model, ids) -> "np.ndarray":
+def hf_logits(model, ids):
     import numpy as np
     import torch
 
@@ -121,3 +121,57 @@ def first_near_tie(router_logits, top_k: int, gap: float = 1e-5) -> int | None:
             p = int(idx[0])
             first = p if first is None else min(first, p)
     return first
+
+
+class ModelCache:
+    """shape id -> a random HF model (built once), its checkpoint folder and the files
+    converted from it per weight dtype; one per test module."""
+
+    def __init__(self, tmp_factory, shapes: dict, build=build_model):
+        self.tmp, self.shapes, self.build = tmp_factory, shapes, build
+        self.cache = {}
+
+    def folder(self, key):
+        if key not in self.cache:
+            model = self.build(self.shapes[key])
+            self.cache[key] = (model, save_checkpoint(model, self.tmp.mktemp(key)), {})
+        return self.cache[key][1]
+
+    def __call__(self, key, dtype="f32"):
+        import colibri_lab
+
+        folder = self.folder(key)
+        model, _, files = self.cache[key]
+        if dtype not in files:
+            out = folder.parent / f"{folder.name}-{dtype}.colibri"
+            colibri_lab.convert(folder, out, dtype=dtype, progress=False)
+            files[dtype] = out
+        return model, files[dtype]
+
+
+def compare_logits(ref, got, router_logits, top_k, what, tol=1e-4) -> float:
+    """Assert max |Δ| <= tol over the positions not decided by a routing near-tie
+    (see first_near_tie); returns the max |Δ| and prints it for the test log."""
+    import warnings
+
+    import numpy as np
+    import pytest
+
+    cut = first_near_tie(router_logits, top_k)
+    if cut is not None:
+        warnings.warn(f"{what}: positions from {cut} excluded (router near-tie within 1e-5)")
+        if cut == 0:
+            pytest.skip(f"{what}: first token has a router near-tie")
+        ref, got = ref[:cut], got[:cut]
+    assert got.shape == ref.shape and got.dtype == np.float32
+    delta = float(np.max(np.abs(ref - got)))
+    scale = float(np.max(np.abs(ref)))
+    assert delta <= tol, f"{what}: max |Δ logits| = {delta:.3g} (logit scale {scale:.3g})"
+    print(f"{what}: max |Δ logits| = {delta:.3g} (logit scale {scale:.3g})")
+    return delta
+
+
+def random_ids(vocab: int, n: int, seed: int) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()

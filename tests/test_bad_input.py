@@ -9,7 +9,6 @@ metadata and tensor-directory parsing) instead of stopping at the checksum.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import sys

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import struct
-import warnings
 import zlib
 
 import numpy as np
@@ -27,7 +26,7 @@ from colibri_lab.convert import ConversionError  # noqa: E402
 from colibri_lab.format import inspect  # noqa: E402
 
 from hf_families import FamilyShape, build_family_model, load_family_model  # noqa: E402
-from hf_models import first_near_tie, hf_logits, save_checkpoint  # noqa: E402
+from hf_models import ModelCache, compare_logits, hf_logits, random_ids, save_checkpoint  # noqa: E402
 
 TOL = 1e-4
 
@@ -69,53 +68,15 @@ BF16_KEYS = ["q2-shared-dense-window", "q3-bias-dense", "ol-clip"]
 MEASURED: dict[str, float] = {}
 
 
-class _Models:
-    """shape id -> a random HF model, its checkpoint folder and converted files."""
-
-    def __init__(self, tmp_factory):
-        self.tmp = tmp_factory
-        self.cache = {}
-
-    def folder(self, key):
-        if key not in self.cache:
-            model = build_family_model(SHAPES[key])
-            self.cache[key] = (model, save_checkpoint(model, self.tmp.mktemp(key)), {})
-        return self.cache[key][1]
-
-    def __call__(self, key, dtype="f32"):
-        folder = self.folder(key)
-        model, _, files = self.cache[key]
-        if dtype not in files:
-            out = folder.parent / f"{folder.name}-{dtype}.colibri"
-            colibri_lab.convert(folder, out, dtype=dtype, progress=False)
-            files[dtype] = out
-        return model, files[dtype]
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return _Models(tmp_path_factory)
+    return ModelCache(tmp_path_factory, SHAPES, build_family_model)
 
 
 def compare(ref, got, router_logits, top_k, what):
-    """max |Δ| over the positions not decided by a routing near-tie."""
-    cut = first_near_tie(router_logits, top_k)
-    if cut is not None:
-        warnings.warn(f"{what}: positions from {cut} excluded (router near-tie within 1e-5)")
-        if cut == 0:
-            pytest.skip(f"{what}: first token has a router near-tie")
-        ref, got = ref[:cut], got[:cut]
-    assert got.shape == ref.shape and got.dtype == np.float32
-    delta = float(np.max(np.abs(ref - got)))
-    scale = float(np.max(np.abs(ref)))
-    assert delta <= TOL, f"{what}: max |Δ logits| = {delta:.3g} (logit scale {scale:.3g})"
+    delta = compare_logits(ref, got, router_logits, top_k, what, tol=TOL)
     MEASURED[what] = max(MEASURED.get(what, 0.0), delta)
-    print(f"{what}: max |Δ logits| = {delta:.3g} (logit scale {scale:.3g})")
     return delta
-
-
-def random_ids(vocab, n, seed):
-    return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
 
 
 # ------------------------------------------------------------------------ conversion

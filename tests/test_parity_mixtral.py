@@ -6,7 +6,6 @@ decoding equal to one full forward, greedy generation equal token for token.
 
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 import pytest
@@ -16,7 +15,9 @@ pytest.importorskip("transformers")
 
 import colibri_lab  # noqa: E402
 
-from hf_models import Shape, build_model, first_near_tie, hf_logits, save_checkpoint  # noqa: E402
+from hf_models import (  # noqa: E402
+    ModelCache, Shape, compare_logits, hf_logits, random_ids, save_checkpoint,
+)
 
 TOL = 1e-4
 
@@ -36,51 +37,13 @@ SHAPES = {
 }
 
 
-class _Models:
-    """shape id -> a random HF model, its checkpoint folder and converted files."""
-
-    def __init__(self, tmp_factory):
-        self.tmp = tmp_factory
-        self.cache = {}
-
-    def folder(self, key):
-        if key not in self.cache:
-            model = build_model(SHAPES[key])
-            self.cache[key] = (model, save_checkpoint(model, self.tmp.mktemp(key)), {})
-        return self.cache[key][1]
-
-    def __call__(self, key, dtype="f32"):
-        folder = self.folder(key)
-        model, _, files = self.cache[key]
-        if dtype not in files:
-            out = folder.parent / f"{folder.name}-{dtype}.colibri"
-            colibri_lab.convert(folder, out, dtype=dtype, progress=False)
-            files[dtype] = out
-        return model, files[dtype]
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return _Models(tmp_path_factory)
+    return ModelCache(tmp_path_factory, SHAPES)
 
 
 def compare(ref, got, router_logits, top_k, what):
-    """max |Δ| over the positions not decided by a routing near-tie."""
-    cut = first_near_tie(router_logits, top_k)
-    if cut is not None:
-        warnings.warn(f"{what}: positions from {cut} excluded (router near-tie within 1e-5)")
-        if cut == 0:
-            pytest.skip(f"{what}: first token has a router near-tie")
-        ref, got = ref[:cut], got[:cut]
-    assert got.shape == ref.shape and got.dtype == np.float32
-    delta = float(np.max(np.abs(ref - got)))
-    scale = float(np.max(np.abs(ref)))
-    assert delta <= TOL, f"{what}: max |Δ logits| = {delta:.3g} (logit scale {scale:.3g})"
-    return delta
-
-
-def random_ids(vocab, n, seed):
-    return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
+    return compare_logits(ref, got, router_logits, top_k, what, tol=TOL)
 
 
 @pytest.mark.parametrize("key", list(SHAPES))
