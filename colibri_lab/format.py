@@ -356,7 +356,8 @@ class ColibriInfo:
     version: int
     header_size: int
     file_size: int
-    header: dict[str, int]          # n_experts, top_k, ... flags, alignment, block_size
+    header: dict[str, Any]          # header fields: magic, version, ... block_size and
+                                    # router/experts/tokenizer_offset (the seed's names)
     header_crc32: int
     sections: list[SectionInfo]
     metadata: dict[str, Any]
@@ -713,6 +714,12 @@ def inspect(path: str | os.PathLike, *, verify: bool = False) -> ColibriInfo:
                 if not t.crc_ok:
                     raise FormatError(f"{path}: tensor {t.name!r}: CRC mismatch; the weights "
                                       "are damaged")
+    # Every header field in one dict, the seed's names included (section offsets).
+    header = {"magic": magic.rstrip(b"\0").decode("ascii"), "version": version,
+              "header_size": header_size, "file_size": file_size, **header,
+              "router_offset": sections[SECTION_NAMES.index("router")].offset,
+              "experts_offset": sections[SECTION_NAMES.index("experts")].offset,
+              "tokenizer_offset": sections[SECTION_TOKENIZER].offset}
     return ColibriInfo(path, version, header_size, file_size, header, hcrc, sections, meta,
                        types, tensors, verified=verify)
 

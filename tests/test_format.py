@@ -80,8 +80,12 @@ def test_header_round_trip(odd_model, tmp_path):
     info = inspect(out)
     h = info.header
     assert (info.version, info.header_size, info.file_size) == (1, 256, out.stat().st_size)
-    assert h == dict(n_experts=3, top_k=2, hidden_size=20, intermediate_size=13, vocab_size=37,
-                     max_seq_len=123, n_layers=2, flags=0, alignment=64, block_size=5)
+    secs = {s.name: s.offset for s in info.sections}
+    assert h == dict(magic="COLIBRI", version=1, header_size=256, file_size=info.file_size,
+                     n_experts=3, top_k=2, hidden_size=20, intermediate_size=13, vocab_size=37,
+                     max_seq_len=123, n_layers=2, flags=0, alignment=64, block_size=5,
+                     router_offset=secs["router"], experts_offset=secs["experts"],
+                     tokenizer_offset=secs["tokenizer"])
     m = info.metadata
     want = {"general.architecture": "mixtral", "general.name": "hf", "model.n_layers": 2,
             "model.hidden_size": 20, "model.intermediate_size": 13, "model.vocab_size": 37,
