@@ -156,6 +156,14 @@ def test_engine_refuses_other_architectures_and_options(models, tmp_path):
     bad = _patch_metadata(path, tmp_path / "norm.colibri", b"full", b"fuzz")
     with pytest.raises(ColibriError, match="attn_qk_norm 'fuzz'.*none, head, full"):
         colibri_lab.Engine(bad)
+    # All layers dense: not an MoE, and nothing would bound n_experts (which sizes the arena).
+    ffn = inspect(path).metadata["model.layer_ffn"]
+    key = b"model.layer_ffn" + struct.pack("<IIQ", 8, 0, len(ffn))
+    bad = _patch_metadata(path, tmp_path / "dense.colibri",
+                          key + struct.pack(f"<{len(ffn)}I", *ffn),
+                          key + bytes(4 * len(ffn)))
+    with pytest.raises(ColibriError, match="all .* layers dense"):
+        colibri_lab.Engine(bad)
 
 
 # ------------------------------------------------------------------------ parity

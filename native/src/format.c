@@ -372,6 +372,13 @@ static colibri_status read_family_options(colibri_ctx *ctx, char *err, size_t le
             }
             n_dense += v == 0;
         }
+        /* At least one MoE layer: its ffn_experts tensor then bounds n_experts and top_k by
+         * the file's size; without one nothing would, and the arena is sized by them. */
+        if (n_dense == c->n_layers) {
+            cb_set_err(err, len, "model.layer_ffn marks all %u layers dense: this is not a Mixture-of-Experts "
+                       "model; " RECONVERT, c->n_layers);
+            return COLIBRI_E_FORMAT;
+        }
         c->layer_ffn = e->value;
     }
     OPT("model.dense_intermediate_size", CB_MT_U32, 0);

@@ -130,6 +130,8 @@ static int32_t vocab_get(const cb_bpe *b, const uint8_t *s, uint64_t n) {
 
 /* ---- loading ---- */
 
+static inline uint32_t utf8_valid_len(const uint8_t *s, uint64_t len); /* below, with the UTF-8 helpers */
+
 colibri_status cb_bpe_load(cb_bpe *b, const uint8_t *data, uint64_t size, char *err, size_t err_len) {
     const colibri_status F = COLIBRI_E_FORMAT;
     memset(b, 0, sizeof *b);
@@ -234,6 +236,18 @@ colibri_status cb_bpe_load(cb_bpe *b, const uint8_t *data, uint64_t size, char *
         }
         uint32_t pl;
         const uint8_t *p = tok_piece(b, id, &pl);
+        /* Added tokens are matched byte-wise in the (valid UTF-8) text; a piece that is not
+         * whole UTF-8 characters (tokenizer.json strings always are) could split the text
+         * inside a character, and the pre-tokenizer, which decodes the pieces between added
+         * tokens as valid UTF-8, would then read past the end of the caller's text. */
+        for (uint32_t q = 0; q < pl;) {
+            uint32_t cl = utf8_valid_len(p + q, pl - q);
+            if (cl == 0) {
+                memset(b, 0, sizeof *b);
+                return fail(err, err_len, F, "tokenizer section: added token %d is not valid UTF-8", id);
+            }
+            q += cl;
+        }
         if (k > 0) {
             uint32_t ql;
             tok_piece(b, rd_i32(b->added + 4 * (uint64_t)(k - 1)), &ql);
@@ -275,16 +289,27 @@ colibri_status cb_bpe_load(cb_bpe *b, const uint8_t *data, uint64_t size, char *
                         (unsigned long long)used, n_merges);
         }
     }
-    /* Vocabulary hash: exactly the model tokens, each findable. */
+    /* Vocabulary hash: exactly the model tokens, each findable. Two passes: every slot's
+     * id is range-checked before any lookup, because vocab_get probes from a token's home
+     * slot onwards (wrapping) and would otherwise read the record of a not-yet-checked
+     * slot's id far outside the token array (a corrupt file could crash the load). */
     if (vocab_log2) {
         uint64_t slots = (uint64_t)1 << vocab_log2, used = 0;
+        for (uint64_t s = 0; s < slots; s++) {
+            uint32_t id = rd_u32(b->vhash + 4 * s);
+            if (id != EMPTY32 && id >= n_tokens) {
+                memset(b, 0, sizeof *b);
+                return fail(err, err_len, F, "tokenizer section: vocabulary hash slot %llu holds id %u, outside 0..%u",
+                            (unsigned long long)s, id, n_tokens - 1);
+            }
+        }
         for (uint64_t s = 0; s < slots; s++) {
             uint32_t id = rd_u32(b->vhash + 4 * s);
             if (id == EMPTY32) continue;
             used++;
             uint32_t bl;
             const uint8_t *bs;
-            if (id >= n_tokens || !(tok_flags(b, (int32_t)id) & TF_MODEL) ||
+            if (!(tok_flags(b, (int32_t)id) & TF_MODEL) ||
                 (bs = tok_bytes(b, (int32_t)id, &bl), vocab_get(b, bs, bl) != (int32_t)id)) {
                 memset(b, 0, sizeof *b);
                 return fail(err, err_len, F, "tokenizer section: vocabulary hash slot %llu is invalid (or two model tokens share bytes)",

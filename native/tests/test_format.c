@@ -105,7 +105,9 @@ int main(int argc, char **argv) {
     CHECK(colibri_get_int(ctx, "no_such_name", &v) == COLIBRI_E_INVALID_ARG &&
               strstr(colibri_last_error(ctx), "no_such_name"), "unknown int name");
     CHECK(colibri_get_float(ctx, "rope_theta", &d) == COLIBRI_OK && d > 0, "rope_theta");
-    CHECK(colibri_get_string(ctx, "architecture", &s) == COLIBRI_OK && strcmp(s, "mixtral") == 0, "architecture");
+    CHECK(colibri_get_string(ctx, "architecture", &s) == COLIBRI_OK &&
+              (strcmp(s, "mixtral") == 0 || strcmp(s, "qwen2_moe") == 0 || strcmp(s, "qwen3_moe") == 0 ||
+               strcmp(s, "olmoe") == 0), "architecture '%s'", s ? s : "(null)");
     CHECK(colibri_verify(ctx) == COLIBRI_OK, "verify: %s", colibri_last_error(ctx));
     CHECK(colibri_verify_router(ctx) == COLIBRI_OK, "verify_router: %s", colibri_last_error(ctx));
     int64_t fsize = 0;

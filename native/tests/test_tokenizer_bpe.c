@@ -137,6 +137,50 @@ int main(void) {
     build();
     w32(128 + 16 * 'h' + 4, 0); /* byte table entry whose token is not that byte */
     CHECK(colibri_tokenizer_from_memory(sec, sec_size, &t, err, sizeof err) == COLIBRI_E_FORMAT);
+    {
+        /* Regression (fuzzing): a vocabulary hash whose slot 0 holds a valid token 'a' whose
+         * home slot h > 0 holds an out-of-range id. Checking slot 0 probed from h and read the
+         * record of id 0x7FFFFFF0, far outside the section (a crash at load). Now refused. */
+        build();
+        const uint32_t vlog2 = 9, G = 0x7FFFFFF0u;
+        const uint64_t vh = (sec_size + 7) & ~(uint64_t)7;
+        uint64_t h = 0xcbf29ce484222325ull;
+        h = (h ^ (uint8_t)'a') * 0x100000001b3ull;
+        h = (h * 0x9E3779B97F4A7C15ull) >> (64 - vlog2);
+        CHECK(h > 0);
+        for (uint64_t k = 0; k < (1u << vlog2); k++) w32(vh + 4 * k, k >= h ? G : UINT32_MAX);
+        w32(vh, 'a');
+        w64(72, vh); w32(80, vlog2);
+        sec_size = vh + 4 * (1u << vlog2);
+        t = NULL;
+        CHECK(colibri_tokenizer_from_memory(sec, sec_size, &t, err, sizeof err) == COLIBRI_E_FORMAT && t == NULL);
+    }
+    {
+        /* Regression (fuzzing): an added token that is not whole UTF-8 characters ("\xC3")
+         * split "\xC3\xA9" inside the character, and the pre-tokenizer decoded the lone
+         * continuation byte 0xA9 as a 2-byte character, reading one byte past the caller's
+         * text (ASan: heap-buffer-overflow). Such a section is now refused. */
+        build();
+        uint64_t r = 128 + 16 * (uint64_t)ID_EOT, blob = 0;
+        memcpy(&blob, sec + 96, 8);
+        uint32_t po = 0;
+        memcpy(&po, sec + r, 4);
+        sec[blob + po] = 0xC3;
+        w16(r + 8, 1);
+        t = NULL;
+        st = colibri_tokenizer_from_memory(sec, sec_size, &t, err, sizeof err);
+        CHECK(st == COLIBRI_E_FORMAT && t == NULL && strstr(err, "UTF-8") != NULL);
+        if (t) { /* (without the fix) show the over-read under ASan */
+            char *txt = malloc(2);
+            if (txt) {
+                int64_t n = 0;
+                memcpy(txt, "\xC3\xA9", 2);
+                (void)colibri_tokenize(t, txt, 2, 0, out, 64, &n);
+                free(txt);
+            }
+            colibri_tokenizer_free(t);
+        }
+    }
     for (uint64_t cut = 0; cut < sec_size; cut += 97) {
         build();
         t = NULL;
