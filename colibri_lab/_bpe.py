@@ -1,5 +1,6 @@
 """Build a byte-level BPE tokenizer section (GPT-2 / Qwen2 / Llama-3 style) from a Hugging
-Face `tokenizer.json`.
+Face `tokenizer.json`, or from a mistral-common tekken (tiktoken-style) `tekken_*.json`
+(see _build_tekken: reproduces mistral_common's Tekkenizer).
 
 The layout is specified in docs/format.md, "Tokenizer section encoding", "Byte-level BPE
 (type 2)"; the C reader is native/src/tokenizer_bpe.c. Only what the engine implements
@@ -15,6 +16,8 @@ exactly is accepted; anything else is refused with a ValueError naming the reaso
 * decoder: ByteLevel;
 * added tokens with lstrip / rstrip / single_word = false (those options are refused).
 
+A tekken file must use mistral-common's split pattern (TEKKEN_PATTERN); others are refused.
+
 The post-processor is not stored: `colibri_tokenize` reproduces
 `Tokenizer.encode(text, add_special_tokens=False)`, with BOS prepended on request.
 """
@@ -25,6 +28,8 @@ import json
 import os
 import struct
 import unicodedata
+
+import numpy as np
 
 __all__ = ["build_bpe_tokenizer_section", "SUPPORTED_PATTERNS", "bytes_to_unicode"]
 
@@ -47,11 +52,22 @@ LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N
                   r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 # pattern string -> (id in the section, name)
 SUPPORTED_PATTERNS = {GPT2_PATTERN: (1, "gpt2"), QWEN2_PATTERN: (2, "qwen2"), LLAMA3_PATTERN: (3, "llama3")}
+# mistral-common tekken_*.json (tiktoken `pat_str`)
+TEKKEN_PATTERN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"""
+                  r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"""
+                  r""" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+TEKKEN_PATTERN_ID = 4
+FLAG_SPECIAL_SPLITS_DECODE = 1 << 2
+# mistral-common's Tekkenizer.DEPRECATED_SPECIAL_TOKENS: the control tokens of files without a
+# "special_tokens" list (versions up to v7), ids 0..19
+TEKKEN_DEPRECATED_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                              "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]",
+                              "[IMG_END]", "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                              "[TOOL_CONTENT]"]
 
 EMPTY64 = 0xFFFFFFFFFFFFFFFF
 EMPTY32 = 0xFFFFFFFF
 HASH_MUL = 0x9E3779B97F4A7C15
-M64 = 0xFFFFFFFFFFFFFFFF
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -65,17 +81,6 @@ def bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return {b: chr(c) for b, c in zip(bs, cs)}
-
-
-def fnv1a64(data: bytes) -> int:
-    h = 0xCBF29CE484222325
-    for b in data:
-        h = ((h ^ b) * 0x100000001B3) & M64
-    return h
-
-
-def _slot(h: int, bits: int) -> int:
-    return ((h * HASH_MUL) & M64) >> (64 - bits)
 
 
 def _bits_for(n: int) -> int:
@@ -156,13 +161,237 @@ def _token_id(name, vocab_all: dict[str, int]) -> int:
     return vocab_all.get(name, -1)
 
 
+def _fnv1a64_many(data: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """FNV-1a-64 of the byte strings data[offs[i] : offs[i] + lens[i]], vectorised over i."""
+    h = np.full(len(offs), 0xCBF29CE484222325, dtype=np.uint64)
+    prime = np.uint64(0x100000001B3)
+    for j in range(int(lens.max(initial=0))):
+        act = np.nonzero(lens > j)[0]
+        h[act] = (h[act] ^ data[offs[act] + j].astype(np.uint64)) * prime
+    return h
+
+
+def _place(hashes: np.ndarray, bits: int) -> np.ndarray:
+    """Open addressing with linear probing, vectorised: the table (1 << bits slots) of indices
+    into `hashes` (-1 = empty). In each round every unplaced key tries its current slot; of
+    the keys that find the same free slot the first one takes it; the others, and the keys
+    that found it taken, move one slot on. A key only moves past occupied slots, so probing
+    from its home slot finds it (the layout differs from one-by-one insertion, which the
+    format does not fix)."""
+    size = 1 << bits
+    table = np.full(size, -1, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        pos = ((hashes * np.uint64(HASH_MUL)) >> np.uint64(64 - bits)).astype(np.int64)
+    pending = np.arange(len(hashes), dtype=np.int64)
+    while pending.size:
+        p = pos[pending]
+        free = table[p] < 0
+        slots, first = np.unique(p[free], return_index=True)
+        winners = pending[free][first]
+        table[slots] = winners
+        won = np.zeros(len(hashes), dtype=bool)
+        won[winners] = True
+        pending = pending[~won[pending]]
+        pos[pending] = (pos[pending] + 1) & (size - 1)
+    return table
+
+
+def _write_section(path, piece_b: list[bytes], bytes_b: list[bytes], flags: list[int], m_left, m_right, m_rank,
+                   m_merged, added_sorted: list[int], byte_ids: list[int], ids4, hflags: int, pattern: int) -> bytes:
+    """The type-2 section (docs/format.md) of n tokens (strings, bytes, flags), the merges
+    (parallel sequences: left id, right id, rank, merged id; each (left, right) once), the
+    added-token list, the byte -> id table, (bos, eos, unk, pad), header flags and pattern id."""
+    n = len(piece_b)
+    for i in range(n):
+        if len(piece_b[i]) > 0xFFFF or len(bytes_b[i]) > 0xFFFF:
+            raise ValueError(f"{path}: token {i} is longer than 65535 bytes")
+    n_merges = len(m_left)
+    if n_merges > 0x7FFFFFFE:
+        raise ValueError(f"{path}: too many merges")
+    merge_bits = _bits_for(n_merges)
+    keys = (np.asarray(m_left, dtype=np.uint64) << np.uint64(32)) | np.asarray(m_right, dtype=np.uint64)
+    mslots = _place(keys, merge_bits)
+    mtab = np.zeros(1 << merge_bits, dtype=[("key", "<u8"), ("rank", "<u4"), ("mid", "<u4")])
+    mtab["key"] = EMPTY64
+    used = mslots >= 0
+    mtab["key"][used] = keys[mslots[used]]
+    mtab["rank"][used] = np.asarray(m_rank, dtype=np.uint32)[mslots[used]]
+    mtab["mid"][used] = np.asarray(m_merged, dtype=np.uint32)[mslots[used]]
+
+    # blob: each token's string, then its bytes when they differ
+    blob = bytearray()
+    po = np.zeros(n, dtype=np.uint32)
+    bo = np.zeros(n, dtype=np.uint32)
+    for i in range(n):
+        p = len(blob)
+        po[i] = p
+        blob += piece_b[i]
+        if bytes_b[i] == piece_b[i]:
+            bo[i] = p
+        else:
+            bo[i] = len(blob)
+            blob += bytes_b[i]
+        if len(blob) > 0xFFFFFFFF:
+            raise ValueError(f"{path}: token strings exceed 4 GiB")
+    blob_np = np.frombuffer(bytes(blob), dtype=np.uint8)
+    flags_np = np.asarray(flags, dtype=np.uint8)
+    blen = np.asarray([len(b) for b in bytes_b], dtype=np.int64)
+
+    model_ids = np.nonzero(flags_np & TF_MODEL)[0]
+    vbits = _bits_for(n)
+    vh = _fnv1a64_many(blob_np, bo[model_ids].astype(np.int64), blen[model_ids])
+    vslots = _place(vh, vbits)
+    vtab = np.full(1 << vbits, EMPTY32, dtype="<u4")
+    vtab[vslots >= 0] = model_ids[vslots[vslots >= 0]]
+
+    tokens_off = HEADER_SIZE
+    byte_ids_off = _align(tokens_off + n * TOKEN_RECORD_SIZE, 8)
+    merges_off = _align(byte_ids_off + 256 * 4, 8)
+    vhash_off = _align(merges_off + MERGE_RECORD_SIZE * len(mtab), 8)
+    added_off = _align(vhash_off + 4 * len(vtab), 8)
+    blob_off = _align(added_off + 4 * len(added_sorted), 8)
+    total = _align(blob_off + len(blob), 8)
+
+    out = bytearray(total)
+    fmt = "<8sIIII iiii IIII QQQ II QQQQ Q"
+    assert struct.calcsize(fmt) == HEADER_SIZE
+    bos, eos, unk, pad = ids4
+    struct.pack_into(fmt, out, 0, SECTION_MAGIC, SECTION_VERSION, TYPE_BYTE_LEVEL_BPE, HEADER_SIZE, n,
+                     bos, eos, unk, pad, hflags, pattern, n_merges, merge_bits,
+                     tokens_off, merges_off, vhash_off, vbits, len(added_sorted),
+                     added_off, blob_off, len(blob), byte_ids_off, 0)
+    rec = np.zeros(n, dtype=[("po", "<u4"), ("bo", "<u4"), ("pl", "<u2"), ("bl", "<u2"), ("fl", "u1"),
+                             ("pad", "V3")])
+    assert rec.dtype.itemsize == TOKEN_RECORD_SIZE and mtab.dtype.itemsize == MERGE_RECORD_SIZE
+    rec["po"], rec["bo"], rec["fl"] = po, bo, flags_np
+    rec["pl"] = [len(p) for p in piece_b]
+    rec["bl"] = blen
+    out[tokens_off:tokens_off + n * TOKEN_RECORD_SIZE] = rec.tobytes()
+    struct.pack_into("<256i", out, byte_ids_off, *byte_ids)
+    out[merges_off:merges_off + mtab.nbytes] = mtab.tobytes()
+    out[vhash_off:vhash_off + vtab.nbytes] = vtab.tobytes()
+    if added_sorted:
+        struct.pack_into(f"<{len(added_sorted)}I", out, added_off, *added_sorted)
+    out[blob_off:blob_off + len(blob)] = blob
+    return bytes(out)
+
+
+def _build_tekken(path: str, tj: dict) -> tuple[bytes, dict]:
+    """A mistral-common tekken_*.json (tiktoken ranks, base64 token bytes) as a type-2 section,
+    reproducing mistral_common's Tekkenizer (encode(text, bos=False, eos=False), decode(ids)
+    with the default IGNORE policy):
+
+    * ids: the special tokens first (the file's "special_tokens" list, or for files without
+      one, versions up to v7, Tekkenizer.DEPRECATED_SPECIAL_TOKENS), filled up to
+      config.default_num_special_tokens with "<SPECIAL_{id}>"; then the vocabulary's ranks
+      (id = rank + number of special tokens), cut to config.default_vocab_size ids;
+    * merges: for every token of two or more bytes and every split of its bytes into two
+      tokens (a, b), the merge (a, b) ranked by the token's rank: the pair-merge engine then
+      merges, as tiktoken, the adjacent pair whose concatenation has the lowest rank (leftmost
+      on ties); ignore_merges, as tiktoken looks a whole pre-token up first;
+    * special tokens are special but not added: never matched in the text, skipped by decode,
+      and (header flag bit 2) each run of non-special ids is decoded to UTF-8 on its own;
+    * token strings: special tokens their name, others their bytes decoded as UTF-8 with
+      U+FFFD for malformed parts (Tekkenizer.id_to_piece).
+    """
+    import base64
+
+    cfg = tj.get("config") or {}
+    pat = cfg.get("pattern")
+    if pat != TEKKEN_PATTERN:
+        raise ValueError(f"{path}: tiktoken / tekken split pattern {pat!r} is not implemented; the supported "
+                         f"tekken pattern is {TEKKEN_PATTERN!r}")
+    try:
+        vocab_size = int(cfg["default_vocab_size"])
+        n_special = int(cfg["default_num_special_tokens"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: tekken config lacks default_vocab_size / default_num_special_tokens ({e})") from None
+    version = str(cfg.get("version", ""))
+    specials = tj.get("special_tokens")
+    if specials is None:
+        vnum = int(version[1:]) if version[:1] == "v" and version[1:].isdigit() else None
+        if vnum is None or vnum > 7:
+            raise ValueError(f"{path}: tekken version {version!r} without a special_tokens list is not supported "
+                             "(mistral-common uses its built-in list only up to v7)")
+        names = list(TEKKEN_DEPRECATED_SPECIALS)
+    else:
+        names = []
+        for k, t in enumerate(specials):
+            if not isinstance(t, dict) or t.get("rank") != k or not isinstance(t.get("token_str"), str) or not t["token_str"]:
+                raise ValueError(f"{path}: special token entry {k} is not {{rank: {k}, token_str: ...}}")
+            names.append(t["token_str"])
+    if len(set(names)) != len(names) or len(names) > n_special:
+        raise ValueError(f"{path}: {len(names)} special tokens (not unique, or more than "
+                         f"default_num_special_tokens = {n_special})")
+    names += [f"<SPECIAL_{i}>" for i in range(len(names), n_special)]
+    inner = vocab_size - n_special
+    vocab = tj["vocab"]
+    if inner < 256 or len(vocab) < inner:
+        raise ValueError(f"{path}: default_vocab_size {vocab_size} with {n_special} special tokens needs "
+                         f"{inner} vocabulary tokens (256..{len(vocab)})")
+    if vocab_size > 0x7FFFFFFF:
+        raise ValueError(f"{path}: {vocab_size} tokens")
+
+    tok_bytes: list[bytes] = []
+    for r, x in enumerate(vocab[:inner]):
+        if not isinstance(x, dict) or x.get("rank") != r or "token_bytes" not in x:
+            raise ValueError(f"{path}: vocabulary entry {r} is not {{rank: {r}, token_bytes: ...}}")
+        tb = base64.b64decode(x["token_bytes"])
+        if not tb or (r < 256 and tb != bytes([r])):
+            raise ValueError(f"{path}: vocabulary rank {r} has bytes {tb!r} (ranks 0..255 must be the single bytes)")
+        tok_bytes.append(tb)
+    rank_of = {b: r for r, b in enumerate(tok_bytes)}
+    if len(rank_of) != inner:
+        raise ValueError(f"{path}: two vocabulary tokens have the same bytes")
+
+    m_left, m_right, m_rank = [], [], []
+    get = rank_of.get
+    for r in range(256, inner):
+        b = tok_bytes[r]
+        for k in range(1, len(b)):
+            ra = get(b[:k])
+            if ra is not None:
+                rb = get(b[k:])
+                if rb is not None:
+                    m_left.append(ra)
+                    m_right.append(rb)
+                    m_rank.append(r)
+    m_rank = np.asarray(m_rank, dtype=np.int64)
+    m_merged = m_rank + n_special  # ids of the merged tokens
+    m_left = np.asarray(m_left, dtype=np.int64) + n_special
+    m_right = np.asarray(m_right, dtype=np.int64) + n_special
+
+    piece_b = [nm.encode("utf-8") for nm in names] + \
+        [b.decode("utf-8", "replace").encode("utf-8") for b in tok_bytes]
+    bytes_b = [nm.encode("utf-8") for nm in names] + tok_bytes
+    flags = [TF_SPECIAL] * n_special + [TF_MODEL] * inner
+    ids = {nm: i for i, nm in enumerate(names)}
+    ids4 = tuple(ids.get(nm, -1) for nm in ("<s>", "</s>", "<unk>", "<pad>"))
+    out = _write_section(path, piece_b, bytes_b, flags, m_left, m_right, m_rank, m_merged, [],
+                         [n_special + b for b in range(256)], ids4, FLAG_IGNORE_MERGES | FLAG_SPECIAL_SPLITS_DECODE,
+                         TEKKEN_PATTERN_ID)
+    meta = {
+        "tokenizer.type": "byte_level_bpe",
+        "tokenizer.bos_id": ids4[0],
+        "tokenizer.eos_id": ids4[1],
+        "tokenizer.unk_id": ids4[2],
+        "tokenizer.pad_id": ids4[3],
+        "n_pieces": vocab_size,
+        "tokenizer.pattern": "tekken",
+        "tokenizer.normalizer": "none",
+        "tokenizer.special_source": "tekken special tokens",
+    }
+    return out, meta
+
+
 def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
-    """Read a Hugging Face `tokenizer.json` and return (section bytes, metadata dict).
+    """Read a Hugging Face `tokenizer.json` (or a tekken_*.json) and return (section bytes, metadata dict).
 
     The metadata has the keys of colibri_lab._spm.build_tokenizer_section's
     (tokenizer.type = "byte_level_bpe", tokenizer.bos_id / eos_id / unk_id / pad_id,
     n_pieces) plus "tokenizer.pattern" (gpt2 / qwen2 / llama3), "tokenizer.normalizer"
-    (none / NFC) and "tokenizer.special_source" (where bos/eos came from).
+    (none / NFC) and "tokenizer.special_source" (where bos/eos came from). For a tekken file
+    the pattern is "tekken" and the special ids are those of <s>, </s>, <unk>, <pad>.
 
     BOS / EOS / PAD: from tokenizer_config.json beside tokenizer.json when it exists
     (bos_token, eos_token, pad_token; null there means none), else from well-known special
@@ -173,8 +402,7 @@ def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
     with open(path, "r", encoding="utf-8") as f:
         tj = json.load(f)
     if "model" not in tj and "config" in tj and "vocab" in tj:
-        raise ValueError(f"{path}: a tiktoken-style (tekken) vocabulary, not a Hugging Face tokenizer.json; "
-                         "tiktoken / tekken tokenizers are not implemented")
+        return _build_tekken(path, tj)
     model = tj.get("model") or {}
     if model.get("type", "BPE") != "BPE" or "merges" not in model:
         raise ValueError(f"{path}: model type {model.get('type')!r} is not BPE")
@@ -299,71 +527,13 @@ def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
         source = "well-known special tokens"
     unk = vocab.get(model.get("unk_token") or "", -1) if model.get("unk_token") else -1
 
-    # ---- tables
-    merge_bits = _bits_for(len(merge_map))
-    mtab = [(EMPTY64, 0, 0)] * (1 << merge_bits)
-    mmask = (1 << merge_bits) - 1
-    for (ia, ib), (rank, mid) in merge_map.items():
-        key = (ia << 32) | ib
-        s = _slot(key, merge_bits)
-        while mtab[s][0] != EMPTY64:
-            s = (s + 1) & mmask
-        mtab[s] = (key, rank, mid)
-
-    model_ids = [i for i in range(n) if flags[i] & TF_MODEL]
-    vbits = _bits_for(n)
-    vtab = [EMPTY32] * (1 << vbits)
-    vmask = (1 << vbits) - 1
-    for i in model_ids:
-        s = _slot(fnv1a64(bytes_b[i]), vbits)
-        while vtab[s] != EMPTY32:
-            s = (s + 1) & vmask
-        vtab[s] = i
-
-    added_sorted = sorted(added_ids, key=lambda i: (-len(piece_b[i]), i))
-
-    blob = bytearray()
-    offs = []
-    for i in range(n):
-        po = len(blob)
-        blob += piece_b[i]
-        if bytes_b[i] == piece_b[i]:
-            bo = po
-        else:
-            bo = len(blob)
-            blob += bytes_b[i]
-        offs.append((po, bo))
-    if len(blob) > 0xFFFFFFFF:
-        raise ValueError(f"{path}: token strings exceed 4 GiB")
-
-    tokens_off = HEADER_SIZE
-    byte_ids_off = _align(tokens_off + n * TOKEN_RECORD_SIZE, 8)
-    merges_off = _align(byte_ids_off + 256 * 4, 8)
-    vhash_off = _align(merges_off + MERGE_RECORD_SIZE * len(mtab), 8)
-    added_off = _align(vhash_off + 4 * len(vtab), 8)
-    blob_off = _align(added_off + 4 * len(added_sorted), 8)
-    total = _align(blob_off + len(blob), 8)
-
     hflags = (FLAG_IGNORE_MERGES if ignore_merges else 0) | (FLAG_NFC if use_nfc else 0)
-    out = bytearray(total)
-    fmt = "<8sIIII iiii IIII QQQ II QQQQ Q"
-    assert struct.calcsize(fmt) == HEADER_SIZE
-    struct.pack_into(fmt, out, 0, SECTION_MAGIC, SECTION_VERSION, TYPE_BYTE_LEVEL_BPE, HEADER_SIZE, n,
-                     bos, eos, unk, pad, hflags, pattern, len(merge_map), merge_bits,
-                     tokens_off, merges_off, vhash_off, vbits, len(added_sorted),
-                     added_off, blob_off, len(blob), byte_ids_off, 0)
-    rec = struct.Struct("<IIHHB3x")
-    for i in range(n):
-        rec.pack_into(out, tokens_off + i * TOKEN_RECORD_SIZE, offs[i][0], offs[i][1], len(piece_b[i]),
-                      len(bytes_b[i]), flags[i])
-    struct.pack_into("<256i", out, byte_ids_off, *[vocab[b2u[b]] for b in range(256)])
-    mrec = struct.Struct("<QII")
-    for k, (key, rank, mid) in enumerate(mtab):
-        mrec.pack_into(out, merges_off + k * MERGE_RECORD_SIZE, key, rank, mid)
-    struct.pack_into(f"<{len(vtab)}I", out, vhash_off, *vtab)
-    if added_sorted:
-        struct.pack_into(f"<{len(added_sorted)}I", out, added_off, *added_sorted)
-    out[blob_off:blob_off + len(blob)] = blob
+    ml = sorted(merge_map.items())
+    out = _write_section(
+        path, piece_b, bytes_b, [flags[i] for i in range(n)],
+        [k[0] for k, _v in ml], [k[1] for k, _v in ml], [v[0] for _k, v in ml], [v[1] for _k, v in ml],
+        sorted(added_ids, key=lambda i: (-len(piece_b[i]), i)), [vocab[b2u[b]] for b in range(256)],
+        (bos, eos, unk, pad), hflags, pattern)
 
     pattern_name = {v[0]: v[1] for v in SUPPORTED_PATTERNS.values()}[pattern]
     meta = {
@@ -377,4 +547,4 @@ def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
         "tokenizer.normalizer": "NFC" if use_nfc else "none",
         "tokenizer.special_source": source,
     }
-    return bytes(out), meta
+    return out, meta

@@ -463,7 +463,8 @@ def _tokenizer_section(model_dir: str, say: Callable[[str], None], tokenizer: st
     """(section bytes, metadata dict) for the checkpoint's tokenizer.
 
     "auto": `tokenizer.model` (SentencePiece BPE: Mixtral, Llama) if present, else
-    `tokenizer.json` (byte-level BPE: Qwen, OLMoE, GPT-2 style), else none. "none": write a
+    `tokenizer.json` (byte-level BPE: Qwen, OLMoE, GPT-2 style), else `tekken.json`
+    (Mistral's tiktoken-style vocabulary), else none. "none": write a
     file without a tokenizer (the engine then runs on token ids only)."""
     none = {"tokenizer.type": "none", "tokenizer.bos_id": -1, "tokenizer.eos_id": -1,
             "tokenizer.unk_id": -1, "tokenizer.pad_id": -1}
@@ -477,12 +478,12 @@ def _tokenizer_section(model_dir: str, say: Callable[[str], None], tokenizer: st
     if os.path.isfile(spm):
         from ._spm import build_tokenizer_section as build
         path = spm
-    elif os.path.isfile(bpe):
-        from ._bpe import build_bpe_tokenizer_section as build
-        path = bpe
+    elif os.path.isfile(bpe) or os.path.isfile(os.path.join(model_dir, "tekken.json")):
+        from ._bpe import build_bpe_tokenizer_section as build  # reads either format
+        path = bpe if os.path.isfile(bpe) else os.path.join(model_dir, "tekken.json")
     else:
-        say(f"note: no tokenizer.model or tokenizer.json in {model_dir}; writing a file without "
-            "a tokenizer (the engine then runs on token ids only)")
+        say(f"note: no tokenizer.model, tokenizer.json or tekken.json in {model_dir}; writing a "
+            "file without a tokenizer (the engine then runs on token ids only)")
         return b"", none
     try:
         data, info = build(path)
@@ -856,7 +857,8 @@ def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str
     block_size: row block B of the packed expert layout.
     max_seq_len: written to the header; default the config's max_position_embeddings.
     progress: print stages and a progress bar to stderr.
-    tokenizer: "auto" (tokenizer.model, else tokenizer.json, else none) or "none".
+    tokenizer: "auto" (tokenizer.model, else tokenizer.json, else tekken.json, else none)
+    or "none".
     Returns the output path. Raises ConversionError (a ValueError) on a bad checkpoint
     or argument; on any error no output (and no OUT.tmp) is left behind.
     """
@@ -1055,7 +1057,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_seq_len", type=int, default=None,
                    help="longest sequence; default the config's max_position_embeddings")
     p.add_argument("--no_tokenizer", action="store_true",
-                   help="write no tokenizer (default: tokenizer.model, else tokenizer.json)")
+                   help="write no tokenizer (default: tokenizer.model, else tokenizer.json, else "
+                        "tekken.json)")
     p.add_argument("--quiet", action="store_true", help="no stages, no progress bar")
     a = p.parse_args(argv)
     try:

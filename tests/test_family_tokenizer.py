@@ -121,3 +121,30 @@ def test_unsupported_tokenizer_json_is_refused_or_skipped(qwen_folder, tmp_path)
         assert np.isfinite(eng.forward([1, 2, 3])).all()
         with pytest.raises(colibri_lab.ColibriError, match="no tokenizer"):
             eng.tokenizer.encode("hi")
+
+
+def test_tekken_json_is_picked_up(tmp_path):
+    """A folder with Mistral's tekken.json (and no tokenizer.model / tokenizer.json) gets
+    that vocabulary; ids equal mistral-common's Tekkenizer."""
+    import shutil
+
+    tekken_mod = pytest.importorskip("mistral_common.tokens.tokenizers.tekken")
+    import mistral_common
+
+    files = sorted((Path(mistral_common.__file__).parent / "data").glob("tekken_*.json"))
+    if not files:
+        pytest.skip("no tekken_*.json in this mistral-common")
+    from hf_models import Shape, build_model
+
+    folder = save_checkpoint(build_model(Shape(vocab=300, hidden=24, inter=20, layers=1, heads=2,
+                                               kv_heads=1, experts=4, top_k=2)),
+                             tmp_path / "hf", with_tokenizer=False)
+    shutil.copy(files[-1], folder / "tekken.json")
+    out = tmp_path / "m.colibri"
+    colibri_lab.convert(folder, out, dtype="f32", progress=False)
+    ref = tekken_mod.Tekkenizer.from_file(str(files[-1]))
+    text = "Hello, Mixtral! Ça va? 你好 🙂 DON'T [INST] 12345"
+    with colibri_lab.Engine(out) as eng:
+        assert colibri_lab.inspect(out).metadata["tokenizer.type"] == "byte_level_bpe"
+        assert eng.tokenizer.encode(text, add_bos=True) == ref.encode(text, bos=True, eos=False)
+        assert eng.tokenizer.bos_id == ref.bos_id and eng.tokenizer.eos_id == ref.eos_id

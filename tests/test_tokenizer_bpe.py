@@ -359,3 +359,90 @@ def test_corrupt_sections_refused(qwen_style):
     for cut in (0, 16, 127, 128, len(section) // 2, len(section) - 8):
         with pytest.raises(colibri_lab.ColibriError):
             colibri_lab.Tokenizer.from_section_bytes(section[:cut])
+
+
+# ---------------------------------------------------------------------------------
+# mistral-common tekken (tiktoken-style) vocabularies, against mistral-common's Tekkenizer.
+
+
+def _tekken_files() -> list[Path]:
+    try:
+        import mistral_common
+    except ImportError:
+        return []
+    return sorted((Path(mistral_common.__file__).parent / "data").glob("tekken_*.json"))
+
+
+@pytest.mark.parametrize("path", _tekken_files(), ids=lambda p: p.name)
+def test_tekken_parity(path):
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    t0 = time.perf_counter()
+    section, meta = build_bpe_tokenizer_section(path)
+    t_build = time.perf_counter() - t0
+    ct = colibri_lab.Tokenizer.from_section_bytes(section)
+    tk = Tekkenizer.from_file(path)
+    assert meta["tokenizer.pattern"] == "tekken" and meta["n_pieces"] == tk.n_words == ct.vocab_size
+    assert (meta["tokenizer.bos_id"], meta["tokenizer.eos_id"], meta["tokenizer.unk_id"], meta["tokenizer.pad_id"]) == \
+        (tk.bos_id, tk.eos_id, tk.unk_id, tk.pad_id)
+
+    # the shared corpus, plus text spelling tekken's control tokens (never matched in text)
+    docs = make_corpus(4) + ["<s>[INST] hello [/INST]</s><unk><pad>[TOOL_CALLS]<SPECIAL_999>", "[IMG]x<s>"]
+    n_bytes = sum(len(d.encode("utf-8")) for d in docs)
+    t0 = time.perf_counter()
+    want = [tk.encode(d, bos=False, eos=False) for d in docs]
+    t_tk = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    got = [ct.encode(d.encode("utf-8"), add_bos=False) for d in docs]
+    t_c = time.perf_counter() - t0
+    bad = [i for i in range(len(docs)) if got[i] != want[i]]
+    if bad:
+        i = bad[0]
+        k = next(j for j in range(min(len(got[i]), len(want[i])) + 1)
+                 if j >= len(got[i]) or j >= len(want[i]) or got[i][j] != want[i][j])
+        raise AssertionError(f"{path.name}: {len(bad)} of {len(docs)} documents differ; first doc {i} at id {k}: "
+                             f"C {got[i][max(0, k - 3):k + 3]} tekken {want[i][max(0, k - 3):k + 3]} "
+                             f"{[tk.id_to_piece(x) for x in want[i][max(0, k - 3):k + 3]]}")
+    bad_dec = [i for i in range(len(docs)) if ct.decode_bytes(want[i]).decode("utf-8") != tk.decode(want[i])]
+    assert not bad_dec, f"{path.name}: decode differs for {len(bad_dec)} documents (first {bad_dec[0]})"
+    assert ct.encode(b"Hello", add_bos=True) == tk.encode("Hello", bos=True, eos=False)
+
+    # decode: special ids are skipped and end the UTF-8 run before them (Tekkenizer decodes
+    # each run of non-special ids on its own); arbitrary id sequences with partial UTF-8
+    ns = tk.num_special_tokens
+    euro = [ns + b for b in "€".encode("utf-8")]
+    assert ct.decode_bytes(euro).decode("utf-8") == tk.decode(euro) == "€"
+    split = [euro[0], tk.bos_id, euro[1], euro[2]]
+    assert ct.decode_bytes(split).decode("utf-8") == tk.decode(split) == "\ufffd\ufffd\ufffd"
+    rng = random.Random(9)
+    for _ in range(500):
+        ids = [rng.choice([rng.randrange(tk.n_words), rng.randrange(ns), ns + rng.randrange(256)])
+               for _ in range(rng.randint(0, 30))]
+        assert ct.decode_bytes(ids).decode("utf-8") == tk.decode(ids), ids
+    for i in (0, 1, 2, 11, ns - 1, ns, ns + 0xE2, ns + 300, tk.n_words - 1):
+        assert ct.piece_bytes(i).decode("utf-8") == tk.id_to_piece(i), i
+    n_ids = sum(map(len, want))
+    print(f"\n[{path.name}] section built in {t_build:.2f}s ({len(section)} bytes); {n_bytes} bytes, {len(docs)} docs, "
+          f"{n_ids} ids, 0 mismatches; encode C {t_c:.3f}s vs Tekkenizer {t_tk:.3f}s")
+    assert n_bytes >= 1_000_000
+
+
+def test_tekken_refusals(tmp_path):
+    files = _tekken_files()
+    if not files:
+        pytest.skip("mistral-common is not installed")
+    base = json.loads(files[0].read_text(encoding="utf-8"))
+
+    def build(mut):
+        tj = dict(base, config=dict(base["config"]))
+        mut(tj)
+        p = tmp_path / "tekken_test.json"
+        p.write_text(json.dumps(tj), encoding="utf-8")
+        return build_bpe_tokenizer_section(p)
+
+    with pytest.raises(ValueError, match="tekken split pattern"):
+        build(lambda tj: tj["config"].update(pattern=r"\p{L}+|\s+"))
+    with pytest.raises(ValueError, match="special_tokens"):
+        build(lambda tj: tj["config"].update(version="v13"))
+    with pytest.raises(ValueError, match="default_vocab_size"):
+        build(lambda tj: tj["config"].update(default_vocab_size=len(tj["vocab"]) + 2000))

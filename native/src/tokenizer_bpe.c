@@ -6,14 +6,22 @@
  *
  *   encode = added tokens (not normalized) split off the raw text, leftmost-longest;
  *            optional NFC normalization of the rest; added tokens (normalized) split off;
- *            the pre-tokenizer split pattern (hand-written matchers of the GPT-2, Qwen2 and
- *            Llama-3 regexes, Oniguruma semantics, Unicode tables from unicode_tables.c);
+ *            the pre-tokenizer split pattern (hand-written matchers of the GPT-2, Qwen2,
+ *            Llama-3 and Mistral tekken regexes, Oniguruma / fancy-regex semantics, Unicode
+ *            tables from unicode_tables.c);
  *            BPE per pre-token with the ranked merges (Word::merge_all: a min-heap of
  *            (rank, position), stale entries dropped by checking the merged id), or the
  *            whole pre-token when `ignore_merges` is set and it is in the vocabulary;
  *   decode = ByteLevel decoder: the bytes of each token (precomputed by the builder), joined,
  *            malformed UTF-8 replaced by U+FFFD per maximal subpart (Rust's
- *            String::from_utf8_lossy); special tokens are skipped (skip_special_tokens=True).
+ *            String::from_utf8_lossy); special tokens are skipped (skip_special_tokens=True);
+ *            with header flag bit 2 (tekken) each run of non-special tokens is made valid
+ *            UTF-8 on its own, as mistral-common's Tekkenizer.decode does.
+ *
+ * A tekken (tiktoken-style) vocabulary is stored as the same section: its ranks become pair
+ * merges (every split of every token into two tokens, ranked by the whole token's rank),
+ * with ignore_merges set (tiktoken looks a whole pre-token up first); its control tokens
+ * are special but not added (never matched in the text).
  *
  * Input that is not valid UTF-8 is first made valid the same way (one U+FFFD per maximal
  * malformed subpart), which is what Python's bytes.decode("utf-8", "replace") gives.
@@ -36,15 +44,16 @@
 
 #define TF_MODEL 0x1u      /* in the BPE model's vocabulary (ignore_merges lookups) */
 #define TF_ADDED 0x2u      /* an added token, matched in the text before pre-tokenization */
-#define TF_SPECIAL 0x4u    /* special: skipped by decode */
+#define TF_SPECIAL 0x4u    /* special: skipped by decode (not added: never matched in the text, tekken) */
 #define TF_NORMALIZED 0x8u /* added token matched in the normalized text (else in the raw text) */
 #define TF_KNOWN 0xFu
 
 #define BF_IGNORE_MERGES 0x1u
 #define BF_NFC 0x2u
-#define BF_KNOWN 0x3u
+#define BF_SPECIAL_SPLITS_DECODE 0x4u /* decode: each run of non-special tokens is made valid UTF-8 on its own */
+#define BF_KNOWN 0x7u
 
-enum { PAT_GPT2 = 1, PAT_QWEN2 = 2, PAT_LLAMA3 = 3 };
+enum { PAT_GPT2 = 1, PAT_QWEN2 = 2, PAT_LLAMA3 = 3, PAT_TEKKEN = 4 };
 
 #define EMPTY64 UINT64_MAX
 #define EMPTY32 UINT32_MAX
@@ -157,9 +166,10 @@ colibri_status cb_bpe_load(cb_bpe *b, const uint8_t *data, uint64_t size, char *
         return fail(err, err_len, COLIBRI_E_UNSUPPORTED,
                     "tokenizer section: unknown byte-level BPE flag bits 0x%x (written by a newer converter?)",
                     flags & ~BF_KNOWN);
-    if (pattern < PAT_GPT2 || pattern > PAT_LLAMA3)
+    if (pattern < PAT_GPT2 || pattern > PAT_TEKKEN)
         return fail(err, err_len, COLIBRI_E_UNSUPPORTED,
-                    "tokenizer section: pre-tokenizer pattern %u is not supported by this build (1 gpt2, 2 qwen2, 3 llama3)",
+                    "tokenizer section: pre-tokenizer pattern %u is not supported by this build "
+                    "(1 gpt2, 2 qwen2, 3 llama3, 4 tekken)",
                     pattern);
     if (reserved != 0) return fail(err, err_len, F, "tokenizer section: reserved header bytes are not zero");
     if (merges_log2 < 1 || merges_log2 > 31 || vocab_log2 > 31 || n_merges >= ((uint64_t)1 << merges_log2) ||
@@ -205,7 +215,7 @@ colibri_status cb_bpe_load(cb_bpe *b, const uint8_t *data, uint64_t size, char *
         uint32_t po = rd_u32(r), bo = rd_u32(r + 4), pl = rd_u16(r + 8), bl = rd_u16(r + 10), fl = r[12];
         if (pl == 0 || !range_ok(po, pl, 1, blob_size) || !range_ok(bo, bl, 1, blob_size) || (fl & ~TF_KNOWN) ||
             r[13] || r[14] || r[15] || ((fl & TF_MODEL) && bl == 0) ||
-            ((fl & (TF_SPECIAL | TF_NORMALIZED)) && !(fl & TF_ADDED))) {
+            ((fl & TF_NORMALIZED) && !(fl & TF_ADDED))) {
             memset(b, 0, sizeof *b);
             return fail(err, err_len, F, "tokenizer section: token %u has an invalid record", i);
         }
@@ -498,6 +508,76 @@ static uint64_t match_qwen(const uint8_t *s, uint64_t len, uint64_t pos, uint32_
     return match_space(s, len, pos, 1);
 }
 
+/* Tekken (Mistral's tiktoken vocabularies):
+ * [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|
+ * [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|
+ *  ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+
+ * (backtracking, leftmost alternative first: fancy-regex / PCRE semantics). Note that marks
+ * (\p{M}) are in both letter classes and also in [^\r\n\p{L}\p{N}] and [^\s\p{L}\p{N}]. */
+static inline int cat_M(int c) { return c >= UC_Mn && c <= UC_Me; }
+static inline int cat_U(int c) { return c == UC_Lu || c == UC_Lt || c == UC_Lm || c == UC_Lo || cat_M(c); }
+static inline int cat_W(int c) { return c == UC_Ll || c == UC_Lm || c == UC_Lo || cat_M(c); }
+/* [^\r\n\p{L}\p{N}] */
+static inline int tk_P(uint32_t cp) {
+    if (cp == '\r' || cp == '\n') return 0;
+    int c = cb_ucat(cp);
+    return !(c >= UC_Lu && c <= UC_Lo) && !(c >= UC_Nd && c <= UC_No);
+}
+static inline uint64_t run_U(const uint8_t *s, uint64_t len, uint64_t p) {
+    uint32_t cp;
+    while (p < len) { uint32_t l = dec(s, p, &cp); if (!cat_U(cb_ucat(cp))) break; p += l; }
+    return p;
+}
+static inline uint64_t run_W(const uint8_t *s, uint64_t len, uint64_t p) {
+    uint32_t cp;
+    while (p < len) { uint32_t l = dec(s, p, &cp); if (!cat_W(cb_ucat(cp))) break; p += l; }
+    return p;
+}
+/* [U]*[W]+ at q, with backtracking: the end of the match, or 0 when there is none. U* takes
+ * the longest run e; if s[e] is in W (then Ll: Lm, Lo, M would be in the run) W+ runs from e;
+ * else U* gives back characters until one in W is last (W+ is then that one character, the
+ * next being outside W), i.e. the match ends after the run's last W character. */
+static uint64_t tk_upper_lower(const uint8_t *s, uint64_t len, uint64_t q) {
+    uint64_t p = q, last_w_end = 0;
+    uint32_t cp;
+    while (p < len) {
+        uint32_t l = dec(s, p, &cp);
+        int c = cb_ucat(cp);
+        if (!cat_U(c)) {
+            if (c == UC_Ll) return run_W(s, len, p);
+            break;
+        }
+        p += l;
+        if (cat_W(c)) last_w_end = p;
+    }
+    return last_w_end;
+}
+
+static uint64_t match_tekken(const uint8_t *s, uint64_t len, uint64_t pos) {
+    uint32_t c0, c1 = 0;
+    uint32_t l0 = dec(s, pos, &c0);
+    int p0 = tk_P(c0);
+    uint64_t e;
+    /* [P]?[U]*[W]+ */
+    if (p0 && pos + l0 < len && (e = tk_upper_lower(s, len, pos + l0)) != 0) return e;
+    if ((e = tk_upper_lower(s, len, pos)) != 0) return e;
+    /* [P]?[U]+[W]* */
+    if (p0 && (e = run_U(s, len, pos + l0)) > pos + l0) return run_W(s, len, e);
+    if ((e = run_U(s, len, pos)) > pos) return run_W(s, len, e);
+    /* \p{N} */
+    if (is_N(c0)) return pos + l0;
+    /*  ?[^\s\p{L}\p{N}]+[\r\n/]* */
+    uint64_t p = len + 1;
+    if (c0 == ' ' && pos + 1 < len && (dec(s, pos + 1, &c1), is_X(c1))) p = run_X(s, len, pos + 1);
+    else if (is_X(c0)) p = run_X(s, len, pos);
+    if (p <= len) {
+        while (p < len && (s[p] == '\r' || s[p] == '\n' || s[p] == '/')) p++;
+        return p;
+    }
+    /* \s*[\r\n]+|\s+(?!\S)|\s+ */
+    return match_space(s, len, pos, 1);
+}
+
 /* ---- NFC ---- */
 #define SB 0xAC00u
 #define LB 0x1100u
@@ -713,7 +793,8 @@ static int pretok(benc_t *e, const uint8_t *s, uint64_t len) {
         switch (e->b->pattern) {
         case PAT_GPT2: end = match_gpt2(s, len, pos); break;
         case PAT_QWEN2: end = match_qwen(s, len, pos, 1); break;
-        default: end = match_qwen(s, len, pos, 3); break;
+        case PAT_LLAMA3: end = match_qwen(s, len, pos, 3); break;
+        default: end = match_tekken(s, len, pos); break;
         }
         if (end <= pos || end > len) end = len; /* cannot happen; keeps the loop finite */
         if (!bpe_word(e, s + pos, end - pos)) return 0;
@@ -883,7 +964,14 @@ colibri_status cb_bpe_detokenize(const cb_bpe *b, const int32_t *ids, int64_t n,
     d.out = out;
     d.cap = cap;
     for (int64_t i = 0; i < n; i++) {
-        if (tok_flags(b, ids[i]) & TF_SPECIAL) continue;
+        if (tok_flags(b, ids[i]) & TF_SPECIAL) {
+            if ((b->flags & BF_SPECIAL_SPLITS_DECODE) && d.need) { /* the run before it ends here */
+                put(&d, kFFFD, 3);
+                d.need = 0;
+                d.np = 0;
+            }
+            continue;
+        }
         uint32_t bl;
         const uint8_t *bs = tok_bytes(b, ids[i], &bl);
         for (uint32_t k = 0; k < bl; k++) {

@@ -2,7 +2,8 @@
  * test_tokenizer_bpe.c — the byte-level BPE tokenizer (tokenizer section type 2) on a small
  * section built here: 256 byte tokens, three merges, one special added token. Checks merge
  * order, added-token splitting, the GPT-2 split pattern, malformed UTF-8, decode, add_bos
- * without BOS, and that corrupt sections are refused. (Parity with Hugging Face
+ * without BOS, the tekken layout (pattern 4, special tokens that are not added, decode runs
+ * split at special tokens), and that corrupt sections are refused. (Parity with Hugging Face
  * `tokenizers` on real text is tests/test_tokenizer_bpe.py.)
  */
 #include <stdint.h>
@@ -122,6 +123,31 @@ int main(void) {
         CHECK(colibri_token_piece(t, ' ', &p, &pl) == COLIBRI_OK && pl == 2 && memcmp(p, "\xC4\xA0", 2) == 0); /* Ġ */
     }
     colibri_tokenizer_free(t);
+
+    {
+        /* Tekken layout: pattern 4, header flag bit 2, <|eot|> special but not added (never
+         * matched in the text; ends the UTF-8 run before it when decoding). */
+        build();
+        w32(40, 4); w32(44, 4); w32(84, 0);
+        sec[128 + 16 * ID_EOT + 12] = 4;
+        t = NULL;
+        st = colibri_tokenizer_from_memory(sec, sec_size, &t, err, sizeof err);
+        if (st != COLIBRI_OK) fprintf(stderr, "load (tekken): %s\n", err);
+        CHECK(st == COLIBRI_OK && t != NULL);
+        if (t) {
+            /* pre-tokens "x" "<|" "eot" "|>" "he" */
+            CHECK(enc(t, "x<|eot|>he", 0, out) == 9 && out[0] == 'x' && out[1] == '<' && out[7] == '>' && out[8] == ID_HE);
+            /* "xhello" is one pre-token ([\p{Ll}...]+); "/\n" one ([^\s\p{L}\p{N}]+[\r\n/]*) */
+            CHECK(enc(t, "xhello/\n", 0, out) == 5 && out[0] == 'x' && out[1] == ID_HELL && out[2] == 'o' &&
+                  out[3] == '/' && out[4] == '\n');
+            const int32_t ids[] = {0xE2, ID_EOT, 0x82, 0xAC};
+            char buf[64];
+            uint64_t len = 0;
+            CHECK(colibri_detokenize(t, ids, 4, buf, sizeof buf, &len) == COLIBRI_OK);
+            CHECK(len == 9 && memcmp(buf, "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD", 9) == 0);
+            colibri_tokenizer_free(t);
+        }
+    }
 
     /* Corruptions are refused. */
     static const uint64_t offs[] = {20, 40, 44, 48, 52, 56, 64, 84, 88, 104, 112, 120};
