@@ -227,6 +227,19 @@ def llama3_style(tmp_path_factory, qwen_style):
     return d / "tokenizer.json"
 
 
+def assert_same_ids(got: list[list[int]], want: list[list[int]], label: str, piece) -> None:
+    """Every document's ids equal; else name the first differing document and position,
+    with the reference's pieces around it."""
+    bad = [i for i in range(len(want)) if got[i] != want[i]]
+    if bad:
+        i = bad[0]
+        k = next(j for j in range(min(len(got[i]), len(want[i])) + 1)
+                 if j >= len(got[i]) or j >= len(want[i]) or got[i][j] != want[i][j])
+        raise AssertionError(f"{label}: {len(bad)} of {len(want)} documents differ; first doc {i} at id {k}: "
+                             f"C {got[i][max(0, k - 3):k + 3]} reference {want[i][max(0, k - 3):k + 3]} "
+                             f"{[piece(x) for x in want[i][max(0, k - 3):k + 3]]}")
+
+
 def _pair(path: Path):
     from tokenizers import Tokenizer
 
@@ -248,14 +261,7 @@ def _parity(hf, ct, seed: int, label: str):
     t0 = time.perf_counter()
     got = [ct.encode(d, add_bos=False) for d in data]
     t_c = time.perf_counter() - t0
-    bad = [i for i in range(len(docs)) if got[i] != want[i]]
-    if bad:
-        i = bad[0]
-        k = next(j for j in range(min(len(got[i]), len(want[i])) + 1)
-                 if j >= len(got[i]) or j >= len(want[i]) or got[i][j] != want[i][j])
-        ctx = [hf.id_to_token(x) for x in want[i][max(0, k - 3):k + 3]]
-        raise AssertionError(f"{label}: {len(bad)} of {len(docs)} documents differ; first doc {i} at id {k}: "
-                             f"C {got[i][max(0, k - 3):k + 3]} HF {want[i][max(0, k - 3):k + 3]} {ctx}")
+    assert_same_ids(got, want, label, hf.id_to_token)
     hf_dec = hf.decode_batch(want, skip_special_tokens=True)
     bad_dec = [i for i in range(len(docs)) if ct.decode_bytes(want[i]).decode("utf-8") != hf_dec[i]]
     assert not bad_dec, f"{label}: decode differs for {len(bad_dec)} documents (first {bad_dec[0]})"
@@ -395,14 +401,7 @@ def test_tekken_parity(path):
     t0 = time.perf_counter()
     got = [ct.encode(d.encode("utf-8"), add_bos=False) for d in docs]
     t_c = time.perf_counter() - t0
-    bad = [i for i in range(len(docs)) if got[i] != want[i]]
-    if bad:
-        i = bad[0]
-        k = next(j for j in range(min(len(got[i]), len(want[i])) + 1)
-                 if j >= len(got[i]) or j >= len(want[i]) or got[i][j] != want[i][j])
-        raise AssertionError(f"{path.name}: {len(bad)} of {len(docs)} documents differ; first doc {i} at id {k}: "
-                             f"C {got[i][max(0, k - 3):k + 3]} tekken {want[i][max(0, k - 3):k + 3]} "
-                             f"{[tk.id_to_piece(x) for x in want[i][max(0, k - 3):k + 3]]}")
+    assert_same_ids(got, want, path.name, tk.id_to_piece)
     bad_dec = [i for i in range(len(docs)) if ct.decode_bytes(want[i]).decode("utf-8") != tk.decode(want[i])]
     assert not bad_dec, f"{path.name}: decode differs for {len(bad_dec)} documents (first {bad_dec[0]})"
     assert ct.encode(b"Hello", add_bos=True) == tk.encode("Hello", bos=True, eos=False)
