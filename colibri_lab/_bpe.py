@@ -33,10 +33,9 @@ import numpy as np
 
 __all__ = ["build_bpe_tokenizer_section", "SUPPORTED_PATTERNS", "bytes_to_unicode"]
 
-SECTION_MAGIC = b"CBTOKEN\0"
-SECTION_VERSION = 1
+from ._spm import HEADER_SIZE, SECTION_MAGIC, SECTION_VERSION  # the sub-header both types share
+
 TYPE_BYTE_LEVEL_BPE = 2
-HEADER_SIZE = 128
 TOKEN_RECORD_SIZE = 16
 MERGE_RECORD_SIZE = 16
 

@@ -175,3 +175,21 @@ def random_ids(vocab: int, n: int, seed: int) -> list[int]:
     import numpy as np
 
     return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
+
+
+def check_bf16_checkpoint(model, load, vocab: int, top_k: int, tmp_path, what: str) -> float:
+    """--dtype bf16 equals an f32 transformers model loaded (by `load(folder)`) from the
+    bf16 checkpoint of `model`; returns the max |Δ logits|."""
+    import torch
+
+    import colibri_lab
+
+    folder = save_checkpoint(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    ref_model = load(folder)
+    out = tmp_path / "m.colibri"
+    colibri_lab.convert(folder, out, dtype="bf16", progress=False)
+    ids = random_ids(vocab, 50, seed=5)
+    ref, router_logits = hf_logits(ref_model, ids)
+    with colibri_lab.Engine(out) as eng:
+        got = eng.forward(ids)
+    return compare_logits(ref, got, router_logits, top_k, what)

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 import colibri_lab  # noqa: E402
 
 from hf_models import (  # noqa: E402
-    ModelCache, Shape, compare_logits, hf_logits, random_ids, save_checkpoint,
+    ModelCache, Shape, check_bf16_checkpoint, compare_logits, hf_logits, random_ids,
 )
 
 TOL = 1e-4
@@ -65,18 +65,14 @@ def test_logits_bf16_checkpoint(models, key, tmp_path):
     """--dtype bf16 equals an f32 transformers model loaded from the bf16 checkpoint."""
     from transformers import MixtralForCausalLM
 
+    def load(folder):
+        ref = MixtralForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        ref.set_experts_implementation("eager")
+        return ref
+
     model, _ = models(key)
     shape = SHAPES[key]
-    folder = save_checkpoint(model, tmp_path / "bf16", dtype=torch.bfloat16)
-    ref_model = MixtralForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ref_model.set_experts_implementation("eager")
-    out = tmp_path / "m.colibri"
-    colibri_lab.convert(folder, out, dtype="bf16", progress=False)
-    ids = random_ids(shape.vocab, 50, seed=5)
-    ref, router_logits = hf_logits(ref_model, ids)
-    with colibri_lab.Engine(out) as eng:
-        got = eng.forward(ids)
-    compare(ref, got, router_logits, shape.top_k, f"{key} bf16")
+    check_bf16_checkpoint(model, load, shape.vocab, shape.top_k, tmp_path, f"{key} bf16")
 
 
 def test_logits_f16_weights(models):
