@@ -37,7 +37,7 @@ from ctypes import (
 )
 from pathlib import Path
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 LIB_NAME = "libcolibri.so" if sys.platform != "darwin" else "libcolibri.dylib"
 
 # colibri_status values (colibri.h).
@@ -166,8 +166,13 @@ class ColibriTokenizerStruct(ctypes.Structure):
     """``struct colibri_tokenizer`` — opaque, used only through pointers."""
 
 
+class ColibriTraceStruct(ctypes.Structure):
+    """``struct colibri_trace`` — opaque, used only through pointers."""
+
+
 ctx_p = POINTER(ColibriCtx)
 tok_p = POINTER(ColibriTokenizerStruct)
+trace_p = POINTER(ColibriTraceStruct)
 
 
 class ColibriOptions(ctypes.Structure):
@@ -206,12 +211,29 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "colibri_cached_len": (c_int64, [ctx_p]),
     "colibri_get_int": (c_int, [ctx_p, c_char_p, POINTER(c_int64)]),
     "colibri_get_float": (c_int, [ctx_p, c_char_p, POINTER(c_double)]),
+    "colibri_get_layer_int": (c_int, [ctx_p, c_int32, c_char_p, POINTER(c_int64)]),
     "colibri_get_string": (c_int, [ctx_p, c_char_p, POINTER(c_char_p)]),
     "colibri_verify": (c_int, [ctx_p]),
     "colibri_verify_router": (c_int, [ctx_p]),
     "colibri_sample": (
         c_int,
         [ctx_p, POINTER(c_float), c_float, c_int32, c_float, POINTER(c_uint64), POINTER(c_int32)],
+    ),
+    "colibri_trace_create": (c_int, [ctx_p, c_int64, POINTER(trace_p), c_char_p, c_size_t]),
+    "colibri_trace_free": (None, [trace_p]),
+    "colibri_trace_attach": (c_int, [ctx_p, trace_p]),
+    "colibri_trace_reset": (None, [trace_p]),
+    "colibri_trace_get_int": (c_int, [trace_p, c_char_p, POINTER(c_int64)]),
+    "colibri_trace_array": (
+        c_int,
+        [trace_p, c_char_p, POINTER(c_void_p), POINTER(c_int32), POINTER(c_int32), POINTER(c_int64)],
+    ),
+    "colibri_stage_begin": (c_int, [ctx_p, POINTER(c_int32), c_int64, c_int64]),
+    "colibri_stage_next": (c_int, [ctx_p, POINTER(c_int32), POINTER(c_int32)]),
+    "colibri_stage_run": (c_int, [ctx_p, c_int32, POINTER(c_float)]),
+    "colibri_stage_tensor": (
+        c_int,
+        [ctx_p, c_char_p, POINTER(c_void_p), POINTER(c_int32), POINTER(c_int32), POINTER(c_int64)],
     ),
     "colibri_get_tokenizer": (tok_p, [ctx_p]),
     "colibri_tokenizer_from_memory": (
@@ -315,7 +337,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     if missing:
         raise ImportError(
             f"colibri_lab: {lib._name} lacks {', '.join(missing)}: it is not a complete "
-            "Colibri library of ABI version 1; rebuild it with `pip install .`"
+            f"Colibri library of ABI version {ABI_VERSION}; rebuild it with `pip install .`"
         )
 
 

@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import _native
+from .trace import ALL_STAGES, STAGES, Trace
 from ._native import (
     ColibriClosedError,
     ColibriTokenRangeError,
@@ -351,6 +352,16 @@ class Engine:
         check(lib.colibri_get_int(ctx, name.encode(), ctypes.byref(out)), ctx=ctx)
         return int(out.value)
 
+    def _layer_int(self, layer: int, name: str) -> int:
+        ctx = self._c()
+        v = ctypes.c_int64()
+        check(lib.colibri_get_layer_int(ctx, int(layer), name.encode(), ctypes.byref(v)), ctx=ctx)
+        return int(v.value)
+
+    def _layer_is_moe(self) -> np.ndarray:
+        """[n_layers] bool: False for the dense-MLP layers."""
+        return np.array([self._layer_int(i, "moe") for i in range(self.config.n_layers)], dtype=bool)
+
     def _get_float(self, name: str) -> float:
         ctx = self._c()
         out = ctypes.c_double(0)
@@ -481,6 +492,25 @@ class Engine:
             row = self.forward([next_id], pos)[0]
             pos += 1
 
+    # -- observation ----------------------------------------------------------------
+
+    def trace(self, capacity: int | None = None) -> "_TraceRecorder":
+        """Record what the forward passes inside a ``with`` block do::
+
+            with eng.trace() as tr:
+                eng.forward(ids)
+            tr.topk_ids          # [layers, tokens, k], filled when the block exits
+
+        ``capacity`` is the most tokens recorded (default: ``max_seq_len``); later tokens
+        are counted in ``tr.dropped`` and not recorded. The engine records into buffers of
+        its own made once here; outside the block it does no tracing work at all.
+        """
+        return _TraceRecorder(self, capacity)
+
+    def stages(self, token_ids: Sequence[int] | np.ndarray, start_pos: int = 0) -> "StageRun":
+        """Run one forward (at most ``max_batch`` tokens) one stage at a time; see :class:`StageRun`."""
+        return StageRun(self, token_ids, start_pos)
+
     def _has_tokenizer(self) -> bool:
         return bool(lib.colibri_get_tokenizer(self._c()))
 
@@ -532,3 +562,269 @@ class _TextStream:
             return ""
         delta, self.done = full[self.done : upto], upto
         return delta
+
+
+# ---------------------------------------------------------------------------------------
+# Observation: traces and stage-by-stage runs.
+
+_NP_DTYPES = {0: np.float32, 1: np.int32, 2: np.int64, 3: np.uint64}
+
+
+def _c_array(ptr: int | None, dtype: int, ndim: int, shape) -> np.ndarray:
+    """A numpy view of engine memory (no copy)."""
+    shp = tuple(int(shape[i]) for i in range(ndim))
+    dt = np.dtype(_NP_DTYPES[dtype])
+    n = int(np.prod(shp)) if shp else 1
+    if n == 0 or not ptr:
+        return np.empty(shp, dtype=dt)
+    buf = (ctypes.c_char * (n * dt.itemsize)).from_address(ptr)
+    return np.frombuffer(buf, dtype=dt).reshape(shp)
+
+
+class _TraceRecorder:
+    """The context manager of :meth:`Engine.trace`: attaches a C trace on enter and
+    fills the :class:`Trace` it returned when the block exits."""
+
+    def __init__(self, engine: Engine, capacity: int | None):
+        self._engine = engine
+        self._capacity = int(capacity) if capacity is not None else None
+        self._handle = None
+        self.trace: Trace | None = None
+        self.dropped = 0
+
+    def __enter__(self) -> Trace:
+        eng = self._engine
+        ctx = eng._c()
+        cap = self._capacity if self._capacity is not None else eng.config.max_seq_len
+        h = _native.trace_p()
+        err = ctypes.create_string_buffer(512)
+        check(lib.colibri_trace_create(ctx, int(cap), ctypes.byref(h), err, len(err)), err=err)
+        st = lib.colibri_trace_attach(ctx, h)
+        if st != _native.OK:
+            lib.colibri_trace_free(h)
+            check(st, ctx=ctx)
+        self._handle = h
+        cfg = eng.config
+        L, E, K = cfg.n_layers, cfg.n_experts, cfg.top_k
+        self.trace = Trace(
+            token_ids=np.zeros(0, np.int32), positions=np.zeros(0, np.int64),
+            router_probs=np.zeros((L, 0, E), np.float32), topk_ids=np.zeros((L, 0, K), np.int32),
+            topk_weights=np.zeros((L, 0, K), np.float32), shared_gate=np.zeros((L, 0), np.float32),
+            group_sizes=np.zeros((L, E), np.int64), padded_group_sizes=np.zeros((L, E), np.int64),
+            layer_is_moe=np.ones(L, bool), timings_ns=np.zeros((L, len(STAGES)), np.uint64),
+            group_pad=cfg.group_pad, norm_topk_prob=cfg.norm_topk_prob,
+            architecture=cfg.family, model_name=cfg.name,
+        )  # fmt: skip
+        return self.trace
+
+    def _array(self, name: str) -> np.ndarray:
+        data, dt, nd = ctypes.c_void_p(), ctypes.c_int32(), ctypes.c_int32()
+        shape = (ctypes.c_int64 * 4)()
+        st = lib.colibri_trace_array(self._handle, name.encode(), ctypes.byref(data), ctypes.byref(dt),
+                                     ctypes.byref(nd), shape)  # fmt: skip
+        if st != _native.OK:
+            raise _native.ColibriInternalError(f"the engine has no trace array {name!r}")
+        return _c_array(data.value, dt.value, nd.value, shape)
+
+    def _int(self, name: str) -> int:
+        v = ctypes.c_int64()
+        lib.colibri_trace_get_int(self._handle, name.encode(), ctypes.byref(v))
+        return int(v.value)
+
+    def __exit__(self, *exc) -> None:
+        eng, h = self._engine, self._handle
+        if h is None:
+            return
+        try:
+            if not eng.closed:
+                lib.colibri_trace_attach(eng._c(), None)
+            self._fill()
+        finally:
+            lib.colibri_trace_free(h)
+            self._handle = None
+
+    def _fill(self) -> None:
+        n = self._int("tokens")
+        tr = self.trace
+        a = self._array
+        tr.token_ids = a("token_ids")[:n].copy()
+        tr.positions = a("positions")[:n].copy()
+        tr.router_probs = a("router_probs")[:, :n].copy()
+        tr.topk_ids = a("topk_ids")[:, :n].copy()
+        tr.topk_weights = a("topk_weights")[:, :n].copy()
+        tr.shared_gate = a("shared_gate")[:, :n].copy()
+        tr.group_sizes = a("group_sizes").copy()
+        tr.padded_group_sizes = a("padded_group_sizes").copy()
+        tr.timings_ns = a("layer_ns").copy()
+        stage_ns = a("stage_ns")
+        tr.embedding_ns = int(stage_ns[0])
+        tr.lm_head_ns = int(stage_ns[len(ALL_STAGES) - 1])
+        tr.n_forwards = self._int("forwards")
+        tr.dropped = self._int("dropped")
+        tr.layer_is_moe = self._engine._layer_is_moe()
+        eng = self._engine
+        if not eng.closed and eng._has_tokenizer():
+            tok = eng.tokenizer
+            tr.token_texts = [tok.piece(int(i)) for i in tr.token_ids]
+        else:
+            tr.token_texts = [str(int(i)) for i in tr.token_ids]
+
+
+class StageRun:
+    """One forward of at most ``max_batch`` tokens, run one stage at a time.
+
+    Stages run in order: ``embedding()``, then for each layer ``attention()``,
+    ``router()``, ``grouping()``, ``expert_ffn()``, ``combine()``, and last ``lm_head()``,
+    which returns the logits. Each call returns that stage's intermediate tensors as a dict
+    of numpy arrays that are **zero-copy views of the engine's arena**: valid (and
+    writable, to try an intervention) until the next stage or forward; ``.copy()`` what
+    you keep. Running every stage gives exactly the fused forward's logits, and the KV
+    cache then holds the tokens (``cached_len`` = start_pos + n), so decoding can go on.
+
+        run = eng.stages(ids)
+        run.embedding()
+        run.run_to(layer=2)             # layers 0 and 1 as usual
+        out = run.attention(); r = run.router()
+        r["topk_ids"]                   # [tokens, k] of layer 2
+        logits = run.finish()
+    """
+
+    _OUTPUTS = {
+        "embedding": ("x",),
+        "attention": ("q", "k", "v", "att", "x", "xn"),
+        "router": ("router_logits", "router_probs", "topk_ids", "topk_weights"),
+        "grouping": ("expert_count", "expert_offset", "row_token", "row_weight", "ex_in"),
+        "expert_ffn": ("ex_h", "ex_out"),
+        "combine": ("delta", "x"),
+    }
+
+    def __init__(self, engine: Engine, token_ids, start_pos: int = 0):
+        self._engine = engine
+        ctx = engine._c()
+        ids = _as_ids(token_ids)
+        check(lib.colibri_stage_begin(ctx, _i32_ptr(ids), len(ids), int(start_pos)), ctx=ctx)
+        self.n_tokens = len(ids)
+        self.start_pos = int(start_pos)
+        self.logits: np.ndarray | None = None
+        self._moe = engine._layer_is_moe()
+        cfg = engine.config
+        self._shared = self._has("shared_out")
+        self._shared_gate = cfg is not None and self._has("shared_gate")
+
+    def _has(self, name: str) -> bool:
+        try:
+            return self.tensor(name).size > 0
+        except _native.ColibriError:
+            return False
+
+    # -- where we are
+    def _next(self) -> tuple[int, int]:
+        st, ly = ctypes.c_int32(), ctypes.c_int32()
+        lib.colibri_stage_next(self._engine._c(), ctypes.byref(st), ctypes.byref(ly))
+        return st.value, ly.value
+
+    @property
+    def next_stage(self) -> str | None:
+        """The stage that runs next (a name of :data:`ALL_STAGES`), None when done."""
+        st, _ = self._next()
+        return ALL_STAGES[st] if st >= 0 else None
+
+    @property
+    def layer(self) -> int:
+        """The layer of the next stage (-1 for embedding / LM head / done)."""
+        return self._next()[1]
+
+    @property
+    def done(self) -> bool:
+        return self._next()[0] < 0
+
+    def tensor(self, name: str) -> np.ndarray:
+        """An intermediate tensor by name (colibri.h, ``colibri_stage_tensor``), zero-copy."""
+        ctx = self._engine._c()
+        data, dt, nd = ctypes.c_void_p(), ctypes.c_int32(), ctypes.c_int32()
+        shape = (ctypes.c_int64 * 4)()
+        check(lib.colibri_stage_tensor(ctx, name.encode(), ctypes.byref(data), ctypes.byref(dt),
+                                       ctypes.byref(nd), shape), ctx=ctx)  # fmt: skip
+        return _c_array(data.value, dt.value, nd.value, shape)
+
+    # -- running
+    def run(self, stage: str | None = None) -> dict[str, np.ndarray]:
+        """Run the next stage (``stage``, if given, must name it) and return its outputs."""
+        st, layer = self._next()
+        if st < 0:
+            raise _native.ColibriInvalidArgError("this stage run is finished (or was abandoned by a forward)")
+        name = ALL_STAGES[st]
+        if stage is not None and stage != name:
+            where = f" of layer {layer}" if layer >= 0 else ""
+            raise _native.ColibriInvalidArgError(f"stage {stage!r} was asked but {name!r}{where} runs next; "
+                                                 "stages run in order")  # fmt: skip
+        ctx = self._engine._c()
+        if name == "lm_head":
+            logits = np.empty((self.n_tokens, self._engine.vocab_size), dtype=np.float32)
+            check(lib.colibri_stage_run(ctx, st, logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float))),
+                  ctx=ctx)  # fmt: skip
+            self.logits = logits
+            return {"logits": logits}
+        check(lib.colibri_stage_run(ctx, st, None), ctx=ctx)
+        moe = bool(self._moe[layer]) if layer >= 0 else True
+        if name in ("router", "grouping") and not moe:
+            return {}
+        if name == "expert_ffn" and not moe:
+            return {"delta": self.tensor("delta"), "ffn_h": self.tensor("ffn_h")}
+        out = {k: self.tensor(k) for k in self._OUTPUTS[name]}
+        if name == "expert_ffn" and self._shared:
+            out["shared_out"] = self.tensor("shared_out")
+            if self._shared_gate:
+                out["shared_gate"] = self.tensor("shared_gate")
+        return out
+
+    def embedding(self) -> dict[str, np.ndarray]:
+        return self.run("embedding")
+
+    def attention(self) -> dict[str, np.ndarray]:
+        return self.run("attention")
+
+    def router(self) -> dict[str, np.ndarray]:
+        return self.run("router")
+
+    def grouping(self) -> dict[str, np.ndarray]:
+        return self.run("grouping")
+
+    def expert_ffn(self) -> dict[str, np.ndarray]:
+        return self.run("expert_ffn")
+
+    def combine(self) -> dict[str, np.ndarray]:
+        return self.run("combine")
+
+    def lm_head(self) -> np.ndarray:
+        return self.run("lm_head")["logits"]
+
+    def run_layer(self) -> dict[str, np.ndarray]:
+        """Run what is left of the current layer; returns the last stage's outputs."""
+        layer, out = self.layer, {}
+        if layer < 0:
+            raise _native.ColibriInvalidArgError(f"the next stage is {self.next_stage!r}, not a layer's")
+        while self.layer == layer and self.next_stage is not None:
+            out = self.run()
+        return out
+
+    def run_to(self, layer: int) -> None:
+        """Run stages until the next one is ``attention`` of ``layer`` (``n_layers``: the LM head)."""
+        n = self._engine.config.n_layers
+        if not 0 <= layer <= n:
+            raise _native.ColibriInvalidArgError(f"layer {layer} is not in [0, {n}]")
+        while True:
+            st, ly = self._next()
+            if st < 0:
+                raise _native.ColibriInvalidArgError(f"the run finished before reaching layer {layer}")
+            if (layer == n and ALL_STAGES[st] == "lm_head") or (ly == layer and ALL_STAGES[st] == "attention"):
+                return
+            if ly > layer >= 0 and layer < n:
+                raise _native.ColibriInvalidArgError(f"layer {layer} has already run (now at layer {ly})")
+            self.run()
+
+    def finish(self) -> np.ndarray:
+        """Run every remaining stage; the logits ``[n_tokens, vocab_size]``."""
+        while not self.done:
+            self.run()
+        return self.logits

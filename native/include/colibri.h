@@ -27,7 +27,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or the meaning of an argument changes; bindings check it. */
-#define COLIBRI_ABI_VERSION 1
+#define COLIBRI_ABI_VERSION 2
 /* The newest file format version this build reads. */
 #define COLIBRI_FORMAT_VERSION 1
 
@@ -99,6 +99,11 @@ COLIBRI_API int64_t colibri_cached_len(const colibri_ctx *ctx);
  * Unknown names give COLIBRI_E_INVALID_ARG. */
 COLIBRI_API colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t *out);
 COLIBRI_API colibri_status colibri_get_float(const colibri_ctx *ctx, const char *name, double *out);
+/* Per-layer facts: "moe" (1 MoE block, 0 dense MLP), "window" (attention window in
+ * tokens, 0 = full), "shared_expert" (1 if the layer has one), "shared_gate" (1 if it is
+ * gated). A layer out of range or an unknown name gives COLIBRI_E_INVALID_ARG. */
+COLIBRI_API colibri_status colibri_get_layer_int(const colibri_ctx *ctx, int32_t layer, const char *name,
+                                                 int64_t *out);
 /* "architecture", "name", "weight_dtype", "router_dtype": a pointer into the context. */
 COLIBRI_API colibri_status colibri_get_string(const colibri_ctx *ctx, const char *name, const char **out);
 
@@ -115,6 +120,95 @@ COLIBRI_API colibri_status colibri_verify_router(colibri_ctx *ctx);
 COLIBRI_API colibri_status colibri_sample(colibri_ctx *ctx, const float *logits, float temperature,
                                           int32_t top_k, float top_p, uint64_t *rng,
                                           int32_t *out_id);
+
+/* ---- Observation: tracing and stage-by-stage execution ------------------------------
+ *
+ * The stages of one forward, in order: EMBEDDING, then for each layer ATTENTION (norm,
+ * q/k/v, RoPE, attention over the KV cache, output projection, residual, then the FFN
+ * norm), ROUTER (router matmul, softmax, top-k), GROUPING (counting sort of the (token,
+ * slot) pairs by expert, padding, gather), EXPERT_FFN (the routed groups, the shared
+ * expert and its gate; a dense layer's MLP), COMBINE (weighted scatter-add, residual),
+ * and last LM_HEAD (final norm, logits). In a dense layer ROUTER and GROUPING do nothing. */
+typedef enum colibri_stage {
+    COLIBRI_STAGE_EMBEDDING = 0,
+    COLIBRI_STAGE_ATTENTION = 1,
+    COLIBRI_STAGE_ROUTER = 2,
+    COLIBRI_STAGE_GROUPING = 3,
+    COLIBRI_STAGE_EXPERT_FFN = 4,
+    COLIBRI_STAGE_COMBINE = 5,
+    COLIBRI_STAGE_LM_HEAD = 6,
+    COLIBRI_N_STAGES = 7
+} colibri_stage;
+
+/* Element types of the arrays handed out by colibri_trace_array / colibri_stage_tensor. */
+typedef enum colibri_dtype {
+    COLIBRI_DTYPE_F32 = 0,
+    COLIBRI_DTYPE_I32 = 1,
+    COLIBRI_DTYPE_I64 = 2,
+    COLIBRI_DTYPE_U64 = 3
+} colibri_dtype;
+
+/* A trace: buffers, owned by the trace and allocated once by colibri_trace_create, that
+ * the forward pass fills while the trace is attached to a context. Off by default; a
+ * context without a trace does no tracing work. Per traced token (appended in the order
+ * the engine sees them, across forwards, up to `capacity`; later tokens are counted as
+ * dropped) and per layer it records the router probabilities, the top-k ids and weights
+ * and the shared-expert gate; per layer the group sizes per expert before and after
+ * padding; per layer and stage the time in nanoseconds (CLOCK_MONOTONIC). */
+typedef struct colibri_trace colibri_trace;
+
+/* A trace sized for `ctx`'s model and up to `capacity` tokens (> 0). */
+COLIBRI_API colibri_status colibri_trace_create(const colibri_ctx *ctx, int64_t capacity,
+                                                colibri_trace **out, char *err, size_t err_len);
+/* Frees a trace; detach it first (or free its context first). NULL is a no-op. */
+COLIBRI_API void colibri_trace_free(colibri_trace *tr);
+/* Attach `tr` to `ctx` (NULL detaches). A trace made for another model shape is refused.
+ * One trace per context; a trace may be attached to one context at a time. */
+COLIBRI_API colibri_status colibri_trace_attach(colibri_ctx *ctx, colibri_trace *tr);
+/* Forget everything recorded (sizes stay). */
+COLIBRI_API void colibri_trace_reset(colibri_trace *tr);
+/* "tokens" (recorded), "dropped" (seen past capacity), "capacity", "forwards",
+ * "n_layers", "n_experts", "top_k". Unknown names give COLIBRI_E_INVALID_ARG. */
+COLIBRI_API colibri_status colibri_trace_get_int(const colibri_trace *tr, const char *name,
+                                                 int64_t *out);
+/* A trace buffer by name (C = capacity, L layers, E experts, K = top_k):
+ *   "token_ids" I32 [C]  "positions" I64 [C]  "router_probs" F32 [L, C, E] (NaN in dense layers)
+ *   "topk_ids" I32 [L, C, K] (-1 in dense layers)  "topk_weights" F32 [L, C, K]
+ *   "shared_gate" F32 [L, C] (sigmoid(g . x); 1 for an ungated shared expert; NaN: none)
+ *   "group_sizes" I64 [L, E]  "padded_group_sizes" I64 [L, E]  (summed over chunks)
+ *   "layer_ns" U64 [L, 5] (ATTENTION..COMBINE)  "stage_ns" U64 [7] (every stage, all layers)
+ * Only the first "tokens" entries along a C axis are valid. The pointer stays valid until
+ * colibri_trace_free. */
+COLIBRI_API colibri_status colibri_trace_array(const colibri_trace *tr, const char *name,
+                                               const void **data, int32_t *dtype, int32_t *ndim,
+                                               int64_t shape[4]);
+
+/* Stage-by-stage execution of one chunk of n ≤ max_batch tokens at start_pos (the same
+ * checks as colibri_forward_at). Nothing runs until colibri_stage_run. Positions from
+ * start_pos on are overwritten; the cached length becomes start_pos + n once LM_HEAD has
+ * run. colibri_forward (or a new begin) abandons an unfinished stage run. */
+COLIBRI_API colibri_status colibri_stage_begin(colibri_ctx *ctx, const int32_t *input_ids,
+                                               int64_t n_tokens, int64_t start_pos);
+/* The stage that runs next and its layer (-1 outside the layers); *stage = -1 when no stage
+ * run is active or the last one finished. */
+COLIBRI_API colibri_status colibri_stage_next(const colibri_ctx *ctx, int32_t *stage,
+                                              int32_t *layer);
+/* Run `stage`, which must be the next one. logits: n_tokens × vocab floats for LM_HEAD,
+ * otherwise ignored (may be NULL). Running every stage in order computes exactly what
+ * colibri_forward_at computes. */
+COLIBRI_API colibri_status colibri_stage_run(colibri_ctx *ctx, int32_t stage, float *logits);
+/* An intermediate tensor of the current stage run, by name, pointing into the context's
+ * arena (valid until the next stage or forward): "x" [T, H] (residual stream), "xn" [T, H]
+ * (normed input of the sub-block), "q" [T, Hq*D], "k", "v" [T, Hkv*D] (after RoPE), "att"
+ * [T, Hq*D] (attention output before o_proj), "delta" [T, H] (sub-block output),
+ * "router_logits", "router_probs" [T, E], "topk_ids" I32 [T, K], "topk_weights" [T, K],
+ * "expert_count" I64 [E], "expert_offset" I64 [E+1], "row_token" I32 [rows] (-1 padding),
+ * "row_weight" [rows], "ex_in" [rows, H], "ex_h" [rows, I], "ex_out" [rows, H],
+ * "shared_out" [T, H], "shared_gate" [T] (sigmoid values), "ffn_h" [T, Id or Is].
+ * rows = expert_offset[E] of the current layer. */
+COLIBRI_API colibri_status colibri_stage_tensor(colibri_ctx *ctx, const char *name,
+                                                const void **data, int32_t *dtype,
+                                                int32_t *ndim, int64_t shape[4]);
 
 /* ---- Tokenizer, usable with or without an engine: SentencePiece-BPE (tokenizer section
  * type 1) or byte-level BPE from a Hugging Face tokenizer.json (type 2, GPT-2 / Qwen2 /

@@ -18,7 +18,7 @@
 #include "internal.h"
 #include "tokenizer.h"
 
-#define COLIBRI_VERSION_STRING "colibri 0.1.0 (format 1, abi 1, kernels: reference)"
+#define COLIBRI_VERSION_STRING "colibri 0.1.0 (format 1, abi 2)"
 
 void cb_set_err(char *buf, size_t len, const char *fmt, ...) {
     if (!buf || len == 0) return;
@@ -79,6 +79,7 @@ colibri_status colibri_init(const char *path, colibri_ctx **out) {
 
 void colibri_free(colibri_ctx *ctx) {
     if (!ctx) return;
+    if (ctx->trace) ctx->trace->owner = NULL; /* the trace outlives its context */
     if (ctx->tok) {
         if (ctx->tok_loaded) cb_tokenizer_unload(ctx->tok);
         free(ctx->tok);
@@ -212,6 +213,8 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
 
     st = cb_arena_init(ctx, err, err_len);
     if (st != COLIBRI_OK) return init_fail(ctx, st, err, err_len);
+    ctx->run.stage = -1; /* no stage run active */
+    ctx->run.layer = -1;
 
     const cb_section *ts = &c->sections[CB_SEC_TOK];
     if (ts->size > 0) {
@@ -255,6 +258,7 @@ colibri_status colibri_forward_at(colibri_ctx *ctx, const int32_t *input_ids, in
     if (start_pos < 0)
         return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_forward_at: start_pos %lld is negative",
                        (long long)start_pos);
+    ctx->run.stage = -1; /* a forward abandons any unfinished stage run */
     return cb_forward(ctx, input_ids, n_tokens, start_pos, logits);
 }
 
@@ -312,6 +316,21 @@ colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t
         }
     }
     return unknown_name(ctx, "colibri_get_int", name);
+}
+
+colibri_status colibri_get_layer_int(const colibri_ctx *ctx, int32_t layer, const char *name, int64_t *out) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (!name || !out) return cb_fail((colibri_ctx *)ctx, COLIBRI_E_INVALID_ARG, "colibri_get_layer_int: NULL argument");
+    if (layer < 0 || (uint32_t)layer >= ctx->cfg.n_layers)
+        return cb_fail((colibri_ctx *)ctx, COLIBRI_E_INVALID_ARG, "colibri_get_layer_int: layer %d is not in [0, %u)",
+                       layer, ctx->cfg.n_layers);
+    const cb_layer *L = &ctx->w.layers[layer];
+    if (strcmp(name, "moe") == 0) *out = L->moe;
+    else if (strcmp(name, "window") == 0) *out = L->window;
+    else if (strcmp(name, "shared_expert") == 0) *out = L->moe && L->shared != NULL;
+    else if (strcmp(name, "shared_gate") == 0) *out = L->moe && L->shared_gate != NULL;
+    else return unknown_name(ctx, "colibri_get_layer_int", name);
+    return COLIBRI_OK;
 }
 
 colibri_status colibri_get_float(const colibri_ctx *ctx, const char *name, double *out) {

@@ -165,8 +165,37 @@ typedef struct cb_scratch {
     float *sh_gate;      /* [B] shared-expert gate logits */
     float *sample_p;     /* [V] sampler probabilities */
     int32_t *sample_idx; /* [V] sampler candidate ids */
+    int32_t *run_ids;    /* [B] the token ids of the chunk being run (stage-by-stage runs keep them) */
     int64_t max_rows;    /* R */
 } cb_scratch;
+
+/* The chunk being run, stage by stage: the fused forward and colibri_stage_* share it. */
+typedef struct cb_run {
+    int64_t T;          /* tokens in the chunk */
+    int64_t pos0;       /* position of its first token */
+    int32_t stage;      /* next stage (COLIBRI_STAGE_*), -1 when no stage run is active */
+    int32_t layer;      /* layer of the next stage, -1 outside the layers */
+} cb_run;
+
+/* A trace (colibri.h): every buffer carved from `mem`, allocated once at create.
+ * C = capacity, L = n_layers, E = n_experts, K = top_k. */
+struct colibri_trace {
+    int64_t capacity, n_tokens, dropped, n_forwards;
+    uint32_t n_layers, n_experts, top_k;
+    const colibri_ctx *owner;   /* the context it is attached to, or NULL */
+    int64_t chunk_base;         /* token row of the current chunk's first token */
+    int32_t *token_ids;         /* [C] */
+    int64_t *positions;         /* [C] */
+    float *router_probs;        /* [L, C, E] */
+    int32_t *topk_ids;          /* [L, C, K] */
+    float *topk_w;              /* [L, C, K] */
+    float *shared_gate;         /* [L, C] */
+    int64_t *group_sizes;       /* [L, E] */
+    int64_t *padded_sizes;      /* [L, E] */
+    uint64_t *layer_ns;         /* [L, 5] ATTENTION..COMBINE */
+    uint64_t stage_ns[COLIBRI_N_STAGES];
+    void *mem;
+};
 
 typedef struct cb_session {
     float *k_cache;      /* [n_layers, S, Nkv] */
@@ -195,6 +224,8 @@ struct colibri_ctx {
     uint64_t arena_bytes;
     cb_scratch s;
     cb_session sess;
+    cb_run run;
+    colibri_trace *trace;    /* attached trace, or NULL (no tracing work at all) */
     /* tokenizer */
     colibri_tokenizer *tok;  /* cb_tokenizer_struct_size() bytes, heap; NULL when the model has none */
     int tok_loaded;
@@ -230,6 +261,13 @@ colibri_status cb_verify_router(colibri_ctx *ctx);
 colibri_status cb_arena_init(colibri_ctx *ctx, char *err, size_t err_len);
 colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos,
                           float *logits);
+/* Checks shared by colibri_forward_at and colibri_stage_begin (nothing is changed). */
+colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos);
+/* Stage-by-stage execution (colibri_stage_*). */
+colibri_status cb_stage_begin(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos);
+colibri_status cb_stage_run(colibri_ctx *ctx, int32_t stage, float *logits);
+colibri_status cb_stage_tensor(colibri_ctx *ctx, const char *name, const void **data,
+                               int32_t *dtype, int32_t *ndim, int64_t shape[4]);
 
 /* overflow-safe helpers */
 static inline int cb_mul_u64(uint64_t a, uint64_t b, uint64_t *out) {

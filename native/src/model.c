@@ -8,7 +8,9 @@
  * The forward pass processes tokens in chunks of at most max_batch; inside a chunk each
  * stage runs on the whole batch [T, width] through the kernel table (kernels.h), so GEMM
  * and row-splitting across threads can replace a stage without touching this file's
- * structure. The MoE block groups (token, slot) pairs by expert with a counting sort and
+ * structure. The stages (colibri.h, colibri_stage) are separate functions dispatched from
+ * one place, run_stage: the fused forward runs them all in order, colibri_stage_run runs
+ * them one call at a time, and an attached trace times and records each. The MoE block groups (token, slot) pairs by expert with a counting sort and
  * a prefix sum (no qsort, no allocation), gathers each group's rows, runs the packed
  * expert FFN once per non-empty expert, and scatter-adds weight * output into each
  * token's residual delta, in expert order as transformers does.
@@ -18,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 
 #include "internal.h"
 
@@ -87,6 +90,7 @@ colibri_status cb_arena_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&s->sh_gate, c->shared_gate ? B : 0, 4, "sh_gate"},
         {(void **)&s->sample_p, V, 4, "sample_p"},
         {(void **)&s->sample_idx, V, 4, "sample_idx"},
+        {(void **)&s->run_ids, B, 4, "run_ids"},
     };
     const size_t n_items = sizeof items / sizeof items[0];
     uint64_t offs[sizeof items / sizeof items[0]];
@@ -208,61 +212,6 @@ static void group_tokens(colibri_ctx *ctx, int64_t T) {
     }
 }
 
-/* The MoE block: xn [T, H] -> delta [T, H]. */
-static void moe_block(colibri_ctx *ctx, const cb_layer *L, int64_t T) {
-    const cb_config *c = &ctx->cfg;
-    const cb_kernels *K = ctx->kern;
-    cb_scratch *s = &ctx->s;
-    int64_t H = c->hidden, I = c->inter, E = c->n_experts;
-    if (c->router_int8)
-        K->matmul_i8(s->router_logits, s->xn, (const int8_t *)L->router, L->router_scale,
-                     L->router_zero, T, E, H);
-    else
-        K->matmul(s->router_logits, s->xn, L->router, c->router_dtype, T, E, H);
-    route(ctx, T);
-    group_tokens(ctx, T);
-    int64_t rows = s->expert_offset[E];
-    for (int64_t r = 0; r < rows; r++) {
-        int32_t t = s->row_token[r];
-        if (t >= 0) memcpy(s->ex_in + r * H, s->xn + (int64_t)t * H, (size_t)H * sizeof(float));
-        else memset(s->ex_in + r * H, 0, (size_t)H * sizeof(float));
-    }
-    for (int64_t e = 0; e < E; e++) {
-        int64_t r0 = s->expert_offset[e], R = s->expert_offset[e + 1] - r0;
-        if (R == 0) continue;
-        const void *ew = (const uint8_t *)L->experts + (size_t)e * L->expert_stride;
-        K->expert_ffn(s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, ew,
-                      c->weight_dtype, R, H, I, c->block_size);
-    }
-    memset(s->delta, 0, (size_t)(T * H) * sizeof(float));
-    for (int64_t r = 0; r < rows; r++) { /* rows are in expert order, as HF's index_add_ */
-        int32_t t = s->row_token[r];
-        if (t < 0) continue;
-        float w = s->row_weight[r];
-        float *d = s->delta + (int64_t)t * H;
-        const float *y = s->ex_out + r * H;
-        for (int64_t i = 0; i < H; i++) d[i] += y[i] * w;
-    }
-    if (L->shared) { /* routed sum + sigmoid(g . x) * shared(x), as transformers' Qwen2-MoE */
-        int64_t Is = c->shared_inter;
-        K->expert_ffn(s->sh_out, s->ffn_h, s->xn, L->shared, c->weight_dtype, T, H, Is, c->block_size);
-        if (L->shared_gate) K->matmul(s->sh_gate, s->xn, L->shared_gate, c->weight_dtype, T, 1, H);
-        for (int64_t t = 0; t < T; t++) {
-            float g = L->shared_gate ? 1.0f / (1.0f + expf(-s->sh_gate[t])) : 1.0f;
-            float *d = s->delta + t * H;
-            const float *y = s->sh_out + t * H;
-            for (int64_t i = 0; i < H; i++) d[i] += g * y[i];
-        }
-    }
-}
-
-/* A dense MLP layer: xn [T, H] -> delta [T, H] through its one-expert packed tensor. */
-static void dense_block(colibri_ctx *ctx, const cb_layer *L, int64_t T) {
-    const cb_config *c = &ctx->cfg;
-    ctx->kern->expert_ffn(ctx->s.delta, ctx->s.ffn_h, ctx->s.xn, L->dense, c->weight_dtype, T,
-                          c->hidden, c->dense_inter, c->block_size);
-}
-
 /* x[t, :] += b for t < T. x: [T, n]; b: [n]. */
 static void add_bias(float *x, const float *b, int64_t T, int64_t n) {
     for (int64_t t = 0; t < T; t++)
@@ -281,21 +230,19 @@ static void add_inplace(float *x, const float *d, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = x[i] + d[i];
 }
 
-/* One chunk of T <= max_batch tokens at positions pos0..pos0+T-1. logits: [T, V]. */
-static void forward_chunk(colibri_ctx *ctx, const int32_t *ids, int64_t T, int64_t pos0,
-                          float *logits) {
+/* ---- the stages of a forward (colibri.h, "Observation"); each works on the chunk in
+ * ctx->run: T tokens at positions pos0.., ids in s->run_ids ---------------------------- */
+
+/* Widen the chunk's embedding rows into x; the chunk's RoPE tables. */
+static void stage_embedding(colibri_ctx *ctx) {
     const cb_config *c = &ctx->cfg;
-    const cb_kernels *K = ctx->kern;
     cb_scratch *s = &ctx->s;
-    int64_t H = c->hidden, V = c->vocab, hd = c->head_dim, half = hd / 2;
-    int64_t Nq = (int64_t)c->n_heads * hd, Nkv = (int64_t)c->n_kv_heads * hd;
-    int64_t S = ctx->max_seq_len;
+    int64_t T = ctx->run.T, pos0 = ctx->run.pos0, H = c->hidden, half = c->head_dim / 2;
     uint32_t W = c->weight_dtype;
     size_t es = cb_dtype_size(W);
-    float eps = (float)c->rms_norm_eps;
-
     for (int64_t t = 0; t < T; t++)
-        widen_row(s->x + t * H, (const uint8_t *)ctx->w.tok_embd + (size_t)ids[t] * (size_t)H * es, W, H);
+        widen_row(s->x + t * H, (const uint8_t *)ctx->w.tok_embd + (size_t)s->run_ids[t] * (size_t)H * es,
+                  W, H);
     for (int64_t t = 0; t < T; t++) {
         float p = (float)(pos0 + t);
         for (int64_t i = 0; i < half; i++) {
@@ -304,55 +251,291 @@ static void forward_chunk(colibri_ctx *ctx, const int32_t *ids, int64_t T, int64
             s->rope_sin[t * half + i] = sinf(f);
         }
     }
-    for (uint32_t l = 0; l < c->n_layers; l++) {
-        const cb_layer *L = &ctx->w.layers[l];
-        float *kc = ctx->sess.k_cache + (int64_t)l * S * Nkv;
-        float *vc = ctx->sess.v_cache + (int64_t)l * S * Nkv;
-        /* attention */
-        K->rmsnorm(s->xn, s->x, L->attn_norm, T, H, eps);
-        K->matmul(s->q, s->xn, L->wq, W, T, Nq, H);
-        K->matmul(s->k, s->xn, L->wk, W, T, Nkv, H);
-        K->matmul(s->v, s->xn, L->wv, W, T, Nkv, H);
-        if (L->bq) {
-            add_bias(s->q, L->bq, T, Nq);
-            add_bias(s->k, L->bk, T, Nkv);
-            add_bias(s->v, L->bv, T, Nkv);
-        }
-        if (c->qk_norm == CB_QKNORM_HEAD) { /* RMSNorm over each head's head_dim values */
-            K->rmsnorm(s->q, s->q, L->q_norm, T * c->n_heads, hd, eps);
-            K->rmsnorm(s->k, s->k, L->k_norm, T * c->n_kv_heads, hd, eps);
-        } else if (c->qk_norm == CB_QKNORM_FULL) { /* RMSNorm over the whole projection */
-            K->rmsnorm(s->q, s->q, L->q_norm, T, Nq, eps);
-            K->rmsnorm(s->k, s->k, L->k_norm, T, Nkv, eps);
-        }
-        if (c->clip_qkv > 0.0f) {
-            clamp_inplace(s->q, T * Nq, c->clip_qkv);
-            clamp_inplace(s->k, T * Nkv, c->clip_qkv);
-            clamp_inplace(s->v, T * Nkv, c->clip_qkv);
-        }
-        K->rope(s->q, T, c->n_heads, hd, s->rope_cos, s->rope_sin);
-        K->rope(s->k, T, c->n_kv_heads, hd, s->rope_cos, s->rope_sin);
-        memcpy(kc + pos0 * Nkv, s->k, (size_t)(T * Nkv) * sizeof(float));
-        memcpy(vc + pos0 * Nkv, s->v, (size_t)(T * Nkv) * sizeof(float));
-        K->attention(s->att, s->q, kc, vc, s->att_scores, T, pos0, c->n_heads, c->n_kv_heads, hd,
-                     L->window);
-        K->matmul(s->delta, s->att, L->wo, W, T, H, Nq);
-        if (L->bo) add_bias(s->delta, L->bo, T, H);
-        add_inplace(s->x, s->delta, T * H);
-        /* mixture of experts, or a dense MLP */
-        K->rmsnorm(s->xn, s->x, L->ffn_norm, T, H, eps);
-        if (L->moe) moe_block(ctx, L, T);
-        else dense_block(ctx, L, T);
-        add_inplace(s->x, s->delta, T * H);
-    }
-    K->rmsnorm(s->xn, s->x, ctx->w.out_norm, T, H, eps);
-    K->matmul(logits, s->xn, ctx->w.lm_head, W, T, V, H);
 }
 
-/* Caller (colibri_forward_at) guarantees ctx, ids, logits non-NULL, n >= 1, start_pos >= 0.
- * Every check happens before the cache is touched, so a refused call changes nothing. */
-colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos,
+/* x += o_proj(attention(norm(x))); then xn = ffn_norm(x), the input of the FFN stages. */
+static void stage_attention(colibri_ctx *ctx, uint32_t l) {
+    const cb_config *c = &ctx->cfg;
+    const cb_kernels *K = ctx->kern;
+    const cb_layer *L = &ctx->w.layers[l];
+    cb_scratch *s = &ctx->s;
+    int64_t T = ctx->run.T, pos0 = ctx->run.pos0;
+    int64_t H = c->hidden, hd = c->head_dim;
+    int64_t Nq = (int64_t)c->n_heads * hd, Nkv = (int64_t)c->n_kv_heads * hd;
+    int64_t S = ctx->max_seq_len;
+    uint32_t W = c->weight_dtype;
+    float eps = (float)c->rms_norm_eps;
+    float *kc = ctx->sess.k_cache + (int64_t)l * S * Nkv;
+    float *vc = ctx->sess.v_cache + (int64_t)l * S * Nkv;
+
+    K->rmsnorm(s->xn, s->x, L->attn_norm, T, H, eps);
+    K->matmul(s->q, s->xn, L->wq, W, T, Nq, H);
+    K->matmul(s->k, s->xn, L->wk, W, T, Nkv, H);
+    K->matmul(s->v, s->xn, L->wv, W, T, Nkv, H);
+    if (L->bq) {
+        add_bias(s->q, L->bq, T, Nq);
+        add_bias(s->k, L->bk, T, Nkv);
+        add_bias(s->v, L->bv, T, Nkv);
+    }
+    if (c->qk_norm == CB_QKNORM_HEAD) { /* RMSNorm over each head's head_dim values */
+        K->rmsnorm(s->q, s->q, L->q_norm, T * c->n_heads, hd, eps);
+        K->rmsnorm(s->k, s->k, L->k_norm, T * c->n_kv_heads, hd, eps);
+    } else if (c->qk_norm == CB_QKNORM_FULL) { /* RMSNorm over the whole projection */
+        K->rmsnorm(s->q, s->q, L->q_norm, T, Nq, eps);
+        K->rmsnorm(s->k, s->k, L->k_norm, T, Nkv, eps);
+    }
+    if (c->clip_qkv > 0.0f) {
+        clamp_inplace(s->q, T * Nq, c->clip_qkv);
+        clamp_inplace(s->k, T * Nkv, c->clip_qkv);
+        clamp_inplace(s->v, T * Nkv, c->clip_qkv);
+    }
+    K->rope(s->q, T, c->n_heads, hd, s->rope_cos, s->rope_sin);
+    K->rope(s->k, T, c->n_kv_heads, hd, s->rope_cos, s->rope_sin);
+    memcpy(kc + pos0 * Nkv, s->k, (size_t)(T * Nkv) * sizeof(float));
+    memcpy(vc + pos0 * Nkv, s->v, (size_t)(T * Nkv) * sizeof(float));
+    K->attention(s->att, s->q, kc, vc, s->att_scores, T, pos0, c->n_heads, c->n_kv_heads, hd, L->window);
+    K->matmul(s->delta, s->att, L->wo, W, T, H, Nq);
+    if (L->bo) add_bias(s->delta, L->bo, T, H);
+    add_inplace(s->x, s->delta, T * H);
+    K->rmsnorm(s->xn, s->x, L->ffn_norm, T, H, eps);
+}
+
+/* Router logits, softmax and top-k (MoE layers). */
+static void stage_router(colibri_ctx *ctx, uint32_t l) {
+    const cb_config *c = &ctx->cfg;
+    const cb_layer *L = &ctx->w.layers[l];
+    cb_scratch *s = &ctx->s;
+    int64_t T = ctx->run.T;
+    if (!L->moe) return;
+    if (c->router_int8)
+        ctx->kern->matmul_i8(s->router_logits, s->xn, (const int8_t *)L->router, L->router_scale,
+                             L->router_zero, T, c->n_experts, c->hidden);
+    else
+        ctx->kern->matmul(s->router_logits, s->xn, L->router, c->router_dtype, T, c->n_experts, c->hidden);
+    route(ctx, T);
+}
+
+/* Group the (token, slot) pairs by expert and gather each group's input rows. */
+static void stage_grouping(colibri_ctx *ctx, uint32_t l) {
+    cb_scratch *s = &ctx->s;
+    int64_t H = ctx->cfg.hidden, E = ctx->cfg.n_experts;
+    if (!ctx->w.layers[l].moe) return;
+    group_tokens(ctx, ctx->run.T);
+    int64_t rows = s->expert_offset[E];
+    for (int64_t r = 0; r < rows; r++) {
+        int32_t t = s->row_token[r];
+        if (t >= 0) memcpy(s->ex_in + r * H, s->xn + (int64_t)t * H, (size_t)H * sizeof(float));
+        else memset(s->ex_in + r * H, 0, (size_t)H * sizeof(float));
+    }
+}
+
+/* Each non-empty expert group as one packed FFN over its rows; the shared expert and its
+ * gate (sh_gate ends as sigmoid values); or a dense layer's MLP straight into delta. */
+static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
+    const cb_config *c = &ctx->cfg;
+    const cb_kernels *K = ctx->kern;
+    const cb_layer *L = &ctx->w.layers[l];
+    cb_scratch *s = &ctx->s;
+    int64_t T = ctx->run.T, H = c->hidden, I = c->inter, E = c->n_experts;
+    if (!L->moe) {
+        K->expert_ffn(s->delta, s->ffn_h, s->xn, L->dense, c->weight_dtype, T, H, c->dense_inter,
+                      c->block_size);
+        return;
+    }
+    for (int64_t e = 0; e < E; e++) {
+        int64_t r0 = s->expert_offset[e], R = s->expert_offset[e + 1] - r0;
+        if (R == 0) continue;
+        const void *ew = (const uint8_t *)L->experts + (size_t)e * L->expert_stride;
+        K->expert_ffn(s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, ew, c->weight_dtype, R, H,
+                      I, c->block_size);
+    }
+    if (L->shared) { /* routed sum + sigmoid(g . x) * shared(x), as transformers' Qwen2-MoE */
+        K->expert_ffn(s->sh_out, s->ffn_h, s->xn, L->shared, c->weight_dtype, T, H, c->shared_inter,
+                      c->block_size);
+        if (L->shared_gate) {
+            K->matmul(s->sh_gate, s->xn, L->shared_gate, c->weight_dtype, T, 1, H);
+            for (int64_t t = 0; t < T; t++) s->sh_gate[t] = 1.0f / (1.0f + expf(-s->sh_gate[t]));
+        }
+    }
+}
+
+/* delta = sum of weight * expert output per token, in expert order as HF's index_add_,
+ * plus the (gated) shared expert; then the residual x += delta. */
+static void stage_combine(colibri_ctx *ctx, uint32_t l) {
+    const cb_config *c = &ctx->cfg;
+    const cb_layer *L = &ctx->w.layers[l];
+    cb_scratch *s = &ctx->s;
+    int64_t T = ctx->run.T, H = c->hidden, E = c->n_experts;
+    if (L->moe) {
+        int64_t rows = s->expert_offset[E];
+        memset(s->delta, 0, (size_t)(T * H) * sizeof(float));
+        for (int64_t r = 0; r < rows; r++) {
+            int32_t t = s->row_token[r];
+            if (t < 0) continue;
+            float w = s->row_weight[r];
+            float *d = s->delta + (int64_t)t * H;
+            const float *y = s->ex_out + r * H;
+            for (int64_t i = 0; i < H; i++) d[i] += y[i] * w;
+        }
+        if (L->shared) {
+            for (int64_t t = 0; t < T; t++) {
+                float g = L->shared_gate ? s->sh_gate[t] : 1.0f;
+                float *d = s->delta + t * H;
+                const float *y = s->sh_out + t * H;
+                for (int64_t i = 0; i < H; i++) d[i] += g * y[i];
+            }
+        }
+    }
+    add_inplace(s->x, s->delta, T * H);
+}
+
+static void stage_lm_head(colibri_ctx *ctx, float *logits) {
+    const cb_config *c = &ctx->cfg;
+    cb_scratch *s = &ctx->s;
+    int64_t T = ctx->run.T, H = c->hidden;
+    ctx->kern->rmsnorm(s->xn, s->x, ctx->w.out_norm, T, H, (float)c->rms_norm_eps);
+    ctx->kern->matmul(logits, s->xn, ctx->w.lm_head, c->weight_dtype, T, c->vocab, H);
+}
+
+/* ---- tracing: what the stages record into an attached trace ------------------------- */
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Record what `stage` of layer l just produced; tokens past the capacity are dropped. */
+static void trace_record(colibri_ctx *ctx, int32_t stage, uint32_t l) {
+    colibri_trace *tr = ctx->trace;
+    const cb_config *c = &ctx->cfg;
+    const cb_layer *L = l < c->n_layers ? &ctx->w.layers[l] : NULL;
+    cb_scratch *s = &ctx->s;
+    int64_t T = ctx->run.T, C = tr->capacity, E = c->n_experts, K = c->top_k;
+    int64_t base = tr->chunk_base;
+    int64_t keep = base >= C ? 0 : (T < C - base ? T : C - base);
+    switch (stage) {
+    case COLIBRI_STAGE_EMBEDDING:
+        for (int64_t t = 0; t < keep; t++) {
+            tr->token_ids[base + t] = s->run_ids[t];
+            tr->positions[base + t] = ctx->run.pos0 + t;
+        }
+        break;
+    case COLIBRI_STAGE_ROUTER: {
+        float *probs = tr->router_probs + ((int64_t)l * C + base) * E;
+        int32_t *ids = tr->topk_ids + ((int64_t)l * C + base) * K;
+        float *w = tr->topk_w + ((int64_t)l * C + base) * K;
+        if (L->moe) {
+            memcpy(probs, s->router_probs, (size_t)(keep * E) * sizeof(float));
+            memcpy(ids, s->topk_ids, (size_t)(keep * K) * sizeof(int32_t));
+            memcpy(w, s->topk_w, (size_t)(keep * K) * sizeof(float));
+        } else {
+            for (int64_t i = 0; i < keep * E; i++) probs[i] = NAN;
+            for (int64_t i = 0; i < keep * K; i++) { ids[i] = -1; w[i] = 0.0f; }
+        }
+        break;
+    }
+    case COLIBRI_STAGE_GROUPING:
+        if (L->moe) {
+            for (int64_t e = 0; e < E; e++) {
+                tr->group_sizes[(int64_t)l * E + e] += s->expert_count[e];
+                tr->padded_sizes[(int64_t)l * E + e] += s->expert_offset[e + 1] - s->expert_offset[e];
+            }
+        }
+        break;
+    case COLIBRI_STAGE_EXPERT_FFN: {
+        float *g = tr->shared_gate + (int64_t)l * C + base;
+        for (int64_t t = 0; t < keep; t++)
+            g[t] = !L->moe || !L->shared ? NAN : L->shared_gate ? s->sh_gate[t] : 1.0f;
+        break;
+    }
+    case COLIBRI_STAGE_LM_HEAD:
+        tr->n_tokens = base + keep;
+        tr->dropped += T - keep;
+        tr->chunk_base = tr->n_tokens;
+        tr->n_forwards++;
+        break;
+    default:
+        break;
+    }
+}
+
+/* Run one stage of the current chunk: the only place stages are dispatched, so the fused
+ * forward and the stage-by-stage API compute the same thing, and a trace costs nothing
+ * but one pointer test when none is attached. */
+static void run_stage(colibri_ctx *ctx, int32_t stage, uint32_t l, float *logits) {
+    uint64_t t0 = ctx->trace ? now_ns() : 0;
+    switch (stage) {
+    case COLIBRI_STAGE_EMBEDDING: stage_embedding(ctx); break;
+    case COLIBRI_STAGE_ATTENTION: stage_attention(ctx, l); break;
+    case COLIBRI_STAGE_ROUTER: stage_router(ctx, l); break;
+    case COLIBRI_STAGE_GROUPING: stage_grouping(ctx, l); break;
+    case COLIBRI_STAGE_EXPERT_FFN: stage_expert_ffn(ctx, l); break;
+    case COLIBRI_STAGE_COMBINE: stage_combine(ctx, l); break;
+    default: stage_lm_head(ctx, logits); break;
+    }
+    if (ctx->trace) {
+        uint64_t dt = now_ns() - t0;
+        colibri_trace *tr = ctx->trace;
+        tr->stage_ns[stage] += dt;
+        if (stage >= COLIBRI_STAGE_ATTENTION && stage <= COLIBRI_STAGE_COMBINE)
+            tr->layer_ns[(int64_t)l * 5 + (stage - COLIBRI_STAGE_ATTENTION)] += dt;
+        trace_record(ctx, stage, l);
+    }
+}
+
+/* Set up the chunk: ids copied into the arena (a stage run outlives the caller's array). */
+static void run_setup(colibri_ctx *ctx, const int32_t *ids, int64_t T, int64_t pos0) {
+    memcpy(ctx->s.run_ids, ids, (size_t)T * sizeof(int32_t));
+    ctx->run.T = T;
+    ctx->run.pos0 = pos0;
+    ctx->run.stage = COLIBRI_STAGE_EMBEDDING;
+    ctx->run.layer = -1;
+}
+
+/* The next stage after the current one. */
+static void run_advance(colibri_ctx *ctx) {
+    cb_run *r = &ctx->run;
+    if (r->stage == COLIBRI_STAGE_EMBEDDING) {
+        r->stage = ctx->cfg.n_layers ? COLIBRI_STAGE_ATTENTION : COLIBRI_STAGE_LM_HEAD;
+        r->layer = ctx->cfg.n_layers ? 0 : -1;
+    } else if (r->stage == COLIBRI_STAGE_COMBINE) {
+        if ((uint32_t)r->layer + 1 < ctx->cfg.n_layers) {
+            r->stage = COLIBRI_STAGE_ATTENTION;
+            r->layer++;
+        } else {
+            r->stage = COLIBRI_STAGE_LM_HEAD;
+            r->layer = -1;
+        }
+    } else if (r->stage == COLIBRI_STAGE_LM_HEAD) {
+        r->stage = -1;
+    } else {
+        r->stage++;
+    }
+}
+
+/* One chunk of T <= max_batch tokens at positions pos0..pos0+T-1. logits: [T, V]. */
+static void forward_chunk(colibri_ctx *ctx, const int32_t *ids, int64_t T, int64_t pos0,
                           float *logits) {
+    run_setup(ctx, ids, T, pos0);
+    while (ctx->run.stage >= 0) {
+        run_stage(ctx, ctx->run.stage, (uint32_t)ctx->run.layer, logits);
+        run_advance(ctx);
+    }
+}
+
+static colibri_status check_logits(colibri_ctx *ctx, const float *lg, int64_t T, int64_t first) {
+    const int64_t V = ctx->cfg.vocab;
+    for (int64_t i = 0; i < T * V; i++) {
+        if (!isfinite(lg[i]))
+            return cb_fail(ctx, COLIBRI_E_NUMERIC, "logit %lld of token %lld is %s: the weights or the "
+                           "activations overflowed; check the model with colibri_verify or use f32 weights",
+                           (long long)(i % V), (long long)(first + i / V), isnan(lg[i]) ? "NaN" : "Inf");
+    }
+    return COLIBRI_OK;
+}
+
+colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos) {
     const int64_t V = ctx->cfg.vocab;
     if (start_pos < 0 || start_pos > ctx->sess.cached_len)
         return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "start_pos %lld is not in [0, %lld] (the cached length); "
@@ -369,19 +552,112 @@ colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64
             return cb_fail(ctx, COLIBRI_E_TOKEN_RANGE, "token id %d at position %lld is out of range [0, %lld)",
                            ids[i], (long long)i, (long long)V);
     }
+    return COLIBRI_OK;
+}
+
+/* Caller (colibri_forward_at) guarantees ctx, ids, logits non-NULL, n >= 1, start_pos >= 0.
+ * Every check happens before the cache is touched, so a refused call changes nothing. */
+colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos,
+                          float *logits) {
+    colibri_status st = cb_check_input(ctx, ids, n, start_pos);
+    if (st != COLIBRI_OK) return st;
     /* positions from start_pos on are about to be overwritten */
     ctx->sess.cached_len = start_pos;
     for (int64_t c0 = 0; c0 < n; c0 += ctx->max_batch) {
         int64_t T = n - c0 < ctx->max_batch ? n - c0 : ctx->max_batch;
-        float *lg = logits + c0 * V;
+        float *lg = logits + c0 * ctx->cfg.vocab;
         forward_chunk(ctx, ids + c0, T, start_pos + c0, lg);
         ctx->sess.cached_len = start_pos + c0 + T;
-        for (int64_t i = 0; i < T * V; i++) {
-            if (!isfinite(lg[i]))
-                return cb_fail(ctx, COLIBRI_E_NUMERIC, "logit %lld of token %lld is %s: the weights or the "
-                               "activations overflowed; check the model with colibri_verify or use f32 weights",
-                               (long long)(i % V), (long long)(c0 + i / V), isnan(lg[i]) ? "NaN" : "Inf");
-        }
+        st = check_logits(ctx, lg, T, c0);
+        if (st != COLIBRI_OK) return st;
     }
     return COLIBRI_OK;
+}
+
+/* ---- stage-by-stage execution (colibri_stage_*) -------------------------------------- */
+
+static const char *const STAGE_NAMES[COLIBRI_N_STAGES] = {
+    "EMBEDDING", "ATTENTION", "ROUTER", "GROUPING", "EXPERT_FFN", "COMBINE", "LM_HEAD"};
+
+colibri_status cb_stage_begin(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos) {
+    ctx->run.stage = -1;
+    if (n > ctx->max_batch)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "a stage run takes at most max_batch = %lld tokens, got %lld; "
+                       "split the input or raise colibri_options.max_batch",
+                       (long long)ctx->max_batch, (long long)n);
+    colibri_status st = cb_check_input(ctx, ids, n, start_pos);
+    if (st != COLIBRI_OK) return st;
+    ctx->sess.cached_len = start_pos;
+    run_setup(ctx, ids, n, start_pos);
+    return COLIBRI_OK;
+}
+
+colibri_status cb_stage_run(colibri_ctx *ctx, int32_t stage, float *logits) {
+    cb_run *r = &ctx->run;
+    if (r->stage < 0)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "no stage run is active; call colibri_stage_begin first");
+    if (stage < 0 || stage >= COLIBRI_N_STAGES)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "stage %d is not a colibri_stage (0..%d)", stage,
+                       COLIBRI_N_STAGES - 1);
+    if (stage != r->stage)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "stage %s was asked but %s%s%d runs next; stages run in order",
+                       STAGE_NAMES[stage], STAGE_NAMES[r->stage], r->layer >= 0 ? " of layer " : "",
+                       r->layer >= 0 ? r->layer : 0);
+    if (stage == COLIBRI_STAGE_LM_HEAD && !logits)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "the LM_HEAD stage needs a logits buffer of %lld x %u floats",
+                       (long long)r->T, ctx->cfg.vocab);
+    run_stage(ctx, stage, r->layer < 0 ? 0 : (uint32_t)r->layer, logits);
+    run_advance(ctx);
+    if (stage == COLIBRI_STAGE_LM_HEAD) {
+        ctx->sess.cached_len = r->pos0 + r->T;
+        return check_logits(ctx, logits, r->T, 0);
+    }
+    return COLIBRI_OK;
+}
+
+colibri_status cb_stage_tensor(colibri_ctx *ctx, const char *name, const void **data,
+                               int32_t *dtype, int32_t *ndim, int64_t shape[4]) {
+    const cb_config *c = &ctx->cfg;
+    cb_scratch *s = &ctx->s;
+    int64_t T = ctx->run.T, H = c->hidden, E = c->n_experts, K = c->top_k;
+    int64_t Nq = (int64_t)c->n_heads * c->head_dim, Nkv = (int64_t)c->n_kv_heads * c->head_dim;
+    int64_t rows = s->expert_offset[E];
+    int64_t F = c->dense_inter > c->shared_inter ? c->dense_inter : c->shared_inter;
+    struct { const char *n; const void *p; int32_t dt; int32_t nd; int64_t d0, d1; } tab[] = {
+        {"x", s->x, COLIBRI_DTYPE_F32, 2, T, H},
+        {"xn", s->xn, COLIBRI_DTYPE_F32, 2, T, H},
+        {"q", s->q, COLIBRI_DTYPE_F32, 2, T, Nq},
+        {"k", s->k, COLIBRI_DTYPE_F32, 2, T, Nkv},
+        {"v", s->v, COLIBRI_DTYPE_F32, 2, T, Nkv},
+        {"att", s->att, COLIBRI_DTYPE_F32, 2, T, Nq},
+        {"delta", s->delta, COLIBRI_DTYPE_F32, 2, T, H},
+        {"router_logits", s->router_logits, COLIBRI_DTYPE_F32, 2, T, E},
+        {"router_probs", s->router_probs, COLIBRI_DTYPE_F32, 2, T, E},
+        {"topk_ids", s->topk_ids, COLIBRI_DTYPE_I32, 2, T, K},
+        {"topk_weights", s->topk_w, COLIBRI_DTYPE_F32, 2, T, K},
+        {"expert_count", s->expert_count, COLIBRI_DTYPE_I64, 1, E, 0},
+        {"expert_offset", s->expert_offset, COLIBRI_DTYPE_I64, 1, E + 1, 0},
+        {"row_token", s->row_token, COLIBRI_DTYPE_I32, 1, rows, 0},
+        {"row_weight", s->row_weight, COLIBRI_DTYPE_F32, 1, rows, 0},
+        {"ex_in", s->ex_in, COLIBRI_DTYPE_F32, 2, rows, H},
+        {"ex_h", s->ex_h, COLIBRI_DTYPE_F32, 2, rows, c->inter},
+        {"ex_out", s->ex_out, COLIBRI_DTYPE_F32, 2, rows, H},
+        {"shared_out", s->sh_out, COLIBRI_DTYPE_F32, 2, c->shared_inter ? T : 0, H},
+        {"shared_gate", s->sh_gate, COLIBRI_DTYPE_F32, 1, c->shared_gate ? T : 0, 0},
+        {"ffn_h", s->ffn_h, COLIBRI_DTYPE_F32, 2, T, F},
+    };
+    for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++) {
+        if (strcmp(tab[i].n, name) != 0) continue;
+        if (!tab[i].p)
+            return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "this model has no '%s' tensor (no such block)", name);
+        *data = tab[i].p;
+        *dtype = tab[i].dt;
+        *ndim = tab[i].nd;
+        shape[0] = tab[i].d0;
+        shape[1] = tab[i].nd > 1 ? tab[i].d1 : 0;
+        shape[2] = shape[3] = 0;
+        return COLIBRI_OK;
+    }
+    return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_stage_tensor: unknown name '%s'; see colibri.h for the list",
+                   name);
 }

@@ -267,6 +267,23 @@ static uint64_t replacement_tail(const char *s, uint64_t n) {
 }
 
 /* Decode ids[0..n) into *buf (grown as needed); *len gets the byte length. */
+/* The trace's time per stage (all layers summed), in ns per token and as a share. */
+static void print_stages(const colibri_trace *tr, const char *what, int64_t n_tokens) {
+    static const char *const names[COLIBRI_N_STAGES] = {"embedding", "attention", "router", "grouping",
+                                                        "expert_ffn", "combine", "lm_head"};
+    const void *data;
+    int32_t dtype, ndim;
+    int64_t shape[4];
+    if (colibri_trace_array(tr, "stage_ns", &data, &dtype, &ndim, shape) != COLIBRI_OK) return;
+    const uint64_t *ns = data;
+    uint64_t total = 0;
+    for (int i = 0; i < COLIBRI_N_STAGES; i++) total += ns[i];
+    fprintf(stderr, "%s stages (ns per token, all layers):", what);
+    for (int i = 0; i < COLIBRI_N_STAGES; i++)
+        fprintf(stderr, " %s %.0f (%.1f%%)%s", names[i], (double)ns[i] / (double)n_tokens,
+                total ? 100.0 * (double)ns[i] / (double)total : 0.0, i + 1 < COLIBRI_N_STAGES ? "," : "\n");
+}
+
 static colibri_status decode_all(colibri_tokenizer *tok, const int32_t *ids, int64_t n,
                                  char **buf, uint64_t *cap, uint64_t *len) {
     for (;;) {
@@ -309,6 +326,7 @@ int main(int argc, char **argv) {
     int32_t *ids = NULL;
     float *logits = NULL;
     char *text = NULL;
+    colibri_trace *trace = NULL;
     rc = EXIT_ENGINE;
 
     if (a.verify) {
@@ -357,6 +375,17 @@ int main(int argc, char **argv) {
                         ", %" PRId64 " thread(s) used)\nprompt: %" PRId64 " tokens\n",
                 t_load, a.model, vocab, max_seq, threads, n_prompt);
 
+    /* --verbose: a trace times every stage (colibri.h, "Observation") */
+    if (a.verbose) {
+        char terr[256] = "";
+        st = colibri_trace_create(ctx, n_prompt + a.max_new_tokens, &trace, terr, sizeof terr);
+        if (st == COLIBRI_OK) st = colibri_trace_attach(ctx, trace);
+        if (st != COLIBRI_OK) {
+            fprintf(stderr, "colibri_cli: error: cannot trace: %s\n", *terr ? terr : colibri_last_error(ctx));
+            goto done;
+        }
+    }
+
     /* Prefill: all prompt rows are computed; only the last one is used. */
     logits = malloc((size_t)n_prompt * (size_t)vocab * sizeof *logits);
     if (!logits) goto oom;
@@ -367,6 +396,10 @@ int main(int argc, char **argv) {
     if (a.verbose)
         fprintf(stderr, "prefill: %" PRId64 " tokens in %.2f ms (%.1f tok/s)\n", n_prompt,
                 t_prefill, t_prefill > 0 ? (double)n_prompt / t_prefill * 1e3 : 0.0);
+    if (trace) {
+        print_stages(trace, "prefill", n_prompt);
+        colibri_trace_reset(trace);
+    }
     const float *row = logits + (size_t)(n_prompt - 1) * (size_t)vocab;
 
     if (a.max_new_tokens == 1) {
@@ -420,6 +453,11 @@ int main(int argc, char **argv) {
     if (a.verbose)
         fprintf(stderr, "decode: %" PRId64 " tokens in %.2f ms (%.1f tok/s)\n", n_gen, t_decode,
                 t_decode > 0 ? (double)n_gen / t_decode * 1e3 : 0.0);
+    if (trace) {
+        int64_t fed = 0;
+        colibri_trace_get_int(trace, "tokens", &fed);
+        if (fed > 0) print_stages(trace, "decode", fed);
+    }
     rc = 0;
     goto done;
 
@@ -430,6 +468,7 @@ done:
     free(text);
     free(logits);
     free(ids);
+    colibri_trace_free(trace);
     colibri_free(ctx);
     return rc;
 }

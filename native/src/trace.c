@@ -1,0 +1,180 @@
+/*
+ * trace.c — colibri_trace (colibri.h, "Observation"): one allocation at create, carved
+ * into the per-token and per-layer buffers that model.c's run_stage fills while the trace
+ * is attached; and the public entry points of stage-by-stage execution.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+colibri_status colibri_trace_create(const colibri_ctx *ctx, int64_t capacity, colibri_trace **out,
+                                    char *err, size_t err_len) {
+    if (err && err_len) err[0] = 0;
+    if (out) *out = NULL;
+    if (!ctx || !out) {
+        cb_set_err(err, err_len, "colibri_trace_create: ctx and out must not be NULL");
+        return COLIBRI_E_INVALID_ARG;
+    }
+    if (capacity <= 0 || capacity > ((int64_t)1 << 32)) {
+        cb_set_err(err, err_len, "colibri_trace_create: capacity %lld must be in [1, 2^32] tokens",
+                   (long long)capacity);
+        return COLIBRI_E_INVALID_ARG;
+    }
+    uint64_t C = (uint64_t)capacity, L = ctx->cfg.n_layers, E = ctx->cfg.n_experts, K = ctx->cfg.top_k;
+    /* element counts of each buffer, in carving order; all elements are 4 or 8 bytes */
+    uint64_t n8[4] = {C, L * E, L * E, L * 5};  /* positions, group sizes, padded, layer_ns */
+    uint64_t lc = 0, n4[5] = {0, 0, 0, 0, 0};
+    int ok = cb_mul_u64(L, C, &lc);
+    ok &= cb_mul_u64(lc, E, &n4[0]); /* router_probs */
+    ok &= cb_mul_u64(lc, K, &n4[1]); /* topk_ids */
+    n4[2] = n4[1];                   /* topk_w */
+    n4[3] = lc;                      /* shared_gate */
+    n4[4] = C;                       /* token_ids */
+    uint64_t total = 0, b;
+    for (int i = 0; i < 4; i++) ok &= cb_mul_u64(n8[i], 8, &b) && cb_add_u64(total, b, &total);
+    for (int i = 0; i < 5; i++) ok &= cb_mul_u64(n4[i], 4, &b) && cb_add_u64(total, b + 64, &total);
+    if (!ok || total > (uint64_t)SIZE_MAX - 64) {
+        cb_set_err(err, err_len, "colibri_trace_create: a trace of %lld tokens overflows 64 bits",
+                   (long long)capacity);
+        return COLIBRI_E_NOMEM;
+    }
+    colibri_trace *tr = calloc(1, sizeof *tr);
+    void *mem = tr ? calloc(1, (size_t)total + 64) : NULL;
+    if (!mem) {
+        free(tr);
+        cb_set_err(err, err_len, "cannot allocate a trace of %.1f MiB for %lld tokens; trace fewer tokens",
+                   (double)total / 1048576.0, (long long)capacity);
+        return COLIBRI_E_NOMEM;
+    }
+    tr->mem = mem;
+    tr->capacity = capacity;
+    tr->n_layers = (uint32_t)L;
+    tr->n_experts = (uint32_t)E;
+    tr->top_k = (uint32_t)K;
+    uint8_t *p = mem; /* 8-byte buffers first: calloc's alignment covers them */
+    tr->positions = (int64_t *)p, p += n8[0] * 8;
+    tr->group_sizes = (int64_t *)p, p += n8[1] * 8;
+    tr->padded_sizes = (int64_t *)p, p += n8[2] * 8;
+    tr->layer_ns = (uint64_t *)p, p += n8[3] * 8;
+    tr->router_probs = (float *)p, p += n4[0] * 4;
+    tr->topk_ids = (int32_t *)p, p += n4[1] * 4;
+    tr->topk_w = (float *)p, p += n4[2] * 4;
+    tr->shared_gate = (float *)p, p += n4[3] * 4;
+    tr->token_ids = (int32_t *)p;
+    *out = tr;
+    return COLIBRI_OK;
+}
+
+void colibri_trace_free(colibri_trace *tr) {
+    if (!tr) return;
+    if (tr->owner) ((colibri_ctx *)tr->owner)->trace = NULL;
+    free(tr->mem);
+    free(tr);
+}
+
+void colibri_trace_reset(colibri_trace *tr) {
+    if (!tr) return;
+    uint64_t LE = (uint64_t)tr->n_layers * tr->n_experts;
+    memset(tr->group_sizes, 0, LE * 8);
+    memset(tr->padded_sizes, 0, LE * 8);
+    memset(tr->layer_ns, 0, (uint64_t)tr->n_layers * 5 * 8);
+    memset(tr->stage_ns, 0, sizeof tr->stage_ns);
+    tr->n_tokens = tr->dropped = tr->n_forwards = tr->chunk_base = 0;
+}
+
+colibri_status colibri_trace_attach(colibri_ctx *ctx, colibri_trace *tr) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (tr) {
+        if (tr->owner && tr->owner != ctx)
+            return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "this trace is attached to another context; detach it there first");
+        if (tr->n_layers != ctx->cfg.n_layers || tr->n_experts != ctx->cfg.n_experts ||
+            tr->top_k != ctx->cfg.top_k)
+            return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "the trace was made for %u layers, %u experts, top-%u; "
+                           "this model has %u, %u, top-%u", tr->n_layers, tr->n_experts, tr->top_k,
+                           ctx->cfg.n_layers, ctx->cfg.n_experts, ctx->cfg.top_k);
+    }
+    if (ctx->trace && ctx->trace != tr) ctx->trace->owner = NULL;
+    ctx->trace = tr;
+    if (tr) {
+        tr->owner = ctx;
+        tr->chunk_base = tr->n_tokens;
+    }
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_trace_get_int(const colibri_trace *tr, const char *name, int64_t *out) {
+    if (!tr || !name || !out) return COLIBRI_E_INVALID_ARG;
+    struct { const char *n; int64_t v; } tab[] = {
+        {"tokens", tr->n_tokens}, {"dropped", tr->dropped}, {"capacity", tr->capacity},
+        {"forwards", tr->n_forwards}, {"n_layers", tr->n_layers}, {"n_experts", tr->n_experts},
+        {"top_k", tr->top_k},
+    };
+    for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++) {
+        if (strcmp(tab[i].n, name) == 0) {
+            *out = tab[i].v;
+            return COLIBRI_OK;
+        }
+    }
+    return COLIBRI_E_INVALID_ARG;
+}
+
+colibri_status colibri_trace_array(const colibri_trace *tr, const char *name, const void **data,
+                                   int32_t *dtype, int32_t *ndim, int64_t shape[4]) {
+    if (!tr || !name || !data || !dtype || !ndim || !shape) return COLIBRI_E_INVALID_ARG;
+    int64_t C = tr->capacity, L = tr->n_layers, E = tr->n_experts, K = tr->top_k;
+    struct { const char *n; const void *p; int32_t dt; int32_t nd; int64_t d[3]; } tab[] = {
+        {"token_ids", tr->token_ids, COLIBRI_DTYPE_I32, 1, {C, 0, 0}},
+        {"positions", tr->positions, COLIBRI_DTYPE_I64, 1, {C, 0, 0}},
+        {"router_probs", tr->router_probs, COLIBRI_DTYPE_F32, 3, {L, C, E}},
+        {"topk_ids", tr->topk_ids, COLIBRI_DTYPE_I32, 3, {L, C, K}},
+        {"topk_weights", tr->topk_w, COLIBRI_DTYPE_F32, 3, {L, C, K}},
+        {"shared_gate", tr->shared_gate, COLIBRI_DTYPE_F32, 2, {L, C, 0}},
+        {"group_sizes", tr->group_sizes, COLIBRI_DTYPE_I64, 2, {L, E, 0}},
+        {"padded_group_sizes", tr->padded_sizes, COLIBRI_DTYPE_I64, 2, {L, E, 0}},
+        {"layer_ns", tr->layer_ns, COLIBRI_DTYPE_U64, 2, {L, 5, 0}},
+        {"stage_ns", tr->stage_ns, COLIBRI_DTYPE_U64, 1, {COLIBRI_N_STAGES, 0, 0}},
+    };
+    for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++) {
+        if (strcmp(tab[i].n, name) != 0) continue;
+        *data = tab[i].p;
+        *dtype = tab[i].dt;
+        *ndim = tab[i].nd;
+        for (int j = 0; j < 4; j++) shape[j] = j < 3 && j < tab[i].nd ? tab[i].d[j] : 0;
+        return COLIBRI_OK;
+    }
+    return COLIBRI_E_INVALID_ARG;
+}
+
+/* ---- stage-by-stage execution: argument checks, then model.c ---- */
+
+colibri_status colibri_stage_begin(colibri_ctx *ctx, const int32_t *input_ids, int64_t n_tokens,
+                                   int64_t start_pos) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (!input_ids || n_tokens <= 0 || start_pos < 0)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_stage_begin: need input_ids, n_tokens >= 1 and "
+                       "start_pos >= 0 (got n_tokens %lld, start_pos %lld)", (long long)n_tokens,
+                       (long long)start_pos);
+    return cb_stage_begin(ctx, input_ids, n_tokens, start_pos);
+}
+
+colibri_status colibri_stage_next(const colibri_ctx *ctx, int32_t *stage, int32_t *layer) {
+    if (!ctx || !stage || !layer) return COLIBRI_E_INVALID_ARG;
+    *stage = ctx->run.stage;
+    *layer = ctx->run.stage < 0 ? -1 : ctx->run.layer;
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_stage_run(colibri_ctx *ctx, int32_t stage, float *logits) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    return cb_stage_run(ctx, stage, logits);
+}
+
+colibri_status colibri_stage_tensor(colibri_ctx *ctx, const char *name, const void **data,
+                                    int32_t *dtype, int32_t *ndim, int64_t shape[4]) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (!name || !data || !dtype || !ndim || !shape)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_stage_tensor: NULL argument");
+    return cb_stage_tensor(ctx, name, data, dtype, ndim, shape);
+}
