@@ -61,8 +61,8 @@ class EngineConfig:
     max_seq_len: int  # effective, as chosen at init
     file_max_seq_len: int
     max_batch: int
-    num_threads: int  # requested (0 in the options = online CPUs)
-    threads_used: int  # by the forward pass: 1 until the thread pool lands
+    num_threads: int  # as resolved at init (0 in the options = physical cores)
+    threads_used: int  # threads of the engine's pool that run the forward
     group_pad: int
     sliding_window: int
     norm_topk_prob: bool
@@ -72,6 +72,7 @@ class EngineConfig:
     rms_norm_eps: float
     weight_dtype: str
     router_dtype: str
+    kernels: str  # the kernel table chosen at run time: "avx512", "avx2" or "reference"
     bos_id: int
     eos_id: int
     arena_bytes: int
@@ -88,7 +89,8 @@ _CONFIG_INTS = (
 _CONFIG_BOOLS = ("norm_topk_prob", "tie_word_embeddings", "router_int8")
 _CONFIG_FLOATS = ("rope_theta", "rms_norm_eps")
 _CONFIG_STRINGS = {"family": "architecture", "name": "name",
-                   "weight_dtype": "weight_dtype", "router_dtype": "router_dtype"}  # fmt: skip
+                   "weight_dtype": "weight_dtype", "router_dtype": "router_dtype",
+                   "kernels": "kernels"}  # fmt: skip
 
 
 def _as_ids(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -54,7 +54,7 @@ typedef struct colibri_tokenizer colibri_tokenizer;
  * `struct_size` lets the library reject a struct from a different ABI. */
 typedef struct colibri_options {
     uint32_t struct_size;     /* = sizeof(colibri_options), set by colibri_options_init */
-    int32_t num_threads;      /* 0: default (online CPUs); the forward is single-threaded until the thread pool lands */
+    int32_t num_threads;      /* threads of the forward pass, the caller included; 0: default (physical cores) */
     int64_t max_seq_len;      /* 0: min(file's max_seq_len, 4096); else ≤ file's max_seq_len */
     int64_t max_batch;        /* tokens per internal forward chunk; 0: min(max_seq_len, 512) */
     int32_t populate;         /* 1: MAP_POPULATE (pre-fault the whole file at init) */
@@ -104,7 +104,8 @@ COLIBRI_API colibri_status colibri_get_float(const colibri_ctx *ctx, const char 
  * gated). A layer out of range or an unknown name gives COLIBRI_E_INVALID_ARG. */
 COLIBRI_API colibri_status colibri_get_layer_int(const colibri_ctx *ctx, int32_t layer, const char *name,
                                                  int64_t *out);
-/* "architecture", "name", "weight_dtype", "router_dtype": a pointer into the context. */
+/* "architecture", "name", "weight_dtype", "router_dtype", "kernels" (the kernel table in
+ * use: "reference", "avx2" or "avx512"; docs/kernels.md): a pointer into the context. */
 COLIBRI_API colibri_status colibri_get_string(const colibri_ctx *ctx, const char *name, const char **out);
 
 /* Verify every per-tensor CRC-32 and the weight-section CRCs (reads the whole file). */

@@ -80,6 +80,7 @@ colibri_status colibri_init(const char *path, colibri_ctx **out) {
 void colibri_free(colibri_ctx *ctx) {
     if (!ctx) return;
     if (ctx->trace) ctx->trace->owner = NULL; /* the trace outlives its context */
+    cb_pool_free(ctx->pool);
     if (ctx->tok) {
         if (ctx->tok_loaded) cb_tokenizer_unload(ctx->tok);
         free(ctx->tok);
@@ -204,15 +205,17 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     else ctx->max_batch = opt.max_batch < ctx->max_seq_len ? opt.max_batch : ctx->max_seq_len;
     ctx->group_pad = opt.group_pad == 0 ? 1 : opt.group_pad;
     ctx->populate = opt.populate;
-    if (opt.num_threads == 0) {
-        long n = sysconf(_SC_NPROCESSORS_ONLN);
-        ctx->num_threads = n > 0 ? (int32_t)(n > 1024 ? 1024 : n) : 1;
-    } else {
-        ctx->num_threads = opt.num_threads;
-    }
+    if (opt.num_threads == 0) ctx->num_threads = cb_physical_cores(); /* threadpool.c */
+    else ctx->num_threads = opt.num_threads > 1024 ? 1024 : opt.num_threads;
 
     st = cb_arena_init(ctx, err, err_len);
     if (st != COLIBRI_OK) return init_fail(ctx, st, err, err_len);
+    int prc = cb_pool_create(&ctx->pool, ctx->num_threads);
+    if (prc != 0) {
+        cb_set_err(err, err_len, "cannot start %d threads: %s; pass a smaller num_threads",
+                   (int)ctx->num_threads, strerror(prc));
+        return init_fail(ctx, COLIBRI_E_NOMEM, err, err_len);
+    }
     ctx->run.stage = -1; /* no stage run active */
     ctx->run.layer = -1;
 
@@ -294,7 +297,7 @@ colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t
         {"file_max_seq_len", (int64_t)c->file_max_seq_len},
         {"max_batch", ctx->max_batch},
         {"num_threads", ctx->num_threads},
-        {"threads_used", 1}, /* the forward is single-threaded until the thread pool lands */
+        {"threads_used", cb_pool_threads(ctx->pool)},
         {"group_pad", ctx->group_pad},
         {"sliding_window", c->sliding_window > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)c->sliding_window},
         {"bos_id", c->bos_id},

@@ -17,6 +17,7 @@
 
 #include "colibri.h"
 #include "kernels.h"
+#include "threadpool.h"
 
 #define CB_HEADER_SIZE 256u
 #define CB_N_SECTIONS 6
@@ -144,7 +145,7 @@ typedef struct cb_scratch {
     float *v;            /* [B, Nkv] */
     float *att;          /* [B, Nq] attention output (before o_proj) */
     float *delta;        /* [B, H] sub-block output added to x */
-    float *att_scores;   /* [S] per (token, head) score row */
+    float *att_scores;   /* [num_threads, S] per (token, head) score row, one per thread */
     float *rope_cos;     /* [B, head_dim/2] */
     float *rope_sin;     /* [B, head_dim/2] */
     float *inv_freq;     /* [head_dim/2] computed at init */
@@ -219,6 +220,7 @@ struct colibri_ctx {
     int64_t max_seq_len, max_batch;
     int32_t num_threads, group_pad, populate;
     const cb_kernels *kern;
+    cb_pool *pool;           /* num_threads threads (the caller is thread 0), heap (init-time) */
     /* arena */
     void *arena;             /* [arena_bytes], 2 MiB aligned, the one run-time allocation */
     uint64_t arena_bytes;

@@ -2,14 +2,16 @@
  * kernels.c — plain reference kernels (see kernels.h for each contract).
  *
  * These are written for clarity and for float32 parity with PyTorch, not speed: each
- * loop says what it computes. Faster variants (SIMD, threads, GEMM tiling) are to be
- * added as additional cb_kernels tables; test_kernels.c compares them with these.
+ * loop says what it computes. The fast versions are the SIMD tables (kernels_avx2.c,
+ * kernels_avx512.c, both from kernels_simd.inc); test_kernels.c compares them with these.
  * Weight loops are ordered "weight row outer, token inner" so that one pass over the
- * weights serves the whole token batch, as the fast versions will.
+ * weights serves the whole token batch. The end of this file chooses the table at run
+ * time (cb_kernels_best; docs/kernels.md).
  */
 #include "kernels.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 size_t cb_dtype_size(uint32_t dt) {
@@ -140,13 +142,18 @@ void cb_axpy_ref(float *y, float a, const void *w_row, uint32_t dt, int64_t n) {
 
 /* ---- reference kernels ---- */
 
-static void matmul_ref(float *y, const float *x, const void *w, uint32_t dt, int64_t T,
-                       int64_t N, int64_t K) {
+static void matmul_ld_ref(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt,
+                          int64_t T, int64_t N, int64_t K) {
     size_t row_bytes = (size_t)K * cb_dtype_size(dt);
     for (int64_t n = 0; n < N; n++) {
         const void *row = (const uint8_t *)w + (size_t)n * row_bytes;
-        for (int64_t t = 0; t < T; t++) y[t * N + n] = cb_dot_ref(row, dt, x + t * K, K);
+        for (int64_t t = 0; t < T; t++) y[t * ldy + n] = cb_dot_ref(row, dt, x + t * K, K);
     }
+}
+
+static void matmul_ref(float *y, const float *x, const void *w, uint32_t dt, int64_t T,
+                       int64_t N, int64_t K) {
+    matmul_ld_ref(y, N, x, w, dt, T, N, K);
 }
 
 static void matmul_i8_ref(float *y, const float *x, const int8_t *q, const float *scale,
@@ -209,9 +216,9 @@ static void softmax_ref(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] *= inv;
 }
 
-static void attention_ref(float *out, const float *q, const float *kc, const float *vc,
-                          float *scores, int64_t T, int64_t start_pos, int64_t Hq, int64_t Hkv,
-                          int64_t D, int64_t window) {
+static void attention_heads_ref(float *out, const float *q, const float *kc, const float *vc,
+                                float *scores, int64_t T, int64_t start_pos, int64_t Hq,
+                                int64_t Hkv, int64_t D, int64_t window, int64_t h0, int64_t h1) {
     int64_t group = Hq / Hkv;
     int64_t nq = Hq * D, nkv = Hkv * D;
     float scale = (float)(1.0 / sqrt((double)D));
@@ -219,7 +226,7 @@ static void attention_ref(float *out, const float *q, const float *kc, const flo
         int64_t pos = start_pos + t;
         int64_t lo = (window > 0 && pos >= window) ? pos - window + 1 : 0;
         int64_t cnt = pos - lo + 1;
-        for (int64_t h = 0; h < Hq; h++) {
+        for (int64_t h = h0; h < h1; h++) {
             const float *qh = q + t * nq + h * D;
             int64_t kvh = h / group;
             for (int64_t j = 0; j < cnt; j++) {
@@ -240,15 +247,23 @@ static void attention_ref(float *out, const float *q, const float *kc, const flo
     }
 }
 
-static void expert_ffn_ref(float *y, float *h, const float *x, const void *expert, uint32_t dt,
-                           int64_t R, int64_t H, int64_t I, int64_t B) {
+static void attention_ref(float *out, const float *q, const float *kc, const float *vc,
+                          float *scores, int64_t T, int64_t start_pos, int64_t Hq, int64_t Hkv,
+                          int64_t D, int64_t window) {
+    attention_heads_ref(out, q, kc, vc, scores, T, start_pos, Hq, Hkv, D, window, 0, Hq);
+}
+
+static void expert_gateup_ref(float *h, const float *x, const void *expert, uint32_t dt,
+                              int64_t R, int64_t H, int64_t I, int64_t B, int64_t i0,
+                              int64_t i1) {
     size_t row_bytes = (size_t)H * cb_dtype_size(dt);
     const uint8_t *base = (const uint8_t *)expert;
-    /* 1. gate/up, streamed block by block: block b = packed rows 2bB .. 2bB + 2nb - 1 */
-    for (int64_t b0 = 0; b0 < I; b0 += B) {
+    /* gate/up, streamed block by block: block b = packed rows 2bB .. 2bB + 2nb - 1 */
+    for (int64_t b0 = i0 / B * B; b0 < i1; b0 += B) {
         int64_t nb = (I - b0 < B) ? I - b0 : B;
         const uint8_t *blk = base + (size_t)(2 * b0) * row_bytes;
         for (int64_t j = 0; j < nb; j++) {
+            if (b0 + j < i0 || b0 + j >= i1) continue;
             const void *grow = blk + (size_t)j * row_bytes;
             const void *urow = blk + (size_t)(nb + j) * row_bytes;
             for (int64_t r = 0; r < R; r++) {
@@ -260,26 +275,85 @@ static void expert_ffn_ref(float *y, float *h, const float *x, const void *exper
             }
         }
     }
-    /* 2. down: y[r, :] = sum_i h[r, i] * w2T[i, :] */
+}
+
+static void expert_down_ref(float *y, const float *h, const void *expert, uint32_t dt, int64_t R,
+                            int64_t H, int64_t I, int64_t c0, int64_t c1) {
+    /* y[r, c0:c1] = sum_i h[r, i] * w2T[i, c0:c1] */
+    size_t es = cb_dtype_size(dt), row_bytes = (size_t)H * es;
     for (int64_t r = 0; r < R; r++)
-        for (int64_t c = 0; c < H; c++) y[r * H + c] = 0.0f;
-    const uint8_t *down = base + (size_t)(2 * I) * row_bytes;
+        for (int64_t c = c0; c < c1; c++) y[r * H + c] = 0.0f;
+    const uint8_t *down = (const uint8_t *)expert + (size_t)(2 * I) * row_bytes;
     for (int64_t i = 0; i < I; i++) {
-        const void *row = down + (size_t)i * row_bytes;
-        for (int64_t r = 0; r < R; r++) cb_axpy_ref(y + r * H, h[r * I + i], row, dt, H);
+        const uint8_t *row = down + (size_t)i * row_bytes + (size_t)c0 * es;
+        for (int64_t r = 0; r < R; r++) cb_axpy_ref(y + r * H + c0, h[r * I + i], row, dt, c1 - c0);
     }
+}
+
+static void expert_ffn_ref(float *y, float *h, const float *x, const void *expert, uint32_t dt,
+                           int64_t R, int64_t H, int64_t I, int64_t B) {
+    expert_gateup_ref(h, x, expert, dt, R, H, I, B, 0, I);
+    expert_down_ref(y, h, expert, dt, R, H, I, 0, H);
 }
 
 static const cb_kernels k_ref = {
     .name = "reference",
     .matmul = matmul_ref,
+    .matmul_ld = matmul_ld_ref,
     .matmul_i8 = matmul_i8_ref,
     .rmsnorm = rmsnorm_ref,
     .rope = rope_ref,
     .softmax = softmax_ref,
     .attention = attention_ref,
+    .attention_heads = attention_heads_ref,
     .expert_ffn = expert_ffn_ref,
+    .expert_gateup = expert_gateup_ref,
+    .expert_down = expert_down_ref,
 };
 
 const cb_kernels *cb_kernels_ref(void) { return &k_ref; }
-const cb_kernels *cb_kernels_best(void) { return &k_ref; }
+
+/* ---- run-time dispatch ---- */
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CB_X86 1
+#endif
+
+static int cpu_has_avx2(void) {
+#if defined(CB_X86) && defined(__GNUC__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+static int cpu_has_avx512(void) {
+#if defined(CB_X86) && defined(__GNUC__)
+    __builtin_cpu_init();
+    /* the AVX-512 table also uses the AVX2 table's small kernels (rmsnorm, rope, ...) */
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f");
+#else
+    return 0;
+#endif
+}
+
+/* cb_kernels_avx2 / cb_kernels_avx512 are defined in kernels_avx2.c / kernels_avx512.c
+ * (returning NULL when built for another architecture). */
+
+const cb_kernels *cb_kernels_by_name(const char *name) {
+    if (!name) return NULL;
+    if (strcmp(name, "ref") == 0 || strcmp(name, "reference") == 0) return &k_ref;
+    if (strcmp(name, "avx2") == 0) return cpu_has_avx2() ? cb_kernels_avx2() : NULL;
+    if (strcmp(name, "avx512") == 0) return cpu_has_avx512() ? cb_kernels_avx512() : NULL;
+    return NULL;
+}
+
+const cb_kernels *cb_kernels_best(void) {
+    const cb_kernels *k = cb_kernels_by_name(getenv("COLIBRI_KERNELS"));
+    if (k) return k;
+    if ((k = cb_kernels_by_name("avx512")) != NULL) return k;
+    if ((k = cb_kernels_by_name("avx2")) != NULL) return k;
+    return &k_ref;
+}

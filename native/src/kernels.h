@@ -1,12 +1,21 @@
 /*
  * kernels.h — the compute kernels of the forward pass, behind one table of function
- * pointers (cb_kernels) so that a SIMD or threaded version can replace any entry while
- * the plain reference version stays beside it (tests compare the two).
+ * pointers (cb_kernels) so that a SIMD version can replace any entry while the plain
+ * reference version stays beside it (native/tests/test_kernels.c compares every table
+ * the CPU can run against the reference on random odd-sized inputs).
+ *
+ * Tables (docs/kernels.md): "reference" (kernels.c, portable C), "avx2" (kernels_avx2.c,
+ * AVX2+FMA+F16C) and "avx512" (kernels_avx512.c, AVX-512F). cb_kernels_best() picks the
+ * best one the CPU supports at run time (__builtin_cpu_supports); the environment
+ * variable COLIBRI_KERNELS=ref|avx2|avx512 forces one (an unsupported or unknown name
+ * falls back to the best supported table, so a forced name never crashes).
  *
  * Conventions: every matrix is row-major; weights are stored as nn.Linear, [out, in],
  * so y = W x is one dot product per weight row. Activations are float32 [T, width]:
- * each stage processes a batch of T tokens, which is where GEMM and row-splitting across
- * threads will later drop in. All arithmetic is float32 unless a comment says otherwise.
+ * each stage processes a batch of T tokens. The *_range / _ld entries compute a slice of
+ * the output so that the thread pool (threadpool.h) can split one matmul between threads
+ * by output rows or columns; the full-size entries are the same computation on the whole
+ * range. All arithmetic is float32 unless a comment says otherwise.
  */
 #ifndef COLIBRI_KERNELS_H
 #define COLIBRI_KERNELS_H
@@ -42,6 +51,11 @@ typedef struct cb_kernels {
     void (*matmul)(float *y, const float *x, const void *w, uint32_t dt, int64_t T, int64_t N,
                    int64_t K);
 
+    /* The same with an output row stride: y[t * ldy + n] for t < T, n < N (ldy >= N).
+     * Threads split a matmul by output rows: w + n0 rows, y + n0, N = n1 - n0. */
+    void (*matmul_ld)(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt,
+                      int64_t T, int64_t N, int64_t K);
+
     /* Same with an int8 weight: W[n, k] = ((float)q[n, k] - zero[n]) * scale[n].
      * q: [N, K]; scale, zero: [N]. */
     void (*matmul_i8)(float *y, const float *x, const int8_t *q, const float *scale,
@@ -67,17 +81,40 @@ typedef struct cb_kernels {
                       float *scores, int64_t T, int64_t start_pos, int64_t Hq, int64_t Hkv,
                       int64_t D, int64_t window);
 
+    /* The same for query heads h0 <= h < h1 only (out is written for those heads only);
+     * each thread passes its own scores scratch [start_pos+T]. */
+    void (*attention_heads)(float *out, const float *q, const float *kc, const float *vc,
+                            float *scores, int64_t T, int64_t start_pos, int64_t Hq,
+                            int64_t Hkv, int64_t D, int64_t window, int64_t h0, int64_t h1);
+
     /* SwiGLU expert FFN over a group of R rows with the EXPERTS_PACKED layout
      * (docs/format.md): expert: [3I, H] in dt, rows 0..2I-1 gate/up interleaved by
      * blocks of B rows, rows 2I..3I-1 = w2^T [I, H].
      * x: [R, H]; h: [R, I] scratch (silu(gate)*up); y: [R, H] (overwritten). */
     void (*expert_ffn)(float *y, float *h, const float *x, const void *expert, uint32_t dt,
                        int64_t R, int64_t H, int64_t I, int64_t B);
+
+    /* The first half of expert_ffn for intermediate columns i0 <= i < i1 only:
+     * h[r, i] = silu(gate_i . x_r) * (up_i . x_r); other columns of h are not touched. */
+    void (*expert_gateup)(float *h, const float *x, const void *expert, uint32_t dt, int64_t R,
+                          int64_t H, int64_t I, int64_t B, int64_t i0, int64_t i1);
+
+    /* The second half for output columns c0 <= c < c1 only:
+     * y[r, c] = sum_i h[r, i] * w2T[i, c]; other columns of y are not touched. */
+    void (*expert_down)(float *y, const float *h, const void *expert, uint32_t dt, int64_t R,
+                        int64_t H, int64_t I, int64_t c0, int64_t c1);
 } cb_kernels;
 
-/* The plain reference kernels. */
+/* The plain reference kernels (always available). */
 const cb_kernels *cb_kernels_ref(void);
-/* The kernels the engine uses (today: the reference ones). */
+/* The SIMD tables; NULL when not compiled into this build (non-x86 or an old compiler).
+ * Calling one on a CPU without the instruction set faults: use cb_kernels_by_name. */
+const cb_kernels *cb_kernels_avx2(void);
+const cb_kernels *cb_kernels_avx512(void);
+/* "ref"/"reference", "avx2" or "avx512" if compiled in AND supported by this CPU; else NULL. */
+const cb_kernels *cb_kernels_by_name(const char *name);
+/* The kernels the engine uses: COLIBRI_KERNELS if set and usable, else the best the CPU
+ * supports (avx512 > avx2 > reference). */
 const cb_kernels *cb_kernels_best(void);
 
 #endif

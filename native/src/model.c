@@ -6,9 +6,10 @@
  * MLP layers among MoE layers and a (gated) shared expert. Nothing here tests the family.
  *
  * The forward pass processes tokens in chunks of at most max_batch; inside a chunk each
- * stage runs on the whole batch [T, width] through the kernel table (kernels.h), so GEMM
- * and row-splitting across threads can replace a stage without touching this file's
- * structure. The stages (colibri.h, colibri_stage) are separate functions dispatched from
+ * stage runs on the whole batch [T, width] through the kernel table (kernels.h), and the
+ * large steps are split between the context's threads (threadpool.h) by OUTPUT rows or
+ * columns: every output element is computed by one thread, in the same order whatever
+ * the thread count, so results do not depend on num_threads (docs/kernels.md). The stages (colibri.h, colibri_stage) are separate functions dispatched from
  * one place, run_stage: the fused forward runs them all in order, colibri_stage_run runs
  * them one call at a time, and an attached trace times and records each. The MoE block groups (token, slot) pairs by expert with a counting sort and
  * a prefix sum (no qsort, no allocation), gathers each group's rows, runs the packed
@@ -69,7 +70,7 @@ colibri_status cb_arena_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&s->v, B * Nkv, 4, "v"},
         {(void **)&s->att, B * Nq, 4, "att"},
         {(void **)&s->delta, BH, 4, "delta"},
-        {(void **)&s->att_scores, S, 4, "att_scores"},
+        {(void **)&s->att_scores, S * (uint64_t)ctx->num_threads, 4, "att_scores"},
         {(void **)&s->rope_cos, B * half, 4, "rope_cos"},
         {(void **)&s->rope_sin, B * half, 4, "rope_sin"},
         {(void **)&s->inv_freq, half, 4, "inv_freq"},
@@ -230,6 +231,173 @@ static void add_inplace(float *x, const float *d, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = x[i] + d[i];
 }
 
+/* ---- parallel sections (threadpool.h): each splits OUTPUT rows or columns into chunks
+ * that the threads claim, so every thread streams its own part of the weights once and
+ * every output element is computed by exactly one chunk, in the same order whatever the
+ * chunking (the kernels guarantee it), so results do not depend on num_threads ---------- */
+
+/* Chunks per thread and section: enough that a descheduled thread leaves its share to
+ * the others, few enough that claiming costs nothing measurable. */
+#define CB_CHUNKS_PER_THREAD 4
+/* Matmuls with fewer output rows than this run on the calling thread alone. */
+#define CB_PAR_MIN_ROWS 64
+/* Element-wise / attention work (multiply-adds) below which a stage stays on one thread. */
+#define CB_PAR_MIN_WORK 65536
+/* Expert groups handed to one pair of parallel sections (a stack array of this size). */
+#define CB_FFN_BATCH 32
+
+/* Chunk length for n items: about n / (threads * CB_CHUNKS_PER_THREAD), at least lo,
+ * a multiple of align (8 rows: the decode tile; 32 columns: the widest down panel). */
+static int64_t chunk_len(const colibri_ctx *ctx, int64_t n, int64_t align, int64_t lo) {
+    int64_t parts = (int64_t)cb_pool_threads(ctx->pool) * CB_CHUNKS_PER_THREAD;
+    int64_t per = (n + parts - 1) / parts;
+    if (per < lo) per = lo;
+    return (per + align - 1) / align * align;
+}
+
+typedef struct mm_job {
+    float *y;          /* [T, N] */
+    const float *x;    /* [T, K] */
+    const void *w;     /* [N, K] in dt */
+    uint32_t dt;
+    int64_t N, K;
+    int64_t len, nch;  /* rows per chunk, chunks */
+} mm_job;
+
+typedef struct mm_task {
+    const cb_kernels *kern;
+    int64_t T;
+    int n_jobs;
+    mm_job jobs[3];
+} mm_task;
+
+static void mm_chunk(void *arg, int64_t c, int tid) {
+    (void)tid;
+    const mm_task *m = (const mm_task *)arg;
+    int j = 0;
+    while (c >= m->jobs[j].nch) c -= m->jobs[j++].nch;
+    const mm_job *b = &m->jobs[j];
+    int64_t n0 = c * b->len, n1 = n0 + b->len < b->N ? n0 + b->len : b->N;
+    size_t row = (size_t)b->K * cb_dtype_size(b->dt);
+    m->kern->matmul_ld(b->y + n0, b->N, b->x, (const uint8_t *)b->w + (size_t)n0 * row, b->dt, m->T,
+                       n1 - n0, b->K);
+}
+
+/* y = x W^T for up to three matmuls over the same T tokens, in one parallel section. */
+static void par_matmul(colibri_ctx *ctx, mm_task *m) {
+    int64_t rows = 0, total = 0;
+    for (int j = 0; j < m->n_jobs; j++) rows += m->jobs[j].N;
+    for (int j = 0; j < m->n_jobs; j++) {
+        mm_job *b = &m->jobs[j];
+        b->len = rows < CB_PAR_MIN_ROWS ? b->N : chunk_len(ctx, b->N, 8, 16);
+        b->nch = (b->N + b->len - 1) / b->len;
+        total += b->nch;
+    }
+    if (rows < CB_PAR_MIN_ROWS) cb_pool_run(NULL, mm_chunk, m, total);
+    else cb_pool_run(ctx->pool, mm_chunk, m, total);
+}
+
+static void par_matmul1(colibri_ctx *ctx, float *y, const float *x, const void *w, uint32_t dt,
+                        int64_t T, int64_t N, int64_t K) {
+    mm_task m = {ctx->kern, T, 1, {{y, x, w, dt, N, K, 0, 0}}};
+    par_matmul(ctx, &m);
+}
+
+typedef struct att_task {
+    colibri_ctx *ctx;
+    const float *kc, *vc;
+    int64_t window;
+} att_task;
+
+/* Attention, one query head per chunk; the running thread's own score row. */
+static void att_chunk(void *arg, int64_t h, int tid) {
+    const att_task *a = (const att_task *)arg;
+    colibri_ctx *ctx = a->ctx;
+    const cb_config *c = &ctx->cfg;
+    ctx->kern->attention_heads(ctx->s.att, ctx->s.q, a->kc, a->vc, ctx->s.att_scores + tid * ctx->max_seq_len,
+                               ctx->run.T, ctx->run.pos0, c->n_heads, c->n_kv_heads, c->head_dim, a->window,
+                               h, h + 1);
+}
+
+/* One packed FFN (a group of rows through one expert's weights). */
+typedef struct ffn_job {
+    float *y;          /* [R, H] */
+    float *h;          /* [R, I] */
+    const float *x;    /* [R, H] */
+    const void *w;     /* [3I, H] packed */
+    int64_t R, I;
+    int64_t len0, nch0; /* gate/up: intermediate columns per chunk, chunks */
+    int64_t len1, nch1; /* down: output columns per chunk, chunks */
+} ffn_job;
+
+/* Every non-empty expert group of a layer (or one dense/shared FFN), in two sections:
+ * gate/up split by intermediate columns, then down split by output columns. */
+typedef struct ffn_task {
+    const cb_kernels *kern;
+    uint32_t dt;
+    int64_t H, B;
+    int n_jobs;
+    int phase;         /* 0: gate/up, 1: down */
+    const ffn_job *jobs;
+} ffn_task;
+
+static void ffn_chunk(void *arg, int64_t c, int tid) {
+    (void)tid;
+    const ffn_task *f = (const ffn_task *)arg;
+    int j = 0;
+    if (f->phase == 0) {
+        while (c >= f->jobs[j].nch0) c -= f->jobs[j++].nch0;
+        const ffn_job *b = &f->jobs[j];
+        int64_t lo = c * b->len0, hi = lo + b->len0 < b->I ? lo + b->len0 : b->I;
+        f->kern->expert_gateup(b->h, b->x, b->w, f->dt, b->R, f->H, b->I, f->B, lo, hi);
+    } else {
+        while (c >= f->jobs[j].nch1) c -= f->jobs[j++].nch1;
+        const ffn_job *b = &f->jobs[j];
+        int64_t lo = c * b->len1, hi = lo + b->len1 < f->H ? lo + b->len1 : f->H;
+        f->kern->expert_down(b->y, b->h, b->w, f->dt, b->R, f->H, b->I, lo, hi);
+    }
+}
+
+static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
+    int64_t H = ctx->cfg.hidden, n0 = 0, n1 = 0;
+    for (int j = 0; j < n_jobs; j++) {
+        ffn_job *b = &jobs[j];
+        b->len0 = chunk_len(ctx, b->I, 8, 64);
+        b->nch0 = (b->I + b->len0 - 1) / b->len0;
+        b->len1 = chunk_len(ctx, H, 32, 64);
+        b->nch1 = (H + b->len1 - 1) / b->len1;
+        n0 += b->nch0;
+        n1 += b->nch1;
+    }
+    ffn_task f = {ctx->kern, ctx->cfg.weight_dtype, H, ctx->cfg.block_size, n_jobs, 0, jobs};
+    cb_pool_run(ctx->pool, ffn_chunk, &f, n0);
+    f.phase = 1;
+    cb_pool_run(ctx->pool, ffn_chunk, &f, n1);
+}
+
+/* delta[t, cols] = sum over t's rows r (expert order) of weight_r * ex_out[r, cols]. */
+typedef struct combine_task {
+    colibri_ctx *ctx;
+    int64_t rows, len;
+} combine_task;
+
+static void combine_chunk(void *arg, int64_t c, int tid) {
+    (void)tid;
+    const combine_task *m = (const combine_task *)arg;
+    cb_scratch *s = &m->ctx->s;
+    int64_t T = m->ctx->run.T, H = m->ctx->cfg.hidden;
+    int64_t c0 = c * m->len, c1 = c0 + m->len < H ? c0 + m->len : H;
+    for (int64_t t = 0; t < T; t++) memset(s->delta + t * H + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+    for (int64_t r = 0; r < m->rows; r++) { /* rows are in expert order, as HF's index_add_ */
+        int32_t t = s->row_token[r];
+        if (t < 0) continue;
+        float w = s->row_weight[r];
+        float *d = s->delta + (int64_t)t * H;
+        const float *y = s->ex_out + r * H;
+        for (int64_t i = c0; i < c1; i++) d[i] += y[i] * w;
+    }
+}
+
 /* ---- the stages of a forward (colibri.h, "Observation"); each works on the chunk in
  * ctx->run: T tokens at positions pos0.., ids in s->run_ids ---------------------------- */
 
@@ -269,9 +437,11 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
     float *vc = ctx->sess.v_cache + (int64_t)l * S * Nkv;
 
     K->rmsnorm(s->xn, s->x, L->attn_norm, T, H, eps);
-    K->matmul(s->q, s->xn, L->wq, W, T, Nq, H);
-    K->matmul(s->k, s->xn, L->wk, W, T, Nkv, H);
-    K->matmul(s->v, s->xn, L->wv, W, T, Nkv, H);
+    {
+        mm_task m = {K, T, 3, {{s->q, s->xn, L->wq, W, Nq, H, 0, 0}, {s->k, s->xn, L->wk, W, Nkv, H, 0, 0},
+                               {s->v, s->xn, L->wv, W, Nkv, H, 0, 0}}};
+        par_matmul(ctx, &m);
+    }
     if (L->bq) {
         add_bias(s->q, L->bq, T, Nq);
         add_bias(s->k, L->bk, T, Nkv);
@@ -293,8 +463,13 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
     K->rope(s->k, T, c->n_kv_heads, hd, s->rope_cos, s->rope_sin);
     memcpy(kc + pos0 * Nkv, s->k, (size_t)(T * Nkv) * sizeof(float));
     memcpy(vc + pos0 * Nkv, s->v, (size_t)(T * Nkv) * sizeof(float));
-    K->attention(s->att, s->q, kc, vc, s->att_scores, T, pos0, c->n_heads, c->n_kv_heads, hd, L->window);
-    K->matmul(s->delta, s->att, L->wo, W, T, H, Nq);
+    {
+        att_task a = {ctx, kc, vc, L->window};
+        /* a decode step over a short cache is a few microseconds: not worth a section */
+        cb_pool_run(T * (pos0 + T) * c->n_heads * hd < CB_PAR_MIN_WORK ? NULL : ctx->pool, att_chunk, &a,
+                    c->n_heads);
+    }
+    par_matmul1(ctx, s->delta, s->att, L->wo, W, T, H, Nq);
     if (L->bo) add_bias(s->delta, L->bo, T, H);
     add_inplace(s->x, s->delta, T * H);
     K->rmsnorm(s->xn, s->x, L->ffn_norm, T, H, eps);
@@ -337,21 +512,28 @@ static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
     const cb_layer *L = &ctx->w.layers[l];
     cb_scratch *s = &ctx->s;
     int64_t T = ctx->run.T, H = c->hidden, I = c->inter, E = c->n_experts;
+    ffn_job jobs[CB_FFN_BATCH]; /* non-empty groups, run CB_FFN_BATCH at a time */
+    int n_jobs = 0;
     if (!L->moe) {
-        K->expert_ffn(s->delta, s->ffn_h, s->xn, L->dense, c->weight_dtype, T, H, c->dense_inter,
-                      c->block_size);
+        jobs[0] = (ffn_job){s->delta, s->ffn_h, s->xn, L->dense, T, c->dense_inter, 0, 0, 0, 0};
+        par_ffn(ctx, jobs, 1);
         return;
     }
     for (int64_t e = 0; e < E; e++) {
         int64_t r0 = s->expert_offset[e], R = s->expert_offset[e + 1] - r0;
         if (R == 0) continue;
         const void *ew = (const uint8_t *)L->experts + (size_t)e * L->expert_stride;
-        K->expert_ffn(s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, ew, c->weight_dtype, R, H,
-                      I, c->block_size);
+        jobs[n_jobs++] = (ffn_job){s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, ew, R, I, 0, 0, 0, 0};
+        if (n_jobs == CB_FFN_BATCH) {
+            par_ffn(ctx, jobs, n_jobs);
+            n_jobs = 0;
+        }
     }
-    if (L->shared) { /* routed sum + sigmoid(g . x) * shared(x), as transformers' Qwen2-MoE */
-        K->expert_ffn(s->sh_out, s->ffn_h, s->xn, L->shared, c->weight_dtype, T, H, c->shared_inter,
-                      c->block_size);
+    /* routed sum + sigmoid(g . x) * shared(x), as transformers' Qwen2-MoE */
+    if (L->shared)
+        jobs[n_jobs++] = (ffn_job){s->sh_out, s->ffn_h, s->xn, L->shared, T, c->shared_inter, 0, 0, 0, 0};
+    if (n_jobs > 0) par_ffn(ctx, jobs, n_jobs);
+    if (L->shared) {
         if (L->shared_gate) {
             K->matmul(s->sh_gate, s->xn, L->shared_gate, c->weight_dtype, T, 1, H);
             for (int64_t t = 0; t < T; t++) s->sh_gate[t] = 1.0f / (1.0f + expf(-s->sh_gate[t]));
@@ -367,15 +549,12 @@ static void stage_combine(colibri_ctx *ctx, uint32_t l) {
     cb_scratch *s = &ctx->s;
     int64_t T = ctx->run.T, H = c->hidden, E = c->n_experts;
     if (L->moe) {
-        int64_t rows = s->expert_offset[E];
-        memset(s->delta, 0, (size_t)(T * H) * sizeof(float));
-        for (int64_t r = 0; r < rows; r++) {
-            int32_t t = s->row_token[r];
-            if (t < 0) continue;
-            float w = s->row_weight[r];
-            float *d = s->delta + (int64_t)t * H;
-            const float *y = s->ex_out + r * H;
-            for (int64_t i = 0; i < H; i++) d[i] += y[i] * w;
+        combine_task m = {ctx, s->expert_offset[E], H};
+        if (m.rows * H < CB_PAR_MIN_WORK) {
+            combine_chunk(&m, 0, 0);
+        } else {
+            m.len = chunk_len(ctx, H, 16, 64);
+            cb_pool_run(ctx->pool, combine_chunk, &m, (H + m.len - 1) / m.len);
         }
         if (L->shared) {
             for (int64_t t = 0; t < T; t++) {
@@ -394,7 +573,7 @@ static void stage_lm_head(colibri_ctx *ctx, float *logits) {
     cb_scratch *s = &ctx->s;
     int64_t T = ctx->run.T, H = c->hidden;
     ctx->kern->rmsnorm(s->xn, s->x, ctx->w.out_norm, T, H, (float)c->rms_norm_eps);
-    ctx->kern->matmul(logits, s->xn, ctx->w.lm_head, c->weight_dtype, T, c->vocab, H);
+    par_matmul1(ctx, logits, s->xn, ctx->w.lm_head, c->weight_dtype, T, c->vocab, H);
 }
 
 /* ---- tracing: what the stages record into an attached trace ------------------------- */

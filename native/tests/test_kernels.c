@@ -4,8 +4,11 @@
  * are not multiples of any vector width (1, 7, 33, 129, ...), plus exhaustive and
  * edge-case checks of the f16/bf16 conversions.
  *
- * Both the reference table (cb_kernels_ref) and the engine's table (cb_kernels_best) are
- * checked, so a faster kernel dropped in later is held to the same standard.
+ * Every table this CPU can run is checked (reference, avx2, avx512; a table the CPU or the
+ * build lacks is reported as skipped), so the SIMD kernels are held to the same standard,
+ * and each SIMD table is also compared with the reference table directly, including the
+ * ranged entries (matmul_ld, attention_heads, expert_gateup, expert_down) that the thread
+ * pool uses to split work, which must leave everything outside their range untouched.
  * Exit 0 when every check passes; otherwise prints each failure and exits 1.
  */
 #include <math.h>
@@ -192,13 +195,13 @@ static void test_conversions(void) {
 /* ---- kernels ---- */
 
 static void test_matmul(const cb_kernels *K) {
-    const int64_t Ts[] = {1, 3, 7};
-    const int64_t Ns[] = {1, 7, 33};
-    const int64_t Ks[] = {1, 7, 33, 129};
+    const int64_t Ts[] = {1, 3, 7, 17, 33};
+    const int64_t Ns[] = {1, 7, 67, 131};
+    const int64_t Ks[] = {1, 7, 33, 67, 255};
     for (uint32_t dt = CB_DT_F32; dt <= CB_DT_BF16; dt++)
-        for (size_t a = 0; a < 3; a++)
-            for (size_t b = 0; b < 3; b++)
-                for (size_t c = 0; c < 4; c++) {
+        for (size_t a = 0; a < 5; a++)
+            for (size_t b = 0; b < 4; b++)
+                for (size_t c = 0; c < 5; c++) {
                     int64_t T = Ts[a], N = Ns[b], Kd = Ks[c];
                     wbuf w = make_w(dt, N * Kd, 1.0);
                     float *x = malloc((size_t)(T * Kd) * 4), *y = malloc((size_t)(T * N) * 4);
@@ -404,6 +407,7 @@ static void pack_expert(float *dst, const float *w1, const float *w3, const floa
 static void test_expert_ffn(const cb_kernels *K) {
     struct { int64_t R, H, I, B; } cs[] = {
         {1, 7, 5, 32}, {3, 33, 37, 1}, {4, 45, 37, 8}, {7, 17, 64, 32}, {2, 129, 33, 5}, {1, 1, 1, 1},
+        {17, 67, 131, 32}, {33, 131, 67, 7}, {6, 255, 33, 32}, {13, 64, 96, 32},
     };
     for (uint32_t dt = CB_DT_F32; dt <= CB_DT_BF16; dt++)
         for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
@@ -460,6 +464,138 @@ static void test_expert_ffn(const cb_kernels *K) {
         }
 }
 
+/* ---- a table against the reference table, ranged entries included ---- */
+
+#define SENTINEL 12345.0f
+
+/* |a - b| <= rel * (|b| + scale) elementwise */
+static void compare_arrays(const char *what, const cb_kernels *K, const float *got, const float *want,
+                           int64_t n, double rel, double scale) {
+    for (int64_t i = 0; i < n; i++) {
+        n_check++;
+        double d = fabs((double)got[i] - (double)want[i]);
+        if (!(d <= rel * (fabs((double)want[i]) + scale))) {
+            FAIL("[%s vs reference] %s element %lld: %.9g vs %.9g", K->name, what, (long long)i,
+                 (double)got[i], (double)want[i]);
+            return;
+        }
+    }
+}
+
+static void test_vs_ref(const cb_kernels *K) {
+    const cb_kernels *R = cb_kernels_ref();
+    /* matmul_ld on a slice of rows, into a wider output: outside the slice stays untouched */
+    const int64_t Ts[] = {1, 3, 7, 17, 33};
+    for (uint32_t dt = CB_DT_F32; dt <= CB_DT_BF16; dt++)
+        for (size_t a = 0; a < 5; a++) {
+            int64_t T = Ts[a], N = 131, Kd = 255, n0 = 5, n1 = 98, ldy = N + 3;
+            wbuf w = make_w(dt, N * Kd, 1.0);
+            float *x = malloc((size_t)(T * Kd) * 4);
+            float *y = malloc((size_t)(T * ldy) * 4), *yr = malloc((size_t)(T * ldy) * 4);
+            fill(x, T * Kd, 1.0);
+            for (int64_t i = 0; i < T * ldy; i++) y[i] = yr[i] = SENTINEL;
+            size_t es = cb_dtype_size(dt);
+            K->matmul_ld(y + n0, ldy, x, (const uint8_t *)w.raw + (size_t)(n0 * Kd) * es, dt, T, n1 - n0, Kd);
+            R->matmul_ld(yr + n0, ldy, x, (const uint8_t *)w.raw + (size_t)(n0 * Kd) * es, dt, T, n1 - n0, Kd);
+            compare_arrays("matmul_ld", K, y, yr, T * ldy, 2e-5, 2.0);
+            free(x);
+            free(y);
+            free(yr);
+            free_w(&w);
+        }
+    /* attention_heads for a middle range of heads */
+    {
+        int64_t T = 17, start = 40, Hq = 8, Hkv = 2, D = 64, P = start + T, nq = Hq * D, nkv = Hkv * D;
+        float *q = malloc((size_t)(T * nq) * 4), *o = malloc((size_t)(T * nq) * 4), *orf = malloc((size_t)(T * nq) * 4);
+        float *kc = malloc((size_t)(P * nkv) * 4), *vc = malloc((size_t)(P * nkv) * 4), *sc = malloc((size_t)P * 4);
+        fill(q, T * nq, 1.0);
+        fill(kc, P * nkv, 1.0);
+        fill(vc, P * nkv, 1.0);
+        for (int64_t window = 0; window <= 9; window += 9) {
+            for (int64_t i = 0; i < T * nq; i++) o[i] = orf[i] = SENTINEL;
+            K->attention_heads(o, q, kc, vc, sc, T, start, Hq, Hkv, D, window, 3, 7);
+            R->attention_heads(orf, q, kc, vc, sc, T, start, Hq, Hkv, D, window, 3, 7);
+            compare_arrays("attention_heads", K, o, orf, T * nq, 2e-5, 1.0);
+        }
+        free(q);
+        free(o);
+        free(orf);
+        free(kc);
+        free(vc);
+        free(sc);
+    }
+    /* expert_gateup / expert_down on column ranges (odd, unaligned bounds) */
+    struct { int64_t R, H, I, B, i0, i1, c0, c1; } cs[] = {
+        {1, 131, 67, 32, 0, 67, 0, 131}, {1, 128, 96, 32, 31, 65, 16, 80}, {3, 67, 131, 7, 5, 100, 3, 60},
+        {17, 255, 67, 32, 1, 66, 17, 250}, {33, 64, 64, 32, 0, 64, 0, 64}, {7, 96, 35, 32, 33, 35, 32, 96},
+        /* I larger than the down kernel's packed panel (several panels chained) */
+        {13, 96, 1100, 32, 500, 620, 0, 96}, {6, 67, 777, 32, 0, 777, 3, 67},
+    };
+    for (uint32_t dt = CB_DT_F32; dt <= CB_DT_BF16; dt++)
+        for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+            int64_t Rr = cs[i].R, H = cs[i].H, I = cs[i].I, B = cs[i].B;
+            wbuf w = make_w(dt, 3 * I * H, 0.3);
+            float *x = malloc((size_t)(Rr * H) * 4);
+            float *h = malloc((size_t)(Rr * I) * 4), *hr = malloc((size_t)(Rr * I) * 4);
+            float *y = malloc((size_t)(Rr * H) * 4), *yr = malloc((size_t)(Rr * H) * 4);
+            fill(x, Rr * H, 1.0);
+            for (int64_t k = 0; k < Rr * I; k++) h[k] = hr[k] = SENTINEL;
+            K->expert_gateup(h, x, w.raw, dt, Rr, H, I, B, cs[i].i0, cs[i].i1);
+            R->expert_gateup(hr, x, w.raw, dt, Rr, H, I, B, cs[i].i0, cs[i].i1);
+            compare_arrays("expert_gateup", K, h, hr, Rr * I, 5e-5, 1.0);
+            fill(h, Rr * I, 1.0); /* an independent h for the down projection */
+            for (int64_t k = 0; k < Rr * H; k++) y[k] = yr[k] = SENTINEL;
+            K->expert_down(y, h, w.raw, dt, Rr, H, I, cs[i].c0, cs[i].c1);
+            R->expert_down(yr, h, w.raw, dt, Rr, H, I, cs[i].c0, cs[i].c1);
+            compare_arrays("expert_down", K, y, yr, Rr * H, 5e-5, 1.0);
+            free(x);
+            free(h);
+            free(hr);
+            free(y);
+            free(yr);
+            free_w(&w);
+        }
+}
+
+/* A row's result does not depend on the batch it is computed in (bit for bit): the engine
+ * relies on it so that group padding, decode vs prefill and the thread split change nothing. */
+static void test_batch_invariance(const cb_kernels *K) {
+    for (uint32_t dt = CB_DT_F32; dt <= CB_DT_BF16; dt++) {
+        int64_t T = 17, N = 67, Kd = 255, H = 96, I = 1100, B = 32;
+        wbuf w = make_w(dt, N * Kd, 1.0), e = make_w(dt, 3 * I * H, 0.3);
+        float *x = malloc((size_t)(T * Kd) * 4), *y = malloc((size_t)(T * N) * 4), *y1 = malloc((size_t)N * 4);
+        float *xe = malloc((size_t)(T * H) * 4), *h = malloc((size_t)(T * I) * 4), *h1 = malloc((size_t)I * 4);
+        float *ye = malloc((size_t)(T * H) * 4), *ye1 = malloc((size_t)H * 4);
+        fill(x, T * Kd, 1.0);
+        fill(xe, T * H, 1.0);
+        K->matmul(y, x, w.raw, dt, T, N, Kd);
+        K->expert_gateup(h, xe, e.raw, dt, T, H, I, B, 0, I);
+        K->expert_down(ye, h, e.raw, dt, T, H, I, 0, H);
+        for (int64_t t = 0; t < T; t++) {
+            K->matmul(y1, x + t * Kd, w.raw, dt, 1, N, Kd);
+            K->expert_gateup(h1, xe + t * H, e.raw, dt, 1, H, I, B, 0, I);
+            K->expert_down(ye1, h + t * I, e.raw, dt, 1, H, I, 0, H);
+            n_check += 3;
+            if (memcmp(y1, y + t * N, (size_t)N * 4) != 0)
+                FAIL("[%s] matmul %s: token %lld alone differs from the batch", K->name, cb_dtype_name(dt), (long long)t);
+            if (memcmp(h1, h + t * I, (size_t)I * 4) != 0)
+                FAIL("[%s] expert_gateup %s: row %lld alone differs from the batch", K->name, cb_dtype_name(dt), (long long)t);
+            if (memcmp(ye1, ye + t * H, (size_t)H * 4) != 0)
+                FAIL("[%s] expert_down %s: row %lld alone differs from the batch", K->name, cb_dtype_name(dt), (long long)t);
+        }
+        free(x);
+        free(y);
+        free(y1);
+        free(xe);
+        free(h);
+        free(h1);
+        free(ye);
+        free(ye1);
+        free_w(&w);
+        free_w(&e);
+    }
+}
+
 static void test_table(const cb_kernels *K) {
     test_matmul(K);
     test_matmul_i8(K);
@@ -468,12 +604,26 @@ static void test_table(const cb_kernels *K) {
     test_softmax(K);
     test_attention(K);
     test_expert_ffn(K);
+    test_batch_invariance(K);
+    if (K != cb_kernels_ref()) test_vs_ref(K);
 }
 
 int main(void) {
     test_conversions();
     test_table(cb_kernels_ref());
-    if (cb_kernels_best() != cb_kernels_ref()) test_table(cb_kernels_best());
+    const char *names[] = {"avx2", "avx512"};
+    for (size_t i = 0; i < 2; i++) {
+        const cb_kernels *K = cb_kernels_by_name(names[i]);
+        if (K) {
+            int before = n_fail;
+            test_table(K);
+            printf("test_kernels: table %s checked (%s)\n", names[i], n_fail == before ? "ok" : "FAILED");
+        } else {
+            printf("test_kernels: table %s skipped (not built, or this CPU lacks it)\n", names[i]);
+        }
+    }
+    n_check++;
+    if (!cb_kernels_best() || !cb_kernels_best()->expert_down) FAIL("cb_kernels_best() has no complete table");
     if (n_fail) {
         printf("test_kernels: %d of %d checks FAILED\n", n_fail, n_check);
         return 1;

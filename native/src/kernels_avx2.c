@@ -1,0 +1,68 @@
+/*
+ * kernels_avx2.c — the "avx2" kernel table: AVX2 + FMA + F16C, 8 float lanes.
+ *
+ * This file is compiled with -mavx2 -mfma -mf16c (native/CMakeLists.txt, per-file flags)
+ * and only entered when cb_kernels_by_name() has checked the CPU (__builtin_cpu_supports),
+ * so the rest of the library stays portable. The kernel bodies are shared with the AVX-512
+ * table: this file defines the vector primitives (vf, vload, vfma, ...) for 256-bit
+ * vectors and includes kernels_simd.inc, which writes every kernel once in terms of them.
+ */
+#include "kernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#define CB_SIMD_NAME "avx2"
+#define CB_SIMD(name) name##_avx2
+#define VL 8
+
+typedef __m256 vf;
+
+static inline __attribute__((always_inline)) vf vzero(void) { return _mm256_setzero_ps(); }
+static inline __attribute__((always_inline)) vf vset1(float a) { return _mm256_set1_ps(a); }
+static inline __attribute__((always_inline)) vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline __attribute__((always_inline)) void vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline __attribute__((always_inline)) vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline __attribute__((always_inline)) vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline __attribute__((always_inline)) vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline __attribute__((always_inline)) vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline __attribute__((always_inline)) vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline __attribute__((always_inline)) vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline __attribute__((always_inline)) vf vround(vf a) {
+    return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+/* 2^n for integral n in [-127, 128) (the caller clamps): build the exponent field */
+static inline __attribute__((always_inline)) vf vpow2i(vf n) {
+    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
+static inline __attribute__((always_inline)) float vhsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline __attribute__((always_inline)) float vhmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* VL weights of dtype DT (a compile-time constant after inlining) widened to float */
+static inline __attribute__((always_inline)) vf vload_w(const void *p, int64_t k, const uint32_t DT) {
+    if (DT == CB_DT_F32) return _mm256_loadu_ps((const float *)p + k);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));
+    if (DT == CB_DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+static inline __attribute__((always_inline)) void vprefetch(const void *p) {
+    _mm_prefetch((const char *)p, _MM_HINT_T0);
+}
+
+#include "kernels_simd.inc"
+
+#else /* built without the instruction-set flags (not x86): the table does not exist */
+const cb_kernels *cb_kernels_avx2(void) { return NULL; }
+#endif

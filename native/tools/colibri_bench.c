@@ -1,0 +1,466 @@
+/*
+ * colibri_bench — latency and throughput of a .colibri model, prefill and decode measured
+ * separately, using only colibri.h.
+ *
+ *   colibri_bench --model m.colibri --seq_len 512 --max_new_tokens 128 --num_requests 10
+ *   colibri_bench --model m.colibri --json          one JSON object on stdout
+ *
+ * One request = --batch_size independent sequences. Each sequence is a prefill of --seq_len
+ * token ids followed by --max_new_tokens single-token decode steps. The engine has one KV
+ * cache per context, so the sequences of a request run one after another on that context:
+ * batch_size multiplies the work of a request, it does not batch tokens of different
+ * sequences into one matrix product. (Tokens of one sequence are batched in the prefill.)
+ *
+ * Token ids are drawn from a seeded PRNG (splitmix64) over the whole vocabulary, fresh for
+ * every sequence and every decode step, so routing varies from token to token the way it
+ * does on real text. A benchmark that repeats one token keeps hitting the same experts and
+ * keeps their weights in cache, which flatters a MoE engine.
+ *
+ * Reported, after --warmup requests that are not counted:
+ *   prefill  latency of a request's prefills (ms): mean ± std, P50, P99, P99/P50, min, max;
+ *            tokens/s = prefilled tokens / prefill time; requests/s.
+ *   decode   latency of one decode step (one token of one sequence): the same statistics;
+ *            tokens/s = decoded tokens / decode time.
+ *   request  end-to-end latency of a request (prefills + decodes): the same statistics.
+ * Percentiles interpolate linearly between order statistics (numpy's default), so with
+ * fewer than 100 samples P99 lies between the two largest.
+ *
+ * Exit status: 0 success, 1 an engine error (the engine's message on stderr), 2 a usage
+ * error (an unknown flag or a bad value, with a message on stderr).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "colibri.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define EXIT_ENGINE 1
+#define EXIT_USAGE 2
+
+typedef struct args {
+    const char *model;
+    int64_t batch_size;
+    int64_t seq_len;
+    int64_t num_requests;
+    int64_t warmup;
+    int64_t num_threads;
+    int64_t max_new_tokens;
+    int64_t group_pad;
+    int64_t max_batch;
+    uint64_t seed;
+    int json;
+} args;
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: colibri_bench --model PATH [options]\n"
+            "\n"
+            "Measures prefill and decode latency and throughput of a .colibri model on\n"
+            "token ids drawn from a seeded PRNG over the vocabulary (routing varies).\n"
+            "\n"
+            "A request is --batch_size independent sequences; each is a prefill of\n"
+            "--seq_len tokens then --max_new_tokens single-token decode steps. The engine\n"
+            "keeps one KV cache per context, so the sequences of a request run one after\n"
+            "another: batch_size scales the work of a request, it does not batch sequences\n"
+            "together. Prefill latency is per request, decode latency per token step.\n"
+            "\n"
+            "options:\n"
+            "  --model PATH           .colibri file (required)\n"
+            "  --batch_size N         sequences per request, >= 1 (default 1)\n"
+            "  --seq_len N            prefill tokens per sequence, >= 1 (default 128)\n"
+            "  --max_new_tokens N     decode steps per sequence, >= 0 (default 32);\n"
+            "                         also --decode_steps\n"
+            "  --num_requests N       measured requests, >= 1 (default 10)\n"
+            "  --warmup N             requests run first and not counted, >= 0 (default 1)\n"
+            "  --num_threads N        0 = the engine's default (default 0)\n"
+            "  --group_pad N          pad each expert's token group to a multiple of N,\n"
+            "                         1..4096 (default 1 = no padding)\n"
+            "  --max_batch N          tokens per internal forward chunk, 0 = engine default\n"
+            "  --seed S               PRNG seed for the token ids, unsigned 64-bit (default 0)\n"
+            "  --json                 print one JSON object on stdout instead of the table\n"
+            "  --help                 print this help and exit\n"
+            "\n"
+            "Percentiles interpolate linearly (numpy's default). Exit status: 0 success,\n"
+            "1 engine error, 2 usage error.\n");
+}
+
+static int usage_error(const char *fmt, ...) {
+    va_list ap;
+    fprintf(stderr, "colibri_bench: ");
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "\nTry 'colibri_bench --help'.\n");
+    return EXIT_USAGE;
+}
+
+static int parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return 0;
+    *out = v;
+    return 1;
+}
+
+static int parse_u64(const char *s, uint64_t *out) {
+    char *end;
+    if (*s == '-' || *s == '\0') return 0;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || *end) return 0;
+    *out = v;
+    return 1;
+}
+
+/* Parse argv into *a. Returns -1 to go on, or an exit status (0 for --help). */
+static int parse_args(int argc, char **argv, args *a) {
+    memset(a, 0, sizeof *a);
+    a->batch_size = 1;
+    a->seq_len = 128;
+    a->num_requests = 10;
+    a->warmup = 1;
+    a->max_new_tokens = 32;
+    a->group_pad = 1;
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
+            usage(stdout);
+            return 0;
+        }
+        if (!strcmp(arg, "--json")) { a->json = 1; continue; }
+        if (strncmp(arg, "--", 2) != 0) return usage_error("unexpected argument '%s'", arg);
+
+        /* --name VALUE or --name=VALUE */
+        char name[64];
+        const char *val;
+        const char *eq = strchr(arg, '=');
+        if (eq) {
+            size_t n = (size_t)(eq - arg);
+            if (n >= sizeof name) return usage_error("unknown option '%s'", arg);
+            memcpy(name, arg, n);
+            name[n] = '\0';
+            val = eq + 1;
+        } else {
+            if (strlen(arg) >= sizeof name) return usage_error("unknown option '%s'", arg);
+            strcpy(name, arg);
+            val = NULL;
+        }
+        static const char *const known[] = {"--model", "--batch_size", "--seq_len",
+                                            "--num_requests", "--warmup", "--num_threads",
+                                            "--max_new_tokens", "--decode_steps", "--group_pad",
+                                            "--max_batch", "--seed"};
+        int is_known = 0;
+        for (size_t k = 0; k < sizeof known / sizeof known[0]; k++)
+            if (!strcmp(name, known[k])) is_known = 1;
+        if (!is_known) return usage_error("unknown option '%s'", name);
+        if (!val) {
+            if (i + 1 >= argc) return usage_error("option '%s' needs a value", name);
+            val = argv[++i];
+        }
+
+        if (!strcmp(name, "--model")) {
+            if (!*val) return usage_error("--model needs a path");
+            a->model = val;
+        } else if (!strcmp(name, "--batch_size")) {
+            if (!parse_i64(val, 1, 1 << 20, &a->batch_size))
+                return usage_error("--batch_size must be an integer in 1..1048576, got '%s'", val);
+        } else if (!strcmp(name, "--seq_len")) {
+            if (!parse_i64(val, 1, INT32_MAX, &a->seq_len))
+                return usage_error("--seq_len must be an integer >= 1, got '%s'", val);
+        } else if (!strcmp(name, "--num_requests")) {
+            if (!parse_i64(val, 1, 1 << 24, &a->num_requests))
+                return usage_error("--num_requests must be an integer in 1..16777216, got '%s'", val);
+        } else if (!strcmp(name, "--warmup")) {
+            if (!parse_i64(val, 0, 1 << 24, &a->warmup))
+                return usage_error("--warmup must be an integer in 0..16777216, got '%s'", val);
+        } else if (!strcmp(name, "--num_threads")) {
+            if (!parse_i64(val, 0, 4096, &a->num_threads))
+                return usage_error("--num_threads must be an integer in 0..4096, got '%s'", val);
+        } else if (!strcmp(name, "--max_new_tokens") || !strcmp(name, "--decode_steps")) {
+            if (!parse_i64(val, 0, INT32_MAX, &a->max_new_tokens))
+                return usage_error("%s must be an integer >= 0, got '%s'", name, val);
+        } else if (!strcmp(name, "--group_pad")) {
+            if (!parse_i64(val, 1, 4096, &a->group_pad))
+                return usage_error("--group_pad must be an integer in 1..4096, got '%s'", val);
+        } else if (!strcmp(name, "--max_batch")) {
+            if (!parse_i64(val, 0, INT32_MAX, &a->max_batch))
+                return usage_error("--max_batch must be an integer >= 0, got '%s'", val);
+        } else if (!strcmp(name, "--seed")) {
+            if (!parse_u64(val, &a->seed))
+                return usage_error("--seed must be an unsigned integer, got '%s'", val);
+        }
+    }
+    if (!a->model) return usage_error("--model is required");
+    /* One latency sample is kept per decode step: bound their count (in double, so the
+     * product of three large values cannot overflow). */
+    if ((double)a->num_requests * (double)a->batch_size * (double)a->max_new_tokens >
+        (double)((int64_t)1 << 28))
+        return usage_error("--num_requests x --batch_size x --max_new_tokens must be at most "
+                           "2^28 decode steps");
+    return -1;
+}
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+/* splitmix64: a seeded stream of 64-bit values for the token ids. */
+static uint64_t splitmix64(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* A token id uniform over [0, vocab) (rejection sampling, no modulo bias). */
+static int32_t random_id(uint64_t *state, int64_t vocab) {
+    uint64_t v = (uint64_t)vocab;
+    uint64_t limit = UINT64_MAX - UINT64_MAX % v;
+    uint64_t r;
+    do r = splitmix64(state);
+    while (r >= limit);
+    return (int32_t)(r % v);
+}
+
+typedef struct stats {
+    int64_t n;
+    double mean, std, p50, p99, min, max, total;
+} stats;
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Percentile q in [0, 100] of sorted x[0..n), linear interpolation (numpy's default). */
+static double percentile(const double *x, int64_t n, double q) {
+    if (n == 1) return x[0];
+    double pos = q / 100.0 * (double)(n - 1);
+    int64_t lo = (int64_t)floor(pos);
+    if (lo >= n - 1) return x[n - 1];
+    double frac = pos - (double)lo;
+    return x[lo] + (x[lo + 1] - x[lo]) * frac;
+}
+
+/* Statistics of x[0..n) (sorts x in place). std is the sample standard deviation. */
+static stats summarize(double *x, int64_t n) {
+    stats s;
+    memset(&s, 0, sizeof s);
+    s.n = n;
+    if (n <= 0) return s;
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += x[i];
+    s.total = sum;
+    s.mean = sum / (double)n;
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += (x[i] - s.mean) * (x[i] - s.mean);
+    s.std = n > 1 ? sqrt(ss / (double)(n - 1)) : 0.0;
+    qsort(x, (size_t)n, sizeof *x, cmp_double);
+    s.min = x[0];
+    s.max = x[n - 1];
+    s.p50 = percentile(x, n, 50);
+    s.p99 = percentile(x, n, 99);
+    return s;
+}
+
+static void print_stats_text(const char *label, const stats *s, double tokens) {
+    printf("%-8s mean %10.3f ± %8.3f ms  P50 %10.3f  P99 %10.3f  P99/P50 %6.3f  min %10.3f  max %10.3f",
+           label, s->mean, s->std, s->p50, s->p99, s->p50 > 0 ? s->p99 / s->p50 : 0.0, s->min,
+           s->max);
+    if (tokens > 0 && s->total > 0) printf("  %10.2f tok/s", tokens / s->total * 1e3);
+    putchar('\n');
+}
+
+static void print_stats_json(const char *name, const stats *s, double tokens, double requests,
+                             int last) {
+    printf("  \"%s\": {\"n\": %" PRId64 ", \"mean_ms\": %.6f, \"std_ms\": %.6f, \"p50_ms\": %.6f, "
+           "\"p99_ms\": %.6f, \"p99_over_p50\": %.6f, \"min_ms\": %.6f, \"max_ms\": %.6f, "
+           "\"total_ms\": %.6f, \"tokens\": %.0f, \"tokens_per_s\": %.6f",
+           name, s->n, s->mean, s->std, s->p50, s->p99, s->p50 > 0 ? s->p99 / s->p50 : 0.0,
+           s->min, s->max, s->total, tokens, s->total > 0 ? tokens / s->total * 1e3 : 0.0);
+    if (requests > 0)
+        printf(", \"requests_per_s\": %.6f", s->total > 0 ? requests / s->total * 1e3 : 0.0);
+    printf("}%s\n", last ? "" : ",");
+}
+
+/* Print a JSON string (the model path, engine strings) with the needed escapes. */
+static void print_json_string(const char *s) {
+    putchar('"');
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') printf("\\%c", c);
+        else if (c < 0x20) printf("\\u%04x", c);
+        else putchar(c);
+    }
+    putchar('"');
+}
+
+static int engine_error(colibri_ctx *ctx, colibri_status st, const char *what) {
+    const char *msg = ctx ? colibri_last_error(ctx) : "";
+    fprintf(stderr, "colibri_bench: error: %s: %s\n", what,
+            (msg && *msg) ? msg : colibri_status_string(st));
+    return EXIT_ENGINE;
+}
+
+int main(int argc, char **argv) {
+    args a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc >= 0) return rc;
+    if (colibri_abi_version() != COLIBRI_ABI_VERSION) {
+        fprintf(stderr, "colibri_bench: error: library ABI %d, tool built for %d\n",
+                colibri_abi_version(), COLIBRI_ABI_VERSION);
+        return EXIT_ENGINE;
+    }
+
+    /* The context holds exactly one sequence of seq_len + max_new_tokens positions. */
+    colibri_options opt;
+    colibri_options_init(&opt);
+    opt.num_threads = (int32_t)a.num_threads;
+    opt.max_seq_len = a.seq_len + a.max_new_tokens;
+    opt.max_batch = a.max_batch;
+    opt.group_pad = (int32_t)a.group_pad;
+
+    double t0 = now_ms();
+    colibri_ctx *ctx = NULL;
+    char err[1024] = "";
+    colibri_status st = colibri_init_ex(a.model, &opt, &ctx, err, sizeof err);
+    if (st != COLIBRI_OK) {
+        fprintf(stderr, "colibri_bench: error: cannot open model: %s\n",
+                *err ? err : colibri_status_string(st));
+        if (st == COLIBRI_E_INVALID_ARG && strstr(err, "max_seq_len"))
+            fprintf(stderr, "colibri_bench: --seq_len + --max_new_tokens must fit the model's "
+                            "max_seq_len; lower them\n");
+        return EXIT_ENGINE;
+    }
+    double t_load = now_ms() - t0;
+
+    int32_t *ids = NULL;
+    float *logits = NULL;
+    double *pre = NULL, *dec = NULL, *req = NULL;
+    rc = EXIT_ENGINE;
+
+    int64_t vocab = 0, threads_req = 0, threads_used = 0, n_layers = 0, n_experts = 0, top_k = 0,
+            hidden = 0, max_batch = 0, group_pad = 0;
+    const char *arch = "", *wdtype = "";
+    if ((st = colibri_get_int(ctx, "vocab_size", &vocab)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "num_threads", &threads_req)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "threads_used", &threads_used)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "n_layers", &n_layers)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "n_experts", &n_experts)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "top_k", &top_k)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "hidden_size", &hidden)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "max_batch", &max_batch)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "group_pad", &group_pad)) != COLIBRI_OK ||
+        (st = colibri_get_string(ctx, "architecture", &arch)) != COLIBRI_OK ||
+        (st = colibri_get_string(ctx, "weight_dtype", &wdtype)) != COLIBRI_OK) {
+        rc = engine_error(ctx, st, "reading the model's settings");
+        goto done;
+    }
+
+    /* Every row of the prefill's logits is written (the API computes them all). */
+    ids = malloc((size_t)a.seq_len * sizeof *ids);
+    logits = malloc((size_t)a.seq_len * (size_t)vocab * sizeof *logits);
+    int64_t n_req = a.num_requests;
+    int64_t n_dec = n_req * a.batch_size * a.max_new_tokens;
+    pre = malloc((size_t)n_req * sizeof *pre);
+    req = malloc((size_t)n_req * sizeof *req);
+    dec = malloc((size_t)(n_dec > 0 ? n_dec : 1) * sizeof *dec);
+    if (!ids || !logits || !pre || !req || !dec) {
+        fprintf(stderr, "colibri_bench: error: out of memory for %" PRId64 " x %" PRId64
+                        " logits; lower --seq_len\n", a.seq_len, vocab);
+        goto done;
+    }
+
+    uint64_t rng = a.seed;
+    int64_t di = 0;
+    for (int64_t r = -a.warmup; r < n_req; r++) {
+        int counted = r >= 0;
+        double t_pre = 0, t_req0 = now_ms();
+        for (int64_t b = 0; b < a.batch_size; b++) {
+            for (int64_t t = 0; t < a.seq_len; t++) ids[t] = random_id(&rng, vocab);
+            double tp = now_ms();
+            st = colibri_forward_at(ctx, ids, a.seq_len, 0, logits);
+            t_pre += now_ms() - tp;
+            if (st != COLIBRI_OK) { rc = engine_error(ctx, st, "prefill"); goto done; }
+            for (int64_t s = 0; s < a.max_new_tokens; s++) {
+                int32_t id = random_id(&rng, vocab);
+                double td = now_ms();
+                st = colibri_forward_at(ctx, &id, 1, a.seq_len + s, logits);
+                double el = now_ms() - td;
+                if (st != COLIBRI_OK) { rc = engine_error(ctx, st, "decode"); goto done; }
+                if (counted) dec[di++] = el;
+            }
+        }
+        if (counted) {
+            pre[r] = t_pre;
+            req[r] = now_ms() - t_req0;
+        }
+    }
+
+    double pre_tokens = (double)(n_req * a.batch_size * a.seq_len);
+    double dec_tokens = (double)n_dec;
+    stats sp = summarize(pre, n_req);
+    stats sd = summarize(dec, n_dec);
+    stats sr = summarize(req, n_req);
+
+    if (a.json) {
+        printf("{\n  \"tool\": \"colibri_bench\",\n  \"engine_version\": ");
+        print_json_string(colibri_version_string());
+        printf(",\n  \"model\": ");
+        print_json_string(a.model);
+        printf(",\n  \"architecture\": ");
+        print_json_string(arch);
+        printf(",\n  \"weight_dtype\": ");
+        print_json_string(wdtype);
+        printf(",\n  \"vocab_size\": %" PRId64 ", \"n_layers\": %" PRId64 ", \"hidden_size\": %" PRId64
+               ", \"n_experts\": %" PRId64 ", \"top_k\": %" PRId64 ",\n",
+               vocab, n_layers, hidden, n_experts, top_k);
+        printf("  \"batch_size\": %" PRId64 ", \"batch_mode\": \"sequential\", \"seq_len\": %" PRId64
+               ", \"max_new_tokens\": %" PRId64 ", \"num_requests\": %" PRId64 ", \"warmup\": %" PRId64
+               ",\n  \"num_threads\": %" PRId64 ", \"threads_used\": %" PRId64 ", \"group_pad\": %" PRId64
+               ", \"max_batch\": %" PRId64 ", \"seed\": %" PRIu64 ", \"token_ids\": \"splitmix64 uniform over the vocabulary\",\n"
+               "  \"load_ms\": %.6f,\n",
+               a.batch_size, a.seq_len, a.max_new_tokens, n_req, a.warmup, threads_req,
+               threads_used, group_pad, max_batch, a.seed, t_load);
+        print_stats_json("prefill", &sp, pre_tokens, (double)n_req, 0);
+        print_stats_json("decode", &sd, dec_tokens, 0, 0);
+        print_stats_json("request", &sr, pre_tokens + dec_tokens, (double)n_req, 1);
+        printf("}\n");
+    } else {
+        printf("colibri_bench %s: %s (%s, %s, %" PRId64 " layers, %" PRId64 " experts top-%" PRId64
+               ", vocab %" PRId64 "), loaded in %.1f ms\n",
+               colibri_version_string(), a.model, arch, wdtype, n_layers, n_experts, top_k, vocab,
+               t_load);
+        printf("settings: batch_size %" PRId64 " (sequences per request, run one after another), "
+               "seq_len %" PRId64 ", max_new_tokens %" PRId64 ", %" PRId64 " requests after %" PRId64
+               " warmup, threads %" PRId64 " requested / %" PRId64 " used, group_pad %" PRId64
+               ", max_batch %" PRId64 ", seed %" PRIu64 "\n",
+               a.batch_size, a.seq_len, a.max_new_tokens, n_req, a.warmup, threads_req,
+               threads_used, group_pad, max_batch, a.seed);
+        printf("prefill: latency per request (%" PRId64 " x %" PRId64 " tokens); decode: latency per token step\n",
+               a.batch_size, a.seq_len);
+        print_stats_text("prefill", &sp, pre_tokens);
+        if (n_dec > 0) print_stats_text("decode", &sd, dec_tokens);
+        print_stats_text("request", &sr, pre_tokens + dec_tokens);
+        printf("throughput: %.3f requests/s\n", sr.total > 0 ? (double)n_req / sr.total * 1e3 : 0.0);
+    }
+    rc = 0;
+
+done:
+    free(req);
+    free(dec);
+    free(pre);
+    free(logits);
+    free(ids);
+    colibri_free(ctx);
+    return rc;
+}
