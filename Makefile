@@ -49,6 +49,8 @@ test: $(PY)
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e ".[test]"
 	$(MAKE) native-tests
+	# the browser test (tests/test_browser.py) drives Debian's chromium (needs root to install)
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 	$(MAKE) pytest
 
 native-tests:
@@ -57,10 +59,9 @@ native-tests:
 	$(CMAKE) --build $(NATIVE_TEST_DIR) -j $(JOBS)
 	cd $(NATIVE_TEST_DIR) && ctest --output-on-failure -j $(JOBS)
 
-# The notebooks will join the test run with nbval once notebooks/*.ipynb exist:
-#   $(BIN)/pytest -q tests --nbval --nbval-current-env notebooks
+# The notebooks run under strict nbval: outputs of untagged cells are compared.
 pytest:
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q tests --nbval --nbval-current-env notebooks
 
 clean:
 	rm -rf build $(VENV) colibri_lab/_lib

@@ -27,6 +27,7 @@ from ._native import version as native_version
 from .convert import convert
 from .engine import Engine, EngineConfig, Token, Tokenizer
 from .format import inspect
+from .trace import Trace
 
 __version__ = "0.1.0"
 
@@ -49,7 +50,19 @@ __all__ = [
     "EngineConfig",
     "Token",
     "Tokenizer",
+    "Trace",
     "convert",
     "inspect",
     "native_version",
 ]
+
+# The workbench modules load on first use, so `import colibri_lab` does not import plotly.
+_LAZY_MODULES = ("diagnostics", "viz", "widgets")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_MODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'colibri_lab' has no attribute {name!r}")

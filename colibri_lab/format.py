@@ -113,6 +113,37 @@ TENSOR_RECORD_FIXED = 4 + _REC_HEAD.size + _REC_TAIL.size  # + name_len
 HEADER_FIELDS = ("n_experts", "top_k", "hidden_size", "intermediate_size", "vocab_size",
                  "max_seq_len", "n_layers", "flags")
 
+
+def _header_layout() -> tuple[tuple[int, int, str, str], ...]:
+    """Every field of the 256-byte header as (offset, size, name, struct code), in file
+    order, derived from the structs above (one definition; docs/format.md, "Header")."""
+    rows, off = [], 0
+
+    def add(name: str, code: str) -> None:
+        nonlocal off
+        size = struct.calcsize("<" + code)
+        rows.append((off, size, name, code))
+        off += size
+
+    fixed_codes = ["8s", "I", "I", "Q"] + ["I"] * len(HEADER_FIELDS)
+    for name, code in zip(("magic", "version", "header_size", "file_size") + HEADER_FIELDS,
+                          fixed_codes):
+        add(name, code)
+    for s in SECTION_NAMES:
+        for part, code in zip(("offset", "size", "crc32", "reserved"), ("Q", "Q", "I", "I")):
+            add(f"sections.{s}.{part}", code)
+    add("alignment", "I")
+    add("block_size", "I")
+    add("reserved", f"{HDR_CRC_OFFSET - off}s")
+    add("header_crc32", "I")
+    assert "".join(r[3] for r in rows[:len(fixed_codes)]) == _HDR_FIXED.format.lstrip("<")
+    assert off == HEADER_SIZE
+    return tuple(rows)
+
+
+#: (offset, size, name, struct code) of every header field, for dumps and hex views.
+HEADER_LAYOUT = _header_layout()
+
 # The family-option metadata keys (docs/format.md, "Family options") and their defaults,
 # which are Mixtral's behaviour. None = "model.sliding_window for every layer".
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")

@@ -1,0 +1,545 @@
+"""Plotly figures of what the engine did (a :class:`~colibri_lab.trace.Trace`) and of what a
+``.colibri`` file holds (a :class:`~colibri_lab.format.ColibriInfo`).
+
+Every function returns a ``plotly.graph_objects.Figure``; wrap it in ``go.FigureWidget``
+for live updates (see :mod:`colibri_lab.widgets`).
+
+- :func:`routing_heatmap`       layer × token grid coloured by the chosen expert, or one
+                                layer's token × expert router probabilities
+- :func:`expert_load`           share of routed rows per expert and layer, uniform line
+- :func:`group_size_histogram`  group sizes and the rows added by group padding
+- :func:`stage_timings`         time per stage, stacked per layer, embedding, LM head
+- :func:`shared_gate`           the shared expert's gate per token and layer (Qwen2-MoE)
+- :func:`token_router_probs`    one token's router probabilities in every layer
+- :func:`format_map`            the file's sections to scale and the annotated header
+
+Token pieces are shown as the tokenizer spells them ('▁def', '<0x0A>'), HTML-escaped.
+Dense-MLP layers are never hidden: they appear as grey rows labelled "dense" or are
+named in a note.
+"""
+
+from __future__ import annotations
+
+import colorsys
+import html
+import struct
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from . import diagnostics as _diag
+from . import format as _fmt
+from .trace import ALL_STAGES, STAGES, Trace
+
+DENSE_COLOUR = "#b8b8b8"
+_BASE_PALETTE = (
+    # plotly's D3 + Dark24-ish qualitative colours: distinct, readable on white
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+    "#bcbd22", "#7f7f7f", "#2E91E5", "#E15F99", "#1CA71C", "#FB0D0D", "#DA16FF", "#B68100",
+    "#750D86", "#EB663B", "#511CFB", "#00A08B", "#FB00D1", "#FC0080", "#B2828D", "#6C7C32",
+)  # fmt: skip
+_STAGE_COLOURS = {"embedding": "#636efa", "attention": "#00cc96", "router": "#ef553b",
+                  "grouping": "#ab63fa", "expert_ffn": "#ffa15a", "combine": "#19d3f3",
+                  "lm_head": "#ff6692"}  # fmt: skip
+_MAX_TICKS = 64
+
+
+def expert_colours(n_experts: int) -> list[str]:
+    """One distinct colour per expert (the qualitative palette, then evenly spaced hues)."""
+    if n_experts <= len(_BASE_PALETTE):
+        return list(_BASE_PALETTE[:n_experts])
+    out = []
+    for i in range(n_experts):
+        r, g, b = colorsys.hls_to_rgb(i / n_experts, 0.45 + 0.15 * (i % 3) / 2, 0.75)
+        out.append(f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}")
+    return out
+
+
+def _esc(text: str) -> str:
+    return html.escape(text, quote=False)
+
+
+def _texts(trace: Trace) -> list[str]:
+    """Token pieces for display (the id when the trace has no texts)."""
+    if len(trace.token_texts) == trace.n_tokens:
+        return [str(t) for t in trace.token_texts]
+    return [f"#{int(i)}" for i in trace.token_ids]
+
+
+def _short(s: str, n: int = 12) -> str:
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _token_axis(trace: Trace) -> dict[str, Any]:
+    """x-axis ticks: token pieces at integer positions (thinned for long traces)."""
+    T = trace.n_tokens
+    step = max(1, -(-T // _MAX_TICKS))
+    vals = list(range(0, T, step))
+    texts = _texts(trace)
+    return dict(tickmode="array", tickvals=vals, ticktext=[_esc(_short(texts[t])) for t in vals],
+                tickangle=-60, title="token")
+
+
+def _layer_label(trace: Trace, l: int) -> str:
+    return f"layer {l}" if trace.layer_is_moe[l] else f"layer {l} (dense)"
+
+
+def _topk_text(trace: Trace, l: int, t: int) -> str:
+    ids, w = trace.topk_ids[l, t], trace.topk_weights[l, t]
+    return ", ".join(f"e{int(e)} ({float(x):.3f})" for e, x in zip(ids, w))
+
+
+def _note(fig: go.Figure, text: str, y: float = 1.0, yanchor: str = "bottom") -> None:
+    fig.add_annotation(text=text, xref="paper", yref="paper", x=0, y=y, xanchor="left",
+                       yanchor=yanchor, showarrow=False, font=dict(size=11, color="#555"),
+                       align="left")
+
+
+def _empty(title: str, message: str, height: int = 260) -> go.Figure:
+    fig = go.Figure()
+    fig.update_layout(title=title, height=height, xaxis=dict(visible=False),
+                      yaxis=dict(visible=False))
+    fig.add_annotation(text=message, xref="paper", yref="paper", x=0.5, y=0.5,
+                       showarrow=False, font=dict(size=14))
+    return fig
+
+
+# --------------------------------------------------------------------------- routing
+
+def routing_heatmap(trace: Trace, layer: int | None = None, slot: int = 0) -> go.Figure:
+    """Which expert each token went to.
+
+    ``layer=None``: a layer × token grid coloured by the expert at rank ``slot`` (0 = the
+    best), one colour per expert (the colour bar names them); dense layers are grey rows
+    labelled "(dense)". Hover: the token piece, its position, and every top-k id with its
+    combine weight.
+
+    ``layer=l``: that layer's token × expert router probabilities, the chosen experts
+    marked with their rank (what the explorer widget's layer control switches to).
+    """
+    if trace.n_tokens == 0:
+        return _empty("Routing", "the trace holds no tokens")
+    if layer is not None:
+        return _layer_probs_heatmap(trace, int(layer))
+    L, T, E, K = trace.n_layers, trace.n_tokens, trace.n_experts, trace.top_k
+    if not 0 <= slot < K:
+        raise ValueError(f"slot {slot} out of range: the trace has top-{K}")
+    texts = _texts(trace)
+    moe = trace.layer_is_moe
+    has_dense = bool((~moe).any())
+    z = np.where(moe[:, None], trace.topk_ids[:, :, slot], -1).astype(float)
+    hover = []
+    for l in range(L):
+        row = []
+        for t in range(T):
+            head = (f"token {t} <b>{_esc(repr(texts[t]))}</b> (pos {int(trace.positions[t])})"
+                    f"<br>{_layer_label(trace, l)}")
+            if moe[l]:
+                row.append(f"{head}<br>expert at rank {slot + 1}: e{int(z[l, t])}"
+                           f"<br>top-{K}: {_topk_text(trace, l, t)}")
+            else:
+                row.append(f"{head}<br>dense MLP: no routing")
+        hover.append(row)
+    # a discrete colour scale: one band per value (-1 = dense, then experts 0..E-1)
+    colours = ([DENSE_COLOUR] if has_dense else []) + expert_colours(E)
+    lo = -1 if has_dense else 0
+    n = len(colours)
+    scale = []
+    for i, c in enumerate(colours):
+        scale += [[i / n, c], [(i + 1) / n, c]]
+    tickvals = list(range(lo, E))
+    ticktext = (["dense"] if has_dense else []) + [f"expert {e}" for e in range(E)]
+    fig = go.Figure(go.Heatmap(
+        z=z, x=list(range(T)), y=list(range(L)), text=hover,
+        hovertemplate="%{text}<extra></extra>", colorscale=scale, zmin=lo - 0.5,
+        zmax=E - 0.5, xgap=1, ygap=1,
+        colorbar=dict(title="expert", tickvals=tickvals, ticktext=ticktext,
+                      len=min(1.0, 0.2 + 0.05 * n)),
+        name="routing",
+    ))
+    fig.update_layout(
+        title=(f"Routing: expert at rank {slot + 1} of top-{K} ({E} experts), "
+               f"{T} tokens × {L} layers"),
+        xaxis=_token_axis(trace),
+        yaxis=dict(tickmode="array", tickvals=list(range(L)),
+                   ticktext=[_layer_label(trace, l) for l in range(L)], autorange="reversed"),
+        height=max(260, 120 + 28 * L), margin=dict(b=90),
+    )
+    return fig
+
+
+def _layer_probs_heatmap(trace: Trace, layer: int) -> go.Figure:
+    L, T, E, K = trace.n_layers, trace.n_tokens, trace.n_experts, trace.top_k
+    if not 0 <= layer < L:
+        raise ValueError(f"layer {layer} out of range: the trace has {L} layers")
+    if not trace.layer_is_moe[layer]:
+        return _empty(f"Router probabilities, layer {layer}",
+                      f"layer {layer} is a dense MLP layer (dense): it has no router")
+    texts = _texts(trace)
+    probs = trace.router_probs[layer].T          # [E, T]
+    rank = np.full((E, T), -1)
+    for k in range(K):
+        rank[trace.topk_ids[layer, :, k], np.arange(T)] = k
+    hover = [[(f"token {t} <b>{_esc(repr(texts[t]))}</b><br>expert {e}: p = {probs[e, t]:.4f}"
+               + (f"<br>chosen, rank {rank[e, t] + 1}, weight "
+                  f"{float(trace.topk_weights[layer, t, rank[e, t]]):.4f}"
+                  if rank[e, t] >= 0 else "<br>not chosen"))
+              for t in range(T)] for e in range(E)]
+    fig = go.Figure(go.Heatmap(
+        z=probs, x=list(range(T)), y=list(range(E)), text=hover,
+        hovertemplate="%{text}<extra></extra>", colorscale="Viridis", zmin=0.0,
+        zmax=float(np.nanmax(probs)) if np.isfinite(probs).any() else 1.0,
+        colorbar=dict(title="p(expert)"), name=f"layer {layer}",
+    ))
+    tt, ee = np.nonzero(rank.T >= 0)
+    fig.add_trace(go.Scatter(   # ranks written in the circles while they are legible
+        x=tt, y=ee, mode="markers+text" if T <= 48 else "markers",
+        text=[str(rank[e, t] + 1) for t, e in zip(tt, ee)],
+        textfont=dict(color="white", size=9), hoverinfo="skip", name="chosen (rank)",
+        # circles about one cell wide (a figure of ~860 px, the height set below)
+        marker=dict(symbol="circle-open", size=max(5, min(14, 600 // max(T, 1),
+                                                           200 // max(E, 1))),
+                    color="white", line=dict(width=1.5)),
+    ))
+    fig.update_layout(
+        title=f"Router probabilities, layer {layer} (circled: the top-{K}"
+              + (", with their rank)" if T <= 48 else ")"),
+        xaxis=_token_axis(trace),
+        yaxis=dict(title="expert", tickmode="array", tickvals=list(range(E)),
+                   ticktext=[f"e{e}" for e in range(E)], autorange="reversed"),
+        height=max(300, 160 + 28 * E), showlegend=False, margin=dict(b=90),
+    )
+    return fig
+
+
+def token_router_probs(trace: Trace, token: int, layer: int | None = None) -> go.Figure:
+    """One token's router probabilities: in every layer (layer × expert heatmap, its top-k
+    circled) or, with ``layer``, in that layer only (bars, the chosen experts coloured)."""
+    L, T, E, K = trace.n_layers, trace.n_tokens, trace.n_experts, trace.top_k
+    if not 0 <= token < T:
+        raise ValueError(f"token {token} out of range: the trace has {T} tokens")
+    text = _esc(repr(_texts(trace)[token]))
+    if layer is not None:
+        layer = int(layer)
+        if not 0 <= layer < L:
+            raise ValueError(f"layer {layer} out of range: the trace has {L} layers")
+        if not trace.layer_is_moe[layer]:
+            return _empty(f"Router probabilities of token {token} {text}, layer {layer}",
+                          f"layer {layer} is a dense MLP layer (dense): it has no router")
+        p = trace.router_probs[layer, token]
+        chosen = {int(e): k for k, e in enumerate(trace.topk_ids[layer, token])}
+        colours = ["#d62728" if e in chosen else "#9fb7d6" for e in range(E)]
+        fig = go.Figure(go.Bar(
+            x=[f"e{e}" for e in range(E)], y=p, marker_color=colours, name="p",
+            text=[f"rank {chosen[e] + 1}" if e in chosen else "" for e in range(E)],
+            textposition="outside",
+            hovertemplate="%{x}: p = %{y:.4f}<extra></extra>",
+        ))
+        fig.add_hline(y=1.0 / E, line_dash="dot", line_color="#666",
+                      annotation_text=f"uniform 1/{E}", annotation_position="top right")
+        fig.update_layout(title=(f"Router probabilities of token {token} {text}, layer {layer} "
+                                 f"(red: the top-{K})"),
+                          xaxis_title="expert", yaxis_title="p(expert)", height=320,
+                          yaxis_range=[0, max(1.0 / E, float(np.nanmax(p))) * 1.15])
+        return fig
+    p = trace.router_probs[:, token, :]          # [L, E], NaN rows for dense layers
+    hover = [[(f"{_layer_label(trace, l)}, expert {e}: p = {p[l, e]:.4f}"
+               if trace.layer_is_moe[l] else f"{_layer_label(trace, l)}: no router")
+              for e in range(E)] for l in range(L)]
+    fig = go.Figure(go.Heatmap(
+        z=p, x=list(range(E)), y=list(range(L)), text=hover, hovertemplate="%{text}<extra></extra>",
+        colorscale="Viridis", zmin=0.0, zmax=1.0, colorbar=dict(title="p"), name="probs",
+    ))
+    moe = trace.moe_layers
+    xs = [int(trace.topk_ids[l, token, k]) for l in moe for k in range(K)]
+    ys = [int(l) for l in moe for _ in range(K)]
+    fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", hoverinfo="skip", name="top-k",
+                             marker=dict(symbol="circle-open", size=14, color="white",
+                                         line=dict(width=1.5))))
+    fig.update_layout(
+        title=f"Router probabilities of token {token} {text} (circled: top-{K})",
+        xaxis=dict(title="expert", tickmode="array", tickvals=list(range(E)),
+                   ticktext=[f"e{e}" for e in range(E)]),
+        yaxis=dict(tickmode="array", tickvals=list(range(L)),
+                   ticktext=[_layer_label(trace, l) for l in range(L)], autorange="reversed"),
+        height=max(240, 120 + 26 * L), showlegend=False,
+    )
+    return fig
+
+
+# --------------------------------------------------------------------------- load
+
+def expert_load(trace: Trace, layer: int | None = None) -> go.Figure:
+    """Share of each MoE layer's routed rows that each expert received (grouped bars, one
+    colour per layer), with the uniform share 1/E as a dashed line. Dense layers have no
+    routing: they are skipped and named in a note. ``layer`` shows one layer only."""
+    E = trace.n_experts
+    load = _diag.expert_load(trace)
+    layers = list(trace.moe_layers) if layer is None else [int(layer)]
+    dense = [int(l) for l in np.flatnonzero(~trace.layer_is_moe)]
+    fig = go.Figure()
+    for l in layers:
+        if not trace.layer_is_moe[l]:
+            continue
+        g = trace.group_sizes[l]
+        fig.add_trace(go.Bar(
+            x=[f"e{e}" for e in range(E)], y=load[l], name=f"layer {l}",
+            customdata=np.stack([g, np.full(E, g.sum())], axis=1),
+            hovertemplate=(f"layer {l}, %{{x}}: %{{y:.3f}} of the routed rows "
+                           "(%{customdata[0]} of %{customdata[1]})<extra></extra>"),
+        ))
+    fig.add_hline(y=1.0 / E, line_dash="dash", line_color="#444",
+                  annotation_text=f"uniform 1/{E}", annotation_position="top right")
+    what = "all MoE layers" if layer is None else f"layer {layer}"
+    fig.update_layout(title=f"Expert load: share of routed rows per expert ({what})",
+                      barmode="group", xaxis_title="expert", yaxis_title="share of rows",
+                      height=360, legend_title="layer")
+    notes = []
+    if dense:
+        notes.append(f"dense layers (no routing, skipped): {', '.join(map(str, dense))}")
+    if layer is not None and not trace.layer_is_moe[layer]:
+        notes.append(f"layer {layer} is dense: no expert load")
+    if notes:
+        _note(fig, "; ".join(notes), y=-0.22, yanchor="top")
+        fig.update_layout(margin=dict(b=90))
+    return fig
+
+
+def group_size_histogram(trace: Trace) -> go.Figure:
+    """Group sizes and what padding them costs.
+
+    Top: rows per (MoE layer, expert) group as a heatmap (hover: routed rows, rows after
+    padding to a multiple of ``trace.group_pad``, padding rows). Bottom left: the
+    histogram of group sizes, before and after padding. Bottom right: per MoE layer the
+    routed rows with the padding rows on top, labelled with the waste as a share of the
+    grouped (padded) rows; the title gives the total (:func:`diagnostics.padding_waste`).
+    """
+    pad = _diag.padding_waste(trace)
+    moe = trace.moe_layers
+    E = trace.n_experts
+    fig = make_subplots(rows=2, cols=2, column_widths=[0.45, 0.55], row_heights=[0.45, 0.55],
+                        vertical_spacing=0.2,
+                        specs=[[{"colspan": 2}, None], [{}, {}]],
+                        subplot_titles=("rows per expert and layer (routed, before padding)",
+                                        "rows per (layer, expert) group",
+                                        "padding rows per layer"))
+    g, gp = trace.group_sizes[moe], trace.padded_group_sizes[moe]
+    fig.add_trace(go.Heatmap(
+        z=g, x=[f"e{e}" for e in range(E)], y=[f"layer {l}" for l in moe],
+        customdata=np.stack([gp, gp - g], axis=2) if len(moe) else None,
+        colorscale="Blues", colorbar=dict(title="rows", len=0.4, y=0.8), name="group sizes",
+        hovertemplate=("%{y}, %{x}: %{z} routed rows, %{customdata[0]} after padding "
+                       "(+%{customdata[1]})<extra></extra>"),
+        texttemplate="%{z}" if E * len(moe) <= 400 else None, xgap=1, ygap=1,
+    ), row=1, col=1)
+    fig.update_yaxes(autorange="reversed", row=1, col=1)
+    fig.add_trace(go.Histogram(x=g.ravel(), name="routed rows", opacity=0.75,
+                               marker_color="#1f77b4"), row=2, col=1)
+    if trace.group_pad > 1:
+        fig.add_trace(go.Histogram(x=gp.ravel(), name=f"after padding to {trace.group_pad}",
+                                   opacity=0.6, marker_color="#ff7f0e"), row=2, col=1)
+    xs = [f"layer {l}" for l in moe]
+    fig.add_trace(go.Bar(x=xs, y=pad["real_rows"][moe], name="routed rows (real)",
+                         marker_color="#1f77b4", showlegend=False,
+                         hovertemplate="%{x}: %{y} routed rows<extra></extra>"), row=2, col=2)
+    fig.add_trace(go.Bar(     # drawn on top of the routed rows (base), not overlaid
+        x=xs, y=pad["waste_rows"][moe], base=pad["real_rows"][moe], name="padding rows",
+        marker_color="#d62728",
+        text=[f"{p:.1f} %" for p in pad["waste_pct"][moe]], textposition="outside",
+        customdata=np.stack([pad["waste_rows"][moe], pad["padded_rows"][moe],
+                             pad["waste_pct"][moe]], axis=1) if len(moe) else None,
+        hovertemplate=("%{x}: %{customdata[0]} padding rows of %{customdata[1]} grouped "
+                       "rows (%{customdata[2]:.1f} %)<extra></extra>"),
+    ), row=2, col=2)
+    fig.update_layout(
+        barmode="overlay", height=max(620, 420 + 22 * len(moe)), legend=dict(y=0.45),
+        title=(f"Group padding to multiples of {pad['group_pad']}: {pad['total_waste_rows']} "
+               f"padding rows = {pad['total_waste_pct']:.1f} % of {pad['total_padded_rows']} "
+               "grouped rows"),
+    )
+    fig.update_xaxes(title_text="rows in group", row=2, col=1)
+    fig.update_yaxes(title_text="groups", row=2, col=1)
+    fig.update_yaxes(title_text="rows", row=2, col=2)
+    dense = np.flatnonzero(~trace.layer_is_moe)
+    if dense.size:
+        _note(fig, f"dense layers (no groups): {', '.join(map(str, dense))}", y=-0.12,
+              yanchor="top")
+        fig.update_layout(margin=dict(b=80))
+    return fig
+
+
+# --------------------------------------------------------------------------- timings
+
+def stage_timings(trace: Trace) -> go.Figure:
+    """Time per stage (summed over the traced forwards), stacked per layer, with the
+    embedding and the LM head as bars of their own; µs or ms as the sizes call for."""
+    L = trace.n_layers
+    per_layer = trace.timings_ns.astype(np.float64)            # [L, S]
+    biggest = max(float(per_layer.sum(axis=1).max(initial=0.0)), float(trace.embedding_ns),
+                  float(trace.lm_head_ns))
+    unit, div = ("ms", 1e6) if biggest >= 1e6 else ("µs", 1e3)
+    xs = ["embedding"] + [_layer_label(trace, l) for l in range(L)] + ["LM head"]
+    fig = go.Figure()
+    for name in ALL_STAGES:
+        if name == "embedding":
+            y = [trace.embedding_ns / div] + [None] * (L + 1)
+        elif name == "lm_head":
+            y = [None] * (L + 1) + [trace.lm_head_ns / div]
+        else:
+            y = [None] + list(per_layer[:, STAGES.index(name)] / div) + [None]
+        fig.add_trace(go.Bar(x=xs, y=y, name=name, marker_color=_STAGE_COLOURS[name],
+                             hovertemplate=f"%{{x}}, {name}: %{{y:.2f}} {unit}<extra></extra>"))
+    total = sum(trace.stage_totals().values())
+    fig.update_layout(
+        barmode="stack", height=380, yaxis_title=unit, legend_title="stage",
+        title=(f"Time per stage: {total / 1e6:.2f} ms in all over {trace.n_forwards} "
+               f"forward(s), {trace.n_tokens} tokens"),
+    )
+    return fig
+
+
+# --------------------------------------------------------------------------- shared expert
+
+def shared_gate(trace: Trace) -> go.Figure:
+    """The shared expert's gate sigmoid(g·x) per token and layer (Qwen2-MoE). A model
+    without a gated shared expert gets an empty figure saying so."""
+    g = trace.shared_gate.astype(np.float64)
+    finite = np.isfinite(g)
+    gated = finite & (g != 1.0)
+    if not gated.any():
+        why = ("a shared expert without a gate (scale 1.0)" if finite.any()
+               else "no shared expert")
+        return _empty("Shared-expert gate", f"no gated shared expert in this model ({why})")
+    texts = _texts(trace)
+    L, T = g.shape
+    hover = [[(f"token {t} <b>{_esc(repr(texts[t]))}</b><br>{_layer_label(trace, l)}<br>"
+               + (f"gate {g[l, t]:.4f}" if finite[l, t] else "no shared expert"))
+              for t in range(T)] for l in range(L)]
+    fig = go.Figure(go.Heatmap(z=g, x=list(range(T)), y=list(range(L)), text=hover,
+                               hovertemplate="%{text}<extra></extra>", colorscale="Cividis",
+                               zmin=0.0, zmax=1.0, colorbar=dict(title="gate")))
+    fig.update_layout(
+        title=f"Shared-expert gate per token and layer (mean {np.nanmean(g):.3f})",
+        xaxis=_token_axis(trace),
+        yaxis=dict(tickmode="array", tickvals=list(range(L)),
+                   ticktext=[_layer_label(trace, l) for l in range(L)], autorange="reversed"),
+        height=max(260, 120 + 28 * L), margin=dict(b=90),
+    )
+    return fig
+
+
+# --------------------------------------------------------------------------- file format
+
+def _decode_field(name: str, code: str, raw: bytes, info: _fmt.ColibriInfo) -> str:
+    if code.endswith("s") and name == "magic":
+        return repr(raw)[1:]
+    if code.endswith("s"):
+        return "all zero" if not any(raw) else "NOT ZERO"
+    (v,) = struct.unpack("<" + code, raw)
+    if name == "flags":
+        on = [k for k, b in info.flags.items() if b]
+        return f"{v:#x} ({', '.join(on) or 'none'})"
+    if name == "header_crc32":
+        with open(info.path, "rb") as f:
+            head = f.read(_fmt.HDR_CRC_OFFSET)
+        ok = _fmt.crc32(head) == v
+        return f"{v:08x} ({'matches bytes 0..251' if ok else 'MISMATCH'})"
+    if name.endswith(".crc32"):
+        return f"{v:08x}"
+    if name.endswith((".offset", ".size")) or name == "file_size":
+        return f"{v:,}"
+    return str(v)
+
+
+def _human_bytes(n: int) -> str:
+    for unit, div in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} B"
+
+
+def header_fields(info: _fmt.ColibriInfo) -> list[dict[str, Any]]:
+    """Every header field of ``info``'s file, read from its first 256 bytes: a list of
+    dicts (offset, size, name, hex, value), value decoded for reading. The layout is
+    :data:`colibri_lab.format.HEADER_LAYOUT`."""
+    with open(info.path, "rb") as f:
+        hdr = f.read(_fmt.HEADER_SIZE)
+    if len(hdr) != _fmt.HEADER_SIZE:
+        raise _fmt.FormatError(f"{info.path}: shorter than the {_fmt.HEADER_SIZE}-byte header")
+    rows = []
+    for off, size, name, code in _fmt.HEADER_LAYOUT:
+        raw = hdr[off:off + size]
+        hx = (f"00 × {size}" if size > 16 and not any(raw)
+              else " ".join(f"{b:02x}" for b in raw))
+        rows.append({"offset": off, "size": size, "name": name, "hex": hx,
+                     "value": _decode_field(name, code, raw, info)})
+    return rows
+
+
+def format_map(info: _fmt.ColibriInfo) -> go.Figure:
+    """The file to scale (header, the six sections and the alignment gaps between them;
+    hover for offset, size and CRC) above the 256-byte header as an annotated hex dump:
+    one row per field with its offset, its bytes in hex, its name and its decoded value."""
+    regions = [("header", 0, _fmt.HEADER_SIZE, f"crc32 {info.header_crc32:08x}")]
+    prev = _fmt.HEADER_SIZE
+    for s in info.sections:
+        if s.offset > prev:
+            regions.append(("alignment gap", prev, s.offset - prev, "zero bytes"))
+        ok = {None: "not checked", True: "checked ok", False: "MISMATCH"}[s.crc_ok]
+        regions.append((s.name, s.offset, s.size, f"crc32 {s.crc32:08x} ({ok})"))
+        prev = s.offset + s.size
+    if info.file_size > prev:
+        regions.append(("alignment gap", prev, info.file_size - prev, "zero bytes"))
+    rows = header_fields(info)
+    fig = make_subplots(rows=3, cols=1, row_heights=[0.07, 0.07, 0.86], vertical_spacing=0.04,
+                        specs=[[{"type": "xy"}], [{"type": "xy"}], [{"type": "table"}]],
+                        subplot_titles=(f"to scale: byte offsets 0 … {info.file_size:,}",
+                                        "in file order (not to scale)",
+                                        "header (256 bytes), field by field"))
+    palette = {"header": "#444444", "alignment gap": "#e8e8e8"}
+    colours = iter(_BASE_PALETTE)
+    seen_gap = False
+    slot = 0
+    for name, off, size, extra in regions:
+        colour = palette.get(name) or next(colours)
+        gap = name == "alignment gap"
+        hover = (f"<b>{name}</b><br>offset {off:,}<br>size {size:,} bytes"
+                 f"<br>end {off + size:,}<br>{extra}<extra></extra>")
+        fig.add_trace(go.Bar(
+            y=["file"], x=[size], base=[off], orientation="h", name=name,
+            legendgroup=name, showlegend=not (gap and seen_gap), marker_color=colour,
+            marker_line=dict(width=0.5, color="white"), hovertemplate=hover,
+        ), row=1, col=1)
+        seen_gap = seen_gap or gap
+        if not gap:
+            fig.add_trace(go.Bar(
+                y=["order"], x=[1], base=[slot], orientation="h", name=name, legendgroup=name,
+                showlegend=False, marker_color=colour, marker_line=dict(width=1, color="white"),
+                text=[f"{name}<br>{_human_bytes(size)}"], textposition="inside",
+                insidetextanchor="middle", hovertemplate=hover,
+            ), row=2, col=1)
+            slot += 1
+    fig.update_xaxes(range=[0, info.file_size], row=1, col=1)
+    fig.update_xaxes(range=[0, slot], visible=False, row=2, col=1)
+    fig.update_yaxes(showticklabels=False, row=1, col=1)
+    fig.update_yaxes(showticklabels=False, row=2, col=1)
+    mono = dict(family="monospace", size=11)
+    fig.add_trace(go.Table(
+        columnwidth=[50, 190, 190, 170],
+        header=dict(values=["offset", "bytes (hex)", "field", "value"], align="left",
+                    font=dict(size=12)),
+        cells=dict(values=[[r["offset"] for r in rows], [r["hex"] for r in rows],
+                           [r["name"] for r in rows], [_esc(r["value"]) for r in rows]],
+                   align="left", font=mono, height=20),
+    ), row=3, col=1)
+    fig.update_layout(barmode="overlay", height=300 + 22 * (len(rows) + 2),
+                      legend=dict(orientation="h", y=1.04),
+                      title=f"{_esc(info.path)}: .colibri v{info.version}")
+    return fig
+
+
+__all__ = ["expert_colours", "expert_load", "format_map", "group_size_histogram",
+           "header_fields", "routing_heatmap", "shared_gate", "stage_timings",
+           "token_router_probs"]

@@ -1,0 +1,70 @@
+"""The routing explorer (colibri_lab.widgets) headless: built on a real engine, its
+controls set from Python change the figures' data, Run re-traces the new prompt, and an
+error lands in the status line instead of raising."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("anywidget")   # plotly's FigureWidget needs it
+
+import colibri_lab  # noqa: E402
+from colibri_lab import widgets as W  # noqa: E402
+
+
+@pytest.fixture
+def engine(make_model):
+    _, path = make_model()
+    with colibri_lab.Engine(path) as eng:
+        yield eng
+
+
+def test_explorer_runs_and_reacts(engine):
+    prompt = "for i in range(10):\n    print(i)\n"
+    ex = W.explorer(engine, prompt=prompt)
+    ids = engine.tokenizer.encode(prompt)
+    tr = ex.trace
+    assert tr is not None and tr.token_ids.tolist() == ids
+    assert len(ex.token.options) == len(ids)
+    assert "Trace(" in ex.status.value
+    z_all = np.asarray(ex.heatmap.data[0].z)
+    assert z_all.shape == (engine.config.n_layers, len(ids))
+    assert np.array_equal(z_all, tr.topk_ids[:, :, 0])
+
+    # layer control: the heatmap becomes that layer's token x expert router probs
+    ex.layer.value = 1
+    z1 = np.asarray(ex.heatmap.data[0].z)
+    assert z1.shape == (engine.config.n_experts, len(ids))
+    assert np.allclose(z1, tr.router_probs[1].T)
+    assert "layer 1" in ex.load.layout.title.text and len(ex.load.data) == 1
+    assert np.allclose(ex.probs.data[0].y, tr.router_probs[1, 0])
+
+    # token control: the selected token's probabilities and the highlight follow
+    ex.token.value = 3
+    assert np.allclose(ex.probs.data[0].y, tr.router_probs[1, 3])
+    assert ex.heatmap.layout.shapes[0].x0 == pytest.approx(2.5)
+    ex.layer.value = W.ALL_LAYERS
+    assert np.asarray(ex.probs.data[0].z).shape == (engine.config.n_layers,
+                                                    engine.config.n_experts)
+    assert np.array_equal(np.asarray(ex.heatmap.data[0].z), z_all)
+
+    # Run with another prompt: a new trace, new token list, redrawn heatmap
+    ex.prompt.value = "x = 1"
+    ex.run_button.click()
+    ids2 = engine.tokenizer.encode("x = 1")
+    assert ex.trace is not tr and ex.trace.token_ids.tolist() == ids2
+    assert [v for _, v in ex.token.options] == list(range(len(ids2)))
+    assert np.asarray(ex.heatmap.data[0].z).shape == (engine.config.n_layers, len(ids2))
+
+
+def test_explorer_generates_and_reports_errors(engine):
+    ex = W.explorer(engine, prompt="def f(x):", max_new_tokens=3)
+    n = len(engine.tokenizer.encode("def f(x):"))
+    # the prompt, then 2 decode steps (the 3rd token is sampled, never fed back)
+    assert ex.trace.n_tokens == n + 2 and ex.trace.n_forwards == 3
+    before = ex.trace
+    engine.close()
+    assert ex.run() is None
+    assert "error" in ex.status.value and "closed" in ex.status.value
+    assert ex.trace is before
