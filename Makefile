@@ -16,7 +16,7 @@ JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 
 DEMO_SRC    := data/tiny-mixtral
 DEMO_MODEL  := build/tiny-mixtral.colibri
-DEMO_PROMPT ?= The capital of France is
+DEMO_PROMPT ?= def
 NATIVE_TEST_DIR := build/native-tests
 
 .PHONY: demo test venv native-tests pytest clean help

@@ -156,8 +156,8 @@ def test_default_model_converts(tmp_path):
     info = inspect(out, verify=True)
     h = info.header
     assert (h["vocab_size"], h["hidden_size"], h["n_layers"], h["n_experts"], h["top_k"],
-            h["intermediate_size"], h["max_seq_len"]) == (32000, 64, 4, 8, 2, 128, 4096)
-    assert info.metadata["model.head_dim"] == 16 and info.metadata["model.n_kv_heads"] == 2
+            h["intermediate_size"], h["max_seq_len"]) == (32000, 96, 4, 8, 2, 192, 4096)
+    assert info.metadata["model.head_dim"] == 24 and info.metadata["model.n_kv_heads"] == 2
     assert info.metadata["tokenizer.type"] == "sentencepiece_bpe"
     assert info.metadata["general.name"] == "tiny-mixtral"
 
