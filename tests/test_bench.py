@@ -1,0 +1,200 @@
+"""The measurement tools, in CI: colibri_bench (a subprocess on a tiny converted model: the
+JSON fields and their arithmetic, exit codes) and ``python -m colibri_lab.bench --smoke``
+(every engine it can run, a missing peer reported instead of crashing). Timings are not
+judged: only that they exist, are positive and add up."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colibri_lab import bench
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench_exe(cli_path) -> str:
+    """colibri_bench: $COLIBRI_BENCH, else beside colibri_cli (one build folder, or the
+    venv's bin/ after pip install), else on PATH."""
+    env = os.environ.get("COLIBRI_BENCH")
+    if env:
+        return env
+    beside = Path(cli_path).parent / "colibri_bench"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("colibri_bench")
+    if not found:
+        pytest.fail("colibri_bench not found: build native/ (it sits beside colibri_cli) or set "
+                    "COLIBRI_BENCH")  # fmt: skip
+    return found
+
+
+@pytest.fixture(scope="module")
+def model(make_model):
+    return make_model()  # (hf_dir, .colibri path); max_seq_len 256
+
+
+def run(exe, *args, timeout=300):
+    return subprocess.run([exe, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, check=False)  # fmt: skip
+
+
+def test_json_fields_and_arithmetic(bench_exe, model):
+    r = run(bench_exe, "--model", model[1], "--batch_size", 2, "--seq_len", 17,
+            "--max_new_tokens", 5, "--num_requests", 3, "--warmup", 1, "--seed", 7,
+            "--num_threads", 1, "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["tool"] == "colibri_bench" and d["batch_mode"] == "sequential"
+    assert (d["vocab_size"], d["n_layers"], d["n_experts"], d["top_k"]) == (32000, 2, 4, 2)
+    assert d["weight_dtype"] == "f32" and d["architecture"] == "mixtral"
+    assert (d["batch_size"], d["seq_len"], d["max_new_tokens"], d["num_requests"]) == (2, 17, 5, 3)
+    assert d["seed"] == 7 and d["threads_used"] >= 1 and d["load_ms"] > 0
+    # samples: one prefill latency per request, one decode latency per token step
+    expect = {"prefill": (3, 3 * 2 * 17), "decode": (3 * 2 * 5, 3 * 2 * 5),
+              "request": (3, 3 * 2 * (17 + 5))}  # fmt: skip
+    for name, (n, tokens) in expect.items():
+        s = d[name]
+        assert s["n"] == n and s["tokens"] == tokens, name
+        assert 0 < s["min_ms"] <= s["p50_ms"] <= s["p99_ms"] <= s["max_ms"], name
+        assert s["min_ms"] <= s["mean_ms"] <= s["max_ms"] and s["std_ms"] >= 0, name
+        assert math.isclose(s["p99_over_p50"], s["p99_ms"] / s["p50_ms"], rel_tol=1e-5)
+        assert math.isclose(s["total_ms"], s["mean_ms"] * n, rel_tol=1e-5)
+        assert math.isclose(s["tokens_per_s"], tokens / s["total_ms"] * 1e3, rel_tol=1e-5)
+    assert math.isclose(d["prefill"]["requests_per_s"], 3 / d["prefill"]["total_ms"] * 1e3,
+                        rel_tol=1e-5)  # fmt: skip
+    # a request holds its prefills and decodes
+    assert d["request"]["total_ms"] >= d["prefill"]["total_ms"] + d["decode"]["total_ms"] - 1e-3
+
+
+def test_text_report_and_prefill_only(bench_exe, model):
+    r = run(bench_exe, "--model", model[1], "--seq_len", 9, "--max_new_tokens", 0,
+            "--num_requests", 2, "--warmup", 0, "--group_pad", 4)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "P99/P50" in r.stdout and "tok/s" in r.stdout and "group_pad 4" in r.stdout
+    lines = {ln.split()[0] for ln in r.stdout.splitlines() if ln.strip()}
+    assert "prefill" in lines and "decode" not in lines  # no decode steps asked for
+
+
+def test_help_exits_0(bench_exe):
+    r = run(bench_exe, "--help")
+    assert r.returncode == 0 and "--batch_size" in r.stdout and "one after" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ([], "--model is required"),
+        (["--model", "m.colibri", "--bogus", "1"], "unknown option"),
+        (["--model", "m.colibri", "--seq_len", "0"], "--seq_len"),
+        (["--model", "m.colibri", "--seq_len", "ten"], "--seq_len"),
+        (["--model", "m.colibri", "--batch_size", "0"], "--batch_size"),
+        (["--model", "m.colibri", "--num_requests", "-1"], "--num_requests"),
+        (["--model", "m.colibri", "--warmup", "1.5"], "--warmup"),
+        (["--model", "m.colibri", "--max_new_tokens", "-2"], "--max_new_tokens"),
+        (["--model", "m.colibri", "--group_pad", "0"], "--group_pad"),
+        (["--model", "m.colibri", "--num_threads", "99999"], "--num_threads"),
+        (["--model", "m.colibri", "--seed", "-3"], "--seed"),
+        (["--model", "m.colibri", "--seq_len"], "needs a value"),
+        (["--model", "m.colibri", "--num_requests", "16777216", "--batch_size", "1048576",
+          "--max_new_tokens", "64"], "2^28"),
+        (["stray"], "unexpected argument"),
+    ],
+)
+def test_usage_errors_exit_2(bench_exe, args, needle):
+    r = run(bench_exe, *args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "--help" in r.stderr and r.stdout == ""
+
+
+def test_engine_errors_exit_1(bench_exe, model, tmp_path):
+    r = run(bench_exe, "--model", tmp_path / "absent.colibri")
+    assert r.returncode == 1 and "absent.colibri" in r.stderr and r.stdout == ""
+    # 250 + 10 positions exceed the 256 the model was converted for
+    r = run(bench_exe, "--model", model[1], "--seq_len", 250, "--max_new_tokens", 10)
+    assert r.returncode == 1 and "max_seq_len" in r.stderr and r.stdout == ""
+
+
+def test_active_weights_match_the_model(model):
+    """The roofline's bytes per token: every parameter one token touches, counted from the
+    transformers model itself (experts scaled by top_k / n_experts, one embedding row)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = model[0]
+    m = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    cfg = bench.read_hf_config(hf_dir)
+    count = 0.0
+    for name, p in m.named_parameters():
+        if ".experts." in name:
+            count += p.numel() * cfg["top_k"] / cfg["experts"]
+        elif "embed_tokens" in name:
+            count += p.shape[1]
+        else:
+            count += p.numel()
+    w = bench.active_weights(cfg)
+    assert w["matrices"] + w["norms_f32"] == count
+    roof = bench.decode_roofline(cfg, "bf16", 10.0)
+    assert roof["bytes_per_token"] == w["matrices"] * 2 + w["norms_f32"] * 4
+    assert math.isclose(roof["roofline_tok_s"], 10e9 / roof["bytes_per_token"])
+
+
+def test_bandwidth_is_measured():
+    b = bench.measure_bandwidth(8 << 20, reps=2)
+    assert len(b["samples_gbs"]) == 2 and b["median_gbs"] > 0 and b["max_gbs"] >= b["median_gbs"]
+
+
+def _run_module(*args, timeout=240):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "colibri_lab.bench", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=env, check=False)  # fmt: skip
+
+
+def test_side_by_side_smoke(model, tmp_path):
+    out = tmp_path / "smoke.json"
+    r = _run_module("--smoke", "--engines", "colibri,transformers", "--model-dir", model[0],
+                    "--cache-dir", tmp_path / "cache", "--json", out)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["reps"] == 1 and res["prefill_tokens"] == 32 and res["decode_tokens"] == 8
+    assert res["bandwidth"]["median_gbs"] > 0
+    (cfg,) = res["configs"]
+    assert (cfg["dtype"], cfg["threads"]) == ("f32", 2)
+    assert cfg["roofline"]["roofline_tok_s"] > 0
+    for e in ("colibri", "transformers"):
+        ent = cfg["engines"][e]
+        assert ent["status"] == "ok", ent
+        assert len(ent["reps"]) == 1 and ent["prefill_tok_s"] > 0 and ent["decode_tok_s"] > 0
+        assert ent["roofline_fraction"] == pytest.approx(
+            ent["decode_tok_s"] / cfg["roofline"]["roofline_tok_s"])
+    t = cfg["engines"]["transformers"]
+    assert t["colibri_over_this_decode"] == pytest.approx(
+        cfg["engines"]["colibri"]["decode_tok_s"] / t["decode_tok_s"])
+    assert "| colibri" in r.stdout and "| transformers" in r.stdout
+
+
+def test_missing_peer_is_reported_not_fatal(model, tmp_path):
+    empty = tmp_path / "no-llama"
+    empty.mkdir()
+    r = _run_module("--smoke", "--engines", "llama.cpp", "--model-dir", model[0],
+                    "--cache-dir", tmp_path / "cache", "--llama-cpp-dir", empty, "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    status = res["configs"][0]["engines"]["llama.cpp"]["status"]
+    assert status.startswith("not available:") and "not built" in status
+    assert "not available" in r.stderr  # the table goes to stderr with --json
+
+
+def test_bad_engine_name_is_a_usage_error(tmp_path):
+    r = _run_module("--smoke", "--engines", "colibri,vllm", "--cache-dir", tmp_path)
+    assert r.returncode == 2 and "unknown engine 'vllm'" in r.stderr
