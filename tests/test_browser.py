@@ -184,9 +184,12 @@ def test_notebook02_in_chromium(lab):
             explorer.scroll_into_view_if_needed()
             layer = explorer.locator("select").first
             layer.select_option(label="layer 1")
+            # the widget sends the new layout and the new traces as separate messages:
+            # wait until both have arrived
             page.wait_for_function(
-                f"() => {{ const s = ({_HEATMAP_STATE})(); return s && s.title.includes('layer 1'); }}",
-                timeout=30_000)
+                f"(z0) => {{ const s = ({_HEATMAP_STATE})(); "
+                f"return s && s.title.includes('layer 1') && s.z !== z0; }}",
+                arg=before["z"], timeout=60_000)
             after = page.evaluate(_HEATMAP_STATE)
             assert after["title"].startswith("Router probabilities, layer 1"), after["title"]
             assert after["z"] != before["z"]
