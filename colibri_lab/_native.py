@@ -208,6 +208,10 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
         c_int,
         [ctx_p, POINTER(c_int32), c_int64, c_int64, POINTER(c_float)],
     ),
+    "colibri_forward_last": (
+        c_int,
+        [ctx_p, POINTER(c_int32), c_int64, c_int64, POINTER(c_float)],
+    ),
     "colibri_cached_len": (c_int64, [ctx_p]),
     "colibri_get_int": (c_int, [ctx_p, c_char_p, POINTER(c_int64)]),
     "colibri_get_float": (c_int, [ctx_p, c_char_p, POINTER(c_double)]),

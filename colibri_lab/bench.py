@@ -323,7 +323,7 @@ def _colibri_worker(conn, path: str, threads: int, max_seq_len: int):
             break
         prompt, dec = msg
         c0, t = time.process_time(), time.perf_counter()
-        eng.forward(prompt, 0)
+        eng.forward(prompt, 0, last_only=True)  # the last row's logits, as the peers compute
         t_pre = time.perf_counter() - t
         c1 = time.process_time()
         steps = []

@@ -413,17 +413,21 @@ class Engine:
 
     # -- running --------------------------------------------------------------------
 
-    def forward(self, token_ids: Sequence[int] | np.ndarray, start_pos: int = 0) -> np.ndarray:
+    def forward(self, token_ids: Sequence[int] | np.ndarray, start_pos: int = 0, *,
+                last_only: bool = False) -> np.ndarray:
         """Logits after each token, float32 ``[len(token_ids), vocab_size]``.
 
         ``start_pos`` 0 starts a new sequence; a larger value continues the one in the
         KV cache (``start_pos <= cached_len``), as ``colibri_forward_at``.
+        ``last_only=True`` computes only the last token's logits (``[1, vocab_size]``):
+        the LM head then runs on one row, which is what generation needs.
         """
         ctx = self._c()
         ids = _as_ids(token_ids)
-        logits = np.empty((len(ids), self._vocab), dtype=np.float32)
+        logits = np.empty((1 if last_only else len(ids), self._vocab), dtype=np.float32)
         out = logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        status = lib.colibri_forward_at(ctx, _i32_ptr(ids), len(ids), int(start_pos), out)
+        fn = lib.colibri_forward_last if last_only else lib.colibri_forward_at
+        status = fn(ctx, _i32_ptr(ids), len(ids), int(start_pos), out)
         check(status, ctx=ctx)
         return logits
 
@@ -483,7 +487,7 @@ class Engine:
         rng = ctypes.c_uint64(int(seed) & 0xFFFFFFFFFFFFFFFF)
 
         text = _TextStream(tok, prompt_ids)
-        row = self.forward(prompt_ids, 0)[-1]
+        row = self.forward(prompt_ids, 0, last_only=True)[0]
         pos = len(prompt_ids)
         for i in range(max_new_tokens):
             next_id = self._sample(row, temperature, top_k, top_p, rng)

@@ -148,6 +148,25 @@ def test_continuation_equals_full_forward(engine):
     np.testing.assert_array_equal(engine.forward(ids[:3]), engine.forward(ids[:3], start_pos=0))
 
 
+def test_forward_last_only(model):
+    """last_only computes the last token's logits only: equal to the full forward's last row,
+    across chunks and continuations, with the same cache and the same refusals."""
+    with Engine(model[1], max_batch=4) as eng:  # several chunks: the head runs on the last
+        ids = eng.tokenizer.encode(PROMPT + " " + PROMPT)
+        assert len(ids) > 9
+        full = eng.forward(ids)
+        last = eng.forward(ids, last_only=True)
+        assert last.shape == (1, eng.vocab_size)
+        np.testing.assert_array_equal(last[0], full[-1])
+        assert eng.cached_len == len(ids)
+        eng.forward(ids[:5], last_only=True)
+        np.testing.assert_array_equal(eng.forward(ids[5:], start_pos=5, last_only=True)[0], full[-1])
+        with pytest.raises(ColibriTokenRangeError):
+            eng.forward([1, eng.vocab_size], last_only=True)
+        with pytest.raises(ColibriSeqTooLongError):
+            eng.forward([1] * (eng.config.max_seq_len + 1), last_only=True)
+
+
 def test_generate_yields_tokens_greedy(engine):
     out = list(engine.generate(PROMPT, max_new_tokens=8))
     assert 1 <= len(out) <= 8 and all(isinstance(t, Token) for t in out)

@@ -86,6 +86,10 @@ COLIBRI_API colibri_status colibri_forward(colibri_ctx *ctx, const int32_t *inpu
  * (start_pos ≤ the current cached length). start_pos 0 starts a new sequence. */
 COLIBRI_API colibri_status colibri_forward_at(colibri_ctx *ctx, const int32_t *input_ids,
                                               int64_t n_tokens, int64_t start_pos, float *logits);
+/* Same as colibri_forward_at, but only the last token's logits are computed (the LM head
+ * runs on one row, as generation needs): logits is a buffer of vocab_size floats. */
+COLIBRI_API colibri_status colibri_forward_last(colibri_ctx *ctx, const int32_t *input_ids,
+                                                int64_t n_tokens, int64_t start_pos, float *logits);
 /* Number of positions currently in the KV cache. */
 COLIBRI_API int64_t colibri_cached_len(const colibri_ctx *ctx);
 

@@ -262,7 +262,19 @@ colibri_status colibri_forward_at(colibri_ctx *ctx, const int32_t *input_ids, in
         return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_forward_at: start_pos %lld is negative",
                        (long long)start_pos);
     ctx->run.stage = -1; /* a forward abandons any unfinished stage run */
-    return cb_forward(ctx, input_ids, n_tokens, start_pos, logits);
+    return cb_forward(ctx, input_ids, n_tokens, start_pos, logits, 0);
+}
+
+colibri_status colibri_forward_last(colibri_ctx *ctx, const int32_t *input_ids, int64_t n_tokens,
+                                    int64_t start_pos, float *logits) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (!input_ids || !logits)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_forward_last: input_ids and logits must not be NULL");
+    if (n_tokens <= 0 || start_pos < 0)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_forward_last: n_tokens %lld must be >= 1 and "
+                       "start_pos %lld >= 0", (long long)n_tokens, (long long)start_pos);
+    ctx->run.stage = -1;
+    return cb_forward(ctx, input_ids, n_tokens, start_pos, logits, 1);
 }
 
 colibri_status colibri_forward(colibri_ctx *ctx, const int32_t *input_ids, int64_t n_tokens,

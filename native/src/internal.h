@@ -176,6 +176,7 @@ typedef struct cb_run {
     int64_t pos0;       /* position of its first token */
     int32_t stage;      /* next stage (COLIBRI_STAGE_*), -1 when no stage run is active */
     int32_t layer;      /* layer of the next stage, -1 outside the layers */
+    int64_t head_rows;  /* LM_HEAD computes logits for the last head_rows tokens (0..T) */
 } cb_run;
 
 /* A trace (colibri.h): every buffer carved from `mem`, allocated once at create.
@@ -262,7 +263,7 @@ colibri_status cb_verify_router(colibri_ctx *ctx);
 /* model.c */
 colibri_status cb_arena_init(colibri_ctx *ctx, char *err, size_t err_len);
 colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos,
-                          float *logits);
+                          float *logits, int last_only);
 /* Checks shared by colibri_forward_at and colibri_stage_begin (nothing is changed). */
 colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos);
 /* Stage-by-stage execution (colibri_stage_*). */

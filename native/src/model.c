@@ -568,12 +568,16 @@ static void stage_combine(colibri_ctx *ctx, uint32_t l) {
     add_inplace(s->x, s->delta, T * H);
 }
 
+/* Final norm and logits of the chunk's last head_rows tokens (all of them unless the
+ * caller asked for the last token's logits only). logits: [head_rows, V]. */
 static void stage_lm_head(colibri_ctx *ctx, float *logits) {
     const cb_config *c = &ctx->cfg;
     cb_scratch *s = &ctx->s;
-    int64_t T = ctx->run.T, H = c->hidden;
-    ctx->kern->rmsnorm(s->xn, s->x, ctx->w.out_norm, T, H, (float)c->rms_norm_eps);
-    par_matmul1(ctx, logits, s->xn, ctx->w.lm_head, c->weight_dtype, T, c->vocab, H);
+    int64_t T = ctx->run.T, R = ctx->run.head_rows, H = c->hidden;
+    if (R <= 0) return;
+    ctx->kern->rmsnorm(s->xn + (T - R) * H, s->x + (T - R) * H, ctx->w.out_norm, R, H,
+                       (float)c->rms_norm_eps);
+    par_matmul1(ctx, logits, s->xn + (T - R) * H, ctx->w.lm_head, c->weight_dtype, R, c->vocab, H);
 }
 
 /* ---- tracing: what the stages record into an attached trace ------------------------- */
@@ -670,6 +674,7 @@ static void run_setup(colibri_ctx *ctx, const int32_t *ids, int64_t T, int64_t p
     ctx->run.pos0 = pos0;
     ctx->run.stage = COLIBRI_STAGE_EMBEDDING;
     ctx->run.layer = -1;
+    ctx->run.head_rows = T;
 }
 
 /* The next stage after the current one. */
@@ -693,10 +698,12 @@ static void run_advance(colibri_ctx *ctx) {
     }
 }
 
-/* One chunk of T <= max_batch tokens at positions pos0..pos0+T-1. logits: [T, V]. */
+/* One chunk of T <= max_batch tokens at positions pos0..pos0+T-1; logits of its last
+ * head_rows tokens: [head_rows, V]. */
 static void forward_chunk(colibri_ctx *ctx, const int32_t *ids, int64_t T, int64_t pos0,
-                          float *logits) {
+                          int64_t head_rows, float *logits) {
     run_setup(ctx, ids, T, pos0);
+    ctx->run.head_rows = head_rows;
     while (ctx->run.stage >= 0) {
         run_stage(ctx, ctx->run.stage, (uint32_t)ctx->run.layer, logits);
         run_advance(ctx);
@@ -735,19 +742,21 @@ colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, i
 }
 
 /* Caller (colibri_forward_at) guarantees ctx, ids, logits non-NULL, n >= 1, start_pos >= 0.
- * Every check happens before the cache is touched, so a refused call changes nothing. */
+ * Every check happens before the cache is touched, so a refused call changes nothing.
+ * last_only: logits is [V], the last token's logits; the LM head runs on that row only. */
 colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos,
-                          float *logits) {
+                          float *logits, int last_only) {
     colibri_status st = cb_check_input(ctx, ids, n, start_pos);
     if (st != COLIBRI_OK) return st;
     /* positions from start_pos on are about to be overwritten */
     ctx->sess.cached_len = start_pos;
     for (int64_t c0 = 0; c0 < n; c0 += ctx->max_batch) {
         int64_t T = n - c0 < ctx->max_batch ? n - c0 : ctx->max_batch;
-        float *lg = logits + c0 * ctx->cfg.vocab;
-        forward_chunk(ctx, ids + c0, T, start_pos + c0, lg);
+        int64_t rows = !last_only ? T : c0 + T == n ? 1 : 0;
+        float *lg = last_only ? logits : logits + c0 * ctx->cfg.vocab;
+        forward_chunk(ctx, ids + c0, T, start_pos + c0, rows, lg);
         ctx->sess.cached_len = start_pos + c0 + T;
-        st = check_logits(ctx, lg, T, c0);
+        st = check_logits(ctx, lg, rows, c0 + T - rows);
         if (st != COLIBRI_OK) return st;
     }
     return COLIBRI_OK;

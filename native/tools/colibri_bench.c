@@ -55,6 +55,7 @@ typedef struct args {
     int64_t max_batch;
     uint64_t seed;
     int json;
+    int all_logits; /* prefill computes every row's logits (default: the last row only) */
 } args;
 
 static void usage(FILE *f) {
@@ -84,6 +85,8 @@ static void usage(FILE *f) {
             "  --max_batch N          tokens per internal forward chunk, 0 = engine default\n"
             "  --seed S               PRNG seed for the token ids, unsigned 64-bit (default 0)\n"
             "  --json                 print one JSON object on stdout instead of the table\n"
+            "  --all_logits           prefill computes the logits of every prompt token (default: the\n"
+            "                         last one only, as generation and the peer engines do)\n"
             "  --help                 print this help and exit\n"
             "\n"
             "Percentiles interpolate linearly (numpy's default). Exit status: 0 success,\n"
@@ -135,6 +138,7 @@ static int parse_args(int argc, char **argv, args *a) {
             return 0;
         }
         if (!strcmp(arg, "--json")) { a->json = 1; continue; }
+        if (!strcmp(arg, "--all_logits")) { a->all_logits = 1; continue; }
         if (strncmp(arg, "--", 2) != 0) return usage_error("unexpected argument '%s'", arg);
 
         /* --name VALUE or --name=VALUE */
@@ -388,7 +392,8 @@ int main(int argc, char **argv) {
         for (int64_t b = 0; b < a.batch_size; b++) {
             for (int64_t t = 0; t < a.seq_len; t++) ids[t] = random_id(&rng, vocab);
             double tp = now_ms();
-            st = colibri_forward_at(ctx, ids, a.seq_len, 0, logits);
+            st = a.all_logits ? colibri_forward_at(ctx, ids, a.seq_len, 0, logits)
+                              : colibri_forward_last(ctx, ids, a.seq_len, 0, logits);
             t_pre += now_ms() - tp;
             if (st != COLIBRI_OK) { rc = engine_error(ctx, st, "prefill"); goto done; }
             for (int64_t s = 0; s < a.max_new_tokens; s++) {
@@ -428,9 +433,10 @@ int main(int argc, char **argv) {
                ", \"max_new_tokens\": %" PRId64 ", \"num_requests\": %" PRId64 ", \"warmup\": %" PRId64
                ",\n  \"num_threads\": %" PRId64 ", \"threads_used\": %" PRId64 ", \"group_pad\": %" PRId64
                ", \"max_batch\": %" PRId64 ", \"seed\": %" PRIu64 ", \"token_ids\": \"splitmix64 uniform over the vocabulary\",\n"
+               "  \"prefill_logits\": \"%s\",\n"
                "  \"load_ms\": %.6f,\n",
                a.batch_size, a.seq_len, a.max_new_tokens, n_req, a.warmup, threads_req,
-               threads_used, group_pad, max_batch, a.seed, t_load);
+               threads_used, group_pad, max_batch, a.seed, a.all_logits ? "all" : "last", t_load);
         print_stats_json("prefill", &sp, pre_tokens, (double)n_req, 0);
         print_stats_json("decode", &sd, dec_tokens, 0, 0);
         print_stats_json("request", &sr, pre_tokens + dec_tokens, (double)n_req, 1);

@@ -390,7 +390,7 @@ int main(int argc, char **argv) {
     logits = malloc((size_t)n_prompt * (size_t)vocab * sizeof *logits);
     if (!logits) goto oom;
     double tp = now_ms();
-    st = colibri_forward_at(ctx, ids, n_prompt, 0, logits);
+    st = colibri_forward_last(ctx, ids, n_prompt, 0, logits); /* only the last row is used */
     double t_prefill = now_ms() - tp;
     if (st != COLIBRI_OK) { rc = engine_error(ctx, st, "prefill"); goto done; }
     if (a.verbose)
@@ -400,7 +400,7 @@ int main(int argc, char **argv) {
         print_stages(trace, "prefill", n_prompt);
         colibri_trace_reset(trace);
     }
-    const float *row = logits + (size_t)(n_prompt - 1) * (size_t)vocab;
+    const float *row = logits;
 
     if (a.max_new_tokens == 1) {
         rc = print_top(ctx, tok, row, vocab, n_prompt);
