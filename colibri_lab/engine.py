@@ -316,6 +316,7 @@ class Engine:
         self._vocab = self._get_int("vocab_size")
         self._config: EngineConfig | None = None
         self._tokenizer: Tokenizer | None = None
+        self._moe_layers: np.ndarray | None = None
 
     # -- lifetime -------------------------------------------------------------------
 
@@ -361,8 +362,11 @@ class Engine:
         return int(v.value)
 
     def _layer_is_moe(self) -> np.ndarray:
-        """[n_layers] bool: False for the dense-MLP layers."""
-        return np.array([self._layer_int(i, "moe") for i in range(self.config.n_layers)], dtype=bool)
+        """[n_layers] bool: False for the dense-MLP layers (read once, then cached)."""
+        if self._moe_layers is None:
+            n = self.config.n_layers
+            self._moe_layers = np.array([self._layer_int(i, "moe") for i in range(n)], dtype=bool)
+        return self._moe_layers.copy()
 
     def _get_float(self, name: str) -> float:
         ctx = self._c()
@@ -596,7 +600,6 @@ class _TraceRecorder:
         self._capacity = int(capacity) if capacity is not None else None
         self._handle = None
         self.trace: Trace | None = None
-        self.dropped = 0
 
     def __enter__(self) -> Trace:
         eng = self._engine
@@ -713,9 +716,8 @@ class StageRun:
         self.start_pos = int(start_pos)
         self.logits: np.ndarray | None = None
         self._moe = engine._layer_is_moe()
-        cfg = engine.config
         self._shared = self._has("shared_out")
-        self._shared_gate = cfg is not None and self._has("shared_gate")
+        self._shared_gate = self._has("shared_gate")
 
     def _has(self, name: str) -> bool:
         try:

@@ -14,7 +14,8 @@
  * error. Generated text goes to stdout, everything else to stderr.
  */
 #define _POSIX_C_SOURCE 200809L
-#include "colibri.h"
+#define TOOL_NAME "colibri_cli"
+#include "tool_common.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -25,8 +26,6 @@
 #include <string.h>
 #include <time.h>
 
-#define EXIT_ENGINE 1
-#define EXIT_USAGE 2
 #define TOP_N 5
 
 typedef struct args {
@@ -65,35 +64,6 @@ static void usage(FILE *f) {
             "  --help                 print this help and exit\n");
 }
 
-static int usage_error(const char *fmt, ...) {
-    va_list ap;
-    fprintf(stderr, "colibri_cli: ");
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fprintf(stderr, "\nTry 'colibri_cli --help'.\n");
-    return EXIT_USAGE;
-}
-
-static int parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return 0;
-    *out = v;
-    return 1;
-}
-
-static int parse_u64(const char *s, uint64_t *out) {
-    char *end;
-    if (*s == '-') return 0;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *end) return 0;
-    *out = v;
-    return 1;
-}
-
 static int parse_f64(const char *s, double *out) {
     char *end;
     errno = 0;
@@ -119,31 +89,13 @@ static int parse_args(int argc, char **argv, args *a) {
         if (strncmp(arg, "--", 2) != 0) return usage_error("unexpected argument '%s'", arg);
 
         /* --name VALUE or --name=VALUE */
-        char name[64];
-        const char *val;
-        const char *eq = strchr(arg, '=');
-        if (eq) {
-            size_t n = (size_t)(eq - arg);
-            if (n >= sizeof name) return usage_error("unknown option '%s'", arg);
-            memcpy(name, arg, n);
-            name[n] = '\0';
-            val = eq + 1;
-        } else {
-            if (strlen(arg) >= sizeof name) return usage_error("unknown option '%s'", arg);
-            strcpy(name, arg);
-            val = NULL;
-        }
         static const char *const known[] = {"--model", "--prompt", "--max_new_tokens",
                                             "--temperature", "--top_k", "--top_p", "--seed",
                                             "--num_threads", "--max_seq_len"};
-        int is_known = 0;
-        for (size_t k = 0; k < sizeof known / sizeof known[0]; k++)
-            if (!strcmp(name, known[k])) is_known = 1;
-        if (!is_known) return usage_error("unknown option '%s'", name);
-        if (!val) {
-            if (i + 1 >= argc) return usage_error("option '%s' needs a value", name);
-            val = argv[++i];
-        }
+        char name[64];
+        const char *val = NULL;
+        int bad = split_option(argc, argv, &i, known, sizeof known / sizeof known[0], name, &val);
+        if (bad >= 0) return bad;
 
         if (!strcmp(name, "--model")) {
             if (!*val) return usage_error("--model needs a path");
@@ -176,20 +128,6 @@ static int parse_args(int argc, char **argv, args *a) {
     if (!a->model) return usage_error("--model is required");
     if (!a->prompt) return usage_error("--prompt is required");
     return -1;
-}
-
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
-
-/* Report a failed engine call and return the exit status for it. */
-static int engine_error(colibri_ctx *ctx, colibri_status st, const char *what) {
-    const char *msg = ctx ? colibri_last_error(ctx) : "";
-    fprintf(stderr, "colibri_cli: error: %s: %s\n", what,
-            (msg && *msg) ? msg : colibri_status_string(st));
-    return EXIT_ENGINE;
 }
 
 static int tok_error(colibri_tokenizer *tok, colibri_status st, const char *what) {
