@@ -101,6 +101,51 @@ static colibri_status init_fail(colibri_ctx *ctx, colibri_status st, char *err, 
     return st;
 }
 
+/* Map the whole file read-only at a 2 MiB-aligned address, and ask for transparent huge
+ * pages. Decode streams about half a gigabyte of weights per token from this mapping: with
+ * 4 KiB pages every 4 KiB costs a TLB miss (a two-level page walk under a hypervisor),
+ * which measured 10-25 % of decode time here. The kernel maps a page-cache folio of 2 MiB
+ * with one PMD entry when the virtual address is 2 MiB-aligned with its file offset, and
+ * with MADV_HUGEPAGE it reads uncached parts of the file in 2 MiB folios. Both requests are
+ * advisory: where they fail, the mapping works with small pages. populate pre-faults the
+ * whole file (after the advice, so that the faults already use huge folios). */
+static void *map_weights(int fd, size_t size, int populate) {
+    const size_t huge = (size_t)2 << 20;
+    void *m = MAP_FAILED;
+    if (size <= SIZE_MAX - huge) {
+        uint8_t *r = mmap(NULL, size + huge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (r != MAP_FAILED) {
+            uint8_t *a = (uint8_t *)(((uintptr_t)r + huge - 1) & ~(uintptr_t)(huge - 1));
+            m = mmap(a, size, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0);
+            if (m == MAP_FAILED) {
+                munmap(r, size + huge);
+            } else { /* return the unused head and tail of the reservation */
+                size_t tail_off = ((size_t)(a - r) + size + 4095) & ~(size_t)4095;
+                if (a > r) munmap(r, (size_t)(a - r));
+                if (tail_off < size + huge) munmap(r + tail_off, size + huge - tail_off);
+            }
+        }
+    }
+    if (m == MAP_FAILED) m = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) return m;
+#ifdef MADV_HUGEPAGE
+    (void)madvise(m, size, MADV_HUGEPAGE);
+#endif
+    if (populate) {
+        int done = 0;
+#ifdef MADV_POPULATE_READ
+        done = madvise(m, size, MADV_POPULATE_READ) == 0;
+#endif
+        if (!done) { /* older kernels: touch every page */
+            volatile const uint8_t *p = (const uint8_t *)m;
+            uint8_t sink = 0;
+            for (size_t i = 0; i < size; i += 4096) sink ^= p[i];
+            (void)sink;
+        }
+    }
+    return m;
+}
+
 colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
                                colibri_ctx **out, char *err, size_t err_len) {
     if (err && err_len) err[0] = 0;
@@ -172,11 +217,7 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
         cb_set_err(err, err_len, "'%s' is too large to map on this machine", path);
         return init_fail(ctx, COLIBRI_E_IO, err, err_len);
     }
-    int flags = MAP_SHARED;
-#ifdef MAP_POPULATE
-    if (opt.populate) flags |= MAP_POPULATE;
-#endif
-    void *m = mmap(NULL, (size_t)stt.st_size, PROT_READ, flags, fd, 0);
+    void *m = map_weights(fd, (size_t)stt.st_size, opt.populate);
     if (m == MAP_FAILED) {
         cb_set_err(err, err_len, "cannot map '%s' (%lld bytes): %s", path, (long long)stt.st_size,
                    strerror(errno));

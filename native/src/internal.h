@@ -167,6 +167,8 @@ typedef struct cb_scratch {
     float *sample_p;     /* [V] sampler probabilities */
     int32_t *sample_idx; /* [V] sampler candidate ids */
     int32_t *run_ids;    /* [B] the token ids of the chunk being run (stage-by-stage runs keep them) */
+    float *down_part;    /* [down_part_rows, H] per-block partial sums of few-row down projections */
+    int64_t down_part_rows;
     int64_t max_rows;    /* R */
 } cb_scratch;
 

@@ -277,17 +277,39 @@ static void expert_gateup_ref(float *h, const float *x, const void *expert, uint
     }
 }
 
+/* One (row, column) element of block blk's chain: acc += h[i] * w2T[i, c] for i in the
+ * block, ascending from 0 (the same expression as cb_axpy_ref's, so the same rounding). */
+static float down_block_ref(const float *h, const uint8_t *down, size_t row_bytes, uint32_t dt,
+                            int64_t I, int64_t blk, int64_t c) {
+    int64_t i1 = (blk + 1) * CB_DOWN_BLOCK < I ? (blk + 1) * CB_DOWN_BLOCK : I;
+    float acc = 0.0f;
+    for (int64_t i = blk * CB_DOWN_BLOCK; i < i1; i++)
+        cb_axpy_ref(&acc, h[i], down + (size_t)i * row_bytes + (size_t)c * cb_dtype_size(dt), dt, 1);
+    return acc;
+}
+
 static void expert_down_ref(float *y, const float *h, const void *expert, uint32_t dt, int64_t R,
                             int64_t H, int64_t I, int64_t c0, int64_t c1) {
-    /* y[r, c0:c1] = sum_i h[r, i] * w2T[i, c0:c1] */
-    size_t es = cb_dtype_size(dt), row_bytes = (size_t)H * es;
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t c = c0; c < c1; c++) y[r * H + c] = 0.0f;
+    /* y[r, c0:c1] = sum over blocks (ascending) of the block chains of h[r, i] * w2T[i, c] */
+    size_t row_bytes = (size_t)H * cb_dtype_size(dt);
     const uint8_t *down = (const uint8_t *)expert + (size_t)(2 * I) * row_bytes;
-    for (int64_t i = 0; i < I; i++) {
-        const uint8_t *row = down + (size_t)i * row_bytes + (size_t)c0 * es;
-        for (int64_t r = 0; r < R; r++) cb_axpy_ref(y + r * H + c0, h[r * I + i], row, dt, c1 - c0);
-    }
+    int64_t nblk = (I + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t c = c0; c < c1; c++) {
+            float acc = down_block_ref(h + r * I, down, row_bytes, dt, I, 0, c);
+            for (int64_t b = 1; b < nblk; b++) acc = acc + down_block_ref(h + r * I, down, row_bytes, dt, I, b, c);
+            y[r * H + c] = acc;
+        }
+}
+
+static void expert_down_part_ref(float *part, const float *h, const void *expert, uint32_t dt,
+                                 int64_t R, int64_t H, int64_t I, int64_t blk) {
+    size_t row_bytes = (size_t)H * cb_dtype_size(dt);
+    const uint8_t *down = (const uint8_t *)expert + (size_t)(2 * I) * row_bytes;
+    int64_t i1 = (blk + 1) * CB_DOWN_BLOCK < I ? (blk + 1) * CB_DOWN_BLOCK : I;
+    for (int64_t k = 0; k < R * H; k++) part[k] = 0.0f;
+    for (int64_t i = blk * CB_DOWN_BLOCK; i < i1; i++)
+        for (int64_t r = 0; r < R; r++) cb_axpy_ref(part + r * H, h[r * I + i], down + (size_t)i * row_bytes, dt, H);
 }
 
 static void expert_ffn_ref(float *y, float *h, const float *x, const void *expert, uint32_t dt,
@@ -309,6 +331,7 @@ static const cb_kernels k_ref = {
     .expert_ffn = expert_ffn_ref,
     .expert_gateup = expert_gateup_ref,
     .expert_down = expert_down_ref,
+    .expert_down_part = expert_down_part_ref,
 };
 
 const cb_kernels *cb_kernels_ref(void) { return &k_ref; }

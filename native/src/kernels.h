@@ -43,6 +43,9 @@ uint16_t cb_f32_to_bf16(float f);
 float cb_dot_ref(const void *w_row, uint32_t dt, const float *x, int64_t n);
 void cb_axpy_ref(float *y, float a, const void *w_row, uint32_t dt, int64_t n); /* y += a*w */
 
+/* Intermediate rows per block of the down projection's sum (see expert_down). */
+#define CB_DOWN_BLOCK 256
+
 typedef struct cb_kernels {
     const char *name;
 
@@ -100,9 +103,19 @@ typedef struct cb_kernels {
                           int64_t H, int64_t I, int64_t B, int64_t i0, int64_t i1);
 
     /* The second half for output columns c0 <= c < c1 only:
-     * y[r, c] = sum_i h[r, i] * w2T[i, c]; other columns of y are not touched. */
+     * y[r, c] = sum_i h[r, i] * w2T[i, c]; other columns of y are not touched.
+     * The sum runs over fixed blocks of CB_DOWN_BLOCK intermediate rows: within a block one
+     * chain over i ascending from 0, then the blocks' sums added in ascending order
+     * (y = p0, y = y + p1, ...), so that expert_down_part can split it by blocks. */
     void (*expert_down)(float *y, const float *h, const void *expert, uint32_t dt, int64_t R,
                         int64_t H, int64_t I, int64_t c0, int64_t c1);
+
+    /* Block blk of that sum for every output column: part[r, c] for c < H, = the chain over
+     * blk * CB_DOWN_BLOCK <= i < min(I, (blk + 1) * CB_DOWN_BLOCK). Adding the parts of
+     * blocks 0, 1, ... in order gives expert_down's y bit for bit. Few rows (decode) split
+     * the down projection this way, so each thread streams whole w2T rows. */
+    void (*expert_down_part)(float *part, const float *h, const void *expert, uint32_t dt,
+                             int64_t R, int64_t H, int64_t I, int64_t blk);
 } cb_kernels;
 
 /* The plain reference kernels (always available). */

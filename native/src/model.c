@@ -59,6 +59,10 @@ colibri_status cb_arena_init(colibri_ctx *ctx, char *err, size_t err_len) {
         return COLIBRI_E_NOMEM;
     }
     s->max_rows = (int64_t)R;
+    /* few-row down projections are split by blocks (par_ffn): room for two rows of every
+     * routed expert and of the dense/shared FFN, which covers decode */
+    uint64_t nblk_i = (I + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK, nblk_f = (F + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK;
+    s->down_part_rows = (int64_t)(2 * (K * nblk_i + nblk_f));
     uint64_t BH = B * H; /* B <= 2^32 and H <= 2^24: cannot overflow */
     arena_item items[] = {
         {(void **)&ss->k_cache, kv, 4, "K cache"},
@@ -92,6 +96,7 @@ colibri_status cb_arena_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&s->sample_p, V, 4, "sample_p"},
         {(void **)&s->sample_idx, V, 4, "sample_idx"},
         {(void **)&s->run_ids, B, 4, "run_ids"},
+        {(void **)&s->down_part, (uint64_t)s->down_part_rows * H, 4, "down_part"},
     };
     const size_t n_items = sizeof items / sizeof items[0];
     uint64_t offs[sizeof items / sizeof items[0]];
@@ -327,17 +332,25 @@ typedef struct ffn_job {
     const void *w;     /* [3I, H] packed */
     int64_t R, I;
     int64_t len0, nch0; /* gate/up: intermediate columns per chunk, chunks */
-    int64_t len1, nch1; /* down: output columns per chunk, chunks */
+    int64_t len1, nch1; /* down: output columns per chunk, chunks; or one block per chunk */
+    float *part;        /* NULL, or the split down projection's [nch1, R, H] block sums */
 } ffn_job;
 
+/* Groups of at most this many rows split their down projection by blocks of intermediate
+ * rows (expert_down_part, then a sum of the parts) rather than by output columns: each
+ * chunk then streams whole w2T rows, where a column range of a row is a short strided
+ * read; more rows re-use each column panel enough that the column split wins. */
+#define CB_SPLIT_MAX_ROWS 5
+
 /* Every non-empty expert group of a layer (or one dense/shared FFN), in two sections:
- * gate/up split by intermediate columns, then down split by output columns. */
+ * gate/up split by intermediate columns, then down split by output columns (or by blocks
+ * of intermediate rows, and a third section adds the blocks up). */
 typedef struct ffn_task {
     const cb_kernels *kern;
     uint32_t dt;
     int64_t H, B;
     int n_jobs;
-    int phase;         /* 0: gate/up, 1: down */
+    int phase;         /* 0: gate/up, 1: down, 2: sum of the block parts */
     const ffn_job *jobs;
 } ffn_task;
 
@@ -350,22 +363,53 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
         const ffn_job *b = &f->jobs[j];
         int64_t lo = c * b->len0, hi = lo + b->len0 < b->I ? lo + b->len0 : b->I;
         f->kern->expert_gateup(b->h, b->x, b->w, f->dt, b->R, f->H, b->I, f->B, lo, hi);
-    } else {
+    } else if (f->phase == 1) {
         while (c >= f->jobs[j].nch1) c -= f->jobs[j++].nch1;
         const ffn_job *b = &f->jobs[j];
+        if (b->part) {
+            f->kern->expert_down_part(b->part + c * b->R * f->H, b->h, b->w, f->dt, b->R, f->H, b->I, c);
+            return;
+        }
         int64_t lo = c * b->len1, hi = lo + b->len1 < f->H ? lo + b->len1 : f->H;
         f->kern->expert_down(b->y, b->h, b->w, f->dt, b->R, f->H, b->I, lo, hi);
+    } else { /* y = p0 + p1 + ... in block order, the order expert_down adds them */
+        for (;; j++) { /* chunk c is row c of the split groups, in job order */
+            if (!f->jobs[j].part) continue;
+            if (c < f->jobs[j].R) break;
+            c -= f->jobs[j].R;
+        }
+        const ffn_job *b = &f->jobs[j];
+        int64_t H = f->H, n = b->R * H;
+        float *y = b->y + c * H;
+        const float *p = b->part + c * H;
+        for (int64_t k = 0; k < H; k++) y[k] = p[k];
+        for (int64_t blk = 1; blk < b->nch1; blk++)
+            for (int64_t k = 0; k < H; k++) y[k] = y[k] + p[blk * n + k];
     }
 }
 
 static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
-    int64_t H = ctx->cfg.hidden, n0 = 0, n1 = 0;
+    int64_t H = ctx->cfg.hidden, n0 = 0, n1 = 0, n2 = 0, sum_work = 0;
+    float *part = ctx->s.down_part;
+    int64_t part_left = ctx->s.down_part_rows;
     for (int j = 0; j < n_jobs; j++) {
         ffn_job *b = &jobs[j];
+        int64_t nblk = (b->I + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK;
         b->len0 = chunk_len(ctx, b->I, 8, 64);
         b->nch0 = (b->I + b->len0 - 1) / b->len0;
-        b->len1 = chunk_len(ctx, H, 32, 64);
-        b->nch1 = (H + b->len1 - 1) / b->len1;
+        b->part = NULL;
+        if (b->R <= CB_SPLIT_MAX_ROWS && nblk * b->R <= part_left) {
+            b->part = part;
+            part += nblk * b->R * H;
+            part_left -= nblk * b->R;
+            b->len1 = 0;
+            b->nch1 = nblk;
+            n2 += b->R;
+            sum_work += nblk * b->R * H;
+        } else {
+            b->len1 = chunk_len(ctx, H, 32, 64);
+            b->nch1 = (H + b->len1 - 1) / b->len1;
+        }
         n0 += b->nch0;
         n1 += b->nch1;
     }
@@ -373,6 +417,10 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
     cb_pool_run(ctx->pool, ffn_chunk, &f, n0);
     f.phase = 1;
     cb_pool_run(ctx->pool, ffn_chunk, &f, n1);
+    if (n2 > 0) {
+        f.phase = 2; /* one chunk per row of the split groups */
+        cb_pool_run(sum_work < CB_PAR_MIN_WORK ? NULL : ctx->pool, ffn_chunk, &f, n2);
+    }
 }
 
 /* delta[t, cols] = sum over t's rows r (expert order) of weight_r * ex_out[r, cols]. */
@@ -515,7 +563,7 @@ static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
     ffn_job jobs[CB_FFN_BATCH]; /* non-empty groups, run CB_FFN_BATCH at a time */
     int n_jobs = 0;
     if (!L->moe) {
-        jobs[0] = (ffn_job){s->delta, s->ffn_h, s->xn, L->dense, T, c->dense_inter, 0, 0, 0, 0};
+        jobs[0] = (ffn_job){s->delta, s->ffn_h, s->xn, L->dense, T, c->dense_inter, 0, 0, 0, 0, NULL};
         par_ffn(ctx, jobs, 1);
         return;
     }
@@ -523,7 +571,7 @@ static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
         int64_t r0 = s->expert_offset[e], R = s->expert_offset[e + 1] - r0;
         if (R == 0) continue;
         const void *ew = (const uint8_t *)L->experts + (size_t)e * L->expert_stride;
-        jobs[n_jobs++] = (ffn_job){s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, ew, R, I, 0, 0, 0, 0};
+        jobs[n_jobs++] = (ffn_job){s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, ew, R, I, 0, 0, 0, 0, NULL};
         if (n_jobs == CB_FFN_BATCH) {
             par_ffn(ctx, jobs, n_jobs);
             n_jobs = 0;
@@ -531,7 +579,7 @@ static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
     }
     /* routed sum + sigmoid(g . x) * shared(x), as transformers' Qwen2-MoE */
     if (L->shared)
-        jobs[n_jobs++] = (ffn_job){s->sh_out, s->ffn_h, s->xn, L->shared, T, c->shared_inter, 0, 0, 0, 0};
+        jobs[n_jobs++] = (ffn_job){s->sh_out, s->ffn_h, s->xn, L->shared, T, c->shared_inter, 0, 0, 0, 0, NULL};
     if (n_jobs > 0) par_ffn(ctx, jobs, n_jobs);
     if (L->shared) {
         if (L->shared_gate) {

@@ -596,6 +596,52 @@ static void test_batch_invariance(const cb_kernels *K) {
     }
 }
 
+/* expert_down_part: the blocks' parts added in order equal expert_down bit for bit (the
+ * engine splits few-row down projections this way), and each part is the block's sum. */
+static void test_down_parts(const cb_kernels *K) {
+    struct { int64_t R, H, I; } cs[] = {{1, 131, 67}, {1, 96, 1100}, {2, 67, 513}, {5, 33, 256},
+                                        {3, 255, 257}, {7, 64, 600}, {1, 8, 1}};
+    for (uint32_t dt = CB_DT_F32; dt <= CB_DT_BF16; dt++)
+        for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+            int64_t R = cs[i].R, H = cs[i].H, I = cs[i].I, nblk = (I + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK;
+            wbuf w = make_w(dt, 3 * I * H, 0.3);
+            float *h = malloc((size_t)(R * I) * 4), *y = malloc((size_t)(R * H) * 4);
+            float *sum = malloc((size_t)(R * H) * 4), *part = malloc((size_t)(R * H) * 4);
+            fill(h, R * I, 1.0);
+            K->expert_down(y, h, w.raw, dt, R, H, I, 0, H);
+            const float *down = w.val + 2 * I * H; /* w2T [I, H], exact values */
+            for (int64_t b = 0; b < nblk; b++) {
+                for (int64_t k = 0; k < R * H; k++) part[k] = SENTINEL;
+                K->expert_down_part(part, h, w.raw, dt, R, H, I, b);
+                int64_t i0 = b * CB_DOWN_BLOCK, i1 = I - i0 < CB_DOWN_BLOCK ? I : i0 + CB_DOWN_BLOCK;
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t c = 0; c < H; c++) {
+                        double want = 0.0, mag = 0.0;
+                        for (int64_t j = i0; j < i1; j++) {
+                            double t = (double)h[r * I + j] *
+                                       (double)down[j * H + c];
+                            want += t;
+                            mag += fabs(t);
+                        }
+                        if (!close_to(part[r * H + c], want, mag, 2e-5))
+                            FAIL("[%s] expert_down_part %s R=%lld H=%lld I=%lld blk %lld [%lld,%lld]: %g vs %g",
+                                 K->name, cb_dtype_name(dt), (long long)R, (long long)H, (long long)I,
+                                 (long long)b, (long long)r, (long long)c, part[r * H + c], want);
+                    }
+                for (int64_t k = 0; k < R * H; k++) sum[k] = b == 0 ? part[k] : sum[k] + part[k];
+            }
+            n_check++;
+            if (memcmp(sum, y, (size_t)(R * H) * 4) != 0)
+                FAIL("[%s] expert_down %s R=%lld H=%lld I=%lld: the parts added in order differ from expert_down",
+                     K->name, cb_dtype_name(dt), (long long)R, (long long)H, (long long)I);
+            free(h);
+            free(y);
+            free(sum);
+            free(part);
+            free_w(&w);
+        }
+}
+
 static void test_table(const cb_kernels *K) {
     test_matmul(K);
     test_matmul_i8(K);
@@ -605,6 +651,7 @@ static void test_table(const cb_kernels *K) {
     test_attention(K);
     test_expert_ffn(K);
     test_batch_invariance(K);
+    test_down_parts(K);
     if (K != cb_kernels_ref()) test_vs_ref(K);
 }
 
