@@ -846,6 +846,19 @@ class _Out:
             self.write(bytes(offset - self.pos), count_crc)
 
 
+def _drop_cached_pages(fd: int) -> None:
+    """Drop the just-written (and fsynced, so clean) file from the page cache. Written pages
+    stay cached in small folios, which the engine's mapping then has to use with 4 KiB pages;
+    read back on first use, through the engine's MADV_HUGEPAGE mapping, they come in 2 MiB
+    folios that it maps with huge pages (decode measured 10-25 % faster; docs/performance.md).
+    Advisory: nothing happens where posix_fadvise is missing."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+
+
 def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str | None = None,
             block_size: int = fmt.DEFAULT_BLOCK_SIZE, max_seq_len: int | None = None,
             progress: bool = True, tokenizer: str = "auto") -> str:
@@ -984,6 +997,7 @@ def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str
             f.write(fmt.encode_header(fields, [tuple(s) for s in sec], file_size, A, block_size))
             f.flush()
             os.fsync(f.fileno())
+            _drop_cached_pages(f.fileno())
         os.replace(tmp, output_path)
     except BaseException:
         try:

@@ -43,6 +43,9 @@ uint16_t cb_f32_to_bf16(float f);
 float cb_dot_ref(const void *w_row, uint32_t dt, const float *x, int64_t n);
 void cb_axpy_ref(float *y, float a, const void *w_row, uint32_t dt, int64_t n); /* y += a*w */
 
+/* Query heads of one KV group that attention_heads processes together. */
+#define CB_ATT_HEADS 4
+
 /* Intermediate rows per block of the down projection's sum (see expert_down). */
 #define CB_DOWN_BLOCK 256
 
@@ -78,14 +81,15 @@ typedef struct cb_kernels {
 
     /* Causal grouped-query attention of T queries at positions start_pos.. over a cache.
      * q: [T, Hq*D]; kc, vc: [>= start_pos+T, Hkv*D] (rows = positions); out: [T, Hq*D];
-     * scores: [start_pos+T] scratch. window > 0: key j visible from query i iff
+     * scores: [CB_ATT_HEADS, start_pos+T] scratch. window > 0: key j visible from query i iff
      * j <= i and i - j < window. Scale 1/sqrt(D). */
     void (*attention)(float *out, const float *q, const float *kc, const float *vc,
                       float *scores, int64_t T, int64_t start_pos, int64_t Hq, int64_t Hkv,
                       int64_t D, int64_t window);
 
     /* The same for query heads h0 <= h < h1 only (out is written for those heads only);
-     * each thread passes its own scores scratch [start_pos+T]. */
+     * each thread passes its own scores scratch [CB_ATT_HEADS, start_pos+T]: the heads of
+     * one KV group are done CB_ATT_HEADS at a time, sharing every key and value they load. */
     void (*attention_heads)(float *out, const float *q, const float *kc, const float *vc,
                             float *scores, int64_t T, int64_t start_pos, int64_t Hq,
                             int64_t Hkv, int64_t D, int64_t window, int64_t h0, int64_t h1);

@@ -74,7 +74,7 @@ colibri_status cb_arena_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&s->v, B * Nkv, 4, "v"},
         {(void **)&s->att, B * Nq, 4, "att"},
         {(void **)&s->delta, BH, 4, "delta"},
-        {(void **)&s->att_scores, S * (uint64_t)ctx->num_threads, 4, "att_scores"},
+        {(void **)&s->att_scores, S * (uint64_t)ctx->num_threads * CB_ATT_HEADS, 4, "att_scores"},
         {(void **)&s->rope_cos, B * half, 4, "rope_cos"},
         {(void **)&s->rope_sin, B * half, 4, "rope_sin"},
         {(void **)&s->inv_freq, half, 4, "inv_freq"},
@@ -314,14 +314,24 @@ typedef struct att_task {
     int64_t window;
 } att_task;
 
-/* Attention, one query head per chunk; the running thread's own score row. */
-static void att_chunk(void *arg, int64_t h, int tid) {
+/* Attention chunks: CB_ATT_HEADS query heads of one KV group per chunk (fewer at the end
+ * of a group), so the kernel shares each key and value load between them; the running
+ * thread's own score rows. */
+static int64_t att_chunks(const cb_config *c) {
+    int64_t group = c->n_heads / c->n_kv_heads;
+    return c->n_kv_heads * ((group + CB_ATT_HEADS - 1) / CB_ATT_HEADS);
+}
+
+static void att_chunk(void *arg, int64_t ch, int tid) {
     const att_task *a = (const att_task *)arg;
     colibri_ctx *ctx = a->ctx;
     const cb_config *c = &ctx->cfg;
-    ctx->kern->attention_heads(ctx->s.att, ctx->s.q, a->kc, a->vc, ctx->s.att_scores + tid * ctx->max_seq_len,
-                               ctx->run.T, ctx->run.pos0, c->n_heads, c->n_kv_heads, c->head_dim, a->window,
-                               h, h + 1);
+    int64_t group = c->n_heads / c->n_kv_heads, per = (group + CB_ATT_HEADS - 1) / CB_ATT_HEADS;
+    int64_t h0 = ch / per * group + ch % per * CB_ATT_HEADS;
+    int64_t h1 = h0 + CB_ATT_HEADS < (ch / per + 1) * group ? h0 + CB_ATT_HEADS : (ch / per + 1) * group;
+    ctx->kern->attention_heads(ctx->s.att, ctx->s.q, a->kc, a->vc,
+                               ctx->s.att_scores + (int64_t)tid * ctx->max_seq_len * CB_ATT_HEADS, ctx->run.T,
+                               ctx->run.pos0, c->n_heads, c->n_kv_heads, c->head_dim, a->window, h0, h1);
 }
 
 /* One packed FFN (a group of rows through one expert's weights). */
@@ -515,7 +525,7 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
         att_task a = {ctx, kc, vc, L->window};
         /* a decode step over a short cache is a few microseconds: not worth a section */
         cb_pool_run(T * (pos0 + T) * c->n_heads * hd < CB_PAR_MIN_WORK ? NULL : ctx->pool, att_chunk, &a,
-                    c->n_heads);
+                    att_chunks(c));
     }
     par_matmul1(ctx, s->delta, s->att, L->wo, W, T, H, Nq);
     if (L->bo) add_bias(s->delta, L->bo, T, H);

@@ -337,14 +337,14 @@ static void test_softmax(const cb_kernels *K) {
 static void test_attention(const cb_kernels *K) {
     struct { int64_t T, start, Hq, Hkv, D, window; } cs[] = {
         {1, 0, 1, 1, 2, 0}, {7, 0, 4, 2, 6, 0}, {3, 30, 6, 3, 16, 0}, {33, 5, 4, 1, 10, 7},
-        {1, 128, 2, 2, 8, 129}, {5, 3, 8, 8, 4, 1},
+        {1, 128, 2, 2, 8, 129}, {5, 3, 8, 8, 4, 1}, {9, 4, 12, 2, 40, 0}, {2, 17, 5, 1, 64, 0},
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
         int64_t T = cs[i].T, P = cs[i].start + T, nq = cs[i].Hq * cs[i].D, nkv = cs[i].Hkv * cs[i].D;
         int64_t D = cs[i].D, group = cs[i].Hq / cs[i].Hkv;
         float *q = malloc((size_t)(T * nq) * 4), *out = malloc((size_t)(T * nq) * 4);
         float *kc = malloc((size_t)(P * nkv) * 4), *vc = malloc((size_t)(P * nkv) * 4);
-        float *sc = malloc((size_t)P * 4);
+        float *sc = malloc((size_t)(CB_ATT_HEADS * P) * 4);
         double *p = malloc((size_t)P * 8);
         fill(q, T * nq, 1.5);
         fill(kc, P * nkv, 1.5);
@@ -507,7 +507,7 @@ static void test_vs_ref(const cb_kernels *K) {
     {
         int64_t T = 17, start = 40, Hq = 8, Hkv = 2, D = 64, P = start + T, nq = Hq * D, nkv = Hkv * D;
         float *q = malloc((size_t)(T * nq) * 4), *o = malloc((size_t)(T * nq) * 4), *orf = malloc((size_t)(T * nq) * 4);
-        float *kc = malloc((size_t)(P * nkv) * 4), *vc = malloc((size_t)(P * nkv) * 4), *sc = malloc((size_t)P * 4);
+        float *kc = malloc((size_t)(P * nkv) * 4), *vc = malloc((size_t)(P * nkv) * 4), *sc = malloc((size_t)(CB_ATT_HEADS * P) * 4);
         fill(q, T * nq, 1.0);
         fill(kc, P * nkv, 1.0);
         fill(vc, P * nkv, 1.0);
