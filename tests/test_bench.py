@@ -152,6 +152,35 @@ def test_bandwidth_is_measured():
     assert len(b["samples_gbs"]) == 2 and b["median_gbs"] > 0 and b["max_gbs"] >= b["median_gbs"]
 
 
+def test_page_cache_helpers(tmp_path):
+    """The cold-load helpers: eviction works on a regular file (Linux), and the share of a
+    file in 2 MiB pages is a fraction (None below one huge page)."""
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"x" * 4096)
+    assert bench.hugepage_fraction(small) is None
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(6 << 20))
+    if hasattr(os, "posix_fadvise"):
+        assert bench.drop_from_page_cache(big) is True
+    assert bench.drop_from_page_cache(tmp_path / "missing.bin") is False
+    frac = bench.hugepage_fraction(big)
+    if os.path.exists("/proc/self/smaps"):
+        assert frac is not None and 0.0 <= frac <= 1.0
+    # the side-by-side table has the column
+    res = {"machine": {}, "bandwidth": {"median_gbs": 1.0, "max_gbs": 1.0, "wall_median_gbs": 1.0,
+                                        "method": "m"},
+           "model_dir": "d", "model": {"model_type": "mixtral", "layers": 1, "hidden": 8,
+                                       "experts": 2, "top_k": 1, "vocab": 10},
+           "loadavg_start": [0.0], "loadavg_end": [0.0], "prefill_tokens": 1, "decode_tokens": 1,
+           "reps": 1,
+           "configs": [{"dtype": "f32", "threads": 1, "roofline": {"roofline_tok_s": 10.0},
+                        "engines": {"colibri": {"status": "ok", "prefill_tok_s": 1.0,
+                                                "decode_tok_s": 2.0,
+                                                "file_hugepage_fraction": 0.5}}}]}  # fmt: skip
+    table = bench.render_table(res)
+    assert "file in 2 MiB pages" in table and "| 50% |" in table
+
+
 def _run_module(*args, timeout=240):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
