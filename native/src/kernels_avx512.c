@@ -52,6 +52,10 @@ static inline __attribute__((always_inline)) vf vload_w(const void *p, int64_t k
 static inline __attribute__((always_inline)) void vprefetch(const void *p) {
     _mm_prefetch((const char *)p, _MM_HINT_T0);
 }
+/* into L2 only: for far-ahead streaming prefetches, which would evict L1 lines in use */
+static inline __attribute__((always_inline)) void vprefetch_l2(const void *p) {
+    _mm_prefetch((const char *)p, _MM_HINT_T1);
+}
 
 #include "kernels_simd.inc"
 
