@@ -25,7 +25,7 @@ def split(path: str, threads: int = 1) -> None:
         eng.forward(ids[:64])  # warm-up: page the weights in
         with eng.trace() as tr:
             c = time.process_time()
-            eng.forward(ids)
+            eng.forward(ids, last_only=True)  # the last row's logits, as generation needs
             cpu_pre = time.process_time() - c
         pre = tr.stage_totals()
         with eng.trace() as tr:
