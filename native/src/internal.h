@@ -202,8 +202,8 @@ struct colibri_trace {
 };
 
 typedef struct cb_session {
-    float *k_cache;      /* [n_layers, S, Nkv] */
-    float *v_cache;      /* [n_layers, S, Nkv] */
+    float *k_cache;      /* [n_layers, n_kv_heads, S, head_dim]: each head's positions contiguous */
+    float *v_cache;      /* the same layout */
     int64_t cached_len;  /* positions 0..cached_len-1 are valid */
 } cb_session;
 

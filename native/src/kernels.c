@@ -217,10 +217,10 @@ static void softmax_ref(float *x, int64_t n) {
 }
 
 static void attention_heads_ref(float *out, const float *q, const float *kc, const float *vc,
-                                float *scores, int64_t T, int64_t start_pos, int64_t Hq,
+                                int64_t kv_hs, float *scores, int64_t T, int64_t start_pos, int64_t Hq,
                                 int64_t Hkv, int64_t D, int64_t window, int64_t h0, int64_t h1) {
     int64_t group = Hq / Hkv;
-    int64_t nq = Hq * D, nkv = Hkv * D;
+    int64_t nq = Hq * D;
     float scale = (float)(1.0 / sqrt((double)D));
     for (int64_t t = 0; t < T; t++) {
         int64_t pos = start_pos + t;
@@ -230,7 +230,7 @@ static void attention_heads_ref(float *out, const float *q, const float *kc, con
             const float *qh = q + t * nq + h * D;
             int64_t kvh = h / group;
             for (int64_t j = 0; j < cnt; j++) {
-                const float *kr = kc + (lo + j) * nkv + kvh * D;
+                const float *kr = kc + kvh * kv_hs + (lo + j) * D;
                 float acc = 0.0f;
                 for (int64_t d = 0; d < D; d++) acc += qh[d] * kr[d];
                 scores[j] = acc * scale;
@@ -239,7 +239,7 @@ static void attention_heads_ref(float *out, const float *q, const float *kc, con
             float *oh = out + t * nq + h * D;
             for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
             for (int64_t j = 0; j < cnt; j++) {
-                const float *vr = vc + (lo + j) * nkv + kvh * D;
+                const float *vr = vc + kvh * kv_hs + (lo + j) * D;
                 float p = scores[j];
                 for (int64_t d = 0; d < D; d++) oh[d] += p * vr[d];
             }
@@ -248,9 +248,9 @@ static void attention_heads_ref(float *out, const float *q, const float *kc, con
 }
 
 static void attention_ref(float *out, const float *q, const float *kc, const float *vc,
-                          float *scores, int64_t T, int64_t start_pos, int64_t Hq, int64_t Hkv,
-                          int64_t D, int64_t window) {
-    attention_heads_ref(out, q, kc, vc, scores, T, start_pos, Hq, Hkv, D, window, 0, Hq);
+                          int64_t kv_hs, float *scores, int64_t T, int64_t start_pos, int64_t Hq,
+                          int64_t Hkv, int64_t D, int64_t window) {
+    attention_heads_ref(out, q, kc, vc, kv_hs, scores, T, start_pos, Hq, Hkv, D, window, 0, Hq);
 }
 
 static void expert_gateup_ref(float *h, const float *x, const void *expert, uint32_t dt,

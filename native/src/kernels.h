@@ -80,18 +80,20 @@ typedef struct cb_kernels {
     void (*softmax)(float *x, int64_t n);
 
     /* Causal grouped-query attention of T queries at positions start_pos.. over a cache.
-     * q: [T, Hq*D]; kc, vc: [>= start_pos+T, Hkv*D] (rows = positions); out: [T, Hq*D];
+     * q: [T, Hq*D]; out: [T, Hq*D]; kc, vc: per KV head, its positions' D-vectors
+     * contiguous: element (head g, position p, d) at kc[g * kv_hs + p * D + d], where
+     * kv_hs >= (start_pos+T) * D (the engine's cache is [Hkv, max_seq_len, D] per layer);
      * scores: [CB_ATT_HEADS, start_pos+T] scratch. window > 0: key j visible from query i iff
      * j <= i and i - j < window. Scale 1/sqrt(D). */
     void (*attention)(float *out, const float *q, const float *kc, const float *vc,
-                      float *scores, int64_t T, int64_t start_pos, int64_t Hq, int64_t Hkv,
+                      int64_t kv_hs, float *scores, int64_t T, int64_t start_pos, int64_t Hq, int64_t Hkv,
                       int64_t D, int64_t window);
 
     /* The same for query heads h0 <= h < h1 only (out is written for those heads only);
      * each thread passes its own scores scratch [CB_ATT_HEADS, start_pos+T]: the heads of
      * one KV group are done CB_ATT_HEADS at a time, sharing every key and value they load. */
     void (*attention_heads)(float *out, const float *q, const float *kc, const float *vc,
-                            float *scores, int64_t T, int64_t start_pos, int64_t Hq,
+                            int64_t kv_hs, float *scores, int64_t T, int64_t start_pos, int64_t Hq,
                             int64_t Hkv, int64_t D, int64_t window, int64_t h0, int64_t h1);
 
     /* SwiGLU expert FFN over a group of R rows with the EXPERTS_PACKED layout

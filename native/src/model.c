@@ -329,7 +329,7 @@ static void att_chunk(void *arg, int64_t ch, int tid) {
     int64_t group = c->n_heads / c->n_kv_heads, per = (group + CB_ATT_HEADS - 1) / CB_ATT_HEADS;
     int64_t h0 = ch / per * group + ch % per * CB_ATT_HEADS;
     int64_t h1 = h0 + CB_ATT_HEADS < (ch / per + 1) * group ? h0 + CB_ATT_HEADS : (ch / per + 1) * group;
-    ctx->kern->attention_heads(ctx->s.att, ctx->s.q, a->kc, a->vc,
+    ctx->kern->attention_heads(ctx->s.att, ctx->s.q, a->kc, a->vc, ctx->max_seq_len * c->head_dim,
                                ctx->s.att_scores + (int64_t)tid * ctx->max_seq_len * CB_ATT_HEADS, ctx->run.T,
                                ctx->run.pos0, c->n_heads, c->n_kv_heads, c->head_dim, a->window, h0, h1);
 }
@@ -519,8 +519,12 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
     }
     K->rope(s->q, T, c->n_heads, hd, s->rope_cos, s->rope_sin);
     K->rope(s->k, T, c->n_kv_heads, hd, s->rope_cos, s->rope_sin);
-    memcpy(kc + pos0 * Nkv, s->k, (size_t)(T * Nkv) * sizeof(float));
-    memcpy(vc + pos0 * Nkv, s->v, (size_t)(T * Nkv) * sizeof(float));
+    /* the cache keeps each KV head's positions contiguous: [Hkv, S, hd] per layer */
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < c->n_kv_heads; g++) {
+            memcpy(kc + g * S * hd + (pos0 + t) * hd, s->k + t * Nkv + g * hd, (size_t)hd * sizeof(float));
+            memcpy(vc + g * S * hd + (pos0 + t) * hd, s->v + t * Nkv + g * hd, (size_t)hd * sizeof(float));
+        }
     {
         att_task a = {ctx, kc, vc, L->window};
         /* a decode step over a short cache is a few microseconds: not worth a section */

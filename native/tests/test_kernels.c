@@ -340,16 +340,17 @@ static void test_attention(const cb_kernels *K) {
         {1, 128, 2, 2, 8, 129}, {5, 3, 8, 8, 4, 1}, {9, 4, 12, 2, 40, 0}, {2, 17, 5, 1, 64, 0},
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
-        int64_t T = cs[i].T, P = cs[i].start + T, nq = cs[i].Hq * cs[i].D, nkv = cs[i].Hkv * cs[i].D;
+        int64_t T = cs[i].T, P = cs[i].start + T, nq = cs[i].Hq * cs[i].D;
         int64_t D = cs[i].D, group = cs[i].Hq / cs[i].Hkv;
+        int64_t hs = (P + 3) * D, nkv = cs[i].Hkv * hs; /* per KV head: room for P + 3 positions */
         float *q = malloc((size_t)(T * nq) * 4), *out = malloc((size_t)(T * nq) * 4);
-        float *kc = malloc((size_t)(P * nkv) * 4), *vc = malloc((size_t)(P * nkv) * 4);
+        float *kc = malloc((size_t)nkv * 4), *vc = malloc((size_t)nkv * 4);
         float *sc = malloc((size_t)(CB_ATT_HEADS * P) * 4);
         double *p = malloc((size_t)P * 8);
         fill(q, T * nq, 1.5);
-        fill(kc, P * nkv, 1.5);
-        fill(vc, P * nkv, 1.0);
-        K->attention(out, q, kc, vc, sc, T, cs[i].start, cs[i].Hq, cs[i].Hkv, D, cs[i].window);
+        fill(kc, nkv, 1.5);
+        fill(vc, nkv, 1.0);
+        K->attention(out, q, kc, vc, hs, sc, T, cs[i].start, cs[i].Hq, cs[i].Hkv, D, cs[i].window);
         for (int64_t t = 0; t < T; t++) {
             int64_t pos = cs[i].start + t;
             for (int64_t h = 0; h < cs[i].Hq; h++) {
@@ -360,7 +361,7 @@ static void test_attention(const cb_kernels *K) {
                     double s = -INFINITY;
                     if (vis) {
                         s = 0;
-                        for (int64_t d = 0; d < D; d++) s += (double)q[t * nq + h * D + d] * kc[j * nkv + kvh * D + d];
+                        for (int64_t d = 0; d < D; d++) s += (double)q[t * nq + h * D + d] * kc[kvh * hs + j * D + d];
                         s /= sqrt((double)D);
                     }
                     p[j] = s;
@@ -373,8 +374,8 @@ static void test_attention(const cb_kernels *K) {
                 for (int64_t d = 0; d < D; d++) {
                     double o = 0, mag = 0;
                     for (int64_t j = 0; j <= pos; j++) {
-                        o += p[j] / sum * vc[j * nkv + kvh * D + d];
-                        mag += fabs(p[j] / sum * vc[j * nkv + kvh * D + d]);
+                        o += p[j] / sum * vc[kvh * hs + j * D + d];
+                        mag += fabs(p[j] / sum * vc[kvh * hs + j * D + d]);
                     }
                     if (!close_to(out[t * nq + h * D + d], o, mag, 2e-5))
                         FAIL("[%s] attention case %zu t%lld h%lld d%lld: %.9g vs %.9g", K->name, i, (long long)t,
@@ -513,8 +514,8 @@ static void test_vs_ref(const cb_kernels *K) {
         fill(vc, P * nkv, 1.0);
         for (int64_t window = 0; window <= 9; window += 9) {
             for (int64_t i = 0; i < T * nq; i++) o[i] = orf[i] = SENTINEL;
-            K->attention_heads(o, q, kc, vc, sc, T, start, Hq, Hkv, D, window, 3, 7);
-            R->attention_heads(orf, q, kc, vc, sc, T, start, Hq, Hkv, D, window, 3, 7);
+            K->attention_heads(o, q, kc, vc, P * D, sc, T, start, Hq, Hkv, D, window, 3, 7);
+            R->attention_heads(orf, q, kc, vc, P * D, sc, T, start, Hq, Hkv, D, window, 3, 7);
             compare_arrays("attention_heads", K, o, orf, T * nq, 2e-5, 1.0);
         }
         free(q);
