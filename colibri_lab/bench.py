@@ -22,8 +22,7 @@ Also measured in the same run: the memory bandwidth (a numpy copy of a large buf
 read + write bytes per second, one thread) and the decode roofline it implies: the weight
 bytes one decode token must read (attention + router + top-k experts + lm_head + one
 embedding row + norms, at the run's dtype) divided by the bandwidth; each engine's decode
-is reported as a fraction of it. A second, higher ceiling uses the read-only bandwidth of
-as many threads as the configuration (numpy sums, wall clock): decode only reads.
+is reported as a fraction of it.
 
 llama.cpp is built from the ``llama-cpp-python`` sdist in ``--llama-cpp-dir`` (default
 ``~/.cache/colibri-lab/llama.cpp``): ``pip download --no-deps --no-binary :all:``, then
@@ -337,35 +336,6 @@ def measure_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> dict:
             "median_gbs": statistics.median(cpu), "max_gbs": max(cpu),
             "wall_median_gbs": statistics.median(wall), "samples_gbs": cpu,
             "wall_samples_gbs": wall}  # fmt: skip
-
-
-def measure_read_bandwidth(nbytes: int = 512 << 20, threads: int = 2, reps: int = 5) -> dict:
-    """Read-only bandwidth with `threads` threads: each sums its share of an int64 buffer of
-    `nbytes` (numpy releases the GIL in reductions, and int64 adds run far faster than
-    memory), `reps` times after one untimed pass; GB/s by the wall clock, median. A decode
-    step only reads its weights, with as many threads as this, so this is the ceiling it
-    can approach; the copy above (one thread, read + write) is lower."""
-    import threading
-
-    buf = np.ones(max(nbytes // 8, threads), dtype=np.int64)
-    parts = np.array_split(buf, threads)
-
-    def one_pass() -> float:
-        workers = [threading.Thread(target=p.sum) for p in parts]
-        t = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        return buf.nbytes / (time.perf_counter() - t) / 1e9
-
-    one_pass()  # fault the pages in
-    samples = [one_pass() for _ in range(reps)]
-    del buf, parts
-    return {"method": f"{threads} thread(s) summing {nbytes >> 20} MiB of int64 (read only), "
-                      "wall clock",
-            "threads": threads, "median_gbs": statistics.median(samples),
-            "max_gbs": max(samples), "samples_gbs": samples}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -691,9 +661,6 @@ def run(args) -> dict:
     _say("measuring memory bandwidth")
     bw = measure_bandwidth(args.bandwidth_mib << 20, reps=3 if args.smoke else 5)
     result["bandwidth"] = bw
-    rbw = {nt: measure_read_bandwidth(args.bandwidth_mib << 20, nt, reps=3 if args.smoke else 5)
-           for nt in sorted(set(threads))}  # fmt: skip
-    result["read_bandwidth"] = {str(nt): r for nt, r in rbw.items()}
 
     llama_src, llama_err = None, None
     if "llama.cpp" in engines:
@@ -718,7 +685,6 @@ def run(args) -> dict:
             except Exception as e:
                 files["llama.cpp"] = e
         for nt in threads:
-            roof_read = decode_roofline(hf_cfg, dtype, rbw[nt]["median_gbs"])
             cfg = Config(dtype, nt)
             workers: dict[str, Worker] = {}
             # every engine loads its file cold (drop_from_page_cache says why)
@@ -796,7 +762,6 @@ def run(args) -> dict:
                     ent["decode_p99_over_p50"] = p99 / p50
                 if ent["decode_tok_s"]:
                     ent["roofline_fraction"] = ent["decode_tok_s"] / roof["roofline_tok_s"]
-                    ent["read_roofline_fraction"] = ent["decode_tok_s"] / roof_read["roofline_tok_s"]
                 if "error" in ent and not ent["reps"]:
                     ent["status"] = f"not available: {ent['error']}"
                 else:
@@ -809,7 +774,7 @@ def run(args) -> dict:
                     if col.get(k) and ent.get(k):
                         ent[f"colibri_over_this_{k[:-6]}"] = col[k] / ent[k]
             result["configs"].append({"dtype": dtype, "threads": nt, "roofline": roof,
-                                      "read_roofline": roof_read, "engines": cfg.engines})  # fmt: skip
+                                      "engines": cfg.engines})  # fmt: skip
     result["loadavg_end"] = list(os.getloadavg())
     result["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return result
@@ -826,9 +791,7 @@ def render_table(res: dict) -> str:
         f"machine: {m.get('cpu', '?')}, {m.get('cpus_usable')} usable CPUs, "
         f"SIMD {'/'.join(m.get('simd', [])) or '?'}, {m.get('mem_gib', '?')} GiB RAM",
         f"memory bandwidth: {bw['median_gbs']:.1f} GB/s median (max {bw['max_gbs']:.1f}; by the wall "
-        f"clock {bw['wall_median_gbs']:.1f}; {bw['method']}); the roofline column uses it",
-        *[f"read bandwidth, {nt} thread(s): {r['median_gbs']:.1f} GB/s median ({r['method']}); "
-          "the read-roofline column uses it" for nt, r in res.get("read_bandwidth", {}).items()],
+        f"clock {bw['wall_median_gbs']:.1f}; {bw['method']})",
         f"model: {res['model_dir']} ({res['model']['model_type']}, {res['model']['layers']} layers, "
         f"hidden {res['model']['hidden']}, {res['model']['experts']} experts top-{res['model']['top_k']}, "
         f"vocab {res['model']['vocab']})",
@@ -837,15 +800,15 @@ def render_table(res: dict) -> str:
         f"median of {res['reps']} repetition(s), engines alternating",
         "",
         "| dtype | threads | engine | prefill tok/s | decode tok/s | decode P99/P50 "
-        "| roofline tok/s | decode ÷ roofline | decode ÷ read roofline | Colibri ÷ this (prefill, decode) "
+        "| roofline tok/s | decode ÷ roofline | Colibri ÷ this (prefill, decode) "
         "| CPU ms/token (prefill, decode) | file in 2 MiB pages |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in res["configs"]:
         roof = c["roofline"]["roofline_tok_s"]
         for e, ent in c["engines"].items():
             if ent.get("status", "").startswith("not available"):
-                lines.append(f"| {c['dtype']} | {c['threads']} | {e} | {ent['status']} | | | | | | | | |")
+                lines.append(f"| {c['dtype']} | {c['threads']} | {e} | {ent['status']} | | | | | | | |")
                 continue
             name = e
             if e == "colibri" and ent.get("kernels") not in (None, "not reported"):
@@ -861,8 +824,7 @@ def render_table(res: dict) -> str:
             lines.append(
                 f"| {c['dtype']} | {c['threads']} | {name} | {_fmt(ent.get('prefill_tok_s'))} "
                 f"| {_fmt(ent.get('decode_tok_s'))} | {_fmt(ent.get('decode_p99_over_p50'), '.2f')} "
-                f"| {roof:.1f} | {_fmt(ent.get('roofline_fraction'), '.0%')} "
-                f"| {_fmt(ent.get('read_roofline_fraction'), '.0%')} | {ratio} "
+                f"| {roof:.1f} | {_fmt(ent.get('roofline_fraction'), '.0%')} | {ratio} "
                 f"| {_fmt(ent.get('prefill_cpu_ms_per_tok'), '.1f')}, "
                 f"{_fmt(ent.get('decode_cpu_ms_per_tok'), '.1f')} "
                 f"| {_fmt(ent.get('file_hugepage_fraction'), '.0%')} |"
