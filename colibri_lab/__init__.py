@@ -7,7 +7,11 @@
 Errors from the engine are :class:`ColibriError` subclasses carrying the C message.
 """
 
-from ._native import (
+# Pure Python: none of these needs the compiled library, so converting and inspecting
+# files works before (or without) it is built. The engine, its tokenizer and the native
+# version load the library on first use (below).
+from .convert import convert
+from .errors import (
     ColibriBufferTooSmallError,
     ColibriChecksumError,
     ColibriClosedError,
@@ -23,9 +27,6 @@ from ._native import (
     ColibriUnsupportedError,
     ColibriVersionError,
 )
-from ._native import version as native_version
-from .convert import convert
-from .engine import Engine, EngineConfig, Token, Tokenizer
 from .format import inspect
 from .trace import Trace
 
@@ -56,13 +57,24 @@ __all__ = [
     "native_version",
 ]
 
-# The workbench modules load on first use, so `import colibri_lab` does not import plotly.
-_LAZY_MODULES = ("diagnostics", "viz", "widgets")
+# The workbench modules load on first use, so `import colibri_lab` does not import plotly;
+# the engine's names load the native library (colibri_lab._native) on first use, so
+# `import colibri_lab` does not need it.
+_LAZY_MODULES = ("diagnostics", "tuning", "viz", "widgets")
+_ENGINE_NAMES = ("Engine", "EngineConfig", "Token", "Tokenizer")
 
 
 def __getattr__(name: str):
-    if name in _LAZY_MODULES:
-        import importlib
+    import importlib
 
+    if name in _LAZY_MODULES:
         return importlib.import_module(f".{name}", __name__)
+    if name in _ENGINE_NAMES:
+        return getattr(importlib.import_module(".engine", __name__), name)
+    if name == "native_version":
+        return importlib.import_module("._native", __name__).version
     raise AttributeError(f"module 'colibri_lab' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_MODULES) | set(_ENGINE_NAMES) | {"native_version"})

@@ -3,7 +3,7 @@ Face `tokenizer.json`, or from a mistral-common tekken (tiktoken-style) `tekken_
 (see _build_tekken: reproduces mistral_common's Tekkenizer).
 
 The layout is specified in docs/format.md, "Tokenizer section encoding", "Byte-level BPE
-(type 2)"; the C reader is native/src/tokenizer_bpe.c. Only what the engine implements
+(type 2)"; the C reader is native/src/tokenizer/bpe.c. Only what the engine implements
 exactly is accepted; anything else is refused with a ValueError naming the reason:
 
 * model: BPE over the ByteLevel alphabet (all 256 byte characters in the vocabulary), no

@@ -1,7 +1,7 @@
 """Build the tokenizer section of a `.colibri` file from a SentencePiece `tokenizer.model`.
 
 The layout is specified in docs/format.md, "Tokenizer section encoding"; the C reader is
-native/src/tokenizer.c. Only what the engine's encoder implements is accepted: a BPE
+native/src/tokenizer/tokenizer.c. Only what the engine's encoder implements is accepted: a BPE
 model whose normalizer has no character map (the "identity" normalizer of the
 Llama / Mistral / Mixtral tokenizers). Anything else is refused with a ValueError that
 names the reason, so a converted file never tokenizes differently from `sentencepiece`.

@@ -577,7 +577,9 @@ class _TextStream:
 # ---------------------------------------------------------------------------------------
 # Observation: traces and stage-by-stage runs.
 
-_NP_DTYPES = {0: np.float32, 1: np.int32, 2: np.int64, 3: np.uint64}
+# colibri_dtype (colibri.h) -> numpy; bf16 arrays are handed out as their raw uint16 bits.
+_NP_DTYPES = {0: np.float32, 1: np.float16, 2: np.uint16, 3: np.int8, 4: np.int32, 5: np.int64,
+              6: np.uint64}
 
 
 def _c_array(ptr: int | None, dtype: int, ndim: int, shape) -> np.ndarray:

@@ -2,8 +2,7 @@
 
 Checked: every runtime dependency and every package of the `test` and `lab` extras is in
 environment.yml (conda-forge or its pip section) with the same specifier, and every
-package environment.yml lists is one of those (or a build tool / python itself). The
-`gpu` extra (cupy) is left out of environment.yml on purpose: it needs CUDA.
+package environment.yml lists is one of those (or a build tool / python itself).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ yaml = pytest.importorskip("yaml")  # PyYAML comes with transformers (a test dep
 
 REPO = Path(__file__).resolve().parents[1]
 IN_ENV_EXTRAS = ("test", "lab")
-NOT_IN_ENV_EXTRAS = ("gpu", "dev")
+NOT_IN_ENV_EXTRAS = ("dev",)
 # conda-only entries: the interpreter, pip itself, and the native build toolchain
 CONDA_ONLY = {"python", "pip", "c-compiler", "cmake", "ninja"}
 
@@ -90,6 +89,6 @@ def test_extras_layout():
     proj = _pyproject()["project"]
     extras = proj["optional-dependencies"]
     assert set(IN_ENV_EXTRAS + NOT_IN_ENV_EXTRAS) == set(extras)
-    # torch must stay pinned to the CPU wheel (TOOLING.md)
+    # torch must stay pinned: 2.13.0 is the CPU wheel; any other spec pulls a CUDA build
     assert dict(_parse(r) for r in extras["test"])["torch"] == "==2.13.0"
     assert proj["requires-python"] == ">=3.10"

@@ -1,4 +1,4 @@
-"""Parity of Colibri's byte-level BPE tokenizer (native/src/tokenizer_bpe.c) with Hugging Face
+"""Parity of Colibri's byte-level BPE tokenizer (native/src/tokenizer/bpe.c) with Hugging Face
 `tokenizers`.
 
 Tokenizers are trained here with the `tokenizers` library (seconds), saved as tokenizer.json,

@@ -1,4 +1,4 @@
-"""Parity of Colibri's C tokenizer (native/src/tokenizer.c) with the `sentencepiece` library.
+"""Parity of Colibri's C tokenizer (native/src/tokenizer/tokenizer.c) with the `sentencepiece` library.
 
 Uses the real Mistral / Mixtral tokenizer (data/tokenizer.model.v1, else the copy in the
 mistral-common wheel), turned into a tokenizer section by colibri_lab._spm, and compares

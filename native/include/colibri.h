@@ -27,7 +27,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or the meaning of an argument changes; bindings check it. */
-#define COLIBRI_ABI_VERSION 2
+#define COLIBRI_ABI_VERSION 3
 /* The newest file format version this build reads. */
 #define COLIBRI_FORMAT_VERSION 1
 
@@ -145,12 +145,18 @@ typedef enum colibri_stage {
     COLIBRI_N_STAGES = 7
 } colibri_stage;
 
-/* Element types of the arrays handed out by colibri_trace_array / colibri_stage_tensor. */
+/* Element types, one name space for all of them: the dtypes of the tensors in a .colibri
+ * file (F32, F16, BF16, I8 — the values are the file's dtype codes, docs/format.md) and the
+ * element types of the arrays handed out by colibri_trace_array / colibri_stage_tensor
+ * (F32, I32, I64, U64). I32, I64 and U64 are never file tensor types. */
 typedef enum colibri_dtype {
     COLIBRI_DTYPE_F32 = 0,
-    COLIBRI_DTYPE_I32 = 1,
-    COLIBRI_DTYPE_I64 = 2,
-    COLIBRI_DTYPE_U64 = 3
+    COLIBRI_DTYPE_F16 = 1,
+    COLIBRI_DTYPE_BF16 = 2,
+    COLIBRI_DTYPE_I8 = 3,
+    COLIBRI_DTYPE_I32 = 4,
+    COLIBRI_DTYPE_I64 = 5,
+    COLIBRI_DTYPE_U64 = 6
 } colibri_dtype;
 
 /* A trace: buffers, owned by the trace and allocated once by colibri_trace_create, that

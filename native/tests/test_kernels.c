@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/kernels.h" /* internal header: the kernels are not public API */
+#include "cpu/kernels.h" /* internal header (src/ is on the tests' include path): the kernels are not public API */
 
 static int n_fail = 0, n_check = 0;
 static uint64_t rng_state = 0x1234567887654321ull;
@@ -80,10 +80,10 @@ static wbuf make_w(uint32_t dt, int64_t n, double scale) {
     for (int64_t i = 0; i < n; i++) {
         float v = (float)(urand() * scale);
         if (v == 0.0f) v = 0.25f;
-        if (dt == CB_DT_F32) {
+        if (dt == COLIBRI_DTYPE_F32) {
             ((float *)w.raw)[i] = v;
             w.val[i] = v;
-        } else if (dt == CB_DT_F16) {
+        } else if (dt == COLIBRI_DTYPE_F16) {
             uint16_t h = cb_f32_to_f16(v);
             ((uint16_t *)w.raw)[i] = h;
             w.val[i] = cb_f16_to_f32(h);
@@ -198,7 +198,7 @@ static void test_matmul(const cb_kernels *K) {
     const int64_t Ts[] = {1, 3, 7, 17, 33};
     const int64_t Ns[] = {1, 7, 67, 131};
     const int64_t Ks[] = {1, 7, 33, 67, 255};
-    for (uint32_t dt = CB_DT_F32; dt <= CB_DT_BF16; dt++)
+    for (uint32_t dt = COLIBRI_DTYPE_F32; dt <= COLIBRI_DTYPE_BF16; dt++)
         for (size_t a = 0; a < 5; a++)
             for (size_t b = 0; b < 4; b++)
                 for (size_t c = 0; c < 5; c++) {
@@ -410,7 +410,7 @@ static void test_expert_ffn(const cb_kernels *K) {
         {1, 7, 5, 32}, {3, 33, 37, 1}, {4, 45, 37, 8}, {7, 17, 64, 32}, {2, 129, 33, 5}, {1, 1, 1, 1},
         {17, 67, 131, 32}, {33, 131, 67, 7}, {6, 255, 33, 32}, {13, 64, 96, 32},
     };
-    for (uint32_t dt = CB_DT_F32; dt <= CB_DT_BF16; dt++)
+    for (uint32_t dt = COLIBRI_DTYPE_F32; dt <= COLIBRI_DTYPE_BF16; dt++)
         for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
             int64_t R = cs[i].R, H = cs[i].H, I = cs[i].I, B = cs[i].B;
             wbuf w = make_w(dt, 3 * I * H, 0.5);
@@ -420,8 +420,8 @@ static void test_expert_ffn(const cb_kernels *K) {
             pack_expert(packed, w1, w3, w2, I, H, B);
             void *raw = malloc((size_t)(3 * I * H) * cb_dtype_size(dt));
             for (int64_t k = 0; k < 3 * I * H; k++) {
-                if (dt == CB_DT_F32) ((float *)raw)[k] = packed[k];
-                else if (dt == CB_DT_F16) ((uint16_t *)raw)[k] = cb_f32_to_f16(packed[k]); /* exact */
+                if (dt == COLIBRI_DTYPE_F32) ((float *)raw)[k] = packed[k];
+                else if (dt == COLIBRI_DTYPE_F16) ((uint16_t *)raw)[k] = cb_f32_to_f16(packed[k]); /* exact */
                 else ((uint16_t *)raw)[k] = cb_f32_to_bf16(packed[k]);
             }
             float *x = malloc((size_t)(R * H) * 4), *y = malloc((size_t)(R * H) * 4), *h = malloc((size_t)(R * I) * 4);
@@ -487,7 +487,7 @@ static void test_vs_ref(const cb_kernels *K) {
     const cb_kernels *R = cb_kernels_ref();
     /* matmul_ld on a slice of rows, into a wider output: outside the slice stays untouched */
     const int64_t Ts[] = {1, 3, 7, 17, 33};
-    for (uint32_t dt = CB_DT_F32; dt <= CB_DT_BF16; dt++)
+    for (uint32_t dt = COLIBRI_DTYPE_F32; dt <= COLIBRI_DTYPE_BF16; dt++)
         for (size_t a = 0; a < 5; a++) {
             int64_t T = Ts[a], N = 131, Kd = 255, n0 = 5, n1 = 98, ldy = N + 3;
             wbuf w = make_w(dt, N * Kd, 1.0);
@@ -532,7 +532,7 @@ static void test_vs_ref(const cb_kernels *K) {
         /* I larger than the down kernel's packed panel (several panels chained) */
         {13, 96, 1100, 32, 500, 620, 0, 96}, {6, 67, 777, 32, 0, 777, 3, 67},
     };
-    for (uint32_t dt = CB_DT_F32; dt <= CB_DT_BF16; dt++)
+    for (uint32_t dt = COLIBRI_DTYPE_F32; dt <= COLIBRI_DTYPE_BF16; dt++)
         for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
             int64_t Rr = cs[i].R, H = cs[i].H, I = cs[i].I, B = cs[i].B;
             wbuf w = make_w(dt, 3 * I * H, 0.3);
@@ -561,7 +561,7 @@ static void test_vs_ref(const cb_kernels *K) {
 /* A row's result does not depend on the batch it is computed in (bit for bit): the engine
  * relies on it so that group padding, decode vs prefill and the thread split change nothing. */
 static void test_batch_invariance(const cb_kernels *K) {
-    for (uint32_t dt = CB_DT_F32; dt <= CB_DT_BF16; dt++) {
+    for (uint32_t dt = COLIBRI_DTYPE_F32; dt <= COLIBRI_DTYPE_BF16; dt++) {
         int64_t T = 17, N = 67, Kd = 255, H = 96, I = 1100, B = 32;
         wbuf w = make_w(dt, N * Kd, 1.0), e = make_w(dt, 3 * I * H, 0.3);
         float *x = malloc((size_t)(T * Kd) * 4), *y = malloc((size_t)(T * N) * 4), *y1 = malloc((size_t)N * 4);
@@ -602,7 +602,7 @@ static void test_batch_invariance(const cb_kernels *K) {
 static void test_down_parts(const cb_kernels *K) {
     struct { int64_t R, H, I; } cs[] = {{1, 131, 67}, {1, 96, 1100}, {2, 67, 513}, {5, 33, 256},
                                         {3, 255, 257}, {7, 64, 600}, {1, 8, 1}};
-    for (uint32_t dt = CB_DT_F32; dt <= CB_DT_BF16; dt++)
+    for (uint32_t dt = COLIBRI_DTYPE_F32; dt <= COLIBRI_DTYPE_BF16; dt++)
         for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
             int64_t R = cs[i].R, H = cs[i].H, I = cs[i].I, nblk = (I + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK;
             wbuf w = make_w(dt, 3 * I * H, 0.3);

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/threadpool.h" /* internal header */
+#include "core/threadpool.h" /* internal header */
 
 #define MAX_CHUNKS 97
 

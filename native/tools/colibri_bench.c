@@ -5,11 +5,12 @@
  *   colibri_bench --model m.colibri --seq_len 512 --max_new_tokens 128 --num_requests 10
  *   colibri_bench --model m.colibri --json          one JSON object on stdout
  *
- * One request = --batch_size independent sequences. Each sequence is a prefill of --seq_len
- * token ids followed by --max_new_tokens single-token decode steps. The engine has one KV
- * cache per context, so the sequences of a request run one after another on that context:
- * batch_size multiplies the work of a request, it does not batch tokens of different
- * sequences into one matrix product. (Tokens of one sequence are batched in the prefill.)
+ * One request = --sequential_sequences independent sequences, run ONE AFTER ANOTHER. Each
+ * sequence is a prefill of --seq_len token ids followed by --max_new_tokens single-token
+ * decode steps. The engine has one KV cache per context, so this multiplies the work of a
+ * request; it does not batch tokens of different sequences into one matrix product.
+ * (Tokens of one sequence are batched in the prefill.) --batch_size, the name of real
+ * batching across sequences, is refused with a message until the engine batches them.
  *
  * Token ids are drawn from a seeded PRNG (splitmix64) over the whole vocabulary, fresh for
  * every sequence and every decode step, so routing varies from token to token the way it
@@ -44,7 +45,7 @@
 
 typedef struct args {
     const char *model;
-    int64_t batch_size;
+    int64_t n_seq;         /* --sequential_sequences */
     int64_t seq_len;
     int64_t num_requests;
     int64_t warmup;
@@ -64,15 +65,16 @@ static void usage(FILE *f) {
             "Measures prefill and decode latency and throughput of a .colibri model on\n"
             "token ids drawn from a seeded PRNG over the vocabulary (routing varies).\n"
             "\n"
-            "A request is --batch_size independent sequences; each is a prefill of\n"
-            "--seq_len tokens then --max_new_tokens single-token decode steps. The engine\n"
-            "keeps one KV cache per context, so the sequences of a request run one after\n"
-            "another: batch_size scales the work of a request, it does not batch sequences\n"
-            "together. Prefill latency is per request, decode latency per token step.\n"
+            "A request is --sequential_sequences independent sequences, run one after\n"
+            "another; each is a prefill of --seq_len tokens then --max_new_tokens\n"
+            "single-token decode steps. The engine keeps one KV cache per context, so this\n"
+            "scales the work of a request; it does not batch sequences together (this build\n"
+            "has no --batch_size). Prefill latency is per request, decode latency per token step.\n"
             "\n"
             "options:\n"
             "  --model PATH           .colibri file (required)\n"
-            "  --batch_size N         sequences per request, >= 1 (default 1)\n"
+            "  --sequential_sequences N  sequences per request, run one after another,\n"
+            "                         >= 1 (default 1)\n"
             "  --seq_len N            prefill tokens per sequence, >= 1 (default 128)\n"
             "  --max_new_tokens N     decode steps per sequence, >= 0 (default 32);\n"
             "                         also --decode_steps\n"
@@ -95,7 +97,7 @@ static void usage(FILE *f) {
 /* Parse argv into *a. Returns -1 to go on, or an exit status (0 for --help). */
 static int parse_args(int argc, char **argv, args *a) {
     memset(a, 0, sizeof *a);
-    a->batch_size = 1;
+    a->n_seq = 1;
     a->seq_len = 128;
     a->num_requests = 10;
     a->warmup = 1;
@@ -112,7 +114,7 @@ static int parse_args(int argc, char **argv, args *a) {
         if (strncmp(arg, "--", 2) != 0) return usage_error("unexpected argument '%s'", arg);
 
         /* --name VALUE or --name=VALUE */
-        static const char *const known[] = {"--model", "--batch_size", "--seq_len",
+        static const char *const known[] = {"--model", "--sequential_sequences", "--batch_size", "--seq_len",
                                             "--num_requests", "--warmup", "--num_threads",
                                             "--max_new_tokens", "--decode_steps", "--group_pad",
                                             "--max_batch", "--seed"};
@@ -124,9 +126,13 @@ static int parse_args(int argc, char **argv, args *a) {
         if (!strcmp(name, "--model")) {
             if (!*val) return usage_error("--model needs a path");
             a->model = val;
+        } else if (!strcmp(name, "--sequential_sequences")) {
+            if (!parse_i64(val, 1, 1 << 20, &a->n_seq))
+                return usage_error("--sequential_sequences must be an integer in 1..1048576, got '%s'", val);
         } else if (!strcmp(name, "--batch_size")) {
-            if (!parse_i64(val, 1, 1 << 20, &a->batch_size))
-                return usage_error("--batch_size must be an integer in 1..1048576, got '%s'", val);
+            return usage_error("--batch_size (sequences batched into one forward) is not in this build: "
+                               "the engine runs one sequence per context; use --sequential_sequences %s "
+                               "to run %s sequences per request one after another", val, val);
         } else if (!strcmp(name, "--seq_len")) {
             if (!parse_i64(val, 1, INT32_MAX, &a->seq_len))
                 return usage_error("--seq_len must be an integer >= 1, got '%s'", val);
@@ -156,9 +162,9 @@ static int parse_args(int argc, char **argv, args *a) {
     if (!a->model) return usage_error("--model is required");
     /* One latency sample is kept per decode step: bound their count (in double, so the
      * product of three large values cannot overflow). */
-    if ((double)a->num_requests * (double)a->batch_size * (double)a->max_new_tokens >
+    if ((double)a->num_requests * (double)a->n_seq * (double)a->max_new_tokens >
         (double)((int64_t)1 << 28))
-        return usage_error("--num_requests x --batch_size x --max_new_tokens must be at most "
+        return usage_error("--num_requests x --sequential_sequences x --max_new_tokens must be at most "
                            "2^28 decode steps");
     return -1;
 }
@@ -313,7 +319,7 @@ int main(int argc, char **argv) {
     ids = malloc((size_t)a.seq_len * sizeof *ids);
     logits = malloc((size_t)a.seq_len * (size_t)vocab * sizeof *logits);
     int64_t n_req = a.num_requests;
-    int64_t n_dec = n_req * a.batch_size * a.max_new_tokens;
+    int64_t n_dec = n_req * a.n_seq * a.max_new_tokens;
     pre = malloc((size_t)n_req * sizeof *pre);
     req = malloc((size_t)n_req * sizeof *req);
     dec = malloc((size_t)(n_dec > 0 ? n_dec : 1) * sizeof *dec);
@@ -328,7 +334,7 @@ int main(int argc, char **argv) {
     for (int64_t r = -a.warmup; r < n_req; r++) {
         int counted = r >= 0;
         double t_pre = 0, t_req0 = now_ms();
-        for (int64_t b = 0; b < a.batch_size; b++) {
+        for (int64_t b = 0; b < a.n_seq; b++) {
             for (int64_t t = 0; t < a.seq_len; t++) ids[t] = random_id(&rng, vocab);
             double tp = now_ms();
             st = a.all_logits ? colibri_forward_at(ctx, ids, a.seq_len, 0, logits)
@@ -350,7 +356,7 @@ int main(int argc, char **argv) {
         }
     }
 
-    double pre_tokens = (double)(n_req * a.batch_size * a.seq_len);
+    double pre_tokens = (double)(n_req * a.n_seq * a.seq_len);
     double dec_tokens = (double)n_dec;
     stats sp = summarize(pre, n_req);
     stats sd = summarize(dec, n_dec);
@@ -368,13 +374,13 @@ int main(int argc, char **argv) {
         printf(",\n  \"vocab_size\": %" PRId64 ", \"n_layers\": %" PRId64 ", \"hidden_size\": %" PRId64
                ", \"n_experts\": %" PRId64 ", \"top_k\": %" PRId64 ",\n",
                vocab, n_layers, hidden, n_experts, top_k);
-        printf("  \"batch_size\": %" PRId64 ", \"batch_mode\": \"sequential\", \"seq_len\": %" PRId64
+        printf("  \"sequential_sequences\": %" PRId64 ", \"seq_len\": %" PRId64
                ", \"max_new_tokens\": %" PRId64 ", \"num_requests\": %" PRId64 ", \"warmup\": %" PRId64
                ",\n  \"num_threads\": %" PRId64 ", \"threads_used\": %" PRId64 ", \"group_pad\": %" PRId64
                ", \"max_batch\": %" PRId64 ", \"seed\": %" PRIu64 ", \"token_ids\": \"splitmix64 uniform over the vocabulary\",\n"
                "  \"prefill_logits\": \"%s\",\n"
                "  \"load_ms\": %.6f,\n",
-               a.batch_size, a.seq_len, a.max_new_tokens, n_req, a.warmup, threads_req,
+               a.n_seq, a.seq_len, a.max_new_tokens, n_req, a.warmup, threads_req,
                threads_used, group_pad, max_batch, a.seed, a.all_logits ? "all" : "last", t_load);
         print_stats_json("prefill", &sp, pre_tokens, (double)n_req, 0);
         print_stats_json("decode", &sd, dec_tokens, 0, 0);
@@ -385,14 +391,14 @@ int main(int argc, char **argv) {
                ", vocab %" PRId64 "), loaded in %.1f ms\n",
                colibri_version_string(), a.model, arch, wdtype, n_layers, n_experts, top_k, vocab,
                t_load);
-        printf("settings: batch_size %" PRId64 " (sequences per request, run one after another), "
+        printf("settings: sequential_sequences %" PRId64 " (sequences per request, run one after another), "
                "seq_len %" PRId64 ", max_new_tokens %" PRId64 ", %" PRId64 " requests after %" PRId64
                " warmup, threads %" PRId64 " requested / %" PRId64 " used, group_pad %" PRId64
                ", max_batch %" PRId64 ", seed %" PRIu64 "\n",
-               a.batch_size, a.seq_len, a.max_new_tokens, n_req, a.warmup, threads_req,
+               a.n_seq, a.seq_len, a.max_new_tokens, n_req, a.warmup, threads_req,
                threads_used, group_pad, max_batch, a.seed);
         printf("prefill: latency per request (%" PRId64 " x %" PRId64 " tokens); decode: latency per token step\n",
-               a.batch_size, a.seq_len);
+               a.n_seq, a.seq_len);
         print_stats_text("prefill", &sp, pre_tokens);
         if (n_dec > 0) print_stats_text("decode", &sd, dec_tokens);
         print_stats_text("request", &sr, pre_tokens + dec_tokens);

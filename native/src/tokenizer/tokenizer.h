@@ -1,6 +1,6 @@
 /*
- * tokenizer.h — internal interface between the engine (colibri.c) and the tokenizer
- * (tokenizer.c). The tokenizer reads the tokenizer section of a .colibri file in place
+ * tokenizer.h — internal interface between the engine (core/colibri.c) and the tokenizer
+ * (tokenizer.c, bpe.c). The tokenizer reads the tokenizer section of a .colibri file in place
  * (docs/format.md, "Tokenizer section encoding"); it never copies the vocabulary.
  */
 #ifndef COLIBRI_TOKENIZER_H

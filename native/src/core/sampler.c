@@ -8,7 +8,7 @@
  */
 #include <math.h>
 
-#include "internal.h"
+#include "core/context.h"
 
 /* xorshift64* (Vigna); returns a float uniform in [0, 1) from the top 24 bits. */
 static float rng_uniform(uint64_t *state) {

@@ -1,13 +1,15 @@
 /*
  * trace.c — colibri_trace (colibri.h, "Observation"): one allocation at create, carved
- * into the per-token and per-layer buffers that model.c's run_stage fills while the trace
+ * into the per-token and per-layer buffers that model/forward.c's run_stage fills while the trace
  * is attached; and the public entry points of stage-by-stage execution.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "core/checked.h"
+#include "core/context.h"
+#include "core/trace.h"
 
 colibri_status colibri_trace_create(const colibri_ctx *ctx, int64_t capacity, colibri_trace **out,
                                     char *err, size_t err_len) {
@@ -147,7 +149,7 @@ colibri_status colibri_trace_array(const colibri_trace *tr, const char *name, co
     return COLIBRI_E_INVALID_ARG;
 }
 
-/* ---- stage-by-stage execution: argument checks, then model.c ---- */
+/* ---- stage-by-stage execution: argument checks, then model/forward.c ---- */
 
 colibri_status colibri_stage_begin(colibri_ctx *ctx, const int32_t *input_ids, int64_t n_tokens,
                                    int64_t start_pos) {

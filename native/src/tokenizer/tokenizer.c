@@ -1,7 +1,7 @@
 /*
  * tokenizer.c — SentencePiece-BPE tokenizer read in place from a tokenizer section
  * (docs/format.md, "Tokenizer section encoding"), and the public tokenizer API, which
- * dispatches sections of type 2 (byte-level BPE) to tokenizer_bpe.c. For both types
+ * dispatches sections of type 2 (byte-level BPE) to bpe.c. For both types
  * colibri_tokenize(add_bos = 1) on a tokenizer without BOS adds nothing.
  *
  * What it reproduces, byte for byte, is `sentencepiece`'s SentencePieceProcessor for a BPE
@@ -28,8 +28,8 @@
  * whose extents were proven. Encode allocates scratch (freed before returning) and reports
  * COLIBRI_E_NOMEM if it cannot; nothing here prints, exits or aborts.
  */
-#include "tokenizer.h"
-#include "tokenizer_bpe.h"
+#include "tokenizer/bpe.h"
+#include "tokenizer/tokenizer.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -82,7 +82,7 @@ struct colibri_tokenizer {
     int has_unused;
     int has_tokenizer; /* 0: the file has no tokenizer (empty section) */
     int owned_by_ctx;
-    uint32_t type;             /* TOK_TYPE_SENTENCEPIECE_BPE or CB_BPE_TYPE (byte-level BPE, tokenizer_bpe.c) */
+    uint32_t type;             /* TOK_TYPE_SENTENCEPIECE_BPE or CB_BPE_TYPE (byte-level BPE, bpe.c) */
     cb_bpe bpe;                /* the byte-level BPE tokenizer when type == CB_BPE_TYPE */
     char err[256];
 };

@@ -1,8 +1,9 @@
 /*
- * colibri.c — the public API (colibri.h): init/free, errors, accessors, forward entry
- * points and verification. The work is done in format.c (validation), model.c (arena and
- * forward pass), kernels.c and sampler.c; this file checks arguments, keeps the error
- * message and owns the lifetime of the mapping, the arena and the tokenizer.
+ * colibri.c — the public API (colibri.h): init/free, accessors, forward entry points and
+ * verification. The work is done in format/ (reading and validating the file), model/
+ * (the arena plan and the forward pass), cpu/ (the kernels) and sampler.c; this file
+ * checks arguments and owns the lifetime of the mapping, the arena, the thread pool and
+ * the tokenizer. Errors are reported through core/error.h.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -15,51 +16,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "internal.h"
-#include "tokenizer.h"
+#include "core/context.h"
+#include "core/error.h"
+#include "core/trace.h"
+#include "tokenizer/tokenizer.h"
 
-#define COLIBRI_VERSION_STRING "colibri 0.1.0 (format 1, abi 2)"
-
-void cb_set_err(char *buf, size_t len, const char *fmt, ...) {
-    if (!buf || len == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, len, fmt, ap);
-    va_end(ap);
-}
-
-colibri_status cb_fail(colibri_ctx *ctx, colibri_status st, const char *fmt, ...) {
-    if (ctx) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(ctx->err, sizeof ctx->err, fmt, ap);
-        va_end(ap);
-    }
-    return st;
-}
+#define COLIBRI_VERSION_STRING "colibri 0.1.0 (format 1, abi 3)"
 
 int colibri_abi_version(void) { return COLIBRI_ABI_VERSION; }
 
 const char *colibri_version_string(void) { return COLIBRI_VERSION_STRING; }
-
-const char *colibri_status_string(colibri_status s) {
-    switch (s) {
-    case COLIBRI_OK: return "ok";
-    case COLIBRI_E_INVALID_ARG: return "invalid argument";
-    case COLIBRI_E_IO: return "i/o error";
-    case COLIBRI_E_FORMAT: return "bad file format";
-    case COLIBRI_E_VERSION: return "unsupported format version";
-    case COLIBRI_E_CHECKSUM: return "checksum mismatch";
-    case COLIBRI_E_UNSUPPORTED: return "unsupported model";
-    case COLIBRI_E_NOMEM: return "out of memory";
-    case COLIBRI_E_TOKEN_RANGE: return "token id out of range";
-    case COLIBRI_E_SEQ_TOO_LONG: return "sequence too long";
-    case COLIBRI_E_BUFFER_TOO_SMALL: return "buffer too small";
-    case COLIBRI_E_NUMERIC: return "numeric error (NaN or Inf)";
-    case COLIBRI_E_INTERNAL: return "internal error";
-    }
-    return "unknown status";
-}
 
 void colibri_options_init(colibri_options *opt) {
     if (!opt) return;
@@ -246,10 +212,10 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     else ctx->max_batch = opt.max_batch < ctx->max_seq_len ? opt.max_batch : ctx->max_seq_len;
     ctx->group_pad = opt.group_pad == 0 ? 1 : opt.group_pad;
     ctx->populate = opt.populate;
-    if (opt.num_threads == 0) ctx->num_threads = cb_physical_cores(); /* threadpool.c */
+    if (opt.num_threads == 0) ctx->num_threads = cb_physical_cores(); /* core/threadpool.c */
     else ctx->num_threads = opt.num_threads > 1024 ? 1024 : opt.num_threads;
 
-    st = cb_arena_init(ctx, err, err_len);
+    st = cb_scratch_init(ctx, err, err_len);
     if (st != COLIBRI_OK) return init_fail(ctx, st, err, err_len);
     int prc = cb_pool_create(&ctx->pool, ctx->num_threads);
     if (prc != 0) {

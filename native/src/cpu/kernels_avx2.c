@@ -7,7 +7,7 @@
  * table: this file defines the vector primitives (vf, vload, vfma, ...) for 256-bit
  * vectors and includes kernels_simd.inc, which writes every kernel once in terms of them.
  */
-#include "kernels.h"
+#include "cpu/kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -52,9 +52,9 @@ static inline __attribute__((always_inline)) float vhmax(vf v) {
 }
 /* VL weights of dtype DT (a compile-time constant after inlining) widened to float */
 static inline __attribute__((always_inline)) vf vload_w(const void *p, int64_t k, const uint32_t DT) {
-    if (DT == CB_DT_F32) return _mm256_loadu_ps((const float *)p + k);
+    if (DT == COLIBRI_DTYPE_F32) return _mm256_loadu_ps((const float *)p + k);
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));
-    if (DT == CB_DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    if (DT == COLIBRI_DTYPE_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     return _mm256_cvtph_ps(h);
 }
 static inline __attribute__((always_inline)) void vprefetch(const void *p) {

@@ -15,7 +15,7 @@
  * become sched_yield.
  */
 #define _GNU_SOURCE
-#include "threadpool.h"
+#include "core/threadpool.h"
 
 #include <errno.h>
 #include <limits.h>

@@ -1,5 +1,5 @@
 /*
- * tokenizer_bpe.h — byte-level BPE tokenizer (GPT-2 / Qwen2 / Llama-3 style, from a Hugging
+ * bpe.h — byte-level BPE tokenizer (GPT-2 / Qwen2 / Llama-3 style, from a Hugging
  * Face tokenizer.json; or Mistral tekken, from a tiktoken-style tekken_*.json), read in place from a tokenizer section of type 2 (docs/format.md,
  * "Tokenizer section encoding", "Byte-level BPE"). Used by tokenizer.c, which dispatches the
  * public colibri_tokenize / colibri_detokenize / colibri_token_piece calls on the type.

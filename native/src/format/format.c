@@ -16,7 +16,9 @@
 #include <stddef.h>
 #include <string.h>
 
-#include "internal.h"
+#include "core/checked.h"
+#include "core/context.h"
+#include "core/dtype.h"
 
 #define RECONVERT "re-convert the model with colibri-convert"
 #define CB_SUPPORTED "mixtral, qwen2_moe, qwen3_moe, olmoe"
@@ -291,10 +293,10 @@ static void text_copy(char *dst, size_t cap, const cb_meta_entry *e) {
 }
 
 static int parse_dtype_str(const cb_meta_entry *e, uint32_t *dt) {
-    if (str_is(e, "f32")) *dt = CB_DT_F32;
-    else if (str_is(e, "f16")) *dt = CB_DT_F16;
-    else if (str_is(e, "bf16")) *dt = CB_DT_BF16;
-    else if (str_is(e, "int8")) *dt = CB_DT_I8;
+    if (str_is(e, "f32")) *dt = COLIBRI_DTYPE_F32;
+    else if (str_is(e, "f16")) *dt = COLIBRI_DTYPE_F16;
+    else if (str_is(e, "bf16")) *dt = COLIBRI_DTYPE_BF16;
+    else if (str_is(e, "int8")) *dt = COLIBRI_DTYPE_I8;
     else return 0;
     return 1;
 }
@@ -538,7 +540,7 @@ static colibri_status read_config(colibri_ctx *ctx, char *err, size_t len) {
                    c->router_dtype_str);
         return COLIBRI_E_UNSUPPORTED;
     }
-    c->router_int8 = c->router_dtype == CB_DT_I8;
+    c->router_int8 = c->router_dtype == COLIBRI_DTYPE_I8;
     if (c->router_int8 != (int)(c->flags & 1u)) {
         cb_set_err(err, len, "model.router_dtype '%s' disagrees with header flags bit 0 (routers int8) = %u; " RECONVERT,
                    c->router_dtype_str, c->flags & 1u);
@@ -546,7 +548,7 @@ static colibri_status read_config(colibri_ctx *ctx, char *err, size_t len) {
     }
     REQ("model.weight_dtype", CB_MT_STRING);
     str_copy(c->weight_dtype_str, sizeof c->weight_dtype_str, e);
-    if (!parse_dtype_str(e, &c->weight_dtype) || c->weight_dtype == CB_DT_I8) {
+    if (!parse_dtype_str(e, &c->weight_dtype) || c->weight_dtype == COLIBRI_DTYPE_I8) {
         cb_set_err(err, len, "model.weight_dtype '%s' is not one of f32, f16, bf16; " RECONVERT,
                    c->weight_dtype_str);
         return COLIBRI_E_UNSUPPORTED;
@@ -637,7 +639,7 @@ static colibri_status parse_tensors(colibri_ctx *ctx, char *err, size_t len) {
         const int NL = (int)nl;
         const char *NM = (const char *)t->name;
         size_t es = cb_dtype_size(t->dtype);
-        if (es == 0) {
+        if (!cb_dtype_in_file(t->dtype)) {
             cb_set_err(err, len, "tensor '%.*s' has dtype %u, which this build does not know "
                        "(known: 0 f32, 1 f16, 2 bf16, 3 i8); use a newer Colibri or " RECONVERT, NL, NM, t->dtype);
             return COLIBRI_E_UNSUPPORTED;
@@ -790,7 +792,7 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
     } while (0)
     WANT("token_embd.weight", W, 0, 2, V, H, 1, CB_SEC_DENSE);
     ctx->w.tok_embd = p;
-    WANT("output_norm.weight", CB_DT_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
+    WANT("output_norm.weight", COLIBRI_DTYPE_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
     ctx->w.out_norm = p;
     if (c->tie_word_embeddings) {
         ctx->w.lm_head = ctx->w.tok_embd;
@@ -801,7 +803,7 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
     for (uint32_t l = 0; l < c->n_layers; l++) {
         cb_layer *L = &ctx->w.layers[l];
         snprintf(name, sizeof name, "blk.%u.attn_norm.weight", l);
-        WANT(name, CB_DT_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
+        WANT(name, COLIBRI_DTYPE_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
         L->attn_norm = p;
         snprintf(name, sizeof name, "blk.%u.attn_q.weight", l);
         WANT(name, W, 0, 2, Nq, H, 1, CB_SEC_DENSE);
@@ -816,31 +818,31 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
         WANT(name, W, 0, 2, H, Nq, 1, CB_SEC_DENSE);
         L->wo = p;
         snprintf(name, sizeof name, "blk.%u.ffn_norm.weight", l);
-        WANT(name, CB_DT_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
+        WANT(name, COLIBRI_DTYPE_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
         L->ffn_norm = p;
         if (c->attn_qkv_bias) {
             snprintf(name, sizeof name, "blk.%u.attn_q.bias", l);
-            WANT(name, CB_DT_F32, 0, 1, Nq, 1, 1, CB_SEC_DENSE);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 1, Nq, 1, 1, CB_SEC_DENSE);
             L->bq = p;
             snprintf(name, sizeof name, "blk.%u.attn_k.bias", l);
-            WANT(name, CB_DT_F32, 0, 1, Nkv, 1, 1, CB_SEC_DENSE);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 1, Nkv, 1, 1, CB_SEC_DENSE);
             L->bk = p;
             snprintf(name, sizeof name, "blk.%u.attn_v.bias", l);
-            WANT(name, CB_DT_F32, 0, 1, Nkv, 1, 1, CB_SEC_DENSE);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 1, Nkv, 1, 1, CB_SEC_DENSE);
             L->bv = p;
         }
         if (c->attn_output_bias) {
             snprintf(name, sizeof name, "blk.%u.attn_output.bias", l);
-            WANT(name, CB_DT_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
             L->bo = p;
         }
         if (c->qk_norm != CB_QKNORM_NONE) {
             int head = c->qk_norm == CB_QKNORM_HEAD;
             snprintf(name, sizeof name, "blk.%u.attn_q_norm.weight", l);
-            WANT(name, CB_DT_F32, 0, 1, head ? c->head_dim : Nq, 1, 1, CB_SEC_DENSE);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 1, head ? c->head_dim : Nq, 1, 1, CB_SEC_DENSE);
             L->q_norm = p;
             snprintf(name, sizeof name, "blk.%u.attn_k_norm.weight", l);
-            WANT(name, CB_DT_F32, 0, 1, head ? c->head_dim : Nkv, 1, 1, CB_SEC_DENSE);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 1, head ? c->head_dim : Nkv, 1, 1, CB_SEC_DENSE);
             L->k_norm = p;
         }
         L->moe = c->layer_ffn ? (int)rd_u32(c->layer_ffn + 4 * (uint64_t)l) : 1;
@@ -860,10 +862,10 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
         L->router = p;
         if (c->router_int8) {
             snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.scale", l);
-            WANT(name, CB_DT_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
             L->router_scale = p;
             snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.zero", l);
-            WANT(name, CB_DT_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
             L->router_zero = p;
         }
         snprintf(name, sizeof name, "blk.%u.ffn_experts", l);
@@ -1056,7 +1058,7 @@ colibri_status cb_verify_all(colibri_ctx *ctx) {
 static double tensor_l2(const cb_tensor *t, const uint8_t *data, const float *scale, const float *zero) {
     uint64_t n = t->nbytes / cb_dtype_size(t->dtype);
     double ss = 0;
-    if (t->dtype == CB_DT_I8) {
+    if (t->dtype == COLIBRI_DTYPE_I8) {
         uint64_t cols = t->n_dims >= 2 ? t->dims[1] : n;
         for (uint64_t i = 0; i < n; i++) {
             uint64_t r = cols ? i / cols : 0;
@@ -1066,13 +1068,13 @@ static double tensor_l2(const cb_tensor *t, const uint8_t *data, const float *sc
     } else {
         for (uint64_t i = 0; i < n; i++) {
             double v;
-            if (t->dtype == CB_DT_F32) {
+            if (t->dtype == COLIBRI_DTYPE_F32) {
                 float f;
                 memcpy(&f, data + 4 * i, 4);
                 v = f;
             } else {
                 uint16_t h = (uint16_t)(data[2 * i] | (data[2 * i + 1] << 8));
-                v = t->dtype == CB_DT_F16 ? cb_f16_to_f32(h) : cb_bf16_to_f32(h);
+                v = t->dtype == COLIBRI_DTYPE_F16 ? cb_f16_to_f32(h) : cb_bf16_to_f32(h);
             }
             ss += v * v;
         }

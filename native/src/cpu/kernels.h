@@ -17,27 +17,13 @@
  * by output rows or columns; the full-size entries are the same computation on the whole
  * range. All arithmetic is float32 unless a comment says otherwise.
  */
-#ifndef COLIBRI_KERNELS_H
-#define COLIBRI_KERNELS_H
+#ifndef COLIBRI_CPU_KERNELS_H
+#define COLIBRI_CPU_KERNELS_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-/* Tensor dtypes (docs/format.md, "Tensor directory section"). */
-enum { CB_DT_F32 = 0, CB_DT_F16 = 1, CB_DT_BF16 = 2, CB_DT_I8 = 3, CB_DT_COUNT = 4 };
-
-/* Bytes per element of a dtype; 0 for an unknown dtype. */
-size_t cb_dtype_size(uint32_t dt);
-const char *cb_dtype_name(uint32_t dt);
-
-/* IEEE binary16 <-> binary32 in software (subnormals, inf and nan handled;
- * f32 -> f16 rounds to nearest, ties to even). */
-float cb_f16_to_f32(uint16_t h);
-uint16_t cb_f32_to_f16(float f);
-/* bfloat16 <-> binary32: bf16 is the upper half; f32 -> bf16 rounds to nearest even
- * (nan stays nan). */
-float cb_bf16_to_f32(uint16_t h);
-uint16_t cb_f32_to_bf16(float f);
+#include "core/dtype.h" /* dtype codes, sizes, f16/bf16 conversion */
 
 /* Plain row primitives for a weight row of `dt` (F32/F16/BF16). */
 float cb_dot_ref(const void *w_row, uint32_t dt, const float *x, int64_t n);

@@ -8,116 +8,20 @@
  * weights serves the whole token batch. The end of this file chooses the table at run
  * time (cb_kernels_best; docs/kernels.md).
  */
-#include "kernels.h"
+#include "cpu/kernels.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-size_t cb_dtype_size(uint32_t dt) {
-    switch (dt) {
-    case CB_DT_F32: return 4;
-    case CB_DT_F16: return 2;
-    case CB_DT_BF16: return 2;
-    case CB_DT_I8: return 1;
-    default: return 0;
-    }
-}
-
-const char *cb_dtype_name(uint32_t dt) {
-    switch (dt) {
-    case CB_DT_F32: return "f32";
-    case CB_DT_F16: return "f16";
-    case CB_DT_BF16: return "bf16";
-    case CB_DT_I8: return "int8";
-    default: return "unknown";
-    }
-}
-
-static inline float bits_to_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint32_t f32_to_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-float cb_f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu;
-    uint32_t mant = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign; /* +-0 */
-        } else {
-            /* subnormal: value = mant * 2^-24; normalise into a binary32 normal */
-            int32_t e = 127 - 15 + 1;
-            while ((mant & 0x400u) == 0) {
-                mant <<= 1;
-                e--;
-            }
-            mant &= 0x3ffu;
-            bits = sign | ((uint32_t)e << 23) | (mant << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13); /* inf, or nan keeping its payload */
-    } else {
-        bits = sign | ((exp + 112u) << 23) | (mant << 13);
-    }
-    return bits_to_f32(bits);
-}
-
-uint16_t cb_f32_to_f16(float f) {
-    uint32_t x = f32_to_bits(f);
-    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
-    uint32_t exp = (x >> 23) & 0xffu;
-    uint32_t mant = x & 0x7fffffu;
-    if (exp == 0xff) { /* inf / nan (keep nan quiet and non-zero) */
-        if (mant == 0) return (uint16_t)(sign | 0x7c00u);
-        return (uint16_t)(sign | 0x7e00u | (mant >> 13));
-    }
-    int32_t e = (int32_t)exp - 127 + 15;
-    if (e >= 31) return (uint16_t)(sign | 0x7c00u); /* overflow -> inf */
-    if (e <= 0) {
-        /* subnormal half (or zero): shift the full significand right with RNE */
-        if (e < -10) return sign; /* below half of the smallest subnormal */
-        uint32_t m = mant | 0x800000u;
-        uint32_t shift = (uint32_t)(14 - e); /* 24-bit significand -> 10-bit at exponent -14 */
-        uint32_t half = 1u << (shift - 1);
-        uint32_t rem = m & ((1u << shift) - 1u);
-        uint32_t q = m >> shift;
-        if (rem > half || (rem == half && (q & 1u))) q++;
-        return (uint16_t)(sign | q); /* q may carry into the exponent field: correct */
-    }
-    uint32_t q = ((uint32_t)e << 10) | (mant >> 13);
-    uint32_t rem = mant & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) q++; /* carry may give inf: correct */
-    return (uint16_t)(sign | q);
-}
-
-float cb_bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
-
-uint16_t cb_f32_to_bf16(float f) {
-    uint32_t x = f32_to_bits(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet nan */
-    uint32_t lsb = (x >> 16) & 1u;
-    x += 0x7fffu + lsb;
-    return (uint16_t)(x >> 16);
-}
-
 /* ---- row primitives ---- */
 
 float cb_dot_ref(const void *w_row, uint32_t dt, const float *x, int64_t n) {
     float acc = 0.0f;
-    if (dt == CB_DT_F32) {
+    if (dt == COLIBRI_DTYPE_F32) {
         const float *w = (const float *)w_row;
         for (int64_t i = 0; i < n; i++) acc += w[i] * x[i];
-    } else if (dt == CB_DT_F16) {
+    } else if (dt == COLIBRI_DTYPE_F16) {
         const uint16_t *w = (const uint16_t *)w_row;
         for (int64_t i = 0; i < n; i++) acc += cb_f16_to_f32(w[i]) * x[i];
     } else { /* BF16 */
@@ -128,10 +32,10 @@ float cb_dot_ref(const void *w_row, uint32_t dt, const float *x, int64_t n) {
 }
 
 void cb_axpy_ref(float *y, float a, const void *w_row, uint32_t dt, int64_t n) {
-    if (dt == CB_DT_F32) {
+    if (dt == COLIBRI_DTYPE_F32) {
         const float *w = (const float *)w_row;
         for (int64_t i = 0; i < n; i++) y[i] += a * w[i];
-    } else if (dt == CB_DT_F16) {
+    } else if (dt == COLIBRI_DTYPE_F16) {
         const uint16_t *w = (const uint16_t *)w_row;
         for (int64_t i = 0; i < n; i++) y[i] += a * cb_f16_to_f32(w[i]);
     } else {
@@ -355,7 +259,8 @@ static int cpu_has_avx2(void) {
 static int cpu_has_avx512(void) {
 #if defined(CB_X86) && defined(__GNUC__)
     __builtin_cpu_init();
-    /* the AVX-512 table also uses the AVX2 table's small kernels (rmsnorm, rope, ...) */
+    /* kernels_avx512.c is compiled with -mavx2 -mfma -mf16c as well as -mavx512f (its
+     * conversions and 256-bit steps use them), so its table needs every one of them */
     return cpu_has_avx2() && __builtin_cpu_supports("avx512f");
 #else
     return 0;

@@ -1,6 +1,6 @@
 /*
  * unicode_tables.h — Unicode character data for the byte-level BPE tokenizer, generated
- * into unicode_tables.c by native/tools/gen_unicode_tables.py (from Python's unicodedata),
+ * into unicode_tables.c by gen_unicode_tables.py beside it (from Python's unicodedata),
  * plus small lookup helpers.
  */
 #ifndef COLIBRI_UNICODE_TABLES_H

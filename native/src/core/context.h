@@ -1,0 +1,53 @@
+/*
+ * context.h — what a colibri_ctx holds, grouped by lifetime: the mapped file; the parsed
+ * model (model/model.h: config, metadata, tensor directory, weight pointers into the map);
+ * the run settings and the kernel table; the arena and what is carved from it
+ * (model/forward.h: scratch, session, the current chunk); the attached trace; the
+ * tokenizer; the last error. Every pointer says its shape; heap allocations happen at
+ * init only (colibri_init_ex) and are freed by colibri_free.
+ */
+#ifndef COLIBRI_CORE_CONTEXT_H
+#define COLIBRI_CORE_CONTEXT_H
+
+#include <stdint.h>
+
+#include "colibri.h"
+#include "core/error.h"
+#include "core/threadpool.h"
+#include "cpu/kernels.h"
+#include "format/format.h"
+#include "model/forward.h"
+#include "model/model.h"
+
+struct colibri_ctx {
+    /* file */
+    int fd;
+    const uint8_t *map;      /* [file_size] read-only mapping */
+    uint64_t map_size;
+    /* parsed */
+    cb_config cfg;
+    cb_meta_entry *meta;     /* [n_meta], heap (init-time) */
+    uint64_t n_meta;
+    cb_tensor *tensors;      /* [n_tensors], heap (init-time) */
+    uint64_t n_tensors;
+    cb_weights w;
+    /* run settings */
+    int64_t max_seq_len, max_batch;
+    int32_t num_threads, group_pad, populate;
+    const cb_kernels *kern;
+    cb_pool *pool;           /* num_threads threads (the caller is thread 0), heap (init-time) */
+    /* arena */
+    void *arena;             /* [arena_bytes], 2 MiB aligned, the one run-time allocation */
+    uint64_t arena_bytes;
+    cb_scratch s;
+    cb_session sess;
+    cb_run run;
+    colibri_trace *trace;    /* attached trace, or NULL (no tracing work at all) */
+    /* tokenizer */
+    colibri_tokenizer *tok;  /* cb_tokenizer_struct_size() bytes, heap; NULL when the model has none */
+    int tok_loaded;
+    /* last error; mutable even through a const ctx (accessors report unknown names) */
+    char err[CB_ERR_LEN];
+};
+
+#endif

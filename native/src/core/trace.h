@@ -1,0 +1,32 @@
+/*
+ * trace.h — what a trace holds (colibri.h, "Observation"). trace.c creates it and answers
+ * the public calls; model/forward.c fills it while it is attached to a context.
+ */
+#ifndef COLIBRI_CORE_TRACE_H
+#define COLIBRI_CORE_TRACE_H
+
+#include <stdint.h>
+
+#include "colibri.h"
+
+/* A trace (colibri.h): every buffer carved from `mem`, allocated once at create.
+ * C = capacity, L = n_layers, E = n_experts, K = top_k. */
+struct colibri_trace {
+    int64_t capacity, n_tokens, dropped, n_forwards;
+    uint32_t n_layers, n_experts, top_k;
+    const colibri_ctx *owner;   /* the context it is attached to, or NULL */
+    int64_t chunk_base;         /* token row of the current chunk's first token */
+    int32_t *token_ids;         /* [C] */
+    int64_t *positions;         /* [C] */
+    float *router_probs;        /* [L, C, E] */
+    int32_t *topk_ids;          /* [L, C, K] */
+    float *topk_w;              /* [L, C, K] */
+    float *shared_gate;         /* [L, C] */
+    int64_t *group_sizes;       /* [L, E] */
+    int64_t *padded_sizes;      /* [L, E] */
+    uint64_t *layer_ns;         /* [L, 5] ATTENTION..COMBINE */
+    uint64_t stage_ns[COLIBRI_N_STAGES];
+    void *mem;
+};
+
+#endif

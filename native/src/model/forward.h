@@ -1,0 +1,83 @@
+/*
+ * forward.h — the forward pass: its run-time buffers (cb_scratch, carved from the one arena
+ * at init by scratch.c), the sequence state between calls (cb_session: the KV cache and its
+ * length), the chunk being run stage by stage (cb_run), and the entry points that the
+ * public API (core/colibri.c, core/trace.c) calls. forward.c runs the stages through the
+ * kernel table (cpu/kernels.h) on the context's thread pool (core/threadpool.h).
+ */
+#ifndef COLIBRI_FORWARD_H
+#define COLIBRI_FORWARD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "colibri.h"
+
+/* Every run-time buffer, carved from the arena. B = max_batch, S = max_seq_len,
+ * Nq = n_heads*head_dim, Nkv = n_kv_heads*head_dim, R = max_rows (B*top_k + E*(group_pad-1)),
+ * Id = dense_inter, Is = shared_inter. */
+typedef struct cb_scratch {
+    float *x;            /* [B, H] residual stream */
+    float *xn;           /* [B, H] normed input of a sub-block */
+    float *q;            /* [B, Nq] */
+    float *k;            /* [B, Nkv] */
+    float *v;            /* [B, Nkv] */
+    float *att;          /* [B, Nq] attention output (before o_proj) */
+    float *delta;        /* [B, H] sub-block output added to x */
+    float *att_scores;   /* [num_threads, CB_ATT_HEADS, S]: each thread's score rows, one per query head it runs at once */
+    float *rope_cos;     /* [B, head_dim/2] */
+    float *rope_sin;     /* [B, head_dim/2] */
+    float *inv_freq;     /* [head_dim/2] computed at init */
+    float *router_logits;/* [B, E] */
+    float *router_probs; /* [B, E] */
+    int32_t *topk_ids;   /* [B, top_k] */
+    float *topk_w;       /* [B, top_k] */
+    int64_t *expert_count;  /* [E] tokens routed to each expert in this chunk */
+    int64_t *expert_offset; /* [E+1] first row of each expert's (padded) group; [E] = total rows */
+    int64_t *expert_fill;   /* [E] fill cursor while building the row map */
+    int32_t *row_token;  /* [R] token index in chunk of each grouped row, -1 for padding */
+    float *row_weight;   /* [R] routing weight of each grouped row, 0 for padding */
+    float *ex_in;        /* [R, H] gathered expert inputs */
+    float *ex_h;         /* [R, I] silu(gate)*up */
+    float *ex_out;       /* [R, H] expert outputs */
+    float *ffn_h;        /* [B, max(Id, Is)] silu(gate)*up of the dense MLP / shared expert */
+    float *sh_out;       /* [B, H] shared-expert output */
+    float *sh_gate;      /* [B] shared-expert gate logits */
+    float *sample_p;     /* [V] sampler probabilities */
+    int32_t *sample_idx; /* [V] sampler candidate ids */
+    int32_t *run_ids;    /* [B] the token ids of the chunk being run (stage-by-stage runs keep them) */
+    float *down_part;    /* [down_part_rows, H] per-block partial sums of few-row down projections */
+    int64_t down_part_rows;
+    int64_t max_rows;    /* R */
+} cb_scratch;
+
+/* The chunk being run, stage by stage: the fused forward and colibri_stage_* share it. */
+typedef struct cb_run {
+    int64_t T;          /* tokens in the chunk */
+    int64_t pos0;       /* position of its first token */
+    int32_t stage;      /* next stage (COLIBRI_STAGE_*), -1 when no stage run is active */
+    int32_t layer;      /* layer of the next stage, -1 outside the layers */
+    int64_t head_rows;  /* LM_HEAD computes logits for the last head_rows tokens (0..T) */
+} cb_run;
+
+typedef struct cb_session {
+    float *k_cache;      /* [n_layers, n_kv_heads, S, head_dim]: each head's positions contiguous */
+    float *v_cache;      /* the same layout */
+    int64_t cached_len;  /* positions 0..cached_len-1 are valid */
+} cb_session;
+
+/* scratch.c: size the arena from the context's options, allocate it once and carve every
+ * buffer above from it (and compute the RoPE inverse frequencies). */
+colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len);
+/* forward.c */
+colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos,
+                          float *logits, int last_only);
+/* Checks shared by colibri_forward_at and colibri_stage_begin (nothing is changed). */
+colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos);
+/* Stage-by-stage execution (colibri_stage_*). */
+colibri_status cb_stage_begin(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos);
+colibri_status cb_stage_run(colibri_ctx *ctx, int32_t stage, float *logits);
+colibri_status cb_stage_tensor(colibri_ctx *ctx, const char *name, const void **data,
+                               int32_t *dtype, int32_t *ndim, int64_t shape[4]);
+
+#endif

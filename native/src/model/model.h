@@ -1,0 +1,86 @@
+/*
+ * model.h — what a model is, as the forward pass sees it: read-only facts from the file's
+ * header and metadata (cb_config), and per layer the pointers to its weights, borrowed from
+ * the mapping and never copied or freed (cb_layer, cb_weights). format/format.c fills both
+ * at load; nothing here changes after colibri_init_ex. The family's differences (biases,
+ * q/k norms, dense layers, shared experts, windows) are options here, read from metadata
+ * (docs/format.md, "Family options"), so the forward pass never tests a family's name.
+ */
+#ifndef COLIBRI_MODEL_H
+#define COLIBRI_MODEL_H
+
+#include <stdint.h>
+
+#include "format/format.h"
+
+/* model.attn_qk_norm (docs/format.md, "Family options"). */
+enum { CB_QKNORM_NONE = 0, CB_QKNORM_HEAD = 1, CB_QKNORM_FULL = 2 };
+
+/* Read-only model facts (and the facts of the file they came from). */
+typedef struct cb_config {
+    uint32_t version;
+    uint64_t file_size;
+    uint32_t n_layers, hidden, inter, vocab, n_heads, n_kv_heads, head_dim;
+    uint32_t n_experts, top_k, block_size, alignment, flags;
+    uint64_t file_max_seq_len;
+    uint64_t max_position_embeddings;
+    uint64_t sliding_window;   /* 0 = none */
+    int norm_topk_prob;
+    int tie_word_embeddings;
+    int router_int8;
+    double rms_norm_eps;
+    double rope_theta;
+    uint32_t weight_dtype;     /* COLIBRI_DTYPE_F32/F16/BF16 */
+    uint32_t router_dtype;     /* COLIBRI_DTYPE_F32/F16/BF16/I8 */
+    int32_t bos_id, eos_id, unk_id, pad_id;
+    /* family options (docs/format.md, "Family options"); defaults are Mixtral's */
+    uint32_t dense_inter;      /* width of the dense-MLP layers; 0 when every layer is MoE */
+    uint32_t shared_inter;     /* shared-expert width; 0 = no shared expert */
+    int shared_gate;           /* shared expert scaled by sigmoid(g . x) */
+    int attn_qkv_bias;         /* q/k/v projections have biases */
+    int attn_output_bias;      /* o projection has a bias */
+    int qk_norm;               /* CB_QKNORM_* */
+    float clip_qkv;            /* > 0: clamp q, k, v to [-clip, clip] after the q/k norm */
+    const uint8_t *layer_ffn;  /* [n_layers] u32 in the mapped metadata (1 MoE, 0 dense), or NULL = all MoE */
+    const uint8_t *layer_window; /* [n_layers] u64 in the mapped metadata, or NULL = all sliding_window */
+    char architecture[64];
+    char name[256];
+    char weight_dtype_str[8];
+    char router_dtype_str[8];
+    cb_section sections[CB_N_SECTIONS];
+} cb_config;
+
+/* Pointers of one decoder layer, all into the mmap. */
+typedef struct cb_layer {
+    const float *attn_norm;    /* [H] f32 */
+    const void *wq;            /* [n_heads*head_dim, H] weight dtype */
+    const void *wk;            /* [n_kv_heads*head_dim, H] weight dtype */
+    const void *wv;            /* [n_kv_heads*head_dim, H] weight dtype */
+    const void *wo;            /* [H, n_heads*head_dim] weight dtype */
+    const float *ffn_norm;     /* [H] f32 */
+    const void *router;        /* [E, H] router dtype (f32/f16/bf16/i8) */
+    const float *router_scale; /* [E] f32, int8 routers only, else NULL */
+    const float *router_zero;  /* [E] f32, int8 routers only, else NULL */
+    const void *experts;       /* [E, 3I, H] weight dtype, EXPERTS_PACKED (MoE layers) */
+    uint64_t expert_stride;    /* bytes between experts = 3*I*H*dtype size */
+    /* family options; NULL when the file has none */
+    const float *bq, *bk, *bv; /* [Nq], [Nkv], [Nkv] f32 q/k/v biases */
+    const float *bo;           /* [H] f32 output-projection bias */
+    const float *q_norm;       /* [head_dim] (qk_norm head) or [Nq] (full) f32 */
+    const float *k_norm;       /* [head_dim] (qk_norm head) or [Nkv] (full) f32 */
+    const void *dense;         /* [1, 3*Id, H] weight dtype, EXPERTS_PACKED: dense-MLP layers */
+    const void *shared;        /* [1, 3*Is, H] weight dtype, EXPERTS_PACKED: shared expert */
+    const void *shared_gate;   /* [1, H] weight dtype: shared-expert gate */
+    /* per-layer options, from the metadata at load */
+    int moe;                   /* 1: MoE block (router, experts); 0: dense MLP (`dense`) */
+    int64_t window;            /* attention window in tokens, 0 = full */
+} cb_layer;
+
+typedef struct cb_weights {
+    const void *tok_embd;     /* [V, H] weight dtype */
+    const float *out_norm;    /* [H] f32 */
+    const void *lm_head;      /* [V, H] weight dtype (= tok_embd when tied) */
+    cb_layer *layers;         /* [n_layers], heap (init-time) */
+} cb_weights;
+
+#endif

@@ -1,0 +1,109 @@
+/*
+ * scratch.c — the forward pass's memory plan: one size table of every run-time buffer
+ * (model/forward.h, cb_scratch and the KV cache of cb_session) computed from the model and
+ * the context's options, handed to the arena (core/arena.h) for one allocation at init.
+ * Every size is overflow-checked; a plan that does not fit says which option to lower.
+ */
+#include <math.h>
+
+#include "core/arena.h"
+#include "core/checked.h"
+#include "core/context.h"
+
+colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
+    const cb_config *c = &ctx->cfg;
+    cb_scratch *s = &ctx->s;
+    cb_session *ss = &ctx->sess;
+    uint64_t B = (uint64_t)ctx->max_batch, S = (uint64_t)ctx->max_seq_len;
+    uint64_t H = c->hidden, I = c->inter, V = c->vocab, E = c->n_experts, K = c->top_k;
+    uint64_t Nq = (uint64_t)c->n_heads * c->head_dim, Nkv = (uint64_t)c->n_kv_heads * c->head_dim;
+    uint64_t half = c->head_dim / 2, L = c->n_layers;
+    uint64_t F = c->dense_inter > c->shared_inter ? c->dense_inter : c->shared_inter;
+    uint64_t R = 0, tmp = 0, kv = 0;
+    int ok = 1;
+    /* R = B*K + E*(group_pad-1): each non-empty group gains at most group_pad-1 zero rows */
+    ok &= cb_mul_u64(B, K, &R);
+    ok &= cb_mul_u64(E, (uint64_t)(ctx->group_pad - 1), &tmp);
+    ok &= cb_add_u64(R, tmp, &R);
+    ok &= cb_mul_u64(L, S, &kv);
+    ok &= cb_mul_u64(kv, Nkv, &kv);
+    if (!ok) {
+        cb_set_err(err, err_len, "the run-time buffers for these options overflow 64 bits; "
+                   "lower max_seq_len, max_batch or group_pad");
+        return COLIBRI_E_NOMEM;
+    }
+    s->max_rows = (int64_t)R;
+    /* few-row down projections are split by blocks (par_ffn): room for two rows of every
+     * routed expert and of the dense/shared FFN, which covers decode */
+    uint64_t nblk_i = (I + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK, nblk_f = (F + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK;
+    s->down_part_rows = (int64_t)(2 * (K * nblk_i + nblk_f));
+    uint64_t BH = B * H; /* B <= 2^32 and H <= 2^24: cannot overflow */
+    cb_arena_item items[] = {
+        {(void **)&ss->k_cache, kv, 4, "K cache"},
+        {(void **)&ss->v_cache, kv, 4, "V cache"},
+        {(void **)&s->x, BH, 4, "x"},
+        {(void **)&s->xn, BH, 4, "xn"},
+        {(void **)&s->q, B * Nq, 4, "q"},
+        {(void **)&s->k, B * Nkv, 4, "k"},
+        {(void **)&s->v, B * Nkv, 4, "v"},
+        {(void **)&s->att, B * Nq, 4, "att"},
+        {(void **)&s->delta, BH, 4, "delta"},
+        {(void **)&s->att_scores, S * (uint64_t)ctx->num_threads * CB_ATT_HEADS, 4, "att_scores"},
+        {(void **)&s->rope_cos, B * half, 4, "rope_cos"},
+        {(void **)&s->rope_sin, B * half, 4, "rope_sin"},
+        {(void **)&s->inv_freq, half, 4, "inv_freq"},
+        {(void **)&s->router_logits, B * E, 4, "router_logits"},
+        {(void **)&s->router_probs, B * E, 4, "router_probs"},
+        {(void **)&s->topk_ids, B * K, 4, "topk_ids"},
+        {(void **)&s->topk_w, B * K, 4, "topk_w"},
+        {(void **)&s->expert_count, E, 8, "expert_count"},
+        {(void **)&s->expert_offset, E + 1, 8, "expert_offset"},
+        {(void **)&s->expert_fill, E, 8, "expert_fill"},
+        {(void **)&s->row_token, R, 4, "row_token"},
+        {(void **)&s->row_weight, R, 4, "row_weight"},
+        {(void **)&s->ex_in, R * H, 4, "ex_in"},
+        {(void **)&s->ex_h, R * I, 4, "ex_h"},
+        {(void **)&s->ex_out, R * H, 4, "ex_out"},
+        {(void **)&s->ffn_h, B * F, 4, "ffn_h"},
+        {(void **)&s->sh_out, c->shared_inter ? BH : 0, 4, "sh_out"},
+        {(void **)&s->sh_gate, c->shared_gate ? B : 0, 4, "sh_gate"},
+        {(void **)&s->sample_p, V, 4, "sample_p"},
+        {(void **)&s->sample_idx, V, 4, "sample_idx"},
+        {(void **)&s->run_ids, B, 4, "run_ids"},
+        {(void **)&s->down_part, (uint64_t)s->down_part_rows * H, 4, "down_part"},
+    };
+    const size_t n_items = sizeof items / sizeof items[0];
+    uint64_t offs[sizeof items / sizeof items[0]];
+    uint64_t total = 0;
+    size_t bad = 0;
+    if (!cb_arena_layout(items, n_items, offs, &total, &bad)) {
+        cb_set_err(err, err_len, "the %s buffer for these options overflows 64 bits; "
+                   "lower max_seq_len, max_batch or group_pad", items[bad].what);
+        return COLIBRI_E_NOMEM;
+    }
+    uint64_t alloc = 0;
+    void *mem = cb_arena_alloc(total, &alloc);
+    if (!mem && alloc == 0) {
+        cb_set_err(err, err_len, "the arena would need %llu bytes, more than this machine can address; "
+                   "lower max_seq_len or max_batch", (unsigned long long)total);
+        return COLIBRI_E_NOMEM;
+    }
+    if (!mem) {
+        cb_set_err(err, err_len, "cannot allocate the %.1f MiB arena (KV cache %.1f MiB for max_seq_len %lld); "
+                   "lower max_seq_len or max_batch", (double)alloc / 1048576.0,
+                   2.0 * (double)kv * 4 / 1048576.0, (long long)ctx->max_seq_len);
+        return COLIBRI_E_NOMEM;
+    }
+    ctx->arena = mem;
+    ctx->arena_bytes = alloc;
+    cb_arena_assign(items, n_items, offs, mem);
+
+    /* RoPE inverse frequencies as transformers computes them, in float32:
+     * 1.0 / (base ** (arange(0, dim, 2).float() / dim)) */
+    for (uint64_t i = 0; i < half; i++) {
+        float expo = (float)(2 * i) / (float)c->head_dim;
+        s->inv_freq[i] = 1.0f / powf((float)c->rope_theta, expo);
+    }
+    ss->cached_len = 0;
+    return COLIBRI_OK;
+}
