@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +34,23 @@ DEFAULT_SHAPE = dict(vocab=32000, hidden=64, inter=96, layers=2, heads=4, kv_hea
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+NATIVE_TESTS_BUILD = REPO_ROOT / "build" / "native-tests"  # the folder `make test` builds
+
+
+@pytest.fixture(scope="session")
+def native_tests() -> Path:
+    """The C test programs that need a model file (test_noalloc, test_format), built from
+    THIS tree: `make test`'s build folder is configured and built again (incrementally:
+    seconds when it is current), so a stale build left by another checkout or an older
+    commit is never what gets tested."""
+    flags = ["-DCOLIBRI_BUILD_TESTS=ON", "-DCOLIBRI_WERROR=ON", "-DCMAKE_BUILD_TYPE=Release"]
+    subprocess.run(["cmake", "-S", str(REPO_ROOT / "native"), "-B", str(NATIVE_TESTS_BUILD), *flags],
+                   check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(NATIVE_TESTS_BUILD), "--target", "test_noalloc",
+                    "test_format"], check=True, capture_output=True)
+    return NATIVE_TESTS_BUILD
 
 
 def _tokenizer_model() -> Path:

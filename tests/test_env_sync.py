@@ -92,3 +92,19 @@ def test_extras_layout():
     # torch must stay pinned: 2.13.0 is the CPU wheel; any other spec pulls a CUDA build
     assert dict(_parse(r) for r in extras["test"])["torch"] == "==2.13.0"
     assert proj["requires-python"] == ">=3.10"
+
+
+# How a runtime dependency shows in the package's code: its import name, or (anywidget) the
+# plotly class that needs it.
+_USE = {"numpy": r"^\s*import numpy", "tqdm": r"^\s*from tqdm import",
+        "sentencepiece": r"^\s*import sentencepiece", "plotly": r"^\s*import plotly",
+        "ipywidgets": r"^\s*import ipywidgets", "anywidget": r"go\.FigureWidget\("}
+
+
+def test_every_runtime_dependency_is_used_by_the_package():
+    """A dependency is declared because code uses it (and nothing is used undeclared)."""
+    code = "\n".join(p.read_text() for p in (REPO / "colibri_lab").rglob("*.py"))
+    deps = {_parse(r)[0] for r in _pyproject()["project"]["dependencies"]}
+    assert deps == set(_USE), f"declared {sorted(deps)}; this test knows how {sorted(_USE)} are used"
+    for name, pattern in _USE.items():
+        assert re.search(pattern, code, re.M), f"{name} is a runtime dependency but nothing uses it"

@@ -1,7 +1,7 @@
 """The C test programs that need a model file, run on freshly converted models.
 
-`make test` builds them (ctest alone skips them: it has no model); here they are rebuilt
-from the tree under test and each runs on files in every weight dtype, with and without
+`make test` builds them (ctest alone skips them: it has no model); the `native_tests`
+fixture (conftest.py) rebuilds them from the tree under test, and each runs on files in every weight dtype, with and without
 the int8 router, so the zero-allocation proof and the file checks cover every code path
 of the forward pass.
 """
@@ -16,20 +16,6 @@ import pytest
 import colibri_lab
 
 REPO = Path(__file__).resolve().parents[1]
-BUILD = REPO / "build" / "native-tests"
-
-
-@pytest.fixture(scope="module")
-def native_tests() -> Path:
-    """test_noalloc and test_format built from THIS tree: `make test`'s build folder is
-    configured and built again (incrementally, so it costs seconds when it is current), so
-    a stale build left by another checkout or an older commit is never what gets tested."""
-    subprocess.run(["cmake", "-S", str(REPO / "native"), "-B", str(BUILD),
-                    "-DCOLIBRI_BUILD_TESTS=ON", "-DCOLIBRI_WERROR=ON", "-DCMAKE_BUILD_TYPE=Release"],
-                   check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(BUILD), "--target", "test_noalloc", "test_format"],
-                   check=True, capture_output=True)
-    return BUILD
 
 
 @pytest.fixture(scope="module", params=["f32", "bf16", "f16-int8"])

@@ -271,21 +271,3 @@ def test_no_allocation_in_forward_qwen2_moe(native_tests, tmp_path):
     out = tmp_path / "q2.colibri"
     colibri_lab.convert(folder, out, dtype="bf16", quantize_router="int8", progress=False)
     run_ok(native_tests / "test_noalloc", out)
-
-
-@pytest.fixture(scope="module")
-def native_tests(tmp_path_factory):
-    """test_noalloc from `make test`'s build, or a fresh build (as test_native.py)."""
-    import subprocess
-
-    from test_native import BUILD, REPO
-
-    if (BUILD / "test_noalloc").exists():
-        return BUILD
-    out = tmp_path_factory.mktemp("native-build")
-    subprocess.run(["cmake", "-S", str(REPO / "native"), "-B", str(out),
-                    "-DCOLIBRI_BUILD_TESTS=ON", "-DCMAKE_BUILD_TYPE=Release"],
-                   check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(out), "--target", "test_noalloc"],
-                   check=True, capture_output=True)
-    return out
