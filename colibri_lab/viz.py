@@ -43,17 +43,28 @@ _BASE_PALETTE = (
 _STAGE_COLOURS = {"embedding": "#636efa", "attention": "#00cc96", "router": "#ef553b",
                   "grouping": "#ab63fa", "expert_ffn": "#ffa15a", "combine": "#19d3f3",
                   "lm_head": "#ff6692"}  # fmt: skip
+_SHADES = ((0.30, 0.80), (0.45, 0.75), (0.60, 0.80), (0.72, 0.85))   # (lightness, saturation)
 _MAX_TICKS = 64
+_KEY_PLOT_WIDTH = 520    # px of plot width the expert key is sized for (a 700 px figure)
+_KEY_SYMBOL_PX = 30      # px of a key entry besides its text (symbol, gaps)
+_KEY_ENTRY_GAP = 10      # px after a key entry's text: it reads as the square's, not the next
+_KEY_ROW_PX = 19         # px of one key entry (plotly: max(text, 16) + 3)
+_KEY_BAND_GAP = 8        # px between bands of key columns, should they wrap
+_KEY_COLUMN_LENGTHS = (10, 16, 20, 25, 32, 40, 50, 64, 100, 128)   # entries per key column
 
 
 def expert_colours(n_experts: int) -> list[str]:
-    """One distinct colour per expert (the qualitative palette, then evenly spaced hues)."""
+    """One distinct colour per expert: the qualitative palette up to 24 experts, beyond it
+    colour families: ``ceil(n / 4)`` evenly spaced hues, each in four shades (dark to
+    light) for four consecutive experts, so that neighbouring ids never look alike."""
     if n_experts <= len(_BASE_PALETTE):
         return list(_BASE_PALETTE[:n_experts])
+    n_hues = -(-n_experts // len(_SHADES))
     out = []
     for i in range(n_experts):
-        r, g, b = colorsys.hls_to_rgb(i / n_experts, 0.45 + 0.15 * (i % 3) / 2, 0.75)
-        out.append(f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}")
+        hue, shade = divmod(i, len(_SHADES))
+        r, g, b = colorsys.hls_to_rgb(hue / n_hues, *_SHADES[shade])
+        out.append(f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}")
     return out
 
 
@@ -112,9 +123,10 @@ def routing_heatmap(trace: Trace, layer: int | None = None, slot: int = 0) -> go
     """Which expert each token went to.
 
     ``layer=None``: a layer × token grid coloured by the expert at rank ``slot`` (0 = the
-    best), one colour per expert (the colour bar names them); dense layers are grey rows
-    labelled "(dense)". Hover: the token piece, its position, and every top-k id with its
-    combine weight.
+    best), one colour per expert; dense layers are grey rows labelled "(dense)". A
+    discrete key under the plot names every colour ("dense" when the trace has dense
+    layers, then e0 … e{E-1}; in columns e0–e9 | e10–e19 | … beyond 20 experts). Hover:
+    the token piece, its position, and every top-k id with its combine weight.
 
     ``layer=l``: that layer's token × expert router probabilities, the chosen experts
     marked with their rank (what the explorer widget's layer control switches to).
@@ -143,31 +155,77 @@ def routing_heatmap(trace: Trace, layer: int | None = None, slot: int = 0) -> go
                 row.append(f"{head}<br>dense MLP: no routing")
         hover.append(row)
     # a discrete colour scale: one band per value (-1 = dense, then experts 0..E-1)
-    colours = ([DENSE_COLOUR] if has_dense else []) + expert_colours(E)
+    colours = expert_colours(E)
+    bands = ([DENSE_COLOUR] if has_dense else []) + colours
     lo = -1 if has_dense else 0
-    n = len(colours)
+    n = len(bands)
     scale = []
-    for i, c in enumerate(colours):
+    for i, c in enumerate(bands):
         scale += [[i / n, c], [(i + 1) / n, c]]
-    tickvals = list(range(lo, E))
-    ticktext = (["dense"] if has_dense else []) + [f"expert {e}" for e in range(E)]
     fig = go.Figure(go.Heatmap(
         z=z, x=list(range(T)), y=list(range(L)), text=hover,
         hovertemplate="%{text}<extra></extra>", colorscale=scale, zmin=lo - 0.5,
-        zmax=E - 0.5, xgap=1, ygap=1,
-        colorbar=dict(title="expert", tickvals=tickvals, ticktext=ticktext,
-                      len=min(1.0, 0.2 + 0.05 * n)),
-        name="routing",
+        zmax=E - 0.5, xgap=1, ygap=1, showscale=False, name="routing",
     ))
+    key_height = _expert_key(fig, colours, dense=has_dense,
+                             title=f"colour: the expert at rank {slot + 1}")
     fig.update_layout(
         title=(f"Routing: expert at rank {slot + 1} of top-{K} ({E} experts), "
                f"{T} tokens × {L} layers"),
         xaxis=_token_axis(trace),
         yaxis=dict(tickmode="array", tickvals=list(range(L)),
                    ticktext=[_layer_label(trace, l) for l in range(L)], autorange="reversed"),
-        height=max(260, 120 + 28 * L), margin=dict(b=90),
+        height=max(260, 120 + 28 * L) + key_height, margin=dict(b=90),
     )
     return fig
+
+
+def _expert_key(fig: go.Figure, colours: list[str], title: str, dense: bool) -> int:
+    """A discrete colour key under the plot that names every colour: one legend entry (a
+    small square and its label: "dense" when ``dense``, then e0 … e{E-1}) per colour. Up to
+    20 experts the entries flow in rows; more stand in columns of a round length (e0–e9 |
+    e10–e19 | …, the shortest that fits a 700 px figure), "dense" in a column of its own.
+    The entries are marker-only Scatter traces without points, added after the figure's
+    traces (``fig.data[0]`` stays the plotted one); clicking them does nothing. Returns
+    the height the key adds to the figure (px)."""
+    E = len(colours)
+    font = 10 if E > 32 else 12
+
+    def width(label: str) -> int:      # a label's text and the gap to the next entry (px)
+        return int(0.6 * font * len(label)) + _KEY_ENTRY_GAP
+
+    dense_col = (_KEY_SYMBOL_PX + width("dense")) if dense else 0
+    col = _KEY_SYMBOL_PX + width(f"e{E - 1}")
+    per_col = 0                        # 0: entries flow in rows
+    if E > 20:
+        per_col = next((c for c in _KEY_COLUMN_LENGTHS
+                        if dense_col + -(-E // c) * col <= _KEY_PLOT_WIDTH), -(-E // 6))
+    entries = [("dense", DENSE_COLOUR, "dense" if per_col else "")] if dense else []
+    entries += [(f"e{e}", c, f"e{e - e % per_col}" if per_col else "")
+                for e, c in enumerate(colours)]
+    flow_width = max(width(f"e{E - 1}"), width("dense") if dense else 0)
+    for label, colour, group in entries:
+        fig.add_trace(go.Scatter(
+            x=[None], y=[None], mode="markers", name=label, showlegend=True, hoverinfo="skip",
+            legendgroup=group or None, legendwidth=width(label) if per_col else None,
+            marker=dict(symbol="square", size=10 if font == 10 else 12, color=colour,
+                        line=dict(width=0.5, color="#555")),
+        ))
+    fig.update_layout(
+        showlegend=True,
+        legend=dict(orientation="h", title=dict(text=title, side="top"), font=dict(size=font),
+                    entrywidth=None if per_col else flow_width, entrywidthmode="pixels",
+                    indentation=-15, itemwidth=30, tracegroupgap=_KEY_BAND_GAP,
+                    itemclick=False, itemdoubleclick=False, maxheight=1.0,
+                    x=0, xanchor="left", yref="container", y=0, yanchor="bottom"),
+    )
+    # its height in a 700 px figure (a wider one may need fewer rows of entries)
+    if per_col:
+        rows = per_col
+    else:
+        per_row = max(1, _KEY_PLOT_WIDTH // (_KEY_SYMBOL_PX + flow_width))
+        rows = -(-len(entries) // per_row)
+    return rows * _KEY_ROW_PX + int(1.2 * font) + 24          # + the title and padding
 
 
 def _layer_probs_heatmap(trace: Trace, layer: int) -> go.Figure:

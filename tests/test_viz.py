@@ -46,6 +46,36 @@ def _hover_strings(fig: go.Figure) -> list[str]:
     return out
 
 
+def _key(fig: go.Figure) -> list[tuple[str, str]]:
+    """The routing heatmap's colour key: (label, colour) of each legend entry, in order."""
+    return [(t.name, t.marker.color) for t in fig.data[1:] if t.showlegend]
+
+
+def _cell_colour(hm, value: float) -> str:
+    """The colour a heatmap with a banded (discrete) colour scale paints ``value`` with."""
+    pos = (value - hm.zmin) / (hm.zmax - hm.zmin)
+    stops = [(float(p), c) for p, c in hm.colorscale]
+    for (p0, c0), (p1, c1) in zip(stops, stops[1:]):
+        if p0 < pos < p1:
+            assert c0 == c1, "value on a gradient, not in a band"
+            return c0
+    raise AssertionError(f"value {value} at a band edge ({pos})")
+
+
+def _trace_with(n_experts: int, dense: bool, L: int = 4, T: int = 40, K: int = 2, seed: int = 3):
+    """A synthetic trace that routes to every one of ``n_experts`` (layer 1 dense if asked)."""
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((L, T, n_experts)), axis=2)[:, :, :K]
+    ids[0, :, 0] = np.arange(T) % n_experts            # rank 0 of layers 0, 2 and 3: all ids
+    ids[2, :, 0] = (np.arange(T) + T) % n_experts
+    ids[3, :, 0] = (np.arange(T) + 2 * T) % n_experts
+    ids[:, :, 1] = np.where(ids[:, :, 1] == ids[:, :, 0], (ids[:, :, 0] + 1) % n_experts,
+                            ids[:, :, 1])
+    moe = [l != 1 or not dense for l in range(L)]
+    return D.synthetic_trace(ids, n_experts=n_experts, layer_is_moe=moe,
+                             token_texts=[f"t{t}" for t in range(T)])
+
+
 # --------------------------------------------------------------------------- synthetic
 
 def test_every_figure_builds(synth):
@@ -87,7 +117,7 @@ def test_dense_layers_are_marked(synth):
     z = np.asarray(hm.z)
     assert (z[1] == -1).all() and (z[[0, 2, 3]] >= 0).all()
     assert list(fig.layout.yaxis.ticktext)[1] == "layer 1 (dense)"
-    assert hm.colorbar.ticktext[0] == "dense" and hm.colorbar.tickvals[0] == -1
+    assert _key(fig)[0] == ("dense", viz.DENSE_COLOUR)        # the key names the grey
     assert hm.colorscale[0][1] == viz.DENSE_COLOUR           # the band of value -1 is grey
     assert all("dense MLP" in h for h in np.asarray(hm.text, dtype=object)[1])
     # one colour per expert in the other bands
@@ -99,6 +129,99 @@ def test_dense_layers_are_marked(synth):
     assert [t.name for t in load.data] == ["layer 0", "layer 2", "layer 3"]
     assert any("dense layers" in a.text and "1" in a.text for a in load.layout.annotations)
     assert "(dense)" in " ".join(viz.stage_timings(synth).data[1].x)
+
+
+@pytest.mark.parametrize("n_experts", [6, 8, 64, 128])
+@pytest.mark.parametrize("dense", [True, False])
+def test_heatmap_key_names_every_expert_once(n_experts, dense):
+    import json
+
+    tr = _trace_with(n_experts, dense)
+    fig = viz.routing_heatmap(tr)
+    assert fig.data[0].type == "heatmap"               # first: the explorer's click target
+    want = (["dense"] if dense else []) + [f"e{e}" for e in range(n_experts)]
+    labels = [label for label, _ in _key(fig)]
+    assert labels == want                              # each expert named once, in order
+    assert len(set(labels)) == len(labels)
+    # the serialised figure (what a notebook shows) carries the key and no colour bar
+    js = json.loads(fig.to_json())
+    assert [t["name"] for t in js["data"][1:] if t.get("showlegend")] == want
+    assert js["layout"]["showlegend"] is True
+    assert js["data"][0]["showscale"] is False
+    # "expert" is said once (the key's title), not again on every label
+    title = fig.layout.legend.title.text
+    assert title.count("expert") == 1 and "rank 1" in title
+    assert not any("expert" in label for label in labels)
+    # the key's entries draw nothing and toggle nothing
+    for t in fig.data[1:]:
+        assert t.type == "scatter" and list(t.x) == [None] and t.hoverinfo == "skip"
+    assert fig.layout.legend.itemclick is False and fig.layout.legend.itemdoubleclick is False
+
+
+@pytest.mark.parametrize("n_experts", [8, 64, 128])
+@pytest.mark.parametrize("slot", [0, 1])
+def test_heatmap_key_colours_are_the_cells_colours(n_experts, slot):
+    tr = _trace_with(n_experts, dense=True)
+    fig = viz.routing_heatmap(tr, slot=slot)
+    hm = fig.data[0]
+    key = dict(_key(fig))
+    assert len(set(key.values())) == len(key)          # no two entries share a colour
+    assert key["dense"] == viz.DENSE_COLOUR
+    assert [key[f"e{e}"] for e in range(n_experts)] == viz.expert_colours(n_experts)
+    # every cell is painted with its key entry's colour
+    z = np.asarray(hm.z)
+    for value in np.unique(z):
+        label = "dense" if value == -1 else f"e{int(value)}"
+        assert _cell_colour(hm, value) == key[label], label
+    assert _cell_colour(hm, -1) == viz.DENSE_COLOUR
+    for l, t in [(0, 0), (2, 5), (3, 39)]:
+        e = int(tr.topk_ids[l, t, slot])
+        assert int(z[l, t]) == e and _cell_colour(hm, e) == key[f"e{e}"]
+        assert f"expert at rank {slot + 1}: e{e}<br>" in np.asarray(hm.text, dtype=object)[l, t]
+
+
+def test_heatmap_key_layout():
+    # a few experts: one flow of entries; more: columns of a round length, "dense" alone
+    few = viz.routing_heatmap(_trace_with(8, dense=True))
+    assert all(t.legendgroup in (None, "") for t in few.data[1:])
+    assert few.layout.legend.orientation == "h"
+    for n_experts, per_col in [(64, 10), (128, 16)]:
+        fig = viz.routing_heatmap(_trace_with(n_experts, dense=n_experts == 64))
+        groups = {}
+        for t in fig.data[1:]:
+            groups.setdefault(t.legendgroup, []).append(t.name)
+        cols = [g for name, g in groups.items() if name != "dense"]
+        assert all(g[0] == f"e{i * per_col}" and len(g) <= per_col for i, g in enumerate(cols))
+        assert [name for g in cols for name in g] == [f"e{e}" for e in range(n_experts)]
+        assert len(cols) == -(-n_experts // per_col)
+        assert groups.get("dense", ["dense"]) == ["dense"]                # a column alone
+        assert ("dense" in groups) == (n_experts == 64)
+        # the key sits in room of its own under the token axis: the figure grows with it
+        assert fig.layout.legend.yref == "container" and fig.layout.legend.y == 0
+        assert fig.layout.height >= 260 + per_col * 19
+        assert fig.layout.legend.font.size == 10
+    assert few.layout.height < viz.routing_heatmap(_trace_with(64, dense=True)).layout.height
+
+
+def test_expert_colours_stay_distinct():
+    def rgb(h):
+        return np.array([int(h[i:i + 2], 16) for i in (1, 3, 5)], dtype=float)
+
+    for n in (8, 24, 25, 64, 128, 256):
+        cols = viz.expert_colours(n)
+        assert len(cols) == n and len(set(cols)) == n and viz.DENSE_COLOUR not in cols
+        assert all(re.fullmatch(r"#[0-9a-fA-F]{6}", c) for c in cols)
+        if n > 24:   # colour families: consecutive ids differ in shade, or in hue
+            steps = [np.abs(rgb(a) - rgb(b)).sum() for a, b in zip(cols, cols[1:])]
+            assert min(steps) > 60, n
+        grey = rgb(viz.DENSE_COLOUR)
+        assert min(np.abs(rgb(c) - grey).sum() for c in cols) > 40
+
+
+def test_layer_view_has_no_expert_key(synth):
+    fig = viz.routing_heatmap(synth, layer=2)
+    assert fig.layout.showlegend is False and len(fig.data) == 2
+    assert fig.data[0].colorbar.title.text == "p(expert)"
 
 
 def test_layer_heatmap_is_the_router_probs(synth):
@@ -256,8 +379,10 @@ def test_real_traces(real_traces):
     assert "▁return" in t_mix.token_texts
     for t, piece in enumerate(t_mix.token_texts):
         assert repr(piece).replace("<", "&lt;").replace(">", "&gt;") in hover[0, t]
+    assert [label for label, _ in _key(fig)] == [f"e{e}" for e in range(t_mix.n_experts)]
     q = viz.routing_heatmap(t_qwen)
     assert list(q.layout.yaxis.ticktext)[1] == "layer 1 (dense)"
+    assert [label for label, _ in _key(q)] == ["dense"] + [f"e{e}" for e in range(6)]
     assert (np.asarray(q.data[0].z)[1] == -1).all()
     gate = viz.shared_gate(t_qwen)
     z = np.asarray(gate.data[0].z, dtype=float)

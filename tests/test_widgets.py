@@ -58,6 +58,30 @@ def test_explorer_runs_and_reacts(engine):
     assert np.asarray(ex.heatmap.data[0].z).shape == (engine.config.n_layers, len(ids2))
 
 
+def test_explorer_heatmap_key_and_click(engine):
+    from plotly.callbacks import InputDeviceState, Points
+
+    ex = W.explorer(engine, prompt="def add(a, b):\n    return a + b\n")
+    E = engine.config.n_experts
+    hm = ex.heatmap.data[0]
+    assert hm.type == "heatmap" and hm.showscale is False
+    key = [t.name for t in ex.heatmap.data[1:] if t.showlegend]
+    assert key == [f"e{e}" for e in range(E)] and ex.heatmap.layout.showlegend
+    # a click on a cell of the heatmap (trace 0) selects that token
+    hm._dispatch_on_click(Points(point_inds=[[0, 4]], xs=[4], ys=[0], trace_index=0),
+                          InputDeviceState())
+    assert ex.token.value == 4
+    assert ex.heatmap.layout.shapes[0].x0 == pytest.approx(3.5)
+    # the layer view has no key; back on all layers the key returns, the click still works
+    ex.layer.value = 0
+    assert not ex.heatmap.layout.showlegend and len(ex.heatmap.data) == 2
+    ex.layer.value = W.ALL_LAYERS
+    assert [t.name for t in ex.heatmap.data[1:]] == key
+    ex.heatmap.data[0]._dispatch_on_click(Points(xs=[2], ys=[1], trace_index=0),
+                                          InputDeviceState())
+    assert ex.token.value == 2
+
+
 def test_explorer_generates_and_reports_errors(engine):
     ex = W.explorer(engine, prompt="def f(x):", max_new_tokens=3)
     n = len(engine.tokenizer.encode("def f(x):"))
