@@ -19,7 +19,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from . import viz
-from ._native import ColibriError
+from .errors import ColibriError
 from .trace import Trace
 
 ALL_LAYERS = -1
