@@ -37,39 +37,12 @@ from ctypes import (
 )
 from pathlib import Path
 
+from .errors import *  # noqa: F401,F403  (the statuses and exceptions, re-exported for the binding's callers)
+from .errors import ERRORS, OK, ColibriError
+
 ABI_VERSION = 3
 LIB_NAME = "libcolibri.so" if sys.platform != "darwin" else "libcolibri.dylib"
 
-from .errors import (  # re-exported: the binding's callers use them through this module
-    ColibriBufferTooSmallError,
-    ColibriChecksumError,
-    ColibriClosedError,
-    ColibriError,
-    ColibriFormatError,
-    ColibriIOError,
-    ColibriInternalError,
-    ColibriInvalidArgError,
-    ColibriNoMemoryError,
-    ColibriNumericError,
-    ColibriSeqTooLongError,
-    ColibriTokenRangeError,
-    ColibriUnsupportedError,
-    ColibriVersionError,
-    ERRORS,
-    E_BUFFER_TOO_SMALL,
-    E_CHECKSUM,
-    E_FORMAT,
-    E_INTERNAL,
-    E_INVALID_ARG,
-    E_IO,
-    E_NOMEM,
-    E_NUMERIC,
-    E_SEQ_TOO_LONG,
-    E_TOKEN_RANGE,
-    E_UNSUPPORTED,
-    E_VERSION,
-    OK,
-)
 
 # ---------------------------------------------------------------------------------------
 # Opaque handles and the one struct of the API.

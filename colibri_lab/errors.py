@@ -119,3 +119,5 @@ ERRORS: dict[int, type[ColibriError]] = {
         ColibriInternalError,
     )
 }
+
+__all__ = [n for n in list(globals()) if n.startswith(("Colibri", "E_"))] + ["ERRORS", "OK"]
