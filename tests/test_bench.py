@@ -1,7 +1,9 @@
 """The measurement tools, in CI: colibri_bench (a subprocess on a tiny converted model: the
 JSON fields and their arithmetic, exit codes) and ``python -m colibri_lab.bench --smoke``
 (every engine it can run, a missing peer reported instead of crashing). Timings are not
-judged: only that they exist, are positive and add up."""
+judged: only that they exist, are positive and add up. The helpers the benchmark takes
+from ``colibri_lab.tuning`` (roofline, bandwidth, model making) are tested in
+tests/test_tuning.py."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from colibri_lab import bench
+from colibri_lab.bench import files, side_by_side
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,15 +50,16 @@ def run(exe, *args, timeout=300):
 
 
 def test_json_fields_and_arithmetic(bench_exe, model):
-    r = run(bench_exe, "--model", model[1], "--batch_size", 2, "--seq_len", 17,
+    r = run(bench_exe, "--model", model[1], "--sequential_sequences", 2, "--seq_len", 17,
             "--max_new_tokens", 5, "--num_requests", 3, "--warmup", 1, "--seed", 7,
             "--num_threads", 1, "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["tool"] == "colibri_bench" and d["batch_mode"] == "sequential"
+    assert d["tool"] == "colibri_bench"
     assert (d["vocab_size"], d["n_layers"], d["n_experts"], d["top_k"]) == (32000, 2, 4, 2)
     assert d["weight_dtype"] == "f32" and d["architecture"] == "mixtral"
-    assert (d["batch_size"], d["seq_len"], d["max_new_tokens"], d["num_requests"]) == (2, 17, 5, 3)
+    assert (d["sequential_sequences"], d["seq_len"], d["max_new_tokens"],
+            d["num_requests"]) == (2, 17, 5, 3)  # fmt: skip
     assert d["seed"] == 7 and d["threads_used"] >= 1 and d["load_ms"] > 0
     # samples: one prefill latency per request, one decode latency per token step
     expect = {"prefill": (3, 3 * 2 * 17), "decode": (3 * 2 * 5, 3 * 2 * 5),
@@ -86,7 +89,7 @@ def test_text_report_and_prefill_only(bench_exe, model):
 
 def test_help_exits_0(bench_exe):
     r = run(bench_exe, "--help")
-    assert r.returncode == 0 and "--batch_size" in r.stdout and "one after" in r.stdout
+    assert r.returncode == 0 and "--sequential_sequences" in r.stdout and "one after" in r.stdout
 
 
 @pytest.mark.parametrize(
@@ -96,7 +99,9 @@ def test_help_exits_0(bench_exe):
         (["--model", "m.colibri", "--bogus", "1"], "unknown option"),
         (["--model", "m.colibri", "--seq_len", "0"], "--seq_len"),
         (["--model", "m.colibri", "--seq_len", "ten"], "--seq_len"),
-        (["--model", "m.colibri", "--batch_size", "0"], "--batch_size"),
+        (["--model", "m.colibri", "--sequential_sequences", "0"], "--sequential_sequences"),
+        # no batching across sequences in this build: the name is refused, not reused
+        (["--model", "m.colibri", "--batch_size", "2"], "--sequential_sequences 2"),
         (["--model", "m.colibri", "--num_requests", "-1"], "--num_requests"),
         (["--model", "m.colibri", "--warmup", "1.5"], "--warmup"),
         (["--model", "m.colibri", "--max_new_tokens", "-2"], "--max_new_tokens"),
@@ -104,7 +109,7 @@ def test_help_exits_0(bench_exe):
         (["--model", "m.colibri", "--num_threads", "99999"], "--num_threads"),
         (["--model", "m.colibri", "--seed", "-3"], "--seed"),
         (["--model", "m.colibri", "--seq_len"], "needs a value"),
-        (["--model", "m.colibri", "--num_requests", "16777216", "--batch_size", "1048576",
+        (["--model", "m.colibri", "--num_requests", "16777216", "--sequential_sequences", "1048576",
           "--max_new_tokens", "64"], "2^28"),
         (["stray"], "unexpected argument"),
     ],
@@ -123,47 +128,18 @@ def test_engine_errors_exit_1(bench_exe, model, tmp_path):
     assert r.returncode == 1 and "max_seq_len" in r.stderr and r.stdout == ""
 
 
-def test_active_weights_match_the_model(model):
-    """The roofline's bytes per token: every parameter one token touches, counted from the
-    transformers model itself (experts scaled by top_k / n_experts, one embedding row)."""
-    torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
-
-    hf_dir = model[0]
-    m = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    cfg = bench.read_hf_config(hf_dir)
-    count = 0.0
-    for name, p in m.named_parameters():
-        if ".experts." in name:
-            count += p.numel() * cfg["top_k"] / cfg["experts"]
-        elif "embed_tokens" in name:
-            count += p.shape[1]
-        else:
-            count += p.numel()
-    w = bench.active_weights(cfg)
-    assert w["matrices"] + w["norms_f32"] == count
-    roof = bench.decode_roofline(cfg, "bf16", 10.0)
-    assert roof["bytes_per_token"] == w["matrices"] * 2 + w["norms_f32"] * 4
-    assert math.isclose(roof["roofline_tok_s"], 10e9 / roof["bytes_per_token"])
-
-
-def test_bandwidth_is_measured():
-    b = bench.measure_bandwidth(8 << 20, reps=2)
-    assert len(b["samples_gbs"]) == 2 and b["median_gbs"] > 0 and b["max_gbs"] >= b["median_gbs"]
-
-
 def test_page_cache_helpers(tmp_path):
     """The cold-load helpers: eviction works on a regular file (Linux), and the share of a
     file in 2 MiB pages is a fraction (None below one huge page)."""
     small = tmp_path / "small.bin"
     small.write_bytes(b"x" * 4096)
-    assert bench.hugepage_fraction(small) is None
+    assert files.hugepage_fraction(small) is None
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(6 << 20))
     if hasattr(os, "posix_fadvise"):
-        assert bench.drop_from_page_cache(big) is True
-    assert bench.drop_from_page_cache(tmp_path / "missing.bin") is False
-    frac = bench.hugepage_fraction(big)
+        assert files.drop_from_page_cache(big) is True
+    assert files.drop_from_page_cache(tmp_path / "missing.bin") is False
+    frac = files.hugepage_fraction(big)
     if os.path.exists("/proc/self/smaps"):
         assert frac is not None and 0.0 <= frac <= 1.0
     # the side-by-side table has the column
@@ -177,8 +153,26 @@ def test_page_cache_helpers(tmp_path):
                         "engines": {"colibri": {"status": "ok", "prefill_tok_s": 1.0,
                                                 "decode_tok_s": 2.0,
                                                 "file_hugepage_fraction": 0.5}}}]}  # fmt: skip
-    table = bench.render_table(res)
+    table = side_by_side.render_table(res)
     assert "file in 2 MiB pages" in table and "| 50% |" in table
+
+
+def test_bench_is_a_developer_tool_outside_the_runtime_package():
+    """`import colibri_lab` leaves the benchmark alone, and the benchmark's package does
+    not import its own modules (or torch) until asked."""
+    code = "\n".join([
+        "import sys",
+        "import colibri_lab",
+        "print(sorted(m for m in sys.modules if 'bench' in m))",
+        "import colibri_lab.bench as b",
+        "print(sorted(m for m in sys.modules if 'bench' in m))",
+        "b.main, b.default_cache_dir  # the side-by-side modules, on first use",
+        "print('torch' in sys.modules, 'colibri_lab.bench.side_by_side' in sys.modules)",
+    ])  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["[]", "['colibri_lab.bench']", "False True"]
 
 
 def _run_module(*args, timeout=240):

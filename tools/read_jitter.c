@@ -5,7 +5,7 @@
  * engine, no threads, no synchronisation: whatever spread it shows is the memory system's
  * (and the hypervisor's), and no decode step that streams the same bytes can be steadier.
  *
- *   gcc -O2 -mavx2 docs/bench/read_jitter.c -o /tmp/read_jitter && /tmp/read_jitter
+ *   gcc -O2 -mavx2 tools/read_jitter.c -o /tmp/read_jitter && /tmp/read_jitter
  */
 #define _GNU_SOURCE
 #include <immintrin.h>

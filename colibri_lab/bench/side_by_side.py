@@ -25,29 +25,24 @@ embedding row + norms, at the run's dtype) divided by the bandwidth; each engine
 is reported as a fraction of it.
 
 llama.cpp is built from the ``llama-cpp-python`` sdist in ``--llama-cpp-dir`` (default
-``~/.cache/colibri-lab/llama.cpp``): ``pip download --no-deps --no-binary :all:``, then
-CMake/Ninja for ``llama-bench llama-quantize llama-completion`` (about 6.5 minutes on two
-cores, once), and the GGUF is made with its ``convert_hf_to_gguf.py`` at the run's dtype.
-Nothing of llama.cpp enters this repository. An engine that cannot run says why in its
-column ("not available: ...") instead of stopping the benchmark.
+``~/.cache/colibri-lab/llama.cpp``): ``pip download --no-deps --no-binary :all:
+--no-build-isolation llama-cpp-python`` (which needs ``pip install scikit-build-core cmake
+ninja`` first), then CMake/Ninja for ``llama-bench llama-quantize llama-completion`` (about
+6.5 minutes on two cores, once), and the GGUF is made with its ``convert_hf_to_gguf.py``
+at the run's dtype. Nothing of llama.cpp enters this repository. An engine that cannot
+run says why in its column ("not available: ...") instead of stopping the benchmark.
 
-Timings are printed, never judged: no result of this script passes or fails.
+Timings are printed, never judged: no result of this tool passes or fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import multiprocessing as mp
 import os
-import platform
-import re
-import shutil
 import statistics
-import subprocess
 import sys
-import tarfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -55,287 +50,11 @@ from pathlib import Path
 
 import numpy as np
 
-ENGINES = ("colibri", "llama.cpp", "transformers")
-DTYPES = ("f32", "bf16")
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
-
-# The reference model of docs/performance.md: a random-init Mixtral of 791 M parameters,
-# about 230 M active per token.
-BIG_SHAPE = dict(vocab=32000, hidden=1024, inter=3584, layers=8, heads=16, kv_heads=4,
-                 experts=8, top_k=2, max_pos=4096)  # fmt: skip
-# The smoke model: the real vocabulary (so the tokenizer is the real one), tiny elsewhere;
-# sizes are multiples of 4 so transformers' grouped_mm experts work on the CPU.
-SMOKE_SHAPE = dict(vocab=32000, hidden=64, inter=96, layers=2, heads=4, kv_heads=2,
-                   experts=4, top_k=2, max_pos=1024)  # fmt: skip
-
-LLAMA_TARGETS = ("llama-bench", "llama-quantize", "llama-completion")
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("COLIBRI_LAB_CACHE", "~/.cache/colibri-lab")).expanduser()
-
-
-def _say(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------------
-# Model: generate, describe, convert
-# ---------------------------------------------------------------------------------------
-
-
-def _tokenizer_model_file() -> Path | None:
-    """The Mixtral SentencePiece model: data/tokenizer.model.v1 in a checkout, else the
-    copy inside the mistral-common wheel; None when neither exists."""
-    p = Path(__file__).resolve().parents[1] / "data" / "tokenizer.model.v1"
-    if p.is_file():
-        return p
-    try:
-        import mistral_common
-    except ImportError:
-        return None
-    p = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
-    return p if p.is_file() else None
-
-
-def make_model(out_dir: str | os.PathLike, shape: dict | None = None, seed: int = 0) -> Path:
-    """Write a seeded random-init MixtralForCausalLM (f32 safetensors, the real Mixtral
-    tokenizer when the vocabulary is 32000) to `out_dir` with transformers, unless a
-    complete one is already there. Returns the folder."""
-    out = Path(out_dir)
-    shape = dict(BIG_SHAPE if shape is None else shape)
-    stamp = out / "colibri_bench_shape.json"
-    want = json.dumps({**shape, "seed": seed}, sort_keys=True)
-    if stamp.is_file() and stamp.read_text() == want and (out / "config.json").is_file():
-        return out
-    import torch
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    _say(f"generating a random Mixtral {shape} (seed {seed}) in {out}")
-    cfg = MixtralConfig(
-        vocab_size=shape["vocab"], hidden_size=shape["hidden"],
-        intermediate_size=shape["inter"], num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-        num_local_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
-        max_position_embeddings=shape["max_pos"], rms_norm_eps=1e-5,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:  # norm weights: not all ones
-                p.uniform_(0.5, 1.5)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok = _tokenizer_model_file()
-    if shape["vocab"] == 32000 and tok is not None:
-        shutil.copy(tok, tmp / "tokenizer.model")
-    (tmp / "colibri_bench_shape.json").write_text(want)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
-def read_hf_config(model_dir: Path) -> dict:
-    """The shape facts the roofline needs, from a Hugging Face config.json (both the
-    transformers 4 and 5 spellings)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    if "text_config" in cfg and "hidden_size" not in cfg:
-        cfg = {**cfg, **cfg["text_config"]}
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or hidden // heads
-    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-    return dict(
-        model_type=cfg.get("model_type", "?"),
-        vocab=int(cfg["vocab_size"]),
-        hidden=hidden,
-        inter=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-        layers=int(cfg["num_hidden_layers"]),
-        heads=heads,
-        kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        experts=experts,
-        top_k=int(cfg.get("num_experts_per_tok") or 0),
-        tie=bool(cfg.get("tie_word_embeddings", False)),
-    )
-
-
-def active_weights(c: dict) -> dict:
-    """Weights one decode token reads, by part (element counts; norms separately, as they
-    stay f32 in every engine). A MoE layer: q/k/v/o, the router and top_k experts of
-    3 matrices each; plus the lm_head and one embedding row."""
-    H, D = c["hidden"], c["head_dim"]
-    attn = H * c["heads"] * D * 2 + H * c["kv_heads"] * D * 2
-    router = H * c["experts"]
-    experts = c["top_k"] * 3 * H * c["inter"]
-    per_layer = attn + router + experts
-    parts = {
-        "attention": attn * c["layers"],
-        "router": router * c["layers"],
-        "experts": experts * c["layers"],
-        "lm_head": c["vocab"] * H,
-        "embedding_row": H,
-    }
-    return {"parts": parts, "matrices": sum(parts.values()), "norms_f32": (2 * c["layers"] + 1) * H,
-            "per_layer": per_layer}  # fmt: skip
-
-
-def decode_roofline(c: dict, dtype: str, bandwidth_gbs: float) -> dict:
-    """Bytes per decode token at `dtype` and the tokens/s ceiling that bandwidth sets.
-    The KV cache read (2 x layers x kv_heads x head_dim x context x 4 bytes) is reported
-    beside it, not added: at a 640-token context it is ~1 % of the weights."""
-    w = active_weights(c)
-    nbytes = w["matrices"] * DTYPE_BYTES[dtype] + w["norms_f32"] * 4
-    return {
-        "dtype": dtype,
-        "active_params": w["matrices"] + w["norms_f32"],
-        "bytes_per_token": nbytes,
-        "parts_bytes": {k: v * DTYPE_BYTES[dtype] for k, v in w["parts"].items()},
-        "bandwidth_gbs": bandwidth_gbs,
-        "roofline_tok_s": bandwidth_gbs * 1e9 / nbytes if nbytes else float("nan"),
-    }
-
-
-def _model_key(model_dir: Path) -> str:
-    h = hashlib.sha256()
-    h.update(str(Path(model_dir).resolve()).encode())
-    for f in sorted(Path(model_dir).glob("*")):
-        if f.suffix in (".json", ".safetensors", ".model"):
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
-    return f"{Path(model_dir).name}-{h.hexdigest()[:10]}"
-
-
-def colibri_file(model_dir: Path, dtype: str, cache: Path) -> Path:
-    """The model converted to .colibri at `dtype`, cached under cache/converted."""
-    from .convert import convert
-
-    out = cache / "converted" / f"{_model_key(model_dir)}-{dtype}.colibri"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _say(f"converting {model_dir} to {out}")
-        convert(model_dir, out, dtype=dtype, progress=False)
-    return out
-
-
-# ---------------------------------------------------------------------------------------
-# Machine facts and memory bandwidth
-# ---------------------------------------------------------------------------------------
-
-
-def source_info() -> dict:
-    """The checkout this run measured: git HEAD and whether the working tree had changes
-    (read-only git; empty when not in a git checkout)."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10, check=False).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "native"],
-                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return {"git_head": head, "native_tree_modified": bool(dirty)} if head else {}
-
-
-def machine_info() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(),
-            "cpus_online": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count()}  # fmt: skip
-    try:
-        txt = Path("/proc/cpuinfo").read_text()
-        m = re.search(r"^model name\s*:\s*(.+)$", txt, re.MULTILINE)
-        if m:
-            info["cpu"] = m.group(1).strip()
-        fl = re.search(r"^flags\s*:\s*(.+)$", txt, re.MULTILINE)
-        if fl:
-            flags = set(fl.group(1).split())
-            info["simd"] = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16")
-                            if f in flags]  # fmt: skip
-        mem = re.search(r"^MemTotal:\s*(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
-        if mem:
-            info["mem_gib"] = round(int(mem.group(1)) / 2**20, 1)
-    except OSError:
-        pass
-    return info
-
-
-def drop_from_page_cache(path) -> bool:
-    """Evict a (clean) file from the page cache, so that every engine loads its model file
-    cold, the same way. Which page-cache folios a file sits in decides whether a mapping
-    of it can use 2 MiB pages, and that changes decode speed by 10-25 % on this machine
-    class: a file just written (by a converter) sits in small folios; one read back through
-    a mapping comes in large ones. Returns False where the OS cannot do it."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def hugepage_fraction(path) -> float | None:
-    """The share of a file that a fresh read-only mapping gets in 2 MiB pages (Linux
-    `FilePmdMapped`), i.e. what every engine that maps the file now gets: one byte of
-    every 2 MiB is touched, which maps a whole huge page where the page cache holds the
-    range in a 2 MiB folio. None where /proc/self/smaps does not say."""
-    import mmap
-
-    size = os.path.getsize(path)
-    if size < (2 << 20) or not os.path.exists("/proc/self/smaps"):
-        return None
-    real = os.path.realpath(path)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        for off in range(0, size, 2 << 20):
-            m[off]
-        pmd_kb, found = 0, False
-        with open("/proc/self/smaps") as sm:
-            inside = False
-            for line in sm:
-                head = re.match(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s*(.*)$", line)
-                if head:
-                    inside = head.group(1).strip() == real
-                    found |= inside
-                elif inside and line.startswith("FilePmdMapped:"):
-                    pmd_kb += int(line.split()[1])
-    return pmd_kb * 1024 / size if found else None
-
-
-def measure_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> dict:
-    """Copy a buffer of `nbytes` into another with numpy (one thread), `reps` times after
-    one untimed pass; bandwidth = 2 x nbytes (read + write) / time, in GB/s (1e9 bytes).
-
-    Timed twice: by the wall clock and by this thread's CPU time. Memory stalls count as
-    CPU time but time spent descheduled does not, so on a shared, busy machine the CPU-time
-    figure still measures the memory system while the wall-clock one measures the queue
-    for a core. The roofline uses the CPU-time median ("median_gbs"); both are reported."""
-    n = nbytes // 8
-    src = np.random.default_rng(0).random(n)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in
-    cpu, wall = [], []
-    for _ in range(reps):
-        w, c = time.perf_counter(), time.thread_time()
-        np.copyto(dst, src)
-        c, w = time.thread_time() - c, time.perf_counter() - w
-        wall.append(2 * n * 8 / w / 1e9)
-        cpu.append(2 * n * 8 / max(c, 1e-9) / 1e9)
-    del src, dst
-    return {"method": f"numpy copy of {nbytes >> 20} MiB, read+write bytes, 1 thread, "
-                      "timed by thread CPU time",
-            "median_gbs": statistics.median(cpu), "max_gbs": max(cpu),
-            "wall_median_gbs": statistics.median(wall), "samples_gbs": cpu,
-            "wall_samples_gbs": wall}  # fmt: skip
+from ..tuning import (MIXTRAL_791M, decode_roofline, machine_info, make_model,
+                      measure_bandwidth, read_hf_config)
+from .common import DTYPES, ENGINES, SMOKE_SHAPE, _say, default_cache_dir
+from .files import colibri_file, drop_from_page_cache, hugepage_fraction, source_info
+from .llama_cpp import ensure_llama_cpp, gguf_file, run_llama_bench
 
 
 # ---------------------------------------------------------------------------------------
@@ -354,8 +73,8 @@ def _ids_for(seed: int, rep: int, n: int, vocab: int, bos: int | None) -> np.nda
 
 
 def _colibri_worker(conn, path: str, threads: int, max_seq_len: int):
-    from ._native import version
-    from .engine import Engine
+    from .._native import version
+    from ..engine import Engine
 
     # populate: fault the whole file in at load, as llama.cpp's loader does (a MoE warm-up
     # touches only the experts it routes to; the rest would fault in during timed runs)
@@ -404,7 +123,8 @@ def _hf_worker(conn, model_dir: str, dtype: str, threads: int):
         with torch.inference_mode():
             model(torch.tensor([[1, 5, 9, 11]]), use_cache=False)
     except RuntimeError:
-        # grouped_mm on the CPU needs 16-byte aligned strides (TOOLING.md)
+        # transformers 5's grouped_mm experts fail on the CPU for sizes that are not a
+        # multiple of 4 floats (16-byte strides); the eager implementation takes any size
         model.set_experts_implementation("eager")
         impl = "eager"
     conn.send({"ok": True, "experts_implementation": impl, "torch": torch.__version__,
@@ -498,112 +218,6 @@ class Worker:
 
 
 # ---------------------------------------------------------------------------------------
-# llama.cpp: build from the llama-cpp-python sdist, convert, run llama-bench
-# ---------------------------------------------------------------------------------------
-
-
-def _find_llama_src(root: Path) -> Path | None:
-    """The llama.cpp source tree under `root`: root itself, or an unpacked sdist's
-    vendor/llama.cpp (real path: through a symlink its .git file breaks ninja)."""
-    if (root / "convert_hf_to_gguf.py").is_file():
-        return root.resolve()
-    for cand in sorted(root.glob("llama_cpp_python-*/vendor/llama.cpp"), reverse=True):
-        if (cand / "convert_hf_to_gguf.py").is_file():
-            return cand.resolve()
-    return None
-
-
-def _llama_bin(src: Path, name: str) -> Path:
-    return src / "build" / "bin" / name
-
-
-def ensure_llama_cpp(root: Path, build: bool) -> Path:
-    """The llama.cpp source tree with llama-bench built; downloads the sdist and builds
-    when `build` (raises RuntimeError saying why when it cannot)."""
-    root = Path(root).expanduser()
-    src = _find_llama_src(root) if root.is_dir() else None
-    if src and _llama_bin(src, "llama-bench").is_file():
-        return src
-    if not build:
-        raise RuntimeError(f"llama.cpp is not built in {root} (a full run without --smoke "
-                           "and without --no-build builds it, about 6.5 min on 2 cores)")
-    for tool in ("cmake", "ninja"):
-        if not shutil.which(tool):
-            raise RuntimeError(f"{tool} not found on PATH (pip install {tool})")
-    root.mkdir(parents=True, exist_ok=True)
-    if src is None:
-        sdists = sorted(root.glob("llama_cpp_python-*.tar.gz"))
-        if not sdists:
-            _say(f"downloading the llama-cpp-python sdist into {root}")
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
-                            ":all:", "llama-cpp-python", "-d", str(root)],
-                           check=True, stdout=subprocess.DEVNULL)  # fmt: skip
-            sdists = sorted(root.glob("llama_cpp_python-*.tar.gz"))
-            if not sdists:
-                raise RuntimeError("pip download gave no llama-cpp-python sdist")
-        with tarfile.open(sdists[-1]) as tf:
-            tf.extractall(root, filter="data") if sys.version_info >= (3, 12) else tf.extractall(root)
-        src = _find_llama_src(root)
-        if src is None:
-            raise RuntimeError(f"{sdists[-1]} holds no vendor/llama.cpp")
-    _say(f"building llama.cpp in {src}/build (once; about 6.5 min on 2 cores)")
-    log = root / "build.log"
-    with open(log, "ab") as f:
-        subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-G", "Ninja",
-                        "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF",
-                        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
-                       check=True, stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
-        subprocess.run(["cmake", "--build", str(src / "build"), "-j", "2", "--target",
-                        *LLAMA_TARGETS], check=True, stdout=f, stderr=subprocess.STDOUT)
-    if not _llama_bin(src, "llama-bench").is_file():
-        raise RuntimeError(f"the llama.cpp build left no llama-bench (see {log})")
-    return src
-
-
-def gguf_file(src: Path, model_dir: Path, dtype: str, cache: Path) -> Path:
-    """The model as GGUF at `dtype`, made with llama.cpp's convert_hf_to_gguf.py (its own
-    gguf-py; needs torch, sentencepiece, protobuf>=5), cached under cache/gguf."""
-    out = cache / "gguf" / f"{_model_key(model_dir)}-{dtype}.gguf"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    _say(f"converting {model_dir} to {out}")
-    r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir),
-                        "--outtype", dtype, "--outfile", str(tmp)],
-                       capture_output=True, text=True, check=False)  # fmt: skip
-    if r.returncode != 0 or not tmp.is_file():
-        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
-        raise RuntimeError("convert_hf_to_gguf.py failed: " + " | ".join(tail))
-    tmp.rename(out)
-    return out
-
-
-def run_llama_bench(src: Path, gguf: Path, threads: int, n_prompt: int, n_gen: int) -> dict:
-    """One llama-bench repetition: pp at depth 0 and tg at depth n_prompt (-r 1 each,
-    llama-bench's own warm-up run first). Returns tokens/s."""
-    exe = str(_llama_bin(src, "llama-bench"))
-    out = {}
-
-    def one(args):
-        r = subprocess.run([exe, "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json",
-                            *args], capture_output=True, text=True, timeout=3600, check=False)  # fmt: skip
-        if r.returncode != 0:
-            raise RuntimeError("llama-bench failed: " + " | ".join(r.stderr.strip().splitlines()[-3:]))
-        rows = json.loads(r.stdout)
-        return rows[0]
-
-    if n_prompt:
-        row = one(["-p", str(n_prompt), "-n", "0"])
-        out["prefill_tok_s"] = float(row["avg_ts"])
-        out["build_commit"] = row.get("build_commit")
-    if n_gen:
-        row = one(["-p", "0", "-n", str(n_gen), "-d", str(n_prompt)])
-        out["decode_tok_s"] = float(row["avg_ts"])
-    return out
-
-
-# ---------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------
 
@@ -631,12 +245,14 @@ def run(args) -> dict:
             raise SystemExit(f"bench: {model_dir} has no config.json; give a Hugging Face "
                              "checkpoint folder or use --make-model")  # fmt: skip
     elif args.smoke:
-        model_dir = make_model(cache / "models" / "mixtral-smoke", SMOKE_SHAPE, seed=args.seed)
+        model_dir = make_model(cache / "models" / "mixtral-smoke", SMOKE_SHAPE, seed=args.seed,
+                               log=_say)
     else:
         if not args.make_model and not (cache / "models" / "mixtral-791m" / "config.json").is_file():
             raise SystemExit("bench: no model: pass --model-dir DIR, or --make-model to generate "
                              "the 791 M random Mixtral into the cache")  # fmt: skip
-        model_dir = make_model(cache / "models" / "mixtral-791m", BIG_SHAPE, seed=args.seed)
+        model_dir = make_model(cache / "models" / "mixtral-791m", MIXTRAL_791M, seed=args.seed,
+                               log=_say)
     hf_cfg = read_hf_config(model_dir)
     n_pre, n_dec = args.prefill, args.decode
 

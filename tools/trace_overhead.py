@@ -1,7 +1,7 @@
 """Tracing overhead: forward time with tracing never enabled, enabled-then-detached (off),
 and on, measured in one process, interleaved, medians over repetitions.
 
-    python docs/bench/trace_overhead.py [--model M.colibri] [--tokens 64] [--reps 30]
+    python tools/trace_overhead.py [--model M.colibri] [--tokens 64] [--reps 30]
 
 Without --model it converts a small random Mixtral (vocab 32000, hidden 256, 4 layers,
 8 experts, top-2) into a temporary folder (needs torch and transformers).
@@ -20,7 +20,7 @@ import numpy as np
 
 
 def _make_model(folder: Path) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from hf_models import Shape, build_model  # noqa: E402
 
     import colibri_lab

@@ -1,7 +1,7 @@
 """Where Colibri's time goes on the 791 M model: CPU ms/token and the share of each stage
 (from a trace) for a 512-token prefill and 32 decode steps, one thread, f32 and bf16.
 
-    COLIBRI_LIB=build/libcolibri.so PYTHONPATH=. python docs/bench/stage_split.py \
+    COLIBRI_LIB=build/libcolibri.so PYTHONPATH=. python tools/stage_split.py \
         ~/.cache/colibri-lab/converted/mixtral-791m-*-f32.colibri ...-bf16.colibri
 
 The .colibri files are the ones `python -m colibri_lab.bench --make-model` converts into

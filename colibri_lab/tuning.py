@@ -1,0 +1,599 @@
+"""Tuning and timing helpers: what the engine's knobs do on the machine at hand.
+
+The plumbing behind ``notebooks/03_tuning.ipynb`` and the side-by-side benchmark
+(``python -m colibri_lab.bench``), each piece one call::
+
+    from colibri_lab import convert, tuning
+
+    shape = dict(tuning.MIXTRAL_791M, hidden=256, inter=512, layers=4, heads=4, kv_heads=2)
+    hf = tuning.make_model("small-mixtral", shape)         # a random Mixtral, ~30 M weights
+    path = convert(hf, "small.colibri", dtype="f32", progress=False)
+    tuning.machine_info()                                  # CPU, SIMD flags, usable CPUs
+    bw = tuning.measure_bandwidth()                        # GB/s of a numpy copy
+    tuning.roofline_table(tuning.read_hf_config(hf), bw["median_gbs"])
+    tuning.sweep_threads(path, [1, 2])                     # prefill and decode tokens/s
+    tuning.run_colibri_bench(path, seq_len=64)             # colibri_bench's JSON, parsed
+
+- **Models**: :func:`make_model` writes a seeded random-init Mixtral of a given shape
+  (:data:`MIXTRAL_791M` is the reference model of ``docs/performance.md``);
+  :func:`read_hf_config` reads the shape back from a Hugging Face ``config.json``.
+- **Machine**: :func:`machine_info`, :func:`measure_bandwidth`; the decode roofline
+  (:func:`active_weights`, :func:`decode_roofline`, :func:`roofline_table`).
+- **Timing an Engine**: :func:`timed_run` (one prefill, then decode steps),
+  :func:`time_engine` (medians over repetitions), and the sweeps :func:`sweep_threads`,
+  :func:`sweep_group_pad`, :func:`sweep_block_size`, :func:`sweep_seq_len`,
+  :func:`stage_split`.
+- **colibri_bench**: :func:`find_colibri_bench`, :func:`run_colibri_bench`,
+  :func:`sweep_sequential_sequences`.
+
+Results are plain dicts and lists of dicts (:class:`Facts`, :class:`Rows`) that print as
+aligned text and serialise to JSON as they are. Timings are measured, never judged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "DTYPE_BYTES",
+    "MIXTRAL_791M",
+    "Facts",
+    "Rows",
+    "active_weights",
+    "decode_roofline",
+    "find_colibri_bench",
+    "machine_info",
+    "make_model",
+    "measure_bandwidth",
+    "median_rates",
+    "random_ids",
+    "read_hf_config",
+    "roofline_table",
+    "run_colibri_bench",
+    "stage_split",
+    "sweep_block_size",
+    "sweep_group_pad",
+    "sweep_seq_len",
+    "sweep_sequential_sequences",
+    "sweep_threads",
+    "time_engine",
+    "timed_run",
+]
+
+#: Bytes per weight element of each weight dtype.
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+
+#: The reference model of ``docs/performance.md``: a random-init Mixtral of 791 M
+#: parameters, about 230 M of them active per token (the shape :func:`make_model` takes).
+MIXTRAL_791M = dict(vocab=32000, hidden=1024, inter=3584, layers=8, heads=16, kv_heads=4,
+                    experts=8, top_k=2, max_pos=4096)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# Results that print
+# ---------------------------------------------------------------------------------------
+
+
+def _fmt(v: Any, spec: str | None = None) -> str:
+    if v is None:
+        return "—"
+    if spec and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return format(v, spec)
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "—"
+        return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {_fmt(x)}" for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return ", ".join(_fmt(x) for x in v)
+    return str(v)
+
+
+class Facts(dict):
+    """A dict that prints as aligned ``key  value`` lines (and is a plain dict to JSON)."""
+
+    def __str__(self) -> str:
+        if not self:
+            return "(none)"
+        w = max(len(str(k)) for k in self)
+        return "\n".join(f"{k:<{w}}  {_fmt(v)}" for k, v in self.items())
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython / Jupyter display
+        p.text(str(self))
+
+
+class Rows(list):
+    """A list of dicts, one per measurement, that prints as a text table.
+
+    ``title`` is printed above the table; ``formats`` maps a column to a format spec
+    (e.g. ``{"padding_share": ".0%"}``); other floats get one decimal (three significant
+    digits below 10). :meth:`column` and :meth:`plot` read the columns back.
+    """
+
+    def __init__(self, rows: Iterable[dict] = (), title: str = "",
+                 formats: dict[str, str] | None = None):  # fmt: skip
+        super().__init__(rows)
+        self.title = title
+        self.formats = dict(formats or {})
+
+    def column(self, key: str) -> list:
+        """The values of one column, in row order (None where a row lacks it)."""
+        return [r.get(key) for r in self]
+
+    def __str__(self) -> str:
+        keys: list[str] = []
+        for r in self:
+            keys += [k for k in r if k not in keys]
+        cells = [[_fmt(r.get(k), self.formats.get(k)) for k in keys] for r in self]
+        width = [max([len(k)] + [len(c[i]) for c in cells]) for i, k in enumerate(keys)]
+        lines = [self.title] if self.title else []
+        lines.append("  ".join(k.rjust(w) for k, w in zip(keys, width)))
+        lines += ["  ".join(c.rjust(w) for c, w in zip(row, width)) for row in cells]
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython / Jupyter display
+        p.text(str(self))
+
+    def plot(self, x: str, y: str | Sequence[str], *, kind: str = "bar", title: str | None = None,
+             xaxis_title: str | None = None, yaxis_title: str = "tokens/s", log_x: bool = False,
+             height: int = 320):  # fmt: skip
+        """A plotly figure of columns ``y`` against column ``x``: grouped bars
+        (``kind="bar"``) or lines with markers (``kind="line"``)."""
+        import plotly.graph_objects as go
+
+        ys = [y] if isinstance(y, str) else list(y)
+        xs = self.column(x)
+        if kind == "bar":
+            traces = [go.Bar(name=k, x=[str(v) for v in xs], y=self.column(k)) for k in ys]
+        elif kind == "line":
+            traces = [go.Scatter(name=k, x=xs, y=self.column(k), mode="lines+markers") for k in ys]
+        else:
+            raise ValueError(f"kind must be 'bar' or 'line', not {kind!r}")
+        fig = go.Figure(traces)
+        fig.update_layout(title=title or self.title or None, xaxis_title=xaxis_title or x,
+                          yaxis_title=yaxis_title, height=height, barmode="group",
+                          showlegend=len(ys) > 1)  # fmt: skip
+        if log_x:
+            fig.update_xaxes(type="log")
+        return fig
+
+
+# ---------------------------------------------------------------------------------------
+# Models: generate, describe
+# ---------------------------------------------------------------------------------------
+
+
+def _tokenizer_model_file() -> Path | None:
+    """The Mixtral SentencePiece model: data/tokenizer.model.v1 in a checkout, else the
+    copy inside the mistral-common wheel; None when neither exists."""
+    p = Path(__file__).resolve().parents[1] / "data" / "tokenizer.model.v1"
+    if p.is_file():
+        return p
+    try:
+        import mistral_common
+    except ImportError:
+        return None
+    p = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
+    return p if p.is_file() else None
+
+
+def make_model(out_dir: str | os.PathLike, shape: dict | None = None, seed: int = 0,
+               log: Callable[[str], None] | None = None) -> Path:  # fmt: skip
+    """Write a seeded random-init ``MixtralForCausalLM`` to ``out_dir`` and return the folder.
+
+    ``shape`` has the keys of :data:`MIXTRAL_791M` (the default): vocab, hidden, inter,
+    layers, heads, kv_heads, experts, top_k, max_pos. The weights are f32 safetensors,
+    written with transformers (needs torch); norm weights are drawn from [0.5, 1.5] so
+    they are not all ones. With a 32000-entry vocabulary the real Mixtral tokenizer
+    (``tokenizer.model``) is copied beside them. A folder that already holds the same
+    shape and seed (``colibri_bench_shape.json``) is reused as it is. ``log`` gets a line
+    when a model is generated. Sizes that are multiples of 4 keep transformers' CPU
+    ``grouped_mm`` experts usable on the result.
+    """
+    out = Path(out_dir)
+    shape = dict(MIXTRAL_791M if shape is None else shape)
+    stamp = out / "colibri_bench_shape.json"
+    want = json.dumps({**shape, "seed": seed}, sort_keys=True)
+    if stamp.is_file() and stamp.read_text() == want and (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if log is not None:
+        log(f"generating a random Mixtral {shape} (seed {seed}) in {out}")
+    cfg = MixtralConfig(
+        vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+        intermediate_size=shape["inter"], num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+        num_local_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
+        max_position_embeddings=shape["max_pos"], rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # norm weights: not all ones
+                p.uniform_(0.5, 1.5)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards" says nothing here
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    tok = _tokenizer_model_file()
+    if shape["vocab"] == 32000 and tok is not None:
+        shutil.copy(tok, tmp / "tokenizer.model")
+    (tmp / "colibri_bench_shape.json").write_text(want)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def read_hf_config(model_dir: str | os.PathLike) -> Facts:
+    """The shape facts the roofline needs, from a Hugging Face ``config.json`` (both the
+    transformers 4 and 5 spellings): model_type, vocab, hidden, inter, layers, heads,
+    kv_heads, head_dim, experts, top_k, tie."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    if "text_config" in cfg and "hidden_size" not in cfg:
+        cfg = {**cfg, **cfg["text_config"]}
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or hidden // heads
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    return Facts(
+        model_type=cfg.get("model_type", "?"),
+        vocab=int(cfg["vocab_size"]),
+        hidden=hidden,
+        inter=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        layers=int(cfg["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        experts=experts,
+        top_k=int(cfg.get("num_experts_per_tok") or 0),
+        tie=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Machine facts, memory bandwidth, the decode roofline
+# ---------------------------------------------------------------------------------------
+
+
+def machine_info() -> Facts:
+    """Platform, Python, CPUs online and usable (the affinity mask), the CPU model, the
+    SIMD flags that matter to the kernels (avx2, fma, f16c, avx512f, avx512bw,
+    avx512_bf16) and the RAM, from ``/proc`` where there is one."""
+    info = Facts(platform=platform.platform(), python=platform.python_version(),
+                 cpus_online=os.cpu_count(),
+                 cpus_usable=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count())  # fmt: skip
+    try:
+        txt = Path("/proc/cpuinfo").read_text()
+        m = re.search(r"^model name\s*:\s*(.+)$", txt, re.MULTILINE)
+        if m:
+            info["cpu"] = m.group(1).strip()
+        fl = re.search(r"^flags\s*:\s*(.+)$", txt, re.MULTILINE)
+        if fl:
+            flags = set(fl.group(1).split())
+            info["simd"] = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16")
+                            if f in flags]  # fmt: skip
+        mem = re.search(r"^MemTotal:\s*(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
+        if mem:
+            info["mem_gib"] = round(int(mem.group(1)) / 2**20, 1)
+    except OSError:
+        pass
+    return info
+
+
+def measure_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> Facts:
+    """Copy a buffer of ``nbytes`` into another with numpy (one thread), ``reps`` times
+    after one untimed pass; bandwidth = 2 x nbytes (read + write) / time, in GB/s (1e9 bytes).
+
+    Timed twice: by the wall clock and by this thread's CPU time. Memory stalls count as
+    CPU time but time spent descheduled does not, so on a shared, busy machine the CPU-time
+    figure still measures the memory system while the wall-clock one measures the queue
+    for a core. The roofline uses the CPU-time median (``median_gbs``); both are reported,
+    with every sample (``samples_gbs``, ``wall_samples_gbs``)."""
+    n = nbytes // 8
+    src = np.random.default_rng(0).random(n)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in
+    cpu, wall = [], []
+    for _ in range(reps):
+        w, c = time.perf_counter(), time.thread_time()
+        np.copyto(dst, src)
+        c, w = time.thread_time() - c, time.perf_counter() - w
+        wall.append(2 * n * 8 / w / 1e9)
+        cpu.append(2 * n * 8 / max(c, 1e-9) / 1e9)
+    del src, dst
+    return Facts({"method": f"numpy copy of {nbytes >> 20} MiB, read+write bytes, 1 thread, "
+                            "timed by thread CPU time",
+                  "median_gbs": statistics.median(cpu), "max_gbs": max(cpu),
+                  "wall_median_gbs": statistics.median(wall), "samples_gbs": cpu,
+                  "wall_samples_gbs": wall})  # fmt: skip
+
+
+def active_weights(c: dict) -> dict:
+    """Weights one decode token reads, by part (element counts; norms separately, as they
+    stay f32 in every engine). A MoE layer: q/k/v/o, the router and top_k experts of
+    3 matrices each; plus the lm_head and one embedding row.
+
+    ``c`` is a :func:`read_hf_config` result or a :func:`make_model` shape (head_dim
+    defaults to hidden / heads)."""
+    H = c["hidden"]
+    D = c.get("head_dim") or H // c["heads"]
+    attn = H * c["heads"] * D * 2 + H * c["kv_heads"] * D * 2
+    router = H * c["experts"]
+    experts = c["top_k"] * 3 * H * c["inter"]
+    per_layer = attn + router + experts
+    parts = {
+        "attention": attn * c["layers"],
+        "router": router * c["layers"],
+        "experts": experts * c["layers"],
+        "lm_head": c["vocab"] * H,
+        "embedding_row": H,
+    }
+    return {"parts": parts, "matrices": sum(parts.values()), "norms_f32": (2 * c["layers"] + 1) * H,
+            "per_layer": per_layer}  # fmt: skip
+
+
+def decode_roofline(c: dict, dtype: str, bandwidth_gbs: float) -> Facts:
+    """Bytes per decode token at ``dtype`` and the tokens/s ceiling that ``bandwidth_gbs``
+    sets: ``roofline_tok_s = bandwidth / bytes_per_token``. The KV cache read
+    (2 x layers x kv_heads x head_dim x context x 4 bytes) is left out: at a 640-token
+    context it is ~1 % of the weights of the 791 M model."""
+    w = active_weights(c)
+    nbytes = w["matrices"] * DTYPE_BYTES[dtype] + w["norms_f32"] * 4
+    return Facts({
+        "dtype": dtype,
+        "active_params": w["matrices"] + w["norms_f32"],
+        "bytes_per_token": nbytes,
+        "parts_bytes": {k: v * DTYPE_BYTES[dtype] for k, v in w["parts"].items()},
+        "bandwidth_gbs": bandwidth_gbs,
+        "roofline_tok_s": bandwidth_gbs * 1e9 / nbytes if nbytes else float("nan"),
+    })  # fmt: skip
+
+
+def roofline_table(c: dict, bandwidth_gbs: float, dtypes: Sequence[str] = ("f32", "bf16")) -> Rows:
+    """:func:`decode_roofline` for each dtype as one table: active weights, MB per token
+    (and by part), and the decode ceiling in tokens/s at ``bandwidth_gbs``."""
+    rows = []
+    for dt in dtypes:
+        r = decode_roofline(c, dt, bandwidth_gbs)
+        rows.append({"dtype": dt, "active_weights": r["active_params"],
+                     "MB_per_token": r["bytes_per_token"] / 1e6,
+                     **{f"{k}_MB": v / 1e6 for k, v in r["parts_bytes"].items()},
+                     "roofline_tok_s": r["roofline_tok_s"]})  # fmt: skip
+    return Rows(rows, title=f"decode roofline at {bandwidth_gbs:g} GB/s")
+
+
+# ---------------------------------------------------------------------------------------
+# Timing an Engine
+# ---------------------------------------------------------------------------------------
+
+
+def random_ids(n: int, vocab: int, seed: int = 0) -> np.ndarray:
+    """``n`` token ids, int32, uniform over [3, vocab) (past the control ids), seeded."""
+    return np.random.default_rng(seed).integers(3, vocab, size=n).astype(np.int32)
+
+
+def timed_run(engine, n_prefill: int = 128, n_decode: int = 16, seed: int = 0) -> tuple[float, float]:
+    """One prefill of ``n_prefill`` random ids (a new sequence, every row's logits), then
+    ``n_decode`` single-token steps that extend it. Returns (prefill tokens/s, decode
+    tokens/s); decode is NaN when ``n_decode`` is 0."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, engine.vocab_size, size=n_prefill).astype(np.int32)
+    t = time.perf_counter()
+    engine.forward(ids)
+    t_pre = time.perf_counter() - t
+    dec = rng.integers(3, engine.vocab_size, size=n_decode)
+    t = time.perf_counter()
+    for i, tok in enumerate(dec):
+        engine.forward([int(tok)], start_pos=n_prefill + i)
+    t_dec = time.perf_counter() - t
+    return n_prefill / t_pre, (n_decode / t_dec if n_decode else float("nan"))
+
+
+def median_rates(runs: Iterable[tuple[float, float]]) -> tuple[float, float]:
+    """The median prefill and the median decode rate of (prefill, decode) pairs, each
+    over the runs where it is a number (NaN where none is)."""
+    cols = list(zip(*runs)) or [(), ()]
+    out = []
+    for col in cols:
+        vals = [float(v) for v in col if not math.isnan(v)]
+        out.append(statistics.median(vals) if vals else float("nan"))
+    return out[0], out[1]
+
+
+def time_engine(engine, reps: int = 2, *, n_prefill: int = 128, n_decode: int = 16,
+                warmup: bool = True) -> Facts:  # fmt: skip
+    """Medians over ``reps`` :func:`timed_run` repetitions (seeds 0, 1, ...), after one
+    untimed warm-up (16 + 2 tokens). Returns prefill_tok_s, decode_tok_s and reps."""
+    if reps < 1:
+        raise ValueError("reps must be >= 1")
+    if warmup:
+        timed_run(engine, n_prefill=min(16, n_prefill), n_decode=min(2, n_decode))
+    runs = [timed_run(engine, n_prefill, n_decode, seed=r) for r in range(reps)]
+    pre, dec = median_rates(runs)
+    return Facts(prefill_tok_s=pre, decode_tok_s=dec, reps=reps)
+
+
+def _engine(path, **kw):
+    from .engine import Engine
+
+    return Engine(path, **kw)
+
+
+def sweep_threads(path, threads: Sequence[int] = (1, 2), *, reps: int = 2, n_prefill: int = 128,
+                  n_decode: int = 16) -> Rows:  # fmt: skip
+    """Prefill and decode tokens/s (:func:`time_engine`) for each ``num_threads``, with
+    the thread count the engine actually used."""
+    rows = []
+    for nt in threads:
+        with _engine(path, num_threads=nt) as eng:
+            r = time_engine(eng, reps, n_prefill=n_prefill, n_decode=n_decode)
+            rows.append({"num_threads": nt, "threads_used": eng.config.threads_used,
+                         "prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"]})
+    return Rows(rows, title=f"prefill {n_prefill} tokens, decode {n_decode} steps; "
+                            f"median of {reps}")  # fmt: skip
+
+
+def sweep_group_pad(path, pads: Sequence[int] = (1, 4, 8, 16), *, num_threads: int = 2,
+                    reps: int = 2, n_prefill: int = 128, seed: int = 1) -> Rows:  # fmt: skip
+    """For each ``group_pad``: the prefill tokens/s (median of ``reps``) and, from a trace
+    of one prefill of ``n_prefill`` random ids, the padding rows the experts computed
+    against the real rows routed to them."""
+    rows = []
+    for gp in pads:
+        with _engine(path, num_threads=num_threads, group_pad=gp) as eng:
+            ids = random_ids(n_prefill, eng.vocab_size, seed)
+            r = time_engine(eng, reps, n_prefill=n_prefill, n_decode=0)
+            with eng.trace() as tr:
+                eng.forward(ids)
+        real, pad = int(tr.group_sizes.sum()), int(tr.padding_rows.sum())
+        rows.append({"group_pad": gp, "prefill_tok_s": r["prefill_tok_s"], "padding_rows": pad,
+                     "real_rows": real, "padding_share": pad / real if real else float("nan")})
+    return Rows(rows, title=f"prefill {n_prefill} tokens, {num_threads} threads",
+                formats={"padding_share": ".0%"})  # fmt: skip
+
+
+def sweep_block_size(hf_dir, sizes: Sequence[int] = (8, 64), *, dtype: str = "f32",
+                     num_threads: int = 2, reps: int = 2, n_prefill: int = 128, n_decode: int = 16,
+                     workdir: str | os.PathLike | None = None) -> Rows:  # fmt: skip
+    """Convert the Hugging Face checkpoint ``hf_dir`` once per packed-expert
+    ``block_size`` (into ``workdir``, a temporary folder by default; each file removed
+    after its run) and time prefill and decode on it."""
+    from .convert import convert
+
+    rows = []
+    with tempfile.TemporaryDirectory(dir=workdir, prefix="block-size-") as tmp:
+        for bs in sizes:
+            p = convert(hf_dir, Path(tmp) / f"b{bs}.colibri", dtype=dtype, block_size=bs,
+                        progress=False)  # fmt: skip
+            with _engine(p, num_threads=num_threads) as eng:
+                r = time_engine(eng, reps, n_prefill=n_prefill, n_decode=n_decode)
+            os.remove(p)
+            rows.append({"block_size": bs, "prefill_tok_s": r["prefill_tok_s"],
+                         "decode_tok_s": r["decode_tok_s"]})
+    return Rows(rows, title=f"{dtype}, {num_threads} threads, median of {reps}")
+
+
+def sweep_seq_len(path, lengths: Sequence[int] = (16, 64, 256), *, num_threads: int = 2,
+                  reps: int = 2) -> Rows:  # fmt: skip
+    """Prefill tokens/s by prompt length (one engine, median of ``reps`` per length)."""
+    with _engine(path, num_threads=num_threads) as eng:
+        rows = [{"seq_len": n, "prefill_tok_s":
+                 time_engine(eng, reps, n_prefill=n, n_decode=0)["prefill_tok_s"]}
+                for n in lengths]  # fmt: skip
+    return Rows(rows, title=f"{num_threads} threads, median of {reps}")
+
+
+def stage_split(path, *, n_prefill: int = 128, n_decode: int = 16, num_threads: int = 2,
+                seed: int = 1) -> Rows:  # fmt: skip
+    """Where the time goes: from a trace, the milliseconds and the share of each stage
+    (summed over layers) in one prefill of ``n_prefill`` random ids and in the
+    ``n_decode`` single-token steps after it, after an untimed warm-up."""
+    with _engine(path, num_threads=num_threads) as eng:
+        ids = random_ids(n_prefill, eng.vocab_size, seed)
+        timed_run(eng, n_prefill=16, n_decode=2)  # warm-up
+        with eng.trace() as tr:
+            eng.forward(ids)
+        pre = tr.stage_totals()
+        with eng.trace() as tr:
+            for i in range(n_decode):
+                eng.forward([int(ids[i % n_prefill])], start_pos=n_prefill + i)
+        dec = tr.stage_totals()
+    tp, td = sum(pre.values()) or 1, sum(dec.values()) or 1
+    rows = [{"stage": k, "prefill_ms": pre[k] / 1e6, "prefill_share": pre[k] / tp,
+             "decode_ms": dec.get(k, 0) / 1e6, "decode_share": dec.get(k, 0) / td} for k in pre]
+    return Rows(rows, title=f"prefill {n_prefill} tokens, {n_decode} decode steps, "
+                            f"{num_threads} threads",
+                formats={"prefill_share": ".0%", "decode_share": ".0%",
+                         "prefill_ms": ".2f", "decode_ms": ".2f"})  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# colibri_bench (the C tool)
+# ---------------------------------------------------------------------------------------
+
+
+def find_colibri_bench() -> str | None:
+    """The ``colibri_bench`` executable: ``$COLIBRI_BENCH``, else beside ``$COLIBRI_CLI``,
+    else beside this Python (pip installs it into the environment's bin/), else on PATH;
+    None when there is none."""
+    cands = [os.environ.get("COLIBRI_BENCH")]
+    if os.environ.get("COLIBRI_CLI"):
+        cands.append(str(Path(os.environ["COLIBRI_CLI"]).parent / "colibri_bench"))
+    cands += [str(Path(sys.executable).parent / "colibri_bench"), shutil.which("colibri_bench")]
+    return next((c for c in cands if c and Path(c).is_file()), None)
+
+
+def run_colibri_bench(model, *, sequential_sequences: int = 1, seq_len: int = 64,
+                      max_new_tokens: int = 8, num_requests: int = 2, num_threads: int = 2,
+                      warmup: int | None = None, seed: int | None = None,
+                      group_pad: int | None = None, exe: str | None = None,
+                      timeout: float = 600) -> dict:  # fmt: skip
+    """Run ``colibri_bench --json`` on a ``.colibri`` file and return its parsed JSON.
+
+    Each of the ``num_requests`` requests is ``sequential_sequences`` sequences of
+    ``seq_len`` prompt tokens plus ``max_new_tokens`` decode steps, run one after another
+    (the engine holds one sequence per context: nothing is batched into one matrix
+    product). ``warmup``, ``seed`` and ``group_pad`` are passed on when given. ``exe``
+    defaults to :func:`find_colibri_bench`. Raises FileNotFoundError without an
+    executable and RuntimeError (with its stderr) when it fails.
+    """
+    exe = exe or find_colibri_bench()
+    if exe is None:
+        raise FileNotFoundError("colibri_bench not found: build native/ or pip install the "
+                                "package (or set COLIBRI_BENCH)")  # fmt: skip
+    args = [exe, "--model", os.fspath(model),
+            "--sequential_sequences", str(sequential_sequences),  # run one after another
+            "--seq_len", str(seq_len), "--max_new_tokens", str(max_new_tokens),
+            "--num_requests", str(num_requests), "--num_threads", str(num_threads), "--json"]  # fmt: skip
+    for flag, v in (("--warmup", warmup), ("--seed", seed), ("--group_pad", group_pad)):
+        if v is not None:
+            args += [flag, str(v)]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"colibri_bench exited with {r.returncode}: {r.stderr.strip()}")
+    return json.loads(r.stdout)
+
+
+def sweep_sequential_sequences(model, counts: Sequence[int] = (1, 2), **kw) -> Rows:
+    """:func:`run_colibri_bench` for each number of sequences per request (run one after
+    another): the request latency P50, prefill and decode tokens/s and the decode P99/P50.
+    Other keywords go to :func:`run_colibri_bench`."""
+    rows = []
+    for n in counts:
+        d = run_colibri_bench(model, sequential_sequences=n, **kw)
+        rows.append({"sequential_sequences": n, "request_p50_ms": d["request"]["p50_ms"],
+                     "prefill_tok_s": d["prefill"]["tokens_per_s"],
+                     "decode_tok_s": d["decode"]["tokens_per_s"],
+                     "decode_p99_over_p50": d["decode"]["p99_over_p50"]})  # fmt: skip
+    return Rows(rows, formats={"decode_p99_over_p50": ".2f"})
