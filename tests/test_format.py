@@ -402,33 +402,49 @@ def test_reader_refuses_damaged_sections_and_size(good_file, tmp_path):
         inspect(bad, verify=True)
 
 
-def test_reader_refuses_bad_directory_record(good_file, tmp_path):
-    """Re-encode the directory with one wrong field (and fix the CRCs): each is refused."""
+def _with_record_change(good_file, out, change: dict):
+    """good_file with the fourth tensor record re-encoded with `change` (and the CRCs fixed)."""
     info = inspect(good_file)
     raw = bytearray(good_file.read_bytes())
     td = info.section("tensor_directory")
+    recs = []
+    for i, t in enumerate(info.tensors):
+        d = dict(dtype_id=t.dtype_id, layout_id=t.layout_id, offset=t.offset, nbytes=t.nbytes)
+        if i == 3:
+            d |= change
+        recs.append(fmt.encode_tensor_record(t.name, d["dtype_id"], d["layout_id"], t.shape,
+                                             t.crc32, d["offset"], d["nbytes"], t.l2norm))
+    body = struct.pack("<Q", len(recs)) + b"".join(recs)
+    assert len(body) == td.size
+    b = bytearray(raw)
+    b[td.offset:td.offset + td.size] = body
+    struct.pack_into("<I", b, 56 + 24 + 16, zlib.crc32(body))
+    struct.pack_into("<I", b, 252, zlib.crc32(bytes(b[:252])))
+    out.write_bytes(bytes(b))
+    return out
+
+
+def test_reader_refuses_bad_directory_record(good_file, tmp_path):
+    """Re-encode the directory with one wrong field (and fix the CRCs): each is refused."""
     for change, match in [({"dtype_id": 9}, "unknown dtype id 9"),
                           ({"layout_id": 7}, "unknown layout id 7"),
                           ({"offset": 1}, "not a multiple of the alignment"),
                           ({"nbytes": 2}, "nbytes"),
                           ({"offset": 0}, "not inside a weight section")]:
-        recs = []
-        for i, t in enumerate(info.tensors):
-            d = dict(dtype_id=t.dtype_id, layout_id=t.layout_id, offset=t.offset, nbytes=t.nbytes)
-            if i == 3:
-                d |= change
-            recs.append(fmt.encode_tensor_record(t.name, d["dtype_id"], d["layout_id"], t.shape,
-                                                 t.crc32, d["offset"], d["nbytes"], t.l2norm))
-        body = struct.pack("<Q", len(recs)) + b"".join(recs)
-        assert len(body) == td.size
-        b = bytearray(raw)
-        b[td.offset:td.offset + td.size] = body
-        struct.pack_into("<I", b, 56 + 24 + 16, zlib.crc32(body))
-        struct.pack_into("<I", b, 252, zlib.crc32(bytes(b[:252])))
-        p = tmp_path / "x.colibri"
-        p.write_bytes(bytes(b))
+        p = _with_record_change(good_file, tmp_path / "x.colibri", change)
         with pytest.raises(FormatError, match=match):
             inspect(p)
+
+
+@pytest.mark.parametrize("dtype_id", [4, 5, 6, 9])
+def test_engine_refuses_array_only_and_unknown_dtypes(good_file, tmp_path, dtype_id):
+    """colibri_dtype is one name space: ids 4-6 (I32, I64, U64) name the API's arrays and are
+    refused in a file exactly like an id the engine has never heard of."""
+    from colibri_lab import ColibriUnsupportedError, Engine
+
+    p = _with_record_change(good_file, tmp_path / "x.colibri", {"dtype_id": dtype_id})
+    with pytest.raises(ColibriUnsupportedError, match=f"has dtype {dtype_id}, which this build does not know"):
+        Engine(p)
 
 
 def test_metadata_codec_round_trip():
