@@ -60,6 +60,10 @@ typedef struct colibri_options {
     int32_t populate;         /* 1: MAP_POPULATE (pre-fault the whole file at init) */
     int32_t group_pad;        /* pad each expert's token group to a multiple of this (1 = none) */
     int32_t verify_checksums; /* 1: also verify weight-section and per-tensor CRCs at init */
+    int32_t max_seqs;         /* sequences held at once, ids 0 .. max_seqs-1 (colibri_batch); 0: 1 */
+    int32_t kv_block_tokens;  /* positions per KV-cache block; 0: 32 */
+    int64_t kv_tokens;        /* positions in the shared paged KV cache (all sequences together),
+                               * rounded up to whole blocks; 0: max_seq_len × max_seqs */
 } colibri_options;
 
 COLIBRI_API int colibri_abi_version(void);
@@ -90,15 +94,57 @@ COLIBRI_API colibri_status colibri_forward_at(colibri_ctx *ctx, const int32_t *i
  * runs on one row, as generation needs): logits is a buffer of vocab_size floats. */
 COLIBRI_API colibri_status colibri_forward_last(colibri_ctx *ctx, const int32_t *input_ids,
                                                 int64_t n_tokens, int64_t start_pos, float *logits);
-/* Number of positions currently in the KV cache. */
+/* Number of positions currently in the KV cache of sequence 0. */
 COLIBRI_API int64_t colibri_cached_len(const colibri_ctx *ctx);
+
+/* ---- Sequences and batches ---------------------------------------------------------
+ *
+ * A context holds up to max_seqs sequences (ids 0 .. max_seqs-1), each a list of positions
+ * in a KV cache of fixed-size blocks shared by all of them: a sequence takes a block when it
+ * grows into one and gives its blocks back when it is cleared or truncated, so memory goes
+ * to the positions that exist. The single-sequence calls above work on sequence 0.
+ *
+ * colibri_batch runs one forward over entries of any sequences: decode steps of some and
+ * prompt chunks of others together. Attention is per sequence; the router, the grouping
+ * and the expert FFN run over all entries at once, so each expert's weights are read once
+ * per step for every token routed to it. A sequence's results are bitwise the same
+ * whatever else is in the batch, however its prompt is split into calls, and with any
+ * thread count. */
+typedef struct colibri_batch_entry {
+    int32_t token;   /* token id in [0, vocab_size) */
+    int32_t seq;     /* sequence id in [0, max_seqs) */
+    int64_t pos;     /* its position: the sequence's length for its first entry in the batch,
+                      * one more for each later entry of the same sequence (entries of different
+                      * sequences may interleave) */
+    int32_t logits;  /* 1: compute this entry's logits */
+    int32_t reserved; /* 0 */
+} colibri_batch_entry;
+
+/* Run `n` entries (in chunks of at most max_batch). logits: a buffer of (number of entries
+ * with logits = 1) × vocab_size floats, filled in entry order; may be NULL when no entry
+ * asks for logits. Every entry is checked (token and sequence ranges, positions, the room
+ * in the sequence and in the KV cache) before anything runs: a refused batch changes
+ * nothing. A KV cache without enough free blocks gives COLIBRI_E_NOMEM; a sequence that
+ * would pass max_seq_len gives COLIBRI_E_SEQ_TOO_LONG. */
+COLIBRI_API colibri_status colibri_batch(colibri_ctx *ctx, const colibri_batch_entry *entries,
+                                         int64_t n, float *logits);
+/* Positions held by sequence `seq` (-1 when seq is out of range). */
+COLIBRI_API int64_t colibri_seq_len(const colibri_ctx *ctx, int32_t seq);
+/* Forget every position of `seq`; its blocks go back to the cache. */
+COLIBRI_API colibri_status colibri_seq_clear(colibri_ctx *ctx, int32_t seq);
+/* Keep positions 0 .. len-1 of `seq` (len ≤ its length); whole blocks past them go back. */
+COLIBRI_API colibri_status colibri_seq_truncate(colibri_ctx *ctx, int32_t seq, int64_t len);
+/* Make `dst` a copy of `src` (dst's own positions are cleared first) that shares src's
+ * blocks: no KV data is copied until one of them writes into a shared block, which then
+ * gets a private copy (copy-on-write). For parallel sampling of one prompt. */
+COLIBRI_API colibri_status colibri_seq_fork(colibri_ctx *ctx, int32_t src, int32_t dst);
 
 /* Integer and float facts about the loaded model and run settings, by name:
  * ints: "n_layers" "hidden_size" "intermediate_size" "vocab_size" "n_heads" "n_kv_heads"
  *       "head_dim" "n_experts" "top_k" "max_seq_len" (effective) "file_max_seq_len"
  *       "max_batch" "num_threads" (requested) "threads_used" (by the forward) "group_pad" "sliding_window" "bos_id" "eos_id"
  *       "arena_bytes" "file_size" "format_version" "router_int8" "tie_word_embeddings"
- *       "norm_topk_prob"
+ *       "norm_topk_prob" "max_seqs" "kv_block_tokens" "kv_blocks_total" "kv_blocks_used"
  * floats: "rope_theta" "rms_norm_eps"
  * Unknown names give COLIBRI_E_INVALID_ARG. */
 COLIBRI_API colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t *out);
@@ -109,7 +155,9 @@ COLIBRI_API colibri_status colibri_get_float(const colibri_ctx *ctx, const char 
 COLIBRI_API colibri_status colibri_get_layer_int(const colibri_ctx *ctx, int32_t layer, const char *name,
                                                  int64_t *out);
 /* "architecture", "name", "weight_dtype", "router_dtype", "kernels" (the kernel table in
- * use: "reference", "avx2" or "avx512"; docs/kernels.md): a pointer into the context. */
+ * use: "reference", "avx2" or "avx512"; docs/kernels.md), "chat_template" (the Jinja source
+ * of tokenizer_config.json's chat template, metadata key tokenizer.chat_template; "" when
+ * the file has none): a NUL-terminated string owned by the context. */
 COLIBRI_API colibri_status colibri_get_string(const colibri_ctx *ctx, const char *name, const char **out);
 
 /* Verify every per-tensor CRC-32 and the weight-section CRCs (reads the whole file). */
@@ -183,7 +231,7 @@ COLIBRI_API void colibri_trace_reset(colibri_trace *tr);
 COLIBRI_API colibri_status colibri_trace_get_int(const colibri_trace *tr, const char *name,
                                                  int64_t *out);
 /* A trace buffer by name (C = capacity, L layers, E experts, K = top_k):
- *   "token_ids" I32 [C]  "positions" I64 [C]  "router_probs" F32 [L, C, E] (NaN in dense layers)
+ *   "token_ids" I32 [C]  "seq_ids" I32 [C]  "positions" I64 [C]  "router_probs" F32 [L, C, E] (NaN in dense layers)
  *   "topk_ids" I32 [L, C, K] (-1 in dense layers)  "topk_weights" F32 [L, C, K]
  *   "shared_gate" F32 [L, C] (sigmoid(g . x); 1 for an ungated shared expert; NaN: none)
  *   "group_sizes" I64 [L, E]  "padded_group_sizes" I64 [L, E]  (summed over chunks)

@@ -51,6 +51,7 @@ void colibri_free(colibri_ctx *ctx) {
         if (ctx->tok_loaded) cb_tokenizer_unload(ctx->tok);
         free(ctx->tok);
     }
+    free(ctx->chat_template);
     free(ctx->arena);
     free(ctx->w.layers);
     free(ctx->tensors);
@@ -241,6 +242,14 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
         }
         ctx->tok_loaded = 1;
     }
+    /* a NUL-terminated copy of the chat template, for colibri_get_string */
+    ctx->chat_template = malloc((size_t)c->chat_template_len + 1);
+    if (!ctx->chat_template) {
+        cb_set_err(err, err_len, "out of memory copying the chat template");
+        return init_fail(ctx, COLIBRI_E_NOMEM, err, err_len);
+    }
+    if (c->chat_template_len) memcpy(ctx->chat_template, c->chat_template, (size_t)c->chat_template_len);
+    ctx->chat_template[c->chat_template_len] = 0;
     if (opt.verify_checksums) {
         st = cb_verify_all(ctx);
         if (st != COLIBRI_OK) {
@@ -372,6 +381,7 @@ colibri_status colibri_get_string(const colibri_ctx *ctx, const char *name, cons
     else if (strcmp(name, "weight_dtype") == 0) *out = ctx->cfg.weight_dtype_str;
     else if (strcmp(name, "router_dtype") == 0) *out = ctx->cfg.router_dtype_str;
     else if (strcmp(name, "kernels") == 0) *out = ctx->kern->name;
+    else if (strcmp(name, "chat_template") == 0) *out = ctx->chat_template;
     else return unknown_name(ctx, "colibri_get_string", name);
     return COLIBRI_OK;
 }

@@ -46,6 +46,7 @@ struct colibri_ctx {
     /* tokenizer */
     colibri_tokenizer *tok;  /* cb_tokenizer_struct_size() bytes, heap; NULL when the model has none */
     int tok_loaded;
+    char *chat_template;     /* NUL-terminated copy of the metadata's chat template ("" if none), heap */
     /* last error; mutable even through a const ctx (accessors report unknown names) */
     char err[CB_ERR_LEN];
 };

@@ -442,6 +442,13 @@ static colibri_status read_family_options(colibri_ctx *ctx, char *err, size_t le
         }
         c->layer_window = e->value;
     }
+    /* the chat template (a Jinja source, as tokenizer_config.json has it); applied by
+     * colibri_server, never by the engine */
+    OPT("tokenizer.chat_template", CB_MT_STRING, 0);
+    if (e) {
+        c->chat_template = e->value;
+        c->chat_template_len = e->count;
+    }
     return COLIBRI_OK;
 }
 #undef OPT

@@ -43,6 +43,8 @@ typedef struct cb_config {
     float clip_qkv;            /* > 0: clamp q, k, v to [-clip, clip] after the q/k norm */
     const uint8_t *layer_ffn;  /* [n_layers] u32 in the mapped metadata (1 MoE, 0 dense), or NULL = all MoE */
     const uint8_t *layer_window; /* [n_layers] u64 in the mapped metadata, or NULL = all sliding_window */
+    const uint8_t *chat_template; /* [chat_template_len] UTF-8 in the mapped metadata, or NULL */
+    uint64_t chat_template_len;
     char architecture[64];
     char name[256];
     char weight_dtype_str[8];
