@@ -49,6 +49,7 @@ __all__ = [
     "ColibriVersionError",
     "Engine",
     "EngineConfig",
+    "Sequence",
     "Token",
     "Tokenizer",
     "Trace",
@@ -61,7 +62,7 @@ __all__ = [
 # the engine's names load the native library (colibri_lab._native) on first use, so
 # `import colibri_lab` does not need it.
 _LAZY_MODULES = ("diagnostics", "tuning", "viz", "widgets")
-_ENGINE_NAMES = ("Engine", "EngineConfig", "Token", "Tokenizer")
+_ENGINE_NAMES = ("Engine", "EngineConfig", "Sequence", "Token", "Tokenizer")
 
 
 def __getattr__(name: str):

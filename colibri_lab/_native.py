@@ -77,6 +77,21 @@ class ColibriOptions(ctypes.Structure):
         ("populate", c_int32),
         ("group_pad", c_int32),
         ("verify_checksums", c_int32),
+        ("max_seqs", c_int32),
+        ("kv_block_tokens", c_int32),
+        ("kv_tokens", c_int64),
+    ]
+
+
+class ColibriBatchEntry(ctypes.Structure):
+    """``colibri_batch_entry``: one token of one sequence in a batch."""
+
+    _fields_ = [
+        ("token", c_int32),
+        ("seq", c_int32),
+        ("pos", c_int64),
+        ("logits", c_int32),
+        ("reserved", c_int32),
     ]
 
 
@@ -103,6 +118,11 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
         [ctx_p, POINTER(c_int32), c_int64, c_int64, POINTER(c_float)],
     ),
     "colibri_cached_len": (c_int64, [ctx_p]),
+    "colibri_batch": (c_int, [ctx_p, c_void_p, c_int64, POINTER(c_float)]),
+    "colibri_seq_len": (c_int64, [ctx_p, c_int32]),
+    "colibri_seq_clear": (c_int, [ctx_p, c_int32]),
+    "colibri_seq_truncate": (c_int, [ctx_p, c_int32, c_int64]),
+    "colibri_seq_fork": (c_int, [ctx_p, c_int32, c_int32]),
     "colibri_get_int": (c_int, [ctx_p, c_char_p, POINTER(c_int64)]),
     "colibri_get_float": (c_int, [ctx_p, c_char_p, POINTER(c_double)]),
     "colibri_get_layer_int": (c_int, [ctx_p, c_int32, c_char_p, POINTER(c_int64)]),

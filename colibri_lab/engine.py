@@ -78,19 +78,27 @@ class EngineConfig:
     arena_bytes: int
     file_size: int
     format_version: int
+    max_seqs: int  # sequences the context holds at once (Engine.batch, Engine.sequence)
+    kv_block_tokens: int  # positions per block of the paged KV cache
+    kv_blocks_total: int  # blocks in the KV cache, shared by every sequence
 
 
 _CONFIG_INTS = (
     "vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads",
     "head_dim", "n_experts", "top_k", "max_seq_len", "file_max_seq_len", "max_batch",
     "num_threads", "threads_used", "group_pad", "sliding_window", "bos_id", "eos_id", "arena_bytes",
-    "file_size", "format_version",
+    "file_size", "format_version", "max_seqs", "kv_block_tokens", "kv_blocks_total",
 )  # fmt: skip
 _CONFIG_BOOLS = ("norm_topk_prob", "tie_word_embeddings", "router_int8")
 _CONFIG_FLOATS = ("rope_theta", "rms_norm_eps")
 _CONFIG_STRINGS = {"family": "architecture", "name": "name",
                    "weight_dtype": "weight_dtype", "router_dtype": "router_dtype",
                    "kernels": "kernels"}  # fmt: skip
+
+
+# colibri_batch_entry (colibri.h) as a numpy record: 24 bytes, the C layout.
+_ENTRY_DTYPE = np.dtype([("token", "<i4"), ("seq", "<i4"), ("pos", "<i8"), ("logits", "<i4"),
+                         ("reserved", "<i4")])
 
 
 def _as_ids(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -291,6 +299,9 @@ class Engine:
         group_pad: int | None = None,
         populate: bool = False,
         verify_checksums: bool = False,
+        max_seqs: int | None = None,
+        kv_tokens: int | None = None,
+        kv_block_tokens: int | None = None,
     ):
         self._ctx = None
         self.path = os.fspath(path)
@@ -306,6 +317,12 @@ class Engine:
             opt.group_pad = int(group_pad)
         opt.populate = int(bool(populate))
         opt.verify_checksums = int(bool(verify_checksums))
+        if max_seqs is not None:
+            opt.max_seqs = int(max_seqs)
+        if kv_tokens is not None:
+            opt.kv_tokens = int(kv_tokens)
+        if kv_block_tokens is not None:
+            opt.kv_block_tokens = int(kv_block_tokens)
 
         ctx = _native.ctx_p()
         err = ctypes.create_string_buffer(1024)
@@ -412,8 +429,77 @@ class Engine:
 
     @property
     def cached_len(self) -> int:
-        """Positions currently in the KV cache."""
+        """Positions currently in the KV cache of sequence 0 (the single-sequence calls')."""
         return int(lib.colibri_cached_len(self._c()))
+
+    @property
+    def kv_blocks_used(self) -> int:
+        """KV-cache blocks held by the sequences now (of ``config.kv_blocks_total``)."""
+        return self._get_int("kv_blocks_used")
+
+    # -- several sequences ----------------------------------------------------------
+
+    def sequence(self, seq: int) -> "Sequence":
+        """A handle on sequence ``seq`` (0 .. max_seqs-1) of this context."""
+        seq = int(seq)
+        if not 0 <= seq < self.config.max_seqs:
+            raise _native.ColibriInvalidArgError(
+                f"sequence {seq} is not in [0, {self.config.max_seqs}); open the Engine with a "
+                f"larger max_seqs"
+            )
+        return Sequence(self, seq)
+
+    def batch(self, work, *, logits: str = "last") -> list:
+        """One forward over several sequences, each continued at its end::
+
+            a, b = eng.batch([(0, prompt_ids), (1, [next_id])])   # logits of each item
+
+        ``work`` is a list of ``(seq, token_ids)``; the tokens of every item are run in
+        one batch (in ``max_batch`` chunks): attention per sequence, routing and the
+        expert FFN over all of them at once. ``logits`` says which rows come back for each
+        item: ``"last"`` ([1, vocab]), ``"all"`` ([n, vocab]) or ``"none"`` (None). A
+        sequence's logits are bitwise the same as alone, whatever else is in the batch.
+        """
+        if logits not in ("last", "all", "none"):
+            raise _native.ColibriInvalidArgError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
+        items = [(int(seq), _as_ids(ids)) for seq, ids in work]
+        ctx = self._c()
+        n = sum(len(ids) for _, ids in items)
+        if n == 0:
+            raise _native.ColibriInvalidArgError("the batch has no tokens")
+        entries = np.zeros(n, dtype=_ENTRY_DTYPE)
+        nxt: dict[int, int] = {}
+        i = 0
+        for seq, ids in items:
+            k = len(ids)
+            if k == 0:
+                continue
+            start = nxt.get(seq)
+            if start is None:
+                start = int(lib.colibri_seq_len(ctx, seq))
+                if start < 0:
+                    raise _native.ColibriInvalidArgError(
+                        f"sequence {seq} is not in [0, {self.config.max_seqs}); open the Engine with a "
+                        f"larger max_seqs"
+                    )
+            e = entries[i:i + k]
+            e["token"], e["seq"], e["pos"] = ids, seq, np.arange(start, start + k)
+            if logits == "all":
+                e["logits"] = 1
+            elif logits == "last":
+                e["logits"][-1] = 1
+            nxt[seq] = start + k
+            i += k
+        n_out = int(entries["logits"].sum())
+        out = np.empty((n_out, self._vocab), dtype=np.float32)
+        ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if n_out else None
+        check(lib.colibri_batch(ctx, entries.ctypes.data, n, ptr), ctx=ctx)
+        res, r = [], 0
+        for _, ids in items:
+            rows = 0 if logits == "none" or len(ids) == 0 else (1 if logits == "last" else len(ids))
+            res.append(out[r:r + rows] if logits != "none" else None)
+            r += rows
+        return res
 
     # -- running --------------------------------------------------------------------
 
@@ -619,6 +705,7 @@ class _TraceRecorder:
         L, E, K = cfg.n_layers, cfg.n_experts, cfg.top_k
         self.trace = Trace(
             token_ids=np.zeros(0, np.int32), positions=np.zeros(0, np.int64),
+            seq_ids=np.zeros(0, np.int32),
             router_probs=np.zeros((L, 0, E), np.float32), topk_ids=np.zeros((L, 0, K), np.int32),
             topk_weights=np.zeros((L, 0, K), np.float32), shared_gate=np.zeros((L, 0), np.float32),
             group_sizes=np.zeros((L, E), np.int64), padded_group_sizes=np.zeros((L, E), np.int64),
@@ -659,6 +746,7 @@ class _TraceRecorder:
         tr = self.trace
         a = self._array
         tr.token_ids = a("token_ids")[:n].copy()
+        tr.seq_ids = a("seq_ids")[:n].copy()
         tr.positions = a("positions")[:n].copy()
         tr.router_probs = a("router_probs")[:, :n].copy()
         tr.topk_ids = a("topk_ids")[:, :n].copy()
@@ -679,6 +767,41 @@ class _TraceRecorder:
             tr.token_texts = [tok.piece(int(i)) for i in tr.token_ids]
         else:
             tr.token_texts = [str(int(i)) for i in tr.token_ids]
+
+
+class Sequence:
+    """One sequence of an :class:`Engine` (``eng.sequence(i)``): its positions in the
+    shared paged KV cache, and the calls that grow, cut, copy and free it. The handle is a
+    view: two handles on one id are the same sequence."""
+
+    def __init__(self, engine: Engine, seq: int):
+        self._engine, self.id = engine, int(seq)
+
+    def __len__(self) -> int:
+        return int(lib.colibri_seq_len(self._engine._c(), self.id))
+
+    def append(self, token_ids, *, logits: str = "last"):
+        """Run ``token_ids`` at the end of this sequence alone; logits as in :meth:`Engine.batch`."""
+        return self._engine.batch([(self.id, token_ids)], logits=logits)[0]
+
+    def clear(self) -> None:
+        """Forget every position; the blocks go back to the cache."""
+        ctx = self._engine._c()
+        check(lib.colibri_seq_clear(ctx, self.id), ctx=ctx)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` positions."""
+        ctx = self._engine._c()
+        check(lib.colibri_seq_truncate(ctx, self.id, int(n)), ctx=ctx)
+
+    def fork(self, dst: int) -> "Sequence":
+        """Make sequence ``dst`` a copy of this one that shares its blocks (copy-on-write)."""
+        ctx = self._engine._c()
+        check(lib.colibri_seq_fork(ctx, self.id, int(dst)), ctx=ctx)
+        return Sequence(self._engine, int(dst))
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.id}, len={len(self)})"
 
 
 class StageRun:

@@ -9,7 +9,8 @@ every forward (prefill chunks and decode steps alike).
 Shapes (L layers, T traced tokens, E experts, K = top-k)::
 
     token_ids          [T]        int32   the ids fed to the engine
-    positions          [T]        int64   their positions in the sequence
+    positions          [T]        int64   their positions in their sequence
+    seq_ids            [T]        int32   their sequence (0 for the single-sequence calls)
     token_texts        list[str]  T       each token's piece, as text (empty without a tokenizer)
     router_probs       [L, T, E]  float32 softmax over experts (NaN rows in dense layers)
     topk_ids           [L, T, K]  int32   chosen experts, best first (-1 in dense layers)
@@ -44,6 +45,7 @@ ALL_STAGES = ("embedding",) + STAGES + ("lm_head",)
 _ARRAYS = (
     "token_ids",
     "positions",
+    "seq_ids",
     "router_probs",
     "topk_ids",
     "topk_weights",
@@ -88,6 +90,11 @@ class Trace:
     architecture: str = ""
     model_name: str = ""
     token_texts: list[str] = field(default_factory=list)
+    seq_ids: np.ndarray | None = None  # [T]; None (traces saved before sequences): all 0
+
+    def __post_init__(self):
+        if self.seq_ids is None:
+            self.seq_ids = np.zeros(self.token_ids.shape[0], np.int32)
 
     # ---- shape facts -------------------------------------------------------------------
     @property
@@ -130,6 +137,7 @@ class Trace:
         want = {
             "token_ids": (T,),
             "positions": (T,),
+            "seq_ids": (T,),
             "router_probs": (L, T, E),
             "topk_ids": (L, T, K),
             "topk_weights": (L, T, K),
@@ -179,7 +187,7 @@ class Trace:
     def load(cls, path: str | os.PathLike | io.IOBase) -> "Trace":
         """Read a trace written by :meth:`save`."""
         with np.load(path, allow_pickle=False) as z:
-            kw: dict[str, Any] = {k: z[k] for k in _ARRAYS}
+            kw: dict[str, Any] = {k: z[k] for k in _ARRAYS if k in z.files}
             for k in _SCALARS:
                 v = z[k].item()
                 kw[k] = v

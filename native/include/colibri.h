@@ -243,9 +243,10 @@ COLIBRI_API colibri_status colibri_trace_array(const colibri_trace *tr, const ch
                                                int64_t shape[4]);
 
 /* Stage-by-stage execution of one chunk of n ≤ max_batch tokens at start_pos (the same
- * checks as colibri_forward_at). Nothing runs until colibri_stage_run. Positions from
- * start_pos on are overwritten; the cached length becomes start_pos + n once LM_HEAD has
- * run. colibri_forward (or a new begin) abandons an unfinished stage run. */
+ * checks as colibri_forward_at), on sequence 0. Nothing runs until colibri_stage_run.
+ * Positions from start_pos on are overwritten: sequence 0 holds start_pos + n positions from
+ * the begin on (each layer's are filled by its ATTENTION stage). colibri_forward,
+ * colibri_batch, a colibri_seq_* call or a new begin abandons an unfinished stage run. */
 COLIBRI_API colibri_status colibri_stage_begin(colibri_ctx *ctx, const int32_t *input_ids,
                                                int64_t n_tokens, int64_t start_pos);
 /* The stage that runs next and its layer (-1 outside the layers); *stage = -1 when no stage

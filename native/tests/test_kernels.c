@@ -334,23 +334,66 @@ static void test_softmax(const cb_kernels *K) {
     }
 }
 
+/* A paged KV cache for `npos` positions of Hkv heads of D floats in blocks of `blen`
+ * positions, the blocks in a shuffled order and padded (so no offset is a lucky multiple),
+ * filled with random values; view->blocks points into *table (caller frees both). */
+static cb_kv_view paged_cache(int64_t npos, int64_t Hkv, int64_t D, int64_t blen, float **pool, int32_t **table) {
+    int64_t nb = (npos + blen - 1) / blen, total = nb + 2; /* two blocks nobody uses */
+    int64_t hs = blen * D + 3, bs = Hkv * hs + 5;
+    *pool = malloc((size_t)(2 * total * bs) * 4);
+    *table = malloc((size_t)nb * 4);
+    fill(*pool, 2 * total * bs, 1.5);
+    int32_t *perm = malloc((size_t)total * 4);
+    for (int64_t i = 0; i < total; i++) perm[i] = (int32_t)i;
+    for (int64_t i = total - 1; i > 0; i--) { /* Fisher-Yates with the test's PRNG */
+        int64_t j = (int64_t)((urand() + 1.0) * 0.5 * (double)(i + 1));
+        if (j > i) j = i;
+        int32_t t = perm[i]; perm[i] = perm[j]; perm[j] = t;
+    }
+    for (int64_t i = 0; i < nb; i++) (*table)[i] = perm[i];
+    free(perm);
+    cb_kv_view v = {*pool, *pool + total * bs, *table, blen, bs, hs};
+    return v;
+}
+
+/* The same keys and values as a contiguous cache [Hkv, npos, D] (one block). */
+static cb_kv_view contiguous_copy(const cb_kv_view *src, int64_t npos, int64_t Hkv, int64_t D, float **pool,
+                                  int32_t *one_block) {
+    *pool = malloc((size_t)(2 * Hkv * npos * D) * 4);
+    float *k = *pool, *v = *pool + Hkv * npos * D;
+    for (int64_t g = 0; g < Hkv; g++)
+        for (int64_t p = 0; p < npos; p++) {
+            memcpy(k + (g * npos + p) * D, cb_kv_at(src->k, src, g, p, D), (size_t)D * 4);
+            memcpy(v + (g * npos + p) * D, cb_kv_at(src->v, src, g, p, D), (size_t)D * 4);
+        }
+    *one_block = 0;
+    cb_kv_view c = {k, v, one_block, npos, 0, npos * D};
+    return c;
+}
+
 static void test_attention(const cb_kernels *K) {
-    struct { int64_t T, start, Hq, Hkv, D, window; } cs[] = {
-        {1, 0, 1, 1, 2, 0}, {7, 0, 4, 2, 6, 0}, {3, 30, 6, 3, 16, 0}, {33, 5, 4, 1, 10, 7},
-        {1, 128, 2, 2, 8, 129}, {5, 3, 8, 8, 4, 1}, {9, 4, 12, 2, 40, 0}, {2, 17, 5, 1, 64, 0},
+    struct { int64_t T, start, Hq, Hkv, D, window, blen; } cs[] = {
+        {1, 0, 1, 1, 2, 0, 1}, {7, 0, 4, 2, 6, 0, 3}, {3, 30, 6, 3, 16, 0, 16}, {33, 5, 4, 1, 10, 7, 5},
+        {1, 128, 2, 2, 8, 129, 32}, {5, 3, 8, 8, 4, 1, 7}, {9, 4, 12, 2, 40, 0, 2}, {2, 17, 5, 1, 64, 0, 19},
     };
     for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
         int64_t T = cs[i].T, P = cs[i].start + T, nq = cs[i].Hq * cs[i].D;
         int64_t D = cs[i].D, group = cs[i].Hq / cs[i].Hkv;
-        int64_t hs = (P + 3) * D, nkv = cs[i].Hkv * hs; /* per KV head: room for P + 3 positions */
         float *q = malloc((size_t)(T * nq) * 4), *out = malloc((size_t)(T * nq) * 4);
-        float *kc = malloc((size_t)nkv * 4), *vc = malloc((size_t)nkv * 4);
+        float *out_c = malloc((size_t)(T * nq) * 4);
         float *sc = malloc((size_t)(CB_ATT_HEADS * P) * 4);
         double *p = malloc((size_t)P * 8);
+        float *pool, *cpool;
+        int32_t *table, one;
         fill(q, T * nq, 1.5);
-        fill(kc, nkv, 1.5);
-        fill(vc, nkv, 1.0);
-        K->attention(out, q, kc, vc, hs, sc, T, cs[i].start, cs[i].Hq, cs[i].Hkv, D, cs[i].window);
+        cb_kv_view kv = paged_cache(P, cs[i].Hkv, D, cs[i].blen, &pool, &table);
+        cb_kv_view ckv = contiguous_copy(&kv, P, cs[i].Hkv, D, &cpool, &one);
+        K->attention(out, q, &kv, sc, T, cs[i].start, cs[i].Hq, cs[i].Hkv, D, cs[i].window);
+        /* the block layout changes no bit: the same keys and values in one block */
+        K->attention(out_c, q, &ckv, sc, T, cs[i].start, cs[i].Hq, cs[i].Hkv, D, cs[i].window);
+        if (memcmp(out, out_c, (size_t)(T * nq) * 4) != 0)
+            FAIL("[%s] attention case %zu: the paged cache (blocks of %lld) differs from the contiguous one",
+                 K->name, i, (long long)cs[i].blen);
         for (int64_t t = 0; t < T; t++) {
             int64_t pos = cs[i].start + t;
             for (int64_t h = 0; h < cs[i].Hq; h++) {
@@ -360,8 +403,9 @@ static void test_attention(const cb_kernels *K) {
                     int vis = cs[i].window <= 0 || pos - j < cs[i].window;
                     double s = -INFINITY;
                     if (vis) {
+                        const float *kr = cb_kv_at(kv.k, &kv, kvh, j, D);
                         s = 0;
-                        for (int64_t d = 0; d < D; d++) s += (double)q[t * nq + h * D + d] * kc[kvh * hs + j * D + d];
+                        for (int64_t d = 0; d < D; d++) s += (double)q[t * nq + h * D + d] * kr[d];
                         s /= sqrt((double)D);
                     }
                     p[j] = s;
@@ -374,8 +418,9 @@ static void test_attention(const cb_kernels *K) {
                 for (int64_t d = 0; d < D; d++) {
                     double o = 0, mag = 0;
                     for (int64_t j = 0; j <= pos; j++) {
-                        o += p[j] / sum * vc[kvh * hs + j * D + d];
-                        mag += fabs(p[j] / sum * vc[kvh * hs + j * D + d]);
+                        double vv = cb_kv_at(kv.v, &kv, kvh, j, D)[d];
+                        o += p[j] / sum * vv;
+                        mag += fabs(p[j] / sum * vv);
                     }
                     if (!close_to(out[t * nq + h * D + d], o, mag, 2e-5))
                         FAIL("[%s] attention case %zu t%lld h%lld d%lld: %.9g vs %.9g", K->name, i, (long long)t,
@@ -385,8 +430,10 @@ static void test_attention(const cb_kernels *K) {
         }
         free(q);
         free(out);
-        free(kc);
-        free(vc);
+        free(out_c);
+        free(pool);
+        free(cpool);
+        free(table);
         free(sc);
         free(p);
     }
@@ -506,23 +553,23 @@ static void test_vs_ref(const cb_kernels *K) {
         }
     /* attention_heads for a middle range of heads */
     {
-        int64_t T = 17, start = 40, Hq = 8, Hkv = 2, D = 64, P = start + T, nq = Hq * D, nkv = Hkv * D;
+        int64_t T = 17, start = 40, Hq = 8, Hkv = 2, D = 64, P = start + T, nq = Hq * D;
         float *q = malloc((size_t)(T * nq) * 4), *o = malloc((size_t)(T * nq) * 4), *orf = malloc((size_t)(T * nq) * 4);
-        float *kc = malloc((size_t)(P * nkv) * 4), *vc = malloc((size_t)(P * nkv) * 4), *sc = malloc((size_t)(CB_ATT_HEADS * P) * 4);
+        float *sc = malloc((size_t)(CB_ATT_HEADS * P) * 4), *pool;
+        int32_t *table;
         fill(q, T * nq, 1.0);
-        fill(kc, P * nkv, 1.0);
-        fill(vc, P * nkv, 1.0);
+        cb_kv_view kv = paged_cache(P, Hkv, D, 13, &pool, &table);
         for (int64_t window = 0; window <= 9; window += 9) {
             for (int64_t i = 0; i < T * nq; i++) o[i] = orf[i] = SENTINEL;
-            K->attention_heads(o, q, kc, vc, P * D, sc, T, start, Hq, Hkv, D, window, 3, 7);
-            R->attention_heads(orf, q, kc, vc, P * D, sc, T, start, Hq, Hkv, D, window, 3, 7);
+            K->attention_heads(o, q, &kv, sc, T, start, Hq, Hkv, D, window, 3, 7);
+            R->attention_heads(orf, q, &kv, sc, T, start, Hq, Hkv, D, window, 3, 7);
             compare_arrays("attention_heads", K, o, orf, T * nq, 2e-5, 1.0);
         }
         free(q);
         free(o);
         free(orf);
-        free(kc);
-        free(vc);
+        free(pool);
+        free(table);
         free(sc);
     }
     /* expert_gateup / expert_down on column ranges (odd, unaligned bounds) */

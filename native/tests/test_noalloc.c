@@ -92,6 +92,8 @@ int main(int argc, char **argv) {
     colibri_options_init(&opt);
     opt.max_batch = 5; /* force a multi-chunk prefill */
     opt.group_pad = 4;
+    opt.max_seqs = 3;        /* batches over several sequences, fork and truncate too */
+    opt.kv_block_tokens = 3; /* small blocks: growth crosses blocks, forks copy on write */
     colibri_ctx *ctx = NULL;
     char err[512];
     colibri_status st = colibri_init_ex(argv[1], &opt, &ctx, err, sizeof err);
@@ -124,6 +126,18 @@ int main(int argc, char **argv) {
                                         &next), ctx, "sample");
     }
     ok = ok && check(colibri_sample(ctx, logits, 1.0f, 0, 0.5f, &rng, &next), ctx, "top-p sample");
+    /* a batch over sequences 0, 1 and 2: a fork of 0 (shared blocks, copy-on-write on its
+     * first write), a prompt chunk of 1 interleaved with decode steps of 0 and 2 */
+    ok = ok && check(colibri_seq_fork(ctx, 0, 2), ctx, "fork");
+    if (ok && pos + 2 <= S) {
+        colibri_batch_entry b[6] = {
+            {ids[1], 1, 0, 0, 0}, {next, 0, pos, 1, 0}, {ids[2], 1, 1, 0, 0},
+            {ids[3], 2, pos, 1, 0}, {ids[4], 1, 2, 1, 0}, {ids[5], 2, pos + 1, 1, 0},
+        };
+        ok = check(colibri_batch(ctx, b, 6, logits), ctx, "batch");
+    }
+    ok = ok && check(colibri_seq_truncate(ctx, 2, 1), ctx, "truncate");
+    ok = ok && check(colibri_seq_clear(ctx, 1), ctx, "clear");
     long count = n_alloc;
     counting = 0;
 
@@ -134,7 +148,8 @@ int main(int argc, char **argv) {
         printf("test_noalloc: FAIL: %ld heap calls during forward/sample (expected 0)\n", count);
         return 1;
     }
-    printf("test_noalloc: OK (0 heap calls in prefill, %lld decode steps and samples)\n",
+    printf("test_noalloc: OK (0 heap calls in prefill, %lld decode steps and samples, a batch over 3 "
+           "sequences, fork, truncate, clear)\n",
            (long long)(pos - n_prompt));
     return 0;
 }

@@ -212,6 +212,17 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     if (opt.max_batch == 0) ctx->max_batch = ctx->max_seq_len < 512 ? ctx->max_seq_len : 512;
     else ctx->max_batch = opt.max_batch < ctx->max_seq_len ? opt.max_batch : ctx->max_seq_len;
     ctx->group_pad = opt.group_pad == 0 ? 1 : opt.group_pad;
+    if (opt.max_seqs < 0 || opt.max_seqs > 4096 || opt.kv_block_tokens < 0 || opt.kv_block_tokens > 4096 ||
+        opt.kv_tokens < 0) {
+        cb_set_err(err, err_len, "invalid options: max_seqs %d and kv_block_tokens %d must be in [0, 4096] and "
+                   "kv_tokens %lld >= 0; 0 means the default", opt.max_seqs, opt.kv_block_tokens,
+                   (long long)opt.kv_tokens);
+        return init_fail(ctx, COLIBRI_E_INVALID_ARG, err, err_len);
+    }
+    ctx->max_seqs = opt.max_seqs == 0 ? 1 : opt.max_seqs;
+    ctx->kv_block_tokens = opt.kv_block_tokens == 0 ? 32 : opt.kv_block_tokens;
+    /* every sequence can reach max_seq_len unless the caller budgets the pool smaller */
+    ctx->kv_tokens = opt.kv_tokens == 0 ? ctx->max_seq_len * ctx->max_seqs : opt.kv_tokens;
     ctx->populate = opt.populate;
     if (opt.num_threads == 0) ctx->num_threads = cb_physical_cores(); /* core/threadpool.c */
     else ctx->num_threads = opt.num_threads > 1024 ? 1024 : opt.num_threads;
@@ -298,7 +309,59 @@ colibri_status colibri_forward(colibri_ctx *ctx, const int32_t *input_ids, int64
     return colibri_forward_at(ctx, input_ids, n_tokens, 0, logits);
 }
 
-int64_t colibri_cached_len(const colibri_ctx *ctx) { return ctx ? ctx->sess.cached_len : 0; }
+int64_t colibri_cached_len(const colibri_ctx *ctx) { return ctx ? ctx->sess.kv.len[0] : 0; }
+
+colibri_status colibri_batch(colibri_ctx *ctx, const colibri_batch_entry *entries, int64_t n, float *logits) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    ctx->run.stage = -1; /* a forward abandons any unfinished stage run */
+    return cb_batch(ctx, entries, n, logits);
+}
+
+int64_t colibri_seq_len(const colibri_ctx *ctx, int32_t seq) {
+    if (!ctx || seq < 0 || seq >= ctx->max_seqs) return -1;
+    return ctx->sess.kv.len[seq];
+}
+
+static colibri_status check_seq(colibri_ctx *ctx, const char *fn, int32_t seq) {
+    if (seq < 0 || seq >= ctx->max_seqs)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "%s: sequence %d is not in [0, %d); open the context with a "
+                       "larger colibri_options.max_seqs", fn, seq, ctx->max_seqs);
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_seq_clear(colibri_ctx *ctx, int32_t seq) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    colibri_status st = check_seq(ctx, "colibri_seq_clear", seq);
+    if (st != COLIBRI_OK) return st;
+    ctx->run.stage = -1;
+    cb_kv_truncate(&ctx->sess.kv, seq, 0);
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_seq_truncate(colibri_ctx *ctx, int32_t seq, int64_t len) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    colibri_status st = check_seq(ctx, "colibri_seq_truncate", seq);
+    if (st != COLIBRI_OK) return st;
+    if (len < 0 || len > ctx->sess.kv.len[seq])
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_seq_truncate: length %lld is not in [0, %lld] "
+                       "(sequence %d's length)", (long long)len, (long long)ctx->sess.kv.len[seq], seq);
+    ctx->run.stage = -1;
+    cb_kv_truncate(&ctx->sess.kv, seq, len);
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_seq_fork(colibri_ctx *ctx, int32_t src, int32_t dst) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    colibri_status st = check_seq(ctx, "colibri_seq_fork", src);
+    if (st == COLIBRI_OK) st = check_seq(ctx, "colibri_seq_fork", dst);
+    if (st != COLIBRI_OK) return st;
+    if (src == dst)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_seq_fork: source and destination are both "
+                       "sequence %d", src);
+    ctx->run.stage = -1;
+    cb_kv_fork(&ctx->sess.kv, src, dst);
+    return COLIBRI_OK;
+}
 
 /* Accessors report unknown names through the context's message; the message buffer is
  * mutable state of a logically const context, so the cast is deliberate. */
@@ -331,6 +394,10 @@ colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t
         {"bos_id", c->bos_id},
         {"eos_id", c->eos_id},
         {"arena_bytes", (int64_t)ctx->arena_bytes},
+        {"max_seqs", ctx->max_seqs},
+        {"kv_block_tokens", ctx->sess.kv.block_len},
+        {"kv_blocks_total", ctx->sess.kv.n_blocks},
+        {"kv_blocks_used", ctx->sess.kv.n_blocks - ctx->sess.kv.n_free},
         {"file_size", (int64_t)c->file_size},
         {"format_version", c->version},
         {"router_int8", c->router_int8},

@@ -34,6 +34,8 @@ struct colibri_ctx {
     /* run settings */
     int64_t max_seq_len, max_batch;
     int32_t num_threads, group_pad, populate;
+    int32_t max_seqs, kv_block_tokens;  /* sequences held at once; positions per KV block */
+    int64_t kv_tokens;                  /* positions of the KV pool (before rounding to blocks) */
     const cb_kernels *kern;
     cb_pool *pool;           /* num_threads threads (the caller is thread 0), heap (init-time) */
     /* arena */

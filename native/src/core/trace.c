@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/checked.h"
+#include "core/arena.h"
 #include "core/context.h"
 #include "core/trace.h"
 
@@ -25,46 +25,48 @@ colibri_status colibri_trace_create(const colibri_ctx *ctx, int64_t capacity, co
         return COLIBRI_E_INVALID_ARG;
     }
     uint64_t C = (uint64_t)capacity, L = ctx->cfg.n_layers, E = ctx->cfg.n_experts, K = ctx->cfg.top_k;
-    /* element counts of each buffer, in carving order; all elements are 4 or 8 bytes */
-    uint64_t n8[4] = {C, L * E, L * E, L * 5};  /* positions, group sizes, padded, layer_ns */
-    uint64_t lc = 0, n4[5] = {0, 0, 0, 0, 0};
-    int ok = cb_mul_u64(L, C, &lc);
-    ok &= cb_mul_u64(lc, E, &n4[0]); /* router_probs */
-    ok &= cb_mul_u64(lc, K, &n4[1]); /* topk_ids */
-    n4[2] = n4[1];                   /* topk_w */
-    n4[3] = lc;                      /* shared_gate */
-    n4[4] = C;                       /* token_ids */
-    uint64_t total = 0, b;
-    for (int i = 0; i < 4; i++) ok &= cb_mul_u64(n8[i], 8, &b) && cb_add_u64(total, b, &total);
-    for (int i = 0; i < 5; i++) ok &= cb_mul_u64(n4[i], 4, &b) && cb_add_u64(total, b + 64, &total);
-    if (!ok || total > (uint64_t)SIZE_MAX - 64) {
+    colibri_trace *tr = calloc(1, sizeof *tr);
+    if (!tr) {
+        cb_set_err(err, err_len, "cannot allocate a trace; trace fewer tokens");
+        return COLIBRI_E_NOMEM;
+    }
+    uint64_t lc = L * C; /* L < 2^32 and C <= 2^32: cannot overflow */
+    cb_arena_item items[] = {
+        {(void **)&tr->positions, C, 8, "positions"},
+        {(void **)&tr->group_sizes, L * E, 8, "group_sizes"},
+        {(void **)&tr->padded_sizes, L * E, 8, "padded_group_sizes"},
+        {(void **)&tr->layer_ns, L * 5, 8, "layer_ns"},
+        {(void **)&tr->router_probs, lc, 4 * E, "router_probs"},
+        {(void **)&tr->topk_ids, lc, 4 * K, "topk_ids"},
+        {(void **)&tr->topk_w, lc, 4 * K, "topk_weights"},
+        {(void **)&tr->shared_gate, lc, 4, "shared_gate"},
+        {(void **)&tr->token_ids, C, 4, "token_ids"},
+        {(void **)&tr->seq_ids, C, 4, "seq_ids"},
+    };
+    const size_t n_items = sizeof items / sizeof items[0];
+    uint64_t offs[sizeof items / sizeof items[0]], total = 0;
+    size_t bad = 0;
+    if (!cb_arena_layout(items, n_items, offs, &total, &bad) || total > (uint64_t)SIZE_MAX) {
+        free(tr);
         cb_set_err(err, err_len, "colibri_trace_create: a trace of %lld tokens overflows 64 bits",
                    (long long)capacity);
         return COLIBRI_E_NOMEM;
     }
-    colibri_trace *tr = calloc(1, sizeof *tr);
-    void *mem = tr ? calloc(1, (size_t)total + 64) : NULL;
-    if (!mem) {
+    /* one zeroed block, carved like the arena (64-byte aligned buffers) */
+    void *mem = NULL;
+    if (posix_memalign(&mem, CB_ARENA_CARVE, (size_t)total + 1) != 0 || !mem) {
         free(tr);
         cb_set_err(err, err_len, "cannot allocate a trace of %.1f MiB for %lld tokens; trace fewer tokens",
                    (double)total / 1048576.0, (long long)capacity);
         return COLIBRI_E_NOMEM;
     }
+    memset(mem, 0, (size_t)total + 1);
+    cb_arena_assign(items, n_items, offs, mem);
     tr->mem = mem;
     tr->capacity = capacity;
     tr->n_layers = (uint32_t)L;
     tr->n_experts = (uint32_t)E;
     tr->top_k = (uint32_t)K;
-    uint8_t *p = mem; /* 8-byte buffers first: calloc's alignment covers them */
-    tr->positions = (int64_t *)p, p += n8[0] * 8;
-    tr->group_sizes = (int64_t *)p, p += n8[1] * 8;
-    tr->padded_sizes = (int64_t *)p, p += n8[2] * 8;
-    tr->layer_ns = (uint64_t *)p, p += n8[3] * 8;
-    tr->router_probs = (float *)p, p += n4[0] * 4;
-    tr->topk_ids = (int32_t *)p, p += n4[1] * 4;
-    tr->topk_w = (float *)p, p += n4[2] * 4;
-    tr->shared_gate = (float *)p, p += n4[3] * 4;
-    tr->token_ids = (int32_t *)p;
     *out = tr;
     return COLIBRI_OK;
 }
@@ -128,6 +130,7 @@ colibri_status colibri_trace_array(const colibri_trace *tr, const char *name, co
     int64_t C = tr->capacity, L = tr->n_layers, E = tr->n_experts, K = tr->top_k;
     struct { const char *n; const void *p; int32_t dt; int32_t nd; int64_t d[3]; } tab[] = {
         {"token_ids", tr->token_ids, COLIBRI_DTYPE_I32, 1, {C, 0, 0}},
+        {"seq_ids", tr->seq_ids, COLIBRI_DTYPE_I32, 1, {C, 0, 0}},
         {"positions", tr->positions, COLIBRI_DTYPE_I64, 1, {C, 0, 0}},
         {"router_probs", tr->router_probs, COLIBRI_DTYPE_F32, 3, {L, C, E}},
         {"topk_ids", tr->topk_ids, COLIBRI_DTYPE_I32, 3, {L, C, K}},

@@ -17,6 +17,7 @@ struct colibri_trace {
     const colibri_ctx *owner;   /* the context it is attached to, or NULL */
     int64_t chunk_base;         /* token row of the current chunk's first token */
     int32_t *token_ids;         /* [C] */
+    int32_t *seq_ids;           /* [C] the sequence of each traced token */
     int64_t *positions;         /* [C] */
     float *router_probs;        /* [L, C, E] */
     int32_t *topk_ids;          /* [L, C, K] */

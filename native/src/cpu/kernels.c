@@ -120,9 +120,9 @@ static void softmax_ref(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] *= inv;
 }
 
-static void attention_heads_ref(float *out, const float *q, const float *kc, const float *vc,
-                                int64_t kv_hs, float *scores, int64_t T, int64_t start_pos, int64_t Hq,
-                                int64_t Hkv, int64_t D, int64_t window, int64_t h0, int64_t h1) {
+static void attention_heads_ref(float *out, const float *q, const cb_kv_view *kv, float *scores, int64_t T,
+                                int64_t start_pos, int64_t Hq, int64_t Hkv, int64_t D, int64_t window,
+                                int64_t h0, int64_t h1) {
     int64_t group = Hq / Hkv;
     int64_t nq = Hq * D;
     float scale = (float)(1.0 / sqrt((double)D));
@@ -134,7 +134,7 @@ static void attention_heads_ref(float *out, const float *q, const float *kc, con
             const float *qh = q + t * nq + h * D;
             int64_t kvh = h / group;
             for (int64_t j = 0; j < cnt; j++) {
-                const float *kr = kc + kvh * kv_hs + (lo + j) * D;
+                const float *kr = cb_kv_at(kv->k, kv, kvh, lo + j, D);
                 float acc = 0.0f;
                 for (int64_t d = 0; d < D; d++) acc += qh[d] * kr[d];
                 scores[j] = acc * scale;
@@ -143,7 +143,7 @@ static void attention_heads_ref(float *out, const float *q, const float *kc, con
             float *oh = out + t * nq + h * D;
             for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
             for (int64_t j = 0; j < cnt; j++) {
-                const float *vr = vc + kvh * kv_hs + (lo + j) * D;
+                const float *vr = cb_kv_at(kv->v, kv, kvh, lo + j, D);
                 float p = scores[j];
                 for (int64_t d = 0; d < D; d++) oh[d] += p * vr[d];
             }
@@ -151,10 +151,9 @@ static void attention_heads_ref(float *out, const float *q, const float *kc, con
     }
 }
 
-static void attention_ref(float *out, const float *q, const float *kc, const float *vc,
-                          int64_t kv_hs, float *scores, int64_t T, int64_t start_pos, int64_t Hq,
-                          int64_t Hkv, int64_t D, int64_t window) {
-    attention_heads_ref(out, q, kc, vc, kv_hs, scores, T, start_pos, Hq, Hkv, D, window, 0, Hq);
+static void attention_ref(float *out, const float *q, const cb_kv_view *kv, float *scores, int64_t T,
+                          int64_t start_pos, int64_t Hq, int64_t Hkv, int64_t D, int64_t window) {
+    attention_heads_ref(out, q, kv, scores, T, start_pos, Hq, Hkv, D, window, 0, Hq);
 }
 
 static void expert_gateup_ref(float *h, const float *x, const void *expert, uint32_t dt,

@@ -35,6 +35,25 @@ void cb_axpy_ref(float *y, float a, const void *w_row, uint32_t dt, int64_t n); 
 /* Intermediate rows per block of the down projection's sum (see expert_down). */
 #define CB_DOWN_BLOCK 256
 
+/* One sequence's keys and values in the paged KV cache, at one layer: position p of KV head
+ * g is the D floats at k (or v) + blocks[p / block_len] * block_stride + g * head_stride
+ * + (p % block_len) * D. A contiguous cache [Hkv, S, D] is the view blocks = {0},
+ * block_len = S, head_stride = S * D. */
+typedef struct cb_kv_view {
+    const float *k, *v;
+    const int32_t *blocks;  /* [ceil(positions / block_len)] block ids of the sequence */
+    int64_t block_len;      /* positions per block */
+    int64_t block_stride;   /* floats from one block to the next */
+    int64_t head_stride;    /* floats from one KV head to the next inside a block (>= block_len * D) */
+} cb_kv_view;
+
+/* The D floats of position pos, KV head g, in `base` (kv->k or kv->v). */
+static inline const float *cb_kv_at(const float *base, const cb_kv_view *kv, int64_t g, int64_t pos,
+                                    int64_t D) {
+    return base + (int64_t)kv->blocks[pos / kv->block_len] * kv->block_stride + g * kv->head_stride +
+           (pos % kv->block_len) * D;
+}
+
 typedef struct cb_kernels {
     const char *name;
 
@@ -65,22 +84,21 @@ typedef struct cb_kernels {
     /* x[0..n) <- softmax(x) in float32 (max-subtracted). n >= 1. */
     void (*softmax)(float *x, int64_t n);
 
-    /* Causal grouped-query attention of T queries at positions start_pos.. over a cache.
-     * q: [T, Hq*D]; out: [T, Hq*D]; kc, vc: per KV head, its positions' D-vectors
-     * contiguous: element (head g, position p, d) at kc[g * kv_hs + p * D + d], where
-     * kv_hs >= (start_pos+T) * D (the engine's cache is [Hkv, max_seq_len, D] per layer);
+    /* Causal grouped-query attention of T queries at positions start_pos.. of one sequence
+     * over its cache (cb_kv_view: the paged KV cache; positions 0..start_pos+T-1 of the
+     * sequence must be in it). q: [T, Hq*D]; out: [T, Hq*D];
      * scores: [CB_ATT_HEADS, start_pos+T] scratch. window > 0: key j visible from query i iff
-     * j <= i and i - j < window. Scale 1/sqrt(D). */
-    void (*attention)(float *out, const float *q, const float *kc, const float *vc,
-                      int64_t kv_hs, float *scores, int64_t T, int64_t start_pos, int64_t Hq, int64_t Hkv,
-                      int64_t D, int64_t window);
+     * j <= i and i - j < window. Scale 1/sqrt(D). Every query's result depends only on its
+     * own inputs (not on T, start_pos of the call, the block layout or the heads range). */
+    void (*attention)(float *out, const float *q, const cb_kv_view *kv, float *scores, int64_t T,
+                      int64_t start_pos, int64_t Hq, int64_t Hkv, int64_t D, int64_t window);
 
     /* The same for query heads h0 <= h < h1 only (out is written for those heads only);
      * each thread passes its own scores scratch [CB_ATT_HEADS, start_pos+T]: the heads of
      * one KV group are done CB_ATT_HEADS at a time, sharing every key and value they load. */
-    void (*attention_heads)(float *out, const float *q, const float *kc, const float *vc,
-                            int64_t kv_hs, float *scores, int64_t T, int64_t start_pos, int64_t Hq,
-                            int64_t Hkv, int64_t D, int64_t window, int64_t h0, int64_t h1);
+    void (*attention_heads)(float *out, const float *q, const cb_kv_view *kv, float *scores, int64_t T,
+                            int64_t start_pos, int64_t Hq, int64_t Hkv, int64_t D, int64_t window,
+                            int64_t h0, int64_t h1);
 
     /* SwiGLU expert FFN over a group of R rows with the EXPERTS_PACKED layout
      * (docs/format.md): expert: [3I, H] in dt, rows 0..2I-1 gate/up interleaved by

@@ -196,28 +196,34 @@ static void par_matmul1(colibri_ctx *ctx, float *y, const float *x, const void *
 
 typedef struct att_task {
     colibri_ctx *ctx;
-    const float *kc, *vc;
+    uint32_t layer;
     int64_t window;
 } att_task;
 
-/* Attention chunks: CB_ATT_HEADS query heads of one KV group per chunk (fewer at the end
- * of a group), so the kernel shares each key and value load between them; the running
- * thread's own score rows. */
+/* Attention chunks of one segment (rows of one sequence at consecutive positions):
+ * CB_ATT_HEADS query heads of one KV group per chunk (fewer at the end of a group), so the
+ * kernel shares each key and value load between them; the running thread's own score rows. */
 static int64_t att_chunks(const cb_config *c) {
     int64_t group = c->n_heads / c->n_kv_heads;
     return c->n_kv_heads * ((group + CB_ATT_HEADS - 1) / CB_ATT_HEADS);
 }
 
+/* Chunk ch = (segment, head range): the segment's queries over its own sequence's cache. */
 static void att_chunk(void *arg, int64_t ch, int tid) {
     const att_task *a = (const att_task *)arg;
     colibri_ctx *ctx = a->ctx;
     const cb_config *c = &ctx->cfg;
+    const cb_scratch *s = &ctx->s;
+    int64_t nch = att_chunks(c), seg = ch / nch;
+    ch %= nch;
     int64_t group = c->n_heads / c->n_kv_heads, per = (group + CB_ATT_HEADS - 1) / CB_ATT_HEADS;
     int64_t h0 = ch / per * group + ch % per * CB_ATT_HEADS;
     int64_t h1 = h0 + CB_ATT_HEADS < (ch / per + 1) * group ? h0 + CB_ATT_HEADS : (ch / per + 1) * group;
-    ctx->kern->attention_heads(ctx->s.att, ctx->s.q, a->kc, a->vc, ctx->max_seq_len * c->head_dim,
-                               ctx->s.att_scores + (int64_t)tid * ctx->max_seq_len * CB_ATT_HEADS, ctx->run.T,
-                               ctx->run.pos0, c->n_heads, c->n_kv_heads, c->head_dim, a->window, h0, h1);
+    int64_t r0 = s->seg_row[seg], T = s->seg_row[seg + 1] - r0, Nq = (int64_t)c->n_heads * c->head_dim;
+    cb_kv_view kv = cb_kv_layer_view(&ctx->sess.kv, s->row_seq[r0], a->layer);
+    ctx->kern->attention_heads(s->att + r0 * Nq, s->q + r0 * Nq, &kv,
+                               s->att_scores + (int64_t)tid * ctx->max_seq_len * CB_ATT_HEADS, T,
+                               s->row_pos[r0], c->n_heads, c->n_kv_heads, c->head_dim, a->window, h0, h1);
 }
 
 /* One packed FFN (a group of rows through one expert's weights). */
@@ -343,20 +349,21 @@ static void combine_chunk(void *arg, int64_t c, int tid) {
 }
 
 /* ---- the stages of a forward (colibri.h, "Observation"); each works on the chunk in
- * ctx->run: T tokens at positions pos0.., ids in s->run_ids ---------------------------- */
+ * ctx->run: T rows, row t = token s->run_ids[t] of sequence s->row_seq[t] at position
+ * s->row_pos[t] ------------------------------------------------------------------------ */
 
 /* Widen the chunk's embedding rows into x; the chunk's RoPE tables. */
 static void stage_embedding(colibri_ctx *ctx) {
     const cb_config *c = &ctx->cfg;
     cb_scratch *s = &ctx->s;
-    int64_t T = ctx->run.T, pos0 = ctx->run.pos0, H = c->hidden, half = c->head_dim / 2;
+    int64_t T = ctx->run.T, H = c->hidden, half = c->head_dim / 2;
     uint32_t W = c->weight_dtype;
     size_t es = cb_dtype_size(W);
     for (int64_t t = 0; t < T; t++)
         widen_row(s->x + t * H, (const uint8_t *)ctx->w.tok_embd + (size_t)s->run_ids[t] * (size_t)H * es,
                   W, H);
     for (int64_t t = 0; t < T; t++) {
-        float p = (float)(pos0 + t);
+        float p = (float)s->row_pos[t];
         for (int64_t i = 0; i < half; i++) {
             float f = p * s->inv_freq[i];
             s->rope_cos[t * half + i] = cosf(f);
@@ -371,14 +378,12 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
     const cb_kernels *K = ctx->kern;
     const cb_layer *L = &ctx->w.layers[l];
     cb_scratch *s = &ctx->s;
-    int64_t T = ctx->run.T, pos0 = ctx->run.pos0;
+    int64_t T = ctx->run.T;
     int64_t H = c->hidden, hd = c->head_dim;
     int64_t Nq = (int64_t)c->n_heads * hd, Nkv = (int64_t)c->n_kv_heads * hd;
-    int64_t S = ctx->max_seq_len;
     uint32_t W = c->weight_dtype;
     float eps = (float)c->rms_norm_eps;
-    float *kc = ctx->sess.k_cache + (int64_t)l * S * Nkv;
-    float *vc = ctx->sess.v_cache + (int64_t)l * S * Nkv;
+    cb_kv *kv = &ctx->sess.kv;
 
     K->rmsnorm(s->xn, s->x, L->attn_norm, T, H, eps);
     {
@@ -405,17 +410,24 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
     }
     K->rope(s->q, T, c->n_heads, hd, s->rope_cos, s->rope_sin);
     K->rope(s->k, T, c->n_kv_heads, hd, s->rope_cos, s->rope_sin);
-    /* the cache keeps each KV head's positions contiguous: [Hkv, S, hd] per layer */
+    /* each row's keys and values into its sequence's blocks (a KV head's positions are
+     * contiguous inside a block: [Hkv, block_len, hd] per layer) */
     for (int64_t t = 0; t < T; t++)
         for (int64_t g = 0; g < c->n_kv_heads; g++) {
-            memcpy(kc + g * S * hd + (pos0 + t) * hd, s->k + t * Nkv + g * hd, (size_t)hd * sizeof(float));
-            memcpy(vc + g * S * hd + (pos0 + t) * hd, s->v + t * Nkv + g * hd, (size_t)hd * sizeof(float));
+            int64_t off = cb_kv_offset(kv, s->row_seq[t], l, g, s->row_pos[t]);
+            memcpy(kv->k + off, s->k + t * Nkv + g * hd, (size_t)hd * sizeof(float));
+            memcpy(kv->v + off, s->v + t * Nkv + g * hd, (size_t)hd * sizeof(float));
         }
     {
-        att_task a = {ctx, kc, vc, L->window};
+        att_task a = {ctx, l, L->window};
+        int64_t work = 0; /* query-key pairs of the chunk */
+        for (int64_t g = 0; g < ctx->run.n_seg; g++) {
+            int64_t r0 = s->seg_row[g], n = s->seg_row[g + 1] - r0;
+            work += n * (s->row_pos[r0] + n);
+        }
         /* a decode step over a short cache is a few microseconds: not worth a section */
-        cb_pool_run(T * (pos0 + T) * c->n_heads * hd < CB_PAR_MIN_WORK ? NULL : ctx->pool, att_chunk, &a,
-                    att_chunks(c));
+        cb_pool_run(work * c->n_heads * hd < CB_PAR_MIN_WORK ? NULL : ctx->pool, att_chunk, &a,
+                    ctx->run.n_seg * att_chunks(c));
     }
     par_matmul1(ctx, s->delta, s->att, L->wo, W, T, H, Nq);
     if (L->bo) add_bias(s->delta, L->bo, T, H);
@@ -516,16 +528,18 @@ static void stage_combine(colibri_ctx *ctx, uint32_t l) {
     add_inplace(s->x, s->delta, T * H);
 }
 
-/* Final norm and logits of the chunk's last head_rows tokens (all of them unless the
- * caller asked for the last token's logits only). logits: [head_rows, V]. */
+/* Final norm and logits of the rows s->head_idx[0 .. head_rows) (every row, the last one,
+ * or those a batch asked for). Each row is normed into xn's first rows, in order, so the
+ * LM head reads them contiguously. logits: [head_rows, V]. */
 static void stage_lm_head(colibri_ctx *ctx, float *logits) {
     const cb_config *c = &ctx->cfg;
     cb_scratch *s = &ctx->s;
-    int64_t T = ctx->run.T, R = ctx->run.head_rows, H = c->hidden;
+    int64_t R = ctx->run.head_rows, H = c->hidden;
     if (R <= 0) return;
-    ctx->kern->rmsnorm(s->xn + (T - R) * H, s->x + (T - R) * H, ctx->w.out_norm, R, H,
-                       (float)c->rms_norm_eps);
-    par_matmul1(ctx, logits, s->xn + (T - R) * H, ctx->w.lm_head, c->weight_dtype, R, c->vocab, H);
+    for (int64_t i = 0; i < R; i++) /* head_idx ascends, so row i is written after it is read */
+        ctx->kern->rmsnorm(s->xn + i * H, s->x + (int64_t)s->head_idx[i] * H, ctx->w.out_norm, 1, H,
+                           (float)c->rms_norm_eps);
+    par_matmul1(ctx, logits, s->xn, ctx->w.lm_head, c->weight_dtype, R, c->vocab, H);
 }
 
 /* ---- tracing: what the stages record into an attached trace ------------------------- */
@@ -549,7 +563,8 @@ static void trace_record(colibri_ctx *ctx, int32_t stage, uint32_t l) {
     case COLIBRI_STAGE_EMBEDDING:
         for (int64_t t = 0; t < keep; t++) {
             tr->token_ids[base + t] = s->run_ids[t];
-            tr->positions[base + t] = ctx->run.pos0 + t;
+            tr->seq_ids[base + t] = s->row_seq[t];
+            tr->positions[base + t] = s->row_pos[t];
         }
         break;
     case COLIBRI_STAGE_ROUTER: {
@@ -615,14 +630,34 @@ static void run_stage(colibri_ctx *ctx, int32_t stage, uint32_t l, float *logits
     }
 }
 
-/* Set up the chunk: ids copied into the arena (a stage run outlives the caller's array). */
-static void run_setup(colibri_ctx *ctx, const int32_t *ids, int64_t T, int64_t pos0) {
-    memcpy(ctx->s.run_ids, ids, (size_t)T * sizeof(int32_t));
+/* The attention segments of the chunk's rows: maximal runs of rows of one sequence at
+ * consecutive positions (a batch's rows of one sequence may interleave with others'). */
+static void run_segments(colibri_ctx *ctx) {
+    cb_scratch *s = &ctx->s;
+    int64_t T = ctx->run.T, n = 0;
+    for (int64_t t = 0; t < T; t++)
+        if (t == 0 || s->row_seq[t] != s->row_seq[t - 1] || s->row_pos[t] != s->row_pos[t - 1] + 1)
+            s->seg_row[n++] = t;
+    s->seg_row[n] = T;
+    ctx->run.n_seg = n;
+}
+
+/* Set up a chunk of one sequence: T tokens at positions pos0.. of sequence seq, ids copied
+ * into the arena (a stage run outlives the caller's array); LM head on every row. */
+static void run_setup(colibri_ctx *ctx, const int32_t *ids, int64_t T, int32_t seq, int64_t pos0) {
+    cb_scratch *s = &ctx->s;
+    memcpy(s->run_ids, ids, (size_t)T * sizeof(int32_t));
+    for (int64_t t = 0; t < T; t++) {
+        s->row_seq[t] = seq;
+        s->row_pos[t] = pos0 + t;
+        s->head_idx[t] = (int32_t)t;
+    }
     ctx->run.T = T;
     ctx->run.pos0 = pos0;
     ctx->run.stage = COLIBRI_STAGE_EMBEDDING;
     ctx->run.layer = -1;
     ctx->run.head_rows = T;
+    run_segments(ctx);
 }
 
 /* The next stage after the current one. */
@@ -646,12 +681,8 @@ static void run_advance(colibri_ctx *ctx) {
     }
 }
 
-/* One chunk of T <= max_batch tokens at positions pos0..pos0+T-1; logits of its last
- * head_rows tokens: [head_rows, V]. */
-static void forward_chunk(colibri_ctx *ctx, const int32_t *ids, int64_t T, int64_t pos0,
-                          int64_t head_rows, float *logits) {
-    run_setup(ctx, ids, T, pos0);
-    ctx->run.head_rows = head_rows;
+/* Run every stage of the chunk set up in ctx->run; logits: [head_rows, V]. */
+static void run_chunk(colibri_ctx *ctx, float *logits) {
     while (ctx->run.stage >= 0) {
         run_stage(ctx, ctx->run.stage, (uint32_t)ctx->run.layer, logits);
         run_advance(ctx);
@@ -671,10 +702,11 @@ static colibri_status check_logits(colibri_ctx *ctx, const float *lg, int64_t T,
 
 colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos) {
     const int64_t V = ctx->cfg.vocab;
-    if (start_pos < 0 || start_pos > ctx->sess.cached_len)
+    const cb_kv *kv = &ctx->sess.kv;
+    if (start_pos < 0 || start_pos > kv->len[0])
         return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "start_pos %lld is not in [0, %lld] (the cached length); "
                        "continue at or before the cached length, or start again at 0",
-                       (long long)start_pos, (long long)ctx->sess.cached_len);
+                       (long long)start_pos, (long long)kv->len[0]);
     if (n > ctx->max_seq_len - start_pos)
         return cb_fail(ctx, COLIBRI_E_SEQ_TOO_LONG, "start_pos %lld + %lld tokens = %lld exceeds max_seq_len %lld; "
                        "raise colibri_options.max_seq_len (the file allows up to %llu) or shorten the input",
@@ -686,7 +718,25 @@ colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, i
             return cb_fail(ctx, COLIBRI_E_TOKEN_RANGE, "token id %d at position %lld is out of range [0, %lld)",
                            ids[i], (long long)i, (long long)V);
     }
+    /* room in the KV cache once the positions from start_pos on are given back */
+    int64_t need = 0, have = kv->n_free + cb_kv_blocks_freed(kv, 0, start_pos);
+    {
+        int64_t P = kv->block_len;
+        need = (start_pos + n + P - 1) / P - (start_pos + P - 1) / P;
+        if (start_pos % P != 0 && kv->ref[kv->table[start_pos / P]] > 1) need++; /* copy-on-write */
+    }
+    if (need > have)
+        return cb_fail(ctx, COLIBRI_E_NOMEM, "the KV cache has %lld free blocks of %lld positions, %lld are needed "
+                       "for %lld more positions of sequence 0; free other sequences (colibri_seq_clear) or open "
+                       "the context with a larger kv_tokens", (long long)have, (long long)kv->block_len,
+                       (long long)need, (long long)n);
     return COLIBRI_OK;
+}
+
+/* Sequence 0 keeps positions [0, start_pos) and grows to start_pos + n (checked). */
+static void seq0_prepare(colibri_ctx *ctx, int64_t start_pos, int64_t n) {
+    cb_kv_truncate(&ctx->sess.kv, 0, start_pos);
+    cb_kv_grow(&ctx->sess.kv, 0, start_pos + n);
 }
 
 /* Caller (colibri_forward_at) guarantees ctx, ids, logits non-NULL, n >= 1, start_pos >= 0.
@@ -696,16 +746,89 @@ colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64
                           float *logits, int last_only) {
     colibri_status st = cb_check_input(ctx, ids, n, start_pos);
     if (st != COLIBRI_OK) return st;
-    /* positions from start_pos on are about to be overwritten */
-    ctx->sess.cached_len = start_pos;
+    seq0_prepare(ctx, start_pos, n);
     for (int64_t c0 = 0; c0 < n; c0 += ctx->max_batch) {
         int64_t T = n - c0 < ctx->max_batch ? n - c0 : ctx->max_batch;
         int64_t rows = !last_only ? T : c0 + T == n ? 1 : 0;
         float *lg = last_only ? logits : logits + c0 * ctx->cfg.vocab;
-        forward_chunk(ctx, ids + c0, T, start_pos + c0, rows, lg);
-        ctx->sess.cached_len = start_pos + c0 + T;
+        run_setup(ctx, ids + c0, T, 0, start_pos + c0);
+        if (last_only) {
+            ctx->run.head_rows = rows;
+            ctx->s.head_idx[0] = (int32_t)(T - 1);
+        }
+        run_chunk(ctx, lg);
         st = check_logits(ctx, lg, rows, c0 + T - rows);
         if (st != COLIBRI_OK) return st;
+    }
+    return COLIBRI_OK;
+}
+
+/* colibri_batch: check every entry and the room in the cache, grow every sequence, then run
+ * the entries in chunks of at most max_batch rows. */
+colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t n, float *logits) {
+    cb_kv *kv = &ctx->sess.kv;
+    cb_scratch *s = &ctx->s;
+    const int64_t V = ctx->cfg.vocab;
+    if (!e || n <= 0)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_batch: entries must not be NULL and n (%lld) must be "
+                       ">= 1", (long long)n);
+    for (int64_t q = 0; q < ctx->max_seqs; q++) s->seq_next[q] = kv->len[q];
+    int64_t n_logits = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (e[i].seq < 0 || e[i].seq >= ctx->max_seqs)
+            return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_batch: entry %lld has sequence %d, not in [0, %d); "
+                           "open the context with a larger max_seqs", (long long)i, e[i].seq, ctx->max_seqs);
+        if (e[i].token < 0 || e[i].token >= V)
+            return cb_fail(ctx, COLIBRI_E_TOKEN_RANGE, "colibri_batch: entry %lld has token id %d, out of range "
+                           "[0, %lld)", (long long)i, e[i].token, (long long)V);
+        if ((e[i].logits != 0 && e[i].logits != 1) || e[i].reserved != 0)
+            return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_batch: entry %lld has logits %d (must be 0 or 1) "
+                           "and reserved %d (must be 0)", (long long)i, e[i].logits, e[i].reserved);
+        int64_t *next = &s->seq_next[e[i].seq];
+        if (e[i].pos != *next)
+            return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_batch: entry %lld is position %lld of sequence %d, "
+                           "but that sequence continues at position %lld (its length, then one more per entry); "
+                           "truncate it first to rewrite positions", (long long)i, (long long)e[i].pos,
+                           e[i].seq, (long long)*next);
+        if (*next >= ctx->max_seq_len)
+            return cb_fail(ctx, COLIBRI_E_SEQ_TOO_LONG, "colibri_batch: entry %lld would be position %lld of "
+                           "sequence %d, past max_seq_len %lld; end the sequence or raise max_seq_len",
+                           (long long)i, (long long)*next, e[i].seq, (long long)ctx->max_seq_len);
+        (*next)++;
+        n_logits += e[i].logits;
+    }
+    if (n_logits > 0 && !logits)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_batch: %lld entries ask for logits but the logits "
+                       "buffer is NULL", (long long)n_logits);
+    int64_t need = 0;
+    for (int32_t q = 0; q < ctx->max_seqs; q++) need += cb_kv_blocks_needed(kv, q, s->seq_next[q]);
+    if (need > kv->n_free)
+        return cb_fail(ctx, COLIBRI_E_NOMEM, "colibri_batch: the KV cache has %lld free blocks of %lld positions "
+                       "and this batch needs %lld; run fewer entries, free finished sequences "
+                       "(colibri_seq_clear) or open the context with a larger kv_tokens",
+                       (long long)kv->n_free, (long long)kv->block_len, (long long)need);
+    for (int32_t q = 0; q < ctx->max_seqs; q++) cb_kv_grow(kv, q, s->seq_next[q]);
+    int64_t done_logits = 0;
+    for (int64_t c0 = 0; c0 < n; c0 += ctx->max_batch) {
+        int64_t T = n - c0 < ctx->max_batch ? n - c0 : ctx->max_batch, R = 0;
+        for (int64_t t = 0; t < T; t++) {
+            const colibri_batch_entry *x = &e[c0 + t];
+            s->run_ids[t] = x->token;
+            s->row_seq[t] = x->seq;
+            s->row_pos[t] = x->pos;
+            if (x->logits) s->head_idx[R++] = (int32_t)t;
+        }
+        ctx->run.T = T;
+        ctx->run.pos0 = s->row_pos[0];
+        ctx->run.stage = COLIBRI_STAGE_EMBEDDING;
+        ctx->run.layer = -1;
+        ctx->run.head_rows = R;
+        run_segments(ctx);
+        float *lg = R ? logits + done_logits * V : NULL;
+        run_chunk(ctx, lg);
+        colibri_status st = check_logits(ctx, lg, R, done_logits);
+        if (st != COLIBRI_OK) return st;
+        done_logits += R;
     }
     return COLIBRI_OK;
 }
@@ -723,8 +846,8 @@ colibri_status cb_stage_begin(colibri_ctx *ctx, const int32_t *ids, int64_t n, i
                        (long long)ctx->max_batch, (long long)n);
     colibri_status st = cb_check_input(ctx, ids, n, start_pos);
     if (st != COLIBRI_OK) return st;
-    ctx->sess.cached_len = start_pos;
-    run_setup(ctx, ids, n, start_pos);
+    seq0_prepare(ctx, start_pos, n);
+    run_setup(ctx, ids, n, 0, start_pos);
     return COLIBRI_OK;
 }
 
@@ -744,10 +867,7 @@ colibri_status cb_stage_run(colibri_ctx *ctx, int32_t stage, float *logits) {
                        (long long)r->T, ctx->cfg.vocab);
     run_stage(ctx, stage, r->layer < 0 ? 0 : (uint32_t)r->layer, logits);
     run_advance(ctx);
-    if (stage == COLIBRI_STAGE_LM_HEAD) {
-        ctx->sess.cached_len = r->pos0 + r->T;
-        return check_logits(ctx, logits, r->T, 0);
-    }
+    if (stage == COLIBRI_STAGE_LM_HEAD) return check_logits(ctx, logits, r->T, 0);
     return COLIBRI_OK;
 }
 

@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "colibri.h"
+#include "model/kv.h"
 
 /* Every run-time buffer, carved from the arena. B = max_batch, S = max_seq_len,
  * Nq = n_heads*head_dim, Nkv = n_kv_heads*head_dim, R = max_rows (B*top_k + E*(group_pad-1)),
@@ -46,6 +47,12 @@ typedef struct cb_scratch {
     float *sample_p;     /* [V] sampler probabilities */
     int32_t *sample_idx; /* [V] sampler candidate ids */
     int32_t *run_ids;    /* [B] the token ids of the chunk being run (stage-by-stage runs keep them) */
+    int32_t *row_seq;    /* [B] the sequence of each row of the chunk */
+    int64_t *row_pos;    /* [B] the position of each row in its sequence */
+    int32_t *head_idx;   /* [B] rows whose logits the LM head computes, ascending */
+    int64_t *seg_row;    /* [B+1] first row of each attention segment (a run of rows of one
+                          * sequence at consecutive positions); seg_row[n_seg] = T */
+    int64_t *seq_next;   /* [max_seqs] next position of each sequence while a batch is checked */
     float *down_part;    /* [down_part_rows, H] per-block partial sums of few-row down projections */
     int64_t down_part_rows;
     int64_t max_rows;    /* R */
@@ -53,17 +60,17 @@ typedef struct cb_scratch {
 
 /* The chunk being run, stage by stage: the fused forward and colibri_stage_* share it. */
 typedef struct cb_run {
-    int64_t T;          /* tokens in the chunk */
-    int64_t pos0;       /* position of its first token */
+    int64_t T;          /* tokens (rows) in the chunk */
+    int64_t pos0;       /* position of its first row (stage-by-stage runs: one sequence, rows in order) */
+    int64_t n_seg;      /* attention segments (s->seg_row) */
     int32_t stage;      /* next stage (COLIBRI_STAGE_*), -1 when no stage run is active */
     int32_t layer;      /* layer of the next stage, -1 outside the layers */
-    int64_t head_rows;  /* LM_HEAD computes logits for the last head_rows tokens (0..T) */
+    int64_t head_rows;  /* LM_HEAD computes logits for rows s->head_idx[0 .. head_rows) */
 } cb_run;
 
+/* What lasts between calls: the sequences and their paged KV cache (model/kv.h). */
 typedef struct cb_session {
-    float *k_cache;      /* [n_layers, n_kv_heads, S, head_dim]: each head's positions contiguous */
-    float *v_cache;      /* the same layout */
-    int64_t cached_len;  /* positions 0..cached_len-1 are valid */
+    cb_kv kv;
 } cb_session;
 
 /* scratch.c: size the arena from the context's options, allocate it once and carve every
@@ -72,6 +79,8 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len);
 /* forward.c */
 colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos,
                           float *logits, int last_only);
+/* colibri_batch (arguments not yet checked beyond ctx != NULL). */
+colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *entries, int64_t n, float *logits);
 /* Checks shared by colibri_forward_at and colibri_stage_begin (nothing is changed). */
 colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos);
 /* Stage-by-stage execution (colibri_stage_*). */

@@ -20,13 +20,20 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     uint64_t half = c->head_dim / 2, L = c->n_layers;
     uint64_t F = c->dense_inter > c->shared_inter ? c->dense_inter : c->shared_inter;
     uint64_t R = 0, tmp = 0, kv = 0;
+    cb_kv *kc = &ss->kv;
+    uint64_t P = (uint64_t)ctx->kv_block_tokens, NS = (uint64_t)ctx->max_seqs;
+    uint64_t n_blocks = ((uint64_t)ctx->kv_tokens + P - 1) / P, max_blocks = (S + P - 1) / P;
+    uint64_t tables = 0;
     int ok = 1;
     /* R = B*K + E*(group_pad-1): each non-empty group gains at most group_pad-1 zero rows */
     ok &= cb_mul_u64(B, K, &R);
     ok &= cb_mul_u64(E, (uint64_t)(ctx->group_pad - 1), &tmp);
     ok &= cb_add_u64(R, tmp, &R);
-    ok &= cb_mul_u64(L, S, &kv);
+    /* the KV pool: n_blocks blocks of P positions of every layer's Nkv values, K and V apart */
+    ok &= cb_mul_u64(n_blocks, P, &kv);
+    ok &= cb_mul_u64(kv, L, &kv);
     ok &= cb_mul_u64(kv, Nkv, &kv);
+    ok &= cb_mul_u64(NS, max_blocks, &tables);
     if (!ok) {
         cb_set_err(err, err_len, "the run-time buffers for these options overflow 64 bits; "
                    "lower max_seq_len, max_batch or group_pad");
@@ -39,8 +46,12 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     s->down_part_rows = (int64_t)(2 * (K * nblk_i + nblk_f));
     uint64_t BH = B * H; /* B <= 2^32 and H <= 2^24: cannot overflow */
     cb_arena_item items[] = {
-        {(void **)&ss->k_cache, kv, 4, "K cache"},
-        {(void **)&ss->v_cache, kv, 4, "V cache"},
+        {(void **)&kc->k, kv, 4, "K cache"},
+        {(void **)&kc->v, kv, 4, "V cache"},
+        {(void **)&kc->table, tables, 4, "KV block tables"},
+        {(void **)&kc->len, NS, 8, "sequence lengths"},
+        {(void **)&kc->ref, n_blocks, 4, "KV block counts"},
+        {(void **)&kc->free_ids, n_blocks, 4, "KV free blocks"},
         {(void **)&s->x, BH, 4, "x"},
         {(void **)&s->xn, BH, 4, "xn"},
         {(void **)&s->q, B * Nq, 4, "q"},
@@ -70,6 +81,11 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&s->sample_p, V, 4, "sample_p"},
         {(void **)&s->sample_idx, V, 4, "sample_idx"},
         {(void **)&s->run_ids, B, 4, "run_ids"},
+        {(void **)&s->row_seq, B, 4, "row_seq"},
+        {(void **)&s->row_pos, B, 8, "row_pos"},
+        {(void **)&s->head_idx, B, 4, "head_idx"},
+        {(void **)&s->seg_row, B + 1, 8, "seg_row"},
+        {(void **)&s->seq_next, NS, 8, "seq_next"},
         {(void **)&s->down_part, (uint64_t)s->down_part_rows * H, 4, "down_part"},
     };
     const size_t n_items = sizeof items / sizeof items[0];
@@ -89,9 +105,9 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
         return COLIBRI_E_NOMEM;
     }
     if (!mem) {
-        cb_set_err(err, err_len, "cannot allocate the %.1f MiB arena (KV cache %.1f MiB for max_seq_len %lld); "
-                   "lower max_seq_len or max_batch", (double)alloc / 1048576.0,
-                   2.0 * (double)kv * 4 / 1048576.0, (long long)ctx->max_seq_len);
+        cb_set_err(err, err_len, "cannot allocate the %.1f MiB arena (KV cache %.1f MiB for %lld positions); "
+                   "lower kv_tokens, max_seq_len or max_batch", (double)alloc / 1048576.0,
+                   2.0 * (double)kv * 4 / 1048576.0, (long long)(n_blocks * P));
         return COLIBRI_E_NOMEM;
     }
     ctx->arena = mem;
@@ -104,6 +120,14 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
         float expo = (float)(2 * i) / (float)c->head_dim;
         s->inv_freq[i] = 1.0f / powf((float)c->rope_theta, expo);
     }
-    ss->cached_len = 0;
+    kc->n_blocks = (int64_t)n_blocks;
+    kc->block_len = (int64_t)P;
+    kc->max_blocks = (int64_t)max_blocks;
+    kc->max_seqs = (int64_t)NS;
+    kc->head_dim = c->head_dim;
+    kc->head_stride = (int64_t)P * c->head_dim;
+    kc->layer_stride = (int64_t)c->n_kv_heads * kc->head_stride;
+    kc->block_stride = (int64_t)L * kc->layer_stride;
+    cb_kv_reset(kc);
     return COLIBRI_OK;
 }
