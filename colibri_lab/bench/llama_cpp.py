@@ -13,7 +13,7 @@ from pathlib import Path
 from .common import _say
 from .files import _model_key
 
-LLAMA_TARGETS = ("llama-bench", "llama-quantize", "llama-completion")
+LLAMA_TARGETS = ("llama-bench", "llama-quantize", "llama-completion", "llama-server")
 
 
 def _find_llama_src(root: Path) -> Path | None:

@@ -1,0 +1,259 @@
+"""Drive a running ``colibri_server`` (or any OpenAI-compatible server) from Python: start
+one on 127.0.0.1, send streamed completions from concurrent clients and measure them, and
+read its Prometheus ``/metrics``. Used by ``notebooks/04_serving.ipynb`` and by the serving
+benchmark (``python -m colibri_lab.bench.serving``).
+
+    with serving.start("model.colibri", parallel=8) as srv:
+        r = serving.load(srv.port, concurrency=8, prompts=serving.prompts(64, 8, 40), max_tokens=32,
+                         duration=10)
+        r["output_tok_s"], r["ttft_p50_ms"], r["itl_p99_ms"]
+        serving.metrics(srv.port)["colibri_kv_blocks_used"]
+
+Only the loopback address is used; every request loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+WORDS = ("the of and to in is that for it as with was on be by at this are from or an have "
+         "not which but all they one were there had been has their more can will would when "
+         "what about time each some other into two model expert router token layer weight "
+         "batch stream memory cache server request python engine matrix vector").split()
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[str]:
+    """n prompts of lo..hi words from a fixed list, seeded (the same list for every server)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """Linear interpolation between order statistics (numpy's default); None for no data."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    i = int(k)
+    return xs[i] if i + 1 >= len(xs) else xs[i] + (xs[i + 1] - xs[i]) * (k - i)
+
+
+class Server:
+    """A server process on 127.0.0.1 with /health polled until it answers 200."""
+
+    def __init__(self, name: str, argv: list[str], port: int, log):
+        self.name, self.port = name, port
+        self.log = open(log, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def wait_healthy(self, timeout: float = 600) -> None:
+        t_end = time.monotonic() + timeout
+        while time.monotonic() < t_end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} ({self.log.name})")
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"{self.name} did not become healthy in {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            self.log.close()
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def request_stream(port: int, model: str, prompt: str, max_tokens: int, seed: int, timeout: float) -> dict:
+    """One streamed completion: the token event times and the completion token count."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8,
+                       "seed": seed, "stream": True, "stream_options": {"include_usage": True}})
+    t0 = time.perf_counter()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
+    times, n_usage = [], None
+    for raw in r:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        ev = json.loads(data)
+        if ev.get("usage"):
+            n_usage = ev["usage"].get("completion_tokens")
+        ch = ev.get("choices") or []
+        if ch and (ch[0].get("text") or "") != "":
+            times.append(time.perf_counter())
+    c.close()
+    return {"t0": t0, "times": times, "tokens": n_usage if n_usage is not None else len(times)}
+
+
+def load(port: int, concurrency: int, prompts: list[str], max_tokens: int = 32, duration: float = 10.0,
+         per_client: int = 1000, timeout: float = 300.0, model: str = "model", keep: bool = False) -> dict:
+    """`concurrency` closed-loop clients streaming completions for `duration` seconds (or
+    per_client requests each): output tokens/s, TTFT and inter-token latency P50/P99 (ms),
+    requests done and failed. keep=True also returns every request's "ttft_s" and "itl_s" lists."""
+    results, failures, lock = [], [], threading.Lock()
+    t_start = time.perf_counter()
+    t_end = t_start + duration
+
+    def client(cid: int):
+        for k in range(per_client):
+            if time.perf_counter() >= t_end:
+                return
+            i = (cid * per_client + k) % len(prompts)
+            try:
+                res = request_stream(port, model, prompts[i], max_tokens, seed=1000 * cid + k, timeout=timeout)
+                with lock:
+                    results.append(res)
+            except Exception as e:  # counted, reported; the load goes on
+                with lock:
+                    failures.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=duration + timeout + 30)
+    wall = time.perf_counter() - t_start
+    ttft = [r["times"][0] - r["t0"] for r in results if r["times"]]
+    itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
+    tokens = sum(r["tokens"] for r in results)
+    out = {
+        "concurrency": concurrency, "requests": len(results), "failed": len(failures),
+        "failures": failures[:5], "wall_s": wall, "output_tokens": tokens,
+        "output_tok_s": tokens / wall if wall > 0 else 0.0,
+        "ttft_p50_ms": 1e3 * percentile(ttft, 0.5) if ttft else None,
+        "ttft_p99_ms": 1e3 * percentile(ttft, 0.99) if ttft else None,
+        "itl_p50_ms": 1e3 * percentile(itl, 0.5) if itl else None,
+        "itl_p99_ms": 1e3 * percentile(itl, 0.99) if itl else None,
+    }
+    if keep:
+        out["ttft_s"], out["itl_s"] = ttft, itl
+    return out
+
+
+def server_exe() -> str | None:
+    """colibri_server: $COLIBRI_SERVER, beside this Python (pip installs it there), or on PATH."""
+    cands = [os.environ.get("COLIBRI_SERVER"), str(Path(sys.executable).parent / "colibri_server"),
+             shutil.which("colibri_server")]
+    return next((c for c in cands if c and Path(c).is_file()), None)
+
+
+def start(path, *, parallel: int = 4, threads: int = 2, max_seq_len: int | None = None,
+          kv_tokens: int | None = None, extra: list[str] | None = None, log=None,
+          timeout: float = 300.0) -> Server:
+    """Start colibri_server on 127.0.0.1 (a free port) for `path` and wait until /health says 200.
+    Use as a context manager, or call .stop()."""
+    exe = server_exe()
+    if exe is None:
+        raise FileNotFoundError("colibri_server not found: pip install . builds it when libmicrohttpd "
+                                "and jansson are installed (make test installs them); or set COLIBRI_SERVER")
+    port = free_port()
+    argv = [exe, "--model", os.fspath(path), "--host", f"127.0.0.1:{port}", "--num_threads", str(threads),
+            "--parallel", str(parallel), "--max_batch_size", str(parallel)]
+    if max_seq_len:
+        argv += ["--max_seq_len", str(max_seq_len)]
+    if kv_tokens:
+        argv += ["--kv_tokens", str(kv_tokens)]
+    srv = Server("colibri_server", argv + list(extra or []), port, log or os.devnull)
+    try:
+        srv.wait_healthy(timeout)
+    except Exception:
+        srv.stop()
+        raise
+    return srv
+
+
+def metrics(port: int, timeout: float = 10.0) -> dict:
+    """/metrics parsed: {name: value} for plain samples and {name: {labels: value}} for labelled
+    ones, labels as a tuple of (key, value) pairs; histogram buckets under NAME_bucket."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("GET", "/metrics")
+    r = c.getresponse()
+    text = r.read().decode()
+    c.close()
+    if r.status != 200:
+        raise RuntimeError(f"/metrics answered {r.status}")
+    out: dict = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        if "{" in name_labels:
+            name, _, lab = name_labels.partition("{")
+            labels = tuple(tuple(kv.split("=", 1)) for kv in lab.rstrip("}").split(",") if kv)
+            labels = tuple((k, v.strip('"')) for k, v in labels)
+            out.setdefault(name, {})[labels] = float(value)
+        else:
+            out[name_labels] = float(value)
+    return out
+
+
+def sample_metrics(port: int, names: list[str], period: float, stop: threading.Event) -> list[dict]:
+    """Poll /metrics every `period` seconds until `stop` is set: [{"t": s, name: value, ...}]."""
+    rows, t0 = [], time.perf_counter()
+    while not stop.is_set():
+        try:
+            m = metrics(port)
+            rows.append({"t": time.perf_counter() - t0, **{n: m.get(n) for n in names}})
+        except OSError:
+            pass
+        stop.wait(period)
+    return rows
+
+
+def post(port: int, path: str, body: dict, timeout: float = 300.0, headers: dict | None = None) -> tuple[int, dict]:
+    """POST a JSON body to 127.0.0.1:port/path; (status, parsed JSON answer)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, json.loads(data) if data else {}
+
+
+def complete(port: int, prompt, timeout: float = 300.0, **fields) -> dict:
+    """One non-streamed /v1/completions request (fields as the OpenAI API names them);
+    raises RuntimeError with the server's error message on a non-200 answer."""
+    status, ans = post(port, "/v1/completions", {"model": "model", "prompt": prompt, **fields}, timeout)
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {ans.get('error', {}).get('message', ans)}")
+    return ans
