@@ -4,6 +4,9 @@
 #   make demo   convert the tiny Mixtral in data/, show its header, generate, top-5
 #   make test   native C tests (ctest, warnings as errors) and the Python tests (pytest)
 #
+# Both install libmicrohttpd-dev and libjansson-dev (apt-get, as root) when they are missing,
+# so that colibri_server is built with the rest.
+#
 # Both are idempotent: re-running them reuses .venv and the CMake build folders.
 
 PYTHON ?= python3
@@ -32,6 +35,9 @@ $(PY):
 venv: $(PY)
 
 demo: $(PY)
+	# colibri_server needs libmicrohttpd and jansson (Debian's -dev packages, found with
+	# pkg-config) before pip builds native/; without them it is skipped with a warning
+	dpkg -s libmicrohttpd-dev libjansson-dev pkg-config >/dev/null 2>&1 || (apt-get update && apt-get install -y libmicrohttpd-dev libjansson-dev pkg-config)
 	$(PIP) install .
 	@mkdir -p build
 	$(BIN)/colibri-convert --model_name_or_path $(DEMO_SRC) --output_path $(DEMO_MODEL) --dtype bf16
@@ -47,6 +53,9 @@ test: $(PY)
 	# torch first, pinned: the CPU wheel. An unpinned torch pulled in by another package
 	# would download a multi-GB CUDA build.
 	$(PIP) install torch==2.13.0
+	# colibri_server needs libmicrohttpd and jansson (Debian's -dev packages, found with
+	# pkg-config) before pip builds native/; without them it is skipped with a warning
+	dpkg -s libmicrohttpd-dev libjansson-dev pkg-config >/dev/null 2>&1 || (apt-get update && apt-get install -y libmicrohttpd-dev libjansson-dev pkg-config)
 	$(PIP) install -e ".[test]"
 	$(MAKE) native-tests
 	# the browser test (tests/test_browser.py) drives Debian's chromium (needs root to install)

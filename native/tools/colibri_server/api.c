@@ -1,0 +1,1087 @@
+/*
+ * api.c — the OpenAI-compatible request and response bodies of colibri_server (jansson):
+ * checking a request and tokenizing its prompt (cs_api_parse), the scheduler callbacks
+ * that turn generated ids into text (stop strings matched on the decoded text across
+ * token boundaries, log-probabilities) and into server-sent events, and the final JSON.
+ *
+ * Text of a choice: decode(tail of the prompt + generated ids) minus decode(tail), as
+ * Engine.generate and colibri_cli do with the whole prompt (a SentencePiece first piece
+ * keeps its space). Text is released only when it can no longer change: a trailing
+ * U+FFFD (a character whose bytes are still arriving) and a tail that could begin a stop
+ * string are held back until the next token or the end.
+ */
+#define _GNU_SOURCE /* memmem */
+#include <errno.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "chat.h"
+#include "server.h"
+
+#define PREFIX_TOKENS 8
+
+typedef struct job_choice {
+    int32_t *ids;        /* generated ids, EOS excluded */
+    int64_t n_ids, cap;
+    char *text;          /* decoded generated text */
+    size_t len;
+    size_t emitted;      /* bytes of text released (streamed, or kept for the response) */
+    int stopped;         /* a stop string matched at `emitted` */
+    cs_finish why;
+    json_t *lp;          /* completions: {tokens, token_logprobs, top_logprobs, text_offset};
+                          * chat: [entries] */
+} job_choice;
+
+struct cs_job {
+    cs_request req;      /* first: the scheduler's view */
+    cs_server *srv;
+    cs_api_kind kind;
+    int stream, echo, logprobs; /* logprobs: -1 off, else the number of alternatives */
+    int n_stops;
+    char *stops[CS_MAX_STOPS];
+    size_t stop_len[CS_MAX_STOPS];
+    int32_t *prompt;
+    int64_t n_prompt;
+    char *echo_text;
+    size_t echo_len;
+    int64_t n_prefix;    /* the prompt tail decoded before the generated ids */
+    size_t prefix_len;   /* bytes of decode(tail), trailing U+FFFD excluded */
+    char id[64];
+    int64_t created;
+    int n_finished;
+    job_choice ch[CS_MAX_CHOICES];
+    /* shared with the HTTP thread */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    char *out;           /* pending server-sent events */
+    size_t out_len, out_cap, out_sent;
+    int done;
+    char *error;
+    int refs;
+    int fd;
+};
+
+/* ---- small helpers ------------------------------------------------------------------- */
+
+int cs_utf8_valid(const char *str, size_t n, size_t *bad) {
+    const unsigned char *s = (const unsigned char *)str;
+    size_t i = 0;
+    while (i < n) {
+        unsigned c = s[i];
+        size_t k;
+        uint32_t cp, min;
+        if (c < 0x80) { i++; continue; }
+        else if ((c & 0xE0) == 0xC0) { k = 1; cp = c & 0x1F; min = 0x80; }
+        else if ((c & 0xF0) == 0xE0) { k = 2; cp = c & 0x0F; min = 0x800; }
+        else if ((c & 0xF8) == 0xF0) { k = 3; cp = c & 0x07; min = 0x10000; }
+        else goto fail;
+        if (i + k >= n) goto fail;
+        for (size_t j = 1; j <= k; j++) {
+            if ((s[i + j] & 0xC0) != 0x80) goto fail;
+            cp = (cp << 6) | (s[i + j] & 0x3F);
+        }
+        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) goto fail;
+        i += k + 1;
+    }
+    return 1;
+fail:
+    if (bad) *bad = i;
+    return 0;
+}
+
+void cs_api_set_error(cs_api_error *e, int status, const char *type, const char *param, const char *code,
+                      const char *fmt, ...) {
+    e->status = status;
+    e->type = type;
+    e->param = param;
+    e->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+    size_t bad;
+    if (!cs_utf8_valid(e->message, strlen(e->message), &bad)) e->message[bad] = '\0';
+}
+
+#define BAD(param, ...) cs_api_set_error(err, 400, "invalid_request_error", param, NULL, __VA_ARGS__)
+
+static char *dump(json_t *o, size_t *len) {
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    if (s && len) *len = strlen(s);
+    return s;
+}
+
+char *cs_api_error_json(const cs_api_error *e, size_t *len) {
+    json_t *o = json_pack("{s:{s:s, s:s, s:o, s:o}}", "error", "message", e->message, "type",
+                          e->type ? e->type : "invalid_request_error", "param",
+                          e->param ? json_string(e->param) : json_null(), "code",
+                          e->code ? json_string(e->code) : json_null());
+    return o ? dump(o, len) : NULL;
+}
+
+char *cs_api_models_json(const cs_server *srv, size_t *len) {
+    json_t *o = json_pack("{s:s, s:[{s:s, s:s, s:I, s:s, s:I}]}", "object", "list", "data", "id",
+                          srv->model_id, "object", "model", "created", (json_int_t)srv->created,
+                          "owned_by", "colibri", "max_model_len", (json_int_t)srv->ctx_len);
+    return o ? dump(o, len) : NULL;
+}
+
+/* Tokenize (caller holds tok_mu). 0, or -1 with the tokenizer's message in err. */
+static int tokenize(colibri_tokenizer *tok, const char *text, size_t len, int add_bos, int32_t **ids,
+                    int64_t *n, char *err, size_t err_len) {
+    int64_t cap = (int64_t)len + 2;
+    int32_t *buf = malloc((size_t)cap * sizeof *buf);
+    if (!buf) goto oom;
+    colibri_status st = colibri_tokenize(tok, text, len, add_bos, buf, cap, n);
+    if (st == COLIBRI_E_BUFFER_TOO_SMALL) {
+        cap = *n;
+        int32_t *nb = realloc(buf, (size_t)cap * sizeof *buf);
+        if (!nb) goto oom;
+        buf = nb;
+        st = colibri_tokenize(tok, text, len, add_bos, buf, cap, n);
+    }
+    if (st != COLIBRI_OK) {
+        const char *m = colibri_tokenizer_last_error(tok);
+        snprintf(err, err_len, "tokenizing the prompt failed: %s", m && *m ? m : colibri_status_string(st));
+        free(buf);
+        return -1;
+    }
+    *ids = buf;
+    return 0;
+oom:
+    free(buf);
+    snprintf(err, err_len, "out of memory");
+    return -1;
+}
+
+/* Decode (caller holds tok_mu) into a malloc'd buffer; NULL on failure. */
+static char *detok(colibri_tokenizer *tok, const int32_t *ids, int64_t n, size_t *len) {
+    uint64_t cap = (uint64_t)n * 8 + 16, got = 0;
+    char *buf = malloc(cap + 1);
+    for (int tries = 0; buf && tries < 4; tries++) {
+        colibri_status st = colibri_detokenize(tok, ids, n, buf, cap, &got);
+        if (st == COLIBRI_OK) {
+            buf[got] = '\0';
+            *len = got;
+            return buf;
+        }
+        if (st != COLIBRI_E_BUFFER_TOO_SMALL) break;
+        cap = got + 16;
+        char *nb = realloc(buf, cap + 1);
+        if (!nb) break;
+        buf = nb;
+    }
+    free(buf);
+    return NULL;
+}
+
+static size_t fffd_tail(const char *s, size_t n) {
+    size_t k = n;
+    while (k >= 3 && (unsigned char)s[k - 3] == 0xEF && (unsigned char)s[k - 2] == 0xBF &&
+           (unsigned char)s[k - 1] == 0xBD)
+        k -= 3;
+    return n - k;
+}
+
+/* The text of one token for logprobs (caller holds tok_mu): its decoded text, with the
+ * space a SentencePiece "▁" stands for; a byte piece <0xHH> gives its byte in *byte. */
+static char *token_text(colibri_tokenizer *tok, int32_t id, size_t *len, int *byte) {
+    const char *piece = NULL;
+    uint64_t plen = 0;
+    *byte = -1;
+    if (colibri_token_piece(tok, id, &piece, &plen) == COLIBRI_OK && plen == 6 && !memcmp(piece, "<0x", 3) &&
+        piece[5] == '>') {
+        char hex[3] = {piece[3], piece[4], 0};
+        char *end;
+        long v = strtol(hex, &end, 16);
+        if (!*end) *byte = (int)v;
+    }
+    size_t n = 0;
+    char *t = detok(tok, &id, 1, &n);
+    if (!t) {
+        t = strdup("");
+        n = 0;
+    }
+    if (t && piece && plen >= 3 && !memcmp(piece, "\xE2\x96\x81", 3) && (n == 0 || t[0] != ' ')) {
+        char *w = malloc(n + 2);
+        if (w) {
+            w[0] = ' ';
+            memcpy(w + 1, t, n + 1);
+            free(t);
+            t = w;
+            n++;
+        }
+    }
+    *len = n;
+    return t;
+}
+
+/* ---- the job ------------------------------------------------------------------------- */
+
+static void job_free(cs_job *j) {
+    for (int c = 0; c < CS_MAX_CHOICES; c++) {
+        free(j->ch[c].ids);
+        free(j->ch[c].text);
+        json_decref(j->ch[c].lp);
+    }
+    for (int i = 0; i < j->n_stops; i++) free(j->stops[i]);
+    free(j->prompt);
+    free(j->echo_text);
+    free(j->out);
+    free(j->error);
+    pthread_mutex_destroy(&j->mu);
+    pthread_cond_destroy(&j->cv);
+    free(j);
+}
+
+void cs_job_unref(cs_job *j) {
+    if (!j) return;
+    pthread_mutex_lock(&j->mu);
+    int left = --j->refs;
+    pthread_mutex_unlock(&j->mu);
+    if (left == 0) job_free(j);
+}
+
+int cs_job_stream(const cs_job *j) { return j->stream; }
+void cs_job_set_fd(cs_job *j, int fd) { j->fd = fd; }
+void cs_job_cancel(cs_job *j) { cs_sched_cancel(j->srv->sched, &j->req); }
+
+/* Append one server-sent event (caller holds j->mu); takes the reference to o. */
+static void sse(cs_job *j, json_t *o) {
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (!s) return;
+    size_t n = strlen(s), need = j->out_len + n + 9;
+    if (need > j->out_cap) {
+        size_t cap = need * 2;
+        char *nb = realloc(j->out, cap);
+        if (!nb) {
+            free(s);
+            return;
+        }
+        j->out = nb;
+        j->out_cap = cap;
+    }
+    memcpy(j->out + j->out_len, "data: ", 6);
+    memcpy(j->out + j->out_len + 6, s, n);
+    memcpy(j->out + j->out_len + 6 + n, "\n\n", 2);
+    j->out_len += n + 8;
+    free(s);
+}
+
+static void sse_raw(cs_job *j, const char *s) {
+    size_t n = strlen(s), need = j->out_len + n;
+    if (need > j->out_cap) {
+        char *nb = realloc(j->out, need * 2);
+        if (!nb) return;
+        j->out = nb;
+        j->out_cap = need * 2;
+    }
+    memcpy(j->out + j->out_len, s, n);
+    j->out_len += n;
+}
+
+static json_t *usage_json(const cs_job *j) {
+    return json_pack("{s:I, s:I, s:I}", "prompt_tokens", (json_int_t)j->n_prompt, "completion_tokens",
+                     (json_int_t)j->req.completion_tokens, "total_tokens",
+                     (json_int_t)(j->n_prompt + j->req.completion_tokens));
+}
+
+static json_t *text_json(const char *s, size_t n) {
+    json_t *t = json_stringn(s, n);
+    return t ? t : json_string("\xEF\xBF\xBD");
+}
+
+/* A stream chunk for choice c: `delta` text (may be empty), a logprobs piece (taken),
+ * a finish reason or NULL, usage or NULL (taken). */
+static json_t *chunk(cs_job *j, int c, const char *delta, size_t dlen, json_t *lp, const char *finish,
+                     json_t *usage, int role) {
+    json_t *choice = json_object();
+    json_object_set_new(choice, "index", json_integer(c));
+    if (j->kind == CS_API_CHAT) {
+        json_t *d = json_object();
+        if (role) json_object_set_new(d, "role", json_string("assistant"));
+        if (dlen || role || !finish) json_object_set_new(d, "content", text_json(delta, dlen));
+        json_object_set_new(choice, "delta", d);
+    } else {
+        json_object_set_new(choice, "text", text_json(delta, dlen));
+    }
+    json_object_set_new(choice, "logprobs", lp ? lp : json_null());
+    json_object_set_new(choice, "finish_reason", finish ? json_string(finish) : json_null());
+    json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[o]}", "id", j->id, "object",
+                          j->kind == CS_API_CHAT ? "chat.completion.chunk" : "text_completion", "created",
+                          (json_int_t)j->created, "model", j->srv->model_id, "choices", choice);
+    if (o && usage) json_object_set_new(o, "usage", usage);
+    else json_decref(usage);
+    return o;
+}
+
+static const char *finish_name(cs_finish f) {
+    return f == CS_FINISH_STOP ? "stop" : f == CS_FINISH_LENGTH ? "length" : NULL;
+}
+
+/* log-softmax of row at `tok` and the `top` best alternatives, as OpenAI shapes them
+ * (caller holds tok_mu). Returns the entry for the stream and appends to ch->lp. */
+static json_t *logprobs_entry(cs_job *j, job_choice *ch, int32_t tok, const float *row, size_t text_offset) {
+    cs_server *srv = j->srv;
+    int64_t V = srv->vocab;
+    double mx = -INFINITY;
+    for (int64_t v = 0; v < V; v++)
+        if (row[v] > mx) mx = row[v];
+    double sum = 0;
+    for (int64_t v = 0; v < V; v++) sum += exp((double)row[v] - mx);
+    double lse = mx + log(sum);
+    int top = j->logprobs;
+    int32_t best[CS_MAX_TOP_LOGPROBS];
+    int nb = 0;
+    for (int64_t v = 0; v < V && top > 0; v++) {
+        int pos = nb;
+        while (pos > 0 && row[v] > row[best[pos - 1]]) pos--;
+        if (pos >= top) continue;
+        int last = nb < top ? nb : top - 1;
+        for (int k = last; k > pos; k--) best[k] = best[k - 1];
+        best[pos] = (int32_t)v;
+        if (nb < top) nb++;
+    }
+    size_t tl;
+    int byte;
+    char *tt = token_text(srv->tok, tok, &tl, &byte);
+    double lp = (double)row[tok] - lse;
+    json_t *entry;
+    if (j->kind == CS_API_CHAT) {
+        json_t *bytes = json_array();
+        if (byte >= 0) json_array_append_new(bytes, json_integer(byte));
+        else for (size_t i = 0; tt && i < tl; i++) json_array_append_new(bytes, json_integer((unsigned char)tt[i]));
+        json_t *alts = json_array();
+        for (int k = 0; k < nb; k++) {
+            size_t al;
+            int ab;
+            char *at = token_text(srv->tok, best[k], &al, &ab);
+            json_t *ab_arr = json_array();
+            if (ab >= 0) json_array_append_new(ab_arr, json_integer(ab));
+            else for (size_t i = 0; at && i < al; i++) json_array_append_new(ab_arr, json_integer((unsigned char)at[i]));
+            json_array_append_new(alts, json_pack("{s:o, s:f, s:o}", "token", text_json(at ? at : "", al), "logprob",
+                                                  (double)row[best[k]] - lse, "bytes", ab_arr));
+            free(at);
+        }
+        entry = json_pack("{s:o, s:f, s:o, s:o}", "token", text_json(tt ? tt : "", tl), "logprob", lp, "bytes", bytes,
+                          "top_logprobs", alts);
+        if (!ch->lp) ch->lp = json_array();
+        json_array_append(ch->lp, entry);
+        free(tt);
+        return json_pack("{s:[o]}", "content", entry);
+    }
+    json_t *alts = json_object();
+    for (int k = 0; k < nb; k++) {
+        size_t al;
+        int ab;
+        char *at = token_text(srv->tok, best[k], &al, &ab);
+        char *key = at ? at : strdup("");
+        size_t bad;
+        if (key && cs_utf8_valid(key, al, &bad) && !memchr(key, 0, al))
+            json_object_set_new(alts, key, json_real((double)row[best[k]] - lse));
+        free(key);
+    }
+    if (!ch->lp)
+        ch->lp = json_pack("{s:[], s:[], s:[], s:[]}", "tokens", "token_logprobs", "top_logprobs", "text_offset");
+    json_t *tokj = text_json(tt ? tt : "", tl);
+    json_array_append(json_object_get(ch->lp, "tokens"), tokj);
+    json_array_append_new(json_object_get(ch->lp, "token_logprobs"), json_real(lp));
+    json_array_append(json_object_get(ch->lp, "top_logprobs"), alts);
+    json_array_append_new(json_object_get(ch->lp, "text_offset"), json_integer((json_int_t)text_offset));
+    free(tt);
+    return json_pack("{s:[o], s:[f], s:[o], s:[I]}", "tokens", tokj, "token_logprobs", lp, "top_logprobs", alts,
+                     "text_offset", (json_int_t)text_offset);
+}
+
+/* Where the text of ch may be released up to (nothing that could still change or begin
+ * a stop string), and whether a stop string matched (then *stop_at is its offset). */
+static size_t release_point(const cs_job *j, const job_choice *ch, int *stopped, size_t *stop_at) {
+    const char *t = ch->text;
+    size_t len = ch->len;
+    *stopped = 0;
+    size_t best = (size_t)-1;
+    for (int i = 0; i < j->n_stops; i++) {
+        if (ch->emitted >= len) break;
+        const char *p = memmem(t + ch->emitted, len - ch->emitted, j->stops[i], j->stop_len[i]);
+        if (p && (size_t)(p - t) < best) best = (size_t)(p - t);
+    }
+    if (best != (size_t)-1) {
+        *stopped = 1;
+        *stop_at = best;
+        return best;
+    }
+    size_t end = len - fffd_tail(t, len), hold = 0;
+    for (int i = 0; i < j->n_stops; i++) {
+        size_t l = j->stop_len[i] - 1;
+        if (l > end) l = end;
+        for (; l > hold; l--)
+            if (!memcmp(t + end - l, j->stops[i], l)) {
+                hold = l;
+                break;
+            }
+    }
+    end -= hold;
+    return end > ch->emitted ? end : ch->emitted;
+}
+
+/* ---- scheduler callbacks (engine thread) -------------------------------------------- */
+
+static int cb_token(cs_request *r, int c, int32_t tok, const float *logits) {
+    cs_job *j = (cs_job *)r;
+    cs_server *srv = j->srv;
+    job_choice *ch = &j->ch[c];
+    if (ch->n_ids == ch->cap) {
+        int64_t cap = ch->cap ? ch->cap * 2 : 64;
+        int32_t *n = realloc(ch->ids, (size_t)(cap + j->n_prefix) * sizeof *n);
+        if (!n) return 1;
+        ch->ids = n;
+        ch->cap = cap;
+    }
+    if (j->kind == CS_API_CHAT && j->n_stops) {
+        /* a stop string that is one special token (e.g. <|im_end|>): the decoded text
+         * never shows it, so it is matched on the token's piece */
+        const char *piece = NULL;
+        uint64_t plen = 0;
+        pthread_mutex_lock(&srv->tok_mu);
+        int ok = colibri_token_piece(srv->tok, tok, &piece, &plen) == COLIBRI_OK;
+        int hit = 0;
+        for (int i = 0; ok && i < j->n_stops && !hit; i++) hit = plen == j->stop_len[i] && !memcmp(piece, j->stops[i], plen);
+        pthread_mutex_unlock(&srv->tok_mu);
+        if (hit) {
+            ch->stopped = 1;
+            return 1;
+        }
+    }
+    ch->ids[ch->n_ids++] = tok;
+    /* ids of the decode: the prompt tail, then the generated ids */
+    int32_t *ids = malloc((size_t)(j->n_prefix + ch->n_ids) * sizeof *ids);
+    if (!ids) return 1;
+    memcpy(ids, j->prompt + j->n_prompt - j->n_prefix, (size_t)j->n_prefix * sizeof *ids);
+    memcpy(ids + j->n_prefix, ch->ids, (size_t)ch->n_ids * sizeof *ids);
+    size_t before = ch->len;
+    json_t *lp = NULL;
+    pthread_mutex_lock(&srv->tok_mu);
+    size_t full_len = 0;
+    char *full = detok(srv->tok, ids, j->n_prefix + ch->n_ids, &full_len);
+    if (j->logprobs >= 0) lp = logprobs_entry(j, ch, tok, logits, j->echo_len + before);
+    pthread_mutex_unlock(&srv->tok_mu);
+    free(ids);
+    if (full) {
+        size_t skip = j->prefix_len <= full_len ? j->prefix_len : full_len;
+        memmove(full, full + skip, full_len - skip + 1);
+        free(ch->text);
+        ch->text = full;
+        ch->len = full_len - skip;
+        if (ch->emitted > ch->len) ch->emitted = ch->len;
+    }
+    int stopped = 0;
+    size_t stop_at = 0, upto = release_point(j, ch, &stopped, &stop_at);
+    size_t from = ch->emitted;
+    ch->emitted = upto;
+    if (stopped) ch->stopped = 1;
+    if (j->stream && (upto > from || lp)) {
+        pthread_mutex_lock(&j->mu);
+        sse(j, chunk(j, c, ch->text + from, upto - from, lp, NULL, NULL, 0));
+        pthread_cond_broadcast(&j->cv);
+        pthread_mutex_unlock(&j->mu);
+    } else {
+        json_decref(lp);
+    }
+    return stopped;
+}
+
+static void cb_finish(cs_request *r, int c, cs_finish why) {
+    cs_job *j = (cs_job *)r;
+    job_choice *ch = &j->ch[c];
+    ch->why = why;
+    j->n_finished++;
+    if (why != CS_FINISH_STOP && why != CS_FINISH_LENGTH) return;
+    size_t from = ch->emitted;
+    if (!ch->stopped) ch->emitted = ch->len; /* the end: everything held back goes out */
+    if (j->stream) {
+        int last = j->n_finished == r->n;
+        pthread_mutex_lock(&j->mu);
+        sse(j, chunk(j, c, ch->text ? ch->text + from : "", ch->emitted - from, NULL, finish_name(why),
+                     last ? usage_json(j) : NULL, 0));
+        pthread_cond_broadcast(&j->cv);
+        pthread_mutex_unlock(&j->mu);
+    }
+}
+
+static void cb_done(cs_request *r, const char *error) {
+    cs_job *j = (cs_job *)r;
+    pthread_mutex_lock(&j->mu);
+    j->done = 1;
+    if (error) j->error = strdup(error);
+    if (j->stream) {
+        if (error) {
+            cs_api_error e;
+            cs_api_set_error(&e, 500, "server_error", NULL, NULL, "%s", error);
+            size_t n;
+            char *s = cs_api_error_json(&e, &n);
+            if (s) {
+                sse_raw(j, "data: ");
+                sse_raw(j, s);
+                sse_raw(j, "\n\n");
+                free(s);
+            }
+        }
+        sse_raw(j, "data: [DONE]\n\n");
+    }
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+    cs_job_unref(j);
+}
+
+static const cs_request_callbacks CALLBACKS = {cb_token, cb_finish, cb_done};
+
+/* ---- parsing ------------------------------------------------------------------------- */
+
+/* An optional field: NULL when absent or null. */
+static json_t *field(json_t *root, const char *name) {
+    json_t *v = json_object_get(root, name);
+    return v && !json_is_null(v) ? v : NULL;
+}
+
+static int get_int(json_t *root, const char *name, int64_t lo, int64_t hi, int64_t *out, cs_api_error *err) {
+    json_t *v = field(root, name);
+    if (!v) return 0;
+    if (!json_is_integer(v)) {
+        BAD(name, "'%s' must be an integer between %" PRId64 " and %" PRId64, name, lo, hi);
+        return -1;
+    }
+    json_int_t x = json_integer_value(v);
+    if (x < lo || x > hi) {
+        BAD(name, "'%s' must be between %" PRId64 " and %" PRId64 ", got %" JSON_INTEGER_FORMAT, name, lo, hi, x);
+        return -1;
+    }
+    *out = x;
+    return 1;
+}
+
+static int get_num(json_t *root, const char *name, double lo, double hi, int lo_open, double *out,
+                   cs_api_error *err) {
+    json_t *v = field(root, name);
+    if (!v) return 0;
+    if (!json_is_number(v)) {
+        BAD(name, "'%s' must be a number", name);
+        return -1;
+    }
+    double x = json_number_value(v);
+    if (!isfinite(x) || x > hi || x < lo || (lo_open && x == lo)) {
+        BAD(name, "'%s' must be in %s%g, %g], got %g", name, lo_open ? "(" : "[", lo, hi, x);
+        return -1;
+    }
+    *out = x;
+    return 1;
+}
+
+static int get_bool(json_t *root, const char *name, int *out, cs_api_error *err) {
+    json_t *v = field(root, name);
+    if (!v) return 0;
+    if (!json_is_boolean(v)) {
+        BAD(name, "'%s' must be true or false", name);
+        return -1;
+    }
+    *out = json_is_true(v);
+    return 1;
+}
+
+static int add_stop(cs_job *j, const char *s, size_t n, cs_api_error *err) {
+    if (n == 0) {
+        BAD("stop", "a stop string must not be empty");
+        return -1;
+    }
+    if (n > CS_MAX_STOP_LEN) {
+        BAD("stop", "a stop string may have at most %d bytes", CS_MAX_STOP_LEN);
+        return -1;
+    }
+    for (int i = 0; i < j->n_stops; i++)
+        if (j->stop_len[i] == n && !memcmp(j->stops[i], s, n)) return 0;
+    if (j->n_stops >= CS_MAX_STOPS) {
+        BAD("stop", "at most %d stop strings", CS_MAX_STOPS);
+        return -1;
+    }
+    char *c = malloc(n + 1);
+    if (!c) {
+        BAD("stop", "out of memory");
+        return -1;
+    }
+    memcpy(c, s, n);
+    c[n] = '\0';
+    j->stops[j->n_stops] = c;
+    j->stop_len[j->n_stops++] = n;
+    return 0;
+}
+
+static uint64_t random_seed(cs_server *srv) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t x = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ (atomic_fetch_add(&srv->next_id, 1) << 17);
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* The prompt of /v1/completions: a string, an array of token ids, or an array of one of
+ * them. */
+static int parse_prompt(cs_job *j, json_t *p, cs_api_error *err) {
+    cs_server *srv = j->srv;
+    if (json_is_array(p) && json_array_size(p) == 1 &&
+        (json_is_string(json_array_get(p, 0)) || json_is_array(json_array_get(p, 0))))
+        p = json_array_get(p, 0);
+    if (json_is_string(p)) {
+        const char *s = json_string_value(p);
+        size_t n = json_string_length(p);
+        char msg[512];
+        pthread_mutex_lock(&srv->tok_mu);
+        int rc = tokenize(srv->tok, s, n, 1, &j->prompt, &j->n_prompt, msg, sizeof msg);
+        pthread_mutex_unlock(&srv->tok_mu);
+        if (rc) {
+            BAD("prompt", "%s", msg);
+            return -1;
+        }
+        if (j->echo) {
+            j->echo_text = malloc(n + 1);
+            if (j->echo_text) memcpy(j->echo_text, s, n + 1);
+            j->echo_len = j->echo_text ? n : 0;
+        }
+        return 0;
+    }
+    if (!json_is_array(p)) {
+        BAD("prompt", "'prompt' must be a string or an array of token ids");
+        return -1;
+    }
+    size_t n = json_array_size(p);
+    if (n == 0) {
+        BAD("prompt", "'prompt' is an empty array: give text or at least one token id");
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_array_get(p, i);
+        if (json_is_string(v) || json_is_array(v)) {
+            BAD("prompt", "only one prompt per request is supported; send one request per prompt");
+            return -1;
+        }
+        if (!json_is_integer(v)) {
+            BAD("prompt", "'prompt' must be a string or an array of integer token ids (element %zu is not)", i);
+            return -1;
+        }
+        json_int_t x = json_integer_value(v);
+        if (x < 0 || x >= srv->vocab) {
+            BAD("prompt", "token id %" JSON_INTEGER_FORMAT " at prompt position %zu is out of range: this model's "
+                "vocabulary has ids 0 to %" PRId64, x, i, srv->vocab - 1);
+            return -1;
+        }
+    }
+    j->prompt = malloc(n * sizeof *j->prompt);
+    if (!j->prompt) {
+        BAD("prompt", "out of memory");
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++) j->prompt[i] = (int32_t)json_integer_value(json_array_get(p, i));
+    j->n_prompt = (int64_t)n;
+    if (j->echo) {
+        pthread_mutex_lock(&srv->tok_mu);
+        j->echo_text = detok(srv->tok, j->prompt, j->n_prompt, &j->echo_len);
+        pthread_mutex_unlock(&srv->tok_mu);
+        if (!j->echo_text) j->echo_len = 0;
+    }
+    return 0;
+}
+
+/* The messages of /v1/chat/completions, rendered with the model's chat template. */
+static int parse_messages(cs_job *j, json_t *m, cs_api_error *err) {
+    cs_server *srv = j->srv;
+    if (!json_is_array(m) || json_array_size(m) == 0) {
+        BAD("messages", "'messages' must be a non-empty array of {\"role\", \"content\"} objects");
+        return -1;
+    }
+    size_t n = json_array_size(m);
+    cs_message *msgs = calloc(n, sizeof *msgs);
+    char **owned = calloc(n, sizeof *owned);
+    int rc = -1;
+    if (!msgs || !owned) {
+        BAD("messages", "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *o = json_array_get(m, i);
+        json_t *role = json_is_object(o) ? json_object_get(o, "role") : NULL;
+        json_t *content = json_is_object(o) ? json_object_get(o, "content") : NULL;
+        if (!json_is_object(o) || !json_is_string(role)) {
+            BAD("messages", "messages[%zu] must be an object with a string 'role'", i);
+            goto out;
+        }
+        msgs[i].role = json_string_value(role);
+        if (!content || json_is_null(content)) {
+            msgs[i].content = "";
+        } else if (json_is_string(content)) {
+            if (memchr(json_string_value(content), 0, json_string_length(content))) {
+                BAD("messages", "messages[%zu].content contains a NUL character", i);
+                goto out;
+            }
+            msgs[i].content = json_string_value(content);
+        } else if (json_is_array(content)) {
+            /* content parts: only {"type": "text", "text": ...}, joined */
+            size_t total = 0;
+            for (size_t k = 0; k < json_array_size(content); k++) {
+                json_t *part = json_array_get(content, k);
+                json_t *type = json_is_object(part) ? json_object_get(part, "type") : NULL;
+                json_t *text = json_is_object(part) ? json_object_get(part, "text") : NULL;
+                if (!json_is_string(type) || strcmp(json_string_value(type), "text") || !json_is_string(text)) {
+                    BAD("messages", "messages[%zu].content[%zu]: only text parts ({\"type\": \"text\", \"text\": "
+                        "...}) are supported", i, k);
+                    goto out;
+                }
+                total += json_string_length(text);
+            }
+            owned[i] = malloc(total + 1);
+            if (!owned[i]) {
+                BAD("messages", "out of memory");
+                goto out;
+            }
+            size_t at = 0;
+            for (size_t k = 0; k < json_array_size(content); k++) {
+                json_t *text = json_object_get(json_array_get(content, k), "text");
+                memcpy(owned[i] + at, json_string_value(text), json_string_length(text));
+                at += json_string_length(text);
+            }
+            owned[i][at] = '\0';
+            if (strlen(owned[i]) != at) {
+                BAD("messages", "messages[%zu].content contains a NUL character", i);
+                goto out;
+            }
+            msgs[i].content = owned[i];
+        } else {
+            BAD("messages", "messages[%zu].content must be a string, an array of text parts or null", i);
+            goto out;
+        }
+    }
+    char msg[512] = "";
+    pthread_mutex_lock(&srv->tok_mu);
+    int crc = cs_chat_tokenize(srv->tok, srv->chat_template, msgs, n, &j->prompt, &j->n_prompt, msg, sizeof msg);
+    pthread_mutex_unlock(&srv->tok_mu);
+    if (crc != 0) {
+        BAD("messages", "%s", *msg ? msg : "the chat template could not be applied");
+        goto out;
+    }
+    const char *const *stops = cs_chat_stop_strings(srv->chat_template);
+    for (int i = 0; stops && stops[i]; i++)
+        if (add_stop(j, stops[i], strlen(stops[i]), err)) goto out;
+    rc = 0;
+out:
+    for (size_t i = 0; owned && i < n; i++) free(owned[i]);
+    free(owned);
+    free(msgs);
+    return rc;
+}
+
+int cs_api_parse(cs_server *srv, cs_api_kind kind, const char *body, size_t len, cs_job **out, cs_api_error *err) {
+    *out = NULL;
+    size_t bad = 0;
+    if (!cs_utf8_valid(body, len, &bad)) {
+        BAD(NULL, "the request body is not valid UTF-8 (the first bad byte is at offset %zu)", bad);
+        return -1;
+    }
+    json_error_t je;
+    json_t *root = json_loadb(body, len, 0, &je);
+    if (!root) {
+        BAD(NULL, "the request body is not valid JSON: %s (line %d, column %d)", je.text, je.line, je.column);
+        return -1;
+    }
+    cs_job *j = NULL;
+    if (!json_is_object(root)) {
+        BAD(NULL, "the request body must be a JSON object");
+        goto fail;
+    }
+    json_t *model = field(root, "model");
+    if (model && !json_is_string(model)) {
+        BAD("model", "'model' must be a string");
+        goto fail;
+    }
+    if (model && strcmp(json_string_value(model), srv->model_id)) {
+        cs_api_set_error(err, 404, "invalid_request_error", "model", "model_not_found",
+                         "The model '%.200s' does not exist: this server serves '%s' (GET /v1/models)",
+                         json_string_value(model), srv->model_id);
+        goto fail;
+    }
+    j = calloc(1, sizeof *j);
+    if (!j) {
+        cs_api_set_error(err, 500, "server_error", NULL, NULL, "out of memory");
+        goto fail;
+    }
+    pthread_mutex_init(&j->mu, NULL);
+    pthread_cond_init(&j->cv, NULL);
+    j->refs = 1;
+    j->fd = -1;
+    j->srv = srv;
+    j->kind = kind;
+    j->logprobs = -1;
+    j->created = (int64_t)time(NULL);
+    snprintf(j->id, sizeof j->id, "%s-%016" PRIx64 "%08" PRIx64, kind == CS_API_CHAT ? "chatcmpl" : "cmpl",
+             random_seed(srv), (uint64_t)atomic_fetch_add(&srv->next_id, 1));
+
+    int64_t max_tokens = -1, n = 1, top_k = 0, seed = 0, lp = -1;
+    double temperature = 1.0, top_p = 1.0;
+    int have_seed = 0, b = 0;
+    if (get_int(root, "max_tokens", 1, srv->ctx_len, &max_tokens, err) < 0) goto fail;
+    if (kind == CS_API_CHAT && get_int(root, "max_completion_tokens", 1, srv->ctx_len, &max_tokens, err) < 0)
+        goto fail;
+    if (get_num(root, "temperature", 0, 100, 0, &temperature, err) < 0) goto fail;
+    if (get_num(root, "top_p", 0, 1, 1, &top_p, err) < 0) goto fail;
+    if (get_int(root, "top_k", -1, INT32_MAX, &top_k, err) < 0) goto fail;
+    if ((have_seed = get_int(root, "seed", INT64_MIN, INT64_MAX, &seed, err)) < 0) goto fail;
+    int64_t max_n = srv->max_seqs < CS_MAX_CHOICES ? srv->max_seqs : CS_MAX_CHOICES;
+    if (get_int(root, "n", 1, max_n, &n, err) < 0) goto fail;
+    if ((b = get_bool(root, "stream", &j->stream, err)) < 0) goto fail;
+    json_t *so = field(root, "stream_options");
+    if (so && !json_is_object(so)) {
+        BAD("stream_options", "'stream_options' must be an object");
+        goto fail;
+    }
+    if (kind == CS_API_COMPLETIONS) {
+        if (get_bool(root, "echo", &j->echo, err) < 0) goto fail;
+        json_t *l = field(root, "logprobs");
+        if (l && json_is_false(l)) l = NULL;
+        if (l && get_int(root, "logprobs", 0, CS_MAX_TOP_LOGPROBS, &lp, err) < 0) goto fail;
+    } else {
+        int want = 0;
+        int64_t top = -1;
+        if (get_bool(root, "logprobs", &want, err) < 0) goto fail;
+        if (get_int(root, "top_logprobs", 0, CS_MAX_TOP_LOGPROBS, &top, err) < 0) goto fail;
+        if (top >= 0 && !want) {
+            BAD("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+            goto fail;
+        }
+        if (want) lp = top >= 0 ? top : 0;
+    }
+    j->logprobs = (int)lp;
+    json_t *stop = field(root, "stop");
+    if (stop) {
+        if (json_is_string(stop)) {
+            if (add_stop(j, json_string_value(stop), json_string_length(stop), err)) goto fail;
+        } else if (json_is_array(stop)) {
+            for (size_t i = 0; i < json_array_size(stop); i++) {
+                json_t *s = json_array_get(stop, i);
+                if (!json_is_string(s)) {
+                    BAD("stop", "'stop' must be a string or an array of strings");
+                    goto fail;
+                }
+                if (add_stop(j, json_string_value(s), json_string_length(s), err)) goto fail;
+            }
+        } else {
+            BAD("stop", "'stop' must be a string or an array of strings");
+            goto fail;
+        }
+    }
+    if (kind == CS_API_COMPLETIONS) {
+        json_t *p = json_object_get(root, "prompt");
+        if (!p || json_is_null(p)) {
+            BAD("prompt", "'prompt' is required");
+            goto fail;
+        }
+        if (parse_prompt(j, p, err)) goto fail;
+    } else {
+        json_t *m = json_object_get(root, "messages");
+        if (!m) {
+            BAD("messages", "'messages' is required");
+            goto fail;
+        }
+        if (parse_messages(j, m, err)) goto fail;
+    }
+    if (j->n_prompt < 1) {
+        BAD(kind == CS_API_CHAT ? "messages" : "prompt", "the prompt has no tokens");
+        goto fail;
+    }
+    if (j->n_prompt >= srv->ctx_len) {
+        cs_api_set_error(err, 400, "invalid_request_error", kind == CS_API_CHAT ? "messages" : "prompt",
+                         "context_length_exceeded",
+                         "the prompt has %" PRId64 " tokens, but this server's context is %" PRId64
+                         " tokens (prompt and completion together), so a prompt may have at most %" PRId64
+                         " tokens; nothing is truncated",
+                         j->n_prompt, srv->ctx_len, srv->ctx_len - 1);
+        goto fail;
+    }
+    int64_t room = srv->ctx_len - j->n_prompt;
+    if (max_tokens < 0) {
+        max_tokens = kind == CS_API_CHAT ? room : srv->default_completion_tokens;
+        if (max_tokens > room) max_tokens = room;
+    }
+    j->n_prefix = j->n_prompt < PREFIX_TOKENS ? j->n_prompt : PREFIX_TOKENS;
+    {
+        pthread_mutex_lock(&srv->tok_mu);
+        size_t plen = 0;
+        char *pt = detok(srv->tok, j->prompt + j->n_prompt - j->n_prefix, j->n_prefix, &plen);
+        pthread_mutex_unlock(&srv->tok_mu);
+        j->prefix_len = pt ? plen - fffd_tail(pt, plen) : 0;
+        free(pt);
+    }
+    j->req.prompt = j->prompt;
+    j->req.n_prompt = j->n_prompt;
+    j->req.n = (int32_t)n;
+    j->req.max_tokens = max_tokens;
+    j->req.temperature = (float)temperature;
+    j->req.top_p = (float)top_p;
+    j->req.top_k = top_k < 0 ? 0 : (int32_t)top_k;
+    j->req.seed = have_seed ? (uint64_t)seed : random_seed(srv);
+    j->req.cb = &CALLBACKS;
+    j->req.user = j;
+    char msg[512];
+    if (cs_sched_check(srv->sched, &j->req, msg, sizeof msg) != CS_OK) {
+        BAD(NULL, "%s", msg);
+        goto fail;
+    }
+    (void)b;
+    json_decref(root);
+    *out = j;
+    return 0;
+fail:
+    json_decref(root);
+    if (j) job_free(j);
+    return -1;
+}
+
+int cs_api_submit(cs_job *j, cs_api_error *err) {
+    pthread_mutex_lock(&j->mu);
+    j->refs++;
+    if (j->stream) {
+        for (int c = 0; c < j->req.n; c++) {
+            if (j->kind == CS_API_CHAT) sse(j, chunk(j, c, "", 0, NULL, NULL, NULL, 1));
+            else if (j->echo && j->echo_len) sse(j, chunk(j, c, j->echo_text, j->echo_len, NULL, NULL, NULL, 0));
+        }
+    }
+    pthread_mutex_unlock(&j->mu);
+    int rc = cs_sched_submit(j->srv->sched, &j->req);
+    if (rc == CS_OK) return 0;
+    pthread_mutex_lock(&j->mu);
+    j->refs--;
+    pthread_mutex_unlock(&j->mu);
+    if (rc == CS_E_QUEUE_FULL)
+        cs_api_set_error(err, 429, "rate_limit_exceeded", NULL, "queue_full",
+                         "the server is busy: its queue of waiting requests is full (--max_queue); retry later");
+    else if (rc == CS_E_STOPPED)
+        cs_api_set_error(err, 503, "server_error", NULL, NULL, "the server is shutting down");
+    else
+        cs_api_set_error(err, 400, "invalid_request_error", NULL, NULL, "the request cannot run on this server");
+    return -1;
+}
+
+void cs_job_wait(cs_job *j, int (*gone)(int fd)) {
+    pthread_mutex_lock(&j->mu);
+    int cancelled = 0;
+    while (!j->done) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 200 * 1000 * 1000;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&j->cv, &j->mu, &ts);
+        if (!j->done && !cancelled && gone && j->fd >= 0) {
+            pthread_mutex_unlock(&j->mu);
+            if (gone(j->fd)) {
+                cs_job_cancel(j);
+                cancelled = 1;
+            }
+            pthread_mutex_lock(&j->mu);
+        }
+    }
+    pthread_mutex_unlock(&j->mu);
+}
+
+long cs_job_read_stream(cs_job *j, char *buf, size_t max, int wait_ms) {
+    pthread_mutex_lock(&j->mu);
+    if (j->out_sent == j->out_len && !j->done) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += (long)wait_ms * 1000 * 1000;
+        while (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&j->cv, &j->mu, &ts);
+    }
+    long got;
+    if (j->out_sent < j->out_len) {
+        size_t n = j->out_len - j->out_sent;
+        if (n > max) n = max;
+        memcpy(buf, j->out + j->out_sent, n);
+        j->out_sent += n;
+        got = (long)n;
+    } else {
+        got = j->done ? -1 : 0;
+    }
+    pthread_mutex_unlock(&j->mu);
+    return got;
+}
+
+char *cs_job_response(cs_job *j, size_t *len, int *status) {
+    if (j->error) {
+        cs_api_error e;
+        cs_api_set_error(&e, 500, "server_error", NULL, NULL, "%s", j->error);
+        *status = 500;
+        return cs_api_error_json(&e, len);
+    }
+    json_t *choices = json_array();
+    for (int c = 0; c < j->req.n; c++) {
+        job_choice *ch = &j->ch[c];
+        const char *fin = finish_name(ch->why);
+        json_t *o = json_object();
+        json_object_set_new(o, "index", json_integer(c));
+        size_t tl = ch->emitted;
+        if (j->kind == CS_API_CHAT) {
+            json_object_set_new(o, "message", json_pack("{s:s, s:o}", "role", "assistant", "content",
+                                                        text_json(ch->text ? ch->text : "", tl)));
+            json_object_set_new(o, "logprobs",
+                                j->logprobs >= 0 ? json_pack("{s:o}", "content", ch->lp ? json_incref(ch->lp) : json_array())
+                                                 : json_null());
+        } else {
+            json_t *t;
+            if (j->echo && j->echo_len) {
+                char *both = malloc(j->echo_len + tl + 1);
+                if (both) {
+                    memcpy(both, j->echo_text, j->echo_len);
+                    if (tl) memcpy(both + j->echo_len, ch->text, tl);
+                    t = text_json(both, j->echo_len + tl);
+                    free(both);
+                } else {
+                    t = json_string("");
+                }
+            } else {
+                t = text_json(ch->text ? ch->text : "", tl);
+            }
+            json_object_set_new(o, "text", t);
+            json_object_set_new(o, "logprobs",
+                                j->logprobs >= 0 ? (ch->lp ? json_incref(ch->lp)
+                                                           : json_pack("{s:[], s:[], s:[], s:[]}", "tokens",
+                                                                       "token_logprobs", "top_logprobs", "text_offset"))
+                                                 : json_null());
+        }
+        json_object_set_new(o, "finish_reason", fin ? json_string(fin) : json_null());
+        json_array_append_new(choices, o);
+    }
+    json_t *root = json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", j->id, "object",
+                             j->kind == CS_API_CHAT ? "chat.completion" : "text_completion", "created",
+                             (json_int_t)j->created, "model", j->srv->model_id, "choices", choices, "usage",
+                             usage_json(j));
+    *status = 200;
+    char *s = root ? dump(root, len) : NULL;
+    if (!s) {
+        cs_api_error e;
+        cs_api_set_error(&e, 500, "server_error", NULL, NULL, "out of memory");
+        *status = 500;
+        return cs_api_error_json(&e, len);
+    }
+    return s;
+}

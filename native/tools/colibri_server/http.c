@@ -1,0 +1,379 @@
+/*
+ * http.c — colibri_server's HTTP front end on libmicrohttpd: routing, the API key, the
+ * body limit, JSON and server-sent-event responses, and noticing a client that left.
+ *
+ * libmicrohttpd runs one thread per connection (MHD_USE_THREAD_PER_CONNECTION), so a
+ * handler may block: a plain request waits in its handler for the job to finish; a
+ * streaming one returns a response whose reader callback blocks until the scheduler has
+ * produced the next events. Both look at the socket every 200 ms, and a client that
+ * closed its connection cancels its job (its KV blocks return in the next step).
+ */
+#define _GNU_SOURCE /* POLLRDHUP */
+#include <arpa/inet.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+
+#include "server.h"
+
+struct cs_http {
+    struct MHD_Daemon *d;
+    cs_server *srv;
+    int port;
+};
+
+enum route {
+    R_NONE = 0, R_HEALTH, R_METRICS, R_MODELS, R_COMPLETIONS, R_CHAT
+};
+
+typedef struct conn {
+    enum route route;
+    char *body;
+    size_t len, cap;
+    int done;          /* a response was queued */
+} conn;
+
+typedef struct stream_ctx {
+    cs_job *job;
+    int fd;
+} stream_ctx;
+
+/* ---- responses ---------------------------------------------------------------------- */
+
+static enum MHD_Result send_buf(struct MHD_Connection *c, unsigned status, char *buf, size_t len,
+                                const char *type) {
+    if (!buf) {
+        static const char oom[] = "{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\",\"param\":null,"
+                                  "\"code\":null}}";
+        buf = strdup(oom);
+        if (!buf) return MHD_NO;
+        len = strlen(buf);
+        status = 500;
+    }
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, buf, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(buf);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+    enum MHD_Result ok = MHD_queue_response(c, status, r);
+    MHD_destroy_response(r);
+    return ok;
+}
+
+static enum MHD_Result send_json(struct MHD_Connection *c, unsigned status, char *json, size_t len) {
+    return send_buf(c, status, json, len, "application/json");
+}
+
+static enum MHD_Result send_error(struct MHD_Connection *c, const cs_api_error *e) {
+    size_t len = 0;
+    char *s = cs_api_error_json(e, &len);
+    return send_json(c, (unsigned)e->status, s, len);
+}
+
+static enum MHD_Result fail(struct MHD_Connection *c, int status, const char *type, const char *code,
+                            const char *msg) {
+    cs_api_error e;
+    cs_api_set_error(&e, status, type, NULL, code, "%s", msg);
+    return send_error(c, &e);
+}
+
+/* ---- the client's socket ------------------------------------------------------------ */
+
+/* 1 when the peer closed its side (or the socket failed). */
+static int client_gone(int fd) {
+    struct pollfd p = {fd, POLLIN | POLLRDHUP, 0};
+    if (poll(&p, 1, 0) <= 0) return 0;
+    if (p.revents & (POLLHUP | POLLERR | POLLRDHUP | POLLNVAL)) return 1;
+    if (p.revents & POLLIN) {
+        char b;
+        ssize_t r = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (r == 0) return 1;
+    }
+    return 0;
+}
+
+static int conn_fd(struct MHD_Connection *c) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    return ci ? ci->connect_fd : -1;
+}
+
+/* ---- streaming ------------------------------------------------------------------------ */
+
+static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
+    stream_ctx *sc = cls;
+    (void)pos;
+    for (int i = 0; i < 75; i++) { /* up to 15 s, then a comment line keeps the stream alive */
+        long n = cs_job_read_stream(sc->job, buf, max, 200);
+        if (n > 0) return (ssize_t)n;
+        if (n < 0) return MHD_CONTENT_READER_END_OF_STREAM;
+        if (sc->fd >= 0 && client_gone(sc->fd)) {
+            cs_job_cancel(sc->job);
+            return MHD_CONTENT_READER_END_WITH_ERROR;
+        }
+    }
+    static const char ka[] = ": keep-alive\n\n";
+    if (max < sizeof ka - 1) return 0;
+    memcpy(buf, ka, sizeof ka - 1);
+    return (ssize_t)(sizeof ka - 1);
+}
+
+static void stream_free(void *cls) {
+    stream_ctx *sc = cls;
+    cs_job_cancel(sc->job); /* a no-op once it is done; else the client went away */
+    cs_job_unref(sc->job);
+    free(sc);
+}
+
+/* ---- the handler ----------------------------------------------------------------------- */
+
+static enum route route_of(const char *url) {
+    if (!strcmp(url, "/health")) return R_HEALTH;
+    if (!strcmp(url, "/metrics")) return R_METRICS;
+    if (!strcmp(url, "/v1/models")) return R_MODELS;
+    if (!strcmp(url, "/v1/completions")) return R_COMPLETIONS;
+    if (!strcmp(url, "/v1/chat/completions")) return R_CHAT;
+    return R_NONE;
+}
+
+/* Constant-time comparison of the presented key with ours. */
+static int key_ok(const cs_server *srv, struct MHD_Connection *c) {
+    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!h || strncasecmp(h, "Bearer ", 7)) return 0;
+    h += 7;
+    while (*h == ' ') h++;
+    size_t a = strlen(h), b = strlen(srv->api_key);
+    unsigned diff = (unsigned)(a ^ b);
+    for (size_t i = 0; i < a; i++) diff |= (unsigned char)h[i] ^ (unsigned char)srv->api_key[i % (b ? b : 1)];
+    return diff == 0;
+}
+
+static enum MHD_Result handle_metrics(cs_server *srv, struct MHD_Connection *c) {
+    cs_metrics m;
+    memset(&m, 0, sizeof m);
+    cs_hist_init_ttft(&m.ttft);
+    cs_hist_init_tpot(&m.tpot);
+    uint64_t *ex = NULL;
+    if (atomic_load(&srv->state) != CS_STATE_LOADING && srv->sched) {
+        cs_sched_snapshot(srv->sched, &m);
+        ex = cs_colibri_expert_counts(&srv->engine);
+        m.n_layers = srv->engine.n_layers;
+        m.n_experts = srv->engine.n_experts;
+        m.expert_tokens = ex;
+    }
+    size_t len = 0;
+    char *t = cs_metrics_render(&m, &len);
+    free(ex);
+    return send_buf(c, 200, t, len, "text/plain; version=0.0.4; charset=utf-8");
+}
+
+static enum MHD_Result handle_generate(cs_server *srv, struct MHD_Connection *c, conn *k) {
+    cs_api_error err;
+    cs_job *j = NULL;
+    if (cs_api_parse(srv, k->route == R_CHAT ? CS_API_CHAT : CS_API_COMPLETIONS, k->body ? k->body : "", k->len, &j,
+                     &err))
+        return send_error(c, &err);
+    int fd = conn_fd(c);
+    cs_job_set_fd(j, fd);
+    if (cs_api_submit(j, &err)) {
+        cs_job_unref(j);
+        return send_error(c, &err);
+    }
+    if (cs_job_stream(j)) {
+        stream_ctx *sc = malloc(sizeof *sc);
+        if (!sc) {
+            cs_job_cancel(j);
+            cs_job_unref(j);
+            return fail(c, 500, "server_error", NULL, "out of memory");
+        }
+        sc->job = j;
+        sc->fd = fd;
+        struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, stream_read, sc,
+                                                                   stream_free);
+        if (!r) {
+            stream_free(sc);
+            return MHD_NO;
+        }
+        MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+        MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+        enum MHD_Result ok = MHD_queue_response(c, 200, r);
+        MHD_destroy_response(r);
+        return ok;
+    }
+    cs_job_wait(j, client_gone);
+    size_t len = 0;
+    int status = 200;
+    char *s = cs_job_response(j, &len, &status);
+    cs_job_unref(j);
+    return send_json(c, (unsigned)status, s, len);
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                                  const char *version, const char *upload, size_t *upload_size, void **con_cls) {
+    cs_http *h = cls;
+    cs_server *srv = h->srv;
+    conn *k = *con_cls;
+    (void)version;
+    if (!k) {
+        /* first call: the headers are in; refuse what we can before the body */
+        k = calloc(1, sizeof *k);
+        if (!k) return MHD_NO;
+        *con_cls = k;
+        k->route = route_of(url);
+        int post = k->route == R_COMPLETIONS || k->route == R_CHAT;
+        int is_get = !strcmp(method, MHD_HTTP_METHOD_GET) || !strcmp(method, MHD_HTTP_METHOD_HEAD);
+        int is_post = !strcmp(method, MHD_HTTP_METHOD_POST);
+        if (k->route == R_NONE) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "no such endpoint: %.200s (try POST /v1/completions, POST /v1/chat/completions, "
+                     "GET /v1/models, GET /health, GET /metrics)", url);
+            k->done = 1;
+            return fail(c, 404, "invalid_request_error", "not_found", msg);
+        }
+        if ((post && !is_post) || (!post && !is_get)) {
+            k->done = 1;
+            cs_api_error e;
+            cs_api_set_error(&e, 405, "invalid_request_error", NULL, "method_not_allowed", "%s is not allowed on %s; use %s",
+                             method, url, post ? "POST" : "GET");
+            size_t len = 0;
+            char *s = cs_api_error_json(&e, &len);
+            if (!s) return MHD_NO;
+            struct MHD_Response *r = MHD_create_response_from_buffer(len, s, MHD_RESPMEM_MUST_FREE);
+            if (!r) { free(s); return MHD_NO; }
+            MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+            MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, post ? "POST" : "GET, HEAD");
+            enum MHD_Result ok = MHD_queue_response(c, 405, r);
+            MHD_destroy_response(r);
+            return ok;
+        }
+        if (k->route != R_HEALTH && k->route != R_METRICS && srv->api_key && *srv->api_key && !key_ok(srv, c)) {
+            k->done = 1;
+            return fail(c, 401, "invalid_request_error", "invalid_api_key",
+                        "missing or wrong API key: send 'Authorization: Bearer <key>'");
+        }
+        if (post) {
+            const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+            if (cl && strtoull(cl, NULL, 10) > (unsigned long long)srv->max_body_bytes) {
+                char msg[200];
+                snprintf(msg, sizeof msg, "the request body has %.30s bytes; this server accepts at most %lld (--max_body_bytes)",
+                         cl, (long long)srv->max_body_bytes);
+                k->done = 1;
+                return fail(c, 413, "invalid_request_error", "body_too_large", msg);
+            }
+        }
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        if (!k->done) {
+            if (k->len + *upload_size > (size_t)srv->max_body_bytes) {
+                char msg[200];
+                snprintf(msg, sizeof msg, "the request body is larger than %lld bytes (--max_body_bytes)",
+                         (long long)srv->max_body_bytes);
+                k->done = 1;
+                *upload_size = 0;
+                return fail(c, 413, "invalid_request_error", "body_too_large", msg);
+            }
+            if (k->len + *upload_size + 1 > k->cap) {
+                size_t cap = (k->len + *upload_size + 1) * 2;
+                if (cap > (size_t)srv->max_body_bytes + 1) cap = (size_t)srv->max_body_bytes + 1;
+                char *nb = realloc(k->body, cap);
+                if (!nb) return MHD_NO;
+                k->body = nb;
+                k->cap = cap;
+            }
+            memcpy(k->body + k->len, upload, *upload_size);
+            k->len += *upload_size;
+        }
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (k->done) return MHD_YES;
+    k->done = 1;
+    int ready = atomic_load(&srv->state) == CS_STATE_READY;
+    switch (k->route) {
+    case R_HEALTH: {
+        int state = atomic_load(&srv->state);
+        const char *body = state == CS_STATE_READY     ? "{\"status\":\"ok\"}"
+                           : state == CS_STATE_LOADING ? "{\"status\":\"loading\"}"
+                                                       : "{\"status\":\"stopping\"}";
+        return send_json(c, state == CS_STATE_READY ? 200 : 503, strdup(body), strlen(body));
+    }
+    case R_METRICS:
+        return handle_metrics(srv, c);
+    default:
+        break;
+    }
+    if (!ready)
+        return fail(c, 503, "server_error", "model_loading",
+                    atomic_load(&srv->state) == CS_STATE_LOADING ? "the model is still loading; retry when GET /health says ok"
+                                                                 : "the server is shutting down");
+    if (k->route == R_MODELS) {
+        size_t len = 0;
+        char *s = cs_api_models_json(srv, &len);
+        return send_json(c, 200, s, len);
+    }
+    return handle_generate(srv, c, k);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
+    (void)cls, (void)c, (void)toe;
+    conn *k = *con_cls;
+    if (k) {
+        free(k->body);
+        free(k);
+        *con_cls = NULL;
+    }
+}
+
+cs_http *cs_http_start(cs_server *srv, const cs_http_options *opt, char *err, size_t err_len) {
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    char port[16];
+    snprintf(port, sizeof port, "%d", opt->port);
+    int gai = getaddrinfo(opt->host, port, &hints, &res);
+    if (gai || !res) {
+        snprintf(err, err_len, "cannot resolve host '%s': %s", opt->host, gai ? gai_strerror(gai) : "no address");
+        return NULL;
+    }
+    cs_http *h = calloc(1, sizeof *h);
+    if (!h) {
+        freeaddrinfo(res);
+        snprintf(err, err_len, "out of memory");
+        return NULL;
+    }
+    h->srv = srv;
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
+    if (res->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
+    h->d = MHD_start_daemon(flags, (uint16_t)opt->port, NULL, NULL, on_request, h,
+                            MHD_OPTION_SOCK_ADDR, res->ai_addr,
+                            MHD_OPTION_CONNECTION_TIMEOUT, opt->timeout_s,
+                            MHD_OPTION_CONNECTION_LIMIT, opt->max_connections,
+                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, NULL,
+                            MHD_OPTION_END);
+    freeaddrinfo(res);
+    if (!h->d) {
+        snprintf(err, err_len, "cannot listen on %s:%d (address in use, or not an address of this machine)",
+                 opt->host, opt->port);
+        free(h);
+        return NULL;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
+    h->port = di ? di->port : opt->port;
+    return h;
+}
+
+int cs_http_port(const cs_http *h) { return h->port; }
+
+void cs_http_stop(cs_http *h) {
+    if (!h) return;
+    MHD_stop_daemon(h->d);
+    free(h);
+}

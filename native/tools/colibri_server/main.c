@@ -1,0 +1,362 @@
+/*
+ * colibri_server — serve a .colibri model over an OpenAI-compatible HTTP API with
+ * iteration-level continuous batching (docs/serving.md).
+ *
+ *   colibri_server --model m.colibri --port 8000 --parallel 8
+ *
+ * Start-up: the HTTP server listens first (GET /health says 503 "loading"), then the
+ * model is opened, its router norms checked, the scheduler made and one warm-up forward
+ * run; only then does /health say 200. The main thread then runs the scheduler (the only
+ * thread that touches the engine) until SIGINT or SIGTERM.
+ *
+ * Exit status: 0 after a signal, 1 an engine or start-up error (message on stderr),
+ * 2 a usage error.
+ */
+#define _POSIX_C_SOURCE 200809L
+#define TOOL_NAME "colibri_server"
+#include "../tool_common.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "server.h"
+
+typedef struct args {
+    const char *model, *alias, *host, *api_key;
+    int64_t port, num_threads, max_batch_size, max_seq_len, prefetch_batches, parallel, max_batch_tokens, kv_tokens,
+        kv_block_tokens, max_queue, timeout, max_body_bytes, default_max_tokens;
+    double gpu_memory_fraction;
+} args;
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: colibri_server --model PATH [options]\n"
+            "\n"
+            "Serves a .colibri model over an OpenAI-compatible HTTP API (POST /v1/completions,\n"
+            "POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics) with\n"
+            "continuous batching: every step runs one batched forward over the decoding\n"
+            "sequences and prompt chunks of newly admitted requests. See docs/serving.md.\n"
+            "\n"
+            "options:\n"
+            "  --model PATH              .colibri file (required)\n"
+            "  --alias NAME              model id in the API (default: the file's name without .colibri)\n"
+            "  --host HOST[:PORT]        address to listen on (default 127.0.0.1)\n"
+            "  --port N                  port, 0 = any free one (default 8000; HOST:PORT wins)\n"
+            "  --num_threads N           threads of the forward pass, 0 = physical cores (default 0)\n"
+            "  --parallel N              sequences held at once (max_seqs; a request with n\n"
+            "                            choices takes n of them) (default 4)\n"
+            "  --max_batch_size N        most sequences decoding in one step, <= --parallel\n"
+            "                            (default: --parallel)\n"
+            "  --max_batch_tokens N      token budget of one step: decodes first, then prompt\n"
+            "                            chunks; >= --max_batch_size (default 256)\n"
+            "  --max_seq_len N           context per sequence (prompt + completion), 0 = the\n"
+            "                            engine's default, min(file's, 4096) (default 0)\n"
+            "  --kv_tokens N             positions of the shared paged KV cache, 0 = max_seq_len\n"
+            "                            x parallel (default 0)\n"
+            "  --kv_block_tokens N       positions per KV block, 0 = the engine's (32) (default 0)\n"
+            "  --max_queue N             requests waiting for admission; more get 429 (default 64)\n"
+            "  --timeout S               idle connection timeout in seconds (default 60)\n"
+            "  --max_body_bytes N        largest request body; more gets 413 (default 1048576)\n"
+            "  --default_max_tokens N    max_tokens of /v1/completions when the request has none\n"
+            "                            (default 16, as OpenAI's)\n"
+            "  --api-key KEY             require 'Authorization: Bearer KEY' on /v1/* (also --api_key)\n"
+            "  --prefetch_batches N      accepted for compatibility, has no effect on CPU\n"
+            "  --gpu_memory_fraction F   accepted only as 0: this build has no GPU backend\n"
+            "  --help                    print this help and exit\n"
+            "\n"
+            "Exit status: 0 after SIGINT/SIGTERM, 1 engine or start-up error, 2 usage error.\n");
+}
+
+static int parse_args(int argc, char **argv, args *a) {
+    memset(a, 0, sizeof *a);
+    a->host = "127.0.0.1";
+    a->port = 8000;
+    a->parallel = 4;
+    a->max_batch_size = -1;
+    a->max_batch_tokens = 256;
+    a->max_queue = 64;
+    a->timeout = 60;
+    a->max_body_bytes = 1 << 20;
+    a->default_max_tokens = 16;
+    int port_in_host = 0;
+    static char host_buf[256];
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
+            usage(stdout);
+            return 0;
+        }
+        if (strncmp(arg, "--", 2) != 0) return usage_error("unexpected argument '%s'", arg);
+        static const char *const known[] = {
+            "--model", "--alias", "--host", "--port", "--num_threads", "--max_batch_size", "--max_seq_len",
+            "--prefetch_batches", "--gpu_memory_fraction", "--parallel", "--max_batch_tokens", "--kv_tokens",
+            "--kv_block_tokens", "--api-key", "--api_key", "--max_queue", "--timeout", "--max_body_bytes",
+            "--default_max_tokens"};
+        char name[64];
+        const char *val = NULL;
+        int bad = split_option(argc, argv, &i, known, sizeof known / sizeof known[0], name, &val);
+        if (bad >= 0) return bad;
+#define INT_OPT(flag, field, lo, hi)                                                               \
+    else if (!strcmp(name, flag)) {                                                                \
+        if (!parse_i64(val, lo, hi, &a->field))                                                    \
+            return usage_error(flag " must be an integer in %lld..%lld, got '%s'", (long long)(lo), \
+                               (long long)(hi), val);                                              \
+    }
+        if (!strcmp(name, "--model")) {
+            if (!*val) return usage_error("--model needs a path");
+            a->model = val;
+        } else if (!strcmp(name, "--alias")) {
+            if (!*val || strlen(val) > 200) return usage_error("--alias needs a name of 1 to 200 bytes");
+            a->alias = val;
+        } else if (!strcmp(name, "--host")) {
+            if (!*val || strlen(val) >= sizeof host_buf) return usage_error("--host needs an address");
+            snprintf(host_buf, sizeof host_buf, "%s", val);
+            char *colon = strrchr(host_buf, ':');
+            /* HOST:PORT (an IPv6 address needs brackets: [::1]:8000) */
+            if (colon && (host_buf[0] == '[' || !strchr(host_buf, ':') || colon == strchr(host_buf, ':'))) {
+                if (!parse_i64(colon + 1, 0, 65535, &a->port))
+                    return usage_error("--host: bad port in '%s' (HOST:PORT, port 0..65535)", val);
+                *colon = '\0';
+                port_in_host = 1;
+            }
+            char *h = host_buf;
+            size_t hl = strlen(h);
+            if (hl >= 2 && h[0] == '[' && h[hl - 1] == ']') {
+                h[hl - 1] = '\0';
+                h++;
+            }
+            if (!*h) return usage_error("--host needs an address, got '%s'", val);
+            a->host = h;
+        } else if (!strcmp(name, "--port")) {
+            int64_t p;
+            if (!parse_i64(val, 0, 65535, &p)) return usage_error("--port must be an integer in 0..65535, got '%s'", val);
+            if (!port_in_host) a->port = p;
+        } else if (!strcmp(name, "--api-key") || !strcmp(name, "--api_key")) {
+            if (!*val) return usage_error("%s needs a key", name);
+            a->api_key = val;
+        } else if (!strcmp(name, "--gpu_memory_fraction")) {
+            char *end;
+            double v = strtod(val, &end);
+            if (end == val || *end || !isfinite(v)) return usage_error("--gpu_memory_fraction must be a number, got '%s'", val);
+            if (v != 0.0)
+                return usage_error("--gpu_memory_fraction %s: this build has no GPU backend (CPU only); leave it out "
+                                   "or give 0", val);
+            a->gpu_memory_fraction = v;
+        }
+        INT_OPT("--num_threads", num_threads, 0, 4096)
+        INT_OPT("--max_batch_size", max_batch_size, 1, 4096)
+        INT_OPT("--max_seq_len", max_seq_len, 0, INT32_MAX)
+        INT_OPT("--prefetch_batches", prefetch_batches, 0, 1 << 20)
+        INT_OPT("--parallel", parallel, 1, 4096)
+        INT_OPT("--max_batch_tokens", max_batch_tokens, 1, 1 << 20)
+        INT_OPT("--kv_tokens", kv_tokens, 0, INT64_C(1) << 40)
+        INT_OPT("--kv_block_tokens", kv_block_tokens, 0, 1 << 20)
+        INT_OPT("--max_queue", max_queue, 0, 1 << 20)
+        INT_OPT("--timeout", timeout, 1, 86400)
+        INT_OPT("--max_body_bytes", max_body_bytes, 64, INT64_C(1) << 32)
+        INT_OPT("--default_max_tokens", default_max_tokens, 1, INT32_MAX)
+#undef INT_OPT
+    }
+    if (!a->model) return usage_error("--model is required");
+    if (a->max_batch_size < 0) a->max_batch_size = a->parallel;
+    if (a->max_batch_size > a->parallel)
+        return usage_error("--max_batch_size %lld is more than --parallel %lld (the sequences there are)",
+                           (long long)a->max_batch_size, (long long)a->parallel);
+    if (a->max_batch_tokens < a->max_batch_size)
+        return usage_error("--max_batch_tokens %lld must be at least --max_batch_size %lld (a step holds one token "
+                           "per decoding sequence)", (long long)a->max_batch_tokens, (long long)a->max_batch_size);
+    return -1;
+}
+
+/* ---- signals: a thread waits for SIGINT/SIGTERM and stops the scheduler ---- */
+
+static pthread_mutex_t g_stop_mu = PTHREAD_MUTEX_INITIALIZER;
+static cs_server *g_srv;
+static int g_stop_requested;
+
+static void *signal_thread(void *arg) {
+    sigset_t *set = arg;
+    int sig = 0;
+    sigwait(set, &sig);
+    pthread_mutex_lock(&g_stop_mu);
+    g_stop_requested = 1;
+    if (g_srv) {
+        atomic_store(&g_srv->state, CS_STATE_STOPPING);
+        if (g_srv->sched) cs_sched_stop(g_srv->sched);
+    }
+    pthread_mutex_unlock(&g_stop_mu);
+    return NULL;
+}
+
+static const char *base_name(const char *p, char *out, size_t cap) {
+    const char *b = strrchr(p, '/');
+    b = b ? b + 1 : p;
+    snprintf(out, cap, "%s", b);
+    size_t n = strlen(out);
+    if (n > 8 && !strcmp(out + n - 8, ".colibri")) out[n - 8] = '\0';
+    return out;
+}
+
+int main(int argc, char **argv) {
+    args a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc >= 0) return rc;
+    if (colibri_abi_version() != COLIBRI_ABI_VERSION) {
+        fprintf(stderr, "colibri_server: error: library ABI %d, tool built for %d\n", colibri_abi_version(),
+                COLIBRI_ABI_VERSION);
+        return EXIT_ENGINE;
+    }
+
+    /* every thread made from here on has SIGINT/SIGTERM blocked; one waits for them */
+    static sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    pthread_t sig_tid;
+    pthread_create(&sig_tid, NULL, signal_thread, &set);
+    pthread_detach(sig_tid);
+
+    static cs_server srv;
+    memset(&srv, 0, sizeof srv);
+    pthread_mutex_init(&srv.tok_mu, NULL);
+    atomic_store(&srv.state, CS_STATE_LOADING);
+    srv.model_path = a.model;
+    srv.api_key = a.api_key;
+    srv.max_body_bytes = a.max_body_bytes;
+    srv.default_completion_tokens = a.default_max_tokens;
+    srv.created = (int64_t)time(NULL);
+    if (a.alias) snprintf(srv.model_id, sizeof srv.model_id, "%s", a.alias);
+    else base_name(a.model, srv.model_id, sizeof srv.model_id);
+    pthread_mutex_lock(&g_stop_mu);
+    g_srv = &srv;
+    pthread_mutex_unlock(&g_stop_mu);
+
+    char err[1024] = "";
+    cs_http_options ho = {a.host, (int)a.port, (unsigned)a.timeout,
+                          (unsigned)(a.max_queue + a.parallel * 2 + 64)};
+    cs_http *http = cs_http_start(&srv, &ho, err, sizeof err);
+    if (!http) {
+        fprintf(stderr, "colibri_server: error: %s\n", err);
+        return EXIT_ENGINE;
+    }
+    fprintf(stderr, "colibri_server: listening on http://%s%s%s:%d (loading %s)\n", strchr(a.host, ':') ? "[" : "",
+            a.host, strchr(a.host, ':') ? "]" : "", cs_http_port(http), a.model);
+
+    rc = EXIT_ENGINE;
+    double t0 = now_ms();
+    colibri_options opt;
+    colibri_options_init(&opt);
+    opt.num_threads = (int32_t)a.num_threads;
+    opt.max_seq_len = a.max_seq_len;
+    opt.max_batch = a.max_batch_tokens;
+    opt.max_seqs = (int32_t)a.parallel;
+    opt.kv_block_tokens = (int32_t)a.kv_block_tokens;
+    opt.kv_tokens = a.kv_tokens;
+    colibri_ctx *ctx = NULL;
+    colibri_status st = colibri_init_ex(a.model, &opt, &ctx, err, sizeof err);
+    if (st != COLIBRI_OK) {
+        fprintf(stderr, "colibri_server: error: cannot open model: %s\n", *err ? err : colibri_status_string(st));
+        goto out;
+    }
+    srv.ctx = ctx;
+    st = colibri_verify_router(ctx);
+    if (st != COLIBRI_OK) {
+        engine_error(ctx, st, "router weights do not match their stored norms");
+        goto out;
+    }
+    int64_t vocab = 0, max_seq = 0, blocks = 0, block_tokens = 0, max_seqs = 0, threads = 0;
+    if ((st = colibri_get_int(ctx, "vocab_size", &vocab)) || (st = colibri_get_int(ctx, "max_seq_len", &max_seq)) ||
+        (st = colibri_get_int(ctx, "kv_blocks_total", &blocks)) ||
+        (st = colibri_get_int(ctx, "kv_block_tokens", &block_tokens)) ||
+        (st = colibri_get_int(ctx, "max_seqs", &max_seqs)) || (st = colibri_get_int(ctx, "threads_used", &threads))) {
+        engine_error(ctx, st, "reading the model's settings");
+        goto out;
+    }
+    srv.tok = colibri_get_tokenizer(ctx);
+    if (!srv.tok) {
+        fprintf(stderr, "colibri_server: error: the model has no tokenizer\n");
+        goto out;
+    }
+    srv.vocab = vocab;
+    srv.bos_id = colibri_tokenizer_bos_id(srv.tok);
+    srv.eos_id = colibri_tokenizer_eos_id(srv.tok);
+    srv.max_seqs = (int32_t)max_seqs;
+    srv.ctx_len = max_seq < blocks * block_tokens ? max_seq : blocks * block_tokens;
+    if (colibri_get_string(ctx, "chat_template", &srv.chat_template) != COLIBRI_OK || !srv.chat_template)
+        srv.chat_template = "";
+
+    cs_engine eng;
+    if (cs_colibri_init(&srv.engine, ctx, a.max_batch_tokens, &eng, err, sizeof err)) {
+        fprintf(stderr, "colibri_server: error: %s\n", err);
+        goto out;
+    }
+    cs_sched_config cfg = {(int32_t)max_seqs, (int32_t)a.max_batch_size, a.max_batch_tokens, a.max_queue,
+                           srv.ctx_len, block_tokens, vocab, srv.eos_id};
+    cs_sched *sched = cs_sched_create(&cfg, &eng, err, sizeof err);
+    if (!sched) {
+        fprintf(stderr, "colibri_server: error: %s\n", err);
+        goto out;
+    }
+
+    /* warm-up: one forward and one sample, so the first request meets a warm engine */
+    {
+        float *lg = malloc((size_t)vocab * sizeof *lg);
+        colibri_batch_entry e = {srv.bos_id >= 0 ? srv.bos_id : 0, 0, 0, 1, 0};
+        int32_t id = 0;
+        uint64_t rng = 1;
+        double tw = now_ms();
+        st = lg ? colibri_batch(ctx, &e, 1, lg) : COLIBRI_E_NOMEM;
+        if (st == COLIBRI_OK) st = colibri_sample(ctx, lg, 0.0f, 0, 1.0f, &rng, &id);
+        if (st == COLIBRI_OK) st = colibri_seq_clear(ctx, 0);
+        free(lg);
+        if (eng.after_step) eng.after_step(eng.self);
+        if (srv.engine.expert_tokens)
+            memset(srv.engine.expert_tokens, 0,
+                   (size_t)srv.engine.n_layers * (size_t)srv.engine.n_experts * sizeof(uint64_t));
+        if (st != COLIBRI_OK) {
+            engine_error(ctx, st, "warm-up forward");
+            cs_sched_free(sched);
+            goto out;
+        }
+        fprintf(stderr, "colibri_server: loaded '%s' in %.0f ms (warm-up %.1f ms): vocab %" PRId64 ", context %" PRId64
+                        ", %" PRId64 " sequences, %" PRId64 " KV blocks of %" PRId64 " tokens, %" PRId64 " thread(s)\n",
+                srv.model_id, now_ms() - t0, now_ms() - tw, vocab, srv.ctx_len, max_seqs, blocks, block_tokens,
+                threads);
+    }
+
+    pthread_mutex_lock(&g_stop_mu);
+    srv.sched = sched;
+    int stop_now = g_stop_requested;
+    if (!stop_now) atomic_store(&srv.state, CS_STATE_READY);
+    pthread_mutex_unlock(&g_stop_mu);
+    if (!stop_now) {
+        fprintf(stderr, "colibri_server: ready\n");
+        cs_sched_run(sched);
+    }
+    atomic_store(&srv.state, CS_STATE_STOPPING);
+    fprintf(stderr, "colibri_server: stopping\n");
+    cs_http_stop(http);
+    http = NULL;
+    pthread_mutex_lock(&g_stop_mu);
+    g_srv = NULL;
+    srv.sched = NULL;
+    pthread_mutex_unlock(&g_stop_mu);
+    cs_sched_free(sched);
+    rc = 0;
+out:
+    atomic_store(&srv.state, CS_STATE_STOPPING);
+    cs_http_stop(http);
+    pthread_mutex_lock(&g_stop_mu);
+    g_srv = NULL;
+    pthread_mutex_unlock(&g_stop_mu);
+    cs_colibri_free(&srv.engine);
+    colibri_free(ctx);
+    return rc;
+}
