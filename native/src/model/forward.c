@@ -134,8 +134,6 @@ static void add_inplace(float *x, const float *d, int64_t n) {
 #define CB_PAR_MIN_ROWS 64
 /* Element-wise / attention work (multiply-adds) below which a stage stays on one thread. */
 #define CB_PAR_MIN_WORK 65536
-/* Expert groups handed to one pair of parallel sections (a stack array of this size). */
-#define CB_FFN_BATCH 32
 
 /* Chunk length for n items: about n / (threads * CB_CHUNKS_PER_THREAD), at least lo,
  * a multiple of align (8 rows: the decode tile; 32 columns: the widest down panel). */
@@ -238,11 +236,6 @@ typedef struct ffn_job {
     float *part;        /* NULL, or the split down projection's [nch1, R, H] block sums */
 } ffn_job;
 
-/* Groups of at most this many rows split their down projection by blocks of intermediate
- * rows (expert_down_part, then a sum of the parts) rather than by output columns: each
- * chunk then streams whole w2T rows, where a column range of a row is a short strided
- * read; more rows re-use each column panel enough that the column split wins. */
-#define CB_SPLIT_MAX_ROWS 5
 
 /* Every non-empty expert group of a layer (or one dense/shared FFN), in two sections:
  * gate/up split by intermediate columns, then down split by output columns (or by blocks

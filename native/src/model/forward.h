@@ -14,6 +14,14 @@
 #include "colibri.h"
 #include "model/kv.h"
 
+/* Groups of at most this many rows split their down projection by blocks of intermediate
+ * rows (expert_down_part, then a sum of the parts) rather than by output columns: each
+ * chunk then streams whole w2T rows, where a column range of a row is a short strided
+ * read; more rows re-use each column panel enough that the column split wins. */
+#define CB_SPLIT_MAX_ROWS 5
+/* Expert groups handed to one pair of parallel sections (a stack array of this size). */
+#define CB_FFN_BATCH 32
+
 /* Every run-time buffer, carved from the arena. B = max_batch, S = max_seq_len,
  * Nq = n_heads*head_dim, Nkv = n_kv_heads*head_dim, R = max_rows (B*top_k + E*(group_pad-1)),
  * Id = dense_inter, Is = shared_inter. */

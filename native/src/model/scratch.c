@@ -40,10 +40,13 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
         return COLIBRI_E_NOMEM;
     }
     s->max_rows = (int64_t)R;
-    /* few-row down projections are split by blocks (par_ffn): room for two rows of every
-     * routed expert and of the dense/shared FFN, which covers decode */
+    /* few-row down projections are split by blocks (par_ffn): room for every group of at most
+     * CB_SPLIT_MAX_ROWS rows that one par_ffn call can hold (CB_FFN_BATCH groups, at most R rows
+     * in all) and for the dense/shared FFN, which covers decode steps of many sequences */
     uint64_t nblk_i = (I + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK, nblk_f = (F + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK;
-    s->down_part_rows = (int64_t)(2 * (K * nblk_i + nblk_f));
+    uint64_t split_rows = (E < CB_FFN_BATCH ? E : CB_FFN_BATCH) * CB_SPLIT_MAX_ROWS;
+    if (split_rows > R) split_rows = R;
+    s->down_part_rows = (int64_t)(split_rows * nblk_i + CB_SPLIT_MAX_ROWS * nblk_f);
     uint64_t BH = B * H; /* B <= 2^32 and H <= 2^24: cannot overflow */
     cb_arena_item items[] = {
         {(void **)&kc->k, kv, 4, "K cache"},
