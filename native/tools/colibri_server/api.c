@@ -209,7 +209,9 @@ static char *token_text(colibri_tokenizer *tok, int32_t id, size_t *len, int *by
         t = strdup("");
         n = 0;
     }
-    if (t && piece && plen >= 3 && !memcmp(piece, "\xE2\x96\x81", 3) && (n == 0 || t[0] != ' ')) {
+    /* SentencePiece drops the space of a first piece's "▁" (byte-level pieces never hold
+     * a literal U+2581: their bytes are mapped) */
+    if (t && piece && plen >= 3 && !memcmp(piece, "\xE2\x96\x81", 3)) {
         char *w = malloc(n + 2);
         if (w) {
             w[0] = ' ';
@@ -844,6 +846,7 @@ int cs_api_parse(cs_server *srv, cs_api_kind kind, const char *body, size_t len,
     int64_t max_n = srv->max_seqs < CS_MAX_CHOICES ? srv->max_seqs : CS_MAX_CHOICES;
     if (get_int(root, "n", 1, max_n, &n, err) < 0) goto fail;
     if ((b = get_bool(root, "stream", &j->stream, err)) < 0) goto fail;
+    if (get_bool(root, "ignore_eos", &j->req.ignore_eos, err) < 0) goto fail;
     json_t *so = field(root, "stream_options");
     if (so && !json_is_object(so)) {
         BAD("stream_options", "'stream_options' must be an object");

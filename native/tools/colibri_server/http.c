@@ -36,7 +36,36 @@ typedef struct conn {
     char *body;
     size_t len, cap;
     int done;          /* a response was queued */
+    int too_big;       /* the body passed --max_body_bytes: the rest is read and dropped */
+    uint64_t dropped;  /* bytes dropped so far */
 } conn;
+
+/* A body over the limit is still read (and dropped) up to this many bytes, so the 413
+ * reaches the client before the connection closes (closing with unread data makes the
+ * kernel reset the connection, which can destroy the answer in flight); past it the
+ * server answers at once. */
+static uint64_t drain_limit(const cs_server *srv) {
+    uint64_t m = (uint64_t)srv->max_body_bytes * 4;
+    return m > (64u << 20) ? m : (64u << 20);
+}
+
+static enum MHD_Result too_large(struct MHD_Connection *c, const cs_server *srv) {
+    char msg[200];
+    snprintf(msg, sizeof msg, "the request body is larger than %lld bytes, the most this server accepts "
+             "(--max_body_bytes)", (long long)srv->max_body_bytes);
+    cs_api_error e;
+    cs_api_set_error(&e, 413, "invalid_request_error", NULL, "body_too_large", "%s", msg);
+    size_t len = 0;
+    char *s = cs_api_error_json(&e, &len);
+    if (!s) return MHD_NO;
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, s, MHD_RESPMEM_MUST_FREE);
+    if (!r) { free(s); return MHD_NO; }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
+    enum MHD_Result ok = MHD_queue_response(c, 413, r);
+    MHD_destroy_response(r);
+    return ok;
+}
 
 typedef struct stream_ctx {
     cs_job *job;
@@ -258,26 +287,34 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         }
         if (post) {
             const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-            if (cl && strtoull(cl, NULL, 10) > (unsigned long long)srv->max_body_bytes) {
-                char msg[200];
-                snprintf(msg, sizeof msg, "the request body has %.30s bytes; this server accepts at most %lld (--max_body_bytes)",
-                         cl, (long long)srv->max_body_bytes);
-                k->done = 1;
-                return fail(c, 413, "invalid_request_error", "body_too_large", msg);
+            unsigned long long n = cl ? strtoull(cl, NULL, 10) : 0;
+            if (n > (unsigned long long)srv->max_body_bytes) {
+                if (n > drain_limit(srv)) {
+                    k->done = 1;
+                    return too_large(c, srv);
+                }
+                k->too_big = 1;
             }
         }
         return MHD_YES;
     }
     if (*upload_size) {
-        if (!k->done) {
-            if (k->len + *upload_size > (size_t)srv->max_body_bytes) {
-                char msg[200];
-                snprintf(msg, sizeof msg, "the request body is larger than %lld bytes (--max_body_bytes)",
-                         (long long)srv->max_body_bytes);
+        if (!k->done && !k->too_big && k->len + *upload_size > (size_t)srv->max_body_bytes) {
+            k->too_big = 1;
+            free(k->body);
+            k->body = NULL;
+            k->len = k->cap = 0;
+        }
+        if (!k->done && k->too_big) {
+            k->dropped += *upload_size;
+            *upload_size = 0;
+            if (k->dropped > drain_limit(srv)) {
                 k->done = 1;
-                *upload_size = 0;
-                return fail(c, 413, "invalid_request_error", "body_too_large", msg);
+                return too_large(c, srv);
             }
+            return MHD_YES;
+        }
+        if (!k->done) {
             if (k->len + *upload_size + 1 > k->cap) {
                 size_t cap = (k->len + *upload_size + 1) * 2;
                 if (cap > (size_t)srv->max_body_bytes + 1) cap = (size_t)srv->max_body_bytes + 1;
@@ -291,6 +328,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         }
         *upload_size = 0;
         return MHD_YES;
+    }
+    if (!k->done && k->too_big) {
+        k->done = 1;
+        return too_large(c, srv);
     }
     if (k->done) return MHD_YES;
     k->done = 1;

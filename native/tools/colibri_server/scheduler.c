@@ -289,7 +289,7 @@ static void handle_token(cs_sched *s, cs_request *r, int c, int32_t tok, const f
     }
     if (ch->n_gen > 1) cs_hist_observe(tpot, now - ch->t_last);
     ch->t_last = now;
-    if (s->cfg.eos_id >= 0 && tok == s->cfg.eos_id) {
+    if (s->cfg.eos_id >= 0 && tok == s->cfg.eos_id && !r->ignore_eos) {
         finish_choice(s, r, c, CS_FINISH_STOP);
         return;
     }

@@ -112,6 +112,7 @@ struct cs_request {
     float temperature, top_p;
     int32_t top_k;
     uint64_t seed;              /* choice i's rng starts at seed + i */
+    int ignore_eos;             /* 1: EOS is a token like any other (benchmarks) */
     const cs_request_callbacks *cb;
     void *user;
     /* ---- set by any thread through cs_sched_cancel */
