@@ -188,7 +188,7 @@ def start(path, *, parallel: int = 4, threads: int = 2, max_seq_len: int | None 
                                 "and jansson are installed (make test installs them); or set COLIBRI_SERVER")
     port = free_port()
     argv = [exe, "--model", os.fspath(path), "--host", f"127.0.0.1:{port}", "--num_threads", str(threads),
-            "--parallel", str(parallel), "--max_batch_size", str(parallel)]
+            "--parallel", str(parallel), "--max_batch_size", str(parallel), "--alias", "model"]
     if max_seq_len:
         argv += ["--max_seq_len", str(max_seq_len)]
     if kv_tokens:

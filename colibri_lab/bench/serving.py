@@ -41,7 +41,8 @@ def start_colibri(path: Path, threads: int, concurrency: int, ctx_per_seq: int, 
     port = free_port()
     argv = [exe, "--model", str(path), "--host", f"127.0.0.1:{port}", "--num_threads", str(threads),
             "--parallel", str(concurrency), "--max_batch_size", str(concurrency),
-            "--max_seq_len", str(ctx_per_seq), "--kv_tokens", str(ctx_per_seq * concurrency)]
+            "--max_seq_len", str(ctx_per_seq), "--kv_tokens", str(ctx_per_seq * concurrency),
+            "--alias", "model"]
     return Server("colibri_server", argv, port, log)
 
 
