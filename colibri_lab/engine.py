@@ -588,6 +588,41 @@ class Engine:
             row = self.forward([next_id], pos)[0]
             pos += 1
 
+    def generate_many(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                      top_p: float = 1.0, seeds=None, stop_at_eos: bool = True) -> list[list[int]]:
+        """Generate for several prompts at once, one sequence each (0 .. len(prompts)-1, which
+        are cleared first): every step is one :meth:`batch` with the prompts still going, and
+        each sequence samples with its own xorshift state seeded by ``seeds[i]`` (default
+        ``i``), so every prompt gets exactly the ids :meth:`generate` gives it alone with
+        that seed. Returns the generated ids of each prompt."""
+        self._c()
+        n = len(prompts)
+        if n == 0:
+            return []
+        if n > self.config.max_seqs:
+            raise _native.ColibriInvalidArgError(
+                f"{n} prompts need {n} sequences; open the Engine with max_seqs >= {n}")
+        seeds = list(range(n)) if seeds is None else [int(s) for s in seeds]
+        ids = [self.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else [int(x) for x in _as_ids(p)]
+               for p in prompts]
+        if any(not p for p in ids):
+            raise _native.ColibriInvalidArgError("a prompt is empty: give text or an id")
+        eos = self.tokenizer.eos_id if self._has_tokenizer() else -1
+        rngs = [ctypes.c_uint64(s & 0xFFFFFFFFFFFFFFFF) for s in seeds]
+        for s in range(n):
+            self.sequence(s).clear()
+        out: list[list[int]] = [[] for _ in range(n)]
+        rows = dict(zip(range(n), (r[0] for r in self.batch(list(enumerate(ids))))))
+        while rows and int(max_new_tokens) > 0:
+            work = []
+            for s, row in rows.items():
+                nxt = self._sample(row, temperature, top_k, top_p, rngs[s])
+                out[s].append(nxt)
+                if len(out[s]) < int(max_new_tokens) and not (stop_at_eos and nxt == eos):
+                    work.append((s, [nxt]))
+            rows = dict(zip((s for s, _ in work), (r[0] for r in self.batch(work)))) if work else {}
+        return out
+
     # -- observation ----------------------------------------------------------------
 
     def trace(self, capacity: int | None = None) -> "_TraceRecorder":

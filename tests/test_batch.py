@@ -225,3 +225,17 @@ def test_single_sequence_calls_are_sequence_zero(models):
         nxt = eng.forward([int(q[0])], 6)
         assert np.array_equal(eng.batch([(1, [int(q[0])])])[0], nxt)
         assert eng.cached_len == 7 and len(eng.sequence(1)) == 7
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_generate_many_equals_generate_alone(models, temperature):
+    """Each sequence samples with its own state: seeded sampling under batching gives every
+    prompt the ids it gets alone."""
+    path = models["bf16"]
+    prompts = ["def main():", "import os\n", "class A:\n    def", "x = [i for"]
+    seeds = [11, 22, 33, 44]
+    with Engine(path, num_threads=2, max_seqs=4) as eng:
+        alone = [[t.id for t in eng.generate(p, 12, temperature=temperature, top_k=40, top_p=0.95, seed=s)]
+                 for p, s in zip(prompts, seeds)]
+        many = eng.generate_many(prompts, 12, temperature=temperature, top_k=40, top_p=0.95, seeds=seeds)
+    assert many == alone
