@@ -391,7 +391,8 @@ cs_http *cs_http_start(cs_server *srv, const cs_http_options *opt, char *err, si
         return NULL;
     }
     h->srv = srv;
-    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
+    /* no MHD_USE_ERROR_LOG: a client leaving mid-stream is normal here, not worth a line */
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD;
     if (res->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
     h->d = MHD_start_daemon(flags, (uint16_t)opt->port, NULL, NULL, on_request, h,
                             MHD_OPTION_SOCK_ADDR, res->ai_addr,

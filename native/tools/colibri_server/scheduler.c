@@ -31,7 +31,7 @@ struct cs_sched {
     int64_t rotate;          /* first decode candidate of the next step */
     /* the batch */
     colibri_batch_entry *entries;  /* [max_batch_tokens] */
-    float *logits;                 /* [max_batch_tokens, vocab] */
+    float *logits;                 /* [min(max_batch_tokens, max_batch_size + max_seqs), vocab] */
     cs_request **row_req;          /* per logits row */
     int32_t *row_choice;           /* -1: a finished prompt */
     /* retired this step: on_done is called at the end of the step, after the statistics
@@ -71,12 +71,15 @@ cs_sched *cs_sched_create(const cs_sched_config *cfg, const cs_engine *eng, char
     if (s->cfg.max_batch_size > s->cfg.max_batch_tokens) s->cfg.max_batch_size = (int32_t)s->cfg.max_batch_tokens;
     s->eng = *eng;
     size_t T = (size_t)s->cfg.max_batch_tokens;
+    /* rows with logits in one step: one per decode, one per prompt that ends in it */
+    size_t R = (size_t)s->cfg.max_batch_size + (size_t)s->cfg.max_seqs;
+    if (R > T) R = T;
     s->active = calloc((size_t)cfg->max_seqs, sizeof *s->active);
     s->seq_used = calloc((size_t)cfg->max_seqs, 1);
     s->entries = calloc(T, sizeof *s->entries);
-    s->logits = malloc(T * (size_t)cfg->vocab * sizeof(float));
-    s->row_req = calloc(T, sizeof *s->row_req);
-    s->row_choice = calloc(T, sizeof *s->row_choice);
+    s->logits = malloc(R * (size_t)cfg->vocab * sizeof(float));
+    s->row_req = calloc(R, sizeof *s->row_req);
+    s->row_choice = calloc(R, sizeof *s->row_choice);
     if (!s->active || !s->seq_used || !s->entries || !s->logits || !s->row_req || !s->row_choice) {
         cs_sched_free(s);
         goto oom;
