@@ -63,6 +63,7 @@ struct cs_job {
     size_t out_len, out_cap, out_sent;
     int done;
     char *error;
+    int shutdown;        /* cancelled because the server stops */
     int refs;
     int fd;
 };
@@ -522,11 +523,15 @@ static void cb_done(cs_request *r, const char *error) {
     cs_job *j = (cs_job *)r;
     pthread_mutex_lock(&j->mu);
     j->done = 1;
-    if (error) j->error = strdup(error);
+    if (!error && atomic_load(&r->cancel) && atomic_load(&j->srv->state) == CS_STATE_STOPPING) {
+        error = "the server is shutting down; the request was cancelled";
+        j->shutdown = 1;
+    }
+    if (error && !j->error) j->error = strdup(error);
     if (j->stream) {
         if (error) {
             cs_api_error e;
-            cs_api_set_error(&e, 500, "server_error", NULL, NULL, "%s", error);
+            cs_api_set_error(&e, j->shutdown ? 503 : 500, "server_error", NULL, NULL, "%s", error);
             size_t n;
             char *s = cs_api_error_json(&e, &n);
             if (s) {
@@ -1032,8 +1037,8 @@ long cs_job_read_stream(cs_job *j, char *buf, size_t max, int wait_ms) {
 char *cs_job_response(cs_job *j, size_t *len, int *status) {
     if (j->error) {
         cs_api_error e;
-        cs_api_set_error(&e, 500, "server_error", NULL, NULL, "%s", j->error);
-        *status = 500;
+        cs_api_set_error(&e, j->shutdown ? 503 : 500, "server_error", NULL, NULL, "%s", j->error);
+        *status = e.status;
         return cs_api_error_json(&e, len);
     }
     json_t *choices = json_array();

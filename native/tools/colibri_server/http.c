@@ -18,6 +18,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <time.h>
 
 #include "server.h"
 
@@ -25,6 +26,7 @@ struct cs_http {
     struct MHD_Daemon *d;
     cs_server *srv;
     int port;
+    atomic_int inflight;  /* requests between their first call and their completion */
 };
 
 enum route {
@@ -253,6 +255,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         k = calloc(1, sizeof *k);
         if (!k) return MHD_NO;
         *con_cls = k;
+        atomic_fetch_add(&h->inflight, 1);
         k->route = route_of(url);
         int post = k->route == R_COMPLETIONS || k->route == R_CHAT;
         int is_get = !strcmp(method, MHD_HTTP_METHOD_GET) || !strcmp(method, MHD_HTTP_METHOD_HEAD);
@@ -362,9 +365,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 }
 
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
-    (void)cls, (void)c, (void)toe;
+    cs_http *h = cls;
+    (void)c, (void)toe;
     conn *k = *con_cls;
     if (k) {
+        atomic_fetch_sub(&h->inflight, 1);
         free(k->body);
         free(k);
         *con_cls = NULL;
@@ -398,7 +403,7 @@ cs_http *cs_http_start(cs_server *srv, const cs_http_options *opt, char *err, si
                             MHD_OPTION_SOCK_ADDR, res->ai_addr,
                             MHD_OPTION_CONNECTION_TIMEOUT, opt->timeout_s,
                             MHD_OPTION_CONNECTION_LIMIT, opt->max_connections,
-                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, NULL,
+                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
                             MHD_OPTION_END);
     freeaddrinfo(res);
     if (!h->d) {
@@ -416,6 +421,12 @@ int cs_http_port(const cs_http *h) { return h->port; }
 
 void cs_http_stop(cs_http *h) {
     if (!h) return;
+    /* let the answers of requests in flight (the scheduler has ended them) go out first:
+     * stopping the daemon closes every connection */
+    for (int i = 0; i < 1000 && atomic_load(&h->inflight) > 0; i++) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
     MHD_stop_daemon(h->d);
     free(h);
 }
