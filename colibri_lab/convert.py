@@ -498,7 +498,69 @@ def _tokenizer_section(model_dir: str, say: Callable[[str], None], tokenizer: st
               "tokenizer.pad_id"):
         if k not in meta:
             raise ConversionError(f"internal: tokenizer builder did not return {k}")
+    template, where = read_chat_template(model_dir)
+    if template is not None:
+        meta["tokenizer.chat_template"] = template
+        say(f"chat template: {len(template):,} characters from {where}")
+    elif where:
+        say(f"note: {where}; no chat template written")
     return bytes(data), meta
+
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"          # transformers >= 4.43 / 5 save_pretrained
+LEGACY_CHAT_TEMPLATE_FILE = "chat_template.json"    # {"chat_template": "..."} (processors)
+
+
+def read_chat_template(model_dir: str) -> tuple[str | None, str]:
+    """The checkpoint's default chat template (its Jinja source) and where it came from.
+
+    As transformers loads it: a `chat_template.jinja` file first (transformers 5 saves the
+    template there), then `chat_template.json` ({"chat_template": ...}), then the
+    `chat_template` entry of `tokenizer_config.json`, which is a string or a list of
+    {"name", "template"} (the one named "default" is used). Returns (None, "") when the
+    checkpoint has none, (None, reason) when one is there but unusable (no "default" among
+    several, not a string, a NUL character)."""
+    def usable(t, where: str) -> tuple[str | None, str]:
+        if not isinstance(t, str):
+            return None, f"the chat template in {where} is not a string"
+        if "\x00" in t:
+            return None, f"the chat template in {where} contains a NUL character"
+        if not t:
+            return None, f"the chat template in {where} is empty"
+        return t, where
+
+    p = os.path.join(model_dir, CHAT_TEMPLATE_FILE)
+    if os.path.isfile(p):
+        with open(p, "r", encoding="utf-8") as f:
+            return usable(f.read(), CHAT_TEMPLATE_FILE)
+    for name, key in ((LEGACY_CHAT_TEMPLATE_FILE, "chat_template"),
+                      ("tokenizer_config.json", "chat_template")):
+        p = os.path.join(model_dir, name)
+        if not os.path.isfile(p):
+            continue
+        try:
+            with open(p, "r", encoding="utf-8") as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as e:
+            if name == LEGACY_CHAT_TEMPLATE_FILE:
+                return None, f"{name} could not be read ({e})"
+            continue  # the tokenizer builder reports a broken tokenizer_config.json itself
+        t = cfg.get(key) if isinstance(cfg, dict) else None
+        if t is None:
+            continue
+        if isinstance(t, list):   # [{"name": ..., "template": ...}, ...]
+            named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+            if "default" not in named:
+                return None, (f"{name} has several chat templates ({', '.join(map(str, named))}) "
+                              "and none named 'default'")
+            return usable(named["default"], f"{name} (template 'default')")
+        if isinstance(t, dict):   # {name: template}
+            if "default" not in t:
+                return None, (f"{name} has several chat templates ({', '.join(map(str, t))}) "
+                              "and none named 'default'")
+            return usable(t["default"], f"{name} (template 'default')")
+        return usable(t, name)
+    return None, ""
 
 
 def _tokenizer_meta_entries(meta: dict) -> list[tuple[str, MetaValue]]:

@@ -468,7 +468,7 @@ class ColibriInfo:
                          f"crc32 {s.crc32:08x}{ok}")
         lines.append(f"  metadata ({len(self.metadata)} keys):")
         for k, v in self.metadata.items():
-            lines.append(f"    {k:<32} {self.metadata_types[k]:<6} {_short(v)}")
+            lines.append(f"    {k:<32} {self.metadata_types[k]:<6} {_short_meta(k, v)}")
         lines.append(f"  tensors ({len(self.tensors)}):")
         shown = self.tensors if max_tensors is None else self.tensors[:max_tensors]
         for t in shown:
@@ -493,7 +493,7 @@ class ColibriInfo:
                    + "".join(f"<td>{v}</td>" for v in h.values()) + "</tr></table>")
         out.append("<details><summary>metadata</summary><table>"
                    + "".join(f"<tr><td><code>{e(k)}</code></td><td>{e(self.metadata_types[k])}"
-                             f"</td><td>{e(_short(v))}</td></tr>" for k, v in self.metadata.items())
+                             f"</td><td>{e(_short_meta(k, v))}</td></tr>" for k, v in self.metadata.items())
                    + "</table></details>")
         out.append("<table><tr><th>section</th><th>offset</th><th>size</th><th>crc32</th>"
                    "<th>check</th></tr>"
@@ -513,6 +513,14 @@ class ColibriInfo:
 def _short(v: Any, n: int = 80) -> str:
     s = repr(v) if isinstance(v, str) else str(v)
     return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _short_meta(key: str, v: Any) -> str:
+    """A metadata value for the summary; the chat template (Jinja source, often kilobytes)
+    as its beginning and its length."""
+    if key == "tokenizer.chat_template" and isinstance(v, str):
+        return f"{_short(v, 60)} ({len(v):,} chars)"
+    return _short(v)
 
 
 def _readinto_exact(f, mv: memoryview, path: str) -> None:

@@ -1,0 +1,1199 @@
+/*
+ * chat.c — the chat templates of colibri_server, rendered natively; see chat.h.
+ *
+ * How a template is recognised. Both the model's template and each template below are put
+ * in a canonical form, one item a line:
+ *   T'text'   output text: text between tags after Jinja's whitespace control as
+ *             transformers configures it (trim_blocks, lstrip_blocks, `{%-` / `-%}`), and
+ *             string literals printed by {{ }}; adjacent pieces merged
+ *   Ecode     any other {{ }} expression, e.g. `Emessage['content']`, `Eeos_token`
+ *   Scode     a {% %} statement, e.g. `Sif loop['first'] and messages[0]['role']!='system'`
+ * where code has no spaces but the ones between two words or two operator characters,
+ * string literals are written '...' with one set of escapes, `a.b` is written `a['b']` (as
+ * Jinja reads both), `{{ x + y }}` of literals and names becomes the items of x and y, a
+ * trailing newline of the source is dropped (as Jinja does) and comments vanish. Two
+ * templates with the same canonical form produce the same text for every conversation, so a
+ * match means the renderer below is the template; anything else is refused rather than
+ * rendered approximately. The one hole is @@SYSTEM_PROMPT@@ in the ChatML-with-default-
+ * system template: it matches any literal text, which is then the default system prompt
+ * (Qwen1.5 and Qwen2 differ there).
+ *
+ * How it is tokenized. Rendering produces text and token ids (BOS / EOS where the template
+ * writes bos_token / eos_token). Each maximal run of text is tokenized with add_bos = 0:
+ * SentencePiece then adds its dummy prefix to each run, which is what transformers' legacy
+ * Llama tokenizer does to each piece between special tokens; byte-level BPE splits at added
+ * tokens itself. Inside a run, the BOS / EOS / <unk> strings ("<s>", "</s>", "<unk>") are
+ * cut out and become their ids where the tokenizer would not read them so (SentencePiece),
+ * as transformers matches them in the rendered text.
+ */
+#include "chat.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ the known templates */
+
+/* The sources as their tokenizer_config.json files hold them, newlines inside string
+ * literals written \n (the same template to Jinja); tests/test_chat_template.py renders each
+ * with transformers and compares the ids. */
+
+/* Qwen3-MoE: the shared beginning (the tools branch, the last-query scan) and end. */
+#define QWEN3_HEAD \
+    "{%- if tools %}\n" \
+    "    {{- '<|im_start|>system\\n' }}\n" \
+    "    {%- if messages[0].role == 'system' %}\n" \
+    "        {{- messages[0].content + '\\n\\n' }}\n" \
+    "    {%- endif %}\n" \
+    "    {{- \"# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou " \
+    "are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n" \
+    "    {%- for tool in tools %}\n" \
+    "        {{- \"\\n\" }}\n" \
+    "        {{- tool | tojson }}\n" \
+    "    {%- endfor %}\n" \
+    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name " \
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, " \
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n" \
+    "{%- else %}\n" \
+    "    {%- if messages[0].role == 'system' %}\n" \
+    "        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n" \
+    "    {%- endif %}\n" \
+    "{%- endif %}\n" \
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}\n" \
+    "{%- for message in messages[::-1] %}\n" \
+    "    {%- set index = (messages|length - 1) - loop.index0 %}\n"
+#define QWEN3_TAIL_A \
+    "        {%- if message.tool_calls %}\n" \
+    "            {%- for tool_call in message.tool_calls %}\n" \
+    "                {%- if (loop.first and content) or (not loop.first) %}\n" \
+    "                    {{- '\\n' }}\n" \
+    "                {%- endif %}\n" \
+    "                {%- if tool_call.function %}\n" \
+    "                    {%- set tool_call = tool_call.function %}\n" \
+    "                {%- endif %}\n" \
+    "                {{- '<tool_call>\\n{\"name\": \"' }}\n" \
+    "                {{- tool_call.name }}\n" \
+    "                {{- '\", \"arguments\": ' }}\n" \
+    "                {%- if tool_call.arguments is string %}\n" \
+    "                    {{- tool_call.arguments }}\n" \
+    "                {%- else %}\n" \
+    "                    {{- tool_call.arguments | tojson }}\n" \
+    "                {%- endif %}\n" \
+    "                {{- '}\\n</tool_call>' }}\n" \
+    "            {%- endfor %}\n" \
+    "        {%- endif %}\n" \
+    "        {{- '<|im_end|>\\n' }}\n" \
+    "    {%- elif message.role == \"tool\" %}\n" \
+    "        {%- if loop.first or (messages[loop.index0 - 1].role != \"tool\") %}\n" \
+    "            {{- '<|im_start|>user' }}\n" \
+    "        {%- endif %}\n" \
+    "        {{- '\\n<tool_response>\\n' }}\n" \
+    "        {{- "
+#define QWEN3_TAIL_B \
+    " }}\n" \
+    "        {{- '\\n</tool_response>' }}\n" \
+    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n" \
+    "            {{- '<|im_end|>\\n' }}\n" \
+    "        {%- endif %}\n" \
+    "    {%- endif %}\n" \
+    "{%- endfor %}\n" \
+    "{%- if add_generation_prompt %}\n" \
+    "    {{- '<|im_start|>assistant\\n' }}\n" \
+    "    {%- if enable_thinking is defined and enable_thinking is false %}\n" \
+    "        {{- '<think>\\n\\n</think>\\n\\n' }}\n" \
+    "    {%- endif %}\n" \
+    "{%- endif %}"
+
+/* Qwen3-30B-A3B / Qwen3-235B-A22B as released */
+static const char T_QWEN3_INITIAL[] = QWEN3_HEAD
+    "    {%- if ns.multi_step_tool and message.role == \"user\" and not(message.content.startswith('<tool_response>') "
+    "and message.content.endswith('</tool_response>')) %}\n"
+    "        {%- set ns.multi_step_tool = false %}\n"
+    "        {%- set ns.last_query_index = index %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' "
+    "}}\n"
+    "    {%- elif message.role == \"assistant\" %}\n"
+    "        {%- set content = message.content %}\n"
+    "        {%- set reasoning_content = '' %}\n"
+    "        {%- if message.reasoning_content is defined and message.reasoning_content is not none "
+    "%}\n"
+    "            {%- set reasoning_content = message.reasoning_content %}\n"
+    "        {%- else %}\n"
+    "            {%- if '</think>' in message.content %}\n"
+    "                {%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}\n"
+    "                {%- set reasoning_content = message.content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') "
+    "%}\n"
+    "            {%- endif %}\n"
+    "        {%- endif %}\n"
+    "        {%- if loop.index0 > ns.last_query_index %}\n"
+    "            {%- if loop.last or (not loop.last and reasoning_content) %}\n"
+    "                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') "
+    "+ '\\n</think>\\n\\n' + content.lstrip('\\n') }}\n"
+    "            {%- else %}\n"
+    "                {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
+    "            {%- endif %}\n"
+    "        {%- else %}\n"
+    "            {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
+    "        {%- endif %}\n"
+    QWEN3_TAIL_A "message.content" QWEN3_TAIL_B;
+
+/* the later revision (`content is string` checks) */
+static const char T_QWEN3[] = QWEN3_HEAD
+    "    {%- if ns.multi_step_tool and message.role == \"user\" and message.content is string and "
+    "not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) "
+    "%}\n"
+    "        {%- set ns.multi_step_tool = false %}\n"
+    "        {%- set ns.last_query_index = index %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message.content is string %}\n"
+    "        {%- set content = message.content %}\n"
+    "    {%- else %}\n"
+    "        {%- set content = '' %}\n"
+    "    {%- endif %}\n"
+    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- elif message.role == \"assistant\" %}\n"
+    "        {%- set reasoning_content = '' %}\n"
+    "        {%- if message.reasoning_content is string %}\n"
+    "            {%- set reasoning_content = message.reasoning_content %}\n"
+    "        {%- else %}\n"
+    "            {%- if '</think>' in content %}\n"
+    "                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') "
+    "%}\n"
+    "                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}\n"
+    "            {%- endif %}\n"
+    "        {%- endif %}\n"
+    "        {%- if loop.index0 > ns.last_query_index %}\n"
+    "            {%- if loop.last or (not loop.last and reasoning_content) %}\n"
+    "                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') "
+    "+ '\\n</think>\\n\\n' + content.lstrip('\\n') }}\n"
+    "            {%- else %}\n"
+    "                {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
+    "            {%- endif %}\n"
+    "        {%- else %}\n"
+    "            {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
+    "        {%- endif %}\n"
+    QWEN3_TAIL_A "content" QWEN3_TAIL_B;
+
+#define TULU3_BODY \
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{ '<|system|>\\n' + message['content'] " \
+    "+ '\\n' }}{% elif message['role'] == 'user' %}{{ '<|user|>\\n' + message['content'] + '\\n' " \
+    "}}{% elif message['role'] == 'assistant' %}{% if not loop.last %}{{ '<|assistant|>\\n'  + message['content'] " \
+    "+ eos_token + '\\n' }}{% else %}{{ '<|assistant|>\\n'  + message['content'] + eos_token }}{% " \
+    "endif %}{% endif %}{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif " \
+    "%}{% endfor %}"
+static const char T_OLMOE_INSTRUCT[] = "{{ bos_token }}" TULU3_BODY;
+static const char T_TULU3[] = TULU3_BODY;
+
+#define TULU2_BODY \
+    "{% for message in messages %}\n" \
+    "{% if message['role'] == 'system' %}\n" \
+    "{{ '<|system|>\\n' + message['content'] }}\n" \
+    "{% elif message['role'] == 'user' %}\n" \
+    "{{ '<|user|>\\n' + message['content'] }}\n" \
+    "{% elif message['role'] == 'assistant' %}\n" \
+    "{{ '<|assistant|>\\n'  + message['content'] + eos_token }}\n" \
+    "{% endif %}\n" \
+    "{% if loop.last and add_generation_prompt %}\n" \
+    "{{ '<|assistant|>' }}\n" \
+    "{% endif %}\n" \
+    "{% endfor %}"
+static const char T_TULU2[] = TULU2_BODY;
+static const char T_TULU2_BOS[] = "{{ bos_token }}" TULU2_BODY;
+
+static const char T_MIXTRAL_8X7B_INSTRUCT[] =
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {%- set system_message = messages[0]['content'] %}\n"
+    "    {%- set loop_messages = messages[1:] %}\n"
+    "{%- else %}\n"
+    "    {%- set loop_messages = messages %}\n"
+    "{%- endif %}\n"
+    "\n"
+    "{{- bos_token }}\n"
+    "{%- for message in loop_messages %}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}\n"
+    "        {{- raise_exception('After the optional system message, conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}\n"
+    "    {%- endif %}\n"
+    "    {%- if message['role'] == 'user' %}\n"
+    "        {%- if loop.first and system_message is defined %}\n"
+    "            {{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}\n"
+    "        {%- else %}\n"
+    "            {{- ' [INST] ' + message['content'] + ' [/INST]' }}\n"
+    "        {%- endif %}\n"
+    "    {%- elif message['role'] == 'assistant' %}\n"
+    "        {{- ' ' + message['content'] + eos_token}}\n"
+    "    {%- else %}\n"
+    "        {{- raise_exception('Only user and assistant roles are supported, with the exception "
+    "of an initial optional system message!') }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n";
+
+static const char T_MISTRAL_V1_ORIGINAL[] =
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 "
+    "% 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') "
+    "}}{% endif %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' "
+    "}}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}{% else %}{{ "
+    "raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}";
+
+static const char T_MISTRAL_V1_SPACED[] =
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 "
+    "% 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') "
+    "}}{% endif %}{% if message['role'] == 'user' %}{{ ' [INST] ' + message['content'] + ' [/INST]' "
+    "}}{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token}}{% else "
+    "%}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor "
+    "%}";
+
+static const char T_QWEN2_INSTRUCT[] =
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\n@@SYSTEM_PROMPT@@<|im_end|>\\n' "
+    "}}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' "
+    "+ '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif "
+    "%}";
+
+static const char T_CHATML[] =
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' "
+    "}}{% endif %}";
+
+static const char T_OLMO2_INSTRUCT[] =
+    "{{ bos_token }}{% for message in messages %}\n"
+    "{% if message['role'] == 'system' %}\n"
+    "{{ '<|system|>\\n' + message['content'] }}\n"
+    "{% elif message['role'] == 'user' %}\n"
+    "{{ '<|user|>\\n' + message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}\n"
+    "{% if not loop.last %}\n"
+    "{{ '<|assistant|>\\n'  + message['content'] + eos_token }}\n"
+    "{% else %}\n"
+    "{{ '<|assistant|>\\n'  + message['content'] + eos_token }}\n"
+    "{% endif %}\n"
+    "{% endif %}\n"
+    "{% if loop.last and add_generation_prompt %}\n"
+    "{{ '<|assistant|>\\n' }}\n"
+    "{% endif %}\n"
+    "{% endfor %}";
+
+enum { FAM_MISTRAL, FAM_CHATML, FAM_QWEN3, FAM_TULU };
+
+typedef struct variant {
+    const char *name;
+    int family;
+    const char *src;
+    /* FAM_MISTRAL */
+    int system_first;          /* a first system message goes before the first user message */
+    const char *user_prefix;   /* " [INST] " or "[INST] " */
+    const char *asst_prefix;   /* " " or "" */
+    const char *alternate_err; /* the template's raise_exception texts */
+    const char *role_err;
+    /* FAM_CHATML */
+    int default_system;        /* the template's literal at @@SYSTEM_PROMPT@@ */
+    /* FAM_TULU */
+    int bos;                   /* starts with {{ bos_token }} */
+    const char *system_end, *user_end;     /* after the content */
+    const char *asst_end, *asst_end_last;  /* after EOS: not the last message / the last */
+    const char *generation;                /* the generation prompt */
+} variant;
+
+#define ALTERNATE_V1 "Conversation roles must alternate user/assistant/user/assistant/..."
+#define ROLES_V1 "Only user and assistant roles are supported!"
+
+static const variant VARIANTS[] = {
+    /* Mixtral-8x7B-Instruct-v0.1 now (Mistral-7B-Instruct-v0.1/v0.2 have it too) */
+    {.name = "mistral-instruct", .family = FAM_MISTRAL, .src = T_MIXTRAL_8X7B_INSTRUCT,
+     .system_first = 1, .user_prefix = " [INST] ", .asst_prefix = " ",
+     .alternate_err = "After the optional system message, conversation roles must alternate "
+                      "user/assistant/user/assistant/...",
+     .role_err = "Only user and assistant roles are supported, with the exception of an initial "
+                 "optional system message!"},
+    /* as Mixtral-8x7B-Instruct-v0.1 and Mistral-7B-Instruct-v0.1 were first released */
+    {.name = "mistral-instruct-v0.1", .family = FAM_MISTRAL, .src = T_MISTRAL_V1_ORIGINAL,
+     .user_prefix = "[INST] ", .asst_prefix = "", .alternate_err = ALTERNATE_V1,
+     .role_err = ROLES_V1},
+    /* the v1 template with Mistral's spaces (mistralai/cookbook, chat_templates.md) */
+    {.name = "mistral-instruct-v0.1-spaced", .family = FAM_MISTRAL, .src = T_MISTRAL_V1_SPACED,
+     .user_prefix = " [INST] ", .asst_prefix = " ", .alternate_err = ALTERNATE_V1,
+     .role_err = ROLES_V1},
+    /* Qwen1.5-MoE-A2.7B-Chat, Qwen2-57B-A14B-Instruct (their default system prompts differ) */
+    {.name = "chatml-qwen2", .family = FAM_CHATML, .src = T_QWEN2_INSTRUCT, .default_system = 1},
+    /* plain ChatML */
+    {.name = "chatml", .family = FAM_CHATML, .src = T_CHATML},
+    /* Qwen3-30B-A3B, Qwen3-235B-A22B: the current revision and the first */
+    {.name = "qwen3", .family = FAM_QWEN3, .src = T_QWEN3},
+    {.name = "qwen3-initial", .family = FAM_QWEN3, .src = T_QWEN3_INITIAL},
+    /* OLMoE-1B-7B-0924-Instruct (BOS = <|endoftext|>), OLMo-2 SFT: {{ bos_token }} + Tulu 3 */
+    {.name = "olmoe-instruct", .family = FAM_TULU, .src = T_OLMOE_INSTRUCT, .bos = 1,
+     .system_end = "\n", .user_end = "\n", .asst_end = "\n", .asst_end_last = "",
+     .generation = "<|assistant|>\n"},
+    /* Tulu 3 (open-instruct's "tulu", Llama-3.1-Tulu-3) */
+    {.name = "tulu3", .family = FAM_TULU, .src = T_TULU3, .bos = 0,
+     .system_end = "\n", .user_end = "\n", .asst_end = "\n", .asst_end_last = "",
+     .generation = "<|assistant|>\n"},
+    /* Tulu 2, one tag a line (the newlines after {{ }} are output), with and without BOS */
+    {.name = "tulu2", .family = FAM_TULU, .src = T_TULU2, .bos = 0,
+     .system_end = "\n", .user_end = "\n", .asst_end = "\n", .asst_end_last = "\n",
+     .generation = "<|assistant|>\n"},
+    {.name = "tulu2-bos", .family = FAM_TULU, .src = T_TULU2_BOS, .bos = 1,
+     .system_end = "\n", .user_end = "\n", .asst_end = "\n", .asst_end_last = "\n",
+     .generation = "<|assistant|>\n"},
+    /* the one-tag-a-line Tulu 3 form with BOS (OLMo-2 Instruct style) */
+    {.name = "olmo2-instruct", .family = FAM_TULU, .src = T_OLMO2_INSTRUCT, .bos = 1,
+     .system_end = "\n", .user_end = "\n", .asst_end = "\n", .asst_end_last = "\n",
+     .generation = "<|assistant|>\n\n"},
+};
+#define N_VARIANTS (sizeof VARIANTS / sizeof VARIANTS[0])
+#define WILDCARD "@@SYSTEM_PROMPT@@"
+
+#define SUPPORTED                                                                              \
+    "colibri_server renders the chat templates of Mixtral-8x7B-Instruct / Mistral-Instruct "  \
+    "([INST] ... [/INST]), ChatML (Qwen1.5-MoE, Qwen2-MoE), Qwen3-MoE and Tulu (OLMoE-Instruct)"
+#define USE_COMPLETIONS "; format the prompt yourself and send it to /v1/completions instead"
+
+/* ------------------------------------------------------------------ small buffers */
+
+typedef struct sbuf {
+    char *p;
+    size_t n, cap;
+    int oom;
+} sbuf;
+
+static void sb_add(sbuf *b, const char *s, size_t n) {
+    if (b->oom) return;
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n + 1) cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (!p) {
+            b->oom = 1;
+            return;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    if (n) memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+static void sb_addc(sbuf *b, char c) { sb_add(b, &c, 1); }
+static void sb_adds(sbuf *b, const char *s) { sb_add(b, s, strlen(s)); }
+static void sb_free(sbuf *b) {
+    free(b->p);
+    memset(b, 0, sizeof *b);
+}
+
+static int is_space(char c) {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
+}
+static int is_word(char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+}
+static int is_op(char c) { return c && strchr("=!<>*/+-%~|&^.:", c) != NULL; }
+static int is_ident_start(char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+}
+static int hexval(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+static void put_utf8(sbuf *b, unsigned long cp) {
+    char u[4];
+    if (cp < 0x80) {
+        sb_addc(b, (char)cp);
+    } else if (cp < 0x800) {
+        u[0] = (char)(0xC0 | (cp >> 6)); u[1] = (char)(0x80 | (cp & 0x3F));
+        sb_add(b, u, 2);
+    } else if (cp < 0x10000) {
+        u[0] = (char)(0xE0 | (cp >> 12)); u[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        u[2] = (char)(0x80 | (cp & 0x3F));
+        sb_add(b, u, 3);
+    } else {
+        u[0] = (char)(0xF0 | (cp >> 18)); u[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+        u[2] = (char)(0x80 | ((cp >> 6) & 0x3F)); u[3] = (char)(0x80 | (cp & 0x3F));
+        sb_add(b, u, 4);
+    }
+}
+
+/* ------------------------------------------------------------------ canonical form */
+
+/* The value of the Jinja string literal at s[*i] (a quote), escapes decoded as Python's
+ * unicode-escape does (what Jinja's lexer applies); *i moves past the closing quote.
+ * -1: not terminated. */
+static int read_literal(const char *s, size_t n, size_t *i, sbuf *out) {
+    char q = s[*i];
+    size_t k = *i + 1;
+    while (k < n && s[k] != q) {
+        if (s[k] != '\\' || k + 1 >= n) {
+            sb_addc(out, s[k++]);
+            continue;
+        }
+        char e = s[k + 1];
+        k += 2;
+        switch (e) {
+        case 'n': sb_addc(out, '\n'); break;
+        case 't': sb_addc(out, '\t'); break;
+        case 'r': sb_addc(out, '\r'); break;
+        case 'a': sb_addc(out, '\a'); break;
+        case 'b': sb_addc(out, '\b'); break;
+        case 'f': sb_addc(out, '\f'); break;
+        case 'v': sb_addc(out, '\v'); break;
+        case '\\': case '\'': case '"': sb_addc(out, e); break;
+        case '\n': break; /* a continued line */
+        case 'x': case 'u': case 'U': {
+            int nd = e == 'x' ? 2 : e == 'u' ? 4 : 8, d;
+            unsigned long cp = 0;
+            for (d = 0; d < nd && k + (size_t)d < n && hexval(s[k + d]) >= 0; d++)
+                cp = cp * 16 + (unsigned long)hexval(s[k + d]);
+            if (d == nd && cp <= 0x10FFFF) {
+                put_utf8(out, cp);
+                k += (size_t)nd;
+            } else { /* Python refuses it; keep it as written so that nothing matches */
+                sb_addc(out, '\\');
+                sb_addc(out, e);
+            }
+            break;
+        }
+        default:
+            if (e >= '0' && e <= '7') {
+                unsigned long cp = (unsigned long)(e - '0');
+                for (int d = 0; d < 2 && k < n && s[k] >= '0' && s[k] <= '7'; d++, k++)
+                    cp = cp * 8 + (unsigned long)(s[k] - '0');
+                put_utf8(out, cp);
+            } else {
+                sb_addc(out, '\\');
+                sb_addc(out, e);
+            }
+        }
+    }
+    if (k >= n) return -1;
+    *i = k + 1;
+    return 0;
+}
+
+/* A literal in the canonical form: '...' with \\ \' \n \xHH (other control bytes). */
+static void put_literal(sbuf *out, const char *v, size_t n) {
+    sb_addc(out, '\'');
+    for (size_t k = 0; k < n; k++) {
+        unsigned char c = (unsigned char)v[k];
+        char hex[8];
+        if (c == '\\') sb_adds(out, "\\\\");
+        else if (c == '\'') sb_adds(out, "\\'");
+        else if (c == '\n') sb_adds(out, "\\n");
+        else if (c < 0x20 || c == 0x7F) {
+            snprintf(hex, sizeof hex, "\\x%02x", c);
+            sb_adds(out, hex);
+        } else sb_addc(out, (char)c);
+    }
+    sb_addc(out, '\'');
+}
+
+/* The value of a canonical literal s[0..n) (quotes included). */
+static void unquote(const char *s, size_t n, sbuf *out) {
+    for (size_t k = 1; k + 1 < n; k++) {
+        if (s[k] != '\\' || k + 2 >= n) {
+            sb_addc(out, s[k]);
+            continue;
+        }
+        char e = s[++k];
+        if (e == 'n') sb_addc(out, '\n');
+        else if (e == 'x' && k + 2 < n - 1) {
+            sb_addc(out, (char)(hexval(s[k + 1]) * 16 + hexval(s[k + 2])));
+            k += 2;
+        } else sb_addc(out, e); /* \\ or \' */
+    }
+}
+
+/* The code of one tag in the canonical form (see the top of the file). */
+static int norm_code(const char *c, size_t n, sbuf *out) {
+    int space = 0;
+    size_t k = 0;
+    while (k < n) {
+        char ch = c[k];
+        char last = out->n ? out->p[out->n - 1] : 0;
+        if (is_space(ch)) {
+            space = 1;
+            k++;
+            continue;
+        }
+        if (ch == '\'' || ch == '"') {
+            sbuf v = {0};
+            size_t e = k;
+            if (read_literal(c, n, &e, &v) != 0) {
+                sb_free(&v);
+                return -1;
+            }
+            put_literal(out, v.p ? v.p : "", v.n);
+            if (v.oom) out->oom = 1;
+            sb_free(&v);
+            k = e;
+            space = 0;
+            continue;
+        }
+        if (ch == '.' && (is_word(last) || last == ']' || last == ')') && k + 1 < n &&
+            is_ident_start(c[k + 1])) {
+            size_t e = k + 1, a;
+            while (e < n && is_word(c[e])) e++;
+            for (a = e; a < n && is_space(c[a]); a++) {}
+            if (a < n && c[a] == '(') { /* a method call stays one */
+                sb_add(out, c + k, e - k);
+            } else {
+                sb_adds(out, "['");
+                sb_add(out, c + k + 1, e - k - 1);
+                sb_adds(out, "']");
+            }
+            k = e;
+            space = 0;
+            continue;
+        }
+        /* a space stays where it separates two words or two operator characters
+         * (`not x`, `= =`: two tokens for Jinja) */
+        if (space && ((is_word(ch) && is_word(last)) || (is_op(ch) && is_op(last)))) sb_addc(out, ' ');
+        sb_addc(out, ch);
+        space = 0;
+        k++;
+    }
+    return 0;
+}
+
+/* End of the canonical literal starting at s[k] (a quote): the index after it. */
+static size_t skip_literal(const char *s, size_t n, size_t k) {
+    for (k++; k < n && s[k] != '\''; k++)
+        if (s[k] == '\\') k++;
+    return k < n ? k + 1 : n;
+}
+
+/* A name path: ident, then [literal] or [digits] subscripts. */
+static int is_path(const char *s, size_t n) {
+    size_t k = 0;
+    if (!n || !is_ident_start(s[0])) return 0;
+    while (k < n && is_word(s[k])) k++;
+    while (k < n) {
+        if (s[k] != '[' || k + 1 >= n) return 0;
+        k++;
+        if (s[k] == '\'') k = skip_literal(s, n, k);
+        else {
+            size_t d = k;
+            while (k < n && s[k] >= '0' && s[k] <= '9') k++;
+            if (k == d) return 0;
+        }
+        if (k >= n || s[k] != ']') return 0;
+        k++;
+    }
+    return 1;
+}
+
+static void flush_text(sbuf *out, sbuf *text) {
+    if (text->n) {
+        sb_addc(out, 'T');
+        put_literal(out, text->p, text->n);
+        sb_addc(out, '\n');
+    }
+    if (text->oom) out->oom = 1;
+    text->n = 0;
+}
+
+/* {{ code }}: literals join the output text; `a + b + ...` of literals and names is split. */
+static void emit_expr(sbuf *out, sbuf *text, const char *c, size_t n) {
+    size_t starts[64], ends[64];
+    int m = 0, depth = 0, simple = 1;
+    size_t k = 0, s0 = 0;
+    while (k <= n) {
+        if (k == n || (depth == 0 && c[k] == '+')) {
+            if (m == 64) {
+                simple = 0;
+                break;
+            }
+            starts[m] = s0;
+            ends[m++] = k;
+            s0 = k + 1;
+            k++;
+            continue;
+        }
+        if (c[k] == '\'') {
+            k = skip_literal(c, n, k);
+            continue;
+        }
+        if (c[k] == '(' || c[k] == '[' || c[k] == '{') depth++;
+        else if (c[k] == ')' || c[k] == ']' || c[k] == '}') depth--;
+        k++;
+    }
+    for (int i = 0; simple && i < m; i++) {
+        const char *o = c + starts[i];
+        size_t len = ends[i] - starts[i];
+        int lit = len >= 2 && o[0] == '\'' && skip_literal(o, len, 0) == len;
+        if (!lit && !is_path(o, len)) simple = 0;
+    }
+    if (!simple || n == 0) {
+        flush_text(out, text);
+        sb_addc(out, 'E');
+        sb_add(out, c, n);
+        sb_addc(out, '\n');
+        return;
+    }
+    for (int i = 0; i < m; i++) {
+        const char *o = c + starts[i];
+        size_t len = ends[i] - starts[i];
+        if (o[0] == '\'') {
+            unquote(o, len, text);
+        } else {
+            flush_text(out, text);
+            sb_addc(out, 'E');
+            sb_add(out, o, len);
+            sb_addc(out, '\n');
+        }
+    }
+}
+
+/* The canonical form of a template (malloc'd), or NULL when out of memory. A template
+ * Jinja would not read (an unterminated tag or literal, {% raw %}) gets a form that ends
+ * in "!" and matches nothing. */
+static char *canonicalize(const char *src) {
+    size_t n0 = strlen(src), n = 0, i = 0;
+    char *s = malloc(n0 + 1);
+    if (!s) return NULL;
+    for (size_t k = 0; k < n0; k++) { /* Jinja: \r\n and \r are \n; one trailing \n is dropped */
+        if (src[k] == '\r') {
+            s[n++] = '\n';
+            if (k + 1 < n0 && src[k + 1] == '\n') k++;
+        } else {
+            s[n++] = src[k];
+        }
+    }
+    if (n && s[n - 1] == '\n') n--;
+    s[n] = 0;
+
+    sbuf out = {0}, text = {0};
+    int line_starting = 1, bad = 0;
+    while (i < n && !bad) {
+        size_t j = i;
+        while (j + 1 < n && !(s[j] == '{' && (s[j + 1] == '{' || s[j + 1] == '%' || s[j + 1] == '#')))
+            j++;
+        if (j + 1 >= n) {
+            sb_add(&text, s + i, n - i);
+            break;
+        }
+        char kind = s[j + 1], sign = 0;
+        size_t p = j + 2, te = j;
+        if (p < n && (s[p] == '-' || s[p] == '+')) sign = s[p++];
+        if (sign == '-') { /* {%- strips all whitespace before */
+            while (te > i && is_space(s[te - 1])) te--;
+        } else if (sign != '+' && kind != '{') { /* lstrip_blocks */
+            size_t lp = te, k;
+            while (lp > i && s[lp - 1] != '\n') lp--;
+            if (lp > i || line_starting) {
+                for (k = lp; k < te && (s[k] == ' ' || s[k] == '\t'); k++) {}
+                if (k == te) te = lp;
+            }
+        }
+        sb_add(&text, s + i, te - i);
+
+        char e0 = kind == '{' ? '}' : kind, e1 = '}';
+        size_t k = p, ce = 0;
+        int found = 0;
+        while (k + 1 < n) {
+            if (kind != '#' && (s[k] == '\'' || s[k] == '"')) {
+                char q = s[k++];
+                while (k < n && s[k] != q) k += s[k] == '\\' ? 2 : 1;
+                k++;
+                continue;
+            }
+            if (s[k] == e0 && s[k + 1] == e1) {
+                ce = k;
+                found = 1;
+                break;
+            }
+            k++;
+        }
+        if (!found) {
+            bad = 1;
+            break;
+        }
+        size_t cend = ce, e = ce + 2;
+        char esign = 0;
+        if (cend > p && (s[cend - 1] == '-' || (s[cend - 1] == '+' && kind != '{'))) esign = s[--cend];
+        if (esign == '-') { /* -%} strips all whitespace after */
+            while (e < n && is_space(s[e])) e++;
+        } else if (kind != '{' && esign != '+' && e < n && s[e] == '\n') { /* trim_blocks */
+            e++;
+        }
+        line_starting = s[e - 1] == '\n';
+        if (kind != '#') {
+            sbuf code = {0};
+            if (norm_code(s + p, cend - p, &code) != 0) {
+                bad = 1;
+            } else if (kind == '%') {
+                flush_text(&out, &text);
+                sb_addc(&out, 'S');
+                sb_add(&out, code.p ? code.p : "", code.n);
+                sb_addc(&out, '\n');
+                if (code.n >= 3 && !memcmp(code.p, "raw", 3) && (code.n == 3 || !is_word(code.p[3])))
+                    bad = 1;
+            } else {
+                emit_expr(&out, &text, code.p ? code.p : "", code.n);
+            }
+            if (code.oom) out.oom = 1;
+            sb_free(&code);
+        }
+        i = e;
+    }
+    flush_text(&out, &text);
+    if (bad) sb_adds(&out, "!\n");
+    if (text.oom) out.oom = 1;
+    sb_free(&text);
+    free(s);
+    if (!out.oom && !out.p) sb_add(&out, "", 0);
+    if (out.oom) {
+        sb_free(&out);
+        return NULL;
+    }
+    return out.p;
+}
+
+/* The variant whose canonical form equals the template's (*system: the text at the
+ * wildcard, malloc'd, for the template that has one). *oom set when memory ran out. */
+static const variant *recognise(const char *src, char **system, int *oom) {
+    *system = NULL;
+    *oom = 0;
+    if (!src || !*src) return NULL;
+    char *cand = canonicalize(src);
+    if (!cand) {
+        *oom = 1;
+        return NULL;
+    }
+    const variant *hit = NULL;
+    size_t cl = strlen(cand), wl = strlen(WILDCARD);
+    for (size_t v = 0; v < N_VARIANTS && !hit; v++) {
+        char *pat = canonicalize(VARIANTS[v].src);
+        if (!pat) {
+            *oom = 1;
+            break;
+        }
+        const char *w = strstr(pat, WILDCARD);
+        if (!w) {
+            if (!strcmp(cand, pat)) hit = &VARIANTS[v];
+        } else {
+            size_t pre = (size_t)(w - pat), suf = strlen(w + wl);
+            if (cl >= pre + suf && !memcmp(cand, pat, pre) && !memcmp(cand + cl - suf, w + wl, suf)) {
+                /* the text in between stays inside the one literal */
+                int inside = 1;
+                for (size_t k = pre; k < cl - suf && inside; k++) {
+                    if (cand[k] == '\\') k++;
+                    else if (cand[k] == '\'' || cand[k] == '\n') inside = 0;
+                }
+                if (inside) {
+                    sbuf t = {0};
+                    /* unquote() skips a first and a last character: give it the quotes' places */
+                    unquote(cand + pre - 1, cl - suf - pre + 2, &t);
+                    if (t.oom) {
+                        *oom = 1;
+                        sb_free(&t);
+                    } else {
+                        *system = t.p ? t.p : calloc(1, 1);
+                        if (!*system) *oom = 1;
+                        else hit = &VARIANTS[v];
+                    }
+                }
+            }
+        }
+        free(pat);
+    }
+    free(cand);
+    return hit;
+}
+
+/* ------------------------------------------------------------------ rendering */
+
+typedef struct special {
+    const char *s; /* the token's string, as colibri_token_piece gives it */
+    size_t n;
+    int32_t id;
+} special;
+
+typedef struct render {
+    colibri_tokenizer *tok;
+    int32_t bos, eos;
+    sbuf text;          /* text since the last id */
+    int32_t *ids;
+    int64_t n, cap;
+    special sp[3];      /* strings cut out of the text as their ids */
+    int n_sp;
+    char *err;
+    size_t err_len;
+    int failed;
+} render;
+
+static void fail(render *r, const char *fmt, ...) {
+    if (r->failed) return;
+    r->failed = 1;
+    if (r->err && r->err_len) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(r->err, r->err_len, fmt, ap);
+        va_end(ap);
+    }
+}
+
+static int reserve_ids(render *r, int64_t more) {
+    if (r->n + more <= r->cap) return 0;
+    int64_t cap = r->cap ? r->cap : 256;
+    while (cap < r->n + more) cap *= 2;
+    int32_t *p = realloc(r->ids, (size_t)cap * sizeof *p);
+    if (!p) {
+        fail(r, "out of memory");
+        return -1;
+    }
+    r->ids = p;
+    r->cap = cap;
+    return 0;
+}
+
+static void push_id(render *r, int32_t id) {
+    if (r->failed || reserve_ids(r, 1)) return;
+    r->ids[r->n++] = id;
+}
+
+static void tokenize_run(render *r, const char *s, size_t n) {
+    if (r->failed || n == 0) return;
+    int64_t got = 0;
+    if (reserve_ids(r, (int64_t)n + 8)) return;
+    colibri_status st = colibri_tokenize(r->tok, s, n, 0, r->ids + r->n, r->cap - r->n, &got);
+    if (st == COLIBRI_E_BUFFER_TOO_SMALL) {
+        if (reserve_ids(r, got)) return;
+        st = colibri_tokenize(r->tok, s, n, 0, r->ids + r->n, r->cap - r->n, &got);
+    }
+    if (st != COLIBRI_OK) {
+        const char *m = colibri_tokenizer_last_error(r->tok);
+        fail(r, "tokenizer: %s", m && *m ? m : colibri_status_string(st));
+        return;
+    }
+    r->n += got;
+}
+
+/* Tokenize the pending text, cutting out the special strings. */
+static void flush(render *r) {
+    const char *s = r->text.p ? r->text.p : "";
+    size_t n = r->text.n, at = 0;
+    if (r->text.oom) fail(r, "out of memory");
+    while (!r->failed && at < n) {
+        size_t best = n;
+        int which = -1;
+        for (size_t k = at; k < n && which < 0; k++)
+            for (int q = 0; q < r->n_sp; q++)
+                if (r->sp[q].n <= n - k && !memcmp(s + k, r->sp[q].s, r->sp[q].n) &&
+                    (which < 0 || r->sp[q].n > r->sp[which].n)) {
+                    best = k;
+                    which = q;
+                }
+        tokenize_run(r, s + at, best - at);
+        if (which < 0) break;
+        push_id(r, r->sp[which].id);
+        at = best + r->sp[which].n;
+    }
+    r->text.n = 0;
+}
+
+static void emit(render *r, const char *s) { sb_adds(&r->text, s ? s : ""); }
+static void emit_n(render *r, const char *s, size_t n) { sb_add(&r->text, s, n); }
+static void emit_id(render *r, int32_t id) {
+    if (id < 0) return; /* bos_token / eos_token of a tokenizer without one render as "" */
+    flush(r);
+    push_id(r, id);
+}
+
+/* A special token's string to cut out of text: unless the tokenizer reads it as that token
+ * itself (byte-level BPE matches its added tokens). `want`: only if the string is that. */
+static void add_special(render *r, int32_t id, const char *want) {
+    const char *piece = NULL;
+    uint64_t len = 0;
+    int32_t one[4];
+    int64_t got = 0;
+    if (id < 0 || r->n_sp >= 3) return;
+    if (colibri_token_piece(r->tok, id, &piece, &len) != COLIBRI_OK || !piece || len == 0) return;
+    if (want && (len != strlen(want) || memcmp(piece, want, (size_t)len))) return;
+    for (int q = 0; q < r->n_sp; q++)
+        if (r->sp[q].id == id) return;
+    if (colibri_tokenize(r->tok, piece, len, 0, one, 4, &got) == COLIBRI_OK && got == 1 && one[0] == id)
+        return;
+    r->sp[r->n_sp].s = piece;
+    r->sp[r->n_sp].n = (size_t)len;
+    r->sp[r->n_sp++].id = id;
+}
+
+static int is(const char *a, const char *b) { return a && !strcmp(a, b); }
+static const char *content_of(const cs_message *m) { return m->content ? m->content : ""; }
+
+static void render_mistral(render *r, const variant *v, const cs_message *m, size_t n) {
+    const char *system = NULL;
+    size_t first = 0;
+    if (v->system_first && is(m[0].role, "system")) {
+        system = content_of(&m[0]);
+        first = 1;
+    }
+    emit_id(r, r->bos);
+    for (size_t i = first; i < n && !r->failed; i++) {
+        size_t li = i - first;
+        int user = is(m[i].role, "user");
+        if (user != (li % 2 == 0)) {
+            fail(r, "chat template %s: messages[%zu] (role \"%s\"): %s", v->name, i, m[i].role,
+                 v->alternate_err);
+        } else if (user) {
+            emit(r, v->user_prefix);
+            if (li == 0 && system) {
+                emit(r, system);
+                emit(r, "\n\n");
+            }
+            emit(r, content_of(&m[i]));
+            emit(r, " [/INST]");
+        } else if (is(m[i].role, "assistant")) {
+            emit(r, v->asst_prefix);
+            emit(r, content_of(&m[i]));
+            emit_id(r, r->eos);
+        } else {
+            fail(r, "chat template %s: messages[%zu] (role \"%s\"): %s", v->name, i, m[i].role,
+                 v->role_err);
+        }
+    }
+}
+
+static void render_chatml(render *r, const variant *v, const char *system, const cs_message *m,
+                          size_t n) {
+    if (v->default_system && !is(m[0].role, "system")) {
+        emit(r, "<|im_start|>system\n");
+        emit(r, system);
+        emit(r, "<|im_end|>\n");
+    }
+    for (size_t i = 0; i < n; i++) {
+        emit(r, "<|im_start|>");
+        emit(r, m[i].role);
+        emit(r, "\n");
+        emit(r, content_of(&m[i]));
+        emit(r, "<|im_end|>\n");
+    }
+    emit(r, "<|im_start|>assistant\n");
+}
+
+static const char *find_first(const char *s, const char *what) { return strstr(s, what); }
+static const char *find_last(const char *s, size_t n, const char *what) {
+    size_t w = strlen(what);
+    if (w > n) return NULL;
+    for (size_t k = n - w + 1; k-- > 0;)
+        if (!memcmp(s + k, what, w)) return s + k;
+    return NULL;
+}
+static int starts_with(const char *s, const char *p) { return !strncmp(s, p, strlen(p)); }
+static int ends_with(const char *s, const char *p) {
+    size_t a = strlen(s), b = strlen(p);
+    return a >= b && !memcmp(s + a - b, p, b);
+}
+
+/* Qwen3-MoE without tools, as its template renders it (enable_thinking left undefined). */
+static void render_qwen3(render *r, const variant *v, const cs_message *m, size_t n) {
+    size_t last_query = n - 1;
+    if (is(m[0].role, "system")) {
+        emit(r, "<|im_start|>system\n");
+        emit(r, content_of(&m[0]));
+        emit(r, "<|im_end|>\n");
+    }
+    for (size_t k = n; k-- > 0;) {
+        const char *c = content_of(&m[k]);
+        if (is(m[k].role, "user") &&
+            !(starts_with(c, "<tool_response>") && ends_with(c, "</tool_response>"))) {
+            last_query = k;
+            break;
+        }
+    }
+    for (size_t i = 0; i < n && !r->failed; i++) {
+        const char *c = content_of(&m[i]);
+        if (is(m[i].role, "user") || (is(m[i].role, "system") && i > 0)) {
+            emit(r, "<|im_start|>");
+            emit(r, m[i].role);
+            emit(r, "\n");
+            emit(r, c);
+            emit(r, "<|im_end|>\n");
+        } else if (is(m[i].role, "assistant")) {
+            const char *body = c, *reason = "";
+            size_t body_n = strlen(c), reason_n = 0;
+            const char *end = find_first(c, "</think>");
+            if (end) {
+                /* content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') */
+                size_t before = (size_t)(end - c);
+                while (before > 0 && c[before - 1] == '\n') before--;
+                const char *open = find_last(c, before, "<think>");
+                reason = open ? open + strlen("<think>") : c;
+                reason_n = (size_t)(c + before - reason);
+                while (reason_n > 0 && *reason == '\n') reason++, reason_n--;
+                /* content.split('</think>')[-1].lstrip('\n') */
+                body = find_last(c, strlen(c), "</think>") + strlen("</think>");
+                while (*body == '\n') body++;
+                body_n = strlen(body);
+            }
+            if (i > last_query && (i == n - 1 || reason_n > 0)) {
+                while (reason_n > 0 && reason[reason_n - 1] == '\n') reason_n--; /* .strip('\n') */
+                while (body_n > 0 && *body == '\n') body++, body_n--;            /* .lstrip('\n') */
+                emit(r, "<|im_start|>assistant\n<think>\n");
+                emit_n(r, reason, reason_n);
+                emit(r, "\n</think>\n\n");
+                emit_n(r, body, body_n);
+            } else {
+                emit(r, "<|im_start|>assistant\n");
+                emit_n(r, body, body_n);
+            }
+            emit(r, "<|im_end|>\n");
+        } else if (is(m[i].role, "tool")) {
+            if (i == 0 || !is(m[i - 1].role, "tool")) emit(r, "<|im_start|>user");
+            emit(r, "\n<tool_response>\n");
+            emit(r, c);
+            emit(r, "\n</tool_response>");
+            if (i == n - 1 || !is(m[i + 1].role, "tool")) emit(r, "<|im_end|>\n");
+        } else if (!(is(m[i].role, "system") && i == 0)) {
+            /* the template would drop the message without a word */
+            fail(r, "chat template %s: messages[%zu] has role \"%s\"; the template renders only "
+                    "system, user, assistant and tool messages", v->name, i, m[i].role);
+        }
+    }
+    emit(r, "<|im_start|>assistant\n");
+}
+
+static void render_tulu(render *r, const variant *v, const cs_message *m, size_t n) {
+    if (v->bos) emit_id(r, r->bos);
+    for (size_t i = 0; i < n && !r->failed; i++) {
+        if (is(m[i].role, "system")) {
+            emit(r, "<|system|>\n");
+            emit(r, content_of(&m[i]));
+            emit(r, v->system_end);
+        } else if (is(m[i].role, "user")) {
+            emit(r, "<|user|>\n");
+            emit(r, content_of(&m[i]));
+            emit(r, v->user_end);
+        } else if (is(m[i].role, "assistant")) {
+            emit(r, "<|assistant|>\n");
+            emit(r, content_of(&m[i]));
+            emit_id(r, r->eos);
+            emit(r, i == n - 1 ? v->asst_end_last : v->asst_end);
+        } else {
+            fail(r, "chat template %s: messages[%zu] has role \"%s\"; the template renders only "
+                    "system, user and assistant messages", v->name, i, m[i].role);
+        }
+    }
+    emit(r, v->generation);
+}
+
+/* ------------------------------------------------------------------ the interface */
+
+/* A short, printable beginning of a template for a message. */
+static void excerpt(const char *src, char *out, size_t cap) {
+    size_t k = 0, o = 0;
+    for (; src[k] && o + 4 < cap && k < 48; k++)
+        out[o++] = (unsigned char)src[k] < 0x20 ? ' ' : src[k];
+    if (src[k] && o + 4 < cap) {
+        memcpy(out + o, "...", 3);
+        o += 3;
+    }
+    out[o] = 0;
+}
+
+int cs_chat_tokenize(colibri_tokenizer *tok, const char *template_src, const cs_message *msgs,
+                     size_t n_msgs, int32_t **ids, int64_t *n_ids, char *err, size_t err_len) {
+    render r;
+    memset(&r, 0, sizeof r);
+    r.err = err;
+    r.err_len = err_len;
+    if (err && err_len) err[0] = 0;
+    if (ids) *ids = NULL;
+    if (n_ids) *n_ids = 0;
+    if (!ids || !n_ids || (!msgs && n_msgs)) {
+        fail(&r, "cs_chat_tokenize: NULL argument");
+        return -1;
+    }
+    if (!template_src || !*template_src) {
+        fail(&r, "the model has no chat template (metadata key tokenizer.chat_template: convert a "
+                 "checkpoint whose tokenizer_config.json or chat_template.jinja has one); " SUPPORTED
+                 USE_COMPLETIONS);
+        return -1;
+    }
+    char *system = NULL;
+    int oom = 0;
+    const variant *v = recognise(template_src, &system, &oom);
+    if (!v) {
+        char ex[64];
+        excerpt(template_src, ex, sizeof ex);
+        if (oom) fail(&r, "out of memory");
+        else
+            fail(&r, "chat template not recognised (%zu characters: \"%s\"); " SUPPORTED
+                     USE_COMPLETIONS, strlen(template_src), ex);
+        return -1;
+    }
+    if (!tok) {
+        free(system);
+        fail(&r, "the model file has no tokenizer, which chat needs; send token ids to "
+                 "/v1/completions instead");
+        return -1;
+    }
+    if (n_msgs == 0) {
+        free(system);
+        fail(&r, "no messages");
+        return -1;
+    }
+    for (size_t i = 0; i < n_msgs; i++)
+        if (!msgs[i].role) {
+            free(system);
+            fail(&r, "messages[%zu] has no role", i);
+            return -1;
+        }
+    r.tok = tok;
+    r.bos = colibri_tokenizer_bos_id(tok);
+    r.eos = colibri_tokenizer_eos_id(tok);
+    add_special(&r, r.bos, NULL);
+    add_special(&r, r.eos, NULL);
+    add_special(&r, 0, "<unk>");
+    switch (v->family) {
+    case FAM_MISTRAL: render_mistral(&r, v, msgs, n_msgs); break;
+    case FAM_CHATML: render_chatml(&r, v, system ? system : "", msgs, n_msgs); break;
+    case FAM_QWEN3: render_qwen3(&r, v, msgs, n_msgs); break;
+    default: render_tulu(&r, v, msgs, n_msgs); break;
+    }
+    flush(&r);
+    free(system);
+    sb_free(&r.text);
+    if (r.failed) {
+        free(r.ids);
+        return -1;
+    }
+    if (!r.ids) { /* nothing rendered: a valid, empty, freeable array */
+        r.ids = malloc(sizeof *r.ids);
+        if (!r.ids) {
+            fail(&r, "out of memory");
+            return -1;
+        }
+    }
+    *ids = r.ids;
+    *n_ids = r.n;
+    return 0;
+}
+
+static const char *const STOP_NONE[] = {NULL};
+static const char *const STOP_CHATML[] = {"<|im_end|>", "<|endoftext|>", NULL};
+
+const char *const *cs_chat_stop_strings(const char *template_src) {
+    char *system = NULL;
+    int oom = 0;
+    const variant *v = recognise(template_src, &system, &oom);
+    free(system);
+    if (v && (v->family == FAM_CHATML || v->family == FAM_QWEN3)) return STOP_CHATML;
+    return STOP_NONE; /* Mistral and Tulu turns end with EOS */
+}
+
+const char *cs_chat_template_name(const char *template_src) {
+    char *system = NULL;
+    int oom = 0;
+    const variant *v = recognise(template_src, &system, &oom);
+    free(system);
+    return v ? v->name : NULL;
+}
