@@ -49,6 +49,7 @@ typedef struct fake {
     int32_t blocks[MAXS][CTX / BT + 1];
     int32_t refc[NBLK];
     int64_t steps, max_entries, max_decodes;
+    int64_t max_prefill_beside;     /* most prompt entries in a step that also decodes */
     int fail_next;                  /* refuse the next batch with COLIBRI_E_NUMERIC */
     int eos_allowed;
     char err[128];
@@ -102,6 +103,7 @@ static int fk_batch_inner(fake *f, const colibri_batch_entry *e, int64_t n, floa
     }
     if (n > f->max_entries) f->max_entries = n;
     if (decodes > f->max_decodes) f->max_decodes = decodes;
+    if (decodes > 0 && n - decodes > f->max_prefill_beside) f->max_prefill_beside = n - decodes;
     f->steps++;
     return 0;
 }
@@ -188,6 +190,7 @@ typedef struct job {
 
 static cs_sched *g_sched;
 static int g_eos_allowed;
+static int64_t g_decode_prefill; /* cs_sched_config.decode_prefill_tokens of the next make_sched */
 
 static int on_token(cs_request *r, int c, int32_t t, const float *lg) {
     job *j = (job *)r;
@@ -234,7 +237,7 @@ static cs_sched *make_sched(fake *f, int32_t max_seqs, int32_t mbs, int64_t mbt,
     memset(f, 0, sizeof *f);
     memset(g_decoding, 0, sizeof g_decoding);
     f->eos_allowed = g_eos_allowed;
-    cs_sched_config cfg = {max_seqs, mbs, mbt, queue, CTX, BT, V, EOS};
+    cs_sched_config cfg = {max_seqs, mbs, mbt, queue, CTX, BT, V, EOS, g_decode_prefill};
     cs_engine e = make_engine(f);
     char err[256];
     cs_sched *s = cs_sched_create(&cfg, &e, err, sizeof err);
@@ -333,6 +336,31 @@ int main(void) {
                        (long long)jobs[i].r.max_tokens, jobs[i].why[0]);
         }
         cs_sched_free(s);
+        g_eos_allowed = 0;
+    }
+
+    /* 1b. the same load with at most 5 prompt tokens beside running decodes: the cap holds
+     * and every request still gets the tokens it gets alone */
+    {
+        g_eos_allowed = 1;
+        g_decode_prefill = 5;
+        cs_sched *s = make_sched(&f, 6, 4, 16, NJ);
+        for (int i = 0; i < NJ; i++) {
+            job_init(&jobs[i], 1000 + (uint64_t)i, 1 + (int)(mix(i, 3) % 40), 1 + (int64_t)(mix(i, 4) % 30),
+                     i % 2 ? 0.8f : 0.0f, 1);
+            CHECK(cs_sched_submit(s, &jobs[i].r) == CS_OK, "submit %d", i);
+        }
+        drain(s, jobs, NJ);
+        CHECK(f.max_prefill_beside <= 5, "a step held %lld prompt tokens beside decodes (cap 5)",
+              (long long)f.max_prefill_beside);
+        CHECK(f.max_entries > 5, "without decodes a step still fills the budget (%lld)", (long long)f.max_entries);
+        check_empty(s, &f, "load, capped prefill");
+        for (int i = 0; i < NJ; i++) {
+            solo(&jobs[i], &ref);
+            CHECK(same_tokens(&jobs[i], &ref, 0), "job %d (capped prefill): tokens differ from alone", i);
+        }
+        cs_sched_free(s);
+        g_decode_prefill = 0;
         g_eos_allowed = 0;
     }
 

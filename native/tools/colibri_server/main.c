@@ -28,6 +28,7 @@
 
 typedef struct args {
     const char *model, *alias, *host, *api_key;
+    int64_t decode_prefill_tokens;
     int64_t port, num_threads, max_batch_size, max_seq_len, prefetch_batches, parallel, max_batch_tokens, kv_tokens,
         kv_block_tokens, max_queue, timeout, max_body_bytes, default_max_tokens;
     double gpu_memory_fraction;
@@ -54,6 +55,9 @@ static void usage(FILE *f) {
             "                            (default: --parallel)\n"
             "  --max_batch_tokens N      token budget of one step: decodes first, then prompt\n"
             "                            chunks; >= --max_batch_size (default 256)\n"
+            "  --decode_prefill_tokens N prompt tokens a step adds to running decodes, 0 = no\n"
+            "                            cap: lower keeps inter-token latency flat, higher gives\n"
+            "                            a shorter time to first token (default 32)\n"
             "  --max_seq_len N           context per sequence (prompt + completion), 0 = the\n"
             "                            engine's default, min(file's, 4096) (default 0)\n"
             "  --kv_tokens N             positions of the shared paged KV cache, 0 = max_seq_len\n"
@@ -79,6 +83,7 @@ static int parse_args(int argc, char **argv, args *a) {
     a->parallel = 4;
     a->max_batch_size = -1;
     a->max_batch_tokens = 256;
+    a->decode_prefill_tokens = 32;
     a->max_queue = 64;
     a->timeout = 60;
     a->max_body_bytes = 1 << 20;
@@ -94,7 +99,7 @@ static int parse_args(int argc, char **argv, args *a) {
         if (strncmp(arg, "--", 2) != 0) return usage_error("unexpected argument '%s'", arg);
         static const char *const known[] = {
             "--model", "--alias", "--host", "--port", "--num_threads", "--max_batch_size", "--max_seq_len",
-            "--prefetch_batches", "--gpu_memory_fraction", "--parallel", "--max_batch_tokens", "--kv_tokens",
+            "--prefetch_batches", "--gpu_memory_fraction", "--parallel", "--max_batch_tokens", "--decode_prefill_tokens", "--kv_tokens",
             "--kv_block_tokens", "--api-key", "--api_key", "--max_queue", "--timeout", "--max_body_bytes",
             "--default_max_tokens"};
         char name[64];
@@ -154,6 +159,7 @@ static int parse_args(int argc, char **argv, args *a) {
         INT_OPT("--prefetch_batches", prefetch_batches, 0, 1 << 20)
         INT_OPT("--parallel", parallel, 1, 4096)
         INT_OPT("--max_batch_tokens", max_batch_tokens, 1, 1 << 20)
+        INT_OPT("--decode_prefill_tokens", decode_prefill_tokens, 0, 1 << 20)
         INT_OPT("--kv_tokens", kv_tokens, 0, INT64_C(1) << 40)
         INT_OPT("--kv_block_tokens", kv_block_tokens, 0, 1 << 20)
         INT_OPT("--max_queue", max_queue, 0, 1 << 20)
@@ -298,7 +304,7 @@ int main(int argc, char **argv) {
         goto out;
     }
     cs_sched_config cfg = {(int32_t)max_seqs, (int32_t)a.max_batch_size, a.max_batch_tokens, a.max_queue,
-                           srv.ctx_len, block_tokens, vocab, srv.eos_id};
+                           srv.ctx_len, block_tokens, vocab, srv.eos_id, a.decode_prefill_tokens};
     cs_sched *sched = cs_sched_create(&cfg, &eng, err, sizeof err);
     if (!sched) {
         fprintf(stderr, "colibri_server: error: %s\n", err);

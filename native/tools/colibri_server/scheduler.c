@@ -399,7 +399,10 @@ int64_t cs_sched_step(cs_sched *s) {
         }
         s->rotate = (start + n_dec) % n_cand;
     }
-    /* ... then prompt chunks in admission order */
+    /* ... then prompt chunks in admission order; beside running decodes at most
+     * decode_prefill_tokens of them, so a long prompt cannot stall every stream for a step */
+    if (n_dec > 0 && cfg->decode_prefill_tokens > 0 && n + cfg->decode_prefill_tokens < budget)
+        budget = n + cfg->decode_prefill_tokens;
     for (int32_t i = 0; i < s->n_active && n < budget; i++) {
         cs_request *r = s->active[i];
         if (r->state != ST_PREFILL) continue;

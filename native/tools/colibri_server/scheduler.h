@@ -62,6 +62,8 @@ typedef struct cs_sched_config {
     int64_t block_tokens;      /* positions per KV block */
     int64_t vocab;
     int32_t eos_id;            /* -1: none */
+    int64_t decode_prefill_tokens; /* prompt tokens a step may add to running decodes; 0: no cap
+                                    * (each one makes every running stream's next token later) */
 } cs_sched_config;
 
 typedef enum cs_finish {
