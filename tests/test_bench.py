@@ -221,3 +221,20 @@ def test_missing_peer_is_reported_not_fatal(model, tmp_path):
 def test_bad_engine_name_is_a_usage_error(tmp_path):
     r = _run_module("--smoke", "--engines", "colibri,vllm", "--cache-dir", tmp_path)
     assert r.returncode == 2 and "unknown engine 'vllm'" in r.stderr
+
+
+def test_serving_benchmark_smoke(model, tmp_path):
+    """python -m colibri_lab.bench.serving --smoke: colibri_server under 1 and 4 streaming
+    clients (loopback only, bounded in time); the figures exist, no request fails."""
+    out = tmp_path / "serving.json"
+    r = subprocess.run([sys.executable, "-m", "colibri_lab.bench.serving", "--smoke", "--model-dir", str(model[0]),
+                        "--cache-dir", str(tmp_path / "cache"), "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for c in (1, 4):
+        s = res["summary"][f"colibri@{c}"]
+        assert s["failed"] == 0 and s["requests"] > 0, s
+        assert s["output_tok_s"] > 0 and s["ttft_p50_ms"] > 0 and s["itl_p50_ms"] > 0
+        assert s["ttft_p99_ms"] >= s["ttft_p50_ms"] and s["itl_p99_ms"] >= s["itl_p50_ms"]
+    assert "| colibri | 4 |" in r.stdout

@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-dir", type=Path, default=None)
     ap.add_argument("--llama-cpp-dir", type=Path, default=None)
     ap.add_argument("--no-build", action="store_true", help="never build llama.cpp")
-    ap.add_argument("--smoke", action="store_true", help="tiny model, colibri only, a few seconds")
+    ap.add_argument("--smoke", action="store_true",
+                    help="colibri only, 1 and 4 clients for 3 s each (CI); the smoke model unless --model-dir")
     ap.add_argument("--json", nargs="?", const="-", default=None, help="write the raw result (PATH or -)")
     return ap
 
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
     if args.smoke:
         from .common import SMOKE_SHAPE
 
-        model_dir = tuning.make_model(cache / "models" / "smoke-mixtral", SMOKE_SHAPE)
+        model_dir = args.model_dir or tuning.make_model(cache / "models" / "smoke-mixtral", SMOKE_SHAPE)
         engines, levels, args.duration, args.reps, args.max_tokens = ["colibri"], [1, 4], 3.0, 1, 16
     elif args.make_model:
         model_dir = tuning.make_model(cache / "models" / "mixtral-791m")
