@@ -96,6 +96,7 @@ def main(argv=None) -> int:
 
         model_dir = args.model_dir or tuning.make_model(cache / "models" / "smoke-mixtral", SMOKE_SHAPE)
         engines, levels, args.duration, args.reps, args.max_tokens = ["colibri"], [1, 4], 3.0, 1, 16
+        args.prompt_words = "4,40"  # a context of 160 positions fits small test models
     elif args.make_model:
         model_dir = tuning.make_model(cache / "models" / "mixtral-791m")
     elif args.model_dir:
