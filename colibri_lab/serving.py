@@ -212,6 +212,12 @@ def metrics(port: int, timeout: float = 10.0) -> dict:
     c.close()
     if r.status != 200:
         raise RuntimeError(f"/metrics answered {r.status}")
+    return parse_metrics(text)
+
+
+def parse_metrics(text: str) -> dict:
+    """Prometheus text format: {name: value} for plain samples and {name: {labels: value}}
+    for labelled ones, labels as a tuple of (key, value) pairs."""
     out: dict = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -220,8 +226,7 @@ def metrics(port: int, timeout: float = 10.0) -> dict:
         if "{" in name_labels:
             name, _, lab = name_labels.partition("{")
             labels = tuple(tuple(kv.split("=", 1)) for kv in lab.rstrip("}").split(",") if kv)
-            labels = tuple((k, v.strip('"')) for k, v in labels)
-            out.setdefault(name, {})[labels] = float(value)
+            out.setdefault(name, {})[tuple((k, v.strip('"')) for k, v in labels)] = float(value)
         else:
             out[name_labels] = float(value)
     return out

@@ -104,18 +104,22 @@ def make_model(tmp_path_factory, tokenizer_model):
     return make
 
 
-@pytest.fixture(scope="session")
-def cli_path() -> str:
-    """The colibri_cli installed beside this Python (pip puts it in the venv's bin/),
-    else one on PATH, else $COLIBRI_CLI."""
-    env = os.environ.get("COLIBRI_CLI")
+def find_tool(name: str, env_var: str, how: str) -> str:
+    """A program of the package: $env_var, else beside this Python (pip puts the package's
+    programs in the venv's bin/), else on PATH; a test failure saying `how` to get it."""
+    env = os.environ.get(env_var)
     if env:
         return env
-    beside = Path(sys.executable).parent / "colibri_cli"
+    beside = Path(sys.executable).parent / name
     if beside.is_file():
         return str(beside)
-    found = shutil.which("colibri_cli")
+    found = shutil.which(name)
     if not found:
-        pytest.fail("colibri_cli not found: install the package with `pip install -e .` "
-                    "or set COLIBRI_CLI")  # fmt: skip
+        pytest.fail(f"{name} not found: {how}, or set {env_var}")
     return found
+
+
+@pytest.fixture(scope="session")
+def cli_path() -> str:
+    """colibri_cli: $COLIBRI_CLI, else beside this Python, else on PATH."""
+    return find_tool("colibri_cli", "COLIBRI_CLI", "install the package with `pip install -e .`")

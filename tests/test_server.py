@@ -54,19 +54,12 @@ MIXTRAL_TEMPLATE = (
 
 @pytest.fixture(scope="session")
 def server_path() -> str:
-    """The colibri_server installed beside this Python (pip puts it in the venv's bin/ when
-    libmicrohttpd and jansson are there), else one on PATH, else $COLIBRI_SERVER."""
-    env = os.environ.get("COLIBRI_SERVER")
-    if env:
-        return env
-    beside = Path(sys.executable).parent / "colibri_server"
-    if beside.is_file():
-        return str(beside)
-    found = shutil.which("colibri_server")
-    if not found:
-        pytest.fail("colibri_server not found: install libmicrohttpd-dev and libjansson-dev, then "
-                    "`pip install -e .` (make test does both), or set COLIBRI_SERVER")  # fmt: skip
-    return found
+    """colibri_server: $COLIBRI_SERVER, else beside this Python (pip puts it in the venv's bin/
+    when libmicrohttpd and jansson are there), else on PATH."""
+    from conftest import find_tool
+
+    return find_tool("colibri_server", "COLIBRI_SERVER", "install libmicrohttpd-dev and libjansson-dev, "
+                     "then `pip install -e .` (make test does both)")
 
 
 @pytest.fixture(scope="module")
@@ -200,19 +193,7 @@ def post(port: int, path: str, body, headers: dict | None = None, method: str = 
         c.close()
 
 
-def parse_metrics(text: str) -> dict:
-    out: dict = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        if "{" in name_labels:
-            name, _, lab = name_labels.partition("{")
-            labels = tuple(tuple(kv.split("=", 1)) for kv in lab.rstrip("}").split(","))
-            out.setdefault(name, {})[tuple((k, v.strip('"')) for k, v in labels)] = float(value)
-        else:
-            out[name_labels] = float(value)
-    return out
+from colibri_lab.serving import parse_metrics  # noqa: E402  (the one parser of /metrics)
 
 
 def wait_idle(srv: Server, timeout: float = 10) -> dict:
