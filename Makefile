@@ -60,6 +60,8 @@ test: $(PY)
 	$(MAKE) native-tests
 	# the browser test (tests/test_browser.py) drives Debian's chromium (needs root to install)
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+	# the fuzz smoke test (tests/test_fuzz.py) builds the libFuzzer harnesses with clang
+	dpkg -s clang libclang-rt-14-dev >/dev/null 2>&1 || (apt-get update && apt-get install -y clang libclang-rt-14-dev)
 	$(MAKE) pytest
 
 native-tests:

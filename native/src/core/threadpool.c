@@ -39,9 +39,17 @@
 
 #define CB_SPIN 4096 /* spins (pause ~ 10-60 ns each) before sleeping: ~50-200 us */
 
+/* What a worker is started with; kept in the pool, so a worker that starts late (on a loaded
+ * machine, after the first forward has begun) frees nothing. */
+typedef struct worker_arg {
+    cb_pool *p;
+    int tid;
+} worker_arg;
+
 struct cb_pool {
     int n;                          /* threads in all, the caller included */
     pthread_t *workers;             /* [n - 1] */
+    worker_arg *args;               /* [n - 1] */
     int started;                    /* workers created so far */
     uint32_t last_gen;              /* the caller's copy of gen */
     _Atomic(cb_pool_fn) fn;         /* the current section (published before gen) */
@@ -55,11 +63,6 @@ struct cb_pool {
     _Atomic int32_t caller_sleeps;  /* the caller is asleep on done_gen */
     _Atomic int32_t stop;
 };
-
-typedef struct worker_arg {
-    cb_pool *p;
-    int tid;
-} worker_arg;
 
 static void futex_wait(_Atomic uint32_t *addr, uint32_t val) {
 #if defined(__linux__)
@@ -103,8 +106,7 @@ static void run_chunks(cb_pool *p, uint32_t g, int tid) {
 }
 
 static void *worker_main(void *argp) {
-    worker_arg wa = *(worker_arg *)argp;
-    free(argp);
+    worker_arg wa = *(const worker_arg *)argp;
     cb_pool *p = wa.p;
     uint32_t seen = 0;
     for (;;) {
@@ -142,23 +144,22 @@ int cb_pool_create(cb_pool **out, int n_threads) {
     p->n = n_threads;
     if (n_threads > 1) {
         p->workers = calloc((size_t)(n_threads - 1), sizeof(pthread_t));
-        if (!p->workers) {
+        p->args = calloc((size_t)(n_threads - 1), sizeof(worker_arg));
+        if (!p->workers || !p->args) {
+            free(p->workers);
+            free(p->args);
             free(p);
             return ENOMEM;
         }
     }
     for (int i = 0; i < n_threads - 1; i++) {
-        worker_arg *wa = malloc(sizeof *wa);
-        int rc = wa ? 0 : ENOMEM;
-        if (wa) {
-            wa->p = p;
-            wa->tid = i + 1;
-            rc = pthread_create(&p->workers[i], NULL, worker_main, wa);
-            if (rc != 0) free(wa);
-        }
+        p->args[i].p = p;
+        p->args[i].tid = i + 1;
+        int rc = pthread_create(&p->workers[i], NULL, worker_main, &p->args[i]);
         if (rc != 0) {
             stop_workers(p);
             free(p->workers);
+            free(p->args);
             free(p);
             return rc;
         }
@@ -205,6 +206,7 @@ void cb_pool_free(cb_pool *p) {
     if (!p) return;
     stop_workers(p);
     free(p->workers);
+    free(p->args);
     free(p);
 }
 

@@ -245,11 +245,19 @@ const cb_kernels *cb_kernels_ref(void) { return &k_ref; }
 #define CB_X86 1
 #endif
 
+#if defined(CB_X86) && defined(__GNUC__)
+#include <cpuid.h>
+/* F16C is CPUID.1:ECX bit 29 (clang's __builtin_cpu_supports does not know "f16c"). */
+static int cpu_has_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && ((c >> 29) & 1u);
+}
+#endif
+
 static int cpu_has_avx2(void) {
 #if defined(CB_X86) && defined(__GNUC__)
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
 #else
     return 0;
 #endif

@@ -1,0 +1,103 @@
+/*
+ * fuzz_server_api.c — libFuzzer harness over colibri_server's request handling: the body of
+ * a POST /v1/completions or /v1/chat/completions (byte 0 chooses which, the rest is the
+ * body) goes through cs_api_parse exactly as http.c hands it over: UTF-8 check, JSON
+ * parsing, every field's type and range checks, prompt tokenization or the chat template,
+ * stop strings, n, logprobs. The handler must never crash, leak, read out of bounds or hit
+ * undefined behaviour: every body becomes a job or an OpenAI-style error (whose JSON is built
+ * too). The job is not run: the engine has its own harness (fuzz_colibri.c).
+ *
+ * The model (a .colibri file with a tokenizer and, to reach the chat code, a chat template)
+ * is $COLIBRI_FUZZ_MODEL. Build and run (clang >= 14 with libclang-rt-*-dev):
+ *   cmake -S native -B build/fuzz -DCMAKE_C_COMPILER=clang -DCOLIBRI_FUZZ=ON
+ *   cmake --build build/fuzz --target fuzz_server_api
+ *   COLIBRI_FUZZ_MODEL=tiny.colibri build/fuzz/fuzz_server_api CORPUS -max_total_time=600
+ * `make fuzz-smoke` (part of `make test`) runs it for a short while on a seed corpus.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "colibri.h"
+#include "server.h"
+
+int LLVMFuzzerInitialize(int *argc, char ***argv);
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+static cs_server srv;
+
+int LLVMFuzzerInitialize(int *argc, char ***argv) {
+    (void)argc;
+    (void)argv;
+    const char *path = getenv("COLIBRI_FUZZ_MODEL");
+    if (!path) {
+        fprintf(stderr, "fuzz_server_api: set COLIBRI_FUZZ_MODEL to a .colibri file with a tokenizer\n");
+        exit(2);
+    }
+    colibri_options opt;
+    colibri_options_init(&opt);
+    opt.max_seq_len = 256;
+    opt.max_seqs = 4;
+    opt.num_threads = 1;
+    char err[512];
+    colibri_ctx *ctx = NULL;
+    if (colibri_init_ex(path, &opt, &ctx, err, sizeof err) != COLIBRI_OK) {
+        fprintf(stderr, "fuzz_server_api: %s\n", err);
+        exit(2);
+    }
+    int64_t v = 0, s = 0;
+    colibri_get_int(ctx, "vocab_size", &v);
+    colibri_get_int(ctx, "max_seq_len", &s);
+    srv.model_path = path;
+    snprintf(srv.model_id, sizeof srv.model_id, "fuzz");
+    srv.max_body_bytes = 1 << 20;
+    srv.default_completion_tokens = 16;
+    srv.ctx = ctx;
+    srv.tok = colibri_get_tokenizer(ctx);
+    if (!srv.tok) {
+        fprintf(stderr, "fuzz_server_api: %s has no tokenizer\n", path);
+        exit(2);
+    }
+    pthread_mutex_init(&srv.tok_mu, NULL);
+    srv.vocab = v;
+    srv.ctx_len = s;
+    srv.bos_id = colibri_tokenizer_bos_id(srv.tok);
+    srv.eos_id = colibri_tokenizer_eos_id(srv.tok);
+    srv.max_seqs = 4;
+    colibri_get_string(ctx, "chat_template", &srv.chat_template);
+    /* the scheduler checks each parsed request against its limits (it runs nothing here) */
+    static cs_engine eng;
+    if (cs_colibri_init(&srv.engine, ctx, 64, &eng, err, sizeof err)) {
+        fprintf(stderr, "fuzz_server_api: %s\n", err);
+        exit(2);
+    }
+    int64_t block_tokens = 0;
+    colibri_get_int(ctx, "kv_block_tokens", &block_tokens);
+    cs_sched_config cfg = {4, 4, 64, 8, s, block_tokens, v, srv.eos_id, 32};
+    srv.sched = cs_sched_create(&cfg, &eng, err, sizeof err);
+    if (!srv.sched) {
+        fprintf(stderr, "fuzz_server_api: %s\n", err);
+        exit(2);
+    }
+    atomic_store(&srv.state, CS_STATE_READY);
+    return 0;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    if (size < 1) return 0;
+    cs_api_kind kind = (data[0] & 1) ? CS_API_CHAT : CS_API_COMPLETIONS;
+    cs_job *job = NULL;
+    cs_api_error e;
+    memset(&e, 0, sizeof e);
+    if (cs_api_parse(&srv, kind, (const char *)data + 1, size - 1, &job, &e) == 0) {
+        cs_job_unref(job);
+    } else {
+        if (e.status < 400 || e.status > 599) abort(); /* an error is always a 4xx/5xx */
+        size_t len = 0;
+        char *js = cs_api_error_json(&e, &len);
+        free(js);
+    }
+    return 0;
+}
