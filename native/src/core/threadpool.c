@@ -178,11 +178,16 @@ void cb_pool_run(cb_pool *p, cb_pool_fn fn, void *arg, int64_t n_chunks) {
     uint32_t g = p->last_gen + 1;
     if (g == 0) g = 1; /* 0 is the workers' initial "seen" */
     p->last_gen = g;
-    atomic_store_explicit(&p->fn, fn, memory_order_relaxed);
-    atomic_store_explicit(&p->arg, arg, memory_order_relaxed);
-    atomic_store_explicit(&p->n_chunks, n_chunks, memory_order_relaxed);
-    atomic_store_explicit(&p->done, 0, memory_order_relaxed);
+    /* The claim counter first: a worker still inside the last section (it claims with that
+     * section's generation) can then no longer claim a chunk. Were fn or n_chunks published
+     * before it, such a straggler could read the new fn and n_chunks with the old counter, claim
+     * "chunk n_old" of the new section, and that chunk would run twice (and another never).
+     * The release stores make the reset visible to any worker that sees one of the new values. */
     atomic_store_explicit(&p->next, (uint64_t)g << 32, memory_order_relaxed);
+    atomic_store_explicit(&p->fn, fn, memory_order_release);
+    atomic_store_explicit(&p->arg, arg, memory_order_release);
+    atomic_store_explicit(&p->n_chunks, n_chunks, memory_order_release);
+    atomic_store_explicit(&p->done, 0, memory_order_relaxed);
     atomic_store(&p->gen, g); /* seq_cst: publishes everything above */
     if (atomic_load(&p->sleepers) > 0) futex_wake(&p->gen, INT_MAX);
     run_chunks(p, g, 0);

@@ -646,7 +646,6 @@ static void run_setup(colibri_ctx *ctx, const int32_t *ids, int64_t T, int32_t s
         s->head_idx[t] = (int32_t)t;
     }
     ctx->run.T = T;
-    ctx->run.pos0 = pos0;
     ctx->run.stage = COLIBRI_STAGE_EMBEDDING;
     ctx->run.layer = -1;
     ctx->run.head_rows = T;
@@ -712,12 +711,8 @@ colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, i
                            ids[i], (long long)i, (long long)V);
     }
     /* room in the KV cache once the positions from start_pos on are given back */
-    int64_t need = 0, have = kv->n_free + cb_kv_blocks_freed(kv, 0, start_pos);
-    {
-        int64_t P = kv->block_len;
-        need = (start_pos + n + P - 1) / P - (start_pos + P - 1) / P;
-        if (start_pos % P != 0 && kv->ref[kv->table[start_pos / P]] > 1) need++; /* copy-on-write */
-    }
+    int64_t need = cb_kv_blocks_needed(kv, 0, start_pos, start_pos + n);
+    int64_t have = kv->n_free + cb_kv_blocks_freed(kv, 0, start_pos);
     if (need > have)
         return cb_fail(ctx, COLIBRI_E_NOMEM, "the KV cache has %lld free blocks of %lld positions, %lld are needed "
                        "for %lld more positions of sequence 0; free other sequences (colibri_seq_clear) or open "
@@ -794,7 +789,7 @@ colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t 
         return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_batch: %lld entries ask for logits but the logits "
                        "buffer is NULL", (long long)n_logits);
     int64_t need = 0;
-    for (int32_t q = 0; q < ctx->max_seqs; q++) need += cb_kv_blocks_needed(kv, q, s->seq_next[q]);
+    for (int32_t q = 0; q < ctx->max_seqs; q++) need += cb_kv_blocks_needed(kv, q, kv->len[q], s->seq_next[q]);
     if (need > kv->n_free)
         return cb_fail(ctx, COLIBRI_E_NOMEM, "colibri_batch: the KV cache has %lld free blocks of %lld positions "
                        "and this batch needs %lld; run fewer entries, free finished sequences "
@@ -812,7 +807,6 @@ colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t 
             if (x->logits) s->head_idx[R++] = (int32_t)t;
         }
         ctx->run.T = T;
-        ctx->run.pos0 = s->row_pos[0];
         ctx->run.stage = COLIBRI_STAGE_EMBEDDING;
         ctx->run.layer = -1;
         ctx->run.head_rows = R;

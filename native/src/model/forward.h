@@ -69,7 +69,6 @@ typedef struct cb_scratch {
 /* The chunk being run, stage by stage: the fused forward and colibri_stage_* share it. */
 typedef struct cb_run {
     int64_t T;          /* tokens (rows) in the chunk */
-    int64_t pos0;       /* position of its first row (stage-by-stage runs: one sequence, rows in order) */
     int64_t n_seg;      /* attention segments (s->seg_row) */
     int32_t stage;      /* next stage (COLIBRI_STAGE_*), -1 when no stage run is active */
     int32_t layer;      /* layer of the next stage, -1 outside the layers */

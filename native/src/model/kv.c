@@ -31,11 +31,10 @@ void cb_kv_reset(cb_kv *kv) {
     kv->n_free = kv->n_blocks;
 }
 
-int64_t cb_kv_blocks_needed(const cb_kv *kv, int32_t seq, int64_t new_len) {
-    int64_t len = kv->len[seq];
-    if (new_len <= len) return 0;
-    int64_t need = blocks_for(kv, new_len) - blocks_for(kv, len);
-    if (len % kv->block_len != 0 && kv->ref[seq_table(kv, seq)[len / kv->block_len]] > 1) need++;
+int64_t cb_kv_blocks_needed(const cb_kv *kv, int32_t seq, int64_t keep, int64_t new_len) {
+    if (new_len <= keep) return 0;
+    int64_t need = blocks_for(kv, new_len) - blocks_for(kv, keep);
+    if (keep % kv->block_len != 0 && kv->ref[seq_table(kv, seq)[keep / kv->block_len]] > 1) need++;
     return need;
 }
 

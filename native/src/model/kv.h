@@ -35,9 +35,10 @@ typedef struct cb_kv {
 
 /* Empty every sequence; every block free. */
 void cb_kv_reset(cb_kv *kv);
-/* Blocks sequence `seq` would take to grow from its length to new_len (> its length):
- * the new blocks, plus one when its last block is shared and partly filled (the copy). */
-int64_t cb_kv_blocks_needed(const cb_kv *kv, int32_t seq, int64_t new_len);
+/* Blocks sequence `seq` would take to keep its first `keep` positions (<= its length) and
+ * grow to new_len: the new blocks, plus one when the block holding position `keep` is shared
+ * and partly filled (the copy). */
+int64_t cb_kv_blocks_needed(const cb_kv *kv, int32_t seq, int64_t keep, int64_t new_len);
 /* Grow `seq` to new_len positions (the caller checked cb_kv_blocks_needed <= n_free):
  * a shared partly filled last block is copied first, then new blocks are taken. The new
  * positions' contents are for the caller to write. */
