@@ -988,13 +988,7 @@ void cs_job_wait(cs_job *j, int (*gone)(int fd)) {
     pthread_mutex_lock(&j->mu);
     int cancelled = 0;
     while (!j->done) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 200 * 1000 * 1000;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        struct timespec ts = cs_deadline_ms(200);
         pthread_cond_timedwait(&j->cv, &j->mu, &ts);
         if (!j->done && !cancelled && gone && j->fd >= 0) {
             pthread_mutex_unlock(&j->mu);
@@ -1011,13 +1005,7 @@ void cs_job_wait(cs_job *j, int (*gone)(int fd)) {
 long cs_job_read_stream(cs_job *j, char *buf, size_t max, int wait_ms) {
     pthread_mutex_lock(&j->mu);
     if (j->out_sent == j->out_len && !j->done) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += (long)wait_ms * 1000 * 1000;
-        while (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        struct timespec ts = cs_deadline_ms(wait_ms);
         pthread_cond_timedwait(&j->cv, &j->mu, &ts);
     }
     long got;

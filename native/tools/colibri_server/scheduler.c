@@ -534,13 +534,7 @@ void cs_sched_run(cs_sched *s) {
     for (;;) {
         pthread_mutex_lock(&s->mu);
         while (!s->stop && !s->wait_head && s->n_active == 0) {
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += 100 * 1000 * 1000;
-            if (ts.tv_nsec >= 1000000000L) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000L;
-            }
+            struct timespec ts = cs_deadline_ms(100);
             pthread_cond_timedwait(&s->cv, &s->mu, &ts);
         }
         int stop = s->stop;
@@ -551,13 +545,7 @@ void cs_sched_run(cs_sched *s) {
             pthread_mutex_lock(&s->mu);
             int idle = s->n_active == 0 || s->wait_head != NULL;
             if (idle && !s->stop) {
-                struct timespec ts;
-                clock_gettime(CLOCK_REALTIME, &ts);
-                ts.tv_nsec += 5 * 1000 * 1000;
-                if (ts.tv_nsec >= 1000000000L) {
-                    ts.tv_sec++;
-                    ts.tv_nsec -= 1000000000L;
-                }
+                struct timespec ts = cs_deadline_ms(5);
                 pthread_cond_timedwait(&s->cv, &s->mu, &ts);
             }
             pthread_mutex_unlock(&s->mu);

@@ -32,9 +32,23 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "colibri.h"
 #include "metrics.h"
+
+/* The CLOCK_REALTIME instant `ms` milliseconds from now (pthread_cond_timedwait's deadline). */
+static inline struct timespec cs_deadline_ms(long ms) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += ms / 1000;
+    ts.tv_nsec += (ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    return ts;
+}
 
 #define CS_MAX_CHOICES 16
 
