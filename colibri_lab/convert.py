@@ -604,7 +604,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+        return fmt.tensor_nbytes(self.dtype, self.shape)
 
 
 def _to_stored(x: np.ndarray, src_dtype: int, dst_dtype: int) -> np.ndarray:
@@ -973,6 +973,35 @@ def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str
 
     name = os.path.basename(os.path.normpath(os.path.abspath(model_dir)))
     meta = build_metadata(spec, name, W, int8_router, block_size, msl, tok_meta)
+    return write_colibri(output_path, spec, tensors, meta, tok_bytes, msl=msl,
+                         int8_router=int8_router, block_size=block_size, say=say)
+
+
+def file_version(tensors: list[PlannedTensor]) -> int:
+    """1 for a file of float tensors in the version 1 layout; 2 when a tensor is
+    block-quantized or an FFN is stored split (docs/format.md, "Version 2")."""
+    if any(t.dtype in fmt.QUANT_DTYPES for t in tensors):
+        return 2
+    if any(t.name.endswith(SPLIT_FFN_SUFFIXES) for t in tensors):
+        return 2
+    return 1
+
+
+# the tensors of a split FFN (version 2): routed experts, a dense MLP, a shared expert
+SPLIT_FFN_SUFFIXES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate", "ffn_up",
+                      "ffn_down", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+
+
+def write_colibri(output_path: str, spec: "ModelSpec", tensors: list[PlannedTensor],
+                  meta: bytes, tok_bytes: bytes, *, msl: int, int8_router: bool,
+                  block_size: int, say=None) -> str:
+    """Lay out and write a .colibri file: `tensors` in file order (each producing its stored
+    bytes front to back), `meta` the encoded metadata, `tok_bytes` the tokenizer section.
+    Streams: peak memory is one producer chunk. Written to OUT.tmp and renamed; on any
+    error nothing is left behind."""
+    if say is None:
+        say = _Say(False)
+    version = file_version(tensors)
 
     # ---- layout
     A = fmt.ALIGNMENT
@@ -1056,7 +1085,8 @@ def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str
                       "flags": (fmt.FLAG_ROUTER_INT8 if int8_router else 0)
                       | (fmt.FLAG_TIED_EMBEDDINGS if spec.tie_word_embeddings else 0)}
             f.seek(0)
-            f.write(fmt.encode_header(fields, [tuple(s) for s in sec], file_size, A, block_size))
+            f.write(fmt.encode_header(fields, [tuple(s) for s in sec], file_size, A, block_size,
+                                      version))
             f.flush()
             os.fsync(f.fileno())
             _drop_cached_pages(f.fileno())

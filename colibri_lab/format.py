@@ -33,7 +33,11 @@ import numpy as np
 # --------------------------------------------------------------------------- constants
 
 MAGIC = b"COLIBRI\x00"
-VERSION = 1
+# Version 2 added block-quantized tensor dtypes and the split expert FFN (docs/format.md,
+# "Version 2"); writers write 1 for a file that uses neither, so older readers keep
+# reading float files. Readers read both.
+VERSION = 2
+READ_VERSIONS = (1, 2)
 HEADER_SIZE = 256
 ALIGNMENT = 64            # tensor data alignment written by the converter
 SECTION_ALIGNMENT = 4096  # start of the dense, router and experts sections
@@ -45,12 +49,48 @@ DTYPE_F32 = 0
 DTYPE_F16 = 1
 DTYPE_BF16 = 2
 DTYPE_I8 = 3
-DTYPE_NAMES = {DTYPE_F32: "f32", DTYPE_F16: "f16", DTYPE_BF16: "bf16", DTYPE_I8: "i8"}
+# block-quantized types, byte-compatible with ggml's blocks (docs/format.md, "Quantized
+# dtypes"); ids 4..6 are the engine's array-only types and never appear in a file
+DTYPE_Q8_0 = 7
+DTYPE_Q4_K = 8
+DTYPE_Q5_K = 9
+DTYPE_Q6_K = 10
+DTYPE_NAMES = {DTYPE_F32: "f32", DTYPE_F16: "f16", DTYPE_BF16: "bf16", DTYPE_I8: "i8",
+               DTYPE_Q8_0: "q8_0", DTYPE_Q4_K: "q4_k", DTYPE_Q5_K: "q5_k", DTYPE_Q6_K: "q6_k"}
 DTYPE_IDS = {v: k for k, v in DTYPE_NAMES.items()}
-DTYPE_SIZES = {DTYPE_F32: 4, DTYPE_F16: 2, DTYPE_BF16: 2, DTYPE_I8: 1}
-# numpy storage type of each dtype (bf16 is kept as its raw uint16 bits)
+# elements per block and bytes per block; a float type is a block of one element
+DTYPE_BLOCKS = {DTYPE_F32: (1, 4), DTYPE_F16: (1, 2), DTYPE_BF16: (1, 2), DTYPE_I8: (1, 1),
+                DTYPE_Q8_0: (32, 34), DTYPE_Q4_K: (256, 144), DTYPE_Q5_K: (256, 176),
+                DTYPE_Q6_K: (256, 210)}
+QUANT_DTYPES = (DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K)
+DTYPE_SIZES = {DTYPE_F32: 4, DTYPE_F16: 2, DTYPE_BF16: 2, DTYPE_I8: 1}   # element types only
+# numpy storage type of each dtype (bf16 is kept as its raw uint16 bits; a quantized
+# tensor as its raw bytes, [rows, row bytes])
 DTYPE_NUMPY = {DTYPE_F32: np.dtype("<f4"), DTYPE_F16: np.dtype("<f2"),
-               DTYPE_BF16: np.dtype("<u2"), DTYPE_I8: np.dtype("i1")}
+               DTYPE_BF16: np.dtype("<u2"), DTYPE_I8: np.dtype("i1"),
+               **{q: np.dtype("u1") for q in QUANT_DTYPES}}
+
+
+def row_nbytes(dtype: int, n: int) -> int:
+    """Bytes of one row of n elements (n must be a whole number of the dtype's blocks)."""
+    be, bb = DTYPE_BLOCKS[dtype]
+    if n % be:
+        raise FormatError(f"a {DTYPE_NAMES[dtype]} row holds whole blocks of {be} "
+                          f"elements; {n} is not a multiple of {be}")
+    return n // be * bb
+
+
+def tensor_nbytes(dtype: int, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor: rows (every dim but the last) x row_nbytes(last dim)."""
+    return math.prod(shape[:-1]) * row_nbytes(dtype, shape[-1])
+
+
+def stored_shape(dtype: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The numpy shape of a tensor's stored values: `shape`, or for a quantized dtype
+    (rows..., row bytes)."""
+    if dtype in QUANT_DTYPES:
+        return tuple(shape[:-1]) + (row_nbytes(dtype, shape[-1]),)
+    return tuple(shape)
 
 # layouts
 LAYOUT_ROW_MAJOR = 0
@@ -336,12 +376,15 @@ def tensor_record_size(name: str) -> int:
 
 
 def encode_header(fields: dict[str, int], sections: list[tuple[int, int, int]],
-                  file_size: int, alignment: int, block_size: int) -> bytes:
+                  file_size: int, alignment: int, block_size: int,
+                  version: int = VERSION) -> bytes:
     """The 256-byte header with its CRC. `sections`: 6 × (offset, size, crc32)."""
     if len(sections) != N_SECTIONS:
         raise FormatError("the header holds exactly 6 sections")
+    if version not in READ_VERSIONS:
+        raise FormatError(f"format version {version}: this writer writes {READ_VERSIONS}")
     b = bytearray(HEADER_SIZE)
-    _HDR_FIXED.pack_into(b, 0, MAGIC, VERSION, HEADER_SIZE, file_size,
+    _HDR_FIXED.pack_into(b, 0, MAGIC, version, HEADER_SIZE, file_size,
                          *(fields[k] for k in HEADER_FIELDS))
     for i, (off, size, c) in enumerate(sections):
         _SECTION.pack_into(b, HDR_SECTIONS_OFFSET + i * _SECTION.size, off, size, c, 0)
@@ -427,6 +470,12 @@ class ColibriInfo:
         with open(self.path, "rb", buffering=0) as f:
             f.seek(t.offset)
             _readinto_exact(f, memoryview(raw), self.path)
+        if t.dtype_id in QUANT_DTYPES:
+            arr = raw.reshape(stored_shape(t.dtype_id, t.shape))
+            if not as_float32:
+                return arr
+            from colibri_lab import quants
+            return quants.dequantize(arr, t.dtype_id, t.shape[-1]).reshape(t.shape)
         arr = raw.view(DTYPE_NUMPY[t.dtype_id]).reshape(t.shape)
         return stored_to_f32(arr, t.dtype_id) if as_float32 else arr
 
@@ -437,8 +486,7 @@ class ColibriInfo:
 
     def expert_stride(self, layer: int) -> int:
         t = self.tensor(f"blk.{layer}.ffn_experts")
-        e, r, h = t.shape[:3]
-        return r * h * DTYPE_SIZES[t.dtype_id]
+        return t.nbytes // t.shape[0]
 
     # -- presentation
     def summary(self, max_tensors: int | None = 40) -> str:
@@ -625,7 +673,7 @@ def _parse_tensors(data: bytes, sections: list[SectionInfo], alignment: int):
         seen.add(name)
         dtype, layout, ndims, tcrc = _REC_HEAD.unpack(c.take(_REC_HEAD.size))
         *dims, offset, nbytes, l2 = _REC_TAIL.unpack(c.take(_REC_TAIL.size))
-        if dtype not in DTYPE_SIZES:
+        if dtype not in DTYPE_BLOCKS:
             raise FormatError(f"tensor {name!r}: unknown dtype id {dtype} "
                               "(written by a newer converter? update colibri_lab)")
         if layout not in LAYOUT_NAMES:
@@ -636,10 +684,14 @@ def _parse_tensors(data: bytes, sections: list[SectionInfo], alignment: int):
         if any(d != 1 for d in dims[ndims:]):
             raise FormatError(f"tensor {name!r}: unused dims must be 1, got {dims}")
         shape = tuple(dims[:ndims])
-        want = math.prod(shape) * DTYPE_SIZES[dtype]
+        be, bb = DTYPE_BLOCKS[dtype]
+        if shape[-1] % be:
+            raise FormatError(f"tensor {name!r}: a {DTYPE_NAMES[dtype]} row holds whole "
+                              f"blocks of {be}; the last dim {shape[-1]} is not a multiple")
+        want = tensor_nbytes(dtype, shape)
         if want != nbytes or nbytes > U64_MAX:
-            raise FormatError(f"tensor {name!r}: nbytes {nbytes} != product{shape} × "
-                              f"{DTYPE_SIZES[dtype]} = {want}")
+            raise FormatError(f"tensor {name!r}: nbytes {nbytes} != rows × row bytes of "
+                              f"{DTYPE_NAMES[dtype]}{shape} = {want}")
         if offset % alignment:
             raise FormatError(f"tensor {name!r}: offset {offset} is not a multiple of "
                               f"the alignment {alignment}")
@@ -687,9 +739,10 @@ def inspect(path: str | os.PathLike, *, verify: bool = False) -> ColibriInfo:
         magic, version, header_size, file_size, *vals = _HDR_FIXED.unpack_from(hdr, 0)
         if magic != MAGIC:
             raise FormatError(f"{path}: not a .colibri file (magic {magic!r}, expected {MAGIC!r})")
-        if version != VERSION:
-            raise FormatError(f"{path}: format version {version}; this reader reads version "
-                              f"{VERSION} (re-convert the model or update colibri_lab)")
+        if version not in READ_VERSIONS:
+            raise FormatError(f"{path}: format version {version}; this reader reads versions "
+                              f"{', '.join(map(str, READ_VERSIONS))} (re-convert the model or "
+                              "update colibri_lab)")
         if header_size != HEADER_SIZE:
             raise FormatError(f"{path}: header_size {header_size}, expected {HEADER_SIZE}")
         (hcrc,) = struct.unpack_from("<I", hdr, HDR_CRC_OFFSET)
