@@ -40,7 +40,7 @@ from pathlib import Path
 from .errors import *  # noqa: F401,F403  (the statuses and exceptions, re-exported for the binding's callers)
 from .errors import ERRORS, OK, ColibriError
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 LIB_NAME = "libcolibri.so" if sys.platform != "darwin" else "libcolibri.dylib"
 
 
@@ -129,6 +129,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "colibri_get_string": (c_int, [ctx_p, c_char_p, POINTER(c_char_p)]),
     "colibri_verify": (c_int, [ctx_p]),
     "colibri_verify_router": (c_int, [ctx_p]),
+    "colibri_dequantize": (c_int, [c_int, c_void_p, c_int64, POINTER(c_float)]),
     "colibri_sample": (
         c_int,
         [ctx_p, POINTER(c_float), c_float, c_int32, c_float, POINTER(c_uint64), POINTER(c_int32)],

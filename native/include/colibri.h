@@ -27,9 +27,10 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or the meaning of an argument changes; bindings check it. */
-#define COLIBRI_ABI_VERSION 3
+#define COLIBRI_ABI_VERSION 4
 /* The newest file format version this build reads. */
-#define COLIBRI_FORMAT_VERSION 1
+/* the newest .colibri version this build reads (and every older one, from 1) */
+#define COLIBRI_FORMAT_VERSION 2
 
 typedef enum colibri_status {
     COLIBRI_OK = 0,
@@ -204,8 +205,20 @@ typedef enum colibri_dtype {
     COLIBRI_DTYPE_I8 = 3,
     COLIBRI_DTYPE_I32 = 4,
     COLIBRI_DTYPE_I64 = 5,
-    COLIBRI_DTYPE_U64 = 6
+    COLIBRI_DTYPE_U64 = 6,
+    /* block-quantized weight types, byte for byte ggml's blocks (docs/format.md, "Version
+     * 2"): file tensor types only */
+    COLIBRI_DTYPE_Q8_0 = 7,
+    COLIBRI_DTYPE_Q4_K = 8,
+    COLIBRI_DTYPE_Q5_K = 9,
+    COLIBRI_DTYPE_Q6_K = 10
 } colibri_dtype;
+
+/* Dequantize (or widen) n elements of a weight row of dtype dt (F32, F16, BF16, Q8_0, Q4_K,
+ * Q5_K, Q6_K) from src into dst, as the engine's reference kernels see them. n must be a
+ * whole number of the dtype's blocks (32 for Q8_0, 256 for the K types). Returns
+ * COLIBRI_E_INVALID_ARG (and writes nothing) otherwise or for another dtype. */
+COLIBRI_API colibri_status colibri_dequantize(int dt, const void *src, int64_t n, float *dst);
 
 /* A trace: buffers, owned by the trace and allocated once by colibri_trace_create, that
  * the forward pass fills while the trace is attached to a context. Off by default; a

@@ -588,8 +588,8 @@ static void test_vs_ref(const cb_kernels *K) {
             float *y = malloc((size_t)(Rr * H) * 4), *yr = malloc((size_t)(Rr * H) * 4);
             fill(x, Rr * H, 1.0);
             for (int64_t k = 0; k < Rr * I; k++) h[k] = hr[k] = SENTINEL;
-            K->expert_gateup(h, x, w.raw, dt, Rr, H, I, B, cs[i].i0, cs[i].i1);
-            R->expert_gateup(hr, x, w.raw, dt, Rr, H, I, B, cs[i].i0, cs[i].i1);
+            K->expert_gateup(h, x, w.raw, NULL, dt, Rr, H, I, B, cs[i].i0, cs[i].i1);
+            R->expert_gateup(hr, x, w.raw, NULL, dt, Rr, H, I, B, cs[i].i0, cs[i].i1);
             compare_arrays("expert_gateup", K, h, hr, Rr * I, 5e-5, 1.0);
             fill(h, Rr * I, 1.0); /* an independent h for the down projection */
             for (int64_t k = 0; k < Rr * H; k++) y[k] = yr[k] = SENTINEL;
@@ -617,11 +617,11 @@ static void test_batch_invariance(const cb_kernels *K) {
         fill(x, T * Kd, 1.0);
         fill(xe, T * H, 1.0);
         K->matmul(y, x, w.raw, dt, T, N, Kd);
-        K->expert_gateup(h, xe, e.raw, dt, T, H, I, B, 0, I);
+        K->expert_gateup(h, xe, e.raw, NULL, dt, T, H, I, B, 0, I);
         K->expert_down(ye, h, e.raw, dt, T, H, I, 0, H);
         for (int64_t t = 0; t < T; t++) {
             K->matmul(y1, x + t * Kd, w.raw, dt, 1, N, Kd);
-            K->expert_gateup(h1, xe + t * H, e.raw, dt, 1, H, I, B, 0, I);
+            K->expert_gateup(h1, xe + t * H, e.raw, NULL, dt, 1, H, I, B, 0, I);
             K->expert_down(ye1, h + t * I, e.raw, dt, 1, H, I, 0, H);
             n_check += 3;
             if (memcmp(y1, y + t * N, (size_t)N * 4) != 0)
@@ -690,6 +690,135 @@ static void test_down_parts(const cb_kernels *K) {
         }
 }
 
+/* ---- block-quantized weights ---- */
+
+static const uint32_t QTYPES[] = {COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K, COLIBRI_DTYPE_Q5_K, COLIBRI_DTYPE_Q6_K};
+
+static void put_f16(uint8_t *p, float v) {
+    uint16_t h = cb_f32_to_f16(v);
+    p[0] = (uint8_t)h;
+    p[1] = (uint8_t)(h >> 8);
+}
+
+/* rows x K random blocks of dt (random quants and scale bytes, finite f16 scales of either
+ * sign), with val = their reference dequantization */
+static wbuf make_q(uint32_t dt, int64_t rows, int64_t K) {
+    wbuf w;
+    size_t rb = (size_t)cb_row_bytes(dt, (uint64_t)K), bb = cb_dtype_block_bytes(dt);
+    uint8_t *raw = malloc(rb * (size_t)rows + 1);
+    w.val = malloc((size_t)(rows * K) * sizeof(float) + 1);
+    for (size_t i = 0; i < rb * (size_t)rows; i++) raw[i] = (uint8_t)(urand() * 128.0 + 128.0);
+    for (size_t b = 0; b < rb * (size_t)rows / bb; b++) {
+        uint8_t *blk = raw + b * bb;
+        /* weights of magnitude up to about 0.5, as the float tests' */
+        if (dt == COLIBRI_DTYPE_Q8_0) put_f16(blk, (float)(urand() * 0.004));
+        else if (dt == COLIBRI_DTYPE_Q6_K) put_f16(blk + 208, (float)(urand() * 0.0001));
+        else {
+            put_f16(blk, (float)(urand() * 0.0005));
+            put_f16(blk + 2, (float)(urand() * 0.0005));
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) cb_dtype_dequant(dt)(w.val + r * K, raw + (size_t)r * rb, K);
+    w.raw = raw;
+    return w;
+}
+
+static void test_quant(const cb_kernels *K) {
+    const cb_kernels *R = cb_kernels_ref();
+    for (size_t qi = 0; qi < sizeof QTYPES / sizeof QTYPES[0]; qi++) {
+        uint32_t dt = QTYPES[qi];
+        int64_t blk = cb_dtype_block(dt);
+        /* dequant_row: the reference's bits */
+        {
+            int64_t n = blk == 32 ? 32 * 37 : 256 * 5;
+            wbuf w = make_q(dt, 1, n);
+            float *d = malloc((size_t)n * 4);
+            K->dequant_row(d, w.raw, dt, n);
+            n_check++;
+            if (memcmp(d, w.val, (size_t)n * 4) != 0) FAIL("[%s] dequant_row %s differs from the reference dequantizer", K->name, cb_dtype_name(dt));
+            free(d);
+            free_w(&w);
+        }
+        /* matmul against a double loop on the dequantized values; each token alone gives the
+         * batch's bits (decode tiles, few-token tiles, the widened prefill path, long rows) */
+        const int64_t Ts[] = {1, 2, 3, 4, 5, 13, 17};
+        const int64_t Ns[] = {1, 7, 67};
+        const int64_t Kq[] = {256, 768, 4352, 32, 96, 288}; /* the last three: Q8_0 only */
+        for (size_t c = 0; c < 6; c++) {
+            int64_t Kd = Kq[c];
+            if (Kd % blk) continue;
+            for (size_t b = 0; b < 3; b++)
+                for (size_t a = 0; a < 7; a++) {
+                    int64_t T = Ts[a], N = Ns[b];
+                    if (Kd > 1000 && (N > 7 || (T > 5 && T != 17))) continue; /* keep the long rows quick */
+                    wbuf w = make_q(dt, N, Kd);
+                    float *x = malloc((size_t)(T * Kd) * 4), *y = malloc((size_t)(T * N) * 4);
+                    float *y1 = malloc((size_t)N * 4);
+                    fill(x, T * Kd, 2.0);
+                    K->matmul(y, x, w.raw, dt, T, N, Kd);
+                    for (int64_t t = 0; t < T; t++) {
+                        for (int64_t n = 0; n < N; n++) {
+                            double s = 0, mag = 0;
+                            for (int64_t k = 0; k < Kd; k++) {
+                                double p = (double)x[t * Kd + k] * w.val[n * Kd + k];
+                                s += p;
+                                mag += fabs(p);
+                            }
+                            if (!close_to(y[t * N + n], s, mag, 1e-5))
+                                FAIL("[%s] matmul %s T%lld N%lld K%lld (%lld,%lld): %.9g vs %.9g", K->name,
+                                     cb_dtype_name(dt), (long long)T, (long long)N, (long long)Kd, (long long)t,
+                                     (long long)n, (double)y[t * N + n], s);
+                        }
+                        K->matmul(y1, x + t * Kd, w.raw, dt, 1, N, Kd);
+                        n_check++;
+                        if (memcmp(y1, y + t * N, (size_t)N * 4) != 0)
+                            FAIL("[%s] matmul %s T%lld N%lld K%lld: token %lld alone differs from the batch", K->name,
+                                 cb_dtype_name(dt), (long long)T, (long long)N, (long long)Kd, (long long)t);
+                    }
+                    free(x);
+                    free(y);
+                    free(y1);
+                    free_w(&w);
+                }
+        }
+        /* split gate/up on a column range, against the reference table; row alone == batch */
+        {
+            int64_t H = blk == 32 ? 288 : 512, I = 37, i0 = 3, i1 = 30;
+            wbuf g = make_q(dt, I, H), u = make_q(dt, I, H);
+            const int64_t Rs[] = {1, 2, 3, 4, 6, 17};
+            for (size_t a = 0; a < 6; a++) {
+                int64_t Rr = Rs[a];
+                float *x = malloc((size_t)(Rr * H) * 4), *h = malloc((size_t)(Rr * I) * 4);
+                float *hr = malloc((size_t)(Rr * I) * 4), *h1 = malloc((size_t)I * 4);
+                fill(x, Rr * H, 1.0);
+                for (int64_t k = 0; k < Rr * I; k++) h[k] = hr[k] = SENTINEL;
+                K->expert_gateup(h, x, g.raw, u.raw, dt, Rr, H, I, 0, i0, i1);
+                R->expert_gateup(hr, x, g.raw, u.raw, dt, Rr, H, I, 0, i0, i1);
+                compare_arrays("expert_gateup split", K, h, hr, Rr * I, 5e-5, 1.0);
+                for (int64_t r = 0; r < Rr; r++) {
+                    for (int64_t k = 0; k < I; k++) h1[k] = SENTINEL;
+                    K->expert_gateup(h1, x + r * H, g.raw, u.raw, dt, 1, H, I, 0, i0, i1);
+                    n_check++;
+                    if (memcmp(h1 + i0, h + r * I + i0, (size_t)(i1 - i0) * 4) != 0)
+                        FAIL("[%s] expert_gateup split %s R%lld: row %lld alone differs from the batch", K->name,
+                             cb_dtype_name(dt), (long long)Rr, (long long)r);
+                    for (int64_t k = 0; k < I; k++)
+                        if ((k < i0 || k >= i1) && h[r * I + k] != SENTINEL) {
+                            FAIL("[%s] expert_gateup split %s wrote outside its range", K->name, cb_dtype_name(dt));
+                            break;
+                        }
+                }
+                free(x);
+                free(h);
+                free(hr);
+                free(h1);
+            }
+            free_w(&g);
+            free_w(&u);
+        }
+    }
+}
+
 static void test_table(const cb_kernels *K) {
     test_matmul(K);
     test_matmul_i8(K);
@@ -700,6 +829,7 @@ static void test_table(const cb_kernels *K) {
     test_expert_ffn(K);
     test_batch_invariance(K);
     test_down_parts(K);
+    test_quant(K);
     if (K != cb_kernels_ref()) test_vs_ref(K);
 }
 

@@ -425,8 +425,8 @@ colibri_status colibri_get_layer_int(const colibri_ctx *ctx, int32_t layer, cons
     const cb_layer *L = &ctx->w.layers[layer];
     if (strcmp(name, "moe") == 0) *out = L->moe;
     else if (strcmp(name, "window") == 0) *out = L->window;
-    else if (strcmp(name, "shared_expert") == 0) *out = L->moe && L->shared != NULL;
-    else if (strcmp(name, "shared_gate") == 0) *out = L->moe && L->shared_gate != NULL;
+    else if (strcmp(name, "shared_expert") == 0) *out = L->moe && L->has_shared;
+    else if (strcmp(name, "shared_gate") == 0) *out = L->moe && L->shared_gate.w != NULL;
     else return unknown_name(ctx, "colibri_get_layer_int", name);
     return COLIBRI_OK;
 }
@@ -471,4 +471,12 @@ colibri_tokenizer *colibri_get_tokenizer(colibri_ctx *ctx) {
         return NULL;
     }
     return ctx->tok;
+}
+
+colibri_status colibri_dequantize(int dt, const void *src, int64_t n, float *dst) {
+    if (!src || !dst || n < 0 || dt < 0 || !cb_dtype_is_weight((uint32_t)dt) ||
+        (n > 0 && cb_row_bytes((uint32_t)dt, (uint64_t)n) == 0))
+        return COLIBRI_E_INVALID_ARG;
+    cb_dtype_dequant((uint32_t)dt)(dst, src, n);
+    return COLIBRI_OK;
 }

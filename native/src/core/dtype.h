@@ -14,12 +14,28 @@
 
 #include "colibri.h"
 
-/* Bytes per element of a dtype; 0 for an unknown dtype. */
+/* Bytes per element of an element type (F32 ... U64); 0 for a block type or an unknown dtype. */
 size_t cb_dtype_size(uint32_t dt);
-/* Its name ("f32", "f16", "bf16", "int8", "i32", "i64", "u64"); "unknown" otherwise. */
+/* Elements per block (1 for element types) and bytes per block; 0 for an unknown dtype. */
+uint32_t cb_dtype_block(uint32_t dt);
+uint32_t cb_dtype_block_bytes(uint32_t dt);
+/* Bytes of a row of n elements; 0 when dt is unknown or n is not a whole number of blocks. */
+uint64_t cb_row_bytes(uint32_t dt, uint64_t n);
+/* 1 for the dtypes a weight matrix may have: F32, F16, BF16 and the block types. */
+int cb_dtype_is_weight(uint32_t dt);
+/* 1 for the block-quantized types (Q8_0, Q4_K, Q5_K, Q6_K). */
+int cb_dtype_is_quant(uint32_t dt);
+
+/* The reference dequantize-row of a weight dtype: n elements (whole blocks) of src into
+ * dst. NULL for a dtype that is not a weight type. */
+typedef void (*cb_dequant_fn)(float *dst, const void *src, int64_t n);
+cb_dequant_fn cb_dtype_dequant(uint32_t dt);
+/* Its name ("f32", "f16", "bf16", "int8", "i32", "i64", "u64", "q8_0", "q4_k", "q5_k",
+ * "q6_k"); "unknown" otherwise. */
 const char *cb_dtype_name(uint32_t dt);
 /* 1 when a tensor of a .colibri file may have this dtype (docs/format.md, "Tensor
- * directory section"): f32, f16, bf16, int8. The array-only types are not file types. */
+ * directory section"): f32, f16, bf16, int8 and the block types. The array-only types are
+ * not file types. */
 int cb_dtype_in_file(uint32_t dt);
 
 /* IEEE binary16 <-> binary32 in software (subnormals, inf and nan handled;
@@ -30,5 +46,22 @@ uint16_t cb_f32_to_f16(float f);
  * (nan stays nan). */
 float cb_bf16_to_f32(uint16_t h);
 uint16_t cb_f32_to_bf16(float f);
+
+/* core/quant.c: the block types' reference dequantizers (ggml's dequantize_row_* semantics,
+ * float32 products in the order docs/format.md gives, none fused). */
+void cb_dequant_q8_0(float *dst, const void *src, int64_t n);
+void cb_dequant_q4_k(float *dst, const void *src, int64_t n);
+void cb_dequant_q5_k(float *dst, const void *src, int64_t n);
+void cb_dequant_q6_k(float *dst, const void *src, int64_t n);
+/* The 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block's 12 scale bytes. */
+static inline void cb_k4_scale_min(const uint8_t *q, int j, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
 
 #endif

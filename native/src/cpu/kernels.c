@@ -18,7 +18,16 @@
 
 float cb_dot_ref(const void *w_row, uint32_t dt, const float *x, int64_t n) {
     float acc = 0.0f;
-    if (dt == COLIBRI_DTYPE_F32) {
+    if (cb_dtype_is_quant(dt)) { /* dequantize a chunk at a time, then the same chain */
+        float w[CB_QCHUNK];
+        cb_dequant_fn deq = cb_dtype_dequant(dt);
+        uint64_t chunk_bytes = cb_row_bytes(dt, CB_QCHUNK);
+        for (int64_t k0 = 0; k0 < n; k0 += CB_QCHUNK) {
+            int64_t m = n - k0 < CB_QCHUNK ? n - k0 : CB_QCHUNK;
+            deq(w, (const uint8_t *)w_row + (size_t)(k0 / CB_QCHUNK) * chunk_bytes, m);
+            for (int64_t i = 0; i < m; i++) acc += w[i] * x[k0 + i];
+        }
+    } else if (dt == COLIBRI_DTYPE_F32) {
         const float *w = (const float *)w_row;
         for (int64_t i = 0; i < n; i++) acc += w[i] * x[i];
     } else if (dt == COLIBRI_DTYPE_F16) {
@@ -46,9 +55,13 @@ void cb_axpy_ref(float *y, float a, const void *w_row, uint32_t dt, int64_t n) {
 
 /* ---- reference kernels ---- */
 
+static void dequant_row_ref(float *dst, const void *src, uint32_t dt, int64_t n) {
+    cb_dtype_dequant(dt)(dst, src, n);
+}
+
 static void matmul_ld_ref(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt,
                           int64_t T, int64_t N, int64_t K) {
-    size_t row_bytes = (size_t)K * cb_dtype_size(dt);
+    size_t row_bytes = (size_t)cb_row_bytes(dt, (uint64_t)K);
     for (int64_t n = 0; n < N; n++) {
         const void *row = (const uint8_t *)w + (size_t)n * row_bytes;
         for (int64_t t = 0; t < T; t++) y[t * ldy + n] = cb_dot_ref(row, dt, x + t * K, K);
@@ -156,26 +169,36 @@ static void attention_ref(float *out, const float *q, const cb_kv_view *kv, floa
     attention_heads_ref(out, q, kv, scores, T, start_pos, Hq, Hkv, D, window, 0, Hq);
 }
 
-static void expert_gateup_ref(float *h, const float *x, const void *expert, uint32_t dt,
+static void gateup_one_ref(float *h, const float *x, const void *grow, const void *urow, uint32_t dt,
+                           int64_t R, int64_t H, int64_t I, int64_t i) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * H;
+        float g = cb_dot_ref(grow, dt, xr, H);
+        float u = cb_dot_ref(urow, dt, xr, H);
+        float s = g / (1.0f + expf(-g)); /* silu, as torch */
+        h[r * I + i] = s * u;
+    }
+}
+
+static void expert_gateup_ref(float *h, const float *x, const void *gate, const void *up, uint32_t dt,
                               int64_t R, int64_t H, int64_t I, int64_t B, int64_t i0,
                               int64_t i1) {
-    size_t row_bytes = (size_t)H * cb_dtype_size(dt);
-    const uint8_t *base = (const uint8_t *)expert;
+    size_t row_bytes = (size_t)cb_row_bytes(dt, (uint64_t)H);
+    const uint8_t *base = (const uint8_t *)gate;
+    if (up) { /* split: row i of each matrix */
+        for (int64_t i = i0; i < i1; i++)
+            gateup_one_ref(h, x, base + (size_t)i * row_bytes, (const uint8_t *)up + (size_t)i * row_bytes, dt,
+                           R, H, I, i);
+        return;
+    }
     /* gate/up, streamed block by block: block b = packed rows 2bB .. 2bB + 2nb - 1 */
     for (int64_t b0 = i0 / B * B; b0 < i1; b0 += B) {
         int64_t nb = (I - b0 < B) ? I - b0 : B;
         const uint8_t *blk = base + (size_t)(2 * b0) * row_bytes;
         for (int64_t j = 0; j < nb; j++) {
             if (b0 + j < i0 || b0 + j >= i1) continue;
-            const void *grow = blk + (size_t)j * row_bytes;
-            const void *urow = blk + (size_t)(nb + j) * row_bytes;
-            for (int64_t r = 0; r < R; r++) {
-                const float *xr = x + r * H;
-                float g = cb_dot_ref(grow, dt, xr, H);
-                float u = cb_dot_ref(urow, dt, xr, H);
-                float s = g / (1.0f + expf(-g)); /* silu, as torch */
-                h[r * I + b0 + j] = s * u;
-            }
+            gateup_one_ref(h, x, blk + (size_t)j * row_bytes, blk + (size_t)(nb + j) * row_bytes, dt, R, H, I,
+                           b0 + j);
         }
     }
 }
@@ -217,12 +240,13 @@ static void expert_down_part_ref(float *part, const float *h, const void *expert
 
 static void expert_ffn_ref(float *y, float *h, const float *x, const void *expert, uint32_t dt,
                            int64_t R, int64_t H, int64_t I, int64_t B) {
-    expert_gateup_ref(h, x, expert, dt, R, H, I, B, 0, I);
+    expert_gateup_ref(h, x, expert, NULL, dt, R, H, I, B, 0, I);
     expert_down_ref(y, h, expert, dt, R, H, I, 0, H);
 }
 
 static const cb_kernels k_ref = {
     .name = "reference",
+    .dequant_row = dequant_row_ref,
     .matmul = matmul_ref,
     .matmul_ld = matmul_ld_ref,
     .matmul_i8 = matmul_i8_ref,

@@ -25,9 +25,15 @@
 
 #include "core/dtype.h" /* dtype codes, sizes, f16/bf16 conversion */
 
-/* Plain row primitives for a weight row of `dt` (F32/F16/BF16). */
+/* Plain row primitives. cb_dot_ref: a weight row of any weight dtype (F32/F16/BF16 or a
+ * block type, n a whole number of its blocks): the row dequantized (core/dtype.h) and one
+ * float chain over i ascending. cb_axpy_ref: F32/F16/BF16 rows only. */
 float cb_dot_ref(const void *w_row, uint32_t dt, const float *x, int64_t n);
 void cb_axpy_ref(float *y, float a, const void *w_row, uint32_t dt, int64_t n); /* y += a*w */
+
+/* Elements per chunk in which the kernels dequantize a block-quantized row (a multiple of
+ * every block size; a row's last chunk may be shorter, a whole number of blocks). */
+#define CB_QCHUNK 256
 
 /* Query heads of one KV group that attention_heads processes together. */
 #define CB_ATT_HEADS 4
@@ -57,8 +63,15 @@ static inline const float *cb_kv_at(const float *base, const cb_kv_view *kv, int
 typedef struct cb_kernels {
     const char *name;
 
+    /* dst[0..n) = the n weights of a row of dtype dt (any weight dtype; n whole blocks) as
+     * floats: bit for bit the reference dequantizer's values (core/quant.c). */
+    void (*dequant_row)(float *dst, const void *src, uint32_t dt, int64_t n);
+
     /* y[t, n] = sum_k x[t, k] * W[n, k] for t < T, n < N.
-     * w: [N, K] in dt (F32/F16/BF16); x: [T, K]; y: [T, N] (overwritten). */
+     * w: [N, K] in dt (any weight dtype: F32/F16/BF16, or a block type with K a whole number
+     * of its blocks: each row is cb_row_bytes(dt, K) bytes); x: [T, K]; y: [T, N]
+     * (overwritten). A block-quantized W computes on its dequantized values, so the result is
+     * that of the f32 matrix they form (float reassociation aside). */
     void (*matmul)(float *y, const float *x, const void *w, uint32_t dt, int64_t T, int64_t N,
                    int64_t K);
 
@@ -108,9 +121,12 @@ typedef struct cb_kernels {
                        int64_t R, int64_t H, int64_t I, int64_t B);
 
     /* The first half of expert_ffn for intermediate columns i0 <= i < i1 only:
-     * h[r, i] = silu(gate_i . x_r) * (up_i . x_r); other columns of h are not touched. */
-    void (*expert_gateup)(float *h, const float *x, const void *expert, uint32_t dt, int64_t R,
-                          int64_t H, int64_t I, int64_t B, int64_t i0, int64_t i1);
+     * h[r, i] = silu(gate_i . x_r) * (up_i . x_r); other columns of h are not touched.
+     * up == NULL: gate is the packed expert (rows 0..2I-1 gate/up interleaved by blocks of
+     * B rows, F32/F16/BF16); else gate and up are the split FFN's [I, H] matrices
+     * (docs/format.md, "Version 2"), row-major in dt (any weight dtype), and B is unused. */
+    void (*expert_gateup)(float *h, const float *x, const void *gate, const void *up, uint32_t dt,
+                          int64_t R, int64_t H, int64_t I, int64_t B, int64_t i0, int64_t i1);
 
     /* The second half for output columns c0 <= c < c1 only:
      * y[r, c] = sum_i h[r, i] * w2T[i, c]; other columns of y are not touched.

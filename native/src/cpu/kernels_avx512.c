@@ -57,6 +57,17 @@ static inline __attribute__((always_inline)) void vprefetch_l2(const void *p) {
     _mm_prefetch((const char *)p, _MM_HINT_T1);
 }
 
+/* VL int8 values widened to float (exact) */
+static inline __attribute__((always_inline)) vf vcvt_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* v unchanged, but opaque to the compiler: a product passed through it is rounded on its
+ * own and never fused with the next addition into an FMA (GNU C contracts a*b-c) */
+static inline __attribute__((always_inline)) vf vkeep(vf v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+
 #include "kernels_simd.inc"
 
 #else /* built without the instruction-set flags (not x86): the table does not exist */

@@ -553,9 +553,10 @@ static colibri_status read_config(colibri_ctx *ctx, char *err, size_t len) {
                    c->router_dtype_str, c->flags & 1u);
         return COLIBRI_E_FORMAT;
     }
+    /* informative since version 2 (the file's mix, e.g. q4_k_m): every tensor has its dtype */
     REQ("model.weight_dtype", CB_MT_STRING);
     str_copy(c->weight_dtype_str, sizeof c->weight_dtype_str, e);
-    if (!parse_dtype_str(e, &c->weight_dtype) || c->weight_dtype == COLIBRI_DTYPE_I8) {
+    if (c->version < 2 && (!parse_dtype_str(e, &c->weight_dtype) || c->weight_dtype == COLIBRI_DTYPE_I8)) {
         cb_set_err(err, len, "model.weight_dtype '%s' is not one of f32, f16, bf16; " RECONVERT,
                    c->weight_dtype_str);
         return COLIBRI_E_UNSUPPORTED;
@@ -645,11 +646,16 @@ static colibri_status parse_tensors(colibri_ctx *ctx, char *err, size_t len) {
         r.pos += (uint64_t)nl + 72;
         const int NL = (int)nl;
         const char *NM = (const char *)t->name;
-        size_t es = cb_dtype_size(t->dtype);
         if (!cb_dtype_in_file(t->dtype)) {
             cb_set_err(err, len, "tensor '%.*s' has dtype %u, which this build does not know "
-                       "(known: 0 f32, 1 f16, 2 bf16, 3 i8); use a newer Colibri or " RECONVERT, NL, NM, t->dtype);
+                       "(known: 0 f32, 1 f16, 2 bf16, 3 i8, 7 q8_0, 8 q4_k, 9 q5_k, 10 q6_k); use a newer "
+                       "Colibri or " RECONVERT, NL, NM, t->dtype);
             return COLIBRI_E_UNSUPPORTED;
+        }
+        if (cb_dtype_is_quant(t->dtype) && c->version < 2) {
+            cb_set_err(err, len, "tensor '%.*s' has the quantized dtype %s, which version %u files cannot hold; "
+                       RECONVERT, NL, NM, cb_dtype_name(t->dtype), c->version);
+            return COLIBRI_E_FORMAT;
         }
         if (t->layout > CB_LAYOUT_EXPERTS_PACKED) {
             cb_set_err(err, len, "tensor '%.*s' has layout %u, which this build does not know "
@@ -672,11 +678,20 @@ static colibri_status parse_tensors(colibri_ctx *ctx, char *err, size_t len) {
                 return COLIBRI_E_FORMAT;
             }
         }
-        uint64_t want;
-        if (!cb_mul_u64(prod, es, &want) || want != t->nbytes) {
+        /* rows (every dim but the last) x bytes of a row, which holds whole blocks */
+        uint64_t cols = t->dims[t->n_dims - 1], rows = cols ? prod / cols : 0;
+        uint64_t rb = cb_row_bytes(t->dtype, cols), want;
+        if (cols > 0 && rb == 0) {
+            cb_set_err(err, len, "tensor '%.*s' has rows of %llu elements, not a whole number of %s blocks "
+                       "(%u elements); " RECONVERT, NL, NM, (unsigned long long)cols, cb_dtype_name(t->dtype),
+                       cb_dtype_block(t->dtype));
+            return COLIBRI_E_FORMAT;
+        }
+        int fits = cb_mul_u64(rows, rb, &want);
+        if (!fits || want != t->nbytes) {
             cb_set_err(err, len, "tensor '%.*s' says %llu bytes but its dims and dtype make %s%llu; " RECONVERT,
-                       NL, NM, (unsigned long long)t->nbytes, cb_mul_u64(prod, es, &want) ? "" : "more than ",
-                       (unsigned long long)(cb_mul_u64(prod, es, &want) ? want : UINT64_MAX));
+                       NL, NM, (unsigned long long)t->nbytes, fits ? "" : "more than ",
+                       (unsigned long long)(fits ? want : UINT64_MAX));
             return COLIBRI_E_FORMAT;
         }
         if (t->offset % c->alignment != 0) {
@@ -779,14 +794,102 @@ static colibri_status want_tensor(const colibri_ctx *ctx, const char *name, uint
     return COLIBRI_OK;
 }
 
+/* A weight matrix [rows, cols]: row-major, any weight dtype (the tensor's own). */
+static colibri_status want_mat(const colibri_ctx *ctx, const char *name, uint64_t rows, uint64_t cols,
+                               int section, cb_mat *out, char *err, size_t len) {
+    const cb_tensor *t = cb_find_tensor(ctx, name);
+    if (t && !cb_dtype_is_weight(t->dtype)) {
+        cb_set_err(err, len, "tensor '%s' has dtype %s, which a weight matrix cannot have (f32, f16, bf16, "
+                   "q8_0, q4_k, q5_k, q6_k); " RECONVERT, name, cb_dtype_name(t->dtype));
+        return COLIBRI_E_FORMAT;
+    }
+    const void *p = NULL;
+    colibri_status st = want_tensor(ctx, name, t ? t->dtype : COLIBRI_DTYPE_F32, CB_LAYOUT_ROW_MAJOR, 2, rows,
+                                    cols, 1, section, &p, err, len);
+    if (st != COLIBRI_OK) return st;
+    out->w = p;
+    out->dt = t->dtype;
+    return COLIBRI_OK;
+}
+
+/* One SwiGLU FFN of E experts (E = 1 with 2-D split tensors for a dense MLP or a shared
+ * expert) of width I: the packed tensor `packed_name`, or the split tensors
+ * blk.l.<gate>, <up>, <down> (docs/format.md, "Version 2"). */
+static colibri_status want_ffn(const colibri_ctx *ctx, uint32_t l, const char *packed_name, const char *split_suffix,
+                               int experts_3d, uint64_t E, uint64_t I, cb_ffn *f, char *err, size_t len) {
+    uint64_t H = ctx->cfg.hidden;
+    char name[96], gname[96], uname[96], dname[96];
+    colibri_status st;
+    const void *p;
+    snprintf(name, sizeof name, "blk.%u.%s", l, packed_name);
+    snprintf(gname, sizeof gname, "blk.%u.ffn_gate%s", l, split_suffix);
+    snprintf(uname, sizeof uname, "blk.%u.ffn_up%s", l, split_suffix);
+    snprintf(dname, sizeof dname, "blk.%u.ffn_down%s", l, split_suffix);
+    memset(f, 0, sizeof *f);
+    f->inter = (uint32_t)I;
+    const cb_tensor *t = cb_find_tensor(ctx, name);
+    if (t || !cb_find_tensor(ctx, gname)) { /* packed (or neither: the error names the packed tensor) */
+        uint32_t dt = t ? t->dtype : COLIBRI_DTYPE_BF16;
+        if (t && dt != COLIBRI_DTYPE_F32 && dt != COLIBRI_DTYPE_F16 && dt != COLIBRI_DTYPE_BF16) {
+            cb_set_err(err, len, "tensor '%s' is experts-packed in %s; the packed layout holds f32, f16 or bf16 "
+                       "(quantized FFNs are stored split); " RECONVERT, name, cb_dtype_name(dt));
+            return COLIBRI_E_FORMAT;
+        }
+        st = want_tensor(ctx, name, dt, CB_LAYOUT_EXPERTS_PACKED, 3, E, 3 * I, H, CB_SEC_EXPERTS, &p, err, len);
+        if (st != COLIBRI_OK) return st;
+        f->packed = p;
+        f->stride = t->nbytes / E;
+        f->dt = f->down_dt = dt;
+        return COLIBRI_OK;
+    }
+    if (ctx->cfg.version < 2) {
+        cb_set_err(err, len, "tensor '%s' is a split FFN, which version %u files cannot hold; " RECONVERT, gname,
+                   ctx->cfg.version);
+        return COLIBRI_E_FORMAT;
+    }
+    const cb_tensor *tg = cb_find_tensor(ctx, gname), *tu = cb_find_tensor(ctx, uname), *td = cb_find_tensor(ctx, dname);
+    const cb_tensor *ts[3] = {tg, tu, td};
+    const char *ns[3] = {gname, uname, dname};
+    for (int i = 0; i < 3; i++)
+        if (ts[i] && !cb_dtype_is_weight(ts[i]->dtype)) {
+            cb_set_err(err, len, "tensor '%s' has dtype %s, which a weight matrix cannot have; " RECONVERT, ns[i],
+                       cb_dtype_name(ts[i]->dtype));
+            return COLIBRI_E_FORMAT;
+        }
+    if (tu && tu->dtype != tg->dtype) {
+        cb_set_err(err, len, "tensors '%s' (%s) and '%s' (%s) differ in dtype; a split FFN's gate and up "
+                   "projections share one; " RECONVERT, gname, cb_dtype_name(tg->dtype), uname,
+                   cb_dtype_name(tu->dtype));
+        return COLIBRI_E_FORMAT;
+    }
+    uint32_t nd = experts_3d ? 3 : 2;
+    uint64_t a0 = experts_3d ? E : I, a1 = experts_3d ? I : H, a2 = experts_3d ? H : 1;
+    st = want_tensor(ctx, gname, tg->dtype, CB_LAYOUT_ROW_MAJOR, nd, a0, a1, a2, CB_SEC_EXPERTS, &p, err, len);
+    if (st != COLIBRI_OK) return st;
+    f->gate = p;
+    st = want_tensor(ctx, uname, tg->dtype, CB_LAYOUT_ROW_MAJOR, nd, a0, a1, a2, CB_SEC_EXPERTS, &p, err, len);
+    if (st != COLIBRI_OK) return st;
+    f->up = p;
+    uint64_t b0 = experts_3d ? E : H, b1 = experts_3d ? H : I, b2 = experts_3d ? I : 1;
+    st = want_tensor(ctx, dname, td ? td->dtype : tg->dtype, CB_LAYOUT_ROW_MAJOR, nd, b0, b1, b2, CB_SEC_EXPERTS,
+                     &p, err, len);
+    if (st != COLIBRI_OK) return st;
+    f->down = p;
+    f->dt = tg->dtype;
+    f->down_dt = td->dtype;
+    f->gu_stride = tg->nbytes / E;
+    f->down_stride = td->nbytes / E;
+    return COLIBRI_OK;
+}
+
 static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
-    const cb_config *c = &ctx->cfg;
+    cb_config *c = &ctx->cfg;
     uint64_t H = c->hidden, I = c->inter, V = c->vocab, E = c->n_experts;
     uint64_t Nq = (uint64_t)c->n_heads * c->head_dim, Nkv = (uint64_t)c->n_kv_heads * c->head_dim;
-    uint32_t W = c->weight_dtype;
     colibri_status st;
     const void *p;
     char name[96];
+    int first_ffn = 1;
     ctx->w.layers = calloc(c->n_layers, sizeof(cb_layer));
     if (!ctx->w.layers) {
         cb_set_err(err, len, "out of memory for %u layer records", c->n_layers);
@@ -797,33 +900,36 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
         st = want_tensor(ctx, nm, dt, lay, nd, a, b, cc, sec, &p, err, len);                \
         if (st != COLIBRI_OK) return st;                                                    \
     } while (0)
-    WANT("token_embd.weight", W, 0, 2, V, H, 1, CB_SEC_DENSE);
-    ctx->w.tok_embd = p;
+#define MAT(nm, rows, cols, sec, out)                                                       \
+    do {                                                                                    \
+        st = want_mat(ctx, nm, rows, cols, sec, out, err, len);                             \
+        if (st != COLIBRI_OK) return st;                                                    \
+    } while (0)
+#define FFN(packed, suffix, e3, e, width, out)                                              \
+    do {                                                                                    \
+        st = want_ffn(ctx, l, packed, suffix, e3, e, width, out, err, len);                 \
+        if (st != COLIBRI_OK) return st;                                                    \
+        if (first_ffn) c->weight_dtype = (out)->dt;                                         \
+        first_ffn = 0;                                                                      \
+    } while (0)
+    MAT("token_embd.weight", V, H, CB_SEC_DENSE, &ctx->w.tok_embd);
     WANT("output_norm.weight", COLIBRI_DTYPE_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
     ctx->w.out_norm = p;
-    if (c->tie_word_embeddings) {
-        ctx->w.lm_head = ctx->w.tok_embd;
-    } else {
-        WANT("output.weight", W, 0, 2, V, H, 1, CB_SEC_DENSE);
-        ctx->w.lm_head = p;
-    }
+    if (c->tie_word_embeddings) ctx->w.lm_head = ctx->w.tok_embd;
+    else MAT("output.weight", V, H, CB_SEC_DENSE, &ctx->w.lm_head);
     for (uint32_t l = 0; l < c->n_layers; l++) {
         cb_layer *L = &ctx->w.layers[l];
         snprintf(name, sizeof name, "blk.%u.attn_norm.weight", l);
         WANT(name, COLIBRI_DTYPE_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
         L->attn_norm = p;
         snprintf(name, sizeof name, "blk.%u.attn_q.weight", l);
-        WANT(name, W, 0, 2, Nq, H, 1, CB_SEC_DENSE);
-        L->wq = p;
+        MAT(name, Nq, H, CB_SEC_DENSE, &L->wq);
         snprintf(name, sizeof name, "blk.%u.attn_k.weight", l);
-        WANT(name, W, 0, 2, Nkv, H, 1, CB_SEC_DENSE);
-        L->wk = p;
+        MAT(name, Nkv, H, CB_SEC_DENSE, &L->wk);
         snprintf(name, sizeof name, "blk.%u.attn_v.weight", l);
-        WANT(name, W, 0, 2, Nkv, H, 1, CB_SEC_DENSE);
-        L->wv = p;
+        MAT(name, Nkv, H, CB_SEC_DENSE, &L->wv);
         snprintf(name, sizeof name, "blk.%u.attn_output.weight", l);
-        WANT(name, W, 0, 2, H, Nq, 1, CB_SEC_DENSE);
-        L->wo = p;
+        MAT(name, H, Nq, CB_SEC_DENSE, &L->wo);
         snprintf(name, sizeof name, "blk.%u.ffn_norm.weight", l);
         WANT(name, COLIBRI_DTYPE_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
         L->ffn_norm = p;
@@ -858,10 +964,7 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
             L->window = w > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)w;
         }
         if (!L->moe) {
-            uint64_t Id = c->dense_inter;
-            snprintf(name, sizeof name, "blk.%u.ffn_dense", l);
-            WANT(name, W, CB_LAYOUT_EXPERTS_PACKED, 3, 1, 3 * Id, H, CB_SEC_EXPERTS);
-            L->dense = p;
+            FFN("ffn_dense", "", 0, 1, c->dense_inter, &L->dense);
             continue;
         }
         snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.weight", l);
@@ -875,23 +978,19 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
             WANT(name, COLIBRI_DTYPE_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
             L->router_zero = p;
         }
-        snprintf(name, sizeof name, "blk.%u.ffn_experts", l);
-        WANT(name, W, CB_LAYOUT_EXPERTS_PACKED, 3, E, 3 * I, H, CB_SEC_EXPERTS);
-        L->experts = p;
-        L->expert_stride = 3 * I * H * cb_dtype_size(W);
+        FFN("ffn_experts", "_exps", 1, E, I, &L->experts);
         if (c->shared_inter > 0) {
-            uint64_t Is = c->shared_inter;
-            snprintf(name, sizeof name, "blk.%u.ffn_shared", l);
-            WANT(name, W, CB_LAYOUT_EXPERTS_PACKED, 3, 1, 3 * Is, H, CB_SEC_EXPERTS);
-            L->shared = p;
+            FFN("ffn_shared", "_shexp", 0, 1, c->shared_inter, &L->shared);
+            L->has_shared = 1;
             if (c->shared_gate) {
                 snprintf(name, sizeof name, "blk.%u.ffn_shared_gate.weight", l);
-                WANT(name, W, 0, 2, 1, H, 1, CB_SEC_ROUTER);
-                L->shared_gate = p;
+                MAT(name, 1, H, CB_SEC_ROUTER, &L->shared_gate);
             }
         }
     }
 #undef WANT
+#undef MAT
+#undef FFN
     return COLIBRI_OK;
 }
 
@@ -914,8 +1013,8 @@ colibri_status cb_format_load(colibri_ctx *ctx, const char *path, char *err, siz
         return COLIBRI_E_FORMAT;
     }
     c->version = rd_u32(m + 8);
-    if (c->version != COLIBRI_FORMAT_VERSION) {
-        cb_set_err(err, len, "'%s' is file format version %u; this build reads version %d; "
+    if (c->version < 1 || c->version > COLIBRI_FORMAT_VERSION) {
+        cb_set_err(err, len, "'%s' is file format version %u; this build reads versions 1 to %d; "
                    "re-convert with colibri-convert%s", path, c->version, COLIBRI_FORMAT_VERSION,
                    c->version > COLIBRI_FORMAT_VERSION ? " (or use a newer Colibri)" : "");
         return COLIBRI_E_VERSION;
@@ -1063,28 +1162,26 @@ colibri_status cb_verify_all(colibri_ctx *ctx) {
 }
 
 static double tensor_l2(const cb_tensor *t, const uint8_t *data, const float *scale, const float *zero) {
-    uint64_t n = t->nbytes / cb_dtype_size(t->dtype);
     double ss = 0;
     if (t->dtype == COLIBRI_DTYPE_I8) {
+        uint64_t n = t->nbytes;
         uint64_t cols = t->n_dims >= 2 ? t->dims[1] : n;
         for (uint64_t i = 0; i < n; i++) {
             uint64_t r = cols ? i / cols : 0;
             double v = ((double)(int8_t)data[i] - (double)zero[r]) * (double)scale[r];
             ss += v * v;
         }
-    } else {
-        for (uint64_t i = 0; i < n; i++) {
-            double v;
-            if (t->dtype == COLIBRI_DTYPE_F32) {
-                float f;
-                memcpy(&f, data + 4 * i, 4);
-                v = f;
-            } else {
-                uint16_t h = (uint16_t)(data[2 * i] | (data[2 * i + 1] << 8));
-                v = t->dtype == COLIBRI_DTYPE_F16 ? cb_f16_to_f32(h) : cb_bf16_to_f32(h);
+    } else { /* any weight dtype: its rows dequantized a chunk at a time */
+        cb_dequant_fn deq = cb_dtype_dequant(t->dtype);
+        uint64_t cols = t->dims[t->n_dims - 1], rb = cb_row_bytes(t->dtype, cols);
+        uint64_t rows = rb ? t->nbytes / rb : 0, cb = cb_row_bytes(t->dtype, 256);
+        float buf[256];
+        for (uint64_t r = 0; r < rows; r++)
+            for (uint64_t k0 = 0; k0 < cols; k0 += 256) {
+                uint64_t m = cols - k0 < 256 ? cols - k0 : 256;
+                deq(buf, data + r * rb + k0 / 256 * cb, (int64_t)m);
+                for (uint64_t i = 0; i < m; i++) ss += (double)buf[i] * (double)buf[i];
             }
-            ss += v * v;
-        }
     }
     return sqrt(ss);
 }
@@ -1097,7 +1194,7 @@ colibri_status cb_verify_router(colibri_ctx *ctx) {
         if (!L->moe) continue; /* a dense layer has no router */
         const char *suffix[3] = {"weight", "scale", "zero"};
         int n_check = c->router_int8 ? 3 : 1;
-        for (int s = 0; s < n_check + (L->shared_gate != NULL); s++) {
+        for (int s = 0; s < n_check + (L->shared_gate.w != NULL); s++) {
             if (s < n_check) snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.%s", l, suffix[s]);
             else snprintf(name, sizeof name, "blk.%u.ffn_shared_gate.weight", l);
             const cb_tensor *t = cb_find_tensor(ctx, name);

@@ -28,19 +28,6 @@
 #include "core/context.h"
 #include "core/trace.h"
 
-/* Widen one embedding row of dtype dt into dst[H]. */
-static void widen_row(float *dst, const void *src, uint32_t dt, int64_t n) {
-    if (dt == COLIBRI_DTYPE_F32) {
-        memcpy(dst, src, (size_t)n * 4);
-    } else {
-        const uint16_t *h = (const uint16_t *)src;
-        if (dt == COLIBRI_DTYPE_F16)
-            for (int64_t i = 0; i < n; i++) dst[i] = cb_f16_to_f32(h[i]);
-        else
-            for (int64_t i = 0; i < n; i++) dst[i] = cb_bf16_to_f32(h[i]);
-    }
-}
-
 /* Route T tokens: softmax over experts, top-k (highest first, lower id wins ties),
  * optional renormalisation. logits: [T, E] -> probs [T, E], ids/w [T, K]. */
 static void route(colibri_ctx *ctx, int64_t T) {
@@ -167,7 +154,7 @@ static void mm_chunk(void *arg, int64_t c, int tid) {
     while (c >= m->jobs[j].nch) c -= m->jobs[j++].nch;
     const mm_job *b = &m->jobs[j];
     int64_t n0 = c * b->len, n1 = n0 + b->len < b->N ? n0 + b->len : b->N;
-    size_t row = (size_t)b->K * cb_dtype_size(b->dt);
+    size_t row = (size_t)cb_row_bytes(b->dt, (uint64_t)b->K);
     m->kern->matmul_ld(b->y + n0, b->N, b->x, (const uint8_t *)b->w + (size_t)n0 * row, b->dt, m->T,
                        n1 - n0, b->K);
 }
@@ -186,9 +173,9 @@ static void par_matmul(colibri_ctx *ctx, mm_task *m) {
     else cb_pool_run(ctx->pool, mm_chunk, m, total);
 }
 
-static void par_matmul1(colibri_ctx *ctx, float *y, const float *x, const void *w, uint32_t dt,
-                        int64_t T, int64_t N, int64_t K) {
-    mm_task m = {ctx->kern, T, 1, {{y, x, w, dt, N, K, 0, 0}}};
+static void par_matmul1(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t T, int64_t N,
+                        int64_t K) {
+    mm_task m = {ctx->kern, T, 1, {{y, x, w.w, w.dt, N, K, 0, 0}}};
     par_matmul(ctx, &m);
 }
 
@@ -224,12 +211,13 @@ static void att_chunk(void *arg, int64_t ch, int tid) {
                                s->row_pos[r0], c->n_heads, c->n_kv_heads, c->head_dim, a->window, h0, h1);
 }
 
-/* One packed FFN (a group of rows through one expert's weights). */
+/* One FFN job: a group of rows through one expert's weights (cb_ffn, packed or split). */
 typedef struct ffn_job {
     float *y;          /* [R, H] */
     float *h;          /* [R, I] */
     const float *x;    /* [R, H] */
-    const void *w;     /* [3I, H] packed */
+    const cb_ffn *f;
+    int64_t e;         /* the expert */
     int64_t R, I;
     int64_t len0, nch0; /* gate/up: intermediate columns per chunk, chunks */
     int64_t len1, nch1; /* down: output columns per chunk, chunks; or one block per chunk */
@@ -242,7 +230,6 @@ typedef struct ffn_job {
  * of intermediate rows, and a third section adds the blocks up). */
 typedef struct ffn_task {
     const cb_kernels *kern;
-    uint32_t dt;
     int64_t H, B;
     int n_jobs;
     int phase;         /* 0: gate/up, 1: down, 2: sum of the block parts */
@@ -256,17 +243,32 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
     if (f->phase == 0) {
         while (c >= f->jobs[j].nch0) c -= f->jobs[j++].nch0;
         const ffn_job *b = &f->jobs[j];
+        const cb_ffn *w = b->f;
         int64_t lo = c * b->len0, hi = lo + b->len0 < b->I ? lo + b->len0 : b->I;
-        f->kern->expert_gateup(b->h, b->x, b->w, f->dt, b->R, f->H, b->I, f->B, lo, hi);
+        if (w->packed)
+            f->kern->expert_gateup(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, NULL, w->dt,
+                                   b->R, f->H, b->I, f->B, lo, hi);
+        else
+            f->kern->expert_gateup(b->h, b->x, (const uint8_t *)w->gate + (size_t)b->e * w->gu_stride,
+                                   (const uint8_t *)w->up + (size_t)b->e * w->gu_stride, w->dt, b->R, f->H, b->I,
+                                   0, lo, hi);
     } else if (f->phase == 1) {
         while (c >= f->jobs[j].nch1) c -= f->jobs[j++].nch1;
         const ffn_job *b = &f->jobs[j];
-        if (b->part) {
-            f->kern->expert_down_part(b->part + c * b->R * f->H, b->h, b->w, f->dt, b->R, f->H, b->I, c);
+        const cb_ffn *w = b->f;
+        int64_t lo = c * b->len1, hi = lo + b->len1 < f->H ? lo + b->len1 : f->H;
+        if (!w->packed) { /* split: output rows lo..hi of the down matrix [H, I] */
+            size_t rb = (size_t)cb_row_bytes(w->down_dt, (uint64_t)b->I);
+            f->kern->matmul_ld(b->y + lo, f->H, b->h, (const uint8_t *)w->down + (size_t)b->e * w->down_stride +
+                               (size_t)lo * rb, w->down_dt, b->R, hi - lo, b->I);
             return;
         }
-        int64_t lo = c * b->len1, hi = lo + b->len1 < f->H ? lo + b->len1 : f->H;
-        f->kern->expert_down(b->y, b->h, b->w, f->dt, b->R, f->H, b->I, lo, hi);
+        const void *ew = (const uint8_t *)w->packed + (size_t)b->e * w->stride;
+        if (b->part) {
+            f->kern->expert_down_part(b->part + c * b->R * f->H, b->h, ew, w->dt, b->R, f->H, b->I, c);
+            return;
+        }
+        f->kern->expert_down(b->y, b->h, ew, w->dt, b->R, f->H, b->I, lo, hi);
     } else { /* y = p0 + p1 + ... in block order, the order expert_down adds them */
         for (;; j++) { /* chunk c is row c of the split groups, in job order */
             if (!f->jobs[j].part) continue;
@@ -293,7 +295,7 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
         b->len0 = chunk_len(ctx, b->I, 8, 64);
         b->nch0 = (b->I + b->len0 - 1) / b->len0;
         b->part = NULL;
-        if (b->R <= CB_SPLIT_MAX_ROWS && nblk * b->R <= part_left) {
+        if (b->f->packed && b->R <= CB_SPLIT_MAX_ROWS && nblk * b->R <= part_left) {
             b->part = part;
             part += nblk * b->R * H;
             part_left -= nblk * b->R;
@@ -308,7 +310,7 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
         n0 += b->nch0;
         n1 += b->nch1;
     }
-    ffn_task f = {ctx->kern, ctx->cfg.weight_dtype, H, ctx->cfg.block_size, n_jobs, 0, jobs};
+    ffn_task f = {ctx->kern, H, ctx->cfg.block_size, n_jobs, 0, jobs};
     cb_pool_run(ctx->pool, ffn_chunk, &f, n0);
     f.phase = 1;
     cb_pool_run(ctx->pool, ffn_chunk, &f, n1);
@@ -350,11 +352,10 @@ static void stage_embedding(colibri_ctx *ctx) {
     const cb_config *c = &ctx->cfg;
     cb_scratch *s = &ctx->s;
     int64_t T = ctx->run.T, H = c->hidden, half = c->head_dim / 2;
-    uint32_t W = c->weight_dtype;
-    size_t es = cb_dtype_size(W);
+    cb_mat E = ctx->w.tok_embd;
+    size_t rb = (size_t)cb_row_bytes(E.dt, (uint64_t)H);
     for (int64_t t = 0; t < T; t++)
-        widen_row(s->x + t * H, (const uint8_t *)ctx->w.tok_embd + (size_t)s->run_ids[t] * (size_t)H * es,
-                  W, H);
+        ctx->kern->dequant_row(s->x + t * H, (const uint8_t *)E.w + (size_t)s->run_ids[t] * rb, E.dt, H);
     for (int64_t t = 0; t < T; t++) {
         float p = (float)s->row_pos[t];
         for (int64_t i = 0; i < half; i++) {
@@ -374,14 +375,14 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
     int64_t T = ctx->run.T;
     int64_t H = c->hidden, hd = c->head_dim;
     int64_t Nq = (int64_t)c->n_heads * hd, Nkv = (int64_t)c->n_kv_heads * hd;
-    uint32_t W = c->weight_dtype;
     float eps = (float)c->rms_norm_eps;
     cb_kv *kv = &ctx->sess.kv;
 
     K->rmsnorm(s->xn, s->x, L->attn_norm, T, H, eps);
     {
-        mm_task m = {K, T, 3, {{s->q, s->xn, L->wq, W, Nq, H, 0, 0}, {s->k, s->xn, L->wk, W, Nkv, H, 0, 0},
-                               {s->v, s->xn, L->wv, W, Nkv, H, 0, 0}}};
+        mm_task m = {K, T, 3, {{s->q, s->xn, L->wq.w, L->wq.dt, Nq, H, 0, 0},
+                               {s->k, s->xn, L->wk.w, L->wk.dt, Nkv, H, 0, 0},
+                               {s->v, s->xn, L->wv.w, L->wv.dt, Nkv, H, 0, 0}}};
         par_matmul(ctx, &m);
     }
     if (L->bq) {
@@ -422,7 +423,7 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
         cb_pool_run(work * c->n_heads * hd < CB_PAR_MIN_WORK ? NULL : ctx->pool, att_chunk, &a,
                     ctx->run.n_seg * att_chunks(c));
     }
-    par_matmul1(ctx, s->delta, s->att, L->wo, W, T, H, Nq);
+    par_matmul1(ctx, s->delta, s->att, L->wo, T, H, Nq);
     if (L->bo) add_bias(s->delta, L->bo, T, H);
     add_inplace(s->x, s->delta, T * H);
     K->rmsnorm(s->xn, s->x, L->ffn_norm, T, H, eps);
@@ -468,27 +469,27 @@ static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
     ffn_job jobs[CB_FFN_BATCH]; /* non-empty groups, run CB_FFN_BATCH at a time */
     int n_jobs = 0;
     if (!L->moe) {
-        jobs[0] = (ffn_job){s->delta, s->ffn_h, s->xn, L->dense, T, c->dense_inter, 0, 0, 0, 0, NULL};
+        jobs[0] = (ffn_job){s->delta, s->ffn_h, s->xn, &L->dense, 0, T, c->dense_inter, 0, 0, 0, 0, NULL};
         par_ffn(ctx, jobs, 1);
         return;
     }
     for (int64_t e = 0; e < E; e++) {
         int64_t r0 = s->expert_offset[e], R = s->expert_offset[e + 1] - r0;
         if (R == 0) continue;
-        const void *ew = (const uint8_t *)L->experts + (size_t)e * L->expert_stride;
-        jobs[n_jobs++] = (ffn_job){s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, ew, R, I, 0, 0, 0, 0, NULL};
+        jobs[n_jobs++] = (ffn_job){s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, &L->experts, e, R, I,
+                                   0, 0, 0, 0, NULL};
         if (n_jobs == CB_FFN_BATCH) {
             par_ffn(ctx, jobs, n_jobs);
             n_jobs = 0;
         }
     }
     /* routed sum + sigmoid(g . x) * shared(x), as transformers' Qwen2-MoE */
-    if (L->shared)
-        jobs[n_jobs++] = (ffn_job){s->sh_out, s->ffn_h, s->xn, L->shared, T, c->shared_inter, 0, 0, 0, 0, NULL};
+    if (L->has_shared)
+        jobs[n_jobs++] = (ffn_job){s->sh_out, s->ffn_h, s->xn, &L->shared, 0, T, c->shared_inter, 0, 0, 0, 0, NULL};
     if (n_jobs > 0) par_ffn(ctx, jobs, n_jobs);
-    if (L->shared) {
-        if (L->shared_gate) {
-            K->matmul(s->sh_gate, s->xn, L->shared_gate, c->weight_dtype, T, 1, H);
+    if (L->has_shared) {
+        if (L->shared_gate.w) {
+            K->matmul(s->sh_gate, s->xn, L->shared_gate.w, L->shared_gate.dt, T, 1, H);
             for (int64_t t = 0; t < T; t++) s->sh_gate[t] = 1.0f / (1.0f + expf(-s->sh_gate[t]));
         }
     }
@@ -509,9 +510,9 @@ static void stage_combine(colibri_ctx *ctx, uint32_t l) {
             m.len = chunk_len(ctx, H, 16, 64);
             cb_pool_run(ctx->pool, combine_chunk, &m, (H + m.len - 1) / m.len);
         }
-        if (L->shared) {
+        if (L->has_shared) {
             for (int64_t t = 0; t < T; t++) {
-                float g = L->shared_gate ? s->sh_gate[t] : 1.0f;
+                float g = L->shared_gate.w ? s->sh_gate[t] : 1.0f;
                 float *d = s->delta + t * H;
                 const float *y = s->sh_out + t * H;
                 for (int64_t i = 0; i < H; i++) d[i] += g * y[i];
@@ -532,7 +533,7 @@ static void stage_lm_head(colibri_ctx *ctx, float *logits) {
     for (int64_t i = 0; i < R; i++) /* head_idx ascends, so row i is written after it is read */
         ctx->kern->rmsnorm(s->xn + i * H, s->x + (int64_t)s->head_idx[i] * H, ctx->w.out_norm, 1, H,
                            (float)c->rms_norm_eps);
-    par_matmul1(ctx, logits, s->xn, ctx->w.lm_head, c->weight_dtype, R, c->vocab, H);
+    par_matmul1(ctx, logits, s->xn, ctx->w.lm_head, R, c->vocab, H);
 }
 
 /* ---- tracing: what the stages record into an attached trace ------------------------- */
@@ -585,7 +586,7 @@ static void trace_record(colibri_ctx *ctx, int32_t stage, uint32_t l) {
     case COLIBRI_STAGE_EXPERT_FFN: {
         float *g = tr->shared_gate + (int64_t)l * C + base;
         for (int64_t t = 0; t < keep; t++)
-            g[t] = !L->moe || !L->shared ? NAN : L->shared_gate ? s->sh_gate[t] : 1.0f;
+            g[t] = !L->moe || !L->has_shared ? NAN : L->shared_gate.w ? s->sh_gate[t] : 1.0f;
         break;
     }
     case COLIBRI_STAGE_LM_HEAD:

@@ -30,7 +30,7 @@ typedef struct cb_config {
     int router_int8;
     double rms_norm_eps;
     double rope_theta;
-    uint32_t weight_dtype;     /* COLIBRI_DTYPE_F32/F16/BF16 */
+    uint32_t weight_dtype;     /* the experts' dtype (the bulk of the file); every matrix has its own */
     uint32_t router_dtype;     /* COLIBRI_DTYPE_F32/F16/BF16/I8 */
     int32_t bos_id, eos_id, unk_id, pad_id;
     /* family options (docs/format.md, "Family options"); defaults are Mixtral's */
@@ -47,41 +47,61 @@ typedef struct cb_config {
     uint64_t chat_template_len;
     char architecture[64];
     char name[256];
-    char weight_dtype_str[8];
+    char weight_dtype_str[32];
     char router_dtype_str[8];
     cb_section sections[CB_N_SECTIONS];
 } cb_config;
 
+/* A weight matrix [rows, cols], row-major, in the mapping: its dtype is the tensor's own
+ * (any weight dtype, core/dtype.h), so every matrix of a mixed file runs by its type. */
+typedef struct cb_mat {
+    const void *w;
+    uint32_t dt;
+} cb_mat;
+
+/* A SwiGLU FFN of one or E experts (docs/format.md): packed (version 1: one tensor, rows
+ * gate/up interleaved by blocks then w2^T; F32/F16/BF16) or split (version 2: gate, up
+ * [E, I, H] and down [E, H, I], any weight dtypes, gate and up the same). */
+typedef struct cb_ffn {
+    const void *packed;        /* packed: [E, 3I, H], expert e at packed + e * stride; else NULL */
+    uint64_t stride;           /* packed: bytes per expert */
+    const void *gate, *up, *down; /* split */
+    uint64_t gu_stride, down_stride; /* split: bytes per expert of gate (= up) and of down */
+    uint32_t dt;               /* packed: its dtype; split: the gate's and up's */
+    uint32_t down_dt;          /* split: the down projection's dtype */
+    uint32_t inter;            /* I */
+} cb_ffn;
+
 /* Pointers of one decoder layer, all into the mmap. */
 typedef struct cb_layer {
     const float *attn_norm;    /* [H] f32 */
-    const void *wq;            /* [n_heads*head_dim, H] weight dtype */
-    const void *wk;            /* [n_kv_heads*head_dim, H] weight dtype */
-    const void *wv;            /* [n_kv_heads*head_dim, H] weight dtype */
-    const void *wo;            /* [H, n_heads*head_dim] weight dtype */
+    cb_mat wq;                 /* [n_heads*head_dim, H] */
+    cb_mat wk;                 /* [n_kv_heads*head_dim, H] */
+    cb_mat wv;                 /* [n_kv_heads*head_dim, H] */
+    cb_mat wo;                 /* [H, n_heads*head_dim] */
     const float *ffn_norm;     /* [H] f32 */
     const void *router;        /* [E, H] router dtype (f32/f16/bf16/i8) */
     const float *router_scale; /* [E] f32, int8 routers only, else NULL */
     const float *router_zero;  /* [E] f32, int8 routers only, else NULL */
-    const void *experts;       /* [E, 3I, H] weight dtype, EXPERTS_PACKED (MoE layers) */
-    uint64_t expert_stride;    /* bytes between experts = 3*I*H*dtype size */
+    cb_ffn experts;            /* the routed experts (MoE layers) */
     /* family options; NULL when the file has none */
     const float *bq, *bk, *bv; /* [Nq], [Nkv], [Nkv] f32 q/k/v biases */
     const float *bo;           /* [H] f32 output-projection bias */
     const float *q_norm;       /* [head_dim] (qk_norm head) or [Nq] (full) f32 */
     const float *k_norm;       /* [head_dim] (qk_norm head) or [Nkv] (full) f32 */
-    const void *dense;         /* [1, 3*Id, H] weight dtype, EXPERTS_PACKED: dense-MLP layers */
-    const void *shared;        /* [1, 3*Is, H] weight dtype, EXPERTS_PACKED: shared expert */
-    const void *shared_gate;   /* [1, H] weight dtype: shared-expert gate */
+    cb_ffn dense;              /* dense-MLP layers: one expert of width Id */
+    cb_ffn shared;             /* the shared expert (width Is), when the family has one */
+    int has_shared;
+    cb_mat shared_gate;        /* [1, H]: shared-expert gate; .w NULL when none */
     /* per-layer options, from the metadata at load */
     int moe;                   /* 1: MoE block (router, experts); 0: dense MLP (`dense`) */
     int64_t window;            /* attention window in tokens, 0 = full */
 } cb_layer;
 
 typedef struct cb_weights {
-    const void *tok_embd;     /* [V, H] weight dtype */
+    cb_mat tok_embd;          /* [V, H] */
     const float *out_norm;    /* [H] f32 */
-    const void *lm_head;      /* [V, H] weight dtype (= tok_embd when tied) */
+    cb_mat lm_head;           /* [V, H] (= tok_embd when tied) */
     cb_layer *layers;         /* [n_layers], heap (init-time) */
 } cb_weights;
 

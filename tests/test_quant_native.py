@@ -1,0 +1,70 @@
+"""The engine's reference dequantizer (colibri_dequantize, core/quant.c) against the
+`gguf` package's gguf.quants.dequantize, bit for bit, on random blocks of every quantized
+type; and its refusals."""
+import ctypes
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from colibri_lab import _native, format as fmt
+
+QT = gguf.GGMLQuantizationType
+TYPES = {fmt.DTYPE_Q8_0: QT.Q8_0, fmt.DTYPE_Q4_K: QT.Q4_K, fmt.DTYPE_Q5_K: QT.Q5_K,
+         fmt.DTYPE_Q6_K: QT.Q6_K}
+
+
+def _random_blocks(dtype: int, n_blocks: int, rng) -> np.ndarray:
+    """Random bytes for every field, with finite f16 scales (any sign, subnormals too)."""
+    be, bb = fmt.DTYPE_BLOCKS[dtype]
+    raw = rng.integers(0, 256, size=(n_blocks, bb), dtype=np.uint8)
+    def f16(n):
+        v = (rng.standard_normal(n) * rng.choice([1e-6, 1e-3, 0.05, 3.0], n)).astype(np.float16)
+        return v.view(np.uint8).reshape(n, 2)
+    if dtype == fmt.DTYPE_Q8_0:
+        raw[:, 0:2] = f16(n_blocks)
+    elif dtype == fmt.DTYPE_Q6_K:
+        raw[:, 208:210] = f16(n_blocks)
+    else:
+        raw[:, 0:2] = f16(n_blocks)
+        raw[:, 2:4] = f16(n_blocks)
+    return raw
+
+
+def _engine_dequant(dtype: int, raw: np.ndarray, n: int) -> np.ndarray:
+    out = np.empty(n, dtype=np.float32)
+    src = np.ascontiguousarray(raw)
+    st = _native.lib.colibri_dequantize(dtype, src.ctypes.data_as(ctypes.c_void_p), n,
+                                        out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+    assert st == 0
+    return out
+
+
+@pytest.mark.parametrize("dtype", list(TYPES), ids=lambda d: fmt.DTYPE_NAMES[d])
+def test_dequantize_bit_for_bit_with_gguf(dtype):
+    rng = np.random.default_rng(1000 + dtype)
+    be, _ = fmt.DTYPE_BLOCKS[dtype]
+    for n_blocks in (1, 3, 37):
+        raw = _random_blocks(dtype, n_blocks, rng)
+        want = gguf.quants.dequantize(raw.reshape(-1), TYPES[dtype]).reshape(-1).astype(np.float32)
+        got = _engine_dequant(dtype, raw, n_blocks * be)
+        assert got.shape == want.shape
+        diff = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+        assert diff.size == 0, (f"{fmt.DTYPE_NAMES[dtype]}: {diff.size} of {got.size} values differ, "
+                                f"first at {diff[0]}: {got[diff[0]]!r} vs {want[diff[0]]!r}")
+
+
+def test_dequantize_float_types_and_refusals():
+    x = np.array([1.5, -2.25, 3.0e-5, 7.0], dtype=np.float32)
+    assert np.array_equal(_engine_dequant(fmt.DTYPE_F32, x, 4), x)
+    h = x.astype(np.float16)
+    assert np.array_equal(_engine_dequant(fmt.DTYPE_F16, h, 4), h.astype(np.float32))
+    out = np.empty(40, dtype=np.float32)
+    raw = np.zeros(34 * 2, dtype=np.uint8)
+    p = out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    lib = _native.lib
+    assert lib.colibri_dequantize(fmt.DTYPE_Q8_0, raw.ctypes.data_as(ctypes.c_void_p), 33, p) != 0  # not whole blocks
+    assert lib.colibri_dequantize(fmt.DTYPE_I8, raw.ctypes.data_as(ctypes.c_void_p), 4, p) != 0    # not a weight type
+    assert lib.colibri_dequantize(99, raw.ctypes.data_as(ctypes.c_void_p), 32, p) != 0             # unknown
+    assert lib.colibri_dequantize(fmt.DTYPE_Q8_0, None, 32, p) != 0
