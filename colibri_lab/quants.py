@@ -1,0 +1,564 @@
+"""Block quantization of the `.colibri` format version 2 (docs/format.md, "Version 2"):
+Q8_0, Q4_K, Q5_K and Q6_K, byte for byte ggml's blocks.
+
+What lives here:
+
+- `quantize(x, dtype)`: float32 rows -> the stored bytes of a quantized dtype. Our own
+  numpy implementation of llama.cpp's reference quantizers (ggml-quants.c
+  `quantize_row_q8_0_ref`, `quantize_row_q4_K_ref`, `quantize_row_q5_K_ref`,
+  `quantize_row_q6_K_ref`, i.e. what `llama-quantize` does without an importance
+  matrix). Every step is the C code's float32 arithmetic in the C code's order (sums
+  accumulated element by element, no fused multiply-add, `nearest_int`'s
+  1.5 * 2^23 rounding trick emulated), so the bytes are the ones the C reference writes
+  on a build without FMA contraction (ggml-base is compiled so). Vectorised over all
+  blocks of a chunk, and chunks run on a small thread pool (numpy releases the GIL).
+- `dequantize(raw, dtype, n)`: stored bytes -> float32, bit for bit the `gguf`
+  package's `gguf.quants.dequantize` (float32 products in ggml's order, none fused).
+- `to_stored` / `from_stored`: the same for every dtype, the float ones included.
+- `GGML_TYPES`: our dtype ids <-> `gguf.GGMLQuantizationType`.
+- `mix_dtype(mix, name, shape, ...)`: the dtype a converter mix ("q8_0", "q4_k",
+  "q4_k_m") gives a tensor; "q4_k_m" is llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M as
+  `llama_tensor_get_type` decides it (docs/quantization.md, "Converter mixes").
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from . import format as fmt
+from .format import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K,
+                     DTYPE_Q8_0, QUANT_DTYPES)
+
+try:  # the GGUF type ids; the quantizers themselves do not need the package
+    import gguf
+    _GQT = gguf.GGMLQuantizationType
+    GGML_TYPES = {DTYPE_F32: _GQT.F32, DTYPE_F16: _GQT.F16, DTYPE_BF16: _GQT.BF16,
+                  DTYPE_Q8_0: _GQT.Q8_0, DTYPE_Q4_K: _GQT.Q4_K, DTYPE_Q5_K: _GQT.Q5_K,
+                  DTYPE_Q6_K: _GQT.Q6_K}
+except ImportError:  # pragma: no cover - gguf is a declared dependency
+    gguf = None
+    GGML_TYPES = {}
+#: gguf.GGMLQuantizationType -> our dtype id
+DTYPE_OF_GGML = {v: k for k, v in GGML_TYPES.items()}
+
+QK_K = 256
+QK8_0 = 32
+GROUP_MAX_EPS = np.float32(1e-15)
+_F0 = np.float32(0.0)
+_MAGIC = np.float32(12582912.0)   # 1.5 * 2^23, nearest_int's rounding constant
+
+# elements per quantization work item (a multiple of 256); small enough that a work
+# item's temporaries stay in the L2 cache
+_WORK_ELEMS = 1 << 16
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def default_threads() -> int:
+    """Threads `quantize` uses: COLIBRI_QUANT_THREADS, else the CPUs this process may run on
+    (at most 8)."""
+    env = os.environ.get("COLIBRI_QUANT_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def _get_pool(n: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < n:
+            _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="colibri-quant")
+        return _pool
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int for float32 values, exactly: (v + 1.5*2^23) in float32, then the
+    low 23 bits of the sum minus 2^22 (round half to even for |v| <= 2^22, and the
+    trick's own answer beyond, as in the C code built with NDEBUG). Returns int32."""
+    t = (v + _MAGIC).view(np.int32)
+    return (t & np.int32(0x7FFFFF)) - np.int32(0x400000)
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    """float32 -> IEEE binary16 (nearest, ties to even: GGML_FP32_TO_FP16), as 2 bytes each."""
+    return np.ascontiguousarray(v.astype("<f2")).view(np.uint8).reshape(v.shape + (2,))
+
+
+def _f16_round(v: np.ndarray) -> np.ndarray:
+    """GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(v))."""
+    return v.astype("<f2").astype(np.float32)
+
+
+def _as_rows(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x)
+    if x.ndim == 1:
+        x = x[None, :]
+    if x.ndim != 2:
+        raise ValueError(f"quantize takes [rows, n] values, got shape {x.shape}")
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+# --------------------------------------------------------------------------- Q8_0
+
+def _q8_0_blocks(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q8_0_ref over blocks [nb, 32] -> [nb, 34]."""
+    amax = np.abs(x).max(axis=1)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        idv = np.where(d != 0, np.float32(1) / d, _F0).astype(np.float32)
+    x0 = x * idv[:, None]
+    # roundf: half away from zero (trunc, then the fraction decides; both exact)
+    t = np.trunc(x0)
+    q = t + np.where(np.abs(x0 - t) >= np.float32(0.5), np.sign(x0), _F0)
+    out = np.empty((x.shape[0], 34), np.uint8)
+    out[:, :2] = _f16_bytes(d)
+    out[:, 2:] = q.astype(np.int8).view(np.uint8)
+    return out
+
+
+# --------------------------------------------------------------------------- Q4_K / Q5_K
+
+def _make_qkx2(X: np.ndarray, W: np.ndarray, nmax: int, rmin: float, rdelta: float,
+               nstep: int):
+    """make_qkx2_quants(32, nmax, x, weights, L, &the_min, Laux, rmin, rdelta, nstep,
+    use_mad=false) for every sub-block at once. X, W: [32, ns] (element-major, so that a
+    reduction over axis 0 is the C code's element-by-element sum). Returns
+    (scale [ns], the_min [ns], L [32, ns] float32 holding 0..nmax)."""
+    f32 = np.float32
+    add = np.add.reduce
+    mn = np.minimum(X.min(axis=0), _F0)          # if (min > 0) min = 0
+    mx = X.max(axis=0)
+    flat = mx == mn
+    sum_w = add(W, axis=0)
+    sum_x = add(W * X, axis=0)
+    nm = f32(nmax)
+    with np.errstate(all="ignore"):
+        iscale = nm / (mx - mn)
+        scale = f32(1) / iscale
+        L = np.rint(iscale * (X - mn))
+        np.clip(L, 0, nm, out=L)
+        diff = scale * L
+        diff += mn
+        diff -= X
+        diff *= diff
+        diff *= W
+        best = add(diff, axis=0)
+        # The L of the best step is recomputed at the end from that step's iscale and
+        # min (the same float32 operations), so that a step only updates vectors.
+        b_isc, b_mn = iscale, mn
+        T = np.empty_like(X)
+        La = np.empty_like(X)
+        for i in range(nstep + 1):
+            c = f32(rmin) + f32(rdelta) * f32(i) + nm
+            isc = c / (mx - mn)
+            np.subtract(X, mn, out=La)
+            La *= isc
+            np.rint(La, out=La)
+            np.clip(La, 0, nm, out=La)
+            np.multiply(W, La, out=T)                 # w*l
+            s_l = add(T, axis=0)
+            s_xl = add(np.multiply(T, X, out=diff), axis=0)
+            T *= La                                   # (w*l)*l
+            s_l2 = add(T, axis=0)
+            D = sum_w * s_l2 - s_l * s_l
+            ts = (sum_w * s_xl - sum_x * s_l) / D
+            tm = (s_l2 * sum_x - s_l * s_xl) / D
+            pos = tm > 0
+            if pos.any():
+                tm[pos] = 0
+                ts[pos] = (s_xl / s_l2)[pos]
+            np.multiply(La, ts, out=diff)
+            diff += tm
+            diff -= X
+            diff *= diff
+            diff *= W
+            cur = add(diff, axis=0)
+            better = (D > 0) & (cur < best)
+            if better.any():
+                best = np.where(better, cur, best)
+                scale = np.where(better, ts, scale)
+                b_isc = np.where(better, isc, b_isc)
+                b_mn = np.where(better, mn, b_mn)
+                mn = np.where(better, tm, mn)
+        np.subtract(X, b_mn, out=L)
+        L *= b_isc
+        np.rint(L, out=L)
+        np.clip(L, 0, nm, out=L)
+    if flat.any():
+        L[:, flat] = 0
+        scale = np.where(flat, _F0, scale)
+        mn = np.where(flat, np.minimum(X.min(axis=0), _F0), mn)
+    return scale.astype(f32), (-mn).astype(f32), L
+
+
+def _qk_blocks(x: np.ndarray, nmax: int) -> np.ndarray:
+    """quantize_row_q4_K_ref (nmax 15) / quantize_row_q5_K_ref (nmax 31) over blocks
+    [nb, 256] -> [nb, 144] / [nb, 176]."""
+    f32 = np.float32
+    nb = x.shape[0]
+    ns = nb * 8
+    X = np.ascontiguousarray(x.reshape(ns, 32).T)          # [32, ns]
+    sum_x2 = np.add.reduce(X * X, axis=0)
+    av_x = np.sqrt(sum_x2 / f32(32))
+    W = av_x + np.abs(X)
+    if nmax == 15:
+        scales, mins, L = _make_qkx2(X, W, 15, -1.0, 0.1, 20)
+    else:
+        scales, mins, L = _make_qkx2(X, W, 31, -0.5, 0.1, 15)
+    scales = scales.reshape(nb, 8)
+    mins = mins.reshape(nb, 8)
+    max_scale = np.maximum(scales.max(axis=1), _F0)
+    max_min = np.maximum(mins.max(axis=1), _F0)
+    with np.errstate(divide="ignore"):
+        inv_scale = np.where(max_scale > 0, f32(63) / max_scale, _F0).astype(f32)
+        inv_min = np.where(max_min > 0, f32(63) / max_min, _F0).astype(f32)
+    ls = np.minimum(_nearest_int(inv_scale[:, None] * scales) & 0xFF, 63).astype(np.uint8)
+    lm = np.minimum(_nearest_int(inv_min[:, None] * mins) & 0xFF, 63).astype(np.uint8)
+    sc12 = np.empty((nb, 12), np.uint8)
+    sc12[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
+    sc12[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
+    sc12[:, 8:12] = (ls[:, 4:8] & 0xF) | ((lm[:, 4:8] & 0xF) << 4)
+    dq = max_scale / f32(63)
+    dmq = max_min / f32(63)
+    d16, dm16 = _f16_round(dq), _f16_round(dmq)
+    # requantize with the stored scales; a sub-block whose scale is 0 keeps its L
+    d = d16[:, None] * ls.astype(f32)                      # [nb, 8]
+    dm = dm16[:, None] * lm.astype(f32)
+    LT = L.T.reshape(nb, 8, 32)
+    xs = x.reshape(nb, 8, 32)
+    with np.errstate(all="ignore"):
+        lq = _nearest_int((xs + dm[:, :, None]) / d[:, :, None])
+    np.clip(lq, 0, nmax, out=lq)
+    Lf = np.where((d != 0)[:, :, None], lq, LT.astype(np.int32)).astype(np.uint8)
+    Lf = Lf.reshape(nb, 4, 2, 32)                           # [block, pair, half, l]
+    lo, hi = Lf[:, :, 0, :], Lf[:, :, 1, :]
+    out = np.empty((nb, 144 if nmax == 15 else 176), np.uint8)
+    out[:, 0:2] = _f16_bytes(dq)
+    out[:, 2:4] = _f16_bytes(dmq)
+    out[:, 4:16] = sc12
+    if nmax == 15:
+        out[:, 16:144] = ((lo & 0xF) | (hi << 4)).reshape(nb, 128)
+    else:
+        sh = (np.arange(4, dtype=np.uint8) * 2)[None, :, None]
+        qh = (((lo >> 4) & 1) << sh) | (((hi >> 4) & 1) << (sh + 1))
+        out[:, 16:48] = np.bitwise_or.reduce(qh, axis=1)
+        out[:, 48:176] = ((lo & 0xF) | ((hi & 0xF) << 4)).reshape(nb, 128)
+    return out
+
+
+# --------------------------------------------------------------------------- Q6_K
+
+def _make_qx_rmse1(X: np.ndarray, nmax: int):
+    """make_qx_quants(16, nmax, x, L, rmse_type=1, qw=NULL) for every group at once.
+    X: [16, ng]. Returns (scale [ng], L [16, ng] int32 holding 0..2*nmax-1, or 0 for an
+    all-zero group)."""
+    f32 = np.float32
+    add = np.add.reduce
+    ng = X.shape[1]
+    A = np.abs(X)
+    idx = np.argmax(A, axis=0)                    # the first largest |x| (strict >)
+    cols = np.arange(ng)
+    amax = A[idx, cols]
+    mx = X[idx, cols]
+    zero = amax < GROUP_MAX_EPS
+    W = X * X
+    WX = W * X
+    lo, hi = f32(-nmax), f32(nmax - 1)
+    T = np.empty_like(X)
+    with np.errstate(all="ignore"):
+        iscale = f32(-nmax) / mx
+        lbest = np.rint(iscale * X)
+        np.clip(lbest, lo, hi, out=lbest)
+        sumlx = add(np.multiply(WX, lbest, out=T), axis=0)
+        np.multiply(W, lbest, out=T)
+        T *= lbest
+        suml2 = add(T, axis=0)
+        scale = np.where(suml2 != 0, sumlx / suml2, _F0).astype(f32)
+        best = scale * sumlx
+        b_isc = iscale
+        l = np.empty_like(X)
+        for i in range(-9, 10):
+            if i == 0:
+                continue
+            isc = -(f32(nmax) + f32(0.1) * f32(i)) / mx
+            np.multiply(X, isc, out=l)
+            np.rint(l, out=l)
+            np.clip(l, lo, hi, out=l)
+            slx = add(np.multiply(WX, l, out=T), axis=0)
+            np.multiply(W, l, out=T)
+            T *= l
+            sl2 = add(T, axis=0)
+            better = (sl2 > 0) & (slx * slx > best * sl2)
+            if better.any():
+                b_isc = np.where(better, isc, b_isc)
+                scale = np.where(better, slx / sl2, scale)
+                best = np.where(better, scale * slx, best)
+        # the L of the best trial, recomputed from its iscale
+        np.multiply(X, b_isc, out=lbest)
+        np.rint(lbest, out=lbest)
+        np.clip(lbest, lo, hi, out=lbest)
+    if zero.any():
+        lbest[:, zero] = 0
+    L = lbest.astype(np.int32) + nmax
+    if zero.any():
+        L[:, zero] = 0
+        scale = np.where(zero, _F0, scale)
+    return scale.astype(f32), L
+
+
+def _q6_k_blocks(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q6_K_ref over blocks [nb, 256] -> [nb, 210]."""
+    f32 = np.float32
+    nb = x.shape[0]
+    X = np.ascontiguousarray(x.reshape(nb * 16, 16).T)     # [16, nb*16]
+    scales, L = _make_qx_rmse1(X, 32)
+    scales = scales.reshape(nb, 16)
+    a = np.abs(scales)
+    ib = np.argmax(a, axis=1)
+    rows = np.arange(nb)
+    max_abs = np.maximum(a[rows, ib], _F0)
+    max_scale = np.where(max_abs > 0, scales[rows, ib], _F0)
+    empty = max_abs < GROUP_MAX_EPS
+    with np.errstate(all="ignore"):
+        iscale = f32(-128) / max_scale
+        dq = f32(1) / iscale
+        sc = np.minimum(_nearest_int(iscale[:, None] * scales), 127).astype(np.int8)
+        d = _f16_round(dq)[:, None] * sc.astype(f32)         # [nb, 16]
+        lq = _nearest_int(x.reshape(nb, 16, 16) / d[:, :, None])
+    np.clip(lq, -32, 31, out=lq)
+    lq += 32
+    LT = L.T.reshape(nb, 16, 16)
+    Lf = np.where((d != 0)[:, :, None], lq, LT).astype(np.uint8).reshape(nb, 2, 4, 32)
+    out = np.empty((nb, 210), np.uint8)
+    q1, q2, q3, q4 = Lf[:, :, 0], Lf[:, :, 1], Lf[:, :, 2], Lf[:, :, 3]   # [nb, 2, 32]
+    ql = np.empty((nb, 2, 64), np.uint8)
+    ql[:, :, :32] = (q1 & 0xF) | ((q3 & 0xF) << 4)
+    ql[:, :, 32:] = (q2 & 0xF) | ((q4 & 0xF) << 4)
+    qh = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)
+    out[:, 0:128] = ql.reshape(nb, 128)
+    out[:, 128:192] = qh.reshape(nb, 64)
+    out[:, 192:208] = sc.view(np.uint8)
+    out[:, 208:210] = _f16_bytes(dq)
+    if empty.any():
+        out[empty] = 0
+    return out
+
+
+_BLOCK_FN = {DTYPE_Q8_0: _q8_0_blocks, DTYPE_Q4_K: lambda b: _qk_blocks(b, 15),
+             DTYPE_Q5_K: lambda b: _qk_blocks(b, 31), DTYPE_Q6_K: _q6_k_blocks}
+
+
+# --------------------------------------------------------------------------- public API
+
+def quantize(x: np.ndarray, dtype: int, *, threads: int | None = None) -> np.ndarray:
+    """float32 rows [rows, n] -> the stored bytes [rows, row_nbytes] (uint8) of quantized
+    `dtype` (Q8_0, Q4_K, Q5_K, Q6_K), byte for byte llama.cpp's reference quantizer (no
+    importance matrix). n must be a whole number of the dtype's blocks. Values must be
+    finite. A float dtype (f32, f16, bf16) gives its storage array instead (`to_stored`).
+    `threads`: worker threads (default `default_threads()`); the bytes do not depend on it.
+    """
+    if dtype not in QUANT_DTYPES:
+        return to_stored(x, dtype)
+    x = _as_rows(x)
+    rows, n = x.shape
+    be, bb = fmt.DTYPE_BLOCKS[dtype]
+    rb = fmt.row_nbytes(dtype, n)             # raises for a row that is not whole blocks
+    if not np.isfinite(x).all():
+        raise ValueError("quantize: the values hold NaN or infinity; a block-quantized "
+                         "tensor cannot represent them")
+    blocks = x.reshape(-1, be)
+    nblk = blocks.shape[0]
+    out = np.empty((nblk, bb), np.uint8)
+    fn = _BLOCK_FN[dtype]
+    per = max(1, _WORK_ELEMS // be)
+    items = [(s, min(nblk, s + per)) for s in range(0, nblk, per)]
+    nt = default_threads() if threads is None else max(1, int(threads))
+
+    def work(se):
+        s, e = se
+        out[s:e] = fn(blocks[s:e])
+
+    if nt == 1 or len(items) == 1:
+        for it in items:
+            work(it)
+    else:
+        for f in [_get_pool(nt).submit(work, it) for it in items]:
+            f.result()
+    return out.reshape(rows, rb)
+
+
+def dequantize(raw: np.ndarray, dtype: int, n: int) -> np.ndarray:
+    """Stored bytes of `dtype` ([rows, row_nbytes] or flat uint8) -> float32 [rows, n], bit
+    for bit `gguf.quants.dequantize`. Float dtypes are accepted too (`from_stored`)."""
+    if dtype not in QUANT_DTYPES:
+        return from_stored(raw, dtype, n)
+    rb = fmt.row_nbytes(dtype, n)
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    if raw.size % rb:
+        raise ValueError(f"dequantize: {raw.size} bytes is not a whole number of "
+                         f"{fmt.DTYPE_NAMES[dtype]} rows of {n} ({rb} bytes)")
+    rows = raw.size // rb
+    be, bb = fmt.DTYPE_BLOCKS[dtype]
+    b = raw.reshape(-1, bb)
+    with np.errstate(all="ignore"):      # inf / NaN scales give what they give
+        y = _dequantize_blocks(b, dtype)
+    return np.ascontiguousarray(y, dtype=np.float32).reshape(rows, n)
+
+
+def _dequantize_blocks(b: np.ndarray, dtype: int) -> np.ndarray:
+    nb = b.shape[0]
+    f32 = np.float32
+    if dtype == DTYPE_Q8_0:
+        d = b[:, 0:2].copy().view("<f2").astype(f32)                   # [nb, 1]
+        q = b[:, 2:].view(np.int8).astype(f32)
+        y = q * d
+    elif dtype in (DTYPE_Q4_K, DTYPE_Q5_K):
+        d = b[:, 0:2].copy().view("<f2").astype(f32)
+        dmin = b[:, 2:4].copy().view("<f2").astype(f32)
+        s = b[:, 4:16]
+        sc = np.empty((nb, 8), np.uint8)
+        m = np.empty((nb, 8), np.uint8)
+        sc[:, :4] = s[:, 0:4] & 63
+        m[:, :4] = s[:, 4:8] & 63
+        sc[:, 4:] = (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)
+        m[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
+        d1 = (d * sc.astype(f32))[:, :, None]                           # [nb, 8, 1]
+        m1 = (dmin * m.astype(f32))[:, :, None]
+        if dtype == DTYPE_Q4_K:
+            qs = b[:, 16:144].reshape(nb, 4, 1, 32)
+            q = (qs >> np.array([0, 4], np.uint8)[None, None, :, None]) & 0xF
+        else:
+            qh = b[:, 16:48].reshape(nb, 1, 1, 32)
+            qs = b[:, 48:176].reshape(nb, 4, 1, 32)
+            q = (qs >> np.array([0, 4], np.uint8)[None, None, :, None]) & 0xF
+            bit = np.arange(8, dtype=np.uint8).reshape(1, 4, 2, 1)
+            q = q | (((qh >> bit) & 1) << 4)
+        q = q.reshape(nb, 8, 32).astype(f32)
+        y = d1 * q - m1
+    else:  # Q6_K
+        ql = b[:, 0:128].reshape(nb, 2, 1, 64)
+        qh = b[:, 128:192].reshape(nb, 2, 1, 32)
+        sc = b[:, 192:208].view(np.int8).astype(f32)
+        d = b[:, 208:210].copy().view("<f2").astype(f32)
+        lo = (ql >> np.array([0, 4], np.uint8)[None, None, :, None]) & 0xF    # [nb,2,2,64]
+        lo = lo.reshape(nb, 2, 4, 32)        # c = 0: ql[l], 1: ql[l+32], 2: ql[l]>>4, 3: ql[l+32]>>4
+        hi = (qh >> np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]) & 3
+        q = (lo | (hi << 4)).astype(np.int8) - np.int8(32)
+        ds = (d * sc)[:, :, None]                                          # [nb, 16, 1]
+        y = ds * q.reshape(nb, 16, 16).astype(f32)
+    return y
+
+
+def to_stored(x: np.ndarray, dtype: int, *, threads: int | None = None) -> np.ndarray:
+    """float32 values [rows, n] -> what a tensor of `dtype` stores: the quantized bytes
+    [rows, row_nbytes] for a block type, else the float storage array (f32, f16 nearest
+    even, bf16 bits as uint16), shape [rows, n]."""
+    if dtype in QUANT_DTYPES:
+        return quantize(x, dtype, threads=threads)
+    return fmt.f32_to_stored(np.asarray(x, dtype=np.float32), dtype)
+
+
+def from_stored(raw: np.ndarray, dtype: int, n: int) -> np.ndarray:
+    """The inverse of `to_stored`: stored values of `dtype` -> float32 [rows, n]."""
+    if dtype in QUANT_DTYPES:
+        return dequantize(raw, dtype, n)
+    st = fmt.DTYPE_NUMPY[dtype]
+    raw = np.ascontiguousarray(raw)
+    if raw.dtype != st:
+        raw = raw.view(np.uint8).reshape(-1).view(st)
+    return fmt.stored_to_f32(raw.reshape(-1, n), dtype)
+
+
+# --------------------------------------------------------------------------- mixes
+
+MIXES = ("q8_0", "q4_k", "q4_k_m")
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third
+    layer between get more bits."""
+    return (i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8
+            or (i_layer - n_layers // 8) % 3 == 2)
+
+
+def fallback_dtype(dtype: int, ncols: int) -> int:
+    """The dtype a tensor with rows of `ncols` gets when `dtype`'s block does not divide
+    them. llama.cpp's tensor_type_fallback goes Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0
+    (32-element blocks) and then to F16 when 32 does not divide the row either; the format
+    has no Q5_0 / Q5_1, so every K type falls back to Q8_0 here, then to F16."""
+    if dtype not in QUANT_DTYPES or ncols % fmt.DTYPE_BLOCKS[dtype][0] == 0:
+        return dtype
+    return DTYPE_Q8_0 if ncols % QK8_0 == 0 else DTYPE_F16
+
+
+def mix_dtype(mix: str, name: str, shape, *, layer: int | None, n_layers: int,
+              n_experts: int, tied: bool = False) -> int:
+    """The dtype the converter mix `mix` gives tensor `name` (colibri / GGUF tensor names,
+    with or without the ".weight" suffix) of colibri shape `shape` (rows last).
+
+    - 1-D tensors (norm weights, biases), routers (`ffn_gate_inp`), the shared expert's
+      gate (`ffn_shared_gate`, GGUF's `ffn_gate_inp_shexp`) and norm weights stay F32.
+    - "q8_0": every other weight matrix Q8_0.   "q4_k": every one Q4_K.
+    - "q4_k_m": llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M (llama_tensor_get_type): output
+      Q6_K (Q8_0 when 256 does not divide its rows); token_embd Q4_K, or the output's
+      type when the embeddings are tied (`tied`: the file has no output.weight); attn_v
+      Q6_K on use_more_bits(layer) layers; attn_k and attn_v Q8_0 and attn_output Q5_K
+      when n_experts == 8; every ffn_down (routed, dense, shared) Q6_K on
+      use_more_bits(layer) layers; everything else Q4_K. (llama.cpp counts attn_v tensors
+      in file order and parses the layer from an MoE model's ffn_down name; with one
+      attn_v per layer both are the layer index.)
+    - then `fallback_dtype` for a row the type's block does not divide.
+    """
+    if mix not in MIXES:
+        raise ValueError(f"mix {mix!r}: choose one of {', '.join(MIXES)}")
+    shape = tuple(int(d) for d in shape)
+    base = name[:-len(".weight")] if name.endswith(".weight") else name
+    m = _BLK.match(base)
+    if m:
+        base = m.group(2)
+        if layer is None:
+            layer = int(m.group(1))
+    if (len(shape) < 2 or name.endswith(".bias") or "norm" in base
+            or base.startswith("ffn_gate_inp") or base == "ffn_shared_gate"
+            or base.endswith((".scale", ".zero"))):
+        return DTYPE_F32
+    ncols = shape[-1]
+    if mix == "q8_0":
+        return fallback_dtype(DTYPE_Q8_0, ncols)
+    if mix == "q4_k":
+        return fallback_dtype(DTYPE_Q4_K, ncols)
+    # q4_k_m
+    t = DTYPE_Q4_K
+    if base == "output" or (base == "token_embd" and tied):
+        t = DTYPE_Q8_0 if ncols % QK_K else DTYPE_Q6_K
+    elif base == "token_embd":
+        t = DTYPE_Q4_K
+    elif base in ("attn_v", "attn_qkv"):
+        if layer is not None and use_more_bits(layer, n_layers):
+            t = DTYPE_Q6_K
+        if n_experts == 8:
+            t = DTYPE_Q8_0
+    elif base == "attn_k":
+        if n_experts == 8:
+            t = DTYPE_Q8_0
+    elif base == "attn_output":
+        if n_experts == 8:
+            t = DTYPE_Q5_K
+    elif base.startswith("ffn_down"):
+        if layer is None:
+            raise ValueError(f"{name}: the q4_k_m mix needs the layer of an ffn_down tensor")
+        if use_more_bits(layer, n_layers):
+            t = DTYPE_Q6_K
+    return fallback_dtype(t, ncols)
