@@ -1,0 +1,1063 @@
+"""Import a llama.cpp GGUF file of a supported MoE family into a `.colibri` file
+(docs/quantization.md, "GGUF import"; docs/format.md, "Version 2").
+
+Supported: Mixtral (GGUF architecture `llama` with `llama.expert_count` > 0), `qwen2moe`,
+`qwen3moe` and `olmoe`, with tensors in F32, F16, BF16, Q8_0, Q4_K, Q5_K or Q6_K (GGUF
+file types f32, f16, bf16, q8_0, q4_K_S/M, q5_K_S/M, q6_K). Any other tensor type is
+refused by name.
+
+Nothing is requantized: every weight's bytes are copied as the GGUF stores them (the
+format's quantized dtypes are ggml's blocks byte for byte). Rows may be reordered:
+
+* llama.cpp's converter permutes the rows of the `llama` architecture's q and k
+  projections (`LlamaModel.permute`, for ggml's interleaved RoPE); the importer undoes the
+  permutation by moving whole rows, so colibri's rotate-half RoPE sees the Hugging Face
+  order. `qwen2moe`, `qwen3moe` and `olmoe` are not permuted by the converter.
+* fused tensors (`attn_qkv`, `ffn_gate_up_exps`) are split by rows, and llama.cpp's old
+  per-expert tensors (`blk.N.ffn_gate.E.weight`) are concatenated.
+
+The FFNs are written in the split form of format version 2 (`blk.N.ffn_gate_exps` ...)
+with each tensor's GGUF dtype; 1-D tensors (norm weights, biases) are stored as f32; a
+router (`ffn_gate_inp`) keeps an f32/f16/bf16 dtype and is dequantized to f32 when the
+GGUF has it quantized (said on the progress output).
+
+The hyper-parameters and the family options come from the GGUF metadata and from which
+tensors exist (biases, q/k norms and their shapes, dense layers, shared experts); the
+tokenizer section is rebuilt from the GGUF vocabulary (`tokenizer.ggml.*`) with the same
+builders the Hugging Face converter uses (`_spm`, `_bpe`), fed with a faithful
+reconstruction of the `tokenizer.model` / `tokenizer.json` the GGUF was made from.
+
+Streaming: the GGUF is memory-mapped (`gguf.GGUFReader`) and each tensor is copied in
+row chunks by `convert.write_colibri`; peak memory is a few chunks.
+
+Entry point: `convert_gguf(gguf_path, output_path, max_seq_len=None, progress=True)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from . import format as fmt
+from .convert import (CHUNK_ELEMS, ConversionError, ModelSpec, PlannedTensor, _Say,
+                      _tokenizer_meta_entries, _version, family_metadata, write_colibri)
+from .format import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_NUMPY, DTYPE_Q4_K, DTYPE_Q5_K,
+                     DTYPE_Q6_K, DTYPE_Q8_0, LAYOUT_ROW_MAJOR, MetaValue)
+
+__all__ = ["convert_gguf", "GGUF_ARCHITECTURES", "SUPPORTED_GGML_TYPES"]
+
+IMPORTER_NAME = "colibri_lab.gguf_import"
+
+# GGUF general.architecture -> colibri family
+GGUF_ARCHITECTURES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+                      "olmoe": "olmoe"}
+# Whether the routed top-k weights are renormalised when the GGUF says nothing
+# (`{arch}.expert_weights_norm` absent): what llama.cpp's graph for the architecture does
+# (src/models/*.cpp pass norm_w = true for llama and qwen3moe, false for qwen2moe and olmoe;
+# Mixtral always normalises; transformers' Qwen3-MoE checkpoints set norm_topk_prob true).
+DEFAULT_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+
+# ggml type name (GGMLQuantizationType) -> colibri dtype id: the block bytes are the same
+# (docs/format.md, "Quantized dtypes"); colibri_lab.quants.GGML_TYPES is the one table
+SUPPORTED_GGML_TYPES = {"F32": DTYPE_F32, "F16": DTYPE_F16, "BF16": DTYPE_BF16,
+                        "Q8_0": DTYPE_Q8_0, "Q4_K": DTYPE_Q4_K, "Q5_K": DTYPE_Q5_K,
+                        "Q6_K": DTYPE_Q6_K}
+try:
+    from .quants import GGML_TYPES as _QUANTS_GGML_TYPES
+    if _QUANTS_GGML_TYPES:
+        SUPPORTED_GGML_TYPES = {t.name: d for d, t in _QUANTS_GGML_TYPES.items()}
+except ImportError:   # pragma: no cover - quants is part of the package
+    pass
+_SUPPORTED_LIST = ", ".join(SUPPORTED_GGML_TYPES)
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+# tokenizer.ggml.pre -> (pre-tokenizer pattern name, NFC normalizer, ignore_merges).
+# The pattern names are colibri_lab._bpe's; NFC: every Qwen tokenizer.json normalises with
+# NFC, which the GGUF does not record; ignore_merges: Llama-3's tokenizer.json sets it, and
+# llama.cpp sets it for these pre-tokenizers.
+BPE_PRE_TOKENIZERS = {
+    "qwen2": ("qwen2", True, False),
+    "deepseek-r1-qwen": ("qwen2", True, False),
+    "gpt-2": ("gpt2", False, False),
+    "olmo": ("gpt2", False, False),
+    "llama3": ("llama3", False, True),
+    "llama-v3": ("llama3", False, True),
+    "llama-bpe": ("llama3", False, True),
+}
+
+# llama.cpp token types (llama_token_type), the same numbers as sentencepiece's piece types
+TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
+LLAMA_CPP_ADDED_SCORE = -1000.0   # the score llama.cpp's converter gives added/control tokens
+
+
+# --------------------------------------------------------------------------- reading
+
+@dataclass
+class GTensor:
+    """One GGUF tensor: logical shape in numpy order (outermost first: GGUF's ne reversed),
+    ggml type name, and its bytes as a [rows, row bytes] uint8 view of the mapped file."""
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    raw: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return self.raw.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def dtype(self) -> int:
+        return SUPPORTED_GGML_TYPES[self.type_name]
+
+
+class GgufFile:
+    """A GGUF file opened with gguf.GGUFReader (memory-mapped): metadata values and tensors."""
+
+    def __init__(self, path: str):
+        try:
+            import gguf
+        except ImportError as e:   # pragma: no cover - a dependency of the package
+            raise ConversionError(f"reading GGUF files needs the gguf package (pip install gguf): "
+                                  f"{e}") from None
+        self.path = path
+        if not os.path.isfile(path):
+            raise ConversionError(f"{path}: no such GGUF file")
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+        if head[:4] != b"GGUF":
+            raise ConversionError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected b'GGUF')")
+        try:
+            self.reader = gguf.GGUFReader(path, "r")
+        except Exception as e:
+            raise ConversionError(f"{path}: cannot read this GGUF file ({type(e).__name__}: {e}); "
+                                  "the file is truncated or damaged (an interrupted download?), "
+                                  "or written by a newer llama.cpp than the installed gguf "
+                                  "package reads") from None
+        if self.reader.byte_order != "I":
+            raise ConversionError(f"{path}: a big-endian GGUF; colibri reads little-endian files")
+        self.fields: dict[str, Any] = {}
+        for k, fld in self.reader.fields.items():
+            if k.startswith("GGUF."):
+                continue
+            try:
+                self.fields[k] = fld.contents()
+            except Exception as e:
+                raise ConversionError(f"{path}: metadata key {k!r} cannot be read ({e}); the file "
+                                      "is damaged") from None
+        self.tensors: dict[str, GTensor] = {}
+        data = self.reader.data
+        for t in self.reader.tensors:
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+            start, nbytes = int(t.data_offset), int(t.n_bytes)
+            if start + nbytes > size:
+                raise ConversionError(f"{path}: tensor {t.name} lies past the end of the file "
+                                      f"({start + nbytes} > {size} bytes): the file is truncated")
+            rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+            if rows == 0 or nbytes % rows:
+                raise ConversionError(f"{path}: tensor {t.name} has shape {list(shape)} and "
+                                      f"{nbytes} bytes, which do not divide into rows")
+            raw = data[start:start + nbytes].reshape(rows, nbytes // rows)
+            self.tensors[t.name] = GTensor(t.name, t.tensor_type.name, shape, raw)
+        self.used: set[str] = set()
+
+    # ---- metadata
+    def get(self, key: str, default=None):
+        return self.fields.get(key, default)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> GTensor:
+        t = self.tensors.get(name)
+        if t is None:
+            raise ConversionError(f"{self.path}: missing tensor {name!r} (incomplete GGUF, or "
+                                  "not of the architecture its metadata names)")
+        if shape is not None and t.shape != tuple(shape):
+            raise ConversionError(f"{self.path}: tensor {name!r} has shape {list(t.shape)} "
+                                  f"(numpy order), expected {list(shape)} from the metadata")
+        self.used.add(name)
+        return t
+
+
+def _f32_value(v) -> float:
+    """A GGUF float32 metadata value as the decimal it was written from: the shortest
+    decimal that rounds to the same float32 (1e-06 rather than 9.99999997e-07), as the
+    Hugging Face config the converter read."""
+    return float(np.format_float_positional(np.float32(v), unique=True, trim="-")) \
+        if math.isfinite(v) else float(v)
+
+
+def _int(g: GgufFile, key: str, default=None, *, minimum: int = 1) -> int:
+    v = g.get(key, default)
+    if isinstance(v, list):
+        if not v or len(set(v)) != 1:
+            raise ConversionError(f"{g.path}: {key} differs between layers ({v[:8]}...); colibri "
+                                  "runs one value for all layers")
+        v = v[0]
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ConversionError(f"{g.path}: metadata {key} is missing or not an integer ({v!r})")
+    if v < minimum:
+        raise ConversionError(f"{g.path}: metadata {key} = {v}, must be >= {minimum}")
+    return int(v)
+
+
+# --------------------------------------------------------------------------- spec
+
+def _read_spec(g: GgufFile, arch: str) -> tuple[ModelSpec, dict]:
+    """ModelSpec from the metadata and the tensors present; plus layer facts for planning."""
+    A = arch
+    L = _int(g, f"{A}.block_count")
+    H = _int(g, f"{A}.embedding_length")
+    nh = _int(g, f"{A}.attention.head_count")
+    nkv = _int(g, f"{A}.attention.head_count_kv", nh)
+    E = _int(g, f"{A}.expert_count", 0, minimum=0)
+    if E == 0:
+        raise ConversionError(f"{g.path}: {A}.expert_count is 0 or missing: a dense model; colibri "
+                              "runs Mixture-of-Experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)")
+    k = _int(g, f"{A}.expert_used_count")
+    if k > E:
+        raise ConversionError(f"{g.path}: {A}.expert_used_count {k} > expert_count {E}")
+    if nh % nkv:
+        raise ConversionError(f"{g.path}: head_count {nh} is not a multiple of head_count_kv {nkv}")
+
+    emb = g.tensor("token_embd.weight")
+    if len(emb.shape) != 2 or emb.shape[1] != H:
+        raise ConversionError(f"{g.path}: token_embd.weight has shape {list(emb.shape)}, expected "
+                              f"[vocab, {H}]")
+    V = emb.shape[0]
+
+    # head_dim: attention.key_length, else the q projection's rows / heads, else H / heads
+    hd = g.get(f"{A}.attention.key_length")
+    if hd is None and g.has("blk.0.attn_q.weight"):
+        q_rows = g.tensors["blk.0.attn_q.weight"].shape[0]
+        hd = q_rows // nh if q_rows % nh == 0 else None
+    elif hd is None:
+        hd = H // nh if H % nh == 0 else None
+    if hd is None:
+        raise ConversionError(f"{g.path}: cannot tell the head dimension ({A}.attention.key_length "
+                              "is missing)")
+    hd = int(hd)
+    vl = g.get(f"{A}.attention.value_length")
+    if vl is not None and int(vl) != hd:
+        raise ConversionError(f"{g.path}: value_length {vl} != key_length {hd}; colibri needs "
+                              "equal key and value head sizes")
+    if hd % 2:
+        raise ConversionError(f"{g.path}: head dimension {hd} is odd; RoPE needs an even one")
+    rd = g.get(f"{A}.rope.dimension_count")
+    if rd is not None and int(rd) != hd:
+        raise ConversionError(f"{g.path}: {A}.rope.dimension_count {rd} != head dimension {hd}: "
+                              "partial rotary embeddings are not implemented")
+    rst = g.get(f"{A}.rope.scaling.type")
+    if rst not in (None, "none"):
+        raise ConversionError(f"{g.path}: {A}.rope.scaling.type {rst!r}; colibri implements only "
+                              "the default (unscaled) RoPE")
+    for key in (f"{A}.rope.scaling.factor",):
+        v = g.get(key)
+        if v not in (None, 0.0, 1.0):
+            raise ConversionError(f"{g.path}: {key} = {v}; colibri implements only unscaled RoPE")
+    if g.has("rope_freqs.weight"):
+        raise ConversionError(f"{g.path}: the file has rope_freqs.weight (Llama-3 style scaled "
+                              "RoPE), which colibri does not implement")
+    for key in (f"{A}.attention.sliding_window_pattern", f"{A}.rope.freq_base_swa"):
+        if key in g.fields:
+            raise ConversionError(f"{g.path}: {key} is set; per-layer sliding windows are not "
+                                  "imported from GGUF")
+
+    theta = g.get(f"{A}.rope.freq_base", 10000.0)   # llama.cpp's default
+    eps = g.get(f"{A}.attention.layer_norm_rms_epsilon")
+    if eps is None:
+        raise ConversionError(f"{g.path}: {A}.attention.layer_norm_rms_epsilon is missing (colibri "
+                              "runs RMSNorm models)")
+    ctx = _int(g, f"{A}.context_length")
+    sw = g.get(f"{A}.attention.sliding_window")
+    sw = 0 if sw is None else int(sw)
+    norm_topk = g.get(f"{A}.expert_weights_norm")
+    norm_topk = DEFAULT_NORM_TOPK[A] if norm_topk is None else bool(norm_topk)
+    if A == "llama" and not norm_topk:
+        raise ConversionError(f"{g.path}: llama.expert_weights_norm is false; Mixtral always "
+                              "renormalises the chosen experts' weights")
+    gating = g.get(f"{A}.expert_gating_func")
+    if gating not in (None, 1):   # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX = 1
+        raise ConversionError(f"{g.path}: {A}.expert_gating_func {gating}; colibri routes with a "
+                              "softmax")
+    scale = g.get(f"{A}.expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise ConversionError(f"{g.path}: {A}.expert_weights_scale {scale}; colibri does not "
+                              "scale the routed experts' weights")
+
+    # ---- layers: MoE or dense, expert widths, shared experts
+    layer_ffn, widths, dense_w, shared_w, shared_gate = [], set(), set(), set(), []
+    for n in range(L):
+        b = f"blk.{n}"
+        if g.has(f"{b}.ffn_gate_inp.weight"):
+            layer_ffn.append(1)
+            if g.has(f"{b}.ffn_gate_exps.weight"):
+                widths.add(g.tensors[f"{b}.ffn_gate_exps.weight"].shape[1])
+            elif g.has(f"{b}.ffn_gate_up_exps.weight"):
+                widths.add(g.tensors[f"{b}.ffn_gate_up_exps.weight"].shape[1] // 2)
+            elif g.has(f"{b}.ffn_gate.0.weight"):
+                widths.add(g.tensors[f"{b}.ffn_gate.0.weight"].shape[0])
+            else:
+                raise ConversionError(f"{g.path}: layer {n} has a router but no expert tensors "
+                                      f"({b}.ffn_gate_exps.weight)")
+            if g.has(f"{b}.ffn_gate_shexp.weight"):
+                shared_w.add(g.tensors[f"{b}.ffn_gate_shexp.weight"].shape[0])
+            else:
+                shared_w.add(0)
+            shared_gate.append(g.has(f"{b}.ffn_gate_inp_shexp.weight"))
+        elif g.has(f"{b}.ffn_gate.weight"):
+            layer_ffn.append(0)
+            dense_w.add(g.tensors[f"{b}.ffn_gate.weight"].shape[0])
+        else:
+            raise ConversionError(f"{g.path}: layer {n} has neither a router "
+                                  f"({b}.ffn_gate_inp.weight) nor a dense FFN ({b}.ffn_gate.weight)")
+    if not any(layer_ffn):
+        raise ConversionError(f"{g.path}: no layer is a Mixture-of-Experts block")
+    if len(widths) != 1:
+        raise ConversionError(f"{g.path}: the experts' widths differ between layers "
+                              f"({sorted(widths)}); colibri needs one")
+    I = widths.pop()
+    want_I = g.get(f"{A}.expert_feed_forward_length") if A in ("qwen2moe", "qwen3moe") else \
+        g.get(f"{A}.feed_forward_length")
+    if isinstance(want_I, list):
+        want_I = want_I[0] if len(set(want_I)) == 1 else None
+    if want_I is not None and int(want_I) != I:
+        raise ConversionError(f"{g.path}: the expert tensors are {I} wide but the metadata says "
+                              f"{want_I}")
+    if len(shared_w) > 1:
+        raise ConversionError(f"{g.path}: some MoE layers have a shared expert and others not, or "
+                              f"with different widths ({sorted(shared_w)})")
+    Is = shared_w.pop() if shared_w else 0
+    if any(shared_gate) and (not all(shared_gate) or Is == 0):
+        raise ConversionError(f"{g.path}: shared-expert gates (ffn_gate_inp_shexp) on only some "
+                              "layers, or without a shared expert")
+    if len(dense_w) > 1:
+        raise ConversionError(f"{g.path}: the dense layers' widths differ ({sorted(dense_w)})")
+    Id = dense_w.pop() if dense_w else 0
+
+    # ---- attention options, from which tensors exist
+    qkv_bias = g.has("blk.0.attn_q.bias") or g.has("blk.0.attn_qkv.bias")
+    out_bias = g.has("blk.0.attn_output.bias")
+    qk = "none"
+    if g.has("blk.0.attn_q_norm.weight"):
+        nqn = g.tensors["blk.0.attn_q_norm.weight"].shape[-1]
+        if nqn == hd and nqn != nh * hd:
+            qk = "head"
+        elif nqn == nh * hd and nqn != hd:
+            qk = "full"
+        elif nqn == hd:   # one head: both readings are the same numbers
+            qk = "full" if A == "olmoe" else "head"
+        else:
+            raise ConversionError(f"{g.path}: blk.0.attn_q_norm.weight has {nqn} values: neither "
+                                  f"the head dimension {hd} nor the q projection {nh * hd}")
+    clip = g.get(f"{A}.attention.clamp_kqv")
+    clip = 0.0 if clip is None else _f32_value(clip)
+    if clip < 0 or not math.isfinite(clip):
+        raise ConversionError(f"{g.path}: {A}.attention.clamp_kqv {clip} must be positive")
+
+    fam = GGUF_ARCHITECTURES[A]
+    spec = ModelSpec(
+        vocab_size=V, hidden_size=H, intermediate_size=I, n_layers=L, n_heads=nh, n_kv_heads=nkv,
+        head_dim=hd, n_experts=E, top_k=k, rms_norm_eps=_f32_value(eps),
+        rope_theta=_f32_value(theta), max_position_embeddings=ctx, sliding_window=sw,
+        tie_word_embeddings=not g.has("output.weight"), architecture=fam,
+        norm_topk_prob=norm_topk, layer_ffn=tuple(layer_ffn) if not all(layer_ffn) else (),
+        dense_intermediate_size=Id, shared_expert_intermediate_size=Is,
+        shared_expert_gate=bool(shared_gate) and all(shared_gate), attn_qkv_bias=qkv_bias,
+        attn_output_bias=out_bias, attn_qk_norm=qk, clip_qkv=clip)
+    for name in ("hidden_size", "intermediate_size", "vocab_size", "n_layers", "n_experts",
+                 "dense_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(spec, name) > fmt.U32_MAX:
+            raise ConversionError(f"{g.path}: {name} does not fit the format's u32")
+    return spec, {"permuted": A == "llama"}
+
+
+# --------------------------------------------------------------------------- producers
+
+Chunk = tuple[np.ndarray, float]
+
+
+@dataclass
+class Rows:
+    """Rows of a GGUF tensor: `start .. start+count-1` of its [rows, row bytes] view, or the
+    rows named by `index` (a reordering, in output order)."""
+    t: GTensor
+    start: int = 0
+    count: int = -1
+    index: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.index is not None:
+            self.count = len(self.index)
+        elif self.count < 0:
+            self.count = self.t.rows - self.start
+
+    def take(self, a: int, b: int) -> np.ndarray:
+        """Output rows a..b-1, a fresh contiguous [b-a, row bytes] uint8 array."""
+        if self.index is not None:
+            return self.t.raw[self.index[a:b]]
+        return np.array(self.t.raw[self.start + a:self.start + b])
+
+
+def _dequantize(raw: np.ndarray, type_name: str, cols: int) -> np.ndarray:
+    """[n, row bytes] of a GGUF type -> float32 [n, cols] (gguf.quants for block types:
+    the bits colibri's reference dequantizer gives, docs/format.md)."""
+    if type_name == "F32":
+        return raw.view("<f4").reshape(-1, cols)
+    if type_name == "F16":
+        return raw.view("<f2").reshape(-1, cols).astype(np.float32)
+    if type_name == "BF16":
+        return fmt.bf16_bits_to_f32(raw.view("<u2")).reshape(-1, cols)
+    from . import quants   # bit for bit gguf.quants.dequantize
+    return quants.dequantize(raw, SUPPORTED_GGML_TYPES[type_name], cols)
+
+
+def _copy_producer(parts: list[Rows], type_name: str, cols: int) -> Callable[[], Iterator[Chunk]]:
+    """The rows' bytes as stored (no conversion), with the sum of squares of their values."""
+    dt = SUPPORTED_GGML_TYPES[type_name]
+
+    def gen():
+        step = max(1, CHUNK_ELEMS // cols)
+        for p in parts:
+            for a in range(0, p.count, step):
+                raw = p.take(a, min(p.count, a + step))
+                ss = fmt.sumsq_f64(_dequantize(raw, type_name, cols))
+                yield (raw.view(DTYPE_NUMPY[dt]) if dt not in fmt.QUANT_DTYPES else raw), ss
+    return gen
+
+
+def _f32_producer(parts: list[Rows], cols: int) -> Callable[[], Iterator[Chunk]]:
+    """The rows' values as f32 (1-D tensors, and routers stored quantized)."""
+    def gen():
+        step = max(1, CHUNK_ELEMS // cols)
+        for p in parts:
+            for a in range(0, p.count, step):
+                x = np.ascontiguousarray(_dequantize(p.take(a, min(p.count, a + step)),
+                                                     p.t.type_name, cols), dtype="<f4")
+                yield x.reshape(-1), fmt.sumsq_f64(x)
+    return gen
+
+
+def _unpermute_index(rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's LlamaModel.permute(w, n_head): GGUF row
+    h*hd + 2*i + j holds Hugging Face row h*hd + j*hd/2 + i (j in {0, 1}, i < hd/2)."""
+    if rows % (2 * n_head):
+        raise ConversionError(f"internal: {rows} rows do not split into {n_head} heads of pairs")
+    return (np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(-1))
+
+
+# --------------------------------------------------------------------------- planning
+
+def _check_type(t: GTensor) -> None:
+    if t.type_name not in SUPPORTED_GGML_TYPES:
+        raise ConversionError(f"tensor {t.name} has type {t.type_name}, which colibri does not "
+                              f"support; supported: {_SUPPORTED_LIST}")
+
+
+def _plan(g: GgufFile, s: ModelSpec, facts: dict, say) -> tuple[list[PlannedTensor], str]:
+    """Every tensor of the output in file order (as convert.plan_tensors), and the router
+    dtype name for model.router_dtype."""
+    V, H, I, E, L = s.vocab_size, s.hidden_size, s.intermediate_size, s.n_experts, s.n_layers
+    Id, Is = s.dense_intermediate_size, s.shared_expert_intermediate_size
+    nq, nkv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    D, R, X = fmt.SECTION_DENSE, fmt.SECTION_ROUTER, fmt.SECTION_EXPERTS
+    permuted = facts["permuted"]
+    out: list[PlannedTensor] = []
+
+    def add_copy(name: str, parts: list[Rows], shape: tuple[int, ...], section: int) -> None:
+        tn = parts[0].t.type_name
+        for p in parts:
+            _check_type(p.t)
+            if p.t.type_name != tn:
+                raise ConversionError(f"{name}: its GGUF parts have different types "
+                                      f"({p.t.type_name}, {tn})")
+        if sum(p.count for p in parts) != math.prod(shape[:-1]):
+            raise ConversionError(f"internal: {name} rows do not add up")
+        out.append(PlannedTensor(name, SUPPORTED_GGML_TYPES[tn], LAYOUT_ROW_MAJOR, shape, section,
+                                 _copy_producer(parts, tn, shape[-1])))
+
+    def add_f32(name: str, parts: list[Rows], shape: tuple[int, ...], section: int = D) -> None:
+        for p in parts:
+            _check_type(p.t)
+        out.append(PlannedTensor(name, DTYPE_F32, LAYOUT_ROW_MAJOR, shape, section,
+                                 _f32_producer(parts, shape[-1])))
+
+    def vec(name: str, n: int, gname: str | None = None, index: np.ndarray | None = None) -> None:
+        """A 1-D tensor (norm weight, bias), always f32."""
+        t = g.tensor(gname or name)
+        if t.shape not in ((n,), (1, n)):
+            raise ConversionError(f"{g.path}: tensor {t.name} has shape {list(t.shape)}, expected "
+                                  f"[{n}]")
+        if index is not None:   # a permuted bias: reorder its values (one value per "row")
+            col = GTensor(t.name, t.type_name, (n, 1), t.raw.reshape(n, -1))
+            out.append(PlannedTensor(name, DTYPE_F32, LAYOUT_ROW_MAJOR, (n,), D,
+                                     _f32_producer([Rows(col, index=index)], 1)))
+            _check_type(t)
+            return
+        add_f32(name, [Rows(t)], (n,))
+
+    def mat(name: str, shape: tuple[int, ...], gname: str | None = None,
+            index: np.ndarray | None = None, section: int = D) -> None:
+        t = g.tensor(gname or name, shape)
+        add_copy(name, [Rows(t, index=index)], shape, section)
+
+    def qkv_parts(n: int):
+        """(q rows, k rows, v rows) of layer n: separate tensors or a fused attn_qkv."""
+        b = f"blk.{n}"
+        qi = _unpermute_index(nq, s.n_heads) if permuted else None
+        ki = _unpermute_index(nkv, s.n_kv_heads) if permuted else None
+        if g.has(f"{b}.attn_qkv.weight"):
+            t = g.tensor(f"{b}.attn_qkv.weight", (nq + 2 * nkv, H))
+            q = Rows(t, index=qi) if qi is not None else Rows(t, 0, nq)
+            k = Rows(t, index=nq + ki) if ki is not None else Rows(t, nq, nkv)
+            return q, k, Rows(t, nq + nkv, nkv)
+        return (Rows(g.tensor(f"{b}.attn_q.weight", (nq, H)), index=qi),
+                Rows(g.tensor(f"{b}.attn_k.weight", (nkv, H)), index=ki),
+                Rows(g.tensor(f"{b}.attn_v.weight", (nkv, H))))
+
+    qk_n = {"none": None, "head": (s.head_dim, s.head_dim), "full": (nq, nkv)}[s.attn_qk_norm]
+    mat("token_embd.weight", (V, H))
+    for n in range(L):
+        b = f"blk.{n}"
+        for what, has, names in (("q/k/v", s.attn_qkv_bias, ("attn_q", "attn_k", "attn_v",
+                                                              "attn_qkv")),
+                                 ("output", s.attn_output_bias, ("attn_output",))):
+            present = [x for x in names if g.has(f"{b}.{x}.bias")]
+            if not has and present:
+                raise ConversionError(f"{g.path}: layer {n} has {what} biases but layer 0 has "
+                                      "none; colibri runs one attention for all layers")
+        if qk_n is None and (g.has(f"{b}.attn_q_norm.weight") or g.has(f"{b}.attn_k_norm.weight")):
+            raise ConversionError(f"{g.path}: layer {n} has q/k norms but layer 0 has none")
+        vec(f"{b}.attn_norm.weight", H)
+        q, k, v = qkv_parts(n)
+        add_copy(f"{b}.attn_q.weight", [q], (nq, H), D)
+        add_copy(f"{b}.attn_k.weight", [k], (nkv, H), D)
+        add_copy(f"{b}.attn_v.weight", [v], (nkv, H), D)
+        if s.attn_qkv_bias:
+            qi = _unpermute_index(nq, s.n_heads) if permuted else None
+            ki = _unpermute_index(nkv, s.n_kv_heads) if permuted else None
+            if g.has(f"{b}.attn_qkv.bias"):
+                t = g.tensor(f"{b}.attn_qkv.bias")
+                if t.shape != (nq + 2 * nkv,):
+                    raise ConversionError(f"{g.path}: {t.name} has shape {list(t.shape)}")
+                col = GTensor(t.name, t.type_name, (nq + 2 * nkv, 1), t.raw.reshape(nq + 2 * nkv, -1))
+                for name, rows in ((f"{b}.attn_q.bias", Rows(col, index=qi) if qi is not None
+                                    else Rows(col, 0, nq)),
+                                   (f"{b}.attn_k.bias", Rows(col, index=nq + ki) if ki is not None
+                                    else Rows(col, nq, nkv)),
+                                   (f"{b}.attn_v.bias", Rows(col, nq + nkv, nkv))):
+                    _check_type(t)
+                    out.append(PlannedTensor(name, DTYPE_F32, LAYOUT_ROW_MAJOR, (rows.count,), D,
+                                             _f32_producer([rows], 1)))
+            else:
+                vec(f"{b}.attn_q.bias", nq, index=qi)
+                vec(f"{b}.attn_k.bias", nkv, index=ki)
+                vec(f"{b}.attn_v.bias", nkv)
+        if qk_n is not None:
+            vec(f"{b}.attn_q_norm.weight", qk_n[0])
+            vec(f"{b}.attn_k_norm.weight", qk_n[1])
+        mat(f"{b}.attn_output.weight", (H, nq))
+        if s.attn_output_bias:
+            vec(f"{b}.attn_output.bias", H)
+        vec(f"{b}.ffn_norm.weight", H)
+    vec("output_norm.weight", H)
+    if not s.tie_word_embeddings:
+        mat("output.weight", (V, H))
+
+    # ---- routers (and shared-expert gates)
+    routers = [g.tensor(f"blk.{n}.ffn_gate_inp.weight", (E, H)) for n in range(L) if s.is_moe(n)]
+    for t in routers:
+        _check_type(t)
+    kinds = {t.type_name for t in routers}
+    if len(kinds) == 1 and kinds <= set(_FLOAT_TYPES):
+        rname = kinds.pop().lower()
+    else:
+        rname = "f32"
+        say(f"note: routers stored as {', '.join(sorted(kinds))} in the GGUF; written as f32 "
+            "(colibri keeps routers in f32/f16/bf16: dequantized, not requantized)")
+    ri = iter(routers)
+    for n in range(L):
+        if not s.is_moe(n):
+            continue
+        t = next(ri)
+        name = f"blk.{n}.ffn_gate_inp.weight"
+        if rname == "f32" and t.type_name != "F32":
+            add_f32(name, [Rows(t)], (E, H), R)
+        else:
+            add_copy(name, [Rows(t)], (E, H), R)
+        if s.shared_expert_gate:
+            t = g.tensor(f"blk.{n}.ffn_gate_inp_shexp.weight")
+            if t.shape not in ((H,), (1, H)):
+                raise ConversionError(f"{g.path}: {t.name} has shape {list(t.shape)}, expected [{H}]")
+            gt = GTensor(t.name, t.type_name, (1, H), t.raw.reshape(1, -1))
+            _check_type(t)
+            if t.type_name in _FLOAT_TYPES:
+                add_copy(f"blk.{n}.ffn_shared_gate.weight", [Rows(gt)], (1, H), R)
+            else:
+                add_f32(f"blk.{n}.ffn_shared_gate.weight", [Rows(gt)], (1, H), R)
+
+    # ---- FFNs, split form (format version 2)
+    def split3(names: tuple[str, str, str], gate: list[Rows], up: list[Rows], down: list[Rows],
+               shapes: tuple) -> None:
+        for p in gate + up + down:
+            _check_type(p.t)
+        gt, ut = gate[0].t.type_name, up[0].t.type_name
+        if gt != ut:
+            raise ConversionError(f"{g.path}: {names[0]} is {gt} but {names[1]} is {ut}; colibri "
+                                  "needs the gate and up projections of an FFN in one dtype "
+                                  "(re-quantize the GGUF with llama-quantize, or use another file)")
+        for name, parts, shape in zip(names, (gate, up, down), shapes):
+            add_copy(name, parts, shape, X)
+
+    for n in range(L):
+        b = f"blk.{n}"
+        if not s.is_moe(n):
+            split3((f"{b}.ffn_gate", f"{b}.ffn_up", f"{b}.ffn_down"),
+                   [Rows(g.tensor(f"{b}.ffn_gate.weight", (Id, H)))],
+                   [Rows(g.tensor(f"{b}.ffn_up.weight", (Id, H)))],
+                   [Rows(g.tensor(f"{b}.ffn_down.weight", (H, Id)))],
+                   ((Id, H), (Id, H), (H, Id)))
+            continue
+        shapes = ((E, I, H), (E, I, H), (E, H, I))
+        names = (f"{b}.ffn_gate_exps", f"{b}.ffn_up_exps", f"{b}.ffn_down_exps")
+        if g.has(f"{b}.ffn_gate_exps.weight") or g.has(f"{b}.ffn_gate_up_exps.weight"):
+            if g.has(f"{b}.ffn_gate_up_exps.weight"):
+                t = g.tensor(f"{b}.ffn_gate_up_exps.weight", (E, 2 * I, H))
+                gate = [Rows(t, e * 2 * I, I) for e in range(E)]
+                up = [Rows(t, e * 2 * I + I, I) for e in range(E)]
+            else:
+                gate = [Rows(g.tensor(f"{b}.ffn_gate_exps.weight", (E, I, H)))]
+                up = [Rows(g.tensor(f"{b}.ffn_up_exps.weight", (E, I, H)))]
+            down = [Rows(g.tensor(f"{b}.ffn_down_exps.weight", (E, H, I)))]
+        else:   # llama.cpp's old per-expert tensors: blk.N.ffn_gate.E.weight
+            gate = [Rows(g.tensor(f"{b}.ffn_gate.{e}.weight", (I, H))) for e in range(E)]
+            up = [Rows(g.tensor(f"{b}.ffn_up.{e}.weight", (I, H))) for e in range(E)]
+            down = [Rows(g.tensor(f"{b}.ffn_down.{e}.weight", (H, I))) for e in range(E)]
+        split3(names, gate, up, down, shapes)
+        if Is > 0:
+            split3((f"{b}.ffn_gate_shexp", f"{b}.ffn_up_shexp", f"{b}.ffn_down_shexp"),
+                   [Rows(g.tensor(f"{b}.ffn_gate_shexp.weight", (Is, H)))],
+                   [Rows(g.tensor(f"{b}.ffn_up_shexp.weight", (Is, H)))],
+                   [Rows(g.tensor(f"{b}.ffn_down_shexp.weight", (H, Is)))],
+                   ((Is, H), (Is, H), (H, Is)))
+    return out, rname
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+def _pb_varint(v: int) -> bytes:
+    v &= (1 << 64) - 1   # int32 / int64 negatives: 10-byte two's complement, as protobuf
+    out = bytearray()
+    while True:
+        b = v & 0x7F
+        v >>= 7
+        if v:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _pb_key(field: int, wire: int) -> bytes:
+    return _pb_varint((field << 3) | wire)
+
+
+def _pb_bytes(field: int, data: bytes) -> bytes:
+    return _pb_key(field, 2) + _pb_varint(len(data)) + data
+
+
+def _pb_int(field: int, v: int) -> bytes:
+    return _pb_key(field, 0) + _pb_varint(int(v))
+
+
+def _sentencepiece_proto(tokens: list[str], scores: list[float], types: list[int], *,
+                         unk: int, bos: int, eos: int, pad: int, add_dummy_prefix: bool,
+                         remove_extra_whitespaces: bool, byte_fallback: bool) -> bytes:
+    """A serialized sentencepiece ModelProto (BPE, identity normalizer) of the pieces: what
+    colibri_lab._spm reads from a tokenizer.model. Special pieces are named by the trainer
+    spec's *_piece fields, as sentencepiece's bos_id() & co. look them up."""
+    out = bytearray()
+    for s, sc, t in zip(tokens, scores, types):
+        rec = _pb_bytes(1, s.encode("utf-8")) + _pb_key(2, 5) + struct.pack("<f", sc) + _pb_int(3, t)
+        out += _pb_bytes(1, rec)
+
+    def piece(i: int, default: str) -> bytes:
+        # an id that is not a piece of the right type names no piece: sentencepiece then
+        # reports -1, as for the original model
+        return (tokens[i] if 0 <= i < len(tokens) else "\x01<none>").encode("utf-8") \
+            if i is not None else default.encode("utf-8")
+
+    trainer = (_pb_int(3, 2) + _pb_int(4, len(tokens)) + _pb_int(35, int(byte_fallback))
+               + _pb_bytes(45, piece(unk, "<unk>")) + _pb_bytes(46, piece(bos, "<s>"))
+               + _pb_bytes(47, piece(eos, "</s>")) + _pb_bytes(48, piece(pad, "<pad>")))
+    normalizer = (_pb_bytes(1, b"identity") + _pb_int(3, int(add_dummy_prefix))
+                  + _pb_int(4, int(remove_extra_whitespaces)) + _pb_int(5, 1))
+    return bytes(out + _pb_bytes(2, trainer) + _pb_bytes(3, normalizer))
+
+
+def _trim_padding(tokens: list[str], types: list[int]) -> int:
+    """Number of tokens without llama.cpp's trailing "[PAD{i}]" fillers (UNUSED tokens the
+    converter appends up to the model's vocab_size; the tokenizer never had them)."""
+    n = len(tokens)
+    while n > 1 and types[n - 1] == TT_UNUSED and tokens[n - 1].startswith("[PAD") \
+            and tokens[n - 1].endswith("]"):
+        n -= 1
+    return n
+
+
+def _gguf_tokenizer(g: GgufFile, say, tokenizer: str) -> tuple[bytes, dict]:
+    """(tokenizer section, tokenizer metadata) rebuilt from the GGUF's tokenizer.ggml.*."""
+    none = {"tokenizer.type": "none", "tokenizer.bos_id": -1, "tokenizer.eos_id": -1,
+            "tokenizer.unk_id": -1, "tokenizer.pad_id": -1}
+    if tokenizer not in ("auto", "none"):
+        raise ConversionError(f"tokenizer {tokenizer!r}: choose auto or none")
+    if tokenizer == "none":
+        say("tokenizer: none (asked for); the engine will run on token ids only")
+        return b"", none
+    model = g.get("tokenizer.ggml.model")
+    if model in (None, "none", "no_vocab"):
+        say(f"note: {g.path} holds no tokenizer; writing a file without one (the engine then "
+            "runs on token ids only)")
+        return b"", none
+    tokens = g.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ConversionError(f"{g.path}: tokenizer.ggml.model is {model!r} but there is no "
+                              "tokenizer.ggml.tokens list")
+    types = g.get("tokenizer.ggml.token_type") or [TT_NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ConversionError(f"{g.path}: tokenizer.ggml.token_type has {len(types)} entries for "
+                              f"{len(tokens)} tokens")
+    hint = ". To import the weights anyway, without a tokenizer, pass tokenizer='none'"
+    try:
+        with tempfile.TemporaryDirectory(prefix="colibri-gguf-tok-") as tmp:
+            if model == "llama":
+                data, info = _spm_section(g, tokens, types, tmp)
+            elif model == "gpt2":
+                data, info = _bpe_section(g, tokens, types, tmp)
+            else:
+                raise ConversionError(f"{g.path}: tokenizer.ggml.model {model!r} is not supported "
+                                      "(supported: 'llama' = SentencePiece BPE, 'gpt2' = "
+                                      "byte-level BPE)")
+    except ConversionError as e:
+        raise ConversionError(f"{e}{hint}") from None
+    except ValueError as e:   # the section builders' refusals
+        raise ConversionError(f"{g.path}: the GGUF tokenizer cannot be stored: {e}{hint}") from None
+    meta = {k: v for k, v in info.items() if k.startswith("tokenizer.")}
+    say(f"tokenizer: {info.get('n_pieces')} pieces, type {meta['tokenizer.type']} (from the GGUF "
+        "metadata)")
+    tpl = g.get("tokenizer.chat_template")
+    if isinstance(tpl, str) and tpl and "\x00" not in tpl:
+        meta["tokenizer.chat_template"] = tpl
+        say(f"chat template: {len(tpl):,} characters from tokenizer.chat_template")
+    return bytes(data), meta
+
+
+def _special(g: GgufFile, name: str, n: int) -> int | None:
+    v = g.get(f"tokenizer.ggml.{name}_token_id")
+    if v is None:
+        return None
+    v = int(v)
+    return v if 0 <= v < n else None
+
+
+def _spm_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
+    """SentencePiece BPE (tokenizer.ggml.model 'llama'): a tokenizer.model rebuilt from the
+    pieces, scores and types, for colibri_lab._spm.
+
+    Reconstruction (llama.cpp's converter writes sentencepiece's pieces, scores and types,
+    then marks the tokens of tokenizer_config.json's added_tokens_decoder CONTROL or
+    USER_DEFINED with the score -1000): the unknown piece (tokenizer.ggml.unknown_token_id,
+    else the one UNKNOWN token, else id 0 as llama.cpp) is typed UNKNOWN again; special
+    pieces (control, unknown, user-defined) get sentencepiece's score 0 back where llama.cpp
+    wrote -1000; trailing "[PAD{i}]" fillers are dropped. Normalizer: identity, a dummy
+    prefix unless tokenizer.ggml.add_space_prefix is false, extra whitespace kept unless
+    tokenizer.ggml.remove_extra_whitespaces (llama.cpp's defaults); byte fallback when the
+    vocabulary has byte pieces."""
+    from ._spm import build_tokenizer_section
+
+    if g.get("tokenizer.ggml.precompiled_charsmap"):
+        raise ConversionError(f"{g.path}: the SentencePiece normalizer has a precompiled "
+                              "character map; only the identity normalizer is implemented")
+    scores = g.get("tokenizer.ggml.scores")
+    if scores is None:
+        scores = [0.0] * len(tokens)
+    if len(scores) != len(tokens):
+        raise ConversionError(f"{g.path}: tokenizer.ggml.scores has {len(scores)} entries for "
+                              f"{len(tokens)} tokens")
+    n = _trim_padding(tokens, types)
+    tokens, types = list(tokens[:n]), [int(t) for t in types[:n]]
+    scores = [float(x) for x in scores[:n]]
+    unk = _special(g, "unknown", n)
+    if unk is None:
+        unk_typed = [i for i, t in enumerate(types) if t == TT_UNKNOWN]
+        unk = unk_typed[0] if len(unk_typed) == 1 else 0
+    for i, t in enumerate(types):
+        if t == TT_UNKNOWN and i != unk:
+            types[i] = TT_CONTROL
+    types[unk] = TT_UNKNOWN
+    for i, t in enumerate(types):
+        if t in (TT_CONTROL, TT_UNKNOWN, TT_USER_DEFINED) and scores[i] == LLAMA_CPP_ADDED_SCORE:
+            scores[i] = 0.0
+    bad = [t for t in set(types) if t not in (1, 2, 3, 4, 5, 6)]
+    if bad:
+        raise ConversionError(f"{g.path}: unknown token types {sorted(bad)}")
+    proto = _sentencepiece_proto(
+        tokens, scores, types, unk=unk, bos=_special(g, "bos", n), eos=_special(g, "eos", n),
+        pad=_special(g, "padding", n),
+        add_dummy_prefix=bool(g.get("tokenizer.ggml.add_space_prefix", True)),
+        remove_extra_whitespaces=bool(g.get("tokenizer.ggml.remove_extra_whitespaces", False)),
+        byte_fallback=TT_BYTE in types)
+    path = os.path.join(tmp, "tokenizer.model")
+    with open(path, "wb") as f:
+        f.write(proto)
+    try:
+        data, info = build_tokenizer_section(path)
+    except ValueError as e:
+        raise ValueError(str(e).replace(path, "the rebuilt tokenizer.model")) from None
+    return data, info
+
+
+def _bpe_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
+    """Byte-level BPE (tokenizer.ggml.model 'gpt2'): a tokenizer.json rebuilt from the tokens,
+    merges, token types and tokenizer.ggml.pre, for colibri_lab._bpe.
+
+    Reconstruction: CONTROL tokens are special added tokens (not normalized), USER_DEFINED
+    ones added tokens (normalized, transformers' default for non-special added tokens);
+    tokens spelled in the byte-level alphabet are in the BPE vocabulary (llama.cpp looks every
+    token up there); trailing "[PAD{i}]" fillers are dropped; the pre-tokenizer and the
+    normalizer follow tokenizer.ggml.pre (BPE_PRE_TOKENIZERS). BOS is the GGUF's bos token
+    only when llama.cpp would add it (tokenizer.ggml.add_bos_token, else the pre-tokenizer's
+    default), as colibri adds bos_id on request; UNK is none (byte-level BPE never produces
+    one)."""
+    from ._bpe import SUPPORTED_PATTERNS, build_bpe_tokenizer_section, bytes_to_unicode
+
+    pre = g.get("tokenizer.ggml.pre")
+    if pre not in BPE_PRE_TOKENIZERS:
+        raise ConversionError(f"{g.path}: byte-level BPE pre-tokenizer tokenizer.ggml.pre = {pre!r} "
+                              f"is not supported (supported: {', '.join(BPE_PRE_TOKENIZERS)})")
+    pattern_name, nfc, ignore_merges = BPE_PRE_TOKENIZERS[pre]
+    pattern = {name: p for p, (_i, name) in SUPPORTED_PATTERNS.items()}[pattern_name]
+    merges = g.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list):
+        raise ConversionError(f"{g.path}: a byte-level BPE tokenizer without tokenizer.ggml.merges")
+    n = _trim_padding(tokens, types)
+    alphabet = set(bytes_to_unicode().values())
+    vocab, added = {}, []
+    for i in range(n):
+        s, t = tokens[i], int(types[i])
+        if t in (TT_CONTROL, TT_USER_DEFINED):
+            added.append({"id": i, "content": s, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": t == TT_USER_DEFINED,
+                          "special": t == TT_CONTROL})
+            if s and all(c in alphabet for c in s) and s not in vocab:
+                vocab[s] = i
+        else:
+            if s in vocab:
+                raise ConversionError(f"{g.path}: token {s!r} appears twice (ids {vocab[s]} and {i})")
+            vocab[s] = i
+    pairs = []
+    for m in merges:
+        pos = m.find(" ", 1)   # as llama.cpp splits them
+        if pos < 0:
+            raise ConversionError(f"{g.path}: merge {m!r} is not two space-separated tokens")
+        pairs.append([m[:pos], m[pos + 1:]])
+    if pattern_name == "gpt2":
+        pre_tok = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                   "use_regex": True}
+    else:
+        pre_tok = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
+             "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+             "use_regex": False}]}
+    tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+          "normalizer": {"type": "NFC"} if nfc else None, "pre_tokenizer": pre_tok,
+          "post_processor": None,
+          "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                      "use_regex": True},
+          "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                    "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                    "fuse_unk": False, "byte_fallback": False, "ignore_merges": ignore_merges,
+                    "vocab": vocab, "merges": pairs}}
+    add_bos = g.get("tokenizer.ggml.add_bos_token")
+    if add_bos is None:
+        add_bos = pattern_name == "llama3"   # llama.cpp's default for these pre-tokenizers
+    bos = _special(g, "bos", n) if add_bos else None
+    eos, pad = _special(g, "eos", n), _special(g, "padding", n)
+    cfg = {k: (tokens[v] if v is not None else None)
+           for k, v in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad))}
+    path = os.path.join(tmp, "tokenizer.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(tj, f, ensure_ascii=False)
+    with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, ensure_ascii=False)
+    try:
+        data, info = build_bpe_tokenizer_section(path)
+    except ValueError as e:
+        raise ValueError(str(e).replace(path, "the rebuilt tokenizer.json")) from None
+    info["tokenizer.special_source"] = "GGUF metadata"
+    return data, info
+
+
+# --------------------------------------------------------------------------- metadata
+
+def _file_type_name(g: GgufFile) -> str:
+    """`gguf_` + the GGUF file type, lower case (general.file_type: MOSTLY_Q4_K_M -> q4_k_m),
+    or of the most common weight type when the file does not say."""
+    ft = g.get("general.file_type")
+    if ft is not None:
+        try:
+            import gguf
+            name = gguf.LlamaFileType(int(ft)).name
+            for p in ("MOSTLY_", "ALL_"):
+                name = name.removeprefix(p)
+            return "gguf_" + name.lower()
+        except (ValueError, ImportError):
+            return f"gguf_type{int(ft)}"
+    kinds = Counter(t.type_name for t in g.tensors.values() if len(t.shape) >= 2)
+    return "gguf_" + (kinds.most_common(1)[0][0].lower() if kinds else "unknown")
+
+
+def _metadata(s: ModelSpec, name: str, router_dtype: str, weight_dtype: str, msl: int,
+              tok_meta: dict, source: str) -> bytes:
+    """The metadata of convert.build_metadata, with the GGUF's dtype names and provenance."""
+    M = MetaValue
+    fam = family_metadata(s)
+    if s.architecture == "mixtral":
+        # Mixtral files need no family option; a GGUF `llama` MoE with biases or q/k norms
+        # gets them all (readers run the options, whatever the architecture's name)
+        other = family_metadata(dataclasses.replace(s, architecture="qwen3_moe"))
+        defaults = fmt.FAMILY_OPTION_DEFAULTS
+        if any(k in ("model.attn_qkv_bias", "model.attn_output_bias", "model.attn_qk_norm",
+                     "model.clip_qkv", "model.dense_intermediate_size",
+                     "model.shared_expert_intermediate_size", "model.shared_expert_gate")
+               and v.value != defaults[k] for k, v in other) or s.layer_ffn:
+            fam = other
+    entries = [
+        ("general.architecture", M(fmt.MT_STRING, s.architecture)),
+        ("general.name", M(fmt.MT_STRING, name)),
+        ("model.n_layers", M(fmt.MT_U32, s.n_layers)),
+        ("model.hidden_size", M(fmt.MT_U32, s.hidden_size)),
+        ("model.intermediate_size", M(fmt.MT_U32, s.intermediate_size)),
+        ("model.vocab_size", M(fmt.MT_U32, s.vocab_size)),
+        ("model.n_heads", M(fmt.MT_U32, s.n_heads)),
+        ("model.n_kv_heads", M(fmt.MT_U32, s.n_kv_heads)),
+        ("model.head_dim", M(fmt.MT_U32, s.head_dim)),
+        ("model.n_experts", M(fmt.MT_U32, s.n_experts)),
+        ("model.top_k", M(fmt.MT_U32, s.top_k)),
+        ("model.norm_topk_prob", M(fmt.MT_BOOL, s.norm_topk_prob)),
+        ("model.rms_norm_eps", M(fmt.MT_F64, s.rms_norm_eps)),
+        ("model.rope_theta", M(fmt.MT_F64, s.rope_theta)),
+        ("model.rope_type", M(fmt.MT_STRING, "default")),
+        ("model.max_position_embeddings", M(fmt.MT_U64, s.max_position_embeddings)),
+        ("model.sliding_window", M(fmt.MT_U64, s.sliding_window)),
+        ("model.tie_word_embeddings", M(fmt.MT_BOOL, s.tie_word_embeddings)),
+        ("model.max_seq_len", M(fmt.MT_U64, msl)),
+        ("model.router_dtype", M(fmt.MT_STRING, router_dtype)),
+        ("model.weight_dtype", M(fmt.MT_STRING, weight_dtype)),
+        *fam,
+        *_tokenizer_meta_entries(tok_meta),
+        ("convert.block_size", M(fmt.MT_U32, fmt.DEFAULT_BLOCK_SIZE)),
+        ("convert.source", M(fmt.MT_STRING, source)),
+    ]
+    return fmt.encode_metadata(entries)
+
+
+# --------------------------------------------------------------------------- entry point
+
+def convert_gguf(gguf_path, output_path, *, max_seq_len: int | None = None,
+                 progress: bool = True, tokenizer: str = "auto") -> str:
+    """Import the llama.cpp GGUF `gguf_path` (Mixtral = `llama` with experts, `qwen2moe`,
+    `qwen3moe`, `olmoe`; tensors F32/F16/BF16/Q8_0/Q4_K/Q5_K/Q6_K) into `output_path`,
+    copying every weight's bytes (no requantization; rows reordered where llama.cpp
+    permuted them).
+
+    max_seq_len: written to the header; default the GGUF's `{arch}.context_length`.
+    progress: print stages and a progress bar to stderr.
+    tokenizer: "auto" (the GGUF's vocabulary, if it has one) or "none".
+    Returns the output path. Raises ConversionError (a ValueError) saying why a file cannot
+    be imported (unsupported architecture or tensor type, damaged file, ...); on any error
+    no output (and no OUT.tmp) is left behind.
+    """
+    fmt.require_little_endian()
+    gguf_path = os.fspath(gguf_path)
+    output_path = os.fspath(output_path)
+    say = _Say(progress)
+    say.stage(1, "reading the GGUF metadata")
+    g = GgufFile(gguf_path)
+    n_split = g.get("split.count")
+    if n_split is not None and int(n_split) > 1:
+        raise ConversionError(f"{gguf_path}: one of {n_split} split GGUF files; merge them first "
+                              "(llama-gguf-split --merge)")
+    arch = g.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConversionError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: "
+                              "llama (Mixtral, with experts), qwen2moe, qwen3moe, olmoe")
+    for t in g.tensors.values():   # refuse any unsupported type before writing anything
+        _check_type(t)
+    spec, facts = _read_spec(g, arch)
+    msl = spec.max_position_embeddings if max_seq_len is None else max_seq_len
+    if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= fmt.U32_MAX:
+        raise ConversionError(f"max_seq_len {msl!r}: must be an integer in 1..{fmt.U32_MAX}")
+    tensors, router_dtype = _plan(g, spec, facts, say)
+    extra = sorted(set(g.tensors) - g.used)
+    if extra:
+        raise ConversionError(f"{gguf_path}: {len(extra)} GGUF tensors are not part of colibri's "
+                              f"{spec.architecture} decoder ({', '.join(extra[:6])}"
+                              f"{' ...' if len(extra) > 6 else ''}); refusing rather than "
+                              "dropping weights the model may need")
+    counts = Counter(fmt.DTYPE_NAMES[t.dtype] for t in tensors)
+    say(f"{arch} -> {spec.architecture}: {spec.n_layers} layers, {spec.n_experts} experts, "
+        f"tensors {dict(counts)}" + (" (q/k rows un-permuted)" if facts["permuted"] else ""))
+
+    say.stage(2, "tokenizer")
+    tok_bytes, tok_meta = _gguf_tokenizer(g, say, tokenizer)
+
+    wname = _file_type_name(g)
+    name = g.get("general.name") or os.path.splitext(os.path.basename(gguf_path))[0]
+    source = (f"{IMPORTER_NAME} {_version()} from GGUF {os.path.basename(gguf_path)} "
+              f"(llama.cpp file type {wname[5:]}, GGUF version "
+              f"{int(g.reader.fields['GGUF.version'].contents())})")
+    meta = _metadata(spec, str(name), router_dtype, wname, msl, tok_meta, source)
+    return write_colibri(output_path, spec, tensors, meta, tok_bytes, msl=msl, int8_router=False,
+                         block_size=fmt.DEFAULT_BLOCK_SIZE, say=say)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m colibri_lab.gguf_import IN.gguf OUT.colibri [--max_seq_len N] [--quiet]`."""
+    import argparse
+    import sys
+    p = argparse.ArgumentParser(prog="python -m colibri_lab.gguf_import",
+                                description="Import a llama.cpp GGUF MoE model into .colibri "
+                                            "(weights copied, never requantized).")
+    p.add_argument("gguf")
+    p.add_argument("output")
+    p.add_argument("--max_seq_len", type=int, default=None)
+    p.add_argument("--no_tokenizer", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        convert_gguf(a.gguf, a.output, max_seq_len=a.max_seq_len, progress=not a.quiet,
+                     tokenizer="none" if a.no_tokenizer else "auto")
+    except (ConversionError, fmt.FormatError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
