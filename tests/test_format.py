@@ -358,7 +358,7 @@ def _patched(src: Path, dst: Path, at: int, data: bytes, fix_header_crc: bool = 
 
 @pytest.mark.parametrize("at,data,fix,match", [
     (0, b"GGUF", False, "not a .colibri file"),
-    (8, struct.pack("<I", 2), True, "version 2"),
+    (8, struct.pack("<I", 3), True, "version 3"),
     (12, struct.pack("<I", 128), True, "header_size"),
     (40, b"\x01", False, "header CRC"),
     (28, struct.pack("<I", 9), True, "top_k"),
@@ -426,7 +426,8 @@ def _with_record_change(good_file, out, change: dict):
 
 def test_reader_refuses_bad_directory_record(good_file, tmp_path):
     """Re-encode the directory with one wrong field (and fix the CRCs): each is refused."""
-    for change, match in [({"dtype_id": 9}, "unknown dtype id 9"),
+    for change, match in [({"dtype_id": 11}, "unknown dtype id 11"),
+                          ({"dtype_id": fmt.DTYPE_Q4_K}, "not a multiple"),
                           ({"layout_id": 7}, "unknown layout id 7"),
                           ({"offset": 1}, "not a multiple of the alignment"),
                           ({"nbytes": 2}, "nbytes"),
@@ -436,7 +437,7 @@ def test_reader_refuses_bad_directory_record(good_file, tmp_path):
             inspect(p)
 
 
-@pytest.mark.parametrize("dtype_id", [4, 5, 6, 9])
+@pytest.mark.parametrize("dtype_id", [4, 5, 6, 11, 200])
 def test_engine_refuses_array_only_and_unknown_dtypes(good_file, tmp_path, dtype_id):
     """colibri_dtype is one name space: ids 4-6 (I32, I64, U64) name the API's arrays and are
     refused in a file exactly like an id the engine has never heard of."""
@@ -444,6 +445,17 @@ def test_engine_refuses_array_only_and_unknown_dtypes(good_file, tmp_path, dtype
 
     p = _with_record_change(good_file, tmp_path / "x.colibri", {"dtype_id": dtype_id})
     with pytest.raises(ColibriUnsupportedError, match=f"has dtype {dtype_id}, which this build does not know"):
+        Engine(p)
+
+
+def test_engine_refuses_quantized_dtype_in_a_version_1_file(good_file, tmp_path):
+    """A version 1 file cannot hold a block type: the engine says so instead of reading it
+    (the good file is version 1: float weights)."""
+    from colibri_lab import ColibriFormatError, Engine
+
+    assert inspect(good_file).version == 1
+    p = _with_record_change(good_file, tmp_path / "x.colibri", {"dtype_id": fmt.DTYPE_Q8_0})
+    with pytest.raises(ColibriFormatError, match="version 1 files cannot hold"):
         Engine(p)
 
 
