@@ -13,6 +13,12 @@ blocks; the one full read is one expert's down projection (for the transpose). P
 memory is therefore a small multiple of one expert matrix plus a few chunks, whatever
 the model's size.
 
+With a block-quantized mix (`dtype="q8_0" | "q4_k" | "q4_k_m"`, docs/quantization.md,
+"Converter mixes") each weight matrix gets the dtype `quants.mix_dtype` gives it and is
+quantized chunk by chunk of whole rows with llama.cpp's reference quantizers
+(`colibri_lab.quants`); every FFN is stored split (gate, up, down row-major tensors,
+format version 2), so no expert matrix is ever read whole; routers and norms stay f32.
+
 CRCs and norms are computed while writing; the file is written to `OUT.tmp` with a
 zeroed header and a zeroed tensor directory, which are patched at the end, then fsynced
 and renamed. On any error the temporary file is removed and no output is left.
@@ -36,11 +42,17 @@ from typing import Callable, Iterator
 import numpy as np
 
 from . import format as fmt
+from . import quants
 from .format import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_I8, DTYPE_IDS, DTYPE_NUMPY,
-                     DTYPE_SIZES, LAYOUT_EXPERTS_PACKED, LAYOUT_ROW_MAJOR, MetaValue)
+                     DTYPE_SIZES, LAYOUT_EXPERTS_PACKED, LAYOUT_ROW_MAJOR, QUANT_DTYPES,
+                     MetaValue)
 
 CONVERTER_NAME = "colibri_lab.convert"
 CHUNK_ELEMS = 1 << 20   # values per conversion chunk (about 4 MiB of f32)
+FLOAT_DTYPES = ("f32", "f16", "bf16")
+# block-quantized converter mixes (docs/quantization.md, "Converter mixes"); each tensor's
+# dtype comes from quants.mix_dtype, every FFN is stored split (format version 2)
+QUANT_MIXES = quants.MIXES
 # model_type -> the architectures class name transformers writes for it
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
@@ -636,6 +648,37 @@ def _norm_producer(src: SrcTensor) -> Callable[[], Iterator[Chunk]]:
     return gen
 
 
+def _float_rows_producer(parts: list[tuple[SrcTensor, int, int]], ncols: int,
+                         dst: int) -> Callable[[], Iterator[Chunk]]:
+    """As `_rows_producer` for a float dtype (bit-exact when it is the source's)."""
+    def gen():
+        step = max(1, CHUNK_ELEMS // ncols)
+        for src, r0, nrows in parts:
+            for a in range(0, nrows, step):
+                n = min(step, nrows - a)
+                yield _with_sumsq(_to_stored(src.read_rows(r0 + a, n, ncols), src.dtype_id,
+                                             dst), dst)
+    return gen
+
+
+def _rows_producer(parts: list[tuple[SrcTensor, int, int]], ncols: int,
+                   dst: int) -> Callable[[], Iterator[Chunk]]:
+    """Rows of one or more sources, back to back: `parts` = (tensor viewed as [-1, ncols],
+    first row, row count). Read in chunks of whole rows (a quantized row is whole blocks,
+    so a chunk quantizes on its own), converted with quants.to_stored; the sum of squares
+    is of the values the file holds (the dequantized ones)."""
+    def gen():
+        step = max(1, CHUNK_ELEMS // ncols)
+        for src, r0, nrows in parts:
+            for a in range(0, nrows, step):
+                n = min(step, nrows - a)
+                x = fmt.stored_to_f32(src.read_rows(r0 + a, n, ncols), src.dtype_id)
+                st = quants.to_stored(x, dst)
+                del x
+                yield st, fmt.sumsq_f64(quants.from_stored(st, dst, ncols))
+    return gen
+
+
 @dataclass
 class ExpertSource:
     """Where w1, w3 (each [I, H]) and w2 ([H, I]) of one expert are: (tensor, first row)."""
@@ -741,18 +784,59 @@ def _router_source(ck: Checkpoint, layer: int, E: int, H: int) -> SrcTensor:
 
 
 def plan_tensors(ck: Checkpoint, s: ModelSpec, W: int, int8_router: bool,
-                 B: int) -> list[PlannedTensor]:
-    """Every tensor of the output in file order, with its source checked (name, shape)."""
+                 B: int, mix: str | None = None) -> list[PlannedTensor]:
+    """Every tensor of the output in file order, with its source checked (name, shape).
+
+    mix None: every weight in the float dtype W, FFNs packed (format version 1). mix
+    "q8_0" / "q4_k" / "q4_k_m": each weight matrix in quants.mix_dtype's dtype, routers
+    f32 (or int8), every FFN split into gate / up / down tensors (format version 2)."""
     V, H, I, E = s.vocab_size, s.hidden_size, s.intermediate_size, s.n_experts
     Id, Is = s.dense_intermediate_size, s.shared_expert_intermediate_size
     nq, nkv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     D, R, X = fmt.SECTION_DENSE, fmt.SECTION_ROUTER, fmt.SECTION_EXPERTS
     out: list[PlannedTensor] = []
 
-    def dense(name, src_name, shape, section=D):
+    def wdtype(name, shape, layer=None) -> int:
+        if mix is None:
+            return W
+        return quants.mix_dtype(mix, name, shape, layer=layer, n_layers=s.n_layers,
+                                n_experts=E, tied=s.tie_word_embeddings)
+
+    def producer(parts, ncols, dt):
+        if dt in QUANT_DTYPES:
+            return _rows_producer(parts, ncols, dt)
+        (src, r0, nrows), = parts
+        assert r0 == 0 and nrows * ncols == src.numel
+        return _dense_producer(src, dt)
+
+    def dense(name, src_name, shape, section=D, dtype=None):
         src = ck.get(src_name, shape)
-        out.append(PlannedTensor(name, W, LAYOUT_ROW_MAJOR, shape, section,
-                                 _dense_producer(src, W)))
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
+        dt = wdtype(name, shape, layer) if dtype is None else dtype
+        out.append(PlannedTensor(name, dt, LAYOUT_ROW_MAJOR, shape, section,
+                                 producer([(src, 0, math.prod(shape[:-1]))], shape[-1], dt)))
+
+    def split(layer, suffix, srcs, width):
+        """One FFN as three row-major tensors (docs/format.md, "The split FFN"): gate and
+        up [.., width, H] from w1 / w3, down [.., H, width] from w2 as it is (rows over the
+        intermediate dimension, not transposed). `srcs`: the experts (3-D tensors) or one
+        MLP (suffix "" or "_shexp": 2-D)."""
+        lead = (len(srcs),) if suffix == "_exps" else ()
+        names = [f"blk.{layer}.ffn_{w}{suffix}" for w in ("gate", "up", "down")]
+        shapes = [lead + (width, H), lead + (width, H), lead + (H, width)]
+        dts = [wdtype(n, sh, layer) for n, sh in zip(names, shapes)]
+        if dts[0] != dts[1]:
+            raise ConversionError(f"internal: {names[0]} and {names[1]} got different dtypes")
+        parts = ([(ex.w1[0], ex.w1[1], width) for ex in srcs],
+                 [(ex.w3[0], ex.w3[1], width) for ex in srcs],
+                 [(ex.w2[0], ex.w2[1], H) for ex in srcs])
+        for n, sh, dt, pp in zip(names, shapes, dts, parts):
+            ncols = sh[-1]
+            if dt in QUANT_DTYPES:
+                prod = _rows_producer(pp, ncols, dt)
+            else:   # a float fallback (rows no block divides): the same rows, converted
+                prod = _float_rows_producer(pp, ncols, dt)
+            out.append(PlannedTensor(n, dt, LAYOUT_ROW_MAJOR, sh, X, prod))
 
     def vec(name, src_name, n=H):
         """A 1-D tensor (norm weight, bias), always f32."""
@@ -808,16 +892,27 @@ def plan_tensors(ck: Checkpoint, s: ModelSpec, W: int, int8_router: bool,
             out.append(PlannedTensor(f"{name}.zero", DTYPE_F32, LAYOUT_ROW_MAJOR, (E,), R,
                                      r.producer("zero")))
         else:
-            out.append(PlannedTensor(f"{name}.weight", W, LAYOUT_ROW_MAJOR, (E, H), R,
-                                     _dense_producer(src, W)))
+            rdt = W if mix is None else DTYPE_F32
+            out.append(PlannedTensor(f"{name}.weight", rdt, LAYOUT_ROW_MAJOR, (E, H), R,
+                                     _dense_producer(src, rdt)))
         if s.shared_expert_gate:
             dense(f"blk.{n}.ffn_shared_gate.weight",
-                  f"model.layers.{n}.mlp.shared_expert_gate.weight", (1, H), R)
+                  f"model.layers.{n}.mlp.shared_expert_gate.weight", (1, H), R,
+                  dtype=None if mix is None else DTYPE_F32)
         elif Is == 0:   # Qwen2-MoE with shared_expert_intermediate_size 0: empty tensors
             for x in ("shared_expert.gate_proj", "shared_expert.up_proj",
                       "shared_expert.down_proj", "shared_expert_gate"):
                 ck.skip(f"model.layers.{n}.mlp.{x}.weight")
     for n in range(s.n_layers):
+        if mix is not None:
+            if not s.is_moe(n):
+                split(n, "", [_mlp_source(ck, f"model.layers.{n}.mlp", Id, H)], Id)
+                continue
+            split(n, "_exps", _expert_sources(ck, n, E, I, H), I)
+            if Is > 0:
+                split(n, "_shexp",
+                      [_mlp_source(ck, f"model.layers.{n}.mlp.shared_expert", Is, H)], Is)
+            continue
         if not s.is_moe(n):
             packed(f"blk.{n}.ffn_dense", [_mlp_source(ck, f"model.layers.{n}.mlp", Id, H)], Id)
             continue
@@ -853,8 +948,11 @@ def family_metadata(s: ModelSpec) -> list[tuple[str, MetaValue]]:
 
 
 def build_metadata(s: ModelSpec, name: str, W: int, int8_router: bool, B: int,
-                   max_seq_len: int, tok_meta: dict) -> bytes:
-    wname = fmt.DTYPE_NAMES[W]
+                   max_seq_len: int, tok_meta: dict, *, mix: str | None = None) -> bytes:
+    """The metadata section. `mix`: a quantized mix's name, which becomes
+    model.weight_dtype (its routers are f32 unless int8)."""
+    wname = fmt.DTYPE_NAMES[W] if mix is None else mix
+    rname = "int8" if int8_router else (fmt.DTYPE_NAMES[W] if mix is None else "f32")
     M = MetaValue
     entries = [
         ("general.architecture", M(fmt.MT_STRING, s.architecture)),
@@ -876,7 +974,7 @@ def build_metadata(s: ModelSpec, name: str, W: int, int8_router: bool, B: int,
         ("model.sliding_window", M(fmt.MT_U64, s.sliding_window)),
         ("model.tie_word_embeddings", M(fmt.MT_BOOL, s.tie_word_embeddings)),
         ("model.max_seq_len", M(fmt.MT_U64, max_seq_len)),
-        ("model.router_dtype", M(fmt.MT_STRING, "int8" if int8_router else wname)),
+        ("model.router_dtype", M(fmt.MT_STRING, rname)),
         ("model.weight_dtype", M(fmt.MT_STRING, wname)),
         *family_metadata(s),
         *_tokenizer_meta_entries(tok_meta),
@@ -927,8 +1025,12 @@ def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str
     """Convert the Hugging Face checkpoint in `model_dir` (Mixtral, Qwen2-MoE, Qwen3-MoE or
     OLMoE) to `output_path`.
 
-    dtype: weight dtype "f32", "f16" or "bf16" (1-D norm weights are always f32).
-    quantize_router: None/"none" (routers in `dtype`) or "int8".
+    dtype: weight dtype "f32", "f16" or "bf16" (1-D norm weights are always f32), or a
+    block-quantized mix "q8_0", "q4_k" or "q4_k_m" (docs/quantization.md, "Converter
+    mixes": each weight matrix's dtype from quants.mix_dtype, llama.cpp's reference
+    quantizers, routers and norms f32, every FFN in the split form; a version 2 file).
+    quantize_router: None/"none" (routers in `dtype`; f32 for a quantized mix) or "int8"
+    (allowed with every dtype, the quantized mixes included).
     block_size: row block B of the packed expert layout.
     max_seq_len: written to the header; default the config's max_position_embeddings.
     progress: print stages and a progress bar to stderr.
@@ -940,8 +1042,9 @@ def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str
     fmt.require_little_endian()
     model_dir = os.fspath(model_dir)
     output_path = os.fspath(output_path)
-    if dtype not in ("f32", "f16", "bf16"):
-        raise ConversionError(f"dtype {dtype!r}: choose f32, f16 or bf16")
+    if dtype not in FLOAT_DTYPES + QUANT_MIXES:
+        raise ConversionError(f"dtype {dtype!r}: choose one of "
+                              f"{', '.join(FLOAT_DTYPES + QUANT_MIXES)}")
     if quantize_router not in (None, "none", "int8"):
         raise ConversionError(f"quantize_router {quantize_router!r}: choose none or int8")
     int8_router = quantize_router == "int8"
@@ -951,7 +1054,8 @@ def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str
     if not os.path.isdir(model_dir):
         raise ConversionError(f"{model_dir} is not a folder; give a Hugging Face checkpoint "
                               "folder (config.json + *.safetensors)")
-    W = DTYPE_IDS[dtype]
+    mix = dtype if dtype in QUANT_MIXES else None
+    W = DTYPE_F32 if mix else DTYPE_IDS[dtype]
 
     say = _Say(progress)
     say.stage(1, "reading config")
@@ -960,7 +1064,7 @@ def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str
     if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= fmt.U32_MAX:
         raise ConversionError(f"max_seq_len {msl!r}: must be an integer in 1..{fmt.U32_MAX}")
     ck = Checkpoint(model_dir)
-    tensors = plan_tensors(ck, spec, W, int8_router, block_size)
+    tensors = plan_tensors(ck, spec, W, int8_router, block_size, mix=mix)
     extra = ck.unused()
     if extra:
         warnings.warn(f"{len(extra)} checkpoint tensors are not used by a {spec.architecture} "
@@ -972,7 +1076,7 @@ def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str
     tok_bytes, tok_meta = _tokenizer_section(model_dir, say, tokenizer)
 
     name = os.path.basename(os.path.normpath(os.path.abspath(model_dir)))
-    meta = build_metadata(spec, name, W, int8_router, block_size, msl, tok_meta)
+    meta = build_metadata(spec, name, W, int8_router, block_size, msl, tok_meta, mix=mix)
     return write_colibri(output_path, spec, tensors, meta, tok_bytes, msl=msl,
                          int8_router=int8_router, block_size=block_size, say=say)
 
@@ -1154,8 +1258,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint folder: config.json, *.safetensors, optional tokenizer.model "
                         "or tokenizer.json")
     p.add_argument("--output_path", required=True, help="the .colibri file to write")
-    p.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="bf16",
-                   help="weight dtype (norm weights are always f32); default bf16")
+    p.add_argument("--dtype", choices=list(FLOAT_DTYPES + QUANT_MIXES), default="bf16",
+                   help="weight dtype (norm weights are always f32), or a block-quantized "
+                        "mix: q8_0, q4_k, or q4_k_m (llama.cpp's Q4_K_M); default bf16")
     p.add_argument("--quantize_router", choices=["none", "int8"], default="none",
                    help="store router weights as int8 with per-row scale/zero; default none")
     p.add_argument("--block_size", type=int, default=fmt.DEFAULT_BLOCK_SIZE,
