@@ -1,0 +1,781 @@
+"""GGUF import (colibri_lab.gguf_import): real GGUFs made by llama.cpp's own
+convert_hf_to_gguf.py from tiny Hugging Face checkpoints of each family, imported and
+compared with the checkpoint itself and with the Hugging Face converter's file.
+
+The llama.cpp source comes from the llama-cpp-python sdist (pip download, cached under
+$COLIBRI_LAB_CACHE/llama.cpp, default ~/.cache/colibri-lab/llama.cpp, as the benchmarks
+use it); only the download may skip these tests. All GGUFs are made by one converter
+process (the imports of torch and transformers dominate its time).
+
+Checked per family (Mixtral = GGUF `llama` with experts, Qwen2-MoE with a dense layer and a
+shared expert, Qwen3-MoE with q/k head norms, OLMoE with full q/k norms and clip_qkv):
+
+* f32 GGUF: every stored value equals the checkpoint's (q/k rows un-permuted for llama);
+* bf16 / q8_0 GGUF: every tensor's bytes equal the GGUF's (no requantization), the split
+  FFN dtypes are the GGUF's, L2 norms are those of the dequantized values;
+* metadata and family options equal the Hugging Face converter's for the same checkpoint;
+* the tokenizer section equals the Hugging Face converter's byte for byte, and its token
+  ids equal Hugging Face `tokenizers` / `sentencepiece`;
+* engine logits equal the Hugging Face converter's file (xfail, with the engine's message,
+  while the engine cannot run split-FFN files);
+* refusals: an unsupported tensor type (Q4_0), gate/up of different dtypes, a truncated
+  file, a non-GGUF file, an unsupported architecture.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+tokenizers = pytest.importorskip("tokenizers")
+gguf = pytest.importorskip("gguf")
+
+import colibri_lab  # noqa: E402
+from colibri_lab import format as fmt  # noqa: E402
+from colibri_lab.convert import ConversionError  # noqa: E402
+from colibri_lab.gguf_import import convert_gguf  # noqa: E402
+
+from hf_families import FamilyShape, build_family_model  # noqa: E402
+from hf_models import Shape, build_model, save_checkpoint  # noqa: E402
+
+SPECIALS = {"qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            "olmo": ["<|endoftext|>", "<|padding|>"]}
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+MIXTRAL_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+                    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}"
+                    "{{ message['content'] + eos_token }}{% endif %}{% endfor %}")
+TEXTS = [
+    "def forward(self, x):\n    return self.w2(F.silu(self.w1(x)) * self.w3(x))\n",
+    "The router sends each token to 2 of 6 experts — DON'T expect uniform load!",
+    "<|im_start|>user\n你好, мир 🙂 123456<|im_end|>  trailing   spaces  ",
+    "Ça va? naïve café ﬁ Å (A + ring) \u00c5 \u212b",
+]
+
+
+# --------------------------------------------------------------------------- llama.cpp
+
+def _llama_root() -> Path:
+    from colibri_lab.bench.common import default_cache_dir
+
+    return default_cache_dir() / "llama.cpp"
+
+
+def llama_cpp_source(root: Path) -> Path:
+    """The llama.cpp source tree (convert_hf_to_gguf.py, gguf-py) under `root`: an unpacked
+    llama-cpp-python sdist, downloaded with pip and unpacked when missing. Nothing is built.
+    Skips the calling test only when the download itself fails."""
+    from colibri_lab.bench.llama_cpp import _find_llama_src
+
+    root.mkdir(parents=True, exist_ok=True)
+    src = _find_llama_src(root)
+    if src is not None:
+        return src
+    sdists = sorted(root.glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                            ":all:", "--no-build-isolation", "llama-cpp-python", "-d", str(root)],
+                           capture_output=True, text=True)
+        sdists = sorted(root.glob("llama_cpp_python-*.tar.gz"))
+        if r.returncode != 0 or not sdists:
+            tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
+            pytest.skip(f"could not download the llama-cpp-python sdist (for llama.cpp's "
+                        f"convert_hf_to_gguf.py) into {root}: {tail}")
+    with tarfile.open(sdists[-1]) as tf:
+        if sys.version_info >= (3, 12):
+            tf.extractall(root, filter="data")
+        else:
+            tf.extractall(root)
+    src = _find_llama_src(root)
+    assert src is not None, f"{sdists[-1]} holds no vendor/llama.cpp"
+    return src
+
+
+# One process converts every checkpoint: convert_hf_to_gguf's main() once per job. For a
+# byte-level BPE vocabulary the converter names the pre-tokenizer by hashing the token ids of
+# a probe text, a table of real checkpoints' tokenizers that a tokenizer trained here is not
+# in: the job gives the name instead (the one thing replaced; the vocabulary, merges, token
+# types and special ids are the converter's own).
+DRIVER = r"""
+import json, sys
+src, jobs = sys.argv[1], json.load(open(sys.argv[2]))
+sys.path.insert(0, src)
+sys.path.insert(1, src + "/gguf-py")
+import convert_hf_to_gguf as c
+import conversion.base as base
+orig = base.TextModel.get_vocab_base_pre
+for job in jobs:
+    pre = job.get("pre")
+    base.TextModel.get_vocab_base_pre = (lambda self, tok, p=pre: p) if pre else orig
+    sys.argv = ["convert_hf_to_gguf.py", job["model"], "--outtype", job["outtype"],
+                "--outfile", job["outfile"], *job.get("args", [])]
+    c.main()
+"""
+
+
+def make_ggufs(src: Path, jobs: list[dict], work: Path) -> None:
+    driver = work / "gguf_driver.py"
+    driver.write_text(DRIVER)
+    (work / "jobs.json").write_text(json.dumps(jobs))
+    r = subprocess.run([sys.executable, str(driver), str(src), str(work / "jobs.json")],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise AssertionError("convert_hf_to_gguf.py failed:\n" + (r.stderr or r.stdout)[-4000:])
+    for j in jobs:
+        assert Path(j["outfile"]).is_file(), j
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def _corpus() -> list[str]:
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out, size = [], 0
+    for p in sorted(root.glob("*.py")):
+        t = p.read_text("utf-8", "replace")
+        out.append(t)
+        size += len(t)
+        if size > 150_000:
+            break
+    return out + TEXTS
+
+
+def _bpe_tokenizer(kind: str, vocab_size: int):
+    """A byte-level BPE tokenizer like Qwen's (NFC, the Qwen2 split pattern) or OLMoE's
+    (GPT-NeoX: ByteLevel with the GPT-2 regex, no normalizer), trained on Python's stdlib."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from colibri_lab._bpe import QWEN2_PATTERN
+
+    tok = Tokenizer(models.BPE())
+    if kind == "qwen":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_corpus(), trainer=trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS[kind], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+FAMILY_SHAPES = {
+    # q8_0 needs rows of whole 32-value blocks: hidden, expert and dense widths are multiples
+    "qwen2_moe": dict(family="qwen2_moe", hidden=64, inter=32, dense_inter=96, shared_inter=64,
+                      layers=2, heads=4, kv_heads=2, experts=4, top_k=2,
+                      seed=3),
+    "qwen3_moe": dict(family="qwen3_moe", hidden=64, inter=64, layers=2, heads=4, kv_heads=2,
+                      head_dim=32, experts=4, top_k=2, norm_topk=True, seed=4),
+    # no clip_qkv: llama.cpp's OlmoeModel does not write it (nor does its OLMoE graph clamp);
+    # the importer reads {arch}.attention.clamp_kqv when a GGUF has it (tested below)
+    "olmoe": dict(family="olmoe", hidden=64, inter=32, layers=2, heads=4, kv_heads=4,
+                  experts=4, top_k=2, seed=5),
+}
+# 256-wide (whole Q4_K/Q5_K/Q6_K blocks per row) for llama-quantize's K-quant mixes
+KQUANT_SHAPE = dict(family="qwen3_moe", hidden=256, inter=256, layers=2, heads=4, kv_heads=2,
+                    head_dim=64, experts=4, top_k=2, norm_topk=True, seed=8)
+KQUANT_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K")
+MIXTRAL_SHAPE = dict(vocab=32000, hidden=64, inter=64, layers=2, heads=4, kv_heads=2, experts=4,
+                     top_k=2, max_pos=512, seed=6)
+OUTTYPES = {"mixtral": ("f32", "q8_0"), "qwen2_moe": ("f32", "bf16", "q8_0"),
+            "qwen3_moe": ("f32", "q8_0"), "olmoe": ("f32", "bf16")}
+# convert_hf_to_gguf --fuse-qkv: one attn_qkv tensor (llama: of the permuted q/k rows)
+FUSED = {"mixtral": "q8_0", "qwen2_moe": "f32"}
+PRE = {"mixtral": None, "qwen2_moe": "qwen2", "qwen3_moe": "qwen2", "olmoe": "olmo"}
+
+
+def _make_checkpoint(family: str, folder: Path):
+    """(folder, reference tokenizer) of a tiny random checkpoint with its tokenizer."""
+    if family == "mixtral":
+        model = build_model(Shape(**MIXTRAL_SHAPE))
+        save_checkpoint(model, folder, with_tokenizer=True)
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+             "chat_template": MIXTRAL_TEMPLATE,
+             # as Mixtral's: llama.cpp's converter then types these CONTROL with score -1000
+             "added_tokens_decoder": {str(i): {"content": c, "lstrip": False, "normalized": False,
+                                               "rstrip": False, "single_word": False,
+                                               "special": True}
+                                      for i, c in enumerate(["<unk>", "<s>", "</s>"])}}))
+        import sentencepiece as spm
+
+        return spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    kind = "olmo" if family == "olmoe" else "qwen"
+    tok = _bpe_tokenizer(kind, 700)
+    # the embedding is padded past the tokenizer (as real checkpoints): llama.cpp's
+    # converter fills the GGUF vocabulary up with [PAD{i}] tokens, which the importer drops
+    shape = FamilyShape(vocab=tok.get_vocab_size() + 9, **FAMILY_SHAPES[family])
+    model = build_family_model(shape)
+    save_checkpoint(model, folder, with_tokenizer=False)
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = ({"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+            "chat_template": CHATML} if kind == "qwen" else
+           {"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|padding|>"})
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return tok
+
+
+def build_models(work: Path) -> dict:
+    """family -> dict(folder, tok, hf (the HF converter's f32 file), gguf {outtype: path});
+    "kquant" -> dict(folder, gguf {"f32": path}) of the 256-wide checkpoint; "src" -> the
+    llama.cpp source tree."""
+    src = llama_cpp_source(_llama_root())
+    out, jobs = {"src": src}, []
+    for fam in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        folder = work / fam
+        tok = _make_checkpoint(fam, folder)
+        hf = work / f"{fam}-hf-f32.colibri"
+        colibri_lab.convert(folder, hf, dtype="f32", progress=False)
+        files = {}
+        for t in OUTTYPES[fam]:
+            files[t] = work / f"{fam}-{t}.gguf"
+            jobs.append({"model": str(folder), "outtype": t, "outfile": str(files[t]),
+                         "pre": PRE[fam]})
+        if fam in FUSED:
+            files["fused"] = work / f"{fam}-{FUSED[fam]}-fused.gguf"
+            jobs.append({"model": str(folder), "outtype": FUSED[fam], "outfile": str(files["fused"]),
+                         "pre": PRE[fam], "args": ["--fuse-qkv"]})
+        out[fam] = dict(folder=folder, tok=tok, hf=hf, gguf=files)
+    folder = work / "kquant"
+    tok = _bpe_tokenizer("qwen", 400)
+    save_checkpoint(build_family_model(FamilyShape(vocab=tok.get_vocab_size(), **KQUANT_SHAPE)),
+                    folder, with_tokenizer=False)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": None, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    out["kquant"] = dict(folder=folder, gguf={"f32": work / "kquant-f32.gguf"})
+    jobs.append({"model": str(folder), "outtype": "f32", "outfile": str(work / "kquant-f32.gguf"),
+                 "pre": "qwen2"})
+    make_ggufs(src, jobs, work)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return build_models(tmp_path_factory.mktemp("gguf-import"))
+
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+QUANTIZED = [(f, t) for f in FAMILIES for t in OUTTYPES[f] if t != "f32"]
+
+
+@pytest.fixture(scope="module")
+def imported(models, tmp_path_factory):
+    """(family, outtype) -> the .colibri file imported from that GGUF (made once)."""
+    work = tmp_path_factory.mktemp("imported")
+    cache = {}
+
+    def get(fam: str, outtype: str) -> Path:
+        if (fam, outtype) not in cache:
+            out = work / f"{fam}-{outtype}.colibri"
+            assert convert_gguf(models[fam]["gguf"][outtype], out, progress=False) == str(out)
+            cache[fam, outtype] = out
+        return cache[fam, outtype]
+    return get
+
+
+# --------------------------------------------------------------------------- helpers
+
+def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None, tensors=None, fields=None,
+                 add_fields: dict | None = None) -> Path:
+    """Copy a GGUF with gguf.GGUFWriter. tensors(name, type, data) -> a list of (name, type,
+    data) to write instead (data: numpy, bytes-shaped uint8 for block types); fields(key,
+    value) -> the value to write, or None to drop the key; add_fields: {key: (value, type)}."""
+    GT = gguf.GGUFValueType
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, arch or r.fields["general.architecture"].contents())
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        val = f.contents()
+        if fields is not None:
+            val = fields(key, val)
+            if val is None:
+                continue
+        w.add_key_value(key, val, f.types[0], sub_type=f.types[-1] if f.types[0] == GT.ARRAY else None)
+    for key, (val, vtype) in (add_fields or {}).items():
+        w.add_key_value(key, val, vtype)
+    for t in r.tensors:
+        data = np.array(t.data)
+        outs = tensors(t.name, t.tensor_type, data) if tensors else [(t.name, t.tensor_type, data)]
+        for name, ttype, d in outs:
+            w.add_tensor(name, d, raw_dtype=ttype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def dequantized(name, ttype, data):
+    """A rewrite_gguf transform: every tensor as F32 values (gguf.quants.dequantize)."""
+    if ttype == gguf.GGMLQuantizationType.F32:
+        return [(name, ttype, data)]
+    return [(name, gguf.GGMLQuantizationType.F32,
+             np.ascontiguousarray(gguf.quants.dequantize(data, ttype), dtype=np.float32))]
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute (convert_hf_to_gguf), on rows of any kind."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(name: str) -> str:
+    """The GGUF tensor a colibri tensor of the import comes from."""
+    if name.endswith(".ffn_shared_gate.weight"):
+        return name.replace(".ffn_shared_gate.weight", ".ffn_gate_inp_shexp.weight")
+    return name if name.endswith((".weight", ".bias")) else name + ".weight"
+
+
+_HF_CACHE: dict = {}
+
+
+def hf_weights(folder: Path) -> dict:
+    if folder not in _HF_CACHE:
+        from safetensors.numpy import load_file
+
+        _HF_CACHE[folder] = load_file(str(folder / "model.safetensors"))
+    return _HF_CACHE[folder]
+
+
+def hf_tensor(folder: Path, fam: str, name: str, E: int) -> np.ndarray:
+    """The checkpoint's value of a colibri tensor (float32, the import's shape)."""
+    w = hf_weights(folder)
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+           "output_norm.weight": "model.norm.weight"}
+    if name in top:
+        return w[top[name]]
+    _, n, rest = name.split(".", 2)
+    p = f"model.layers.{n}"
+    moe = f"{p}.block_sparse_moe" if fam == "mixtral" else f"{p}.mlp"
+    simple = {"attn_norm.weight": f"{p}.input_layernorm.weight",
+              "ffn_norm.weight": f"{p}.post_attention_layernorm.weight",
+              "ffn_gate_inp.weight": f"{moe}.gate.weight",
+              "ffn_shared_gate.weight": f"{p}.mlp.shared_expert_gate.weight",
+              "attn_q_norm.weight": f"{p}.self_attn.q_norm.weight",
+              "attn_k_norm.weight": f"{p}.self_attn.k_norm.weight"}
+    for short, proj in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")):
+        for kind in ("weight", "bias"):
+            simple[f"attn_{short}.{kind}"] = f"{p}.self_attn.{proj}_proj.{kind}"
+    for x, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+        simple[f"ffn_{x}_shexp"] = f"{p}.mlp.shared_expert.{proj}.weight"
+        simple[f"ffn_{x}"] = f"{p}.mlp.{proj}.weight"
+    if rest in simple:
+        return w[simple[rest]]
+    x = rest[len("ffn_"):-len("_exps")]
+    proj = ({"gate": "w1", "up": "w3", "down": "w2"} if fam == "mixtral" else
+            {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})[x]
+    return np.stack([w[f"{moe}.experts.{e}.{proj}.weight"] for e in range(E)])
+
+
+def section_bytes(info, name: str) -> bytes:
+    s = info.section(name)
+    with open(info.path, "rb") as f:
+        f.seek(s.offset)
+        return f.read(s.size)
+
+
+def _native_or_fail():
+    """The engine's library; an error (not a skip) when it cannot be loaded."""
+    from colibri_lab import _native  # noqa: F401  (raises ImportError with its reason)
+
+    return _native
+
+
+# --------------------------------------------------------------------------- f32: values
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_f32_values_equal_the_checkpoint(models, imported, fam):
+    """Every tensor of an f32 GGUF's import holds the checkpoint's values, in the
+    checkpoint's row order (llama: q/k un-permuted), with the split FFN."""
+    info = fmt.inspect(imported(fam, "f32"), verify=True)
+    assert info.version == 2
+    E = info.metadata["model.n_experts"]
+    names = {t.name for t in info.tensors}
+    assert "blk.0.ffn_gate_exps" in names and "blk.0.ffn_experts" not in names
+    for t in info.tensors:
+        assert t.dtype == "f32" and t.layout == "row_major", t
+        got = info.read_tensor(t.name)
+        ref = hf_tensor(models[fam]["folder"], fam, t.name, E)
+        if t.name.endswith("ffn_shared_gate.weight"):
+            ref = ref.reshape(1, -1)
+        assert got.shape == ref.shape, t.name
+        np.testing.assert_array_equal(got, ref, err_msg=t.name)
+        assert t.l2norm == pytest.approx(float(np.sqrt(np.sum(ref.astype(np.float64) ** 2))),
+                                         rel=1e-12)
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_metadata_equals_the_hf_converter(models, imported, fam):
+    """Header, hyper-parameters, family options and tokenizer keys equal the Hugging Face
+    converter's for the same checkpoint; only provenance and the dtype names differ."""
+    hf = fmt.inspect(models[fam]["hf"])
+    got = fmt.inspect(imported(fam, "f32"))
+    assert {k: got.header[k] for k in fmt.HEADER_FIELDS} == \
+        {k: hf.header[k] for k in fmt.HEADER_FIELDS}
+    assert got.family_options == hf.family_options
+    own = {"general.name", "convert.source", "model.weight_dtype", "tokenizer.special_source"}
+    a = {k: v for k, v in hf.metadata.items() if k not in own}
+    b = {k: v for k, v in got.metadata.items() if k not in own}
+    assert b == a
+    assert got.metadata_types == {k: t for k, t in hf.metadata_types.items()} | \
+        {k: got.metadata_types[k] for k in own & set(got.metadata)}
+    assert got.metadata["model.weight_dtype"] == "gguf_f32"
+    assert "gguf_import" in got.metadata["convert.source"]
+    assert "from GGUF" in got.metadata["convert.source"]
+    template = {"mixtral": MIXTRAL_TEMPLATE, "olmoe": None}.get(fam, CHATML)
+    assert got.metadata.get("tokenizer.chat_template") == template
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_tokenizer_equals_the_hf_converter_and_the_reference(models, imported, fam):
+    """The tokenizer section rebuilt from the GGUF's vocabulary is the Hugging Face
+    converter's byte for byte, and tokenizes as sentencepiece / tokenizers do."""
+    hf = fmt.inspect(models[fam]["hf"])
+    got = fmt.inspect(imported(fam, "f32"))
+    assert section_bytes(got, "tokenizer") == section_bytes(hf, "tokenizer")
+    _native_or_fail()
+    from colibri_lab.engine import Tokenizer
+
+    ref = models[fam]["tok"]
+    with Tokenizer.from_section_bytes(section_bytes(got, "tokenizer")) as tk:
+        for text in TEXTS + _corpus()[:2]:
+            if fam == "mixtral":
+                want = ref.encode(text)
+                assert tk.encode(text, add_bos=True) == [ref.bos_id()] + want
+            else:
+                want = ref.encode(text, add_special_tokens=False).ids
+                assert tk.encode(text, add_bos=True) == want   # no BOS (bos_token null)
+            assert tk.encode(text, add_bos=False) == want
+
+
+# --------------------------------------------------------------------------- bytes as stored
+
+def _check_bytes_as_stored(info, gguf_path: Path, permuted: bool) -> None:
+    r = gguf.GGUFReader(gguf_path)
+    src = {t.name: t for t in r.tensors}
+    nh, nkv = info.metadata["model.n_heads"], info.metadata["model.n_kv_heads"]
+    for t in info.tensors:
+        s = src[gguf_name(t.name)]
+        got = info.read_tensor(t.name)
+        want = np.array(s.data)
+        if len(t.shape) == 1 or t.name.endswith("ffn_gate_inp.weight"):
+            assert s.tensor_type == gguf.GGMLQuantizationType.F32, t.name
+        else:
+            assert t.dtype == s.tensor_type.name.lower(), t.name   # the GGUF's dtype
+        if permuted and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            got = permute(got, nh if ".attn_q." in t.name else nkv)
+        assert got.tobytes() == want.tobytes(), f"{t.name}: bytes differ from the GGUF's"
+        vals = want if s.tensor_type == gguf.GGMLQuantizationType.F32 else \
+            gguf.quants.dequantize(want, s.tensor_type)
+        assert t.l2norm == pytest.approx(float(np.sqrt(np.sum(vals.astype(np.float64) ** 2))),
+                                         rel=1e-12), t.name
+
+
+@pytest.mark.parametrize("fam,outtype", QUANTIZED)
+def test_quantized_bytes_equal_the_gguf(models, imported, fam, outtype):
+    """bf16 / q8_0: each tensor's bytes are the GGUF's (whole rows moved, nothing
+    requantized), in the GGUF's dtype; L2 norms are those of the dequantized values."""
+    path = imported(fam, outtype)
+    info = fmt.inspect(path, verify=True)
+    assert info.metadata["model.weight_dtype"] == f"gguf_{outtype}"
+    assert info.metadata["model.router_dtype"] == "f32"
+    routers = ("ffn_gate_inp.weight", "ffn_shared_gate.weight")   # f32 in llama.cpp's GGUFs
+    assert {t.dtype for t in info.tensors if len(t.shape) >= 2 and not t.name.endswith(routers)} \
+        == {outtype}
+    _check_bytes_as_stored(info, models[fam]["gguf"][outtype], fam == "mixtral")
+
+
+@pytest.mark.parametrize("fam", sorted(FUSED))
+def test_fused_qkv_imports_as_separate(models, imported, fam, tmp_path):
+    """--fuse-qkv (one attn_qkv tensor and bias) imports to the same tensors, byte for
+    byte, as the separate q/k/v of the same checkpoint."""
+    r = gguf.GGUFReader(models[fam]["gguf"]["fused"])
+    assert any(t.name == "blk.0.attn_qkv.weight" for t in r.tensors)
+    out = convert_gguf(models[fam]["gguf"]["fused"], tmp_path / "fused.colibri", progress=False)
+    a = fmt.inspect(out, verify=True)
+    b = fmt.inspect(imported(fam, FUSED[fam]), verify=True)
+    assert [(t.name, t.dtype, t.shape, t.crc32) for t in a.tensors] == \
+        [(t.name, t.dtype, t.shape, t.crc32) for t in b.tensors]
+
+
+# --------------------------------------------------------------------------- the engine
+
+def _hf_model(fam: str, folder: Path):
+    if fam == "mixtral":
+        from transformers import MixtralForCausalLM
+
+        m = MixtralForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        m.set_experts_implementation("eager")
+        return m
+    from hf_families import load_family_model
+
+    return load_family_model(fam, folder)
+
+
+def _engine(path: Path):
+    """An Engine on `path`; an xfail naming the engine's reason while it cannot run the
+    file (a split-FFN / version-2 file on an engine without them), so the test runs, and
+    must pass, as soon as the engine can."""
+    _native_or_fail()
+    try:
+        return colibri_lab.Engine(path)
+    except (colibri_lab.ColibriError, NotImplementedError) as e:
+        msg = str(e)
+        if any(w in msg.lower() for w in ("unsupported", "not supported", "version", "split",
+                                          "dtype", "not implemented")):
+            pytest.xfail(f"the engine cannot run this imported file yet: {msg}")
+        raise
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_engine_logits_equal_transformers(models, imported, fam):
+    """The engine on the f32 import gives transformers' logits, and the Hugging Face
+    converter's file's (packed FFN) within float rounding."""
+    from hf_models import compare_logits, hf_logits, random_ids
+
+    info = fmt.inspect(imported(fam, "f32"))
+    ids = random_ids(info.metadata["model.vocab_size"], 24, seed=9)
+    ref, router_logits = hf_logits(_hf_model(fam, models[fam]["folder"]), ids)
+    with _engine(imported(fam, "f32")) as eng:
+        got = eng.forward(ids)
+    with colibri_lab.Engine(models[fam]["hf"]) as eng:
+        packed = eng.forward(ids)
+    top_k = info.metadata["model.top_k"]
+    compare_logits(ref, got, router_logits, top_k, f"{fam} gguf f32 vs transformers")
+    compare_logits(packed, got, router_logits, top_k, f"{fam} gguf f32 vs hf-converted", tol=1e-5)
+
+
+@pytest.mark.parametrize("fam,outtype", QUANTIZED)
+def test_engine_runs_quantized_as_its_values(models, imported, fam, outtype, tmp_path):
+    """The engine on a bf16 / q8_0 import gives the logits of the f32 file of the same
+    (dequantized) values: the copied blocks mean what the GGUF meant."""
+    from hf_models import random_ids
+
+    deq = rewrite_gguf(models[fam]["gguf"][outtype], tmp_path / "deq.gguf", tensors=dequantized)
+    ref_path = convert_gguf(deq, tmp_path / "deq.colibri", progress=False)
+    info = fmt.inspect(imported(fam, outtype))
+    ids = random_ids(info.metadata["model.vocab_size"], 24, seed=10)
+    with _engine(imported(fam, outtype)) as eng:
+        got = eng.forward(ids)
+    with _engine(ref_path) as eng:
+        ref = eng.forward(ids)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * max(1.0, float(np.abs(ref).max())))
+
+
+# --------------------------------------------------------------------------- K-quants
+
+def _llama_quantize(src: Path) -> Path | None:
+    exe = src / "build" / "bin" / "llama-quantize"
+    return exe if exe.is_file() else None
+
+
+@pytest.mark.parametrize("qtype", KQUANT_TYPES)
+def test_k_quant_mixes(models, qtype, tmp_path):
+    """llama-quantize's Q4_K_M / Q5_K_M / Q6_K files (Q4_K, Q5_K, Q6_K and Q8_0 blocks, as
+    llama.cpp mixes them): bytes copied, and the engine gives the logits of the dequantized
+    values. Needs a built llama.cpp (the benchmarks build it); skipped without one."""
+    exe = _llama_quantize(models["src"])
+    if exe is None:
+        pytest.skip(f"llama-quantize is not built in {models['src']}/build (python -m "
+                    "colibri_lab.bench.side_by_side builds llama.cpp); the f32/bf16/q8_0 "
+                    "GGUFs above do not need it")
+    q = tmp_path / f"kquant-{qtype}.gguf"
+    r = subprocess.run([str(exe), str(models["kquant"]["gguf"]["f32"]), str(q), qtype],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    types = {t.tensor_type.name for t in gguf.GGUFReader(q).tensors}
+    want = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K"}[qtype]
+    assert want in types, types
+    out = convert_gguf(q, tmp_path / "k.colibri", progress=False)
+    info = fmt.inspect(out, verify=True)
+    assert info.metadata["model.weight_dtype"] == f"gguf_{qtype.lower()}"
+    _check_bytes_as_stored(info, q, permuted=False)
+    deq = rewrite_gguf(q, tmp_path / "deq.gguf", tensors=dequantized)
+    ref_path = convert_gguf(deq, tmp_path / "deq.colibri", progress=False)
+    from hf_models import random_ids
+
+    ids = random_ids(info.metadata["model.vocab_size"], 16, seed=11)
+    with _engine(out) as eng:
+        got = eng.forward(ids)
+    with _engine(ref_path) as eng:
+        ref = eng.forward(ids)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * max(1.0, float(np.abs(ref).max())))
+
+
+# --------------------------------------------------------------------------- other layouts
+
+def test_fused_gate_up_and_per_expert_tensors(models, imported, tmp_path):
+    """ffn_gate_up_exps ([E, 2I, H]: gate rows, then up rows) and llama.cpp's old
+    per-expert tensors (blk.N.ffn_gate.E.weight) import to the same split FFN."""
+    src = models["mixtral"]["gguf"]["q8_0"]
+    E = 4
+    gates = {t.name: np.array(t.data) for t in gguf.GGUFReader(src).tensors
+             if t.name.endswith("ffn_gate_exps.weight")}
+
+    def fuse(name, ttype, data):
+        if name.endswith("ffn_gate_exps.weight"):
+            return []
+        if name.endswith("ffn_up_exps.weight"):
+            gate = gates[name.replace("up_exps", "gate_exps")]
+            return [(name.replace("up_exps", "gate_up_exps"), ttype,
+                     np.concatenate([gate, data], axis=1))]
+        return [(name, ttype, data)]
+
+    def split(name, ttype, data):
+        if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")):
+            base = name.replace("_exps.weight", "")
+            return [(f"{base}.{e}.weight", ttype, np.ascontiguousarray(data[e])) for e in range(E)]
+        return [(name, ttype, data)]
+
+    want = fmt.inspect(imported("mixtral", "q8_0"))
+    for how in (fuse, split):
+        g = rewrite_gguf(src, tmp_path / f"{how.__name__}.gguf", tensors=how)
+        info = fmt.inspect(convert_gguf(g, tmp_path / f"{how.__name__}.colibri", progress=False,
+                                        tokenizer="none"), verify=True)
+        assert [(t.name, t.dtype, t.shape, t.crc32) for t in info.tensors] == \
+            [(t.name, t.dtype, t.shape, t.crc32) for t in want.tensors], how.__name__
+
+
+def test_dense_layer(models, tmp_path):
+    """A layer with blk.N.ffn_gate/up/down.weight and no router is a dense MLP
+    (model.layer_ffn 0, model.dense_intermediate_size), stored split as ffn_gate/up/down."""
+    src = models["qwen2_moe"]["gguf"]["f32"]
+
+    def densify(name, ttype, data):
+        if name.startswith("blk.1."):
+            if name.endswith(("_shexp.weight",)) and "gate_inp" not in name:
+                return [(name.replace("_shexp", ""), ttype, data)]   # shared expert -> the MLP
+            if "ffn_gate_inp" in name or "_exps" in name:
+                return []
+        return [(name, ttype, data)]
+
+    g = rewrite_gguf(src, tmp_path / "dense.gguf", tensors=densify)
+    info = fmt.inspect(convert_gguf(g, tmp_path / "dense.colibri", progress=False), verify=True)
+    assert info.metadata["model.layer_ffn"] == [1, 0]
+    assert info.metadata["model.dense_intermediate_size"] == 64
+    assert info.tensor("blk.1.ffn_gate").shape == (64, 64)
+    assert info.tensor("blk.1.ffn_down").shape == (64, 64)
+    names = {t.name for t in info.tensors}
+    assert "blk.1.ffn_gate_inp.weight" not in names and "blk.1.ffn_gate_exps" not in names
+    with _engine(info.path) as eng:
+        assert np.isfinite(eng.forward([1, 2, 3])).all()
+
+
+def test_metadata_options_from_the_gguf(models, tmp_path):
+    """{arch}.attention.clamp_kqv -> model.clip_qkv (f32 written, the decimal read back);
+    {arch}.expert_weights_norm overrides the family default."""
+    GT = gguf.GGUFValueType
+    g = rewrite_gguf(models["olmoe"]["gguf"]["f32"], tmp_path / "clip.gguf",
+                     add_fields={"olmoe.attention.clamp_kqv": (2.5, GT.FLOAT32),
+                                 "olmoe.expert_weights_norm": (True, GT.BOOL)})
+    info = fmt.inspect(convert_gguf(g, tmp_path / "clip.colibri", progress=False))
+    assert info.metadata["model.clip_qkv"] == 2.5
+    assert info.metadata["model.norm_topk_prob"] is True
+    assert info.metadata["model.rms_norm_eps"] == 1e-5     # f32 in the GGUF, 1e-5 here
+
+
+# --------------------------------------------------------------------------- refusals
+
+def test_unsupported_tensor_type_is_refused_by_name(models, tmp_path):
+    Q4_0 = gguf.GGMLQuantizationType.Q4_0
+
+    def q4(name, ttype, data):
+        if name == "blk.0.attn_q.weight":
+            return [(name, Q4_0, gguf.quants.quantize(data, Q4_0))]
+        return [(name, ttype, data)]
+
+    g = rewrite_gguf(models["qwen3_moe"]["gguf"]["f32"], tmp_path / "q4_0.gguf", tensors=q4)
+    out = tmp_path / "x.colibri"
+    with pytest.raises(ConversionError, match=r"tensor blk\.0\.attn_q\.weight has type Q4_0, "
+                                              r"which colibri does not support; supported: "
+                                              r"F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K"):
+        convert_gguf(g, out, progress=False)
+    assert not out.exists() and not Path(str(out) + ".tmp").exists()
+
+
+def test_gate_and_up_of_different_dtypes_are_refused(models, tmp_path):
+    """gate and up of one FFN share a dtype (the kernels stream them together); a down
+    projection of another dtype is fine."""
+    F16 = gguf.GGMLQuantizationType.F16
+
+    def to_f16(which):
+        def f(name, ttype, data):
+            if name == f"blk.0.ffn_{which}_exps.weight":
+                return [(name, F16, data.astype(np.float16))]
+            return [(name, ttype, data)]
+        return f
+
+    src = models["qwen3_moe"]["gguf"]["f32"]
+    g = rewrite_gguf(src, tmp_path / "up16.gguf", tensors=to_f16("up"))
+    with pytest.raises(ConversionError, match=r"ffn_gate_exps is F32 but blk\.0\.ffn_up_exps is "
+                                              r"F16.*same|one dtype"):
+        convert_gguf(g, tmp_path / "x.colibri", progress=False)
+    g = rewrite_gguf(src, tmp_path / "down16.gguf", tensors=to_f16("down"))
+    info = fmt.inspect(convert_gguf(g, tmp_path / "y.colibri", progress=False), verify=True)
+    assert info.tensor("blk.0.ffn_down_exps").dtype == "f16"
+    assert info.tensor("blk.0.ffn_gate_exps").dtype == "f32"
+
+
+def test_damaged_files_are_refused(models, tmp_path):
+    src = models["qwen3_moe"]["gguf"]["q8_0"]
+    data = src.read_bytes()
+    for cut, what in ((len(data) - 1000, "tensor data"), (len(data) // 3, "tensor data"),
+                      (200, "metadata")):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        out = tmp_path / "x.colibri"
+        with pytest.raises(ConversionError, match="truncated"):
+            convert_gguf(bad, out, progress=False)
+        assert not out.exists(), what
+    notg = tmp_path / "not.gguf"
+    notg.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ConversionError, match="not a GGUF file"):
+        convert_gguf(notg, tmp_path / "x.colibri", progress=False)
+    with pytest.raises(ConversionError, match="no such GGUF file"):
+        convert_gguf(tmp_path / "missing.gguf", tmp_path / "x.colibri", progress=False)
+
+
+def test_unsupported_architectures_are_refused(models, tmp_path):
+    src = models["qwen3_moe"]["gguf"]["f32"]
+    g = rewrite_gguf(src, tmp_path / "ds.gguf", arch="deepseek2")
+    with pytest.raises(ConversionError, match=r"unsupported GGUF architecture 'deepseek2'; "
+                                              r"supported: llama \(Mixtral"):
+        convert_gguf(g, tmp_path / "x.colibri", progress=False)
+    # a dense llama (no experts)
+    g = rewrite_gguf(models["mixtral"]["gguf"]["f32"], tmp_path / "dense.gguf",
+                     fields=lambda k, v: 0 if k == "llama.expert_count" else v)
+    with pytest.raises(ConversionError, match="dense model"):
+        convert_gguf(g, tmp_path / "x.colibri", progress=False)
+
+
+def test_cli(models, tmp_path, capsys):
+    from colibri_lab.gguf_import import main
+
+    out = tmp_path / "m.colibri"
+    assert main([str(models["olmoe"]["gguf"]["bf16"]), str(out), "--max_seq_len", "128",
+                 "--quiet"]) == 0
+    info = fmt.inspect(out)
+    assert info.header["max_seq_len"] == 128 and info.metadata["model.weight_dtype"] == "gguf_bf16"
+    assert main([str(models["olmoe"]["gguf"]["bf16"]), str(tmp_path / "n.colibri"), "--quiet",
+                 "--no_tokenizer"]) == 0
+    assert fmt.inspect(tmp_path / "n.colibri").metadata["tokenizer.type"] == "none"
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"nope")
+    assert main([str(bad), str(tmp_path / "o.colibri"), "--quiet"]) == 1
+    assert "not a GGUF file" in capsys.readouterr().err
