@@ -675,8 +675,15 @@ def _rows_producer(parts: list[tuple[SrcTensor, int, int]], ncols: int,
                 x = fmt.stored_to_f32(src.read_rows(r0 + a, n, ncols), src.dtype_id)
                 st = quants.to_stored(x, dst)
                 del x
-                yield st, fmt.sumsq_f64(quants.from_stored(st, dst, ncols))
+                yield st, _sumsq(quants.from_stored(st, dst, ncols))
     return gen
+
+
+def _sumsq(x: np.ndarray) -> float:
+    """Sum of squares in f64, without BLAS: np.dot (fmt.sumsq_f64) wakes OpenBLAS's threads,
+    which took milliseconds per chunk next to the quantizer's thread pool."""
+    v = x.reshape(-1).astype(np.float64)
+    return float(np.einsum("i,i->", v, v))
 
 
 @dataclass

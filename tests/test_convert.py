@@ -391,3 +391,220 @@ def test_unused_checkpoint_tensors_are_reported(hf5, tmp_path):
     save_file(src, d / "model.safetensors")
     with pytest.warns(RuntimeWarning, match="shared_expert"):
         convert(d, tmp_path / "m.colibri", progress=False)
+
+
+# ------------------------------------------------------------------------ quantized mixes
+
+from colibri_lab import quants  # noqa: E402
+from colibri_lab.format import (DTYPE_F16, DTYPE_F32, DTYPE_Q4_K, DTYPE_Q5_K,  # noqa: E402
+                                DTYPE_Q6_K, DTYPE_Q8_0, QUANT_DTYPES)
+
+# rows that 256 divides, 8 experts (llama.cpp's Mixtral-8x rules), 4 layers (use_more_bits:
+# layers 2 and 3)
+QSHAPE = dict(vocab_size=300, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=8,
+              num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="module")
+def hfq(tmp_path_factory):
+    return make_hf(tmp_path_factory.mktemp("q") / "hf", **QSHAPE)
+
+
+def source_of(name: str, src: dict) -> np.ndarray:
+    """The checkpoint values a Mixtral file's tensor holds (f32, the tensor's shape)."""
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+           "output_norm.weight": "model.norm.weight"}
+    if name in top:
+        return src[top[name]].float().numpy()
+    _, n, rest = name.split(".", 2)
+    p = f"model.layers.{n}"
+    per = {"attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+           "attn_v.weight": "self_attn.v_proj.weight",
+           "attn_output.weight": "self_attn.o_proj.weight",
+           "attn_norm.weight": "input_layernorm.weight",
+           "ffn_norm.weight": "post_attention_layernorm.weight",
+           "ffn_gate_inp.weight": "block_sparse_moe.gate.weight"}
+    if rest in per:
+        return src[f"{p}.{per[rest]}"].float().numpy()
+    w = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}[rest]
+    E = sum(1 for k in src if k.startswith(f"{p}.block_sparse_moe.experts.") and k.endswith(".w1.weight"))
+    return np.stack([src[f"{p}.block_sparse_moe.experts.{e}.{w}.weight"].float().numpy()
+                     for e in range(E)])
+
+
+Q4, Q5, Q6, Q8 = DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_Q8_0
+# what each mix gives the Mixtral tensors of QSHAPE (llama.cpp's choices, written out)
+EXPECTED = {
+    "q8_0": lambda kind, n: DTYPE_F32 if kind in ("norm", "router") else Q8,
+    "q4_k": lambda kind, n: DTYPE_F32 if kind in ("norm", "router") else Q4,
+    "q4_k_m": lambda kind, n: {"norm": DTYPE_F32, "router": DTYPE_F32, "token_embd": Q4,
+                               "output": Q6, "attn_q": Q4, "attn_k": Q8, "attn_v": Q8,
+                               "attn_output": Q5, "ffn_gate_exps": Q4, "ffn_up_exps": Q4,
+                               "ffn_down_exps": Q6 if n in (2, 3) else Q4}[kind],
+}
+
+
+def kind_of(name: str) -> tuple[str, int | None]:
+    if "norm" in name:
+        return "norm", None
+    if name in ("token_embd.weight", "output.weight"):
+        return name.split(".")[0], None
+    _, n, rest = name.split(".", 2)
+    k = rest.replace(".weight", "")
+    return ("router" if k == "ffn_gate_inp" else k), int(n)
+
+
+@pytest.mark.parametrize("mix", ["q8_0", "q4_k", "q4_k_m"])
+def test_quantized_mix_converts(hfq, tmp_path, mix):
+    out = tmp_path / f"{mix}.colibri"
+    convert(hfq, out, dtype=mix, progress=False)
+    info = inspect(out, verify=True)
+    assert info.version == 2 and info.header["version"] == 2
+    assert info.metadata["model.weight_dtype"] == mix
+    assert info.metadata["model.router_dtype"] == "f32"
+    names = [t.name for t in info.tensors]
+    assert not any(n.endswith(("ffn_experts", "ffn_dense", "ffn_shared")) for n in names)
+    src = load_source(hfq)
+    seen = set()
+    for t in info.tensors:
+        kind, n = kind_of(t.name)
+        seen.add(kind)
+        assert t.dtype_id == EXPECTED[mix](kind, n), (t.name, t.dtype)
+        assert t.layout == "row_major"
+        want_src = source_of(t.name, src)
+        assert want_src.shape == t.shape, t.name     # down not transposed: [E, H, I]
+        got = info.read_tensor(t.name, as_float32=True)
+        if t.dtype_id in QUANT_DTYPES:
+            q = quants.quantize(want_src.reshape(-1, t.shape[-1]), t.dtype_id)
+            assert np.array_equal(info.read_tensor(t.name).reshape(q.shape), q), t.name
+            want = quants.dequantize(q, t.dtype_id, t.shape[-1]).reshape(t.shape)
+        else:
+            want = want_src
+        assert got.dtype == np.float32 and np.array_equal(got, want), t.name
+        # the norm is the dequantized tensor's
+        assert t.l2norm == pytest.approx(float(np.linalg.norm(want.astype(np.float64))), rel=1e-12)
+    assert {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "router", "output"} <= seen
+    sec = {t.name: t.offset for t in info.tensors}
+    ex = info.section("experts")
+    for n in range(4):   # the split FFN lives in the experts section, gate, up, down
+        offs = [sec[f"blk.{n}.ffn_{w}_exps"] for w in ("gate", "up", "down")]
+        assert offs == sorted(offs) and ex.offset <= offs[0] < ex.offset + ex.size
+
+
+def test_quantized_mix_is_deterministic_and_smaller(hfq, tmp_path):
+    a, b, c = tmp_path / "a.colibri", tmp_path / "b.colibri", tmp_path / "c.colibri"
+    convert(hfq, a, dtype="q4_k_m", progress=False)
+    convert(hfq, b, dtype="q4_k_m", progress=False)
+    convert(hfq, c, dtype="bf16", progress=False)
+    assert a.read_bytes() == b.read_bytes()
+    assert a.stat().st_size < 0.5 * c.stat().st_size
+    assert inspect(c).version == 1                       # float files stay version 1
+
+
+def test_quantized_mix_with_int8_router(hfq, tmp_path):
+    out = tmp_path / "m.colibri"
+    convert(hfq, out, dtype="q8_0", quantize_router="int8", progress=False)
+    info = inspect(out, verify=True)
+    assert info.metadata["model.router_dtype"] == "int8" and info.flags["router_int8"]
+    assert info.tensor("blk.0.ffn_gate_inp.weight").dtype == "i8"
+    assert info.tensor("blk.0.ffn_gate_inp.scale").dtype == "f32"
+    assert info.tensor("blk.0.ffn_gate_exps").dtype == "q8_0"
+
+
+def test_quantized_mix_row_fallbacks(tmp_path):
+    """Rows no K block divides fall back to Q8_0; rows 32 does not divide to F16 (values
+    then as the float conversion gives them). The FFN is split all the same."""
+    hf = make_hf(tmp_path / "hf64", hidden_size=64, intermediate_size=96, head_dim=16,
+                 num_attention_heads=4, num_key_value_heads=2)
+    out = tmp_path / "a.colibri"
+    convert(hf, out, dtype="q4_k_m", progress=False)
+    info = inspect(out, verify=True)
+    assert info.version == 2
+    assert {t.dtype for t in info.tensors if t.dtype != "f32"} == {"q8_0"}
+    assert info.tensor("blk.1.ffn_down_exps").shape == (3, 64, 96)
+    src = load_source(hf)
+    want = quants.dequantize(quants.quantize(source_of("output.weight", src), DTYPE_Q8_0),
+                             DTYPE_Q8_0, 64)
+    assert np.array_equal(info.read_tensor("output.weight", as_float32=True), want)
+
+    odd = make_hf(tmp_path / "odd")                     # hidden 20, intermediate 13
+    out = tmp_path / "b.colibri"
+    convert(odd, out, dtype="q8_0", progress=False)
+    info = inspect(out, verify=True)
+    assert info.version == 2
+    assert {t.dtype for t in info.tensors} == {"f16", "f32"}
+    t = info.tensor("blk.0.ffn_down_exps")
+    assert (t.dtype, t.layout, t.shape) == ("f16", "row_major", (3, 20, 13))
+    src = load_source(odd)
+    w2 = np.stack([src[f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight"].numpy()
+                   for e in range(3)])
+    assert np.array_equal(info.read_tensor("blk.0.ffn_down_exps"), w2.astype(np.float16))
+    assert info.tensor("blk.0.ffn_gate_inp.weight").dtype == "f32"
+
+
+def test_quantized_qwen2_moe_dense_and_shared_expert(tmp_path):
+    from hf_families import FamilyShape, build_family_model
+    from hf_models import save_checkpoint
+
+    shp = FamilyShape("qwen2_moe", vocab=300, hidden=256, inter=256, dense_inter=512,
+                      shared_inter=256, layers=3, heads=4, kv_heads=2, experts=4, top_k=2,
+                      mlp_only_layers=(1,))
+    hf = save_checkpoint(build_family_model(shp), tmp_path / "hf")
+    out = tmp_path / "m.colibri"
+    convert(hf, out, dtype="q4_k_m", progress=False)
+    info = inspect(out, verify=True)
+    assert info.version == 2
+    d = {t.name: t.dtype for t in info.tensors}
+    # layer 1 is a dense MLP, layers 0 and 2 MoE with a gated shared expert; 3 layers:
+    # use_more_bits only on layer 2; not 8 experts, so attn_k / attn_output stay Q4_K
+    assert d["blk.1.ffn_gate"] == d["blk.1.ffn_up"] == d["blk.1.ffn_down"] == "q4_k"
+    assert "blk.1.ffn_gate_exps" not in d and "blk.1.ffn_gate_inp.weight" not in d
+    assert d["blk.0.ffn_down_exps"] == d["blk.0.ffn_down_shexp"] == "q4_k"
+    assert d["blk.2.ffn_down_exps"] == d["blk.2.ffn_down_shexp"] == "q6_k"
+    assert d["blk.2.attn_v.weight"] == "q6_k" and d["blk.0.attn_v.weight"] == "q4_k"
+    assert d["blk.0.attn_k.weight"] == d["blk.0.attn_output.weight"] == "q4_k"
+    assert d["blk.0.ffn_gate_shexp"] == d["blk.0.ffn_up_shexp"] == "q4_k"
+    assert d["blk.0.ffn_shared_gate.weight"] == "f32" and d["blk.0.attn_q.bias"] == "f32"
+    assert info.tensor("blk.1.ffn_down").shape == (256, 512)
+    assert info.tensor("blk.0.ffn_up_shexp").shape == (256, 256)
+    src = load_source(hf)
+    for name, key in (("blk.1.ffn_down", "model.layers.1.mlp.down_proj.weight"),
+                      ("blk.2.ffn_gate_shexp", "model.layers.2.mlp.shared_expert.gate_proj.weight"),
+                      ("blk.2.ffn_down_shexp", "model.layers.2.mlp.shared_expert.down_proj.weight")):
+        t = info.tensor(name)
+        w = src[key].float().numpy()
+        want = quants.dequantize(quants.quantize(w, t.dtype_id), t.dtype_id, w.shape[-1])
+        assert np.array_equal(info.read_tensor(name, as_float32=True), want), name
+    assert np.array_equal(info.read_tensor("blk.0.ffn_shared_gate.weight"),
+                          src["model.layers.0.mlp.shared_expert_gate.weight"].float().numpy())
+
+
+def test_quantized_mix_from_the_command_line(hfq, tmp_path):
+    out = tmp_path / "m.colibri"
+    assert main(["--model_name_or_path", str(hfq), "--output_path", str(out),
+                 "--dtype", "q4_k", "--quiet"]) == 0
+    info = inspect(out)
+    assert info.metadata["model.weight_dtype"] == "q4_k"
+    assert info.tensor("output.weight").dtype == "q4_k"
+    with pytest.raises(SystemExit):
+        main(["--model_name_or_path", str(hfq), "--output_path", str(out), "--dtype", "q3_k"])
+
+
+def test_quantized_conversion_streams(tmp_path):
+    """Peak RSS of a q4_k_m conversion stays a few row chunks: no tensor is read whole."""
+    from test_convert_memory import MB, child_peak_kb, write_synthetic_mixtral
+
+    shape = dict(vocab=32000, hidden=256, inter=512, layers=4, experts=8, heads=4, kv_heads=2)
+    hf = tmp_path / "hf"
+    total, largest = write_synthetic_mixtral(hf, **shape)
+    out = tmp_path / "m.colibri"
+    base = child_peak_kb("-")
+    peak = child_peak_kb(str(hf), str(out), "q4_k_m")
+    delta = (peak - base) * 1024
+    print(f"\nq4_k_m: model {total / MB:.0f} MiB f32, largest tensor {largest / MB:.1f} MiB, "
+          f"converter's own {delta / MB:.1f} MiB")
+    assert delta <= 48 * MB, f"converter used {delta / MB:.0f} MiB"
+    info = inspect(out)
+    assert info.metadata["model.weight_dtype"] == "q4_k_m"
+    assert info.tensor("blk.0.ffn_down_exps").shape == (8, 256, 512)
