@@ -396,7 +396,7 @@ def test_unused_checkpoint_tensors_are_reported(hf5, tmp_path):
 # ------------------------------------------------------------------------ quantized mixes
 
 from colibri_lab import quants  # noqa: E402
-from colibri_lab.format import (DTYPE_F16, DTYPE_F32, DTYPE_Q4_K, DTYPE_Q5_K,  # noqa: E402
+from colibri_lab.format import (DTYPE_F32, DTYPE_Q4_K, DTYPE_Q5_K,  # noqa: E402
                                 DTYPE_Q6_K, DTYPE_Q8_0, QUANT_DTYPES)
 
 # rows that 256 divides, 8 experts (llama.cpp's Mixtral-8x rules), 4 layers (use_more_bits:
