@@ -65,6 +65,38 @@ static inline __attribute__((always_inline)) void vprefetch_l2(const void *p) {
     _mm_prefetch((const char *)p, _MM_HINT_T1);
 }
 
+/* the little-endian binary16 at p as a float, by F16C (exact, as cb_f16_to_f32) */
+static inline __attribute__((always_inline)) float f16_at(const uint8_t *p) {
+    return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
+}
+/* Q4_K values of VL elements whose nibbles (low, or high when hi) are the bytes at p, for a
+ * sub-block with value(q) = dl * q - ml, computed as the reference does (AVX2 has no
+ * 16-entry permute of floats, so no table: tab is unused) */
+static inline __attribute__((always_inline)) vf vkeep(vf v);
+static inline __attribute__((always_inline)) vf vq4_table(float dl, float ml) {
+    (void)dl;
+    (void)ml;
+    return _mm256_setzero_ps();
+}
+static inline __attribute__((always_inline)) vf vq4(const uint8_t *p, int hi, vf tab, float dl, float ml) {
+    (void)tab;
+    __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    if (hi) i = _mm256_srli_epi32(i, 4);
+    i = _mm256_and_si256(i, _mm256_set1_epi32(15));
+    vf q = _mm256_cvtepi32_ps(i);
+    return _mm256_sub_ps(vkeep(_mm256_mul_ps(_mm256_set1_ps(dl), q)), _mm256_set1_ps(ml));
+}
+/* Q6_K: the VL values (q - 32) as floats of the elements l .. l+VL of group c (0..3) of a
+ * half: ql at ql[l] (c even) or ql[l + 32] (c odd), qh at qh[l] (docs/format.md) */
+static inline __attribute__((always_inline)) vf vq6(const uint8_t *ql, const uint8_t *qh, int c) {
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ql));
+    __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qh));
+    if (c >= 2) a = _mm256_srli_epi32(a, 4);
+    a = _mm256_and_si256(a, _mm256_set1_epi32(15));
+    h = c == 0 ? _mm256_slli_epi32(h, 4) : c == 1 ? _mm256_slli_epi32(h, 2) : c == 3 ? _mm256_srli_epi32(h, 2) : h;
+    h = _mm256_and_si256(h, _mm256_set1_epi32(0x30));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(a, h), _mm256_set1_epi32(32)));
+}
 /* VL int8 values widened to float (exact) */
 static inline __attribute__((always_inline)) vf vcvt_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));

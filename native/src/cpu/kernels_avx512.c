@@ -57,6 +57,32 @@ static inline __attribute__((always_inline)) void vprefetch_l2(const void *p) {
     _mm_prefetch((const char *)p, _MM_HINT_T1);
 }
 
+/* the little-endian binary16 at p as a float, by F16C (exact, as cb_f16_to_f32) */
+static inline __attribute__((always_inline)) float f16_at(const uint8_t *p) {
+    return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
+}
+/* Q4_K values of VL elements whose nibbles (low, or high when hi) are the bytes at p, for a
+ * sub-block with value(q) = dl * q - ml: AVX-512 looks them up in tab (vq4_table: the 16
+ * values, each computed as the reference does), one permute per vector */
+static inline __attribute__((always_inline)) vf vq4_table(float dl, float ml);
+static inline __attribute__((always_inline)) vf vq4(const uint8_t *p, int hi, vf tab, float dl, float ml) {
+    (void)dl;
+    (void)ml;
+    __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    if (hi) i = _mm512_srli_epi32(i, 4);
+    return _mm512_permutexvar_ps(i, tab); /* the low 4 bits of each index select */
+}
+/* Q6_K: the VL values (q - 32) as floats of the elements l .. l+VL of group c (0..3) of a
+ * half: ql at ql[l] (c even) or ql[l + 32] (c odd), qh at qh[l] (docs/format.md) */
+static inline __attribute__((always_inline)) vf vq6(const uint8_t *ql, const uint8_t *qh, int c) {
+    __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)ql));
+    __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh));
+    if (c >= 2) a = _mm512_srli_epi32(a, 4);
+    a = _mm512_and_si512(a, _mm512_set1_epi32(15));
+    h = c == 0 ? _mm512_slli_epi32(h, 4) : c == 1 ? _mm512_slli_epi32(h, 2) : c == 3 ? _mm512_srli_epi32(h, 2) : h;
+    h = _mm512_and_si512(h, _mm512_set1_epi32(0x30));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(a, h), _mm512_set1_epi32(32)));
+}
 /* VL int8 values widened to float (exact) */
 static inline __attribute__((always_inline)) vf vcvt_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -66,6 +92,11 @@ static inline __attribute__((always_inline)) vf vcvt_i8(const int8_t *p) {
 static inline __attribute__((always_inline)) vf vkeep(vf v) {
     __asm__("" : "+v"(v));
     return v;
+}
+
+static inline __attribute__((always_inline)) vf vq4_table(float dl, float ml) {
+    const vf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return vsub(vkeep(vmul(vset1(dl), iota)), vset1(ml));
 }
 
 #include "kernels_simd.inc"
