@@ -1260,17 +1260,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="colibri-convert",
         description="Convert a Hugging Face MoE checkpoint folder (Mixtral, Qwen2-MoE, "
-                    "Qwen3-MoE, OLMoE) into a .colibri file.")
+                    "Qwen3-MoE, OLMoE), or a llama.cpp GGUF file of one, into a .colibri file.")
     p.add_argument("--model_name_or_path", required=True,
                    help="checkpoint folder: config.json, *.safetensors, optional tokenizer.model "
-                        "or tokenizer.json")
+                        "or tokenizer.json; or a .gguf file, imported as it is stored (no "
+                        "requantizing: --dtype, --quantize_router and --block_size do not apply)")
     p.add_argument("--output_path", required=True, help="the .colibri file to write")
-    p.add_argument("--dtype", choices=list(FLOAT_DTYPES + QUANT_MIXES), default="bf16",
+    p.add_argument("--dtype", choices=list(FLOAT_DTYPES + QUANT_MIXES), default=None,
                    help="weight dtype (norm weights are always f32), or a block-quantized "
                         "mix: q8_0, q4_k, or q4_k_m (llama.cpp's Q4_K_M); default bf16")
-    p.add_argument("--quantize_router", choices=["none", "int8"], default="none",
+    p.add_argument("--quantize_router", choices=["none", "int8"], default=None,
                    help="store router weights as int8 with per-row scale/zero; default none")
-    p.add_argument("--block_size", type=int, default=fmt.DEFAULT_BLOCK_SIZE,
+    p.add_argument("--block_size", type=int, default=None,
                    help="row block of the packed expert layout; default 32")
     p.add_argument("--max_seq_len", type=int, default=None,
                    help="longest sequence; default the config's max_position_embeddings")
@@ -1280,8 +1281,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no stages, no progress bar")
     a = p.parse_args(argv)
     try:
-        convert(a.model_name_or_path, a.output_path, dtype=a.dtype,
-                quantize_router=a.quantize_router, block_size=a.block_size,
+        if os.path.isfile(a.model_name_or_path):
+            from .gguf_import import convert_gguf
+
+            if any(x is not None for x in (a.dtype, a.quantize_router, a.block_size)):
+                raise ConversionError("a GGUF is imported with the dtypes it stores; --dtype, "
+                                      "--quantize_router and --block_size do not apply to it")
+            convert_gguf(a.model_name_or_path, a.output_path, max_seq_len=a.max_seq_len,
+                         progress=not a.quiet, tokenizer="none" if a.no_tokenizer else "auto")
+            return 0
+        convert(a.model_name_or_path, a.output_path, dtype=a.dtype or "bf16",
+                quantize_router=a.quantize_router or "none",
+                block_size=fmt.DEFAULT_BLOCK_SIZE if a.block_size is None else a.block_size,
                 max_seq_len=a.max_seq_len, progress=not a.quiet,
                 tokenizer="none" if a.no_tokenizer else "auto")
     except (ConversionError, fmt.FormatError, OSError) as e:
