@@ -835,10 +835,13 @@ def _bpe_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
     """Byte-level BPE (tokenizer.ggml.model 'gpt2'): a tokenizer.json rebuilt from the tokens,
     merges, token types and tokenizer.ggml.pre, for colibri_lab._bpe.
 
-    Reconstruction: CONTROL tokens are special added tokens (not normalized), USER_DEFINED
-    ones added tokens (normalized, transformers' default for non-special added tokens);
-    tokens spelled in the byte-level alphabet are in the BPE vocabulary (llama.cpp looks every
-    token up there); trailing "[PAD{i}]" fillers are dropped; the pre-tokenizer and the
+    Reconstruction: CONTROL tokens are special added tokens, USER_DEFINED ones non-special
+    added tokens, both matched in the raw text (normalized false: llama.cpp splits them off
+    before anything else; Qwen's and Llama-3's tokenizer.json say so too); an added token is
+    also in the BPE vocabulary when it is spelled in the byte-level alphabet and its id lies
+    among the normal tokens' (a tokenizer trained with its special tokens, GPT-NeoX's), not
+    when it comes after them (Qwen's, Llama-3's added tokens) - either way it encodes and
+    decodes the same; trailing "[PAD{i}]" fillers are dropped; the pre-tokenizer and the
     normalizer follow tokenizer.ggml.pre (BPE_PRE_TOKENIZERS). BOS is the GGUF's bos token
     only when llama.cpp would add it (tokenizer.ggml.add_bos_token, else the pre-tokenizer's
     default), as colibri adds bos_id on request; UNK is none (byte-level BPE never produces
@@ -856,14 +859,14 @@ def _bpe_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
         raise ConversionError(f"{g.path}: a byte-level BPE tokenizer without tokenizer.ggml.merges")
     n = _trim_padding(tokens, types)
     alphabet = set(bytes_to_unicode().values())
+    last_normal = max((i for i in range(n) if int(types[i]) == TT_NORMAL), default=-1)
     vocab, added = {}, []
     for i in range(n):
         s, t = tokens[i], int(types[i])
         if t in (TT_CONTROL, TT_USER_DEFINED):
             added.append({"id": i, "content": s, "single_word": False, "lstrip": False,
-                          "rstrip": False, "normalized": t == TT_USER_DEFINED,
-                          "special": t == TT_CONTROL})
-            if s and all(c in alphabet for c in s) and s not in vocab:
+                          "rstrip": False, "normalized": False, "special": t == TT_CONTROL})
+            if i < last_normal and s and all(c in alphabet for c in s) and s not in vocab:
                 vocab[s] = i
         else:
             if s in vocab:

@@ -58,6 +58,7 @@ TEXTS = [
     "def forward(self, x):\n    return self.w2(F.silu(self.w1(x)) * self.w3(x))\n",
     "The router sends each token to 2 of 6 experts — DON'T expect uniform load!",
     "<|im_start|>user\n你好, мир 🙂 123456<|im_end|>  trailing   spaces  ",
+    "<think>a<|fim_pad|>b</think> <think>\u0338 <|endoftext|><|padding|>",
     "Ça va? naïve café ﬁ Å (A + ring) \u00c5 \u212b",
 ]
 
@@ -215,6 +216,13 @@ def _make_checkpoint(family: str, folder: Path):
         return spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
     kind = "olmo" if family == "olmoe" else "qwen"
     tok = _bpe_tokenizer(kind, 700)
+    if family == "qwen3_moe":
+        # added after the vocabulary, as Qwen3's own (<think> is not special there)
+        from tokenizers import AddedToken
+
+        tok.add_tokens([AddedToken("<think>", special=False, normalized=False),
+                        AddedToken("</think>", special=False, normalized=False)])
+        tok.add_special_tokens([AddedToken("<|fim_pad|>", special=True, normalized=False)])
     # the embedding is padded past the tokenizer (as real checkpoints): llama.cpp's
     # converter fills the GGUF vocabulary up with [PAD{i}] tokens, which the importer drops
     shape = FamilyShape(vocab=tok.get_vocab_size() + 9, **FAMILY_SHAPES[family])
@@ -779,3 +787,28 @@ def test_cli(models, tmp_path, capsys):
     bad.write_bytes(b"nope")
     assert main([str(bad), str(tmp_path / "o.colibri"), "--quiet"]) == 1
     assert "not a GGUF file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fam", ["mixtral"])
+def test_greedy_text_equals_llama_cpp(models, imported, fam):
+    """llama.cpp itself on the f32 GGUF and the engine on its import generate the same
+    greedy text (tokenizer, BOS, q/k order, every weight). Needs a built llama.cpp (the
+    benchmarks build it); skipped without one. Mixtral only: the tiny BPE vocabularies'
+    random-weight continuations are often lone UTF-8 bytes, which llama.cpp's console
+    printing holds back, and llama.cpp's graphs for Qwen3-MoE and OLMoE do not load the
+    attention biases these checkpoints have."""
+    exe = models["src"] / "build" / "bin" / "llama-completion"
+    if not exe.is_file():
+        pytest.skip(f"llama-completion is not built in {models['src']}/build")
+    prompt = "The router sends each token"
+    r = subprocess.run([str(exe), "-m", str(models[fam]["gguf"]["f32"]), "-p", prompt, "-n", "12",
+                        "--temp", "0", "--ignore-eos", "-no-cnv", "-t", "2", "--no-warmup",
+                        "-c", "256"], capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:].decode("utf-8", "replace")
+    out = r.stdout.decode("utf-8", "replace")   # random weights: any bytes may come out
+    with _engine(imported(fam, "f32")) as eng:
+        ids = [t.id for t in eng.generate(prompt, max_new_tokens=12, stop_at_eos=False)]
+        got = eng.tokenizer.decode(ids)
+    assert prompt in out
+    # (decoding the generated ids alone drops SentencePiece's leading space)
+    assert out.split(prompt, 1)[1].strip() == got.strip()
