@@ -103,3 +103,16 @@ def test_quantized_logits_equal_transformers_on_dequantized_weights(checkpoints,
     top_k = model.config.num_experts_per_tok
     compare_logits(want_logits, got, router_logits, top_k, f"{family} {mix}")
     assert np.array_equal(np.concatenate([first, rest]), got), "incremental decoding differs from the full forward"
+
+
+@pytest.mark.parametrize("mix", ["q8_0", "q4_k_m"])
+def test_no_allocation_in_quantized_forward(native_tests, checkpoints, mix, tmp_path):
+    """test_noalloc (forward, batch, fork, truncate with malloc counted) on quantized files
+    of a Qwen2-MoE with a dense layer and a shared expert: every split FFN, every quantized
+    matmul tile and the dequantized embedding rows run from the arena."""
+    from test_native import run_ok
+
+    _, folder = checkpoints["qwen2_moe"]
+    out = tmp_path / f"q-{mix}.colibri"
+    colibri_lab.convert(folder, out, dtype=mix, progress=False)
+    run_ok(native_tests / "test_noalloc", out)
