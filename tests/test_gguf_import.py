@@ -71,11 +71,21 @@ def _llama_root() -> Path:
     return default_cache_dir() / "llama.cpp"
 
 
+def _find_llama_src(root: Path) -> Path | None:
+    """root itself, or an unpacked sdist's vendor/llama.cpp (as bench.llama_cpp looks)."""
+    if (root / "convert_hf_to_gguf.py").is_file():
+        return root.resolve()
+    for cand in sorted(root.glob("llama_cpp_python-*/vendor/llama.cpp"), reverse=True):
+        if (cand / "convert_hf_to_gguf.py").is_file():
+            return cand.resolve()
+    return None
+
+
 def llama_cpp_source(root: Path) -> Path:
     """The llama.cpp source tree (convert_hf_to_gguf.py, gguf-py) under `root`: an unpacked
     llama-cpp-python sdist, downloaded with pip and unpacked when missing. Nothing is built.
     Skips the calling test only when the download itself fails."""
-    from colibri_lab.bench.llama_cpp import _find_llama_src
+    import importlib.util
 
     root.mkdir(parents=True, exist_ok=True)
     src = _find_llama_src(root)
@@ -83,8 +93,12 @@ def llama_cpp_source(root: Path) -> Path:
         return src
     sdists = sorted(root.glob("llama_cpp_python-*.tar.gz"))
     if not sdists:
+        # pip prepares the sdist's metadata with its build backend: the installed
+        # scikit-build-core when there is one, else an isolated build environment
+        isolation = [] if importlib.util.find_spec("scikit_build_core") is None else \
+            ["--no-build-isolation"]
         r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
-                            ":all:", "--no-build-isolation", "llama-cpp-python", "-d", str(root)],
+                            ":all:", *isolation, "llama-cpp-python", "-d", str(root)],
                            capture_output=True, text=True)
         sdists = sorted(root.glob("llama_cpp_python-*.tar.gz"))
         if r.returncode != 0 or not sdists:
