@@ -18,7 +18,8 @@ The plumbing behind ``notebooks/03_tuning.ipynb`` and the side-by-side benchmark
   (:data:`MIXTRAL_791M` is the reference model of ``docs/performance.md``);
   :func:`read_hf_config` reads the shape back from a Hugging Face ``config.json``.
 - **Machine**: :func:`machine_info`, :func:`measure_bandwidth`; the decode roofline
-  (:func:`active_weights`, :func:`decode_roofline`, :func:`roofline_table`).
+  (:func:`active_weights`, :func:`decode_roofline`, :func:`roofline_table`; for a
+  quantized or mixed file, :func:`file_decode_roofline` from its tensor directory).
 - **Timing an Engine**: :func:`timed_run` (one prefill, then decode steps),
   :func:`time_engine` (medians over repetitions), and the sweeps :func:`sweep_threads`,
   :func:`sweep_group_pad`, :func:`sweep_block_size`, :func:`sweep_seq_len`,
@@ -56,6 +57,8 @@ __all__ = [
     "Rows",
     "active_weights",
     "decode_roofline",
+    "file_active_bytes",
+    "file_decode_roofline",
     "find_colibri_bench",
     "machine_info",
     "make_model",
@@ -368,6 +371,10 @@ def decode_roofline(c: dict, dtype: str, bandwidth_gbs: float) -> Facts:
     sets: ``roofline_tok_s = bandwidth / bytes_per_token``. The KV cache read
     (2 x layers x kv_heads x head_dim x context x 4 bytes) is left out: at a 640-token
     context it is ~1 % of the weights of the 791 M model."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"decode_roofline takes a float dtype ({', '.join(DTYPE_BYTES)}); for "
+                         f"{dtype!r} (block-quantized, mixed per tensor) use "
+                         "file_decode_roofline(path) on the model file")
     w = active_weights(c)
     nbytes = w["matrices"] * DTYPE_BYTES[dtype] + w["norms_f32"] * 4
     return Facts({
@@ -377,6 +384,138 @@ def decode_roofline(c: dict, dtype: str, bandwidth_gbs: float) -> Facts:
         "parts_bytes": {k: v * DTYPE_BYTES[dtype] for k, v in w["parts"].items()},
         "bandwidth_gbs": bandwidth_gbs,
         "roofline_tok_s": bandwidth_gbs * 1e9 / nbytes if nbytes else float("nan"),
+    })  # fmt: skip
+
+
+_EXPERTS_RE = re.compile(r"^blk\.\d+\.(ffn_experts|ffn_[a-z_]+_exps)(\.weight)?$")
+
+
+def _tensor_part(name: str) -> str:
+    """The roofline part a tensor belongs to, by its (llama.cpp-style) name, the same in a
+    .colibri file and a GGUF: "experts" (routed experts: [E, ...], top_k of E read),
+    "embedding" (token_embd: one row read), "lm_head", "norms", "router", "attention",
+    or "other" (dense FFNs, shared experts: read whole)."""
+    if _EXPERTS_RE.match(name):
+        return "experts"
+    if name == "token_embd.weight":
+        return "embedding"
+    if name == "output.weight":
+        return "lm_head"
+    if "norm" in name:
+        return "norms"
+    if ".ffn_gate_inp" in name or ".ffn_shared_gate" in name:
+        return "router"
+    if re.match(r"^blk\.\d+\.attn_", name):
+        return "attention"
+    return "other"
+
+
+def _tensor_directory(path: str | os.PathLike) -> tuple[list[tuple], int, str]:
+    """(name, dtype name, shape in numpy order, stored bytes) of every tensor of a
+    .colibri file or a GGUF (by its magic), the top-k, and the file's weight-type name."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        from .gguf_import import GgufFile  # the gguf package, memory-mapped
+
+        g = GgufFile(path)
+        arch = g.get("general.architecture")
+        top_k = int(g.get(f"{arch}.expert_used_count") or 0)
+        ftype = g.get("general.file_type")
+        try:
+            import gguf
+
+            wname = gguf.LlamaFileType(int(ftype)).name.replace("MOSTLY_", "").lower()
+        except Exception:
+            wname = f"file_type {ftype}"
+        rows = [(t.name, t.type_name.lower(), t.shape, int(t.raw.nbytes))
+                for t in g.tensors.values()]  # fmt: skip
+        return rows, top_k, wname
+    from . import format as fmt
+
+    info = fmt.inspect(path)
+    rows = [(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in info.tensors]
+    return rows, int(info.header["top_k"]), str(info.metadata.get("model.weight_dtype", "?"))
+
+
+def file_active_bytes(path: str | os.PathLike) -> Facts:
+    """The bytes one decode token streams, summed over a model file's tensor directory
+    (a .colibri file, or a GGUF), as stored: every tensor's own dtype and bytes, so a
+    mixed file (Q4_K_M holds Q4_K, Q5_K, Q6_K, Q8_0 and f32 tensors) is counted right.
+
+    Per token: attention (q/k/v/o, biases, q/k norms), routers, norms, dense FFNs and
+    shared experts are read whole; of each routed-expert tensor (``blk.N.ffn_experts``,
+    ``blk.N.ffn_{gate,up,down}_exps``: [E, ...]) top_k experts, ``top_k * nbytes / E``;
+    of ``token_embd`` one row (``nbytes / vocab``), and all of it again as the LM head
+    when the embeddings are tied (no ``output.weight``). The KV cache is left out, as in
+    :func:`decode_roofline`; for an f32 or bf16 file the two agree.
+
+    Returns bytes_per_token, active_params (elements read), bits_per_weight (of those),
+    parts_bytes (attention, router, experts, lm_head, embedding_row, norms, other),
+    bytes_by_dtype, file_bits_per_weight (all tensors of the file), top_k and
+    weight_dtype (the file's own name for its mix)."""
+    rows, top_k, wname = _tensor_directory(path)
+    names = {r[0] for r in rows}
+    tied = "output.weight" not in names
+    parts = dict.fromkeys(("attention", "router", "experts", "lm_head", "embedding_row", "norms",
+                           "other"), 0)  # fmt: skip
+    by_dtype: dict[str, int] = {}
+    elems = 0
+    all_bytes = all_elems = 0
+    for name, dt, shape, nbytes in rows:
+        numel = math.prod(shape)
+        all_bytes, all_elems = all_bytes + nbytes, all_elems + numel
+        part = _tensor_part(name)
+        if part == "experts":
+            n_exp = shape[0]
+            if nbytes % n_exp or numel % n_exp:
+                raise ValueError(f"{path}: expert tensor {name} {list(shape)} of {nbytes} bytes "
+                                 f"does not split into {n_exp} experts")
+            k = min(top_k, n_exp)
+            reads = [("experts", nbytes // n_exp * k, numel // n_exp * k)]
+        elif part == "embedding":
+            reads = [("embedding_row", nbytes // shape[0], numel // shape[0])]
+            if tied:
+                reads.append(("lm_head", nbytes, numel))
+        else:
+            reads = [(part, nbytes, numel)]
+        for p, b, n in reads:
+            parts[p] += b
+            by_dtype[dt] = by_dtype.get(dt, 0) + b
+            elems += n
+    total = sum(parts.values())
+    return Facts({
+        "weight_dtype": wname,
+        "active_params": elems,
+        "bytes_per_token": total,
+        "bits_per_weight": total * 8 / elems if elems else float("nan"),
+        "parts_bytes": parts,
+        "bytes_by_dtype": dict(sorted(by_dtype.items(), key=lambda kv: -kv[1])),
+        "file_bits_per_weight": all_bytes * 8 / all_elems if all_elems else float("nan"),
+        "top_k": top_k,
+        "tied_embeddings": tied,
+    })  # fmt: skip
+
+
+def file_decode_roofline(path: str | os.PathLike, bandwidth_gbs: float) -> Facts:
+    """:func:`decode_roofline` for a model file as stored (a .colibri file or a GGUF):
+    :func:`file_active_bytes` per token and ``roofline_tok_s = bandwidth /
+    bytes_per_token``. The way to get the roofline of a block-quantized or mixed model,
+    whose bytes per weight no dtype name gives."""
+    a = file_active_bytes(path)
+    nbytes = a["bytes_per_token"]
+    return Facts({
+        "dtype": a["weight_dtype"],
+        "active_params": a["active_params"],
+        "bytes_per_token": nbytes,
+        "bits_per_weight": a["bits_per_weight"],
+        "parts_bytes": a["parts_bytes"],
+        "bytes_by_dtype": a["bytes_by_dtype"],
+        "file_bits_per_weight": a["file_bits_per_weight"],
+        "bandwidth_gbs": bandwidth_gbs,
+        "roofline_tok_s": bandwidth_gbs * 1e9 / nbytes if nbytes else float("nan"),
+        "from_file": os.fspath(path),
     })  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from colibri_lab.bench import files, side_by_side
@@ -238,3 +239,259 @@ def test_serving_benchmark_smoke(model, tmp_path):
         assert s["output_tok_s"] > 0 and s["ttft_p50_ms"] > 0 and s["itl_p50_ms"] > 0
         assert s["ttft_p99_ms"] >= s["ttft_p50_ms"] and s["itl_p99_ms"] >= s["itl_p50_ms"]
     assert "| colibri | 4 |" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------
+# Quantized dtypes: the roofline from a file's tensor directory, the table, the smoke path
+# ---------------------------------------------------------------------------------------
+
+
+def _stored_nbytes(dtype: str, shape) -> int:
+    """Bytes of a tensor as stored, from the format's block table (by hand, not the reader)."""
+    from colibri_lab import format as fmt
+
+    elems, block_bytes = fmt.DTYPE_BLOCKS[fmt.DTYPE_IDS[dtype]]
+    assert shape[-1] % elems == 0
+    return math.prod(shape[:-1]) * shape[-1] // elems * block_bytes
+
+
+def test_file_roofline_counts_each_tensor_as_stored(make_model):
+    """A Q4_K_M file (hidden 256: real Q4_K and Q6_K tensors, f32 norms and routers): the
+    bytes per decode token are the sum, tensor by tensor, of what one token reads."""
+    from colibri_lab import format as fmt
+    from colibri_lab import tuning
+
+    L, H, I, E, K, V = 2, 256, 256, 4, 2, 512
+    hf, path = make_model(dtype="q4_k_m", vocab=V, hidden=H, inter=I, layers=L, heads=4,
+                          kv_heads=2, experts=E, top_k=K)  # fmt: skip
+    info = fmt.inspect(path)
+    t = {x.name: x for x in info.tensors}
+    for x in info.tensors:  # the directory's nbytes are the block table's
+        assert x.nbytes == _stored_nbytes(x.dtype, x.shape), x.name
+    assert {"q4_k", "q6_k", "f32"} <= {x.dtype for x in info.tensors}  # a real mix
+    nb = lambda name: t[name].nbytes  # noqa: E731
+    attn = sum(nb(f"blk.{n}.attn_{w}.weight") for n in range(L) for w in ("q", "k", "v", "output"))
+    router = sum(nb(f"blk.{n}.ffn_gate_inp.weight") for n in range(L))
+    experts = sum(nb(f"blk.{n}.ffn_{w}_exps") // E * K for n in range(L) for w in ("gate", "up", "down"))
+    norms = sum(nb(f"blk.{n}.{w}_norm.weight") for n in range(L) for w in ("attn", "ffn"))
+    norms += nb("output_norm.weight")
+    lm_head, emb_row = nb("output.weight"), nb("token_embd.weight") // V
+    assert router == L * E * H * 4 and norms == (2 * L + 1) * H * 4  # f32 in the mix
+    want = attn + router + experts + norms + lm_head + emb_row
+
+    roof = tuning.file_decode_roofline(path, 20.0)
+    assert roof["bytes_per_token"] == want
+    assert roof["parts_bytes"] == {"attention": attn, "router": router, "experts": experts,
+                                   "lm_head": lm_head, "embedding_row": emb_row, "norms": norms,
+                                   "other": 0}  # fmt: skip
+    active = (L * (2 * H * H + 2 * H * H // 2 + E * H + K * 3 * H * I + 2 * H) + H + V * H + H)
+    assert roof["active_params"] == active == tuning.decode_roofline(
+        tuning.read_hf_config(hf), "f32", 1.0)["active_params"]
+    assert roof["bits_per_weight"] == pytest.approx(want * 8 / active)
+    assert 4.5 < roof["bits_per_weight"] < 6.6  # Q4_K is 4.5, Q6_K 6.56: between, not a name's
+    assert sum(roof["bytes_by_dtype"].values()) == want
+    assert roof["roofline_tok_s"] == pytest.approx(20e9 / want)
+    assert roof["dtype"] == "q4_k_m" and roof["from_file"] == str(path)
+    json.dumps(roof)
+
+
+def test_file_roofline_of_a_float_file_is_the_config_one(make_model):
+    """For an f32 file (tied embeddings: the LM head is token_embd read whole) the
+    directory and the config give the same bytes; a quantized dtype name is refused."""
+    from colibri_lab import tuning
+
+    hf, path = make_model(tie=True)
+    a = tuning.file_decode_roofline(path, 10.0)
+    b = tuning.decode_roofline(tuning.read_hf_config(hf), "f32", 10.0)
+    assert a["bytes_per_token"] == b["bytes_per_token"] and a["active_params"] == b["active_params"]
+    assert a["parts_bytes"]["lm_head"] == b["parts_bytes"]["lm_head"] > 0
+    assert a["bits_per_weight"] == 32.0 and a["roofline_tok_s"] == pytest.approx(b["roofline_tok_s"])
+    with pytest.raises(ValueError, match="file_decode_roofline"):
+        tuning.decode_roofline(tuning.read_hf_config(hf), "q8_0", 10.0)
+
+
+def test_file_roofline_reads_a_gguf_directory(tmp_path):
+    """The same sum over a GGUF's tensors (llama.cpp's names; top-k from
+    {arch}.expert_used_count; no output.weight: tied), written with the gguf package."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import quantize
+
+    from colibri_lab import tuning
+
+    Q = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(0)
+    E, K, H, I, V = 4, 2, 64, 32, 96
+    p = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_expert_count(E)
+    w.add_expert_used_count(K)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    q8 = lambda *shape: quantize(rng.standard_normal(shape).astype(np.float32), Q.Q8_0)  # noqa: E731
+    w.add_tensor("token_embd.weight", q8(V, H), raw_dtype=Q.Q8_0)
+    w.add_tensor("blk.0.attn_q.weight", q8(H, H), raw_dtype=Q.Q8_0)
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(H, np.float32))
+    w.add_tensor("blk.0.ffn_gate_inp.weight", np.ones((E, H), np.float32))
+    w.add_tensor("blk.0.ffn_gate_exps.weight", q8(E, I, H), raw_dtype=Q.Q8_0)
+    w.add_tensor("blk.0.ffn_down_exps.weight", q8(E, H, I), raw_dtype=Q.Q8_0)
+    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    q8b = lambda *shape: _stored_nbytes("q8_0", shape)  # noqa: E731
+    a = tuning.file_active_bytes(p)
+    assert a["top_k"] == K and a["tied_embeddings"] and a["weight_dtype"] == "q8_0"
+    assert a["parts_bytes"] == {"attention": q8b(H, H), "router": E * H * 4,
+                                "experts": (q8b(E, I, H) + q8b(E, H, I)) // E * K,
+                                "lm_head": q8b(V, H), "embedding_row": q8b(1, H),
+                                "norms": 2 * H * 4, "other": 0}  # fmt: skip
+    assert a["bytes_per_token"] == sum(a["parts_bytes"].values())
+    assert a["bytes_by_dtype"]["f32"] == E * H * 4 + 2 * H * 4
+
+
+def _quant_result() -> dict:
+    bw = {"median_gbs": 20.0, "max_gbs": 21.0, "wall_median_gbs": 19.0, "method": "m"}
+    roof = {"dtype": "q4_k_m", "bytes_per_token": 148_814_400, "bits_per_weight": 5.1765,
+            "file_bits_per_weight": 4.93, "roofline_tok_s": 134.4, "from_file": "/c/m-q4_k_m.colibri",
+            "bytes_by_dtype": {"q4_k": 87_294_528, "q6_k": 50_964_480, "f32": 331_776}}  # fmt: skip
+    return {"machine": {}, "bandwidth": bw, "model_dir": "d",
+            "model": {"model_type": "mixtral", "layers": 1, "hidden": 8, "experts": 2, "top_k": 1,
+                      "vocab": 10},
+            "loadavg_start": [0.0], "loadavg_end": [0.0], "prefill_tokens": 1, "decode_tokens": 1,
+            "reps": 1,
+            "configs": [
+                {"dtype": "bf16", "threads": 2, "engines": {"colibri": {"status": "ok",
+                                                                         "decode_tok_s": 50.0}},
+                 "roofline": {"roofline_tok_s": 43.5, "bytes_per_token": 460_003_328,
+                              "bits_per_weight": 16.0012}},
+                {"dtype": "q4_k_m", "threads": 2, "roofline": roof,
+                 "files": {"gguf_source": "llama-quantize Q4_K_M of the f32 GGUF",
+                           "colibri_source": "gguf_import of m-q4_k_m.gguf (llama.cpp's bytes)"},
+                 "engines": {
+                     "colibri": {"status": "ok", "prefill_tok_s": 300.0, "decode_tok_s": 120.0,
+                                 "roofline_fraction": 120.0 / 134.4},
+                     "llama.cpp": {"status": "ok", "prefill_tok_s": 200.0, "decode_tok_s": 100.0,
+                                   "colibri_over_this_prefill": 1.5, "colibri_over_this_decode": 1.2,
+                                   "llama_bench_args": ["--repack", "0"],
+                                   "llama_bench_note": "llama-bench died of SIGILL; rerun"},
+                     "transformers": {"reps": [], "not_applicable": True,
+                                      "status": "not applicable: transformers has no q4_k_m weights"},
+                 }},
+            ]}  # fmt: skip
+
+
+def test_table_renders_quantized_rows():
+    table = side_by_side.render_table(_quant_result())
+    rows = [ln for ln in table.splitlines() if ln.startswith("| q4_k_m")]
+    assert len(rows) == 3
+    header = next(ln for ln in table.splitlines() if ln.startswith("| dtype"))
+    n_cols = header.count("|")
+    assert "weight MB/token (bits/weight)" in header
+    assert all(r.count("|") == n_cols for r in rows), rows  # every row fills the columns
+    col, llama, hf = rows
+    assert "| 148.8 (5.18) | 134.4 | 89% |" in col
+    assert "| llama.cpp (--repack 0) |" in llama and "| 1.50, 1.20 |" in llama
+    assert "not applicable: transformers has no q4_k_m weights" in hf
+    assert "| 460.0 (16.00) | 43.5 |" in table  # a float row gets the column too
+    assert "q4_k_m: GGUF = llama-quantize Q4_K_M" in table and "gguf_import of" in table
+    assert "5.18 bits/weight" in table and "q4_k 87.3, q6_k 51" in table
+    assert "llama.cpp q4_k_m 2t: llama-bench died of SIGILL" in table
+
+
+def test_llama_bench_crash_reruns_without_repack(monkeypatch):
+    """llama-bench killed by a signal (ggml's AMX kernels where the VM forbids AMX): the
+    configuration reruns with --repack 0 and says so; a second crash is an error."""
+    from colibri_lab.bench.llama_cpp import LlamaBenchCrash
+
+    calls = []
+
+    def fake(src, gguf, threads, n_pre, n_dec, extra=()):
+        calls.append(tuple(extra))
+        if not extra:
+            raise LlamaBenchCrash("llama-bench died of SIGILL")
+        return {"prefill_tok_s": 1.0, "decode_tok_s": 2.0}
+
+    monkeypatch.setattr(side_by_side, "run_llama_bench", fake)
+    ent = {"reps": []}
+    assert side_by_side._llama_rep(ent, Path("s"), Path("g"), 2, 8, 4)["decode_tok_s"] == 2.0
+    assert side_by_side._llama_rep(ent, Path("s"), Path("g"), 2, 8, 4)["decode_tok_s"] == 2.0
+    assert calls == [(), ("--repack", "0"), ("--repack", "0")]
+    assert ent["llama_bench_args"] == ["--repack", "0"] and "SIGILL" in ent["llama_bench_note"]
+
+    def always(*a, **k):
+        raise LlamaBenchCrash("llama-bench died of SIGSEGV")
+
+    monkeypatch.setattr(side_by_side, "run_llama_bench", always)
+    with pytest.raises(LlamaBenchCrash):
+        side_by_side._llama_rep(ent, Path("s"), Path("g"), 2, 8, 4)
+
+
+def test_side_by_side_smoke_quantized_without_llama_cpp(model, tmp_path):
+    """--dtype q8_0,q4_k_m with no llama.cpp (CI): Colibri runs its own converter's file
+    (and says so), transformers is not applicable, llama.cpp not available; the roofline
+    is the Colibri file's directory sum."""
+    from colibri_lab import tuning
+
+    empty = tmp_path / "no-llama"
+    empty.mkdir()
+    out = tmp_path / "q.json"
+    r = _run_module("--smoke", "--dtype", "q8_0,q4_k_m", "--model-dir", model[0],
+                    "--cache-dir", tmp_path / "cache", "--llama-cpp-dir", empty, "--json", out)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [c["dtype"] for c in res["configs"]] == ["q8_0", "q4_k_m"] and res["quant_from"] == "f32"
+    for cfg in res["configs"]:
+        eng, files_ = cfg["engines"], cfg["files"]
+        assert eng["colibri"]["status"] == "ok", eng["colibri"]
+        assert eng["colibri"]["decode_tok_s"] > 0 and eng["colibri"]["prefill_tok_s"] > 0
+        assert eng["transformers"]["status"].startswith("not applicable")
+        assert eng["llama.cpp"]["status"].startswith("not available")
+        assert files_["colibri_source"].startswith(f"colibri_lab.convert --dtype {cfg['dtype']}")
+        assert "no GGUF" in files_["colibri_source"]
+        roof = cfg["roofline"]
+        want = tuning.file_decode_roofline(files_["colibri"], res["bandwidth"]["median_gbs"])
+        assert roof["bytes_per_token"] == want["bytes_per_token"] and roof["bits_per_weight"] > 8
+        assert eng["colibri"]["roofline_fraction"] == pytest.approx(
+            eng["colibri"]["decode_tok_s"] / roof["roofline_tok_s"])
+    assert "| q8_0 | 2 | transformers | not applicable" in r.stdout
+    assert "(8.5" in r.stdout  # Q8_0: 8.5 bits per weight, plus the f32 norms
+
+
+def _local_llama_cpp() -> Path | None:
+    from colibri_lab.bench.common import default_cache_dir
+    from colibri_lab.bench.llama_cpp import _find_llama_src, _llama_bin
+
+    root = Path(os.environ.get("COLIBRI_LLAMA_CPP_DIR", default_cache_dir() / "llama.cpp"))
+    src = _find_llama_src(root) if root.is_dir() else None
+    if src is None or not all(_llama_bin(src, b).is_file() for b in ("llama-bench", "llama-quantize")):
+        return None
+    return root
+
+
+def test_side_by_side_smoke_quantized_with_llama_cpp(model, tmp_path):
+    """Where llama.cpp is built locally (never in CI): the q8_0 GGUF is llama-quantize's,
+    Colibri imports that very file, and the roofline of both files is the same."""
+    root = _local_llama_cpp()
+    if root is None:
+        pytest.skip("llama.cpp (llama-bench, llama-quantize) is not built locally")
+    from colibri_lab import tuning
+
+    out = tmp_path / "q.json"
+    r = _run_module("--smoke", "--dtype", "q8_0", "--engines", "colibri,llama.cpp", "--model-dir",
+                    model[0], "--cache-dir", tmp_path / "cache", "--llama-cpp-dir", root,
+                    "--json", out, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    (cfg,) = json.loads(out.read_text())["configs"]
+    f = cfg["files"]
+    assert f["llama.cpp"].endswith("-q8_0-from-f32.gguf") and "Q8_0" in f["gguf_source"]
+    assert f["colibri_source"].startswith("gguf_import of " + Path(f["llama.cpp"]).name)
+    a, b = (tuning.file_active_bytes(f[e]) for e in ("colibri", "llama.cpp"))
+    assert a["bytes_per_token"] == b["bytes_per_token"] == cfg["roofline"]["bytes_per_token"]
+    assert a["bytes_by_dtype"] == b["bytes_by_dtype"]
+    assert cfg["engines"]["colibri"]["status"] == "ok", cfg["engines"]["colibri"]
+    assert cfg["engines"]["llama.cpp"]["status"] == "ok", cfg["engines"]["llama.cpp"]
+
+
+def test_unknown_dtype_is_a_usage_error(tmp_path):
+    r = _run_module("--smoke", "--dtype", "f32,q3_k", "--cache-dir", tmp_path)
+    assert r.returncode == 2 and "unknown dtype 'q3_k'" in r.stderr and "q4_k_m" in r.stderr

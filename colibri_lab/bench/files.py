@@ -1,4 +1,5 @@
-"""Model files of the side-by-side benchmark: the .colibri conversion cache, the
+"""Model files of the side-by-side benchmark: the .colibri conversion cache (converted
+from the checkpoint, or imported from llama.cpp's GGUF for a quantized dtype), the
 checkout being measured, and the page-cache helpers that make every engine load cold."""
 
 from __future__ import annotations
@@ -33,6 +34,23 @@ def colibri_file(model_dir: Path, dtype: str, cache: Path) -> Path:
         convert(model_dir, out, dtype=dtype, progress=False)
     return out
 
+
+def colibri_from_gguf(gguf: Path, cache: Path) -> Path:
+    """The GGUF imported into .colibri by :func:`colibri_lab.gguf_import.convert_gguf`
+    (the GGUF's bytes copied, not requantized: both engines run the same weights), cached
+    under cache/converted by the GGUF's name, size and modification time."""
+    from ..gguf_import import convert_gguf
+
+    gguf = Path(gguf)
+    st = gguf.stat()
+    stamp = f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:8]
+    out = cache / "converted" / f"{gguf.stem}-gguf{key}.colibri"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _say(f"importing {gguf} to {out}")
+        convert_gguf(gguf, out, progress=False)
+    return out
 
 
 def source_info() -> dict:

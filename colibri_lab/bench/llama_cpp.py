@@ -1,10 +1,12 @@
-"""llama.cpp: built from the llama-cpp-python sdist, its GGUF converter, llama-bench."""
+"""llama.cpp: built from the llama-cpp-python sdist, its GGUF converter and quantizer,
+llama-bench."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -14,6 +16,11 @@ from .common import _say
 from .files import _model_key
 
 LLAMA_TARGETS = ("llama-bench", "llama-quantize", "llama-completion", "llama-server")
+
+#: The benchmark's quantized dtypes and the llama-quantize type that makes each.
+QUANT_TYPES = {"q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
+#: The outtypes of convert_hf_to_gguf.py a quantized GGUF can be made from.
+QUANT_BASES = ("f32", "bf16")
 
 
 def _find_llama_src(root: Path) -> Path | None:
@@ -80,9 +87,15 @@ def ensure_llama_cpp(root: Path, build: bool) -> Path:
     return src
 
 
-def gguf_file(src: Path, model_dir: Path, dtype: str, cache: Path) -> Path:
+def gguf_file(src: Path, model_dir: Path, dtype: str, cache: Path, *, quant_from: str = "f32",
+              threads: int = 2) -> Path:
     """The model as GGUF at `dtype`, made with llama.cpp's convert_hf_to_gguf.py (its own
-    gguf-py; needs torch, sentencepiece, protobuf>=5), cached under cache/gguf."""
+    gguf-py; needs torch, sentencepiece, protobuf>=5), cached under cache/gguf. A quantized
+    dtype (:data:`QUANT_TYPES`) is llama-quantize's output from the `quant_from` GGUF
+    (f32 by default: the lossless copy of f32 or bf16 checkpoints, so the weights are
+    rounded once), cached as ``KEY-q4_k_m-from-f32.gguf``."""
+    if dtype in QUANT_TYPES:
+        return quantized_gguf(src, model_dir, dtype, cache, quant_from=quant_from, threads=threads)
     out = cache / "gguf" / f"{_model_key(model_dir)}-{dtype}.gguf"
     if out.is_file():
         return out
@@ -99,17 +112,68 @@ def gguf_file(src: Path, model_dir: Path, dtype: str, cache: Path) -> Path:
     return out
 
 
-def run_llama_bench(src: Path, gguf: Path, threads: int, n_prompt: int, n_gen: int) -> dict:
+def quantized_gguf(src: Path, model_dir: Path, dtype: str, cache: Path, *, quant_from: str = "f32",
+                   threads: int = 2) -> Path:
+    """llama-quantize's `dtype` (q8_0: Q8_0, q4_k_m: Q4_K_M, llama.cpp's own per-tensor
+    mix) of the model's `quant_from` GGUF (made by :func:`gguf_file` first), cached."""
+    if dtype not in QUANT_TYPES:
+        raise ValueError(f"no llama-quantize type for {dtype!r}; known: {', '.join(QUANT_TYPES)}")
+    if quant_from not in QUANT_BASES:
+        raise ValueError(f"quantize from {quant_from!r}? choose {' or '.join(QUANT_BASES)}")
+    out = cache / "gguf" / f"{_model_key(model_dir)}-{dtype}-from-{quant_from}.gguf"
+    if out.is_file():
+        return out
+    exe = _llama_bin(src, "llama-quantize")
+    if not exe.is_file():
+        raise RuntimeError(f"llama-quantize is not built in {src / 'build'} (cmake --build "
+                           f"{src / 'build'} --target llama-quantize)")  # fmt: skip
+    base = gguf_file(src, model_dir, quant_from, cache)
+    tmp = out.with_suffix(".tmp")
+    _say(f"quantizing {base.name} to {QUANT_TYPES[dtype]}: {out}")
+    r = subprocess.run([str(exe), str(base), str(tmp), QUANT_TYPES[dtype], str(max(1, threads))],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    if r.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        raise RuntimeError("llama-quantize failed: " + " | ".join(tail))
+    tmp.rename(out)
+    return out
+
+
+class LlamaBenchCrash(RuntimeError):
+    """llama-bench was killed by a signal (SIGILL, SIGSEGV, ...), not a usage error."""
+
+
+#: What a configuration whose llama-bench crashes is rerun with: no extra CPU buffer
+#: types (ggml's AMX and repacked-weight buffers). ggml's AMX kernels for Q4_K / Q8_0 ...
+#: die of SIGILL or SIGSEGV where the CPU reports AMX but the (virtual) machine does not
+#: let a process use it; --repack 0 also turns off the repacked kernels, which can be
+#: slower, so a row that needed it says so.
+NO_REPACK = ("--repack", "0")
+
+
+def run_llama_bench(src: Path, gguf: Path, threads: int, n_prompt: int, n_gen: int,
+                    extra: tuple | list = ()) -> dict:
     """One llama-bench repetition: pp at depth 0 and tg at depth n_prompt (-r 1 each,
-    llama-bench's own warm-up run first). Returns tokens/s."""
+    llama-bench's own warm-up run first), with `extra` arguments. Returns tokens/s;
+    raises LlamaBenchCrash when llama-bench dies of a signal."""
     exe = str(_llama_bin(src, "llama-bench"))
     out = {}
 
     def one(args):
         r = subprocess.run([exe, "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json",
-                            *args], capture_output=True, text=True, timeout=3600, check=False)  # fmt: skip
+                            *extra, *args], capture_output=True, text=True, timeout=3600,
+                           check=False)  # fmt: skip
         if r.returncode != 0:
-            raise RuntimeError("llama-bench failed: " + " | ".join(r.stderr.strip().splitlines()[-3:]))
+            tail = " | ".join(r.stderr.strip().splitlines()[-3:])
+            if r.returncode < 0:
+                try:
+                    sig = signal.Signals(-r.returncode).name
+                except ValueError:
+                    sig = f"signal {-r.returncode}"
+                raise LlamaBenchCrash(f"llama-bench died of {sig}" + (f": {tail}" if tail else ""))
+            raise RuntimeError(f"llama-bench failed (exit {r.returncode})"
+                               + (f": {tail}" if tail else ""))
         rows = json.loads(r.stdout)
         return rows[0]
 

@@ -3,6 +3,7 @@
     python -m colibri_lab.bench --make-model                 # the 791 M random Mixtral
     python -m colibri_lab.bench --model-dir DIR --dtype f32,bf16 --threads 2,1 --reps 3
     python -m colibri_lab.bench --smoke --engines colibri,transformers   # CI: seconds
+    python -m colibri_lab.bench --model-dir DIR --dtype q8_0,q4_k_m --no-build  # quantized
 
 For every (dtype, threads) configuration the engines take turns, one repetition each
 (Colibri, llama.cpp, transformers, Colibri, ...), so slow drifts of the machine (other
@@ -32,6 +33,19 @@ ninja`` first), then CMake/Ninja for ``llama-bench llama-quantize llama-completi
 at the run's dtype. Nothing of llama.cpp enters this repository. An engine that cannot
 run says why in its column ("not available: ...") instead of stopping the benchmark.
 
+Quantized dtypes (``q8_0``, ``q4_k_m``; mixable with f32 and bf16): llama.cpp's GGUF is
+``llama-quantize``'s Q8_0 / Q4_K_M of the ``--quant-from`` GGUF (f32 by default, the
+lossless one, so every weight is rounded once), and Colibri runs that same GGUF imported
+by :func:`colibri_lab.gguf_import.convert_gguf` (bytes copied, not requantized), so both
+engines stream the very same weights. Only where no GGUF can be made (llama.cpp not
+built, as in CI's smoke run) does Colibri fall back to its own converter (``convert
+--dtype q8_0``), and the table says so. transformers has no such weights: its rows say
+"not applicable". The roofline of a quantized run counts the bytes as stored, summed
+over the file's tensor directory (:func:`colibri_lab.tuning.file_decode_roofline`: each
+tensor's own type, top-k experts of each MoE layer, one embedding row), so mixed files
+(Q4_K_M holds Q4_K, Q5_K, Q6_K and Q8_0 tensors) are counted right; the f32 and bf16
+rooflines stay :func:`colibri_lab.tuning.decode_roofline`'s, from the config.
+
 Timings are printed, never judged: no result of this tool passes or fails.
 """
 
@@ -50,11 +64,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..tuning import (MIXTRAL_791M, decode_roofline, machine_info, make_model,
-                      measure_bandwidth, read_hf_config)
+from ..tuning import (MIXTRAL_791M, decode_roofline, file_decode_roofline, machine_info,
+                      make_model, measure_bandwidth, read_hf_config)
 from .common import DTYPES, ENGINES, SMOKE_SHAPE, _say, default_cache_dir
-from .files import colibri_file, drop_from_page_cache, hugepage_fraction, source_info
-from .llama_cpp import ensure_llama_cpp, gguf_file, run_llama_bench
+from .files import (colibri_file, colibri_from_gguf, drop_from_page_cache, hugepage_fraction,
+                    source_info)
+from .llama_cpp import (NO_REPACK, QUANT_BASES, QUANT_TYPES, LlamaBenchCrash, ensure_llama_cpp,
+                        gguf_file, run_llama_bench)
+
+#: Every dtype the benchmark runs: the float ones and llama.cpp's quantized types.
+BENCH_DTYPES = tuple(DTYPES) + tuple(QUANT_TYPES)
 
 
 # ---------------------------------------------------------------------------------------
@@ -234,6 +253,99 @@ def _median(reps: list, key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _llama_rep(ent: dict, src: Path, gguf: Path, threads: int, n_pre: int, n_dec: int) -> dict:
+    """One llama-bench repetition. If llama-bench dies of a signal with its defaults, the
+    configuration is rerun, now and for its later repetitions, with ``--repack 0``
+    (llama_cpp.NO_REPACK says why), and the entry records it (``llama_bench_args``,
+    ``llama_bench_note``); the table names the row "llama.cpp (--repack 0)"."""
+    try:
+        return run_llama_bench(src, gguf, threads, n_pre, n_dec, ent.get("llama_bench_args", ()))
+    except LlamaBenchCrash as ex:
+        if ent.get("llama_bench_args"):
+            raise
+        ent["llama_bench_args"] = list(NO_REPACK)
+        ent["llama_bench_note"] = (f"{ex} with its default buffers (AMX / repacked weights); "
+                                   f"rerun with {' '.join(NO_REPACK)}")  # fmt: skip
+        _say(f"llama.cpp: {ent['llama_bench_note']}")
+        return run_llama_bench(src, gguf, threads, n_pre, n_dec, ent["llama_bench_args"])
+
+
+def _model_files(engines, dtype: str, model_dir: Path, cache: Path, llama_src, llama_err,
+                 quant_from: str, threads: int) -> tuple[dict, dict]:
+    """Each engine's model file at `dtype` (a Path, or the exception that says why there
+    is none), and what the JSON records of them (paths, how Colibri's was made).
+
+    f32/bf16: Colibri's converter and llama.cpp's convert_hf_to_gguf.py, each from the
+    checkpoint. Quantized: llama.cpp's GGUF (llama-quantize), which Colibri imports as it
+    is; only without a GGUF (llama.cpp not built) Colibri's own converter, said so."""
+    files: dict[str, object] = {}
+    info: dict[str, object] = {}
+    if dtype not in QUANT_TYPES:
+        if "colibri" in engines:
+            try:
+                files["colibri"] = colibri_file(model_dir, dtype, cache)
+                info["colibri_source"] = f"colibri_lab.convert --dtype {dtype}"
+            except Exception as e:
+                files["colibri"] = e
+        if "llama.cpp" in engines and llama_src is not None:
+            try:
+                files["llama.cpp"] = gguf_file(llama_src, model_dir, dtype, cache)
+            except Exception as e:
+                files["llama.cpp"] = e
+    else:
+        gguf: object = RuntimeError(llama_err or "llama.cpp not found")
+        if llama_src is not None and {"colibri", "llama.cpp"} & set(engines):
+            try:
+                gguf = gguf_file(llama_src, model_dir, dtype, cache, quant_from=quant_from,
+                                 threads=threads)  # fmt: skip
+            except Exception as e:
+                gguf = e
+        if isinstance(gguf, Path):
+            info["gguf_source"] = (f"llama-quantize {QUANT_TYPES[dtype]} of the convert_hf_"
+                                   f"to_gguf.py --outtype {quant_from} GGUF")  # fmt: skip
+        if "llama.cpp" in engines and llama_src is not None:
+            files["llama.cpp"] = gguf
+        if "colibri" in engines:
+            if isinstance(gguf, Path):
+                try:
+                    files["colibri"] = colibri_from_gguf(gguf, cache)
+                    info["colibri_source"] = f"gguf_import of {gguf.name} (llama.cpp's bytes)"
+                except Exception as e:  # no fallback: the engines would run different weights
+                    files["colibri"] = RuntimeError(f"importing {gguf.name} failed: {e}")
+            else:
+                why = (str(gguf).strip() or type(gguf).__name__).splitlines()[0]
+                why = why.split(" (")[0]  # the reason, without the advice in parentheses
+                try:
+                    files["colibri"] = colibri_file(model_dir, dtype, cache)
+                    info["colibri_source"] = (f"colibri_lab.convert --dtype {dtype}, not "
+                                              f"llama.cpp's bytes (no GGUF: {why})")  # fmt: skip
+                except Exception as e:
+                    files["colibri"] = e
+    for e, f in files.items():
+        info[e] = str(f) if isinstance(f, Path) else None
+    return files, info
+
+
+def _roofline(hf_cfg: dict, dtype: str, bandwidth_gbs: float, files: dict) -> dict:
+    """The decode roofline of a configuration. f32/bf16: from the config, as ever
+    (:func:`decode_roofline`); quantized: from the tensor directory of the file the
+    engines run (Colibri's, else llama.cpp's GGUF: the same bytes where both exist)."""
+    if dtype not in QUANT_TYPES:
+        roof = decode_roofline(hf_cfg, dtype, bandwidth_gbs)
+        roof["bits_per_weight"] = roof["bytes_per_token"] * 8 / roof["active_params"]
+        return roof
+    why = "no model file"
+    for e in ("colibri", "llama.cpp"):
+        f = files.get(e)
+        if isinstance(f, Path):
+            try:
+                return file_decode_roofline(f, bandwidth_gbs)
+            except Exception as ex:
+                why = f"{f.name}: {ex}"
+    return {"dtype": dtype, "roofline_tok_s": None, "bandwidth_gbs": bandwidth_gbs,
+            "error": why}  # fmt: skip
+
+
 def run(args) -> dict:
     cache = Path(args.cache_dir).expanduser()
     llama_root = Path(args.llama_cpp_dir).expanduser() if args.llama_cpp_dir else cache / "llama.cpp"
@@ -279,27 +391,24 @@ def run(args) -> dict:
     result["bandwidth"] = bw
 
     llama_src, llama_err = None, None
-    if "llama.cpp" in engines:
+    quant_from = getattr(args, "quant_from", "f32")
+    if any(d in QUANT_TYPES for d in dtypes):
+        result["quant_from"] = quant_from
+    if "llama.cpp" in engines or any(d in QUANT_TYPES for d in dtypes):
+        # a quantized dtype needs llama.cpp's converter and quantizer even for Colibri
+        # alone (it runs the same GGUF); only a run of llama.cpp itself builds it
         try:
-            llama_src = ensure_llama_cpp(llama_root, build=not (args.smoke or args.no_build))
+            llama_src = ensure_llama_cpp(llama_root, build="llama.cpp" in engines
+                                         and not (args.smoke or args.no_build))  # fmt: skip
         except Exception as e:
             llama_err = str(e)
         result["llama_cpp_dir"] = str(llama_src or llama_root)
 
     for dtype in dtypes:
-        roof = decode_roofline(hf_cfg, dtype, bw["median_gbs"])
         # model files first (conversion is not timed)
-        files: dict[str, object] = {}
-        if "colibri" in engines:
-            try:
-                files["colibri"] = colibri_file(model_dir, dtype, cache)
-            except Exception as e:
-                files["colibri"] = e
-        if "llama.cpp" in engines and llama_src is not None:
-            try:
-                files["llama.cpp"] = gguf_file(llama_src, model_dir, dtype, cache)
-            except Exception as e:
-                files["llama.cpp"] = e
+        files, file_info = _model_files(engines, dtype, model_dir, cache, llama_src, llama_err,
+                                        quant_from, max(threads))  # fmt: skip
+        roof = _roofline(hf_cfg, dtype, bw["median_gbs"], files)
         for nt in threads:
             cfg = Config(dtype, nt)
             workers: dict[str, Worker] = {}
@@ -309,13 +418,19 @@ def run(args) -> dict:
                     drop_from_page_cache(f)
             for e in engines:
                 cfg.engines[e] = {"reps": []}
+                if e == "transformers" and dtype in QUANT_TYPES:
+                    cfg.engines[e]["status"] = (f"not applicable: transformers has no {dtype} "
+                                                "weights")  # fmt: skip
+                    cfg.engines[e]["not_applicable"] = True
+                    continue
                 try:
                     if e == "colibri":
                         if isinstance(files["colibri"], Exception):
                             raise files["colibri"]
                         w = Worker("colibri", str(files["colibri"]), nt, n_pre + n_dec)
                         cfg.engines[e].update({k: w.info[k] for k in
-                                               ("threads_used", "kernels", "version")})
+                                               ("threads_used", "kernels", "version",
+                                                "weight_dtype")})  # fmt: skip
                         workers[e] = w
                     elif e == "transformers":
                         w = Worker("transformers", str(model_dir), dtype, nt)
@@ -345,11 +460,11 @@ def run(args) -> dict:
                 dec = _ids_for(args.seed + 1, rep, n_dec, hf_cfg["vocab"], None)
                 for e in engines:
                     ent = cfg.engines[e]
-                    if "error" in ent:
+                    if "error" in ent or ent.get("not_applicable"):
                         continue
                     try:
                         if e == "llama.cpp":
-                            r = run_llama_bench(llama_src, files["llama.cpp"], nt, n_pre, n_dec)
+                            r = _llama_rep(ent, llama_src, files["llama.cpp"], nt, n_pre, n_dec)
                         else:
                             r = workers[e].run(prompt, dec)
                     except Exception as ex:
@@ -368,6 +483,8 @@ def run(args) -> dict:
                     except OSError:
                         pass
             for e, ent in cfg.engines.items():
+                if ent.get("not_applicable"):
+                    continue
                 ent["prefill_tok_s"] = _median(ent["reps"], "prefill_tok_s")
                 ent["decode_tok_s"] = _median(ent["reps"], "decode_tok_s")
                 for k in ("prefill_cpu_ms_per_tok", "decode_cpu_ms_per_tok"):
@@ -376,7 +493,7 @@ def run(args) -> dict:
                 p50, p99 = _median(ent["reps"], "decode_p50_ms"), _median(ent["reps"], "decode_p99_ms")
                 if p50 and p99:
                     ent["decode_p99_over_p50"] = p99 / p50
-                if ent["decode_tok_s"]:
+                if ent["decode_tok_s"] and roof.get("roofline_tok_s"):
                     ent["roofline_fraction"] = ent["decode_tok_s"] / roof["roofline_tok_s"]
                 if "error" in ent and not ent["reps"]:
                     ent["status"] = f"not available: {ent['error']}"
@@ -390,7 +507,7 @@ def run(args) -> dict:
                     if col.get(k) and ent.get(k):
                         ent[f"colibri_over_this_{k[:-6]}"] = col[k] / ent[k]
             result["configs"].append({"dtype": dtype, "threads": nt, "roofline": roof,
-                                      "engines": cfg.engines})  # fmt: skip
+                                      "files": file_info, "engines": cfg.engines})  # fmt: skip
     result["loadavg_end"] = list(os.getloadavg())
     result["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return result
@@ -398,6 +515,42 @@ def run(args) -> dict:
 
 def _fmt(v, spec=".1f") -> str:
     return "—" if v is None else format(v, spec)
+
+
+def _mb_bits(roof: dict) -> str:
+    """The weight MB one decode token reads and their bits per weight: '148.8 (5.18)'."""
+    b, bits = roof.get("bytes_per_token"), roof.get("bits_per_weight")
+    if not b:
+        return "—"
+    return f"{b / 1e6:.1f}" + (f" ({bits:.2f})" if bits else "")
+
+
+def _quant_lines(res: dict) -> list[str]:
+    """One line per quantized dtype: the files each engine ran, and its bytes per token by
+    tensor type."""
+    out, seen = [], set()
+    for c in res["configs"]:
+        dt = c["dtype"]
+        if dt in seen or dt not in QUANT_TYPES:
+            continue
+        seen.add(dt)
+        f, roof = c.get("files") or {}, c["roofline"]
+        parts = [f"{dt}:"]
+        if f.get("gguf_source"):
+            parts.append(f"GGUF = {f['gguf_source']};")
+        if f.get("colibri_source"):
+            parts.append(f"Colibri runs {f['colibri_source']};")
+        if roof.get("bytes_per_token"):
+            by = ", ".join(f"{k} {v / 1e6:.3g}"
+                           for k, v in (roof.get("bytes_by_dtype") or {}).items())
+            parts.append(f"weights per decode token {roof['bytes_per_token'] / 1e6:.1f} MB "
+                         f"({by}), {roof['bits_per_weight']:.2f} bits/weight "
+                         f"(whole file {roof.get('file_bits_per_weight', float('nan')):.2f}), "
+                         f"from the tensor directory of {Path(roof.get('from_file', '?')).name}")
+        else:
+            parts.append(f"no roofline: {roof.get('error', '?')}")
+        out.append(" ".join(parts))
+    return out
 
 
 def render_table(res: dict) -> str:
@@ -414,23 +567,31 @@ def render_table(res: dict) -> str:
         f"load average (1 min) at start {res['loadavg_start'][0]:.1f}, at end {res['loadavg_end'][0]:.1f}",
         f"prefill {res['prefill_tokens']} tokens, decode {res['decode_tokens']} tokens after it; "
         f"median of {res['reps']} repetition(s), engines alternating",
+        *_quant_lines(res),
+        *[f"llama.cpp {c['dtype']} {c['threads']}t: {c['engines']['llama.cpp']['llama_bench_note']}"
+          for c in res["configs"] if c["engines"].get("llama.cpp", {}).get("llama_bench_note")],
         "",
         "| dtype | threads | engine | prefill tok/s | decode tok/s | decode P99/P50 "
-        "| roofline tok/s | decode ÷ roofline | Colibri ÷ this (prefill, decode) "
-        "| CPU ms/token (prefill, decode) | file in 2 MiB pages |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| weight MB/token (bits/weight) | roofline tok/s | decode ÷ roofline "
+        "| Colibri ÷ this (prefill, decode) | CPU ms/token (prefill, decode) "
+        "| file in 2 MiB pages |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in res["configs"]:
-        roof = c["roofline"]["roofline_tok_s"]
+        roof = c["roofline"].get("roofline_tok_s")
+        mb = _mb_bits(c["roofline"])
         for e, ent in c["engines"].items():
-            if ent.get("status", "").startswith("not available"):
-                lines.append(f"| {c['dtype']} | {c['threads']} | {e} | {ent['status']} | | | | | | | |")
+            if ent.get("status", "").startswith(("not available", "not applicable")):
+                lines.append(f"| {c['dtype']} | {c['threads']} | {e} | {ent['status']} |"
+                             + " |" * 8)
                 continue
             name = e
             if e == "colibri" and ent.get("kernels") not in (None, "not reported"):
                 name += f" [{ent['kernels']}]"
             if e == "colibri" and ent.get("threads_used") not in (None, c["threads"]):
                 name += f" ({ent['threads_used']} thread used)"
+            if e == "llama.cpp" and ent.get("llama_bench_args"):
+                name += f" ({' '.join(ent['llama_bench_args'])})"
             if e == "transformers" and ent.get("experts_implementation") == "eager":
                 name += " (eager experts)"
             ratio = "—"
@@ -440,7 +601,7 @@ def render_table(res: dict) -> str:
             lines.append(
                 f"| {c['dtype']} | {c['threads']} | {name} | {_fmt(ent.get('prefill_tok_s'))} "
                 f"| {_fmt(ent.get('decode_tok_s'))} | {_fmt(ent.get('decode_p99_over_p50'), '.2f')} "
-                f"| {roof:.1f} | {_fmt(ent.get('roofline_fraction'), '.0%')} | {ratio} "
+                f"| {mb} | {_fmt(roof)} | {_fmt(ent.get('roofline_fraction'), '.0%')} | {ratio} "
                 f"| {_fmt(ent.get('prefill_cpu_ms_per_tok'), '.1f')}, "
                 f"{_fmt(ent.get('decode_cpu_ms_per_tok'), '.1f')} "
                 f"| {_fmt(ent.get('file_hugepage_fraction'), '.0%')} |"
@@ -458,7 +619,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model-dir", help="Hugging Face checkpoint folder (config.json + safetensors)")
     src.add_argument("--make-model", action="store_true",
                      help="generate the 791 M random Mixtral (seeded) into the cache and use it")
-    p.add_argument("--dtype", default="f32", help="f32, bf16 or both: f32,bf16 (default f32)")
+    p.add_argument("--dtype", default="f32",
+                   help="comma-separated f32, bf16, q8_0, q4_k_m (llama.cpp's quantized types; "
+                        "Colibri runs the same GGUF, imported), e.g. f32,bf16 (default f32)")
+    p.add_argument("--quant-from", default="f32", choices=QUANT_BASES,
+                   help="the GGUF outtype llama-quantize quantizes from (default f32: lossless "
+                        "for f32 and bf16 checkpoints)")  # fmt: skip
     p.add_argument("--threads", default="2", help="threads per engine, e.g. 2 or 2,1 (default 2)")
     p.add_argument("--reps", type=int, default=3, help="repetitions per engine (default 3)")
     p.add_argument("--engines", default=",".join(ENGINES),
@@ -502,8 +668,8 @@ def main(argv=None) -> int:
             p.error(f"unknown engine {e!r}; choose from {', '.join(ENGINES)}")
     args.dtype = [d.strip() for d in args.dtype.split(",") if d.strip()]
     for d in args.dtype:
-        if d not in DTYPES:
-            p.error(f"unknown dtype {d!r}; choose f32, bf16 or f32,bf16")
+        if d not in BENCH_DTYPES:
+            p.error(f"unknown dtype {d!r}; choose from {', '.join(BENCH_DTYPES)}, e.g. f32,q8_0")
     try:
         args.threads = [int(t) for t in str(args.threads).split(",") if t.strip()]
     except ValueError:
