@@ -25,7 +25,6 @@ shared expert, Qwen3-MoE with q/k head norms, OLMoE with full q/k norms and clip
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import tarfile
