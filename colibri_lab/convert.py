@@ -954,14 +954,12 @@ def family_metadata(s: ModelSpec) -> list[tuple[str, MetaValue]]:
     return out
 
 
-def build_metadata(s: ModelSpec, name: str, W: int, int8_router: bool, B: int,
-                   max_seq_len: int, tok_meta: dict, *, mix: str | None = None) -> bytes:
-    """The metadata section. `mix`: a quantized mix's name, which becomes
-    model.weight_dtype (its routers are f32 unless int8)."""
-    wname = fmt.DTYPE_NAMES[W] if mix is None else mix
-    rname = "int8" if int8_router else (fmt.DTYPE_NAMES[W] if mix is None else "f32")
+def spec_metadata(s: ModelSpec, *, name: str, max_seq_len: int, router_dtype: str,
+                  weight_dtype: str) -> list[tuple[str, MetaValue]]:
+    """The required model keys of the metadata (docs/format.md, "Keys"), for the HF
+    converter and the GGUF importer alike."""
     M = MetaValue
-    entries = [
+    return [
         ("general.architecture", M(fmt.MT_STRING, s.architecture)),
         ("general.name", M(fmt.MT_STRING, name)),
         ("model.n_layers", M(fmt.MT_U32, s.n_layers)),
@@ -981,8 +979,20 @@ def build_metadata(s: ModelSpec, name: str, W: int, int8_router: bool, B: int,
         ("model.sliding_window", M(fmt.MT_U64, s.sliding_window)),
         ("model.tie_word_embeddings", M(fmt.MT_BOOL, s.tie_word_embeddings)),
         ("model.max_seq_len", M(fmt.MT_U64, max_seq_len)),
-        ("model.router_dtype", M(fmt.MT_STRING, rname)),
-        ("model.weight_dtype", M(fmt.MT_STRING, wname)),
+        ("model.router_dtype", M(fmt.MT_STRING, router_dtype)),
+        ("model.weight_dtype", M(fmt.MT_STRING, weight_dtype)),
+    ]
+
+
+def build_metadata(s: ModelSpec, name: str, W: int, int8_router: bool, B: int,
+                   max_seq_len: int, tok_meta: dict, *, mix: str | None = None) -> bytes:
+    """The metadata section. `mix`: a quantized mix's name, which becomes
+    model.weight_dtype (its routers are f32 unless int8)."""
+    wname = fmt.DTYPE_NAMES[W] if mix is None else mix
+    rname = "int8" if int8_router else (fmt.DTYPE_NAMES[W] if mix is None else "f32")
+    M = MetaValue
+    entries = [
+        *spec_metadata(s, name=name, max_seq_len=max_seq_len, router_dtype=rname, weight_dtype=wname),
         *family_metadata(s),
         *_tokenizer_meta_entries(tok_meta),
         ("convert.block_size", M(fmt.MT_U32, B)),

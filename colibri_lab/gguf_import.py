@@ -49,7 +49,8 @@ import numpy as np
 
 from . import format as fmt
 from .convert import (CHUNK_ELEMS, ConversionError, ModelSpec, PlannedTensor, _Say,
-                      _tokenizer_meta_entries, _version, family_metadata, write_colibri)
+                      _tokenizer_meta_entries, _version, family_metadata, spec_metadata,
+                      write_colibri)
 from .format import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_NUMPY, DTYPE_Q4_K, DTYPE_Q5_K,
                      DTYPE_Q6_K, DTYPE_Q8_0, LAYOUT_ROW_MAJOR, MetaValue)
 
@@ -951,27 +952,8 @@ def _metadata(s: ModelSpec, name: str, router_dtype: str, weight_dtype: str, msl
                and v.value != defaults[k] for k, v in other) or s.layer_ffn:
             fam = other
     entries = [
-        ("general.architecture", M(fmt.MT_STRING, s.architecture)),
-        ("general.name", M(fmt.MT_STRING, name)),
-        ("model.n_layers", M(fmt.MT_U32, s.n_layers)),
-        ("model.hidden_size", M(fmt.MT_U32, s.hidden_size)),
-        ("model.intermediate_size", M(fmt.MT_U32, s.intermediate_size)),
-        ("model.vocab_size", M(fmt.MT_U32, s.vocab_size)),
-        ("model.n_heads", M(fmt.MT_U32, s.n_heads)),
-        ("model.n_kv_heads", M(fmt.MT_U32, s.n_kv_heads)),
-        ("model.head_dim", M(fmt.MT_U32, s.head_dim)),
-        ("model.n_experts", M(fmt.MT_U32, s.n_experts)),
-        ("model.top_k", M(fmt.MT_U32, s.top_k)),
-        ("model.norm_topk_prob", M(fmt.MT_BOOL, s.norm_topk_prob)),
-        ("model.rms_norm_eps", M(fmt.MT_F64, s.rms_norm_eps)),
-        ("model.rope_theta", M(fmt.MT_F64, s.rope_theta)),
-        ("model.rope_type", M(fmt.MT_STRING, "default")),
-        ("model.max_position_embeddings", M(fmt.MT_U64, s.max_position_embeddings)),
-        ("model.sliding_window", M(fmt.MT_U64, s.sliding_window)),
-        ("model.tie_word_embeddings", M(fmt.MT_BOOL, s.tie_word_embeddings)),
-        ("model.max_seq_len", M(fmt.MT_U64, msl)),
-        ("model.router_dtype", M(fmt.MT_STRING, router_dtype)),
-        ("model.weight_dtype", M(fmt.MT_STRING, weight_dtype)),
+        *spec_metadata(s, name=name, max_seq_len=msl, router_dtype=router_dtype,
+                       weight_dtype=weight_dtype),
         *fam,
         *_tokenizer_meta_entries(tok_meta),
         ("convert.block_size", M(fmt.MT_U32, fmt.DEFAULT_BLOCK_SIZE)),
@@ -1038,29 +1020,3 @@ def convert_gguf(gguf_path, output_path, *, max_seq_len: int | None = None,
     meta = _metadata(spec, str(name), router_dtype, wname, msl, tok_meta, source)
     return write_colibri(output_path, spec, tensors, meta, tok_bytes, msl=msl, int8_router=False,
                          block_size=fmt.DEFAULT_BLOCK_SIZE, say=say)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m colibri_lab.gguf_import IN.gguf OUT.colibri [--max_seq_len N] [--quiet]`."""
-    import argparse
-    import sys
-    p = argparse.ArgumentParser(prog="python -m colibri_lab.gguf_import",
-                                description="Import a llama.cpp GGUF MoE model into .colibri "
-                                            "(weights copied, never requantized).")
-    p.add_argument("gguf")
-    p.add_argument("output")
-    p.add_argument("--max_seq_len", type=int, default=None)
-    p.add_argument("--no_tokenizer", action="store_true")
-    p.add_argument("--quiet", action="store_true")
-    a = p.parse_args(argv)
-    try:
-        convert_gguf(a.gguf, a.output, max_seq_len=a.max_seq_len, progress=not a.quiet,
-                     tokenizer="none" if a.no_tokenizer else "auto")
-    except (ConversionError, fmt.FormatError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -41,6 +41,7 @@ import colibri_lab  # noqa: E402
 from colibri_lab import format as fmt  # noqa: E402
 from colibri_lab.convert import ConversionError  # noqa: E402
 from colibri_lab.gguf_import import convert_gguf  # noqa: E402
+from colibri_lab.bench.llama_cpp import _find_llama_src  # noqa: E402
 
 from hf_families import FamilyShape, build_family_model  # noqa: E402
 from hf_models import Shape, build_model, save_checkpoint  # noqa: E402
@@ -68,16 +69,6 @@ def _llama_root() -> Path:
     from colibri_lab.bench.common import default_cache_dir
 
     return default_cache_dir() / "llama.cpp"
-
-
-def _find_llama_src(root: Path) -> Path | None:
-    """root itself, or an unpacked sdist's vendor/llama.cpp (as bench.llama_cpp looks)."""
-    if (root / "convert_hf_to_gguf.py").is_file():
-        return root.resolve()
-    for cand in sorted(root.glob("llama_cpp_python-*/vendor/llama.cpp"), reverse=True):
-        if (cand / "convert_hf_to_gguf.py").is_file():
-            return cand.resolve()
-    return None
 
 
 def llama_cpp_source(root: Path) -> Path:
@@ -791,19 +782,26 @@ def test_unsupported_architectures_are_refused(models, tmp_path):
 
 
 def test_cli(models, tmp_path, capsys):
-    from colibri_lab.gguf_import import main
+    """colibri-convert --model_name_or_path X.gguf imports; it refuses the HF-only options."""
+    from colibri_lab.convert import main
 
+    g = str(models["olmoe"]["gguf"]["bf16"])
     out = tmp_path / "m.colibri"
-    assert main([str(models["olmoe"]["gguf"]["bf16"]), str(out), "--max_seq_len", "128",
+    assert main(["--model_name_or_path", g, "--output_path", str(out), "--max_seq_len", "128",
                  "--quiet"]) == 0
     info = fmt.inspect(out)
     assert info.header["max_seq_len"] == 128 and info.metadata["model.weight_dtype"] == "gguf_bf16"
-    assert main([str(models["olmoe"]["gguf"]["bf16"]), str(tmp_path / "n.colibri"), "--quiet",
+    assert main(["--model_name_or_path", g, "--output_path", str(tmp_path / "n.colibri"), "--quiet",
                  "--no_tokenizer"]) == 0
     assert fmt.inspect(tmp_path / "n.colibri").metadata["tokenizer.type"] == "none"
+    assert main(["--model_name_or_path", g, "--output_path", str(tmp_path / "d.colibri"), "--quiet",
+                 "--dtype", "q8_0"]) == 1
+    assert "do not apply" in capsys.readouterr().err
+    assert not (tmp_path / "d.colibri").exists()
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"nope")
-    assert main([str(bad), str(tmp_path / "o.colibri"), "--quiet"]) == 1
+    assert main(["--model_name_or_path", str(bad), "--output_path", str(tmp_path / "o.colibri"),
+                 "--quiet"]) == 1
     assert "not a GGUF file" in capsys.readouterr().err
 
 
