@@ -194,6 +194,22 @@ static void test_conversions(void) {
 
 /* ---- kernels ---- */
 
+/* y[t, :] of a matmul against a double loop over the weights' exact values */
+static void check_matmul_token(const cb_kernels *K, uint32_t dt, const float *y, const float *x, const float *val,
+                               int64_t t, int64_t N, int64_t Kd) {
+    for (int64_t n = 0; n < N; n++) {
+        double s = 0, mag = 0;
+        for (int64_t k = 0; k < Kd; k++) {
+            double p = (double)x[t * Kd + k] * val[n * Kd + k];
+            s += p;
+            mag += fabs(p);
+        }
+        if (!close_to(y[t * N + n], s, mag, 1e-5))
+            FAIL("[%s] matmul %s N%lld K%lld (%lld,%lld): %.9g vs %.9g", K->name, cb_dtype_name(dt), (long long)N,
+                 (long long)Kd, (long long)t, (long long)n, (double)y[t * N + n], s);
+    }
+}
+
 static void test_matmul(const cb_kernels *K) {
     const int64_t Ts[] = {1, 3, 7, 17, 33};
     const int64_t Ns[] = {1, 7, 67, 131};
@@ -207,19 +223,7 @@ static void test_matmul(const cb_kernels *K) {
                     float *x = malloc((size_t)(T * Kd) * 4), *y = malloc((size_t)(T * N) * 4);
                     fill(x, T * Kd, 2.0);
                     K->matmul(y, x, w.raw, dt, T, N, Kd);
-                    for (int64_t t = 0; t < T; t++)
-                        for (int64_t n = 0; n < N; n++) {
-                            double s = 0, mag = 0;
-                            for (int64_t k = 0; k < Kd; k++) {
-                                double p = (double)x[t * Kd + k] * w.val[n * Kd + k];
-                                s += p;
-                                mag += fabs(p);
-                            }
-                            if (!close_to(y[t * N + n], s, mag, 1e-5))
-                                FAIL("[%s] matmul %s T%lld N%lld K%lld (%lld,%lld): %.9g vs %.9g", K->name,
-                                     cb_dtype_name(dt), (long long)T, (long long)N, (long long)Kd, (long long)t,
-                                     (long long)n, (double)y[t * N + n], s);
-                        }
+                    for (int64_t t = 0; t < T; t++) check_matmul_token(K, dt, y, x, w.val, t, N, Kd);
                     free(x);
                     free(y);
                     free_w(&w);
@@ -757,18 +761,7 @@ static void test_quant(const cb_kernels *K) {
                     fill(x, T * Kd, 2.0);
                     K->matmul(y, x, w.raw, dt, T, N, Kd);
                     for (int64_t t = 0; t < T; t++) {
-                        for (int64_t n = 0; n < N; n++) {
-                            double s = 0, mag = 0;
-                            for (int64_t k = 0; k < Kd; k++) {
-                                double p = (double)x[t * Kd + k] * w.val[n * Kd + k];
-                                s += p;
-                                mag += fabs(p);
-                            }
-                            if (!close_to(y[t * N + n], s, mag, 1e-5))
-                                FAIL("[%s] matmul %s T%lld N%lld K%lld (%lld,%lld): %.9g vs %.9g", K->name,
-                                     cb_dtype_name(dt), (long long)T, (long long)N, (long long)Kd, (long long)t,
-                                     (long long)n, (double)y[t * N + n], s);
-                        }
+                        check_matmul_token(K, dt, y, x, w.val, t, N, Kd);
                         K->matmul(y1, x + t * Kd, w.raw, dt, 1, N, Kd);
                         n_check++;
                         if (memcmp(y1, y + t * N, (size_t)N * 4) != 0)
