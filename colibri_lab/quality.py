@@ -576,6 +576,90 @@ def weight_bits(path: str | os.PathLike) -> dict[str, Any]:
             "file_bytes": info.file_size, "dtypes": dict(sorted(dtypes.items()))}
 
 
+def _pad_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pad_mixtral(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, multiple: int = 256) -> Path:
+    """A Mixtral checkpoint widened with zeros so that the hidden and intermediate sizes
+    are multiples of ``multiple`` (K-quant blocks hold 256 values: a model 96 wide gets
+    no Q4_K at all, every tensor falls back), computing the same function in f32.
+
+    Embeddings, attention inputs, routers and expert gate/up get zero columns, the
+    attention output and expert down zero rows (the down projection also zero columns
+    for the padded intermediate units, whose gate/up rows are zero: silu(0) * 0 = 0), so
+    the padded hidden units stay 0 everywhere. RMSNorm then averages over more units: the
+    norm weights are scaled by ``sqrt(H / H')`` and ``rms_norm_eps`` by ``H / H'``, which
+    gives the same normalised values. ``head_dim`` is written out (it no longer equals
+    hidden / heads); heads keep their size (RoPE depends on it), so the attention output
+    projection keeps rows of ``heads x head_dim``. Weights are written as f32 (the norm
+    scaling is not exact in bf16); tokenizer files are copied. Returns ``out_dir``."""
+    from .convert import Checkpoint
+
+    src, out = Path(src_dir), Path(out_dir)
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg.get("model_type") != "mixtral":
+        raise ValueError(f"{src}: pad_mixtral handles Mixtral checkpoints, not {cfg.get('model_type')!r}")
+    H, I = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    H2, I2 = _pad_to(H, multiple), _pad_to(I, multiple)
+    head_dim = int(cfg.get("head_dim") or H // int(cfg["num_attention_heads"]))
+    ck = Checkpoint(str(src))
+    from . import format as fmt
+
+    def pad(x: np.ndarray, rows: int | None, cols: int | None) -> np.ndarray:
+        r = x.shape[0] if rows is None else rows
+        if x.ndim == 1:
+            y = np.zeros(r, np.float32)
+            y[: x.shape[0]] = x
+            return y
+        c = x.shape[1] if cols is None else cols
+        y = np.zeros((r, c), np.float32)
+        y[: x.shape[0], : x.shape[1]] = x
+        return y
+
+    tensors: dict[str, np.ndarray] = {}
+    norm_scale = np.float32(math.sqrt(H / H2))
+    for name in sorted(ck.tensors):
+        t = ck.tensors[name]
+        x = fmt.stored_to_f32(t.read_flat(0, t.numel), t.dtype_id).reshape(t.shape)
+        if name.endswith("norm.weight"):
+            y = pad(x * norm_scale, H2, None)
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight", "gate.weight")) or \
+                name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            y = pad(x, None, H2)
+        elif name.endswith("o_proj.weight"):
+            y = pad(x, H2, None)
+        elif name.endswith(("w1.weight", "w3.weight")):
+            y = pad(x, I2, H2)
+        elif name.endswith("w2.weight"):
+            y = pad(x, H2, I2)
+        else:
+            raise ValueError(f"pad_mixtral: unexpected tensor {name}")
+        tensors[name] = y
+    out.mkdir(parents=True, exist_ok=True)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for name, y in tensors.items():
+        header[name] = {"dtype": "F32", "shape": list(y.shape), "data_offsets": [off, off + y.nbytes]}
+        off += y.nbytes
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(len(hb).to_bytes(8, "little"))
+        f.write(hb)
+        for y in tensors.values():
+            f.write(np.ascontiguousarray(y, "<f4").tobytes())
+    cfg.update(hidden_size=H2, intermediate_size=I2, head_dim=head_dim, dtype="float32",
+               rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)) * H / H2)
+    cfg.pop("torch_dtype", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors") and f.is_file() and \
+                not f.name.endswith((".safetensors", ".bin", ".index.json")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
 # --------------------------------------------------------------------------- llama.cpp side
 
 _NUM = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|-?inf))"
@@ -735,13 +819,14 @@ def llama_gguf(model_dir: str | os.PathLike, qtype: str = "f32", *,
     """The Hugging Face checkpoint as a GGUF of llama.cpp's own making: "f32" (or "bf16",
     "f16") by its convert_hf_to_gguf.py, a quantized type ("Q8_0", "Q4_K_M", "Q4_K_S",
     any llama-quantize type) by llama-quantize from the f32 GGUF. Cached under
-    ``<cache>/gguf``."""
+    ``<cache>/gguf`` (default: the benchmark's cache); ``root``: the llama.cpp tree
+    (default ``<the benchmark's cache>/llama.cpp``)."""
     from .bench.common import default_cache_dir
     from .bench.files import _model_key
     from .bench.llama_cpp import _find_llama_src, _llama_bin, gguf_file
 
     cache = Path(cache).expanduser() if cache else default_cache_dir()
-    root = Path(root).expanduser() if root else cache / "llama.cpp"
+    root = Path(root).expanduser() if root else default_cache_dir() / "llama.cpp"
     src = _find_llama_src(root) if root.is_dir() else None
     if src is None:
         raise FileNotFoundError(f"no llama.cpp source tree under {root}")

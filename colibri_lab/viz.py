@@ -601,3 +601,101 @@ def format_map(info: _fmt.ColibriInfo) -> go.Figure:
 __all__ = ["expert_colours", "expert_load", "format_map", "group_size_histogram",
            "header_fields", "routing_heatmap", "shared_gate", "stage_timings",
            "token_router_probs"]
+
+
+# --------------------------------------------------------------------------- quantization quality
+# Figures of colibri_lab.quality reports (QualityReport / RoutingReport), one per weight type.
+
+import math  # noqa: E402  (the quality figures' log axis)
+
+
+def _reports(reports) -> list[tuple[str, Any]]:
+    return list(reports.items()) if isinstance(reports, dict) else [(r.test, r) for r in reports]
+
+
+def routing_flip_heatmap(reports, *, top1: bool = False) -> go.Figure:
+    """Weight type × MoE layer: the share (%) of (token, layer) routing decisions whose
+    top-k set of experts differs from the reference's (``top1``: whose best expert
+    differs). ``reports``: ``{label: QualityReport}`` (or a list, labelled by file)."""
+    items = [(k, r) for k, r in _reports(reports) if r.routing is not None]
+    if not items:
+        return _empty("Routing flips", "no report has routing (dense model, or routing=False)")
+    layers = items[0][1].routing.layers
+    z = np.array([[100.0 * f for f in (r.routing.top1_flip_rate if top1 else r.routing.flip_rate)]
+                  for _, r in items])
+    counts = np.array([r.routing.top1_flips if top1 else r.routing.set_flips for _, r in items])
+    n = np.array([[r.routing.n_tokens] * len(layers) for _, r in items])
+    what = "best expert" if top1 else f"top-{items[0][1].routing.top_k} set"
+    fig = go.Figure(go.Heatmap(
+        z=z, x=[f"layer {l}" for l in layers], y=[_esc(k) for k, _ in items],
+        colorscale="Reds", zmin=0, zmax=max(float(z.max()), 1e-9),
+        text=[[f"{v:.2f}" for v in row] for row in z], texttemplate="%{text}",
+        customdata=np.stack([counts, n], axis=-1), colorbar=dict(title="%"),
+        hovertemplate=("%{y}, %{x}: %{z:.3f} % of decisions<br>(%{customdata[0]} of "
+                       "%{customdata[1]} tokens)<extra></extra>"),
+    ))
+    fig.update_layout(title=f"Routing flips: {what} differs from the reference (% of tokens)",
+                      xaxis_title="MoE layer", yaxis=dict(autorange="reversed"),
+                      height=160 + 40 * len(items))
+    return fig
+
+
+def expert_load_shift(reports, *, share: bool = True) -> go.Figure:
+    """Per weight type a layer × expert grid of how the test model's expert load differs
+    from the reference's: red = the expert gains tokens, blue = it loses them. ``share``
+    (default): in percentage points of the layer's routed rows; else in tokens."""
+    items = [(k, r) for k, r in _reports(reports) if r.routing is not None]
+    if not items:
+        return _empty("Expert load shift", "no report has routing (dense model, or routing=False)")
+    grids = [(100.0 * r.routing.load_share_delta()) if share else r.routing.load_delta()
+             for _, r in items]
+    lim = max(float(np.abs(np.stack(grids)).max()), 1e-9)
+    fig = make_subplots(rows=1, cols=len(items), subplot_titles=[_esc(k) for k, _ in items],
+                        shared_yaxes=True, horizontal_spacing=0.03)
+    unit = "pp of routed rows" if share else "tokens"
+    for i, ((k, r), g) in enumerate(zip(items, grids)):
+        rt = r.routing
+        E = rt.n_experts
+        ref, test = np.asarray(rt.load_ref), np.asarray(rt.load_test)
+        fig.add_trace(go.Heatmap(
+            z=g, x=[f"e{e}" for e in range(E)], y=[f"layer {l}" for l in rt.layers],
+            zmin=-lim, zmax=lim, colorscale="RdBu_r", showscale=(i == 0),
+            colorbar=dict(title=unit), customdata=np.stack([ref, test], axis=-1),
+            hovertemplate=(f"{_esc(k)}, %{{y}}, %{{x}}: %{{z:+.3f}} {unit}<br>reference "
+                           "%{customdata[0]} tokens, test %{customdata[1]}<extra></extra>"),
+        ), row=1, col=i + 1)
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(title="Expert load shift against the reference (red: gains, blue: loses)",
+                      height=200 + 28 * len(items[0][1].routing.layers),
+                      width=max(700, 260 * len(items)))
+    return fig
+
+
+def quality_vs_size(reports, bits: dict[str, float]) -> go.Figure:
+    """Mean KL divergence (log scale, with its standard error) against bits per weight,
+    one point per weight type: ``reports`` {label: QualityReport}, ``bits`` {label: bpw}.
+    A KL of exactly 0 (a lossless type) is drawn on the x axis' floor and named."""
+    items = [(k, r) for k, r in _reports(reports) if k in bits]
+    pos = [r.kld_mean for _, r in items if r.kld_mean > 0]
+    floor = min(pos) / 10 if pos else 1e-6
+    fig = go.Figure(go.Scatter(
+        x=[bits[k] for k, _ in items], y=[max(r.kld_mean, floor) for _, r in items],
+        mode="markers+text", text=[_esc(k) for k, _ in items], textposition="top center",
+        error_y=dict(type="data", array=[r.kld_mean_err for _, r in items]),
+        customdata=[[r.kld_mean, 100 * r.top1_agreement, r.ppl_ratio] for _, r in items],
+        hovertemplate=("%{text}: %{x:.2f} bits/weight<br>KL %{customdata[0]:.3g}, same top-1 "
+                       "%{customdata[1]:.2f} %, PPL ratio %{customdata[2]:.4f}<extra></extra>"),
+    ))
+    ys = [max(r.kld_mean, floor) for _, r in items] or [floor]
+    fig.update_layout(title="Quality against size: mean KL(reference ‖ test) per weight type",
+                      xaxis_title="bits per weight", yaxis_title="mean KL (nats)",
+                      yaxis=dict(type="log", range=[math.log10(min(ys)) - 0.4, math.log10(max(ys)) + 0.6]),
+                      height=400)
+    zero = [k for k, r in items if r.kld_mean <= 0]
+    if zero:
+        _note(fig, f"KL exactly 0 (drawn at {floor:.1g}): {', '.join(zero)}", y=-0.25, yanchor="top")
+        fig.update_layout(margin=dict(b=90))
+    return fig
+
+
+__all__ += ["expert_load_shift", "quality_vs_size", "routing_flip_heatmap"]

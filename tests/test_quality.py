@@ -362,3 +362,23 @@ def test_bad_input(tiny):
         q.compare(tiny["f32"], tiny["f32"], [1, 2, 3], ctx=2)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         q.compare(tiny["f32"], tiny["f32"], [1] * 63 + [32000], ctx=64)
+
+
+def test_quality_figures(tiny, text_ids):
+    from colibri_lab import viz
+
+    r = q.compare(tiny["f32"], tiny["bf16"], text_ids, ctx=48, n_chunks=2)
+    fake = q.QualityReport.from_dict({**r.to_dict(), "kld_mean": 0.01})
+    fake.routing.flip_rate = [0.0, 0.01, 0.02, 0.03]
+    fake.routing.load_test = [[x + (1 if e == 0 else -1 if e == 1 else 0) for e, x in enumerate(row)]
+                              for row in fake.routing.load_ref]
+    reps = {"bf16": r, "fake": fake}
+    hm = viz.routing_flip_heatmap(reps)
+    assert [list(row) for row in hm.data[0].z] == [[0, 0, 0, 0], [0, 1, 2, 3]]
+    shift = viz.expert_load_shift(reps)
+    assert len(shift.data) == 2 and shift.data[1].z[0][0] > 0 > shift.data[1].z[0][1]
+    size = viz.quality_vs_size(reps, {"bf16": 16.0, "fake": 8.5})
+    assert list(size.data[0].x) == [16.0, 8.5]
+    assert any("KL exactly 0" in a.text for a in size.layout.annotations)   # bf16 is lossless here
+    r.routing = None
+    assert "no report has routing" in viz.routing_flip_heatmap([r]).layout.annotations[0].text
