@@ -97,6 +97,26 @@ static inline __attribute__((always_inline)) vf vq6(const uint8_t *ql, const uin
     h = _mm256_and_si256(h, _mm256_set1_epi32(0x30));
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(a, h), _mm256_set1_epi32(32)));
 }
+/* Q5_K values of VL elements: the nibbles at qs (low, or high when hi) with bit `bit` of the
+ * qh bytes as bit 4, value(q) = dl * q - ml computed as the reference does (tables unused) */
+static inline __attribute__((always_inline)) void vq5_tables(float dl, float ml, vf *tab0, vf *tab1) {
+    (void)dl;
+    (void)ml;
+    *tab0 = *tab1 = _mm256_setzero_ps();
+}
+static inline __attribute__((always_inline)) vf vq5(const uint8_t *qs, const uint8_t *qh, int hi, int bit, vf tab0,
+                                                    vf tab1, float dl, float ml) {
+    (void)tab0;
+    (void)tab1;
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+    __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qh));
+    if (hi) q = _mm256_srli_epi32(q, 4);
+    q = _mm256_and_si256(q, _mm256_set1_epi32(15));
+    h = _mm256_and_si256(_mm256_srli_epi32(h, bit), _mm256_set1_epi32(1));
+    q = _mm256_or_si256(q, _mm256_slli_epi32(h, 4));
+    vf v = _mm256_cvtepi32_ps(q);
+    return _mm256_sub_ps(vkeep(_mm256_mul_ps(_mm256_set1_ps(dl), v)), _mm256_set1_ps(ml));
+}
 /* VL int8 values widened to float (exact) */
 static inline __attribute__((always_inline)) vf vcvt_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));

@@ -83,6 +83,21 @@ static inline __attribute__((always_inline)) vf vq6(const uint8_t *ql, const uin
     h = _mm512_and_si512(h, _mm512_set1_epi32(0x30));
     return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(a, h), _mm512_set1_epi32(32)));
 }
+/* Q5_K values of VL elements: the nibbles at qs (low, or high when hi) with bit `bit` of the
+ * qh bytes as bit 4, for a sub-block with value(q) = dl * q - ml: looked up in the 32 values
+ * tab0 (q < 16), tab1 (q >= 16) (vq5_tables), one two-table permute per vector */
+static inline __attribute__((always_inline)) vf vq5(const uint8_t *qs, const uint8_t *qh, int hi, int bit, vf tab0,
+                                                    vf tab1, float dl, float ml) {
+    (void)dl;
+    (void)ml;
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh));
+    if (hi) q = _mm512_srli_epi32(q, 4);
+    h = bit <= 4 ? _mm512_slli_epi32(h, 4 - bit) : _mm512_srli_epi32(h, bit - 4); /* the bit at bit 4 */
+    /* bits 0-3 from q, bit 4 (and higher, which the permute ignores) from h */
+    __m512i idx = _mm512_ternarylogic_epi32(q, h, _mm512_set1_epi32(15), 0xE4);
+    return _mm512_permutex2var_ps(tab0, idx, tab1);
+}
 /* VL int8 values widened to float (exact) */
 static inline __attribute__((always_inline)) vf vcvt_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -97,6 +112,12 @@ static inline __attribute__((always_inline)) vf vkeep(vf v) {
 static inline __attribute__((always_inline)) vf vq4_table(float dl, float ml) {
     const vf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return vsub(vkeep(vmul(vset1(dl), iota)), vset1(ml));
+}
+
+static inline __attribute__((always_inline)) void vq5_tables(float dl, float ml, vf *tab0, vf *tab1) {
+    const vf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    *tab0 = vsub(vkeep(vmul(vset1(dl), iota)), vset1(ml));
+    *tab1 = vsub(vkeep(vmul(vset1(dl), vadd(iota, vset1(16.0f)))), vset1(ml));
 }
 
 #include "kernels_simd.inc"
