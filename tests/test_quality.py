@@ -382,3 +382,30 @@ def test_quality_figures(tiny, text_ids):
     assert any("KL exactly 0" in a.text for a in size.layout.annotations)   # bf16 is lossless here
     r.routing = None
     assert "no report has routing" in viz.routing_flip_heatmap([r]).layout.annotations[0].text
+
+
+def test_llama_perplexity_on_the_same_text(tiny, tmp_path, capsys):
+    """llama.cpp's own run through the CLI, when llama-perplexity is built (the bench's
+    llama.cpp tree, or $LLAMA_PERPLEXITY): it scores our token ids and its report parses."""
+    try:
+        q.find_llama_perplexity()
+    except FileNotFoundError as e:
+        pytest.skip(f"llama-perplexity not built: {e}")
+    src = (Path(sysconfig.get_paths()["stdlib"]) / "heapq.py").read_text(encoding="utf-8")
+    text = tmp_path / "heapq.txt"
+    text.write_text(src)
+    base = q.llama_gguf(TINY, "f32", cache=tmp_path)
+    q8 = q.llama_gguf(TINY, "Q8_0", cache=tmp_path)
+    out = tmp_path / "both.json"
+    rc = q.main(["--ref", str(tiny["f32"]), "--test", str(tiny["bf16"]), "--text", str(text),
+                 "--ctx", "128", "--chunks", "4", "--threads", "2", "--quiet", "--json", str(out),
+                 "--llama-base", str(base), "--llama-test", str(q8)])
+    assert rc == 0, capsys.readouterr().err
+    assert "the same as ours: True" in capsys.readouterr().out
+    d = json.loads(out.read_text())
+    assert d["same_tokens"] is True
+    ll = d["llama.cpp"][q8.name]
+    assert (ll["n_chunks"], ll["ctx"], ll["n_scored"]) == (4, 128, 4 * 63)
+    assert ll["tokens_sha256"] == d["colibri"]["tokens_sha256"]
+    assert 0 < ll["kld_mean"] < 0.01 and ll["top1_agreement"] > 0.9
+    assert ll["ppl_ref"] == pytest.approx(d["colibri"]["ppl_ref"], rel=0.01)   # 16-bit base
