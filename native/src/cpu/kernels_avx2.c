@@ -69,18 +69,21 @@ static inline __attribute__((always_inline)) void vprefetch_l2(const void *p) {
 static inline __attribute__((always_inline)) float f16_at(const uint8_t *p) {
     return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
 }
-/* Q4_K values of VL elements whose nibbles (low, or high when hi) are the bytes at p, for a
- * sub-block with value(q) = dl * q - ml, computed as the reference does (AVX2 has no
- * 16-entry permute of floats, so no table: tab is unused) */
+/* Q4_K: vq4_idx widens VL bytes of nibbles at p into lanes; vq4 gives the values of their
+ * low (or, when hi, high) nibbles for a sub-block with value(q) = dl * q - ml, computed as
+ * the reference does (AVX2 has no 16-entry permute of floats, so no table: tab is unused) */
+typedef __m256i vqi;
 static inline __attribute__((always_inline)) vf vkeep(vf v);
 static inline __attribute__((always_inline)) vf vq4_table(float dl, float ml) {
     (void)dl;
     (void)ml;
     return _mm256_setzero_ps();
 }
-static inline __attribute__((always_inline)) vf vq4(const uint8_t *p, int hi, vf tab, float dl, float ml) {
+static inline __attribute__((always_inline)) vqi vq4_idx(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+static inline __attribute__((always_inline)) vf vq4(vqi i, int hi, vf tab, float dl, float ml) {
     (void)tab;
-    __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     if (hi) i = _mm256_srli_epi32(i, 4);
     i = _mm256_and_si256(i, _mm256_set1_epi32(15));
     vf q = _mm256_cvtepi32_ps(i);
