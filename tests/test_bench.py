@@ -495,3 +495,15 @@ def test_side_by_side_smoke_quantized_with_llama_cpp(model, tmp_path):
 def test_unknown_dtype_is_a_usage_error(tmp_path):
     r = _run_module("--smoke", "--dtype", "f32,q3_k", "--cache-dir", tmp_path)
     assert r.returncode == 2 and "unknown dtype 'q3_k'" in r.stderr and "q4_k_m" in r.stderr
+
+
+def test_llama_cpp_isa_flags_keep_amx_off():
+    """A CPU that lists AMX gets llama.cpp built for its other extensions with AMX off (its AMX
+    kernels fault on VMs that advertise AMX without granting it); others get -march=native."""
+    from colibri_lab.bench.llama_cpp import isa_flags
+
+    assert isa_flags("flags\t: fpu sse2 avx avx2 fma f16c\n") == ["-DGGML_NATIVE=ON"]
+    got = isa_flags("processor: 0\nflags\t: avx avx2 fma f16c avx512f avx512_vnni amx_tile amx_int8\n")
+    assert got[0] == "-DGGML_NATIVE=OFF"
+    assert "-DGGML_AVX512=ON" in got and "-DGGML_AVX512_VNNI=ON" in got and "-DGGML_AVX512_BF16=OFF" in got
+    assert "-DGGML_AMX_INT8=OFF" in got and "-DGGML_AMX_TILE=OFF" in got

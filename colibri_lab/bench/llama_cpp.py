@@ -38,6 +38,31 @@ def _llama_bin(src: Path, name: str) -> Path:
     return src / "build" / "bin" / name
 
 
+def isa_flags(cpuinfo: str | None = None) -> list[str]:
+    """llama.cpp's CMake options for this CPU: -DGGML_NATIVE=ON, except on a CPU that lists
+    AMX. There -march=native turns on ggml's AMX kernels, and on VMs that advertise AMX
+    without granting its tile state (seen: 2-vCPU Xeons of this project's kind) llama-bench
+    dies of SIGILL in its repacked quantized path; so the x86 extensions are named one by
+    one from /proc/cpuinfo, AMX off. `cpuinfo`: the text of /proc/cpuinfo (tests)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ["-DGGML_NATIVE=ON"]
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if not any(f.startswith("amx") for f in flags):
+        return ["-DGGML_NATIVE=ON"]
+    opts = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
+            "GGML_AVX_VNNI": "avx_vnni", "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
+            "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
+    return (["-DGGML_NATIVE=OFF"] + [f"-D{o}={'ON' if f in flags else 'OFF'}" for o, f in opts.items()]
+            + ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
+
+
 def ensure_llama_cpp(root: Path, build: bool) -> Path:
     """The llama.cpp source tree with llama-bench built; downloads the sdist and builds
     when `build` (raises RuntimeError saying why when it cannot)."""
@@ -77,7 +102,7 @@ def ensure_llama_cpp(root: Path, build: bool) -> Path:
     log = root / "build.log"
     with open(log, "ab") as f:
         subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-G", "Ninja",
-                        "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF",
+                        "-DCMAKE_BUILD_TYPE=Release", *isa_flags(), "-DLLAMA_OPENSSL=OFF",
                         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
                        check=True, stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
         subprocess.run(["cmake", "--build", str(src / "build"), "-j", "2", "--target",
