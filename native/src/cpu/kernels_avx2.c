@@ -89,16 +89,22 @@ static inline __attribute__((always_inline)) vf vq4(vqi i, int hi, vf tab, float
     vf q = _mm256_cvtepi32_ps(i);
     return _mm256_sub_ps(vkeep(_mm256_mul_ps(_mm256_set1_ps(dl), q)), _mm256_set1_ps(ml));
 }
-/* Q6_K: the VL values (q - 32) as floats of the elements l .. l+VL of group c (0..3) of a
- * half: ql at ql[l] (c even) or ql[l + 32] (c odd), qh at qh[l] (docs/format.md) */
-static inline __attribute__((always_inline)) vf vq6(const uint8_t *ql, const uint8_t *qh, int c) {
-    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ql));
-    __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qh));
-    if (c >= 2) a = _mm256_srli_epi32(a, 4);
-    a = _mm256_and_si256(a, _mm256_set1_epi32(15));
-    h = c == 0 ? _mm256_slli_epi32(h, 4) : c == 1 ? _mm256_slli_epi32(h, 2) : c == 3 ? _mm256_srli_epi32(h, 2) : h;
-    h = _mm256_and_si256(h, _mm256_set1_epi32(0x30));
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(a, h), _mm256_set1_epi32(32)));
+/* Q6_K: the 128 6-bit values of one half (docs/format.md) into out[0..128), as bytes in
+ * element order, from 64 bytes of ql and 32 of qh, 32 values per four 256-bit operations
+ * (32-bit shifts: the masks drop what crossed a byte) */
+static inline __attribute__((always_inline)) void vq6_half(const uint8_t *ql, const uint8_t *qh, uint8_t *out) {
+    const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F), m30 = _mm256_set1_epi32(0x30303030);
+    __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+    __m256i c0 = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi32(h, 4), m30));
+    __m256i c1 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi32(h, 2), m30));
+    __m256i c2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(l0, 4), m4), _mm256_and_si256(h, m30));
+    __m256i c3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(l1, 4), m4),
+                                 _mm256_and_si256(_mm256_srli_epi32(h, 2), m30));
+    _mm256_storeu_si256((__m256i *)out, c0);
+    _mm256_storeu_si256((__m256i *)(out + 32), c1);
+    _mm256_storeu_si256((__m256i *)(out + 64), c2);
+    _mm256_storeu_si256((__m256i *)(out + 96), c3);
 }
 /* Q5_K values of VL elements: the nibbles at qs (low, or high when hi) with bit `bit` of the
  * qh bytes as bit 4, value(q) = dl * q - ml computed as the reference does (tables unused) */

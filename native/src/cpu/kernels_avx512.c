@@ -76,18 +76,23 @@ static inline __attribute__((always_inline)) vf vq4(vqi i, int hi, vf tab, float
     if (hi) i = _mm512_srli_epi32(i, 4);
     return _mm512_permutexvar_ps(i, tab); /* the low 4 bits of each index select */
 }
-/* Q6_K: the VL values (q - 32) as floats of the elements l .. l+VL of group c (0..3) of a
- * half: ql at ql[l] (c even) or ql[l + 32] (c odd), qh at qh[l] (docs/format.md). The
- * 6-bit values are assembled 16 bytes at a time with 128-bit byte operations (which run on
- * more ports than the 512-bit ones), then widened once. */
-static inline __attribute__((always_inline)) vf vq6(const uint8_t *ql, const uint8_t *qh, int c) {
-    const __m128i m4 = _mm_set1_epi8(0x0F), m30 = _mm_set1_epi8(0x30);
-    __m128i a = _mm_loadu_si128((const __m128i *)ql), h = _mm_loadu_si128((const __m128i *)qh);
-    a = c >= 2 ? _mm_and_si128(_mm_srli_epi16(a, 4), m4) : _mm_and_si128(a, m4);
-    /* bits 2c, 2c+1 of qh to bits 4, 5 (16-bit shifts: the mask drops what crossed bytes) */
-    h = c == 0 ? _mm_slli_epi16(h, 4) : c == 1 ? _mm_slli_epi16(h, 2) : c == 3 ? _mm_srli_epi16(h, 2) : h;
-    __m128i q = _mm_sub_epi8(_mm_or_si128(a, _mm_and_si128(h, m30)), _mm_set1_epi8(32));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+/* Q6_K: the 128 6-bit values of one half (docs/format.md) into out[0..128), as bytes in
+ * element order, from 64 bytes of ql and 32 of qh, with six 512-bit operations for each
+ * 64 values (AVX-512F only: 32-bit shifts, the masks drop what crossed a byte) */
+static inline __attribute__((always_inline)) void vq6_half(const uint8_t *ql, const uint8_t *qh, uint8_t *out) {
+    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), m30 = _mm512_set1_epi32(0x30303030);
+    __m512i L = _mm512_loadu_si512((const void *)ql);
+    __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+    __m512i H = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1); /* [qh | qh] */
+    /* elements 0..31: low nibbles of ql[0..32), qh bits 0-1; 32..63: of ql[32..64), bits 2-3 */
+    const __m512i s0 = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2);
+    /* elements 64..95: high nibbles of ql[0..32), bits 4-5; 96..127: of ql[32..64), bits 6-7 */
+    const __m512i s1 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    __m512i z0 = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_and_si512(_mm512_sllv_epi32(H, s0), m30));
+    __m512i z1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(L, 4), m4),
+                                 _mm512_and_si512(_mm512_srlv_epi32(H, s1), m30));
+    _mm512_storeu_si512((void *)out, z0);
+    _mm512_storeu_si512((void *)(out + 64), z1);
 }
 /* Q5_K values of VL elements: the nibbles at qs (low, or high when hi) with bit `bit` of the
  * qh bytes as bit 4, for a sub-block with value(q) = dl * q - ml: looked up in the 32 values
