@@ -9,7 +9,7 @@
  */
 #include "cpu/kernels.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(COLIBRI_NO_SIMD_TABLES)
 #include <immintrin.h>
 
 #define CB_SIMD_NAME "avx2"
@@ -139,6 +139,6 @@ static inline __attribute__((always_inline)) vf vkeep(vf v) {
 
 #include "kernels_simd.inc"
 
-#else /* built without the instruction-set flags (not x86): the table does not exist */
+#else /* built without the instruction-set flags (not x86), or for the fuzzers: no table */
 const cb_kernels *cb_kernels_avx2(void) { return NULL; }
 #endif

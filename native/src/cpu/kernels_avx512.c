@@ -11,7 +11,7 @@
  */
 #include "cpu/kernels.h"
 
-#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(COLIBRI_NO_SIMD_TABLES)
 #include <immintrin.h>
 
 #define CB_SIMD_NAME "avx512"
@@ -133,6 +133,6 @@ static inline __attribute__((always_inline)) void vq5_tables(float dl, float ml,
 
 #include "kernels_simd.inc"
 
-#else /* built without the instruction-set flags (not x86): the table does not exist */
+#else /* built without the instruction-set flags (not x86), or for the fuzzers: no table */
 const cb_kernels *cb_kernels_avx512(void) { return NULL; }
 #endif
