@@ -130,7 +130,14 @@ int main(int argc, char **argv) {
     wr32(b + 8, 7);
     fix_crcs(b, n, 0);
     st = open_bytes(b, n, err, sizeof err);
-    CHECK(st == COLIBRI_E_VERSION && strstr(err, "version 7") && strstr(err, "version 1"), "version: %d '%s'", st, err);
+    CHECK(st == COLIBRI_E_VERSION && strstr(err, "version 7") && strstr(err, "versions 1 to 2"), "version: %d '%s'",
+          st, err);
+
+    memcpy(b, good, n);
+    wr32(b + 8, 0);
+    fix_crcs(b, n, 0);
+    st = open_bytes(b, n, err, sizeof err);
+    CHECK(st == COLIBRI_E_VERSION && strstr(err, "version 0"), "version 0: %d '%s'", st, err);
 
     memcpy(b, good, n);
     b[30] ^= 0xff;
