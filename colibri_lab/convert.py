@@ -471,6 +471,17 @@ def read_config(model_dir: str) -> ModelSpec:
 
 # --------------------------------------------------------------------------- tokenizer
 
+def _no_tokenizer(tokenizer: str, say: Callable[[str], None]) -> dict:
+    """The metadata of a file without a tokenizer; checks the `tokenizer` option ("auto" or
+    "none") and says so when "none" was asked for."""
+    if tokenizer not in ("auto", "none"):
+        raise ConversionError(f"tokenizer {tokenizer!r}: choose auto or none")
+    if tokenizer == "none":
+        say("tokenizer: none (asked for); the engine will run on token ids only")
+    return {"tokenizer.type": "none", "tokenizer.bos_id": -1, "tokenizer.eos_id": -1,
+            "tokenizer.unk_id": -1, "tokenizer.pad_id": -1}
+
+
 def _tokenizer_section(model_dir: str, say: Callable[[str], None], tokenizer: str = "auto"):
     """(section bytes, metadata dict) for the checkpoint's tokenizer.
 
@@ -478,12 +489,8 @@ def _tokenizer_section(model_dir: str, say: Callable[[str], None], tokenizer: st
     `tokenizer.json` (byte-level BPE: Qwen, OLMoE, GPT-2 style), else `tekken.json`
     (Mistral's tiktoken-style vocabulary), else none. "none": write a
     file without a tokenizer (the engine then runs on token ids only)."""
-    none = {"tokenizer.type": "none", "tokenizer.bos_id": -1, "tokenizer.eos_id": -1,
-            "tokenizer.unk_id": -1, "tokenizer.pad_id": -1}
-    if tokenizer not in ("auto", "none"):
-        raise ConversionError(f"tokenizer {tokenizer!r}: choose auto or none")
+    none = _no_tokenizer(tokenizer, say)
     if tokenizer == "none":
-        say("tokenizer: none (asked for); the engine will run on token ids only")
         return b"", none
     spm = os.path.join(model_dir, "tokenizer.model")
     bpe = os.path.join(model_dir, "tokenizer.json")

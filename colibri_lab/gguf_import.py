@@ -49,7 +49,7 @@ import numpy as np
 
 from . import format as fmt
 from .convert import (CHUNK_ELEMS, ConversionError, ModelSpec, PlannedTensor, _Say,
-                      _tokenizer_meta_entries, _version, family_metadata, spec_metadata,
+                      _no_tokenizer, _tokenizer_meta_entries, _version, family_metadata, spec_metadata,
                       write_colibri)
 from .format import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_NUMPY, DTYPE_Q4_K, DTYPE_Q5_K,
                      DTYPE_Q6_K, DTYPE_Q8_0, LAYOUT_ROW_MAJOR, MetaValue)
@@ -722,12 +722,8 @@ def _trim_padding(tokens: list[str], types: list[int]) -> int:
 
 def _gguf_tokenizer(g: GgufFile, say, tokenizer: str) -> tuple[bytes, dict]:
     """(tokenizer section, tokenizer metadata) rebuilt from the GGUF's tokenizer.ggml.*."""
-    none = {"tokenizer.type": "none", "tokenizer.bos_id": -1, "tokenizer.eos_id": -1,
-            "tokenizer.unk_id": -1, "tokenizer.pad_id": -1}
-    if tokenizer not in ("auto", "none"):
-        raise ConversionError(f"tokenizer {tokenizer!r}: choose auto or none")
+    none = _no_tokenizer(tokenizer, say)
     if tokenizer == "none":
-        say("tokenizer: none (asked for); the engine will run on token ids only")
         return b"", none
     model = g.get("tokenizer.ggml.model")
     if model in (None, "none", "no_vocab"):

@@ -29,15 +29,16 @@ TEXTS = [
 ]
 
 
-def _corpus() -> list[str]:
-    """Python's own standard library source: text every installation has."""
+def _corpus(chars: int = 400_000) -> list[str]:
+    """Python's own standard library source (text every installation has), about `chars`
+    characters, then TEXTS."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out, size = [], 0
     for p in sorted(root.glob("*.py")):
         t = p.read_text("utf-8", "replace")
         out.append(t)
         size += len(t)
-        if size > 400_000:
+        if size > chars:
             break
     return out + TEXTS
 

@@ -142,17 +142,9 @@ def make_ggufs(src: Path, jobs: list[dict], work: Path) -> None:
 # --------------------------------------------------------------------------- checkpoints
 
 def _corpus() -> list[str]:
-    import sysconfig
+    from test_family_tokenizer import _corpus as stdlib_corpus
 
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out, size = [], 0
-    for p in sorted(root.glob("*.py")):
-        t = p.read_text("utf-8", "replace")
-        out.append(t)
-        size += len(t)
-        if size > 150_000:
-            break
-    return out + TEXTS
+    return stdlib_corpus(150_000) + TEXTS
 
 
 def _bpe_tokenizer(kind: str, vocab_size: int):
