@@ -187,7 +187,7 @@ KQUANT_SHAPE = dict(family="qwen3_moe", hidden=256, inter=256, layers=2, heads=4
 KQUANT_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K")
 MIXTRAL_SHAPE = dict(vocab=32000, hidden=64, inter=64, layers=2, heads=4, kv_heads=2, experts=4,
                      top_k=2, max_pos=512, seed=6)
-OUTTYPES = {"mixtral": ("f32", "q8_0"), "qwen2_moe": ("f32", "bf16", "q8_0"),
+OUTTYPES = {"mixtral": ("f32", "f16", "q8_0"), "qwen2_moe": ("f32", "bf16", "q8_0"),
             "qwen3_moe": ("f32", "q8_0"), "olmoe": ("f32", "bf16")}
 # convert_hf_to_gguf --fuse-qkv: one attn_qkv tensor (llama: of the permuted q/k rows)
 FUSED = {"mixtral": "q8_0", "qwen2_moe": "f32"}
