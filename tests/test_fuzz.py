@@ -78,4 +78,9 @@ def test_fuzz_model_files(fuzzers, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     colibri_lab.convert(folder, corpus / "small.colibri", dtype="bf16", quantize_router="int8", progress=False)
+    # a version 2 seed: Q8_0 blocks and split FFNs (rows of 32, so the blocks are really used)
+    folder2 = save_checkpoint(build_model(Shape(vocab=300, hidden=32, inter=32, layers=2, heads=2, kv_heads=1,
+                                                experts=4, top_k=2, seed=1)), tmp_path / "hf2")
+    q8 = colibri_lab.convert(folder2, corpus / "small-q8_0.colibri", dtype="q8_0", progress=False)
+    assert colibri_lab.format.inspect(q8).version == 2
     _run(fuzzers / "fuzz_colibri", corpus, {}, "-max_len=200000")
