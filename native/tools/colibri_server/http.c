@@ -51,22 +51,15 @@ static uint64_t drain_limit(const cs_server *srv) {
     return m > (64u << 20) ? m : (64u << 20);
 }
 
+static enum MHD_Result send_error_hdr(struct MHD_Connection *c, const cs_api_error *e, const char *hname,
+                                      const char *hval);
+
 static enum MHD_Result too_large(struct MHD_Connection *c, const cs_server *srv) {
-    char msg[200];
-    snprintf(msg, sizeof msg, "the request body is larger than %lld bytes, the most this server accepts "
-             "(--max_body_bytes)", (long long)srv->max_body_bytes);
     cs_api_error e;
-    cs_api_set_error(&e, 413, "invalid_request_error", NULL, "body_too_large", "%s", msg);
-    size_t len = 0;
-    char *s = cs_api_error_json(&e, &len);
-    if (!s) return MHD_NO;
-    struct MHD_Response *r = MHD_create_response_from_buffer(len, s, MHD_RESPMEM_MUST_FREE);
-    if (!r) { free(s); return MHD_NO; }
-    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
-    MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
-    enum MHD_Result ok = MHD_queue_response(c, 413, r);
-    MHD_destroy_response(r);
-    return ok;
+    cs_api_set_error(&e, 413, "invalid_request_error", NULL, "body_too_large",
+                     "the request body is larger than %lld bytes, the most this server accepts (--max_body_bytes)",
+                     (long long)srv->max_body_bytes);
+    return send_error_hdr(c, &e, MHD_HTTP_HEADER_CONNECTION, "close");
 }
 
 typedef struct stream_ctx {
@@ -76,8 +69,10 @@ typedef struct stream_ctx {
 
 /* ---- responses ---------------------------------------------------------------------- */
 
+/* buf (malloc'd, taken over; NULL: out of memory, a 500 instead) as the response, with one
+ * extra header when hname is not NULL */
 static enum MHD_Result send_buf(struct MHD_Connection *c, unsigned status, char *buf, size_t len,
-                                const char *type) {
+                                const char *type, const char *hname, const char *hval) {
     if (!buf) {
         static const char oom[] = "{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\",\"param\":null,"
                                   "\"code\":null}}";
@@ -92,19 +87,25 @@ static enum MHD_Result send_buf(struct MHD_Connection *c, unsigned status, char 
         return MHD_NO;
     }
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+    if (hname) MHD_add_response_header(r, hname, hval);
     enum MHD_Result ok = MHD_queue_response(c, status, r);
     MHD_destroy_response(r);
     return ok;
 }
 
 static enum MHD_Result send_json(struct MHD_Connection *c, unsigned status, char *json, size_t len) {
-    return send_buf(c, status, json, len, "application/json");
+    return send_buf(c, status, json, len, "application/json", NULL, NULL);
+}
+
+static enum MHD_Result send_error_hdr(struct MHD_Connection *c, const cs_api_error *e, const char *hname,
+                                      const char *hval) {
+    size_t len = 0;
+    char *s = cs_api_error_json(e, &len);
+    return send_buf(c, (unsigned)e->status, s, len, "application/json", hname, hval);
 }
 
 static enum MHD_Result send_error(struct MHD_Connection *c, const cs_api_error *e) {
-    size_t len = 0;
-    char *s = cs_api_error_json(e, &len);
-    return send_json(c, (unsigned)e->status, s, len);
+    return send_error_hdr(c, e, NULL, NULL);
 }
 
 static enum MHD_Result fail(struct MHD_Connection *c, int status, const char *type, const char *code,
@@ -200,7 +201,7 @@ static enum MHD_Result handle_metrics(cs_server *srv, struct MHD_Connection *c) 
     size_t len = 0;
     char *t = cs_metrics_render(&m, &len);
     free(ex);
-    return send_buf(c, 200, t, len, "text/plain; version=0.0.4; charset=utf-8");
+    return send_buf(c, 200, t, len, "text/plain; version=0.0.4; charset=utf-8", NULL, NULL);
 }
 
 static enum MHD_Result handle_generate(cs_server *srv, struct MHD_Connection *c, conn *k) {
@@ -272,16 +273,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
             cs_api_error e;
             cs_api_set_error(&e, 405, "invalid_request_error", NULL, "method_not_allowed", "%s is not allowed on %s; use %s",
                              method, url, post ? "POST" : "GET");
-            size_t len = 0;
-            char *s = cs_api_error_json(&e, &len);
-            if (!s) return MHD_NO;
-            struct MHD_Response *r = MHD_create_response_from_buffer(len, s, MHD_RESPMEM_MUST_FREE);
-            if (!r) { free(s); return MHD_NO; }
-            MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
-            MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, post ? "POST" : "GET, HEAD");
-            enum MHD_Result ok = MHD_queue_response(c, 405, r);
-            MHD_destroy_response(r);
-            return ok;
+            return send_error_hdr(c, &e, MHD_HTTP_HEADER_ALLOW, post ? "POST" : "GET, HEAD");
         }
         if (k->route != R_HEALTH && k->route != R_METRICS && srv->api_key && *srv->api_key && !key_ok(srv, c)) {
             k->done = 1;
