@@ -53,15 +53,23 @@ void cb_dequant_q8_0(float *dst, const void *src, int64_t n);
 void cb_dequant_q4_k(float *dst, const void *src, int64_t n);
 void cb_dequant_q5_k(float *dst, const void *src, int64_t n);
 void cb_dequant_q6_k(float *dst, const void *src, int64_t n);
-/* The 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block's 12 scale bytes. */
-static inline void cb_k4_scale_min(const uint8_t *q, int j, uint8_t *sc, uint8_t *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
-    }
+/* The eight 6-bit scales (out[0..8)) and mins (out[8..16)) of a Q4_K/Q5_K block's 12 scale
+ * bytes (ggml's get_scale_min_k4 for j = 0..7: sc[j] = q[j] & 63, m[j] = q[j+4] & 63 for
+ * j < 4; for j >= 4 the low four bits from q[j+4], the top two from q[j-4] (sc) or q[j]
+ * (m)), all at once with 32-bit masks and shifts. */
+static inline void cb_k4_unpack(const uint8_t *q, uint8_t out[16]) {
+    uint32_t u0, u1, u2;
+    memcpy(&u0, q, 4);
+    memcpy(&u1, q + 4, 4);
+    memcpy(&u2, q + 8, 4);
+    uint32_t sc_lo = u0 & 0x3f3f3f3fu;                                          /* sc[0..4) */
+    uint32_t sc_hi = (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4);       /* sc[4..8) */
+    uint32_t m_lo = u1 & 0x3f3f3f3fu;                                           /* m[0..4) */
+    uint32_t m_hi = ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4); /* m[4..8) */
+    memcpy(out, &sc_lo, 4);
+    memcpy(out + 4, &sc_hi, 4);
+    memcpy(out + 8, &m_lo, 4);
+    memcpy(out + 12, &m_hi, 4);
 }
 
 #endif

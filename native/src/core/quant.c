@@ -27,14 +27,13 @@ void cb_dequant_q4_k(float *dst, const void *src, int64_t n) {
     const uint8_t *b = (const uint8_t *)src;
     for (int64_t i = 0; i < n; i += 256, b += 144) {
         float d = rd_f16(b), dmin = rd_f16(b + 2);
-        const uint8_t *sc = b + 4, *qs = b + 16;
+        const uint8_t *qs = b + 16;
+        uint8_t sm[16];
+        cb_k4_unpack(b + 4, sm);
         float *y = dst + i;
         for (int j = 0; j < 8; j += 2, qs += 32, y += 64) {
-            uint8_t s0, m0, s1, m1;
-            cb_k4_scale_min(sc, j, &s0, &m0);
-            cb_k4_scale_min(sc, j + 1, &s1, &m1);
-            float d0 = d * (float)s0, n0 = dmin * (float)m0;
-            float d1 = d * (float)s1, n1 = dmin * (float)m1;
+            float d0 = d * (float)sm[j], n0 = dmin * (float)sm[8 + j];
+            float d1 = d * (float)sm[j + 1], n1 = dmin * (float)sm[9 + j];
             for (int l = 0; l < 32; l++) y[l] = d0 * (float)(qs[l] & 0xF) - n0;
             for (int l = 0; l < 32; l++) y[32 + l] = d1 * (float)(qs[l] >> 4) - n1;
         }
@@ -47,14 +46,13 @@ void cb_dequant_q5_k(float *dst, const void *src, int64_t n) {
     const uint8_t *b = (const uint8_t *)src;
     for (int64_t i = 0; i < n; i += 256, b += 176) {
         float d = rd_f16(b), dmin = rd_f16(b + 2);
-        const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + 48;
+        const uint8_t *qh = b + 16, *qs = b + 48;
+        uint8_t sm[16];
+        cb_k4_unpack(b + 4, sm);
         float *y = dst + i;
         for (int j = 0; j < 8; j += 2, qs += 32, y += 64) {
-            uint8_t s0, m0, s1, m1;
-            cb_k4_scale_min(sc, j, &s0, &m0);
-            cb_k4_scale_min(sc, j + 1, &s1, &m1);
-            float d0 = d * (float)s0, n0 = dmin * (float)m0;
-            float d1 = d * (float)s1, n1 = dmin * (float)m1;
+            float d0 = d * (float)sm[j], n0 = dmin * (float)sm[8 + j];
+            float d1 = d * (float)sm[j + 1], n1 = dmin * (float)sm[9 + j];
             int lo = j, hi = j + 1; /* qh bit of this pair's low and high nibbles */
             for (int l = 0; l < 32; l++)
                 y[l] = d0 * (float)((qs[l] & 0xF) | (((qh[l] >> lo) & 1) << 4)) - n0;
