@@ -44,7 +44,7 @@ import numpy as np
 from . import format as fmt
 from . import quants
 from .format import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_I8, DTYPE_IDS, DTYPE_NUMPY,
-                     DTYPE_SIZES, LAYOUT_EXPERTS_PACKED, LAYOUT_ROW_MAJOR, QUANT_DTYPES,
+                     LAYOUT_EXPERTS_PACKED, LAYOUT_ROW_MAJOR, QUANT_DTYPES,
                      MetaValue)
 
 CONVERTER_NAME = "colibri_lab.convert"

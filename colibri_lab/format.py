@@ -63,7 +63,8 @@ DTYPE_BLOCKS = {DTYPE_F32: (1, 4), DTYPE_F16: (1, 2), DTYPE_BF16: (1, 2), DTYPE_
                 DTYPE_Q8_0: (32, 34), DTYPE_Q4_K: (256, 144), DTYPE_Q5_K: (256, 176),
                 DTYPE_Q6_K: (256, 210)}
 QUANT_DTYPES = (DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K)
-DTYPE_SIZES = {DTYPE_F32: 4, DTYPE_F16: 2, DTYPE_BF16: 2, DTYPE_I8: 1}   # element types only
+# bytes per element of the element types (the block types have no element size)
+DTYPE_SIZES = {d: bb for d, (be, bb) in DTYPE_BLOCKS.items() if be == 1}
 # numpy storage type of each dtype (bf16 is kept as its raw uint16 bits; a quantized
 # tensor as its raw bytes, [rows, row bytes])
 DTYPE_NUMPY = {DTYPE_F32: np.dtype("<f4"), DTYPE_F16: np.dtype("<f2"),
