@@ -48,11 +48,11 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from . import format as fmt
+from . import quants
 from .convert import (CHUNK_ELEMS, ConversionError, ModelSpec, PlannedTensor, _Say,
                       _no_tokenizer, _tokenizer_meta_entries, _version, family_metadata, spec_metadata,
                       write_colibri)
-from .format import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_NUMPY, DTYPE_Q4_K, DTYPE_Q5_K,
-                     DTYPE_Q6_K, DTYPE_Q8_0, LAYOUT_ROW_MAJOR, MetaValue)
+from .format import DTYPE_F32, DTYPE_NUMPY, LAYOUT_ROW_MAJOR, MetaValue
 
 __all__ = ["convert_gguf", "GGUF_ARCHITECTURES", "SUPPORTED_GGML_TYPES"]
 
@@ -68,16 +68,8 @@ GGUF_ARCHITECTURES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "
 DEFAULT_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
 # ggml type name (GGMLQuantizationType) -> colibri dtype id: the block bytes are the same
-# (docs/format.md, "Quantized dtypes"); colibri_lab.quants.GGML_TYPES is the one table
-SUPPORTED_GGML_TYPES = {"F32": DTYPE_F32, "F16": DTYPE_F16, "BF16": DTYPE_BF16,
-                        "Q8_0": DTYPE_Q8_0, "Q4_K": DTYPE_Q4_K, "Q5_K": DTYPE_Q5_K,
-                        "Q6_K": DTYPE_Q6_K}
-try:
-    from .quants import GGML_TYPES as _QUANTS_GGML_TYPES
-    if _QUANTS_GGML_TYPES:
-        SUPPORTED_GGML_TYPES = {t.name: d for d, t in _QUANTS_GGML_TYPES.items()}
-except ImportError:   # pragma: no cover - quants is part of the package
-    pass
+# (docs/format.md, "Version 2"); from colibri_lab.quants.GGML_TYPES, the one table
+SUPPORTED_GGML_TYPES = {t.name: d for d, t in quants.GGML_TYPES.items()}
 _SUPPORTED_LIST = ", ".join(SUPPORTED_GGML_TYPES)
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -417,13 +409,6 @@ class Rows:
 def _dequantize(raw: np.ndarray, type_name: str, cols: int) -> np.ndarray:
     """[n, row bytes] of a GGUF type -> float32 [n, cols] (gguf.quants for block types:
     the bits colibri's reference dequantizer gives, docs/format.md)."""
-    if type_name == "F32":
-        return raw.view("<f4").reshape(-1, cols)
-    if type_name == "F16":
-        return raw.view("<f2").reshape(-1, cols).astype(np.float32)
-    if type_name == "BF16":
-        return fmt.bf16_bits_to_f32(raw.view("<u2")).reshape(-1, cols)
-    from . import quants   # bit for bit gguf.quants.dequantize
     return quants.dequantize(raw, SUPPORTED_GGML_TYPES[type_name], cols)
 
 
