@@ -40,7 +40,7 @@ from pathlib import Path
 from .errors import *  # noqa: F401,F403  (the statuses and exceptions, re-exported for the binding's callers)
 from .errors import ERRORS, OK, ColibriError
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 LIB_NAME = "libcolibri.so" if sys.platform != "darwin" else "libcolibri.dylib"
 
 
@@ -80,6 +80,7 @@ class ColibriOptions(ctypes.Structure):
         ("max_seqs", c_int32),
         ("kv_block_tokens", c_int32),
         ("kv_tokens", c_int64),
+        ("precision", c_int32),
     ]
 
 

@@ -42,6 +42,10 @@ class Token:
     text: str
 
 
+# The numeric modes, in the order of their COLIBRI_PRECISION_* codes (colibri.h).
+PRECISIONS = ("exact", "fast")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine reports about the loaded model and its run settings."""
@@ -72,7 +76,8 @@ class EngineConfig:
     rms_norm_eps: float
     weight_dtype: str
     router_dtype: str
-    kernels: str  # the kernel table chosen at run time: "avx512", "avx2" or "reference"
+    kernels: str  # the kernel table chosen at run time: "avx512", "avx2" or "reference" (+ " fast(...)")
+    precision: str  # "exact" or "fast" (Engine(precision=...); docs/kernels.md "Numeric modes")
     bos_id: int
     eos_id: int
     arena_bytes: int
@@ -93,7 +98,7 @@ _CONFIG_BOOLS = ("norm_topk_prob", "tie_word_embeddings", "router_int8")
 _CONFIG_FLOATS = ("rope_theta", "rms_norm_eps")
 _CONFIG_STRINGS = {"family": "architecture", "name": "name",
                    "weight_dtype": "weight_dtype", "router_dtype": "router_dtype",
-                   "kernels": "kernels"}  # fmt: skip
+                   "kernels": "kernels", "precision": "precision"}  # fmt: skip
 
 
 # colibri_batch_entry (colibri.h) as a numpy record: 24 bytes, the C layout.
@@ -302,6 +307,7 @@ class Engine:
         max_seqs: int | None = None,
         kv_tokens: int | None = None,
         kv_block_tokens: int | None = None,
+        precision: str = "exact",
     ):
         self._ctx = None
         self.path = os.fspath(path)
@@ -323,6 +329,11 @@ class Engine:
             opt.kv_tokens = int(kv_tokens)
         if kv_block_tokens is not None:
             opt.kv_block_tokens = int(kv_block_tokens)
+        if precision not in PRECISIONS:
+            raise _native.ColibriInvalidArgError(
+                f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}"
+            )
+        opt.precision = PRECISIONS.index(precision)
 
         ctx = _native.ctx_p()
         err = ctypes.create_string_buffer(1024)

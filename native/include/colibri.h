@@ -27,7 +27,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or the meaning of an argument changes; bindings check it. */
-#define COLIBRI_ABI_VERSION 4
+#define COLIBRI_ABI_VERSION 5
 /* The newest file format version this build reads. */
 /* the newest .colibri version this build reads (and every older one, from 1) */
 #define COLIBRI_FORMAT_VERSION 2
@@ -65,7 +65,18 @@ typedef struct colibri_options {
     int32_t kv_block_tokens;  /* positions per KV-cache block; 0: 32 */
     int64_t kv_tokens;        /* positions in the shared paged KV cache (all sequences together),
                                * rounded up to whole blocks; 0: max_seq_len × max_seqs */
+    int32_t precision;        /* COLIBRI_PRECISION_EXACT (0, the default) or COLIBRI_PRECISION_FAST */
 } colibri_options;
+
+/* Numeric modes (docs/kernels.md, "Numeric modes"). EXACT: float32 activations into every
+ * matmul (parity with transformers float32). FAST: the activations entering a weight matmul
+ * are rounded to bfloat16 for BF16 weights and quantized to int8 blocks of 32 for the block
+ * types (Q8_0/Q4_K/Q5_K/Q6_K), with integer (VNNI) or bf16 dot products and float32
+ * accumulation; norms, attention, softmax, the router and the residual stay float32.
+ * Deterministic and batch-invariant like EXACT; colibri_get_string(ctx, "precision") and
+ * "kernels" say which mode and which instructions run. */
+#define COLIBRI_PRECISION_EXACT 0
+#define COLIBRI_PRECISION_FAST 1
 
 COLIBRI_API int colibri_abi_version(void);
 COLIBRI_API const char *colibri_version_string(void);
@@ -156,7 +167,8 @@ COLIBRI_API colibri_status colibri_get_float(const colibri_ctx *ctx, const char 
 COLIBRI_API colibri_status colibri_get_layer_int(const colibri_ctx *ctx, int32_t layer, const char *name,
                                                  int64_t *out);
 /* "architecture", "name", "weight_dtype", "router_dtype", "kernels" (the kernel table in
- * use: "reference", "avx2" or "avx512"; docs/kernels.md), "chat_template" (the Jinja source
+ * use: "reference", "avx2" or "avx512", and in fast mode " fast(...)" naming the instructions of
+ * its int8 and bf16 paths; docs/kernels.md), "precision" ("exact" or "fast"), "chat_template" (the Jinja source
  * of tokenizer_config.json's chat template, metadata key tokenizer.chat_template; "" when
  * the file has none): a NUL-terminated string owned by the context. */
 COLIBRI_API colibri_status colibri_get_string(const colibri_ctx *ctx, const char *name, const char **out);

@@ -21,7 +21,7 @@
 #include "core/trace.h"
 #include "tokenizer/tokenizer.h"
 
-#define COLIBRI_VERSION_STRING "colibri 0.1.0 (format 1, abi 3)"
+#define COLIBRI_VERSION_STRING "colibri 0.1.0 (format 2, abi 5)"
 
 int colibri_abi_version(void) { return COLIBRI_ABI_VERSION; }
 
@@ -37,6 +37,7 @@ void colibri_options_init(colibri_options *opt) {
     opt->populate = 0;
     opt->group_pad = 1;
     opt->verify_checksums = 0;
+    opt->precision = COLIBRI_PRECISION_EXACT;
 }
 
 colibri_status colibri_init(const char *path, colibri_ctx **out) {
@@ -140,6 +141,11 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
         }
         opt = *opt_in;
     }
+    if (opt.precision != COLIBRI_PRECISION_EXACT && opt.precision != COLIBRI_PRECISION_FAST) {
+        cb_set_err(err, err_len, "invalid options: precision %d is neither COLIBRI_PRECISION_EXACT (0) nor "
+                   "COLIBRI_PRECISION_FAST (1)", opt.precision);
+        return COLIBRI_E_INVALID_ARG;
+    }
     if (opt.num_threads < 0 || opt.max_seq_len < 0 || opt.max_batch < 0 || opt.group_pad < 0 ||
         opt.group_pad > 4096) {
         cb_set_err(err, err_len, "invalid options: num_threads %d, max_seq_len %lld, max_batch %lld and "
@@ -155,6 +161,13 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     }
     ctx->fd = -1;
     ctx->kern = cb_kernels_best();
+    ctx->precision = opt.precision;
+    ctx->fast = opt.precision == COLIBRI_PRECISION_FAST ? cb_fast_best() : NULL;
+    if (ctx->fast)
+        snprintf(ctx->kernels_desc, sizeof ctx->kernels_desc, "%s fast(int8 %s, bf16 %s)", ctx->kern->name,
+                 ctx->fast->name, ctx->fast->bf16);
+    else
+        snprintf(ctx->kernels_desc, sizeof ctx->kernels_desc, "%s", ctx->kern->name);
 
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
@@ -447,7 +460,8 @@ colibri_status colibri_get_string(const colibri_ctx *ctx, const char *name, cons
     else if (strcmp(name, "name") == 0) *out = ctx->cfg.name;
     else if (strcmp(name, "weight_dtype") == 0) *out = ctx->cfg.weight_dtype_str;
     else if (strcmp(name, "router_dtype") == 0) *out = ctx->cfg.router_dtype_str;
-    else if (strcmp(name, "kernels") == 0) *out = ctx->kern->name;
+    else if (strcmp(name, "kernels") == 0) *out = ctx->kernels_desc;
+    else if (strcmp(name, "precision") == 0) *out = ctx->precision == COLIBRI_PRECISION_FAST ? "fast" : "exact";
     else if (strcmp(name, "chat_template") == 0) *out = ctx->chat_template;
     else return unknown_name(ctx, "colibri_get_string", name);
     return COLIBRI_OK;

@@ -14,6 +14,7 @@
 #include "colibri.h"
 #include "core/error.h"
 #include "core/threadpool.h"
+#include "cpu/fast.h"
 #include "cpu/kernels.h"
 #include "format/format.h"
 #include "model/forward.h"
@@ -37,6 +38,9 @@ struct colibri_ctx {
     int32_t max_seqs, kv_block_tokens;  /* sequences held at once; positions per KV block */
     int64_t kv_tokens;                  /* positions of the KV pool (before rounding to blocks) */
     const cb_kernels *kern;
+    int32_t precision;       /* COLIBRI_PRECISION_EXACT / _FAST */
+    const cb_fast_kernels *fast; /* fast mode's table (cpu/fast.h); NULL in exact mode */
+    char kernels_desc[96];   /* colibri_get_string "kernels": the table, and in fast mode its fast paths */
     cb_pool *pool;           /* num_threads threads (the caller is thread 0), heap (init-time) */
     /* arena */
     void *arena;             /* [arena_bytes], 2 MiB aligned, the one run-time allocation */

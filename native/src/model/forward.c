@@ -142,6 +142,7 @@ typedef struct mm_job {
 
 typedef struct mm_task {
     const cb_kernels *kern;
+    const cb_fast_kernels *fast; /* fast mode's table, or NULL */
     int64_t T;
     int n_jobs;
     mm_job jobs[3];
@@ -155,8 +156,12 @@ static void mm_chunk(void *arg, int64_t c, int tid) {
     const mm_job *b = &m->jobs[j];
     int64_t n0 = c * b->len, n1 = n0 + b->len < b->N ? n0 + b->len : b->N;
     size_t row = (size_t)cb_row_bytes(b->dt, (uint64_t)b->K);
-    m->kern->matmul_ld(b->y + n0, b->N, b->x, (const uint8_t *)b->w + (size_t)n0 * row, b->dt, m->T,
-                       n1 - n0, b->K);
+    if (cb_fast_takes(m->fast, b->dt))
+        m->fast->matmul_ld(b->y + n0, b->N, b->x, (const uint8_t *)b->w + (size_t)n0 * row, b->dt, m->T, n1 - n0,
+                           b->K);
+    else
+        m->kern->matmul_ld(b->y + n0, b->N, b->x, (const uint8_t *)b->w + (size_t)n0 * row, b->dt, m->T,
+                           n1 - n0, b->K);
 }
 
 /* y = x W^T for up to three matmuls over the same T tokens, in one parallel section. */
@@ -175,9 +180,18 @@ static void par_matmul(colibri_ctx *ctx, mm_task *m) {
 
 static void par_matmul1(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t T, int64_t N,
                         int64_t K) {
-    mm_task m = {ctx->kern, T, 1, {{y, x, w.w, w.dt, N, K, 0, 0}}};
+    mm_task m = {ctx->kern, ctx->fast, T, 1, {{y, x, w.w, w.dt, N, K, 0, 0}}};
     par_matmul(ctx, &m);
 }
+
+/* Fast mode (cpu/fast.h): the n activations about to enter a BF16 weight matmul, rounded to
+ * bf16 in place (the router has already read them). Exact mode: nothing. */
+static void fast_round(const colibri_ctx *ctx, float *x, int64_t n, int bf16) {
+    if (ctx->fast && bf16) cb_round_bf16(x, n);
+}
+
+/* 1 when an FFN's gate/up weights are BF16 (their input is rounded in fast mode). */
+static int ffn_bf16(const cb_ffn *f) { return f->dt == COLIBRI_DTYPE_BF16; }
 
 typedef struct att_task {
     colibri_ctx *ctx;
@@ -230,6 +244,7 @@ typedef struct ffn_job {
  * of intermediate rows, and a third section adds the blocks up). */
 typedef struct ffn_task {
     const cb_kernels *kern;
+    const cb_fast_kernels *fast; /* fast mode's table, or NULL */
     int64_t H, B;
     int n_jobs;
     int phase;         /* 0: gate/up, 1: down, 2: sum of the block parts */
@@ -248,10 +263,15 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
         if (w->packed)
             f->kern->expert_gateup(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, NULL, w->dt,
                                    b->R, f->H, b->I, f->B, lo, hi);
+        else if (cb_fast_takes(f->fast, w->dt))
+            f->fast->gateup(b->h, b->x, (const uint8_t *)w->gate + (size_t)b->e * w->gu_stride,
+                            (const uint8_t *)w->up + (size_t)b->e * w->gu_stride, w->dt, b->R, f->H, b->I, lo, hi);
         else
             f->kern->expert_gateup(b->h, b->x, (const uint8_t *)w->gate + (size_t)b->e * w->gu_stride,
                                    (const uint8_t *)w->up + (size_t)b->e * w->gu_stride, w->dt, b->R, f->H, b->I,
                                    0, lo, hi);
+        if (f->fast && w->down_dt == COLIBRI_DTYPE_BF16) /* the down projection's input, rounded */
+            for (int64_t r = 0; r < b->R; r++) cb_round_bf16(b->h + r * b->I + lo, hi - lo);
     } else if (f->phase == 1) {
         while (c >= f->jobs[j].nch1) c -= f->jobs[j++].nch1;
         const ffn_job *b = &f->jobs[j];
@@ -259,8 +279,11 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
         int64_t lo = c * b->len1, hi = lo + b->len1 < f->H ? lo + b->len1 : f->H;
         if (!w->packed) { /* split: output rows lo..hi of the down matrix [H, I] */
             size_t rb = (size_t)cb_row_bytes(w->down_dt, (uint64_t)b->I);
-            f->kern->matmul_ld(b->y + lo, f->H, b->h, (const uint8_t *)w->down + (size_t)b->e * w->down_stride +
-                               (size_t)lo * rb, w->down_dt, b->R, hi - lo, b->I);
+            const uint8_t *wd = (const uint8_t *)w->down + (size_t)b->e * w->down_stride + (size_t)lo * rb;
+            if (cb_fast_takes(f->fast, w->down_dt))
+                f->fast->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
+            else
+                f->kern->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
             return;
         }
         const void *ew = (const uint8_t *)w->packed + (size_t)b->e * w->stride;
@@ -310,7 +333,7 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
         n0 += b->nch0;
         n1 += b->nch1;
     }
-    ffn_task f = {ctx->kern, H, ctx->cfg.block_size, n_jobs, 0, jobs};
+    ffn_task f = {ctx->kern, ctx->fast, H, ctx->cfg.block_size, n_jobs, 0, jobs};
     cb_pool_run(ctx->pool, ffn_chunk, &f, n0);
     f.phase = 1;
     cb_pool_run(ctx->pool, ffn_chunk, &f, n1);
@@ -380,7 +403,9 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
 
     K->rmsnorm(s->xn, s->x, L->attn_norm, T, H, eps);
     {
-        mm_task m = {K, T, 3, {{s->q, s->xn, L->wq.w, L->wq.dt, Nq, H, 0, 0},
+        fast_round(ctx, s->xn, T * H, L->wq.dt == COLIBRI_DTYPE_BF16 || L->wk.dt == COLIBRI_DTYPE_BF16 ||
+                                          L->wv.dt == COLIBRI_DTYPE_BF16);
+        mm_task m = {K, ctx->fast, T, 3, {{s->q, s->xn, L->wq.w, L->wq.dt, Nq, H, 0, 0},
                                {s->k, s->xn, L->wk.w, L->wk.dt, Nkv, H, 0, 0},
                                {s->v, s->xn, L->wv.w, L->wv.dt, Nkv, H, 0, 0}}};
         par_matmul(ctx, &m);
@@ -423,6 +448,7 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
         cb_pool_run(work * c->n_heads * hd < CB_PAR_MIN_WORK ? NULL : ctx->pool, att_chunk, &a,
                     ctx->run.n_seg * att_chunks(c));
     }
+    fast_round(ctx, s->att, T * Nq, L->wo.dt == COLIBRI_DTYPE_BF16);
     par_matmul1(ctx, s->delta, s->att, L->wo, T, H, Nq);
     if (L->bo) add_bias(s->delta, L->bo, T, H);
     add_inplace(s->x, s->delta, T * H);
@@ -448,7 +474,9 @@ static void stage_router(colibri_ctx *ctx, uint32_t l) {
 static void stage_grouping(colibri_ctx *ctx, uint32_t l) {
     cb_scratch *s = &ctx->s;
     int64_t H = ctx->cfg.hidden, E = ctx->cfg.n_experts;
-    if (!ctx->w.layers[l].moe) return;
+    const cb_layer *L = &ctx->w.layers[l];
+    if (!L->moe) return;
+    fast_round(ctx, s->xn, ctx->run.T * H, ffn_bf16(&L->experts) || (L->has_shared && ffn_bf16(&L->shared)));
     group_tokens(ctx, ctx->run.T);
     int64_t rows = s->expert_offset[E];
     for (int64_t r = 0; r < rows; r++) {
@@ -469,6 +497,7 @@ static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
     ffn_job jobs[CB_FFN_BATCH]; /* non-empty groups, run CB_FFN_BATCH at a time */
     int n_jobs = 0;
     if (!L->moe) {
+        fast_round(ctx, s->xn, T * H, ffn_bf16(&L->dense));
         jobs[0] = (ffn_job){s->delta, s->ffn_h, s->xn, &L->dense, 0, T, c->dense_inter, 0, 0, 0, 0, NULL};
         par_ffn(ctx, jobs, 1);
         return;
@@ -533,6 +562,7 @@ static void stage_lm_head(colibri_ctx *ctx, float *logits) {
     for (int64_t i = 0; i < R; i++) /* head_idx ascends, so row i is written after it is read */
         ctx->kern->rmsnorm(s->xn + i * H, s->x + (int64_t)s->head_idx[i] * H, ctx->w.out_norm, 1, H,
                            (float)c->rms_norm_eps);
+    fast_round(ctx, s->xn, R * H, ctx->w.lm_head.dt == COLIBRI_DTYPE_BF16);
     par_matmul1(ctx, logits, s->xn, ctx->w.lm_head, R, c->vocab, H);
 }
 

@@ -1,0 +1,164 @@
+/*
+ * fast.c — the reference kernels of the fast numeric mode (fast.h: the definition they
+ * implement in plain C, one (row, token) at a time), cb_round_bf16, and the run-time choice
+ * of the fast table.
+ */
+#include "cpu/fast.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Columns per pass of the reference (a multiple of every block size). */
+#define REF_KC 2048
+
+void cb_round_bf16(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) continue; /* nan stays nan */
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        memcpy(&x[i], &u, 4);
+    }
+}
+
+/* One (row, token) dot over columns k0 .. k0 + kc, continuing the chain acc. */
+static float ref_chain(float acc, const uint8_t *u, const float *ws, const float *wm, const int8_t *q,
+                       const cb_fast_ablk *a, int64_t kc, int64_t G) {
+    for (int64_t g = 0; g < kc / G; g++) {
+        int32_t isum = 0;
+        for (int64_t i = 0; i < G; i++) isum += (int32_t)u[g * G + i] * (int32_t)q[g * G + i];
+        const cb_fast_ablk *b = &a[g * G / 32];
+        float ds = G == 32 ? b->ds32 : b->ds16[g & 1];
+        acc = cb_fast_step(acc, isum, ws[g], wm[g], b->d, ds);
+    }
+    return acc;
+}
+
+static void matmul_ld_ref(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T,
+                          int64_t N, int64_t K) {
+    size_t rb = (size_t)cb_row_bytes(dt, (uint64_t)K);
+    int64_t G = cb_fast_group(dt);
+    uint8_t u[REF_KC];
+    float ws[REF_KC / 16], wm[REF_KC / 16];
+    int8_t q[REF_KC];
+    cb_fast_ablk a[REF_KC / 32];
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < N; n++) y[t * ldy + n] = 0.0f;
+    for (int64_t k0 = 0; k0 < K; k0 += REF_KC) {
+        int64_t kc = K - k0 < REF_KC ? K - k0 : REF_KC;
+        for (int64_t t = 0; t < T; t++) {
+            cb_fast_quant_act(x + t * K + k0, kc, q, a);
+            for (int64_t n = 0; n < N; n++) {
+                cb_fast_unpack((const uint8_t *)w + (size_t)n * rb, dt, k0, kc, u, ws, wm);
+                y[t * ldy + n] = ref_chain(y[t * ldy + n], u, ws, wm, q, a, kc, G);
+            }
+        }
+    }
+}
+
+/* Intermediate columns per pass of the gate/up reference. */
+#define REF_GU_COLS 16
+
+static void gateup_ref(float *h, const float *x, const void *gate, const void *up, uint32_t dt, int64_t R,
+                       int64_t H, int64_t I, int64_t i0, int64_t i1) {
+    size_t rb = (size_t)cb_row_bytes(dt, (uint64_t)H);
+    float g[REF_GU_COLS], v[REF_GU_COLS];
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t c = i0; c < i1; c += REF_GU_COLS) {
+            int64_t n = i1 - c < REF_GU_COLS ? i1 - c : REF_GU_COLS;
+            matmul_ld_ref(g, n, x + r * H, (const uint8_t *)gate + (size_t)c * rb, dt, 1, n, H);
+            matmul_ld_ref(v, n, x + r * H, (const uint8_t *)up + (size_t)c * rb, dt, 1, n, H);
+            for (int64_t i = 0; i < n; i++) h[r * I + c + i] = cb_fast_silu_mul(g[i], v[i]);
+        }
+}
+
+static const cb_fast_kernels fast_ref = {
+    .name = "reference",
+    .bf16 = "f32",
+    .native_bf16 = 0,
+    .matmul_ld = matmul_ld_ref,
+    .gateup = gateup_ref,
+};
+
+const cb_fast_kernels *cb_fast_ref(void) { return &fast_ref; }
+
+/* ---- run-time dispatch ---- */
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#include <cpuid.h>
+#define CB_FAST_X86 1
+/* CPUID leaf 7 sub-leaf 0 (EBX, ECX) and sub-leaf 1 (EAX): AVX512_VNNI is ECX bit 11,
+ * AVX512BW EBX bit 30, AVX512VL EBX bit 31, AVX-VNNI sub-leaf 1 EAX bit 4, AVX512_BF16
+ * sub-leaf 1 EAX bit 5 (older compilers' __builtin_cpu_supports know none of the last). */
+static int leaf7(unsigned sub, unsigned *a, unsigned *b, unsigned *c, unsigned *d) {
+    if (__get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, sub, *a, *b, *c, *d);
+    return 1;
+}
+/* The OS saves the ZMM (and opmask) state: XCR0 bits 1, 2, 5, 6, 7. */
+static int os_zmm(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1u)) return 0; /* OSXSAVE */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (lo & 0xe6u) == 0xe6u;
+}
+#endif
+
+static int cpu_avx2(void) {
+#ifdef CB_FAST_X86
+    __builtin_cpu_init();
+    unsigned a, b, c, d;
+    int f16c = __get_cpuid(1, &a, &b, &c, &d) && ((c >> 29) & 1u);
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
+#else
+    return 0;
+#endif
+}
+
+static int cpu_avxvnni(void) {
+#ifdef CB_FAST_X86
+    unsigned a, b, c, d;
+    return cpu_avx2() && leaf7(1, &a, &b, &c, &d) && ((a >> 4) & 1u);
+#else
+    return 0;
+#endif
+}
+
+static int cpu_avx512vnni(void) {
+#ifdef CB_FAST_X86
+    unsigned a, b, c, d;
+    if (!cpu_avx2() || !os_zmm() || !__builtin_cpu_supports("avx512f") || !leaf7(0, &a, &b, &c, &d)) return 0;
+    return ((b >> 30) & 1u) && ((b >> 31) & 1u) && ((c >> 11) & 1u);
+#else
+    return 0;
+#endif
+}
+
+int cb_fast_cpu_bf16(void); /* kernels_vnni512.c reads it when choosing its BF16 path */
+int cb_fast_cpu_bf16(void) {
+#ifdef CB_FAST_X86
+    unsigned a, b, c, d;
+    return cpu_avx512vnni() && leaf7(1, &a, &b, &c, &d) && ((a >> 5) & 1u);
+#else
+    return 0;
+#endif
+}
+
+const cb_fast_kernels *cb_fast_by_name(const char *name) {
+    if (!name) return NULL;
+    if (strcmp(name, "ref") == 0 || strcmp(name, "reference") == 0) return &fast_ref;
+    if (strcmp(name, "avx2") == 0) return cpu_avx2() ? cb_fast_avx2() : NULL;
+    if (strcmp(name, "avxvnni") == 0) return cpu_avxvnni() ? cb_fast_avxvnni() : NULL;
+    if (strcmp(name, "avx512vnni") == 0) return cpu_avx512vnni() ? cb_fast_avx512vnni() : NULL;
+    return NULL;
+}
+
+const cb_fast_kernels *cb_fast_best(void) {
+    const cb_fast_kernels *f = cb_fast_by_name(getenv("COLIBRI_FAST_KERNELS"));
+    if (f) return f;
+    if ((f = cb_fast_by_name("avx512vnni")) != NULL) return f;
+    if ((f = cb_fast_by_name("avxvnni")) != NULL) return f;
+    if ((f = cb_fast_by_name("avx2")) != NULL) return f;
+    return &fast_ref;
+}

@@ -1,0 +1,182 @@
+/*
+ * fast.h — the kernels of the fast numeric mode (COLIBRI_PRECISION_FAST; docs/kernels.md,
+ * "Numeric modes"), behind their own table: which of them a CPU can run depends on
+ * instructions (VNNI, AVX512_BF16) that the exact tables do not need, so cb_fast_best()
+ * picks this table separately from cb_kernels_best().
+ *
+ * What fast mode computes, for a weight matrix of a block type (Q8_0, Q4_K, Q5_K, Q6_K):
+ *
+ *  - each token's activation row is quantized in blocks of 32 (cb_fast_quant_act): d =
+ *    amax / 127, q = round-to-nearest-even(x * (127 / amax)) in [-127, 127], and the sums of
+ *    q over each half and the whole block, already multiplied by d;
+ *  - each weight row is read as unsigned bytes u with, per sub-block g of G weights (G = 16
+ *    for Q6_K, 32 otherwise), a scale ws[g] and an offset wm[g] such that the weight is
+ *    ws[g] * u + wm[g] (cb_fast_unpack: Q8_0 u = q + 128, wm = -128 ws; Q4_K/Q5_K ws = d sc,
+ *    wm = -dmin m; Q6_K ws = d sc, wm = -32 ws);
+ *  - y[t, n] is ONE float chain over the sub-blocks in ascending order, starting at 0:
+ *        acc = fma((float)isum_g, ws[g] * d_b, acc);  acc = fma(wm[g], dS_g, acc)
+ *    where isum_g = sum of u * q over the sub-block (an exact integer, |isum| < 2^24), d_b
+ *    the scale of the activation block holding it and dS_g = d_b * (sum of q over g).
+ *
+ * The integer sums are exact in any order and the float steps are the same operations in
+ * the same order in every table, so every table gives the reference's results BIT FOR BIT,
+ * whatever the number of tokens, their tiling or the thread split (native/tests/
+ * test_kernels.c checks it). For BF16 weights the activations are rounded to bf16 before the
+ * matmul (forward.c, cb_round_bf16); tables with native_bf16 then take BF16 weights too
+ * (vdpbf16ps, float32 accumulation in their own order), the others run the exact kernels
+ * on the rounded activations (bf16 x bf16 products are exact in float32).
+ */
+#ifndef COLIBRI_CPU_FAST_H
+#define COLIBRI_CPU_FAST_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/dtype.h"
+
+/* One activation block of 32: its scale and its sums of q (times d), for the offsets. */
+typedef struct cb_fast_ablk {
+    float d;        /* amax / 127 (0 for an all-zero block) */
+    float ds32;     /* d * sum of the 32 q */
+    float ds16[2];  /* d * sum of q[0..16), of q[16..32) */
+} cb_fast_ablk;
+
+typedef struct cb_fast_kernels {
+    const char *name;   /* the int8 path's instructions: "reference", "avx2", "avxvnni", "avx512vnni" */
+    const char *bf16;   /* the BF16 path: "avx512bf16" (vdpbf16ps) or "f32" (exact kernels) */
+    int native_bf16;    /* 1: matmul_ld/gateup also take BF16 weights */
+    /* y[t * ldy + n] for t < T, n < N, as matmul_ld (kernels.h) but in fast mode:
+     * dt a block type (K a whole number of its blocks) or BF16 when native_bf16. */
+    void (*matmul_ld)(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T,
+                      int64_t N, int64_t K);
+    /* h[r, i] = silu(gate_i . x_r) * (up_i . x_r) for i0 <= i < i1, the split FFN's gate and
+     * up [I, H] in dt (as expert_gateup with up != NULL), each dot as matmul_ld computes it. */
+    void (*gateup)(float *h, const float *x, const void *gate, const void *up, uint32_t dt, int64_t R,
+                   int64_t H, int64_t I, int64_t i0, int64_t i1);
+} cb_fast_kernels;
+
+/* 1 when the fast table computes matrices of dtype dt (else they run the exact kernels). */
+static inline int cb_fast_takes(const cb_fast_kernels *f, uint32_t dt) {
+    return f && (cb_dtype_is_quant(dt) || (dt == COLIBRI_DTYPE_BF16 && f->native_bf16));
+}
+
+const cb_fast_kernels *cb_fast_ref(void);
+/* NULL when not compiled in (kernels_vnni.c, kernels_avx2.c). */
+const cb_fast_kernels *cb_fast_avx2(void);
+const cb_fast_kernels *cb_fast_avxvnni(void);
+const cb_fast_kernels *cb_fast_avx512vnni(void);
+/* "ref"/"reference", "avx2", "avxvnni", "avx512vnni" if compiled in and supported; else NULL. */
+const cb_fast_kernels *cb_fast_by_name(const char *name);
+/* COLIBRI_FAST_KERNELS if set and usable, else the best the CPU supports. */
+const cb_fast_kernels *cb_fast_best(void);
+
+/* x[i] <- x[i] rounded to the nearest bfloat16 (ties to even; nan stays nan). */
+void cb_round_bf16(float *x, int64_t n);
+
+/* Weights per sub-block (its own scale and offset) of a block type in fast mode. */
+static inline int64_t cb_fast_group(uint32_t dt) { return dt == COLIBRI_DTYPE_Q6_K ? 16 : 32; }
+
+/* ---- the shared definitions: inline, so that each kernel file compiles (and vectorizes)
+ * them for its own instruction set, the same C and therefore the same results ---------- */
+
+/* Quantize x[0..n) (n a multiple of 32) into q[0..n) and a[0..n/32). */
+static inline void cb_fast_quant_act(const float *x, int64_t n, int8_t *q, cb_fast_ablk *a) {
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            float v = fabsf(xb[i]);
+            amax = v > amax ? v : amax;
+        }
+        float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int s0 = 0, s1 = 0;
+        int8_t *qb = q + b * 32;
+        for (int i = 0; i < 32; i++) qb[i] = (int8_t)(int)nearbyintf(xb[i] * id);
+        for (int i = 0; i < 16; i++) s0 += qb[i];
+        for (int i = 16; i < 32; i++) s1 += qb[i];
+        a[b].d = d;
+        a[b].ds32 = d * (float)(s0 + s1);
+        a[b].ds16[0] = d * (float)s0;
+        a[b].ds16[1] = d * (float)s1;
+    }
+}
+
+static inline float cb_fast_f16(const uint8_t *p) { return cb_f16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
+
+/* Columns k0 .. k0 + kc of a weight row of block type dt (k0, kc whole blocks) as bytes
+ * u[0..kc) and per sub-block ws, wm [kc / cb_fast_group(dt)] (see the top of this file). */
+static inline void cb_fast_unpack(const void *row, uint32_t dt, int64_t k0, int64_t kc, uint8_t *u, float *ws,
+                                  float *wm) {
+    const uint8_t *r = (const uint8_t *)row;
+    if (dt == COLIBRI_DTYPE_Q8_0) {
+        const uint8_t *b = r + k0 / 32 * 34;
+        for (int64_t g = 0; g < kc / 32; g++, b += 34) {
+            float d = cb_fast_f16(b);
+            ws[g] = d;
+            wm[g] = -128.0f * d;
+            for (int i = 0; i < 32; i++) u[g * 32 + i] = (uint8_t)(b[2 + i] ^ 0x80u);
+        }
+    } else if (dt == COLIBRI_DTYPE_Q4_K || dt == COLIBRI_DTYPE_Q5_K) {
+        int q5 = dt == COLIBRI_DTYPE_Q5_K;
+        int64_t bb = q5 ? 176 : 144;
+        const uint8_t *b = r + k0 / 256 * bb;
+        for (int64_t s = 0; s < kc / 256; s++, b += bb) {
+            float d = cb_fast_f16(b), dmin = cb_fast_f16(b + 2);
+            uint8_t sm[16];
+            cb_k4_unpack(b + 4, sm);
+            const uint8_t *qh = b + 16, *qs = b + (q5 ? 48 : 16);
+            uint8_t *us = u + s * 256;
+            for (int j = 0; j < 8; j++) {
+                ws[s * 8 + j] = d * (float)sm[j];
+                wm[s * 8 + j] = -(dmin * (float)sm[8 + j]);
+            }
+            for (int p = 0; p < 4; p++) {
+                const uint8_t *qp = qs + p * 32;
+                for (int l = 0; l < 32; l++) {
+                    uint8_t lo = qp[l] & 0xF, hi = qp[l] >> 4;
+                    if (q5) {
+                        lo |= (uint8_t)(((qh[l] >> (2 * p)) & 1) << 4);
+                        hi |= (uint8_t)(((qh[l] >> (2 * p + 1)) & 1) << 4);
+                    }
+                    us[p * 64 + l] = lo;
+                    us[p * 64 + 32 + l] = hi;
+                }
+            }
+        }
+    } else { /* Q6_K */
+        const uint8_t *b = r + k0 / 256 * 210;
+        for (int64_t s = 0; s < kc / 256; s++, b += 210) {
+            const uint8_t *ql = b, *qh = b + 128;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            float d = cb_fast_f16(b + 208);
+            uint8_t *us = u + s * 256;
+            for (int j = 0; j < 16; j++) {
+                float w = d * (float)sc[j];
+                ws[s * 16 + j] = w;
+                wm[s * 16 + j] = -32.0f * w;
+            }
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *l0 = ql + h * 64, *h0 = qh + h * 32;
+                uint8_t *y = us + h * 128;
+                for (int l = 0; l < 32; l++) {
+                    y[l] = (uint8_t)((l0[l] & 0xF) | (((h0[l] >> 0) & 3) << 4));
+                    y[l + 32] = (uint8_t)((l0[l + 32] & 0xF) | (((h0[l] >> 2) & 3) << 4));
+                    y[l + 64] = (uint8_t)((l0[l] >> 4) | (((h0[l] >> 4) & 3) << 4));
+                    y[l + 96] = (uint8_t)((l0[l + 32] >> 4) | (((h0[l] >> 6) & 3) << 4));
+                }
+            }
+        }
+    }
+}
+
+/* The float steps of one sub-block g (see the top): the one definition every table uses. */
+static inline float cb_fast_step(float acc, int32_t isum, float ws, float wm, float d, float ds) {
+    acc = fmaf((float)isum, ws * d, acc);
+    return fmaf(wm, ds, acc);
+}
+
+/* silu(g) * u, as the exact kernels compute it. */
+static inline float cb_fast_silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+#endif
