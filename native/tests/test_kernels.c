@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/fast.h"    /* the fast numeric mode's tables */
 #include "cpu/kernels.h" /* internal header (src/ is on the tests' include path): the kernels are not public API */
 
 static int n_fail = 0, n_check = 0;
@@ -812,6 +813,143 @@ static void test_quant(const cb_kernels *K) {
     }
 }
 
+/* ---- the fast numeric mode (cpu/fast.h) ---- */
+
+/* cb_round_bf16 against the conversion pair (round to nearest even, nan kept) */
+static void test_round_bf16(void) {
+    float x[4099];
+    fill(x, 4096, 3.0);
+    x[4096] = f32_bits(0x7fc00001u);
+    x[4097] = f32_bits(0x3f80ffffu); /* rounds up across a mantissa carry */
+    x[4098] = f32_bits(0x3f808000u); /* a tie: to even (down) */
+    float r[4099];
+    memcpy(r, x, sizeof x);
+    cb_round_bf16(r, 4099);
+    for (int i = 0; i < 4099; i++) {
+        n_check++;
+        float want = isnan(x[i]) ? x[i] : cb_bf16_to_f32(cb_f32_to_bf16(x[i]));
+        if (isnan(x[i]) ? !isnan(r[i]) : bits_f32(r[i]) != bits_f32(want))
+            FAIL("cb_round_bf16(%.9g) = %.9g, want %.9g", (double)x[i], (double)r[i], (double)want);
+    }
+}
+
+/* The reference fast matmul against the exact product: each term's error is bounded by the
+ * activation's quantization step (half of amax/127 of its block) times |w|. */
+static void check_fast_token(const cb_fast_kernels *F, uint32_t dt, const float *y, int64_t ldy, const float *x,
+                             const float *val, int64_t t, int64_t N, int64_t Kd) {
+    for (int64_t n = 0; n < N; n++) {
+        double s = 0, bound = 0;
+        for (int64_t b = 0; b < Kd / 32; b++) {
+            double amax = 0;
+            for (int k = 0; k < 32; k++) amax = fmax(amax, fabs((double)x[t * Kd + b * 32 + k]));
+            for (int k = 0; k < 32; k++) {
+                int64_t i = b * 32 + k;
+                s += (double)x[t * Kd + i] * val[n * Kd + i];
+                bound += fabs((double)val[n * Kd + i]) * (amax / 127.0 * 0.5000001 + fabs((double)x[t * Kd + i]) * 1e-6);
+            }
+        }
+        n_check++;
+        if (!(fabs(y[t * ldy + n] - s) <= bound + 1e-6))
+            FAIL("[fast %s] matmul %s N%lld K%lld (%lld,%lld): %.9g vs exact %.9g, bound %.3g", F->name,
+                 cb_dtype_name(dt), (long long)N, (long long)Kd, (long long)t, (long long)n, (double)y[t * ldy + n],
+                 s, bound);
+    }
+}
+
+/* Every fast table: matmul_ld bit for bit the reference's (odd T, N and K, rows longer than
+ * one pass, an output stride), each token alone the batch's bits; gateup against the
+ * reference (their silu's exp may differ in the last bits), row alone == batch, only its
+ * column range written. The reference itself against the exact product. */
+static void test_fast(const cb_fast_kernels *F) {
+    const cb_fast_kernels *R = cb_fast_ref();
+    for (size_t qi = 0; qi < sizeof QTYPES / sizeof QTYPES[0]; qi++) {
+        uint32_t dt = QTYPES[qi];
+        int64_t blk = cb_dtype_block(dt);
+        const int64_t Ts[] = {1, 2, 3, 5, 9, 37};
+        const int64_t Ns[] = {1, 7, 17, 33, 67};
+        const int64_t Kq[] = {256, 768, 4352, 32, 96, 2080}; /* the last three: Q8_0 only */
+        for (size_t c = 0; c < 6; c++) {
+            int64_t Kd = Kq[c];
+            if (Kd % blk) continue;
+            for (size_t b = 0; b < 5; b++)
+                for (size_t a = 0; a < 6; a++) {
+                    int64_t T = Ts[a], N = Ns[b], ldy = N + 3;
+                    if (Kd > 1000 && (N > 17 || (T > 3 && T != 37))) continue; /* keep the long rows quick */
+                    wbuf w = make_q(dt, N, Kd);
+                    float *x = malloc((size_t)(T * Kd) * 4), *y = malloc((size_t)(T * ldy) * 4);
+                    float *yr = malloc((size_t)(T * ldy) * 4), *y1 = malloc((size_t)N * 4);
+                    fill(x, T * Kd, 2.0);
+                    for (int64_t i = 0; i < T * ldy; i++) y[i] = yr[i] = SENTINEL;
+                    F->matmul_ld(y, ldy, x, w.raw, dt, T, N, Kd);
+                    R->matmul_ld(yr, ldy, x, w.raw, dt, T, N, Kd);
+                    n_check++;
+                    if (memcmp(y, yr, (size_t)(T * ldy) * 4) != 0)
+                        FAIL("[fast %s] matmul_ld %s T%lld N%lld K%lld differs from the reference's bits", F->name,
+                             cb_dtype_name(dt), (long long)T, (long long)N, (long long)Kd);
+                    for (int64_t t = 0; t < T; t++) {
+                        if (F == R && (T < 9 || t % 7 == 0)) check_fast_token(F, dt, y, ldy, x, w.val, t, N, Kd);
+                        F->matmul_ld(y1, N, x + t * Kd, w.raw, dt, 1, N, Kd);
+                        n_check++;
+                        if (memcmp(y1, y + t * ldy, (size_t)N * 4) != 0)
+                            FAIL("[fast %s] matmul_ld %s T%lld N%lld K%lld: token %lld alone differs from the batch",
+                                 F->name, cb_dtype_name(dt), (long long)T, (long long)N, (long long)Kd, (long long)t);
+                        for (int64_t n = N; n < ldy; n++)
+                            if (y[t * ldy + n] != SENTINEL) {
+                                FAIL("[fast %s] matmul_ld wrote past N", F->name);
+                                break;
+                            }
+                    }
+                    free(x);
+                    free(y);
+                    free(yr);
+                    free(y1);
+                    free_w(&w);
+                }
+        }
+        {
+            int64_t H = blk == 32 ? 288 : 512, I = 301, i0 = 3, i1 = 290;
+            wbuf g = make_q(dt, I, H), u = make_q(dt, I, H);
+            const int64_t Rs[] = {1, 2, 5, 35};
+            for (size_t a = 0; a < 4; a++) {
+                int64_t Rr = Rs[a];
+                float *x = malloc((size_t)(Rr * H) * 4), *h = malloc((size_t)(Rr * I) * 4);
+                float *hr = malloc((size_t)(Rr * I) * 4), *h1 = malloc((size_t)I * 4);
+                fill(x, Rr * H, 1.0);
+                for (int64_t k = 0; k < Rr * I; k++) h[k] = hr[k] = SENTINEL;
+                F->gateup(h, x, g.raw, u.raw, dt, Rr, H, I, i0, i1);
+                R->gateup(hr, x, g.raw, u.raw, dt, Rr, H, I, i0, i1);
+                for (int64_t k = 0; k < Rr * I; k++) {
+                    n_check++;
+                    if (!(fabs((double)h[k] - hr[k]) <= 2e-6 * (fabs((double)hr[k]) + 1e-3))) {
+                        FAIL("[fast %s vs reference] gateup %s R%lld element %lld: %.9g vs %.9g", F->name,
+                             cb_dtype_name(dt), (long long)Rr, (long long)k, (double)h[k], (double)hr[k]);
+                        break;
+                    }
+                }
+                for (int64_t r = 0; r < Rr; r++) {
+                    for (int64_t k = 0; k < I; k++) h1[k] = SENTINEL;
+                    F->gateup(h1, x + r * H, g.raw, u.raw, dt, 1, H, I, i0, i1);
+                    n_check++;
+                    if (memcmp(h1 + i0, h + r * I + i0, (size_t)(i1 - i0) * 4) != 0)
+                        FAIL("[fast %s] gateup %s R%lld: row %lld alone differs from the batch", F->name,
+                             cb_dtype_name(dt), (long long)Rr, (long long)r);
+                    for (int64_t k = 0; k < I; k++)
+                        if ((k < i0 || k >= i1) && (h[r * I + k] != SENTINEL || h1[k] != SENTINEL)) {
+                            FAIL("[fast %s] gateup %s wrote outside its range", F->name, cb_dtype_name(dt));
+                            break;
+                        }
+                }
+                free(x);
+                free(h);
+                free(hr);
+                free(h1);
+            }
+            free_w(&g);
+            free_w(&u);
+        }
+    }
+}
+
 static void test_table(const cb_kernels *K) {
     test_matmul(K);
     test_matmul_i8(K);
@@ -840,8 +978,22 @@ int main(void) {
             printf("test_kernels: table %s skipped (not built, or this CPU lacks it)\n", names[i]);
         }
     }
+    test_round_bf16();
+    const char *fast_names[] = {"reference", "avx2", "avxvnni", "avx512vnni"};
+    for (size_t i = 0; i < 4; i++) {
+        const cb_fast_kernels *F = cb_fast_by_name(fast_names[i]);
+        if (F) {
+            int before = n_fail;
+            test_fast(F);
+            printf("test_kernels: fast table %s checked (%s)\n", fast_names[i], n_fail == before ? "ok" : "FAILED");
+        } else {
+            printf("test_kernels: fast table %s skipped (not built, or this CPU lacks it)\n", fast_names[i]);
+        }
+    }
     n_check++;
     if (!cb_kernels_best() || !cb_kernels_best()->expert_down) FAIL("cb_kernels_best() has no complete table");
+    n_check++;
+    if (!cb_fast_best() || !cb_fast_best()->matmul_ld) FAIL("cb_fast_best() has no complete table");
     if (n_fail) {
         printf("test_kernels: %d of %d checks FAILED\n", n_fail, n_check);
         return 1;

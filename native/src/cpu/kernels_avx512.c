@@ -18,44 +18,7 @@
 #define CB_SIMD(name) name##_avx512
 #define VL 16
 
-typedef __m512 vf;
-
-static inline __attribute__((always_inline)) vf vzero(void) { return _mm512_setzero_ps(); }
-static inline __attribute__((always_inline)) vf vset1(float a) { return _mm512_set1_ps(a); }
-static inline __attribute__((always_inline)) vf vload(const float *p) { return _mm512_loadu_ps(p); }
-static inline __attribute__((always_inline)) void vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
-static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline __attribute__((always_inline)) vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
-static inline __attribute__((always_inline)) vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-static inline __attribute__((always_inline)) vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-static inline __attribute__((always_inline)) vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-static inline __attribute__((always_inline)) vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
-static inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
-static inline __attribute__((always_inline)) vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
-static inline __attribute__((always_inline)) vf vround(vf a) {
-    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-/* 2^n for integral n in [-127, 128) (the caller clamps): build the exponent field */
-static inline __attribute__((always_inline)) vf vpow2i(vf n) {
-    __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
-}
-static inline __attribute__((always_inline)) float vhsum(vf v) { return _mm512_reduce_add_ps(v); }
-static inline __attribute__((always_inline)) float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
-/* VL weights of dtype DT (a compile-time constant after inlining) widened to float */
-static inline __attribute__((always_inline)) vf vload_w(const void *p, int64_t k, const uint32_t DT) {
-    if (DT == COLIBRI_DTYPE_F32) return _mm512_loadu_ps((const float *)p + k);
-    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k));
-    if (DT == COLIBRI_DTYPE_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
-}
-static inline __attribute__((always_inline)) void vprefetch(const void *p) {
-    _mm_prefetch((const char *)p, _MM_HINT_T0);
-}
-/* into L2 only: for far-ahead streaming prefetches, which would evict L1 lines in use */
-static inline __attribute__((always_inline)) void vprefetch_l2(const void *p) {
-    _mm_prefetch((const char *)p, _MM_HINT_T1);
-}
+#include "cpu/simd_avx512.h"
 
 /* the little-endian binary16 at p as a float, by F16C (exact, as cb_f16_to_f32) */
 static inline __attribute__((always_inline)) float f16_at(const uint8_t *p) {

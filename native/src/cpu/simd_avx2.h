@@ -1,0 +1,64 @@
+/*
+ * simd_avx2.h — the float vector primitives of the avx2 tables (8 float lanes), each a
+ * one-line intrinsic: included by kernels_avx2.c (the exact table) and fast_*.c (the fast
+ * mode's tables), which are compiled with at least the instruction-set flags these need.
+ */
+#ifndef COLIBRI_CPU_SIMD_AVX2_H
+#define COLIBRI_CPU_SIMD_AVX2_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "colibri.h"
+
+typedef __m256 vf;
+
+static inline __attribute__((always_inline)) vf vzero(void) { return _mm256_setzero_ps(); }
+static inline __attribute__((always_inline)) vf vset1(float a) { return _mm256_set1_ps(a); }
+static inline __attribute__((always_inline)) vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline __attribute__((always_inline)) void vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline __attribute__((always_inline)) vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline __attribute__((always_inline)) vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline __attribute__((always_inline)) vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline __attribute__((always_inline)) vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline __attribute__((always_inline)) vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline __attribute__((always_inline)) vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline __attribute__((always_inline)) vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline __attribute__((always_inline)) vf vround(vf a) {
+    return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+/* 2^n for integral n in [-127, 128) (the caller clamps): build the exponent field */
+static inline __attribute__((always_inline)) vf vpow2i(vf n) {
+    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
+static inline __attribute__((always_inline)) float vhsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline __attribute__((always_inline)) float vhmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* VL weights of dtype DT (a compile-time constant after inlining) widened to float */
+static inline __attribute__((always_inline)) vf vload_w(const void *p, int64_t k, const uint32_t DT) {
+    if (DT == COLIBRI_DTYPE_F32) return _mm256_loadu_ps((const float *)p + k);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));
+    if (DT == COLIBRI_DTYPE_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+static inline __attribute__((always_inline)) void vprefetch(const void *p) {
+    _mm_prefetch((const char *)p, _MM_HINT_T0);
+}
+/* into L2 only: for far-ahead streaming prefetches, which would evict L1 lines in use */
+static inline __attribute__((always_inline)) void vprefetch_l2(const void *p) {
+    _mm_prefetch((const char *)p, _MM_HINT_T1);
+}
+
+
+#endif
