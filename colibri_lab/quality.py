@@ -660,6 +660,134 @@ def pad_mixtral(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, multi
     return out
 
 
+# --------------------------------------------------------------------------- numeric modes
+
+def held_out_text(summary: str | os.PathLike | None = None) -> str:
+    """The tiny model's held-out text: the 50 standard-library files that
+    ``docs/training/summary.json`` lists as held out (``corpus.heldout_file_list``), read
+    from the running Python's standard library in that order and joined with ``\\n`` (the
+    repository ships no copy). ``summary``: that file (default: the repository's, beside
+    this package). Raises FileNotFoundError when it, or every listed file, is missing."""
+    import sysconfig
+
+    p = Path(summary) if summary else Path(__file__).resolve().parents[1] / "docs" / "training" / "summary.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no training summary (held-out text needs the repository checkout)")
+    files = json.loads(p.read_text())["corpus"]["heldout_file_list"]
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    found = [lib / f for f in files if (lib / f).is_file()]
+    if not found:
+        raise FileNotFoundError(f"none of the {len(files)} held-out files is in {lib}")
+    return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in found)
+
+
+def precision_agreement(path: str | os.PathLike, token_ids: Sequence[int] | np.ndarray, *,
+                        num_threads: int | None = None, chunk: int = 256, max_chunks: int | None = None,
+                        ref: str = "exact", test: str = "fast", add_bos: bool = True,
+                        progress: Callable[[int, int], None] | bool | None = None) -> dict[str, Any]:
+    """How far the engine's ``test`` numeric mode (default "fast") is from its ``ref``
+    mode (default "exact") on one ``.colibri`` file: two engines on the same file, the
+    same ids.
+
+    The ids are cut into chunks of ``chunk`` tokens (the last one may be shorter; at most
+    ``max_chunks``), each a fresh sequence whose first id is replaced by the model's BOS
+    (``add_bos``, when it has one). **Every** position of a chunk but its last is scored
+    (the logits at position i predict id i+1): KL(p_ref || p_test) over the whole
+    vocabulary in float64, and whether the argmaxes agree; both engines run under a trace,
+    and every (token, MoE layer) routing decision of every position is compared: a flip
+    is a top-k *set* of experts that differs (the order inside it is free), as
+    :func:`compare` counts them between two files.
+
+    Returns a dict (JSON-able): ``kl_mean``, ``kl_max``, ``top1`` (the share of scored
+    positions whose top-1 agrees), ``routing_flips`` (the share of routing decisions whose
+    top-k set differs; 0.0 for a model without routers), ``n_tokens`` (scored positions),
+    and ``kl_median``, ``kl_p99``, ``kl_min``, ``routing_top1_flips``, ``routing_flips_per_layer``,
+    ``moe_layers``, ``n_routing_decisions``, ``ppl_ref``, ``ppl_test``, ``n_chunks``,
+    ``chunk``, ``ref``, ``test``, ``kernels`` (the test engine's), ``weight_dtype``,
+    ``model``, ``tokens_sha256``. Deterministic: the engine gives the same bits for the
+    same ids in either mode, and the sums run in a fixed order."""
+    from .engine import PRECISIONS, Engine
+    from .errors import ColibriInvalidArgError
+
+    for what, mode in (("ref", ref), ("test", test)):
+        if mode not in PRECISIONS:
+            raise ColibriInvalidArgError(f"{what} precision must be one of "
+                                         f"{', '.join(map(repr, PRECISIONS))}, got {mode!r}")
+    chunk = int(chunk)
+    if chunk < 2:
+        raise ValueError(f"chunk {chunk}: at least 2 tokens (a position and the id it predicts)")
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise ValueError("token_ids must be a 1-D sequence of integer ids")
+    ids = ids.astype(np.int64)
+    starts = [s for s in range(0, len(ids), chunk) if len(ids) - s >= 2]
+    if max_chunks is not None:
+        starts = starts[: max(int(max_chunks), 0)]
+    if not starts:
+        raise ValueError(f"{len(ids)} token id(s): at least 2 are needed")
+    ids = ids[: min(len(ids), starts[-1] + chunk)]
+    if progress is True:
+        progress = lambda i, n: print(f"[precision] chunk {i}/{n}", file=sys.stderr, flush=True)  # noqa: E731
+    opts = dict(num_threads=num_threads, max_seq_len=min(chunk, max(len(ids), 2)))
+    with Engine(path, precision=ref, **opts) as reng, Engine(path, precision=test, **opts) as teng:
+        cfg = reng.config
+        if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+            raise ValueError(f"a token id is outside the vocabulary of {cfg.vocab_size}")
+        bos = reng.tokenizer.bos_id if add_bos and reng._has_tokenizer() else -1
+        layers = np.flatnonzero(reng._layer_is_moe())
+        acc = KLDAccumulator()
+        set_flips = np.zeros(len(layers), np.int64)
+        top1_flips = np.zeros(len(layers), np.int64)
+        n_dec = 0
+        for c, s in enumerate(starts):
+            ch = ids[s:s + chunk].astype(np.int32)
+            if bos >= 0:
+                ch[0] = bos
+            n = len(ch)
+            if len(layers):
+                with reng.trace(capacity=n) as rtr:
+                    rl = reng.forward(ch)
+                with teng.trace(capacity=n) as ttr:
+                    tl = teng.forward(ch)
+                sd, td = routing_flips(rtr.topk_ids[layers, :n], ttr.topk_ids[layers, :n])
+                set_flips += sd.sum(axis=1)
+                top1_flips += td.sum(axis=1)
+                n_dec += n
+            else:
+                rl, tl = reng.forward(ch), teng.forward(ch)
+            acc.add(rl[: n - 1], tl[: n - 1], ch[1:])
+            del rl, tl
+            if progress:
+                progress(c + 1, len(starts))
+        st = acc.summary()
+        kernels, wdtype = teng.config.kernels, cfg.weight_dtype
+    kv = np.sort(np.concatenate(acc._kld))
+    n_decisions = n_dec * len(layers)
+    return {
+        "kl_mean": st["kld_mean"], "kl_max": st["kld_max"], "top1": st["top1_agreement"],
+        "routing_flips": float(set_flips.sum() / n_decisions) if n_decisions else 0.0,
+        "n_tokens": st["n_scored"],
+        "kl_median": st["kld_median"], "kl_p99": st["kld_p99"], "kl_min": float(kv[0]),
+        "routing_top1_flips": float(top1_flips.sum() / n_decisions) if n_decisions else 0.0,
+        "routing_flips_per_layer": (set_flips / n_dec).tolist() if n_dec else [],
+        "moe_layers": [int(x) for x in layers], "n_routing_decisions": int(n_decisions),
+        "ppl_ref": st["ppl_ref"], "ppl_test": st["ppl_test"],
+        "n_chunks": len(starts), "chunk": chunk, "ref": ref, "test": test, "kernels": kernels,
+        "weight_dtype": wdtype, "model": _name(path), "tokens_sha256": tokens_sha256(ids),
+    }  # fmt: skip
+
+
+def format_agreement(results: dict[str, dict[str, Any]]) -> str:
+    """:func:`precision_agreement` results side by side, one row per {label: result}."""
+    head = (f"{'':<22} {'KL mean':>10} {'KL P99':>10} {'KL max':>10} {'same top1':>10} "
+            f"{'flips':>8} {'tokens':>7}")
+    out = [head]
+    for name, r in results.items():
+        out.append(f"{name[:22]:<22} {r['kl_mean']:>10.3g} {r['kl_p99']:>10.3g} {r['kl_max']:>10.3g} "
+                   f"{100 * r['top1']:>9.3f}% {100 * r['routing_flips']:>7.3f}% {r['n_tokens']:>7}")
+    return "\n".join(out)
+
+
 # --------------------------------------------------------------------------- llama.cpp side
 
 _NUM = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|-?inf))"
@@ -914,14 +1042,19 @@ def main(argv: list[str] | None = None) -> int:
         description="Measure a (quantized) .colibri model against a reference as llama-perplexity "
                     "--kl-divergence does: PPL, KL divergence, top-1 agreement, Δp and MoE "
                     "routing flips.")
-    p.add_argument("--ref", required=True, help="the reference .colibri (normally the f32 conversion)")
-    p.add_argument("--test", required=True, help="the .colibri measured against it")
-    src = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("--ref", help="the reference .colibri (normally the f32 conversion)")
+    p.add_argument("--test", help="the .colibri measured against it")
+    p.add_argument("--precision-agreement", action="append", default=[], metavar="FILE",
+                   help="instead: the engine's fast numeric mode against its exact mode on FILE "
+                        "(repeatable); tokens from --text, --random-tokens, else the tiny model's "
+                        "held-out text; --ctx is the chunk length (default 256 here), every position scored")
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--text", help="a text file, tokenized as llama-perplexity -f does (BOS + text)")
     src.add_argument("--random-tokens", type=int, metavar="N",
                      help="N uniformly random ids instead (no llama.cpp counterpart)")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-tokens (default 0)")
-    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512)")
+    p.add_argument("--ctx", type=int, default=None, help="tokens per chunk (default 512; 256 with "
+                   "--precision-agreement)")
     p.add_argument("--chunks", type=int, default=None, help="at most this many chunks")
     p.add_argument("--threads", type=int, default=None, help="engine threads (default: physical cores)")
     p.add_argument("--no-routing", action="store_true", help="skip the routing comparison")
@@ -932,6 +1065,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help='write {"colibri": report, "llama.cpp": {name: report}} here')
     p.add_argument("--quiet", action="store_true", help="no per-chunk progress")
     a = p.parse_args(argv)
+    if a.precision_agreement:
+        if a.ref or a.test or a.llama_base or a.llama_test:
+            p.error("--precision-agreement measures one file's two numeric modes: leave out --ref, --test "
+                    "and the llama.cpp options")
+        return _precision_main(a)
+    if not (a.ref and a.test):
+        p.error("the arguments --ref and --test are required (or --precision-agreement FILE)")
+    if not (a.text or a.random_tokens is not None):
+        p.error("one of the arguments --text --random-tokens is required")
+    a.ctx = 512 if a.ctx is None else a.ctx
     if (a.llama_base or a.llama_test) and not (a.text and a.llama_base and a.llama_test):
         p.error("the llama.cpp comparison needs --text, --llama-base and at least one --llama-test")
     try:
@@ -961,6 +1104,41 @@ def main(argv: list[str] | None = None) -> int:
             out["same_tokens"] = same
         if a.json:
             Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _precision_main(a) -> int:
+    """--precision-agreement FILE ...: fast against exact on each file, a table, --json."""
+    chunk = 256 if a.ctx is None else a.ctx
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        text = None
+        if a.text:
+            text = Path(a.text).read_text(encoding="utf-8")
+        elif a.random_tokens is None:
+            text = held_out_text()
+        for f in a.precision_agreement:
+            if text is not None:
+                tokens = text_tokens(f, text)
+            else:
+                from .engine import Engine
+
+                with Engine(f, max_seq_len=2) as eng:
+                    tokens = random_tokens(a.random_tokens, eng.vocab_size, seed=a.seed)
+            r = precision_agreement(f, tokens, num_threads=a.threads, chunk=chunk, max_chunks=a.chunks,
+                                    progress=not a.quiet)
+            results[f] = r
+            print(f"{f}: {r['weight_dtype']}, kernels {r['kernels']}: fast against exact over {r['n_tokens']} "
+                  f"positions ({r['n_chunks']} chunks of <= {chunk}): KL mean {r['kl_mean']:.3g}, max "
+                  f"{r['kl_max']:.3g}; same top-1 {100 * r['top1']:.3f} %; routing flips "
+                  f"{100 * r['routing_flips']:.3f} % of {r['n_routing_decisions']} decisions")
+        print()
+        print(format_agreement({os.path.basename(k): v for k, v in results.items()}))
+        if a.json:
+            Path(a.json).write_text(json.dumps({"precision_agreement": results}, indent=2) + "\n")
     except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
