@@ -54,6 +54,7 @@ typedef struct args {
     int64_t group_pad;
     int64_t max_batch;
     uint64_t seed;
+    int32_t precision;
     int json;
     int all_logits; /* prefill computes every row's logits (default: the last row only) */
 } args;
@@ -85,6 +86,8 @@ static void usage(FILE *f) {
             "                         1..4096 (default 1 = no padding)\n"
             "  --max_batch N          tokens per internal forward chunk, 0 = engine default\n"
             "  --seed S               PRNG seed for the token ids, unsigned 64-bit (default 0)\n"
+            "  --precision MODE       exact or fast (int8 / bf16 activations into the weight\n"
+            "                         matmuls; docs/quantization.md) (default exact)\n"
             "  --json                 print one JSON object on stdout instead of the table\n"
             "  --all_logits           prefill computes the logits of every prompt token (default: the\n"
             "                         last one only, as generation and the peer engines do)\n"
@@ -117,7 +120,7 @@ static int parse_args(int argc, char **argv, args *a) {
         static const char *const known[] = {"--model", "--sequential_sequences", "--batch_size", "--seq_len",
                                             "--num_requests", "--warmup", "--num_threads",
                                             "--max_new_tokens", "--decode_steps", "--group_pad",
-                                            "--max_batch", "--seed"};
+                                            "--max_batch", "--seed", "--precision"};
         char name[64];
         const char *val = NULL;
         int bad = split_option(argc, argv, &i, known, sizeof known / sizeof known[0], name, &val);
@@ -157,6 +160,8 @@ static int parse_args(int argc, char **argv, args *a) {
         } else if (!strcmp(name, "--seed")) {
             if (!parse_u64(val, &a->seed))
                 return usage_error("--seed must be an unsigned integer, got '%s'", val);
+        } else if (!strcmp(name, "--precision")) {
+            if (!parse_precision(val, &a->precision)) return usage_error(PRECISION_USAGE, val);
         }
     }
     if (!a->model) return usage_error("--model is required");
@@ -277,6 +282,7 @@ int main(int argc, char **argv) {
     opt.max_seq_len = a.seq_len + a.max_new_tokens;
     opt.max_batch = a.max_batch;
     opt.group_pad = (int32_t)a.group_pad;
+    opt.precision = a.precision;
 
     double t0 = now_ms();
     colibri_ctx *ctx = NULL;
@@ -299,7 +305,7 @@ int main(int argc, char **argv) {
 
     int64_t vocab = 0, threads_req = 0, threads_used = 0, n_layers = 0, n_experts = 0, top_k = 0,
             hidden = 0, max_batch = 0, group_pad = 0;
-    const char *arch = "", *wdtype = "";
+    const char *arch = "", *wdtype = "", *precision = "", *kernels = "";
     if ((st = colibri_get_int(ctx, "vocab_size", &vocab)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "num_threads", &threads_req)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "threads_used", &threads_used)) != COLIBRI_OK ||
@@ -310,7 +316,9 @@ int main(int argc, char **argv) {
         (st = colibri_get_int(ctx, "max_batch", &max_batch)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "group_pad", &group_pad)) != COLIBRI_OK ||
         (st = colibri_get_string(ctx, "architecture", &arch)) != COLIBRI_OK ||
-        (st = colibri_get_string(ctx, "weight_dtype", &wdtype)) != COLIBRI_OK) {
+        (st = colibri_get_string(ctx, "weight_dtype", &wdtype)) != COLIBRI_OK ||
+        (st = colibri_get_string(ctx, "precision", &precision)) != COLIBRI_OK ||
+        (st = colibri_get_string(ctx, "kernels", &kernels)) != COLIBRI_OK) {
         rc = engine_error(ctx, st, "reading the model's settings");
         goto done;
     }
@@ -371,6 +379,10 @@ int main(int argc, char **argv) {
         print_json_string(arch);
         printf(",\n  \"weight_dtype\": ");
         print_json_string(wdtype);
+        printf(",\n  \"precision\": ");
+        print_json_string(precision);
+        printf(",\n  \"kernels\": ");
+        print_json_string(kernels);
         printf(",\n  \"vocab_size\": %" PRId64 ", \"n_layers\": %" PRId64 ", \"hidden_size\": %" PRId64
                ", \"n_experts\": %" PRId64 ", \"top_k\": %" PRId64 ",\n",
                vocab, n_layers, hidden, n_experts, top_k);
@@ -394,9 +406,9 @@ int main(int argc, char **argv) {
         printf("settings: sequential_sequences %" PRId64 " (sequences per request, run one after another), "
                "seq_len %" PRId64 ", max_new_tokens %" PRId64 ", %" PRId64 " requests after %" PRId64
                " warmup, threads %" PRId64 " requested / %" PRId64 " used, group_pad %" PRId64
-               ", max_batch %" PRId64 ", seed %" PRIu64 "\n",
+               ", max_batch %" PRId64 ", seed %" PRIu64 ", precision %s (kernels %s)\n",
                a.n_seq, a.seq_len, a.max_new_tokens, n_req, a.warmup, threads_req,
-               threads_used, group_pad, max_batch, a.seed);
+               threads_used, group_pad, max_batch, a.seed, precision, kernels);
         printf("prefill: latency per request (%" PRId64 " x %" PRId64 " tokens); decode: latency per token step\n",
                a.n_seq, a.seq_len);
         print_stats_text("prefill", &sp, pre_tokens);

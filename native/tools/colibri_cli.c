@@ -38,6 +38,7 @@ typedef struct args {
     uint64_t seed;
     int64_t num_threads;
     int64_t max_seq_len;
+    int32_t precision;
     int verbose;
     int verify;
 } args;
@@ -59,6 +60,9 @@ static void usage(FILE *f) {
             "  --seed S               sampler seed, an unsigned 64-bit integer (default 0)\n"
             "  --num_threads N        0 = the engine's default (default 0)\n"
             "  --max_seq_len N        0 = the engine's default (default 0)\n"
+            "  --precision MODE       exact (float32 activations into every matmul) or fast\n"
+            "                         (int8 / bf16 activations into the weight matmuls;\n"
+            "                         docs/quantization.md, \"Fast mode accuracy\") (default exact)\n"
             "  --verify               check every CRC-32 in the file before running\n"
             "  --verbose              print load and timing figures to stderr\n"
             "  --help                 print this help and exit\n");
@@ -91,7 +95,7 @@ static int parse_args(int argc, char **argv, args *a) {
         /* --name VALUE or --name=VALUE */
         static const char *const known[] = {"--model", "--prompt", "--max_new_tokens",
                                             "--temperature", "--top_k", "--top_p", "--seed",
-                                            "--num_threads", "--max_seq_len"};
+                                            "--num_threads", "--max_seq_len", "--precision"};
         char name[64];
         const char *val = NULL;
         int bad = split_option(argc, argv, &i, known, sizeof known / sizeof known[0], name, &val);
@@ -123,6 +127,8 @@ static int parse_args(int argc, char **argv, args *a) {
         } else if (!strcmp(name, "--max_seq_len")) {
             if (!parse_i64(val, 0, INT64_MAX, &a->max_seq_len))
                 return usage_error("--max_seq_len must be an integer >= 0, got '%s'", val);
+        } else if (!strcmp(name, "--precision")) {
+            if (!parse_precision(val, &a->precision)) return usage_error(PRECISION_USAGE, val);
         }
     }
     if (!a->model) return usage_error("--model is required");
@@ -249,6 +255,7 @@ int main(int argc, char **argv) {
     colibri_options_init(&opt);
     opt.num_threads = (int32_t)a.num_threads;
     opt.max_seq_len = a.max_seq_len;
+    opt.precision = a.precision;
 
     double t0 = now_ms();
     colibri_ctx *ctx = NULL;
@@ -277,9 +284,12 @@ int main(int argc, char **argv) {
     if (st != COLIBRI_OK) { rc = engine_error(ctx, st, "router weights do not match their stored norms"); goto done; }
 
     int64_t vocab = 0, max_seq = 0, threads = 0;
+    const char *precision = "", *kernels = "";
     if ((st = colibri_get_int(ctx, "vocab_size", &vocab)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "max_seq_len", &max_seq)) != COLIBRI_OK ||
-        (st = colibri_get_int(ctx, "threads_used", &threads)) != COLIBRI_OK) {
+        (st = colibri_get_int(ctx, "threads_used", &threads)) != COLIBRI_OK ||
+        (st = colibri_get_string(ctx, "precision", &precision)) != COLIBRI_OK ||
+        (st = colibri_get_string(ctx, "kernels", &kernels)) != COLIBRI_OK) {
         rc = engine_error(ctx, st, "reading the model's settings");
         goto done;
     }
@@ -310,8 +320,8 @@ int main(int argc, char **argv) {
     }
     if (a.verbose)
         fprintf(stderr, "load: %.1f ms (%s, vocab %" PRId64 ", max_seq_len %" PRId64
-                        ", %" PRId64 " thread(s) used)\nprompt: %" PRId64 " tokens\n",
-                t_load, a.model, vocab, max_seq, threads, n_prompt);
+                        ", %" PRId64 " thread(s) used)\nprecision: %s (kernels %s)\nprompt: %" PRId64 " tokens\n",
+                t_load, a.model, vocab, max_seq, threads, precision, kernels, n_prompt);
 
     /* --verbose: a trace times every stage (colibri.h, "Observation") */
     if (a.verbose) {

@@ -1,6 +1,6 @@
 /*
  * tool_common.h — what colibri_cli and colibri_bench share: exit statuses, usage and
- * engine error reports, number parsing, option splitting and a monotonic clock.
+ * engine error reports, number and --precision parsing, option splitting and a monotonic clock.
  * Header-only (static functions); define TOOL_NAME before including it.
  */
 #ifndef COLIBRI_TOOL_COMMON_H
@@ -88,6 +88,17 @@ static inline int split_option(int argc, char **argv, int *i, const char *const 
         *val = argv[++*i];
     }
     return -1;
+}
+
+/* The value of --precision: "exact" (COLIBRI_PRECISION_EXACT) or "fast" (COLIBRI_PRECISION_FAST).
+ * Returns 1 and sets *out, or 0 when `s` is neither (the caller reports the usage error, e.g.
+ * with PRECISION_USAGE). */
+#define PRECISION_USAGE "--precision must be 'exact' or 'fast', got '%s'"
+static inline int parse_precision(const char *s, int32_t *out) {
+    if (!strcmp(s, "exact")) *out = COLIBRI_PRECISION_EXACT;
+    else if (!strcmp(s, "fast")) *out = COLIBRI_PRECISION_FAST;
+    else return 0;
+    return 1;
 }
 
 static inline double now_ms(void) {

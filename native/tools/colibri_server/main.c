@@ -32,6 +32,7 @@ typedef struct args {
     int64_t port, num_threads, max_batch_size, max_seq_len, prefetch_batches, parallel, max_batch_tokens, kv_tokens,
         kv_block_tokens, max_queue, timeout, max_body_bytes, default_max_tokens;
     double gpu_memory_fraction;
+    int32_t precision;
 } args;
 
 static void usage(FILE *f) {
@@ -49,6 +50,9 @@ static void usage(FILE *f) {
             "  --host HOST[:PORT]        address to listen on (default 127.0.0.1)\n"
             "  --port N                  port, 0 = any free one (default 8000; HOST:PORT wins)\n"
             "  --num_threads N           threads of the forward pass, 0 = physical cores (default 0)\n"
+            "  --precision MODE          exact or fast: int8 / bf16 activations into the weight\n"
+            "                            matmuls (docs/quantization.md, \"Fast mode accuracy\");\n"
+            "                            /v1/models says which (default exact)\n"
             "  --parallel N              sequences held at once (max_seqs; a request with n\n"
             "                            choices takes n of them) (default 4)\n"
             "  --max_batch_size N        most sequences decoding in one step, <= --parallel\n"
@@ -101,7 +105,7 @@ static int parse_args(int argc, char **argv, args *a) {
             "--model", "--alias", "--host", "--port", "--num_threads", "--max_batch_size", "--max_seq_len",
             "--prefetch_batches", "--gpu_memory_fraction", "--parallel", "--max_batch_tokens", "--decode_prefill_tokens", "--kv_tokens",
             "--kv_block_tokens", "--api-key", "--api_key", "--max_queue", "--timeout", "--max_body_bytes",
-            "--default_max_tokens"};
+            "--default_max_tokens", "--precision"};
         char name[64];
         const char *val = NULL;
         int bad = split_option(argc, argv, &i, known, sizeof known / sizeof known[0], name, &val);
@@ -152,6 +156,8 @@ static int parse_args(int argc, char **argv, args *a) {
                 return usage_error("--gpu_memory_fraction %s: this build has no GPU backend (CPU only); leave it out "
                                    "or give 0", val);
             a->gpu_memory_fraction = v;
+        } else if (!strcmp(name, "--precision")) {
+            if (!parse_precision(val, &a->precision)) return usage_error(PRECISION_USAGE, val);
         }
         INT_OPT("--num_threads", num_threads, 0, 4096)
         INT_OPT("--max_batch_size", max_batch_size, 1, 4096)
@@ -265,6 +271,7 @@ int main(int argc, char **argv) {
     opt.max_seqs = (int32_t)a.parallel;
     opt.kv_block_tokens = (int32_t)a.kv_block_tokens;
     opt.kv_tokens = a.kv_tokens;
+    opt.precision = a.precision;
     colibri_ctx *ctx = NULL;
     colibri_status st = colibri_init_ex(a.model, &opt, &ctx, err, sizeof err);
     if (st != COLIBRI_OK) {
@@ -297,6 +304,8 @@ int main(int argc, char **argv) {
     srv.ctx_len = max_seq < blocks * block_tokens ? max_seq : blocks * block_tokens;
     if (colibri_get_string(ctx, "chat_template", &srv.chat_template) != COLIBRI_OK || !srv.chat_template)
         srv.chat_template = "";
+    if (colibri_get_string(ctx, "precision", &srv.precision) != COLIBRI_OK || !srv.precision) srv.precision = "";
+    if (colibri_get_string(ctx, "kernels", &srv.kernels) != COLIBRI_OK || !srv.kernels) srv.kernels = "";
 
     cs_engine eng;
     if (cs_colibri_init(&srv.engine, ctx, a.max_batch_tokens, &eng, err, sizeof err)) {
@@ -332,9 +341,10 @@ int main(int argc, char **argv) {
             goto out;
         }
         fprintf(stderr, "colibri_server: loaded '%s' in %.0f ms (warm-up %.1f ms): vocab %" PRId64 ", context %" PRId64
-                        ", %" PRId64 " sequences, %" PRId64 " KV blocks of %" PRId64 " tokens, %" PRId64 " thread(s)\n",
+                        ", %" PRId64 " sequences, %" PRId64 " KV blocks of %" PRId64 " tokens, %" PRId64
+                        " thread(s), precision %s (kernels %s)\n",
                 srv.model_id, now_ms() - t0, now_ms() - tw, vocab, srv.ctx_len, max_seqs, blocks, block_tokens,
-                threads);
+                threads, srv.precision, srv.kernels);
     }
 
     pthread_mutex_lock(&g_stop_mu);

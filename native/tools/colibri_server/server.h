@@ -59,6 +59,8 @@ typedef struct cs_server {
     int64_t vocab, ctx_len;
     int32_t bos_id, eos_id, max_seqs;
     const char *chat_template;
+    const char *precision;             /* colibri_get_string "precision": "exact" / "fast" (NULL until loaded) */
+    const char *kernels;               /* colibri_get_string "kernels" */
     cs_sched *sched;
     cs_colibri engine;
     atomic_int state;
