@@ -178,10 +178,13 @@ def server_exe() -> str | None:
 
 
 def start(path, *, parallel: int = 4, threads: int = 2, max_seq_len: int | None = None,
-          kv_tokens: int | None = None, extra: list[str] | None = None, log=None,
-          timeout: float = 300.0) -> Server:
+          kv_tokens: int | None = None, precision: str | None = None, extra: list[str] | None = None,
+          log=None, timeout: float = 300.0) -> Server:
     """Start colibri_server on 127.0.0.1 (a free port) for `path` and wait until /health says 200.
-    Use as a context manager, or call .stop()."""
+    `precision`: "exact" or "fast" (--precision; None: the server's default, exact). Use as a
+    context manager, or call .stop()."""
+    if precision is not None and precision not in ("exact", "fast"):
+        raise ValueError(f"precision must be 'exact' or 'fast', got {precision!r}")
     exe = server_exe()
     if exe is None:
         raise FileNotFoundError("colibri_server not found: pip install . builds it when libmicrohttpd "
@@ -193,6 +196,8 @@ def start(path, *, parallel: int = 4, threads: int = 2, max_seq_len: int | None 
         argv += ["--max_seq_len", str(max_seq_len)]
     if kv_tokens:
         argv += ["--kv_tokens", str(kv_tokens)]
+    if precision is not None:
+        argv += ["--precision", precision]
     srv = Server("colibri_server", argv + list(extra or []), port, log or os.devnull)
     try:
         srv.wait_healthy(timeout)
