@@ -45,6 +45,10 @@ def test_help(cli_path):
         (["--model", "m.colibri", "--prompt", "hi", "--top_p", "1.5"], "--top_p"),
         (["--model", "m.colibri", "--prompt", "hi", "--seed", "-3"], "--seed"),
         (["--model", "m.colibri", "--prompt"], "needs a value"),
+        (["--model", "m.colibri", "--prompt", "hi", "--precision", "turbo"],
+         "--precision must be 'exact' or 'fast', got 'turbo'"),
+        (["--model", "m.colibri", "--prompt", "hi", "--precision", ""], "--precision must be"),
+        (["--model", "m.colibri", "--prompt", "hi", "--precision"], "needs a value"),
         (["stray"], "unexpected argument"),
     ],
 )
@@ -102,6 +106,38 @@ def test_verbose_and_verify(cli_path, model):
     assert r.returncode == 0, r.stderr
     for needle in ("load:", "prompt:", "prefill:", "decode:", "tok/s", "verify:"):
         assert needle in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def q8_model(make_model):
+    """The default test model in q8_0: the weights whose activations fast mode quantizes."""
+    return make_model(dtype="q8_0")[1]
+
+
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+def test_precision_flag(cli_path, q8_model, precision):
+    """--precision reaches the engine (the --verbose line names the mode and its kernels) and
+    the CLI then gives Engine(precision=...)'s tokens and top-5 probabilities."""
+    r = run(cli_path, "--model", q8_model, "--prompt", PROMPT, "--max_new_tokens", "10", "--precision",
+            precision, "--verbose", "--num_threads", "2")
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stderr.splitlines() if x.startswith("precision:"))
+    assert line.startswith(f"precision: {precision} (kernels ")
+    assert (" fast(int8 " in line) == (precision == "fast"), line
+    with Engine(q8_model, precision=precision) as eng:
+        assert eng.config.precision == precision
+        text = "".join(t.text for t in eng.generate(PROMPT, max_new_tokens=10))
+        row = eng.forward(eng.tokenizer.encode(PROMPT))[-1].astype(np.float64)
+    assert r.stdout == text + "\n"
+    top = run(cli_path, "--model", q8_model, "--prompt", PROMPT, "--max_new_tokens", "1",
+              f"--precision={precision}")
+    assert top.returncode == 0, top.stderr
+    rows = [TOP_LINE.match(x) for x in top.stdout.splitlines()[1:]]
+    p = np.exp(row - row.max())
+    p /= p.sum()
+    assert [int(m.group(2)) for m in rows] == np.argsort(-row, kind="stable")[:5].tolist()
+    for m in rows:
+        assert float(m.group(3)) == pytest.approx(p[int(m.group(2))], abs=2e-6)
 
 
 def test_prompt_too_long_exits_1(cli_path, model):
