@@ -4,7 +4,8 @@ with plain http.client: completions and chat, streaming, greedy output equal to
 Engine.generate, seeded sampling equal alone and under load, n > 1, stop strings,
 logprobs, echo, usage, every error status, the API key, a full queue, /metrics, a client
 that leaves mid-stream (its KV blocks come back), a bounded load test, a bounded fuzz of
-the request bodies, and the command line (exit 0 / 1 / 2).
+the request bodies, a server in fast numeric mode (--precision fast), and the command line
+(exit 0 / 1 / 2).
 
 Only the loopback address is used; every request loop is bounded in count and time.
 """
@@ -245,6 +246,29 @@ def test_health_and_models(server):
     assert status == 200 and json.loads(body) == {"status": "ok"}
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL_ID]
+    status, body = get(server.port, "/v1/models")
+    m = json.loads(body)["data"][0]
+    assert m["precision"] == "exact" and m["kernels"] and "fast(" not in m["kernels"], m
+
+
+def test_fast_precision_server(server_path, tmp_path):
+    """--precision fast on a q8_0 file: /v1/models says so, and a greedy completion is
+    Engine(precision="fast")'s text (one small server, one request)."""
+    q8 = colibri_lab.convert(REPO / "data" / "tiny-mixtral", tmp_path / f"{MODEL_ID}.colibri", dtype="q8_0",
+                             progress=False)
+    srv = Server(server_path, q8, tmp_path / "fast.log", "--parallel", "1", "--max_seq_len", "128",
+                 "--precision", "fast")
+    try:
+        m = json.loads(get(srv.port, "/v1/models")[1])["data"][0]
+        assert m["precision"] == "fast" and " fast(int8 " in m["kernels"], m
+        assert "precision fast" in srv.text()
+        status, ans = post(srv.port, "/v1/completions", {"prompt": "def main", "max_tokens": 12, "temperature": 0})
+        assert status == 200, ans
+        with Engine(q8, num_threads=2, precision="fast") as eng:
+            want, _ = reference(eng, "def main", 12)
+        assert ans["choices"][0]["text"] == want
+    finally:
+        assert srv.stop() == 0, srv.text()
 
 
 def test_greedy_equals_engine_generate(server, engine):
@@ -788,7 +812,7 @@ def test_help(server_path):
     assert r.returncode == 0
     for flag in ["--model", "--host", "--port", "--num_threads", "--max_batch_size", "--max_seq_len",
                  "--prefetch_batches", "--gpu_memory_fraction", "--parallel", "--max_batch_tokens", "--kv_tokens",
-                 "--api-key", "--max_queue", "--timeout", "--max_body_bytes"]:
+                 "--api-key", "--max_queue", "--timeout", "--max_body_bytes", "--precision"]:
         assert flag in r.stdout, flag
     assert "has no effect on CPU" in r.stdout
 
@@ -802,6 +826,7 @@ def test_help(server_path):
     (["--model", "m.colibri", "--host", "127.0.0.1:x"], "port"),
     (["--model", "m.colibri", "--parallel", "2", "--max_batch_size", "4"], "--max_batch_size"),
     (["--model", "m.colibri", "--max_batch_tokens", "2"], "--max_batch_tokens"),
+    (["--model", "m.colibri", "--precision", "half"], "--precision must be 'exact' or 'fast', got 'half'"),
     (["--model"], "needs a value"),
     (["stray"], "unexpected argument"),
 ])  # fmt: skip
