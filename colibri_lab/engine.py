@@ -302,7 +302,7 @@ class Engine:
         max_seq_len: int | None = None,
         max_batch: int | None = None,
         group_pad: int | None = None,
-        populate: bool = False,
+        populate: bool | None = None,
         verify_checksums: bool = False,
         max_seqs: int | None = None,
         kv_tokens: int | None = None,
@@ -321,7 +321,16 @@ class Engine:
             opt.max_batch = int(max_batch)
         if group_pad is not None:
             opt.group_pad = int(group_pad)
-        opt.populate = int(bool(populate))
+        # populate: None = the engine's auto (pre-fault the file when it is under half of
+        # MemAvailable, the benchmark's load path), True/False = on/off
+        if populate is None:
+            opt.populate = -1  # COLIBRI_POPULATE_AUTO
+        elif populate in (True, False):
+            opt.populate = int(populate)
+        else:
+            raise _native.ColibriInvalidArgError(
+                f"populate must be None (auto), True or False, got {populate!r}"
+            )
         opt.verify_checksums = int(bool(verify_checksums))
         if max_seqs is not None:
             opt.max_seqs = int(max_seqs)

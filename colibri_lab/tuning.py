@@ -10,6 +10,7 @@ The plumbing behind ``notebooks/03_tuning.ipynb`` and the side-by-side benchmark
     path = convert(hf, "small.colibri", dtype="f32", progress=False)
     tuning.machine_info()                                  # CPU, SIMD flags, usable CPUs
     bw = tuning.measure_bandwidth()                        # GB/s of a numpy copy
+    rd = tuning.measure_read_bandwidth(2)                  # GB/s of a C streaming read, 2 threads
     tuning.roofline_table(tuning.read_hf_config(hf), bw["median_gbs"])
     tuning.sweep_threads(path, [1, 2])                     # prefill and decode tokens/s
     tuning.run_colibri_bench(path, seq_len=64)             # colibri_bench's JSON, parsed
@@ -17,7 +18,8 @@ The plumbing behind ``notebooks/03_tuning.ipynb`` and the side-by-side benchmark
 - **Models**: :func:`make_model` writes a seeded random-init Mixtral of a given shape
   (:data:`MIXTRAL_791M` is the reference model of ``docs/performance.md``);
   :func:`read_hf_config` reads the shape back from a Hugging Face ``config.json``.
-- **Machine**: :func:`machine_info`, :func:`measure_bandwidth`; the decode roofline
+- **Machine**: :func:`machine_info`, :func:`measure_bandwidth` (a numpy copy),
+  :func:`measure_read_bandwidth` (the engine's streaming-read kernel); the decode roofline
   (:func:`active_weights`, :func:`decode_roofline`, :func:`roofline_table`; for a
   quantized or mixed file, :func:`file_decode_roofline` from its tensor directory).
 - **Timing an Engine**: :func:`timed_run` (one prefill, then decode steps),
@@ -63,6 +65,7 @@ __all__ = [
     "machine_info",
     "make_model",
     "measure_bandwidth",
+    "measure_read_bandwidth",
     "median_rates",
     "random_ids",
     "read_hf_config",
@@ -340,6 +343,60 @@ def measure_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> Facts:
                   "median_gbs": statistics.median(cpu), "max_gbs": max(cpu),
                   "wall_median_gbs": statistics.median(wall), "samples_gbs": cpu,
                   "wall_samples_gbs": wall})  # fmt: skip
+
+
+#: The variants of :func:`measure_read_bandwidth`: name -> ``colibri_read_bandwidth`` flags
+#: (colibri.h). "plain": the widest vector loads the CPU has; "nt_prefetch": prefetchnta
+#: ahead of them; "nt_load": (V)MOVNTDQA loads; "nt": both; "avx2": plain 32-byte loads on
+#: an AVX-512 CPU too; "portable": the C loop the compiler makes of 64-bit loads.
+READ_VARIANTS = {"plain": 0, "nt_prefetch": 1, "nt_load": 2, "nt": 3, "avx2": 8, "portable": 4}
+
+
+def measure_read_bandwidth(threads: int = 0, nbytes: int = 1 << 30, reps: int = 5,
+                           variants: Sequence[str] = ("plain", "nt_prefetch", "portable")) -> Facts:
+    """The streaming-READ bandwidth of the machine on ``threads`` threads (0: one per
+    physical core, the engine's default), measured by the engine's own C kernel
+    (``colibri_read_bandwidth``): a buffer of ``nbytes`` (choose several times the
+    last-level cache) is touched, read once untimed, then ``reps`` times, every thread
+    streaming its own contiguous slice, timed by the wall clock around the whole parallel
+    read. GB/s are 1e9 bytes *read* per second: a decode step reads its weights and writes
+    next to nothing, so this, not a copy, is its ceiling.
+
+    Every variant in ``variants`` (:data:`READ_VARIANTS`) is measured; ``gbs`` is the best
+    repetition of the best variant (named in ``variant``), the figure a roofline should use;
+    each variant keeps its best, median and samples. A variant the CPU cannot run records
+    its ``error`` instead."""
+    import ctypes
+
+    from . import _native
+    from .errors import E_UNSUPPORTED
+
+    res = Facts({"method": f"C streaming read (colibri_read_bandwidth) of {nbytes >> 20} MiB, "
+                           f"{threads or 'physical-core'} thread(s), best of {reps} by the "
+                           "wall clock, bytes read",
+                 "threads": threads, "bytes": nbytes, "reps": reps, "variants": {}})  # fmt: skip
+    best_name, best = None, 0.0
+    for name in variants:
+        if name not in READ_VARIANTS:
+            raise ValueError(f"unknown read variant {name!r}; choose from {', '.join(READ_VARIANTS)}")
+        out = ctypes.c_double()
+        samples = (ctypes.c_double * reps)()
+        err = ctypes.create_string_buffer(512)
+        st = _native.lib.colibri_read_bandwidth(int(threads), int(nbytes), int(reps),
+                                                READ_VARIANTS[name], ctypes.byref(out), samples,
+                                                err, len(err))  # fmt: skip
+        if st == E_UNSUPPORTED:  # e.g. "avx2" on a CPU without it
+            res["variants"][name] = {"flags": READ_VARIANTS[name], "error": _native._text(err.value)}
+            continue
+        _native.check(st, err=err)
+        vals = list(samples)
+        res["variants"][name] = {"flags": READ_VARIANTS[name], "best_gbs": out.value,
+                                 "median_gbs": statistics.median(vals), "samples_gbs": vals}
+        if out.value > best:
+            best_name, best = name, out.value
+    res["gbs"] = best if best_name else None
+    res["variant"] = best_name
+    return res
 
 
 def active_weights(c: dict) -> dict:

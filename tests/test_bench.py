@@ -192,19 +192,65 @@ def test_side_by_side_smoke(model, tmp_path):
     res = json.loads(out.read_text())
     assert res["reps"] == 1 and res["prefill_tokens"] == 32 and res["decode_tokens"] == 8
     assert res["bandwidth"]["median_gbs"] > 0
+    # the roofline's bandwidth: the C streaming read, on the engines' thread count (2)
+    (rd,) = res["read_bandwidth"].values()
+    assert list(res["read_bandwidth"]) == ["2"] and rd["threads"] == 2 and rd["bytes"] == 32 << 20
+    assert rd["gbs"] > 0 and rd["gbs"] == rd["variants"][rd["variant"]]["best_gbs"]
+    assert {"plain", "nt_prefetch", "portable"} <= set(rd["variants"])
+    assert rd["gbs"] == max(v.get("best_gbs", 0) for v in rd["variants"].values())
     (cfg,) = res["configs"]
     assert (cfg["dtype"], cfg["threads"]) == ("f32", 2)
-    assert cfg["roofline"]["roofline_tok_s"] > 0
+    roof, copy = cfg["roofline"], cfg["roofline_copy"]
+    assert roof["roofline_tok_s"] > 0 and roof["bandwidth_gbs"] == rd["gbs"]
+    assert roof["bandwidth"] == "read, 2 threads"
+    assert copy["bandwidth_gbs"] == res["bandwidth"]["median_gbs"]
+    assert roof["bytes_per_token"] == copy["bytes_per_token"]  # one model, two bandwidths
+    assert roof["roofline_tok_s"] / copy["roofline_tok_s"] == pytest.approx(
+        rd["gbs"] / res["bandwidth"]["median_gbs"])
     for e in ("colibri", "transformers"):
         ent = cfg["engines"][e]
         assert ent["status"] == "ok", ent
         assert len(ent["reps"]) == 1 and ent["prefill_tok_s"] > 0 and ent["decode_tok_s"] > 0
-        assert ent["roofline_fraction"] == pytest.approx(
-            ent["decode_tok_s"] / cfg["roofline"]["roofline_tok_s"])
+        assert ent["roofline_fraction"] == pytest.approx(ent["decode_tok_s"] / roof["roofline_tok_s"])
+        assert ent["copy_roofline_fraction"] == pytest.approx(
+            ent["decode_tok_s"] / copy["roofline_tok_s"])
+    # a warning exactly for each engine above the read roofline
+    above = [e for e, ent in cfg["engines"].items() if ent["roofline_fraction"] > 1]
+    assert len(res["warnings"]) == len(above)
+    assert "read bandwidth, 2 threads:" in r.stdout and "copy bandwidth:" in r.stdout
     t = cfg["engines"]["transformers"]
     assert t["colibri_over_this_decode"] == pytest.approx(
         cfg["engines"]["colibri"]["decode_tok_s"] / t["decode_tok_s"])
     assert "| colibri" in r.stdout and "| transformers" in r.stdout
+
+
+def test_decode_above_the_roofline_is_warned(model, tmp_path, monkeypatch):
+    """A read bandwidth far too low (faked: 1 MB/s) puts every decode above the roofline:
+    the run records one warning per engine and the table prints them; the copy roofline
+    stays beside it."""
+    def slow(threads, nbytes, reps=5, variants=()):
+        return {"threads": threads, "bytes": nbytes, "reps": reps, "gbs": 1e-3, "variant": "plain",
+                "variants": {"plain": {"flags": 0, "best_gbs": 1e-3, "median_gbs": 1e-3,
+                                       "samples_gbs": [1e-3] * reps}}}  # fmt: skip
+
+    monkeypatch.setattr(side_by_side, "measure_read_bandwidth", slow)
+    args = side_by_side.build_parser().parse_args([
+        "--smoke", "--engines", "colibri", "--model-dir", str(model[0]), "--cache-dir",
+        str(tmp_path / "cache"), "--prefill", "8", "--decode", "4", "--reps", "1",
+        "--bandwidth-mib", "8", "--read-bandwidth-mib", "8", "--no-build"])  # fmt: skip
+    args.engines, args.dtype, args.threads = ["colibri"], ["f32"], [2]  # as main() splits them
+    res = side_by_side.run(args)
+    (cfg,) = res["configs"]
+    ent = cfg["engines"]["colibri"]
+    assert ent["status"] == "ok" and ent["roofline_fraction"] > 1
+    assert cfg["roofline"]["bandwidth_gbs"] == 1e-3
+    assert ent["copy_roofline_fraction"] == pytest.approx(
+        ent["decode_tok_s"] / cfg["roofline_copy"]["roofline_tok_s"])
+    (w,) = res["warnings"]
+    assert w.startswith("colibri f32 2t decodes") and "the roofline is wrong" in w
+    table = side_by_side.render_table(res)
+    assert f"WARNING: {w}" in table
+    assert "read bandwidth, 2 threads: 0.0 GB/s (plain;" in table
 
 
 def test_missing_peer_is_reported_not_fatal(model, tmp_path):
@@ -365,6 +411,7 @@ def _quant_result() -> dict:
                  "roofline": {"roofline_tok_s": 43.5, "bytes_per_token": 460_003_328,
                               "bits_per_weight": 16.0012}},
                 {"dtype": "q4_k_m", "threads": 2, "roofline": roof,
+                 "roofline_copy": dict(roof, roofline_tok_s=100.8),
                  "files": {"gguf_source": "llama-quantize Q4_K_M of the f32 GGUF",
                            "colibri_source": "gguf_import of m-q4_k_m.gguf (llama.cpp's bytes)"},
                  "engines": {
@@ -389,10 +436,11 @@ def test_table_renders_quantized_rows():
     assert "weight MB/token (bits/weight)" in header
     assert all(r.count("|") == n_cols for r in rows), rows  # every row fills the columns
     col, llama, hf = rows
-    assert "| 148.8 (5.18) | 134.4 | 89% |" in col
+    assert "| 148.8 (5.18) | 134.4 | 89% | 100.8 |" in col  # read roofline, then the copy one
     assert "| llama.cpp (--repack 0) |" in llama and "| 1.50, 1.20 |" in llama
     assert "not applicable: transformers has no q4_k_m weights" in hf
     assert "| 460.0 (16.00) | 43.5 |" in table  # a float row gets the column too
+    assert "| 43.5 | — | — |" in table  # no copy roofline given, no fraction: dashes
     assert "q4_k_m: GGUF = llama-quantize Q4_K_M" in table and "gguf_import of" in table
     assert "5.18 bits/weight" in table and "q4_k 87.3, q6_k 51" in table
     assert "llama.cpp q4_k_m 2t: llama-bench died of SIGILL" in table

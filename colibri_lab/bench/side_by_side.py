@@ -19,11 +19,18 @@ in the vendored version (llama-cpp-python 0.3.36) also draws every prompt and de
 with ``std::rand() % n_vocab`` (older versions repeated one token in ``tg``); its decode
 is timed at depth ``--prefill`` (``-d``) so that it, too, attends over the prompt.
 
-Also measured in the same run: the memory bandwidth (a numpy copy of a large buffer,
-read + write bytes per second, one thread) and the decode roofline it implies: the weight
-bytes one decode token must read (attention + router + top-k experts + lm_head + one
-embedding row + norms, at the run's dtype) divided by the bandwidth; each engine's decode
-is reported as a fraction of it.
+Also measured in the same run: the streaming-READ bandwidth, on each thread count the
+engines run with, by the engine's own C kernel (:func:`colibri_lab.tuning.
+measure_read_bandwidth`: every thread streams its slice of a large buffer with vector
+loads, plain and non-temporal, the best variant counts), and the decode roofline it
+implies: the weight bytes one decode token must read (attention + router + top-k experts +
+lm_head + one embedding row + norms, at the run's dtype) divided by that bandwidth; each
+engine's decode is reported as a fraction of it. A decode above the roofline means the
+roofline is wrong (the bandwidth was measured low, or weights stayed in cache), and the
+table says so in a warning line. The numpy copy figure of earlier runs (read + write bytes
+per second, one thread) is still measured and reported, with its roofline beside the
+read one (``roofline_copy``, ``copy_roofline_fraction``), for comparison: a copy is not a
+ceiling for a stream that only reads.
 
 llama.cpp is built from the ``llama-cpp-python`` sdist in ``--llama-cpp-dir`` (default
 ``~/.cache/colibri-lab/llama.cpp``): ``pip download --no-deps --no-binary :all:
@@ -65,7 +72,7 @@ from pathlib import Path
 import numpy as np
 
 from ..tuning import (MIXTRAL_791M, decode_roofline, file_decode_roofline, machine_info,
-                      make_model, measure_bandwidth, read_hf_config)
+                      make_model, measure_bandwidth, measure_read_bandwidth, read_hf_config)
 from .common import DTYPES, ENGINES, SMOKE_SHAPE, _say, default_cache_dir
 from .files import (colibri_file, colibri_from_gguf, drop_from_page_cache, hugepage_fraction,
                     source_info)
@@ -74,6 +81,10 @@ from .llama_cpp import (NO_REPACK, QUANT_BASES, QUANT_TYPES, LlamaBenchCrash, en
 
 #: Every dtype the benchmark runs: the float ones and llama.cpp's quantized types.
 BENCH_DTYPES = tuple(DTYPES) + tuple(QUANT_TYPES)
+
+#: The read-bandwidth buffer (MiB) of a full run: several times the last-level cache even
+#: of the 480 MiB L3 that the Xeon VM of docs/performance.md reports.
+READ_BW_MIB = 2048
 
 
 # ---------------------------------------------------------------------------------------
@@ -95,9 +106,11 @@ def _colibri_worker(conn, path: str, threads: int, max_seq_len: int):
     from .._native import version
     from ..engine import Engine
 
-    # populate: fault the whole file in at load, as llama.cpp's loader does (a MoE warm-up
-    # touches only the experts it routes to; the rest would fault in during timed runs)
-    eng = Engine(path, num_threads=threads, max_seq_len=max_seq_len, populate=True)
+    # the default load path, a user's: populate "auto" faults the whole file in at load
+    # when it fits in half of the available memory, as llama.cpp's loader does (a MoE
+    # warm-up touches only the experts it routes to; the rest would fault in during timed
+    # runs), and leaves a model larger than that to fault in on demand
+    eng = Engine(path, num_threads=threads, max_seq_len=max_seq_len)
     c = eng.config
     try:  # the kernel table in use ("reference", "avx2", ...), where the library reports it
         kernels = eng._get_string("kernels")
@@ -386,9 +399,22 @@ def run(args) -> dict:
                      "with std::rand()",
         "configs": [],
     }
-    _say("measuring memory bandwidth")
+    _say("measuring memory bandwidth (numpy copy)")
     bw = measure_bandwidth(args.bandwidth_mib << 20, reps=3 if args.smoke else 5)
     result["bandwidth"] = bw
+    # the roofline's bandwidth: a C streaming read on each thread count the engines run with
+    read_bw: dict[str, dict] = {}
+    for nt in threads:
+        _say(f"measuring read bandwidth ({nt} thread{'s' if nt > 1 else ''}, "
+             f"{args.read_bandwidth_mib} MiB)")
+        try:
+            read_bw[str(nt)] = measure_read_bandwidth(nt, args.read_bandwidth_mib << 20,
+                                                      reps=3 if args.smoke else 5)
+        except Exception as ex:  # e.g. no memory for the buffer: the copy figure stands in
+            read_bw[str(nt)] = {"gbs": None, "error": f"{type(ex).__name__}: {ex}"}
+            _say(f"read bandwidth not measured: {read_bw[str(nt)]['error']}")
+    result["read_bandwidth"] = read_bw
+    result["warnings"] = []
 
     llama_src, llama_err = None, None
     quant_from = getattr(args, "quant_from", "f32")
@@ -408,8 +434,13 @@ def run(args) -> dict:
         # model files first (conversion is not timed)
         files, file_info = _model_files(engines, dtype, model_dir, cache, llama_src, llama_err,
                                         quant_from, max(threads))  # fmt: skip
-        roof = _roofline(hf_cfg, dtype, bw["median_gbs"], files)
+        roof_copy = _roofline(hf_cfg, dtype, bw["median_gbs"], files)
         for nt in threads:
+            if read_bw[str(nt)].get("gbs"):
+                roof = _roofline(hf_cfg, dtype, read_bw[str(nt)]["gbs"], files)
+                roof["bandwidth"] = f"read, {nt} thread{'s' if nt > 1 else ''}"
+            else:
+                roof = dict(roof_copy, bandwidth="copy (the read bandwidth was not measured)")
             cfg = Config(dtype, nt)
             workers: dict[str, Worker] = {}
             # every engine loads its file cold (drop_from_page_cache says why)
@@ -495,6 +526,17 @@ def run(args) -> dict:
                     ent["decode_p99_over_p50"] = p99 / p50
                 if ent["decode_tok_s"] and roof.get("roofline_tok_s"):
                     ent["roofline_fraction"] = ent["decode_tok_s"] / roof["roofline_tok_s"]
+                    if ent["roofline_fraction"] > 1:
+                        w = (f"{e} {dtype} {nt}t decodes {ent['decode_tok_s']:.1f} tok/s, "
+                             f"{ent['roofline_fraction']:.0%} of the read roofline "
+                             f"({roof['roofline_tok_s']:.1f} tok/s at "
+                             f"{roof['bandwidth_gbs']:.1f} GB/s): the roofline is wrong "
+                             "(bandwidth measured low, e.g. on a busy machine, or weights "
+                             "served from cache)")  # fmt: skip
+                        result["warnings"].append(w)
+                        _say(f"warning: {w}")
+                if ent["decode_tok_s"] and roof_copy.get("roofline_tok_s"):
+                    ent["copy_roofline_fraction"] = ent["decode_tok_s"] / roof_copy["roofline_tok_s"]
                 if "error" in ent and not ent["reps"]:
                     ent["status"] = f"not available: {ent['error']}"
                 else:
@@ -507,7 +549,8 @@ def run(args) -> dict:
                     if col.get(k) and ent.get(k):
                         ent[f"colibri_over_this_{k[:-6]}"] = col[k] / ent[k]
             result["configs"].append({"dtype": dtype, "threads": nt, "roofline": roof,
-                                      "files": file_info, "engines": cfg.engines})  # fmt: skip
+                                      "roofline_copy": roof_copy, "files": file_info,
+                                      "engines": cfg.engines})  # fmt: skip
     result["loadavg_end"] = list(os.getloadavg())
     result["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return result
@@ -553,14 +596,33 @@ def _quant_lines(res: dict) -> list[str]:
     return out
 
 
+def _read_bw_lines(res: dict) -> list[str]:
+    """One line per thread count: the read bandwidth the roofline uses, and each variant's."""
+    out = []
+    for nt, r in (res.get("read_bandwidth") or {}).items():
+        parts = []
+        for name, v in r.get("variants", {}).items():
+            parts.append(f"{name} {v['best_gbs']:.1f}" if "best_gbs" in v else f"{name} n/a")
+        if r.get("error"):
+            out.append(f"read bandwidth, {nt} thread(s): not measured ({r['error']}); the "
+                       "roofline uses the copy bandwidth")
+            continue
+        out.append(f"read bandwidth, {nt} thread{'s' if str(nt) != '1' else ''}: "
+                   f"{_fmt(r.get('gbs'))} GB/s ({r.get('variant')}; best of each variant: "
+                   f"{', '.join(parts)}; {r.get('bytes', 0) >> 20} MiB, C streaming read; "
+                   "the 'roofline' column)")
+    return out
+
+
 def render_table(res: dict) -> str:
     """The result as a Markdown table plus the facts it rests on."""
     m, bw = res["machine"], res["bandwidth"]
     lines = [
         f"machine: {m.get('cpu', '?')}, {m.get('cpus_usable')} usable CPUs, "
         f"SIMD {'/'.join(m.get('simd', [])) or '?'}, {m.get('mem_gib', '?')} GiB RAM",
-        f"memory bandwidth: {bw['median_gbs']:.1f} GB/s median (max {bw['max_gbs']:.1f}; by the wall "
-        f"clock {bw['wall_median_gbs']:.1f}; {bw['method']})",
+        *_read_bw_lines(res),
+        f"copy bandwidth: {bw['median_gbs']:.1f} GB/s median (max {bw['max_gbs']:.1f}; by the wall "
+        f"clock {bw['wall_median_gbs']:.1f}; {bw['method']}; the 'copy roofline' column)",
         f"model: {res['model_dir']} ({res['model']['model_type']}, {res['model']['layers']} layers, "
         f"hidden {res['model']['hidden']}, {res['model']['experts']} experts top-{res['model']['top_k']}, "
         f"vocab {res['model']['vocab']})",
@@ -570,20 +632,22 @@ def render_table(res: dict) -> str:
         *_quant_lines(res),
         *[f"llama.cpp {c['dtype']} {c['threads']}t: {c['engines']['llama.cpp']['llama_bench_note']}"
           for c in res["configs"] if c["engines"].get("llama.cpp", {}).get("llama_bench_note")],
+        *[f"WARNING: {w}" for w in res.get("warnings", [])],
         "",
         "| dtype | threads | engine | prefill tok/s | decode tok/s | decode P99/P50 "
         "| weight MB/token (bits/weight) | roofline tok/s | decode ÷ roofline "
-        "| Colibri ÷ this (prefill, decode) | CPU ms/token (prefill, decode) "
+        "| copy roofline tok/s | Colibri ÷ this (prefill, decode) | CPU ms/token (prefill, decode) "
         "| file in 2 MiB pages |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in res["configs"]:
         roof = c["roofline"].get("roofline_tok_s")
+        roof_copy = (c.get("roofline_copy") or {}).get("roofline_tok_s")
         mb = _mb_bits(c["roofline"])
         for e, ent in c["engines"].items():
             if ent.get("status", "").startswith(("not available", "not applicable")):
                 lines.append(f"| {c['dtype']} | {c['threads']} | {e} | {ent['status']} |"
-                             + " |" * 8)
+                             + " |" * 9)
                 continue
             name = e
             if e == "colibri" and ent.get("kernels") not in (None, "not reported"):
@@ -601,7 +665,8 @@ def render_table(res: dict) -> str:
             lines.append(
                 f"| {c['dtype']} | {c['threads']} | {name} | {_fmt(ent.get('prefill_tok_s'))} "
                 f"| {_fmt(ent.get('decode_tok_s'))} | {_fmt(ent.get('decode_p99_over_p50'), '.2f')} "
-                f"| {mb} | {_fmt(roof)} | {_fmt(ent.get('roofline_fraction'), '.0%')} | {ratio} "
+                f"| {mb} | {_fmt(roof)} | {_fmt(ent.get('roofline_fraction'), '.0%')} "
+                f"| {_fmt(roof_copy)} | {ratio} "
                 f"| {_fmt(ent.get('prefill_cpu_ms_per_tok'), '.1f')}, "
                 f"{_fmt(ent.get('decode_cpu_ms_per_tok'), '.1f')} "
                 f"| {_fmt(ent.get('file_hugepage_fraction'), '.0%')} |"
@@ -644,7 +709,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp cache: an unpacked sdist or source tree (default CACHE/llama.cpp)")
     p.add_argument("--no-build", action="store_true", help="do not download or build llama.cpp")
     p.add_argument("--bandwidth-mib", type=int, default=512,
-                   help="size of the bandwidth test buffer in MiB (default 512)")
+                   help="size of the numpy copy bandwidth buffer in MiB (default 512)")
+    p.add_argument("--read-bandwidth-mib", type=int, default=READ_BW_MIB,
+                   help=f"size of the read-bandwidth buffer in MiB, the roofline's (default "
+                        f"{READ_BW_MIB}: several times a large last-level cache)")
     return p
 
 
@@ -660,8 +728,12 @@ def main(argv=None) -> int:
             args.decode = 8
         if args.bandwidth_mib == p.get_default("bandwidth_mib"):
             args.bandwidth_mib = 32
-    if args.reps < 1 or args.prefill < 1 or args.decode < 0 or args.bandwidth_mib < 1:
-        p.error("--reps, --prefill and --bandwidth-mib must be >= 1, --decode >= 0")
+        if args.read_bandwidth_mib == p.get_default("read_bandwidth_mib"):
+            args.read_bandwidth_mib = 32
+    if (args.reps < 1 or args.prefill < 1 or args.decode < 0 or args.bandwidth_mib < 1
+            or args.read_bandwidth_mib < 1):
+        p.error("--reps, --prefill, --bandwidth-mib and --read-bandwidth-mib must be >= 1, "
+                "--decode >= 0")
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     for e in args.engines:
         if e not in ENGINES:

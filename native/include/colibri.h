@@ -58,7 +58,9 @@ typedef struct colibri_options {
     int32_t num_threads;      /* threads of the forward pass, the caller included; 0: default (physical cores) */
     int64_t max_seq_len;      /* 0: min(file's max_seq_len, 4096); else ≤ file's max_seq_len */
     int64_t max_batch;        /* tokens per internal forward chunk; 0: min(max_seq_len, 512) */
-    int32_t populate;         /* 1: MAP_POPULATE (pre-fault the whole file at init) */
+    int32_t populate;         /* pre-fault the whole file at init (MADV_POPULATE_READ): 1 on, 0 off
+                               * (pages fault in on first use), COLIBRI_POPULATE_AUTO (-1, the
+                               * default): on when the file is under half of MemAvailable */
     int32_t group_pad;        /* pad each expert's token group to a multiple of this (1 = none) */
     int32_t verify_checksums; /* 1: also verify weight-section and per-tensor CRCs at init */
     int32_t max_seqs;         /* sequences held at once, ids 0 .. max_seqs-1 (colibri_batch); 0: 1 */
@@ -231,6 +233,30 @@ typedef enum colibri_dtype {
  * whole number of the dtype's blocks (32 for Q8_0, 256 for the K types). Returns
  * COLIBRI_E_INVALID_ARG (and writes nothing) otherwise or for another dtype. */
 COLIBRI_API colibri_status colibri_dequantize(int dt, const void *src, int64_t n, float *dst);
+
+/* colibri_options.populate's default: pre-fault the file when it is under half of the memory
+ * available (MemAvailable in /proc/meminfo), else fault it in on demand. */
+#define COLIBRI_POPULATE_AUTO (-1)
+
+/* Streaming-READ memory bandwidth of this machine, in GB/s (1e9 bytes read per second), on
+ * num_threads threads (0: one per physical core, the engine's default), as STREAM or
+ * likwid-bench `load` measure it: a buffer of `bytes` (>= 1 MiB; choose several times the
+ * last-level cache) is allocated 2 MiB-aligned, touched, read once untimed, then read `reps`
+ * times, each thread streaming one contiguous slice with vector loads. *gb_per_s is the best
+ * repetition; samples (NULL, or `reps` doubles) receives every one, in order. flags: 0 for
+ * plain loads with the widest SIMD the CPU has, or any of COLIBRI_MEMBW_NT_PREFETCH
+ * (prefetchnta ahead of the loads) and COLIBRI_MEMBW_NT_LOAD ((V)MOVNTDQA loads), capped by
+ * COLIBRI_MEMBW_AVX2 or COLIBRI_MEMBW_PORTABLE (a plain C loop; no non-temporal variants).
+ * This call allocates and frees its buffer and threads (it is a measurement, not the forward
+ * pass). Returns COLIBRI_E_INVALID_ARG (bad arguments), COLIBRI_E_UNSUPPORTED (flags this
+ * CPU cannot run) or COLIBRI_E_NOMEM, with a message in err[err_len] (NULL/0: none). */
+#define COLIBRI_MEMBW_NT_PREFETCH 1
+#define COLIBRI_MEMBW_NT_LOAD 2
+#define COLIBRI_MEMBW_PORTABLE 4
+#define COLIBRI_MEMBW_AVX2 8
+COLIBRI_API colibri_status colibri_read_bandwidth(int32_t num_threads, int64_t bytes, int32_t reps,
+                                                  int32_t flags, double *gb_per_s, double *samples,
+                                                  char *err, size_t err_len);
 
 /* A trace: buffers, owned by the trace and allocated once by colibri_trace_create, that
  * the forward pass fills while the trace is attached to a context. Off by default; a

@@ -34,7 +34,7 @@ void colibri_options_init(colibri_options *opt) {
     opt->num_threads = 0;
     opt->max_seq_len = 0;
     opt->max_batch = 0;
-    opt->populate = 0;
+    opt->populate = COLIBRI_POPULATE_AUTO;
     opt->group_pad = 1;
     opt->verify_checksums = 0;
     opt->precision = COLIBRI_PRECISION_EXACT;
@@ -67,6 +67,32 @@ static colibri_status init_fail(colibri_ctx *ctx, colibri_status st, char *err, 
     (void)err;
     (void)err_len;
     return st;
+}
+
+/* populate = COLIBRI_POPULATE_AUTO: pre-fault a file smaller than half of the memory the
+ * kernel says is available (MemAvailable in /proc/meminfo; elsewhere the free pages), so a
+ * plain load takes the benchmark's path, while a model larger than that is faulted in on
+ * demand (MAP_POPULATE of a file larger than RAM would only evict its own first pages). */
+static int populate_auto(uint64_t size) {
+    uint64_t avail = 0;
+    FILE *f = fopen("/proc/meminfo", "re");
+    if (f) {
+        char line[128];
+        unsigned long long kb;
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
+                avail = (uint64_t)kb * 1024;
+                break;
+            }
+        fclose(f);
+    }
+#if defined(_SC_AVPHYS_PAGES) && defined(_SC_PAGESIZE)
+    if (avail == 0) {
+        long pages = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+        if (pages > 0 && psz > 0) avail = (uint64_t)pages * (uint64_t)psz;
+    }
+#endif
+    return size < avail / 2;
 }
 
 /* Map the whole file read-only at a 2 MiB-aligned address, and ask for transparent huge
@@ -146,6 +172,11 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
                    "COLIBRI_PRECISION_FAST (1)", opt.precision);
         return COLIBRI_E_INVALID_ARG;
     }
+    if (opt.populate < COLIBRI_POPULATE_AUTO || opt.populate > 1) {
+        cb_set_err(err, err_len, "invalid options: populate %d is none of COLIBRI_POPULATE_AUTO (-1, the "
+                   "default), 0 (off) and 1 (on)", opt.populate);
+        return COLIBRI_E_INVALID_ARG;
+    }
     if (opt.num_threads < 0 || opt.max_seq_len < 0 || opt.max_batch < 0 || opt.group_pad < 0 ||
         opt.group_pad > 4096) {
         cb_set_err(err, err_len, "invalid options: num_threads %d, max_seq_len %lld, max_batch %lld and "
@@ -197,6 +228,7 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
         cb_set_err(err, err_len, "'%s' is too large to map on this machine", path);
         return init_fail(ctx, COLIBRI_E_IO, err, err_len);
     }
+    if (opt.populate == COLIBRI_POPULATE_AUTO) opt.populate = populate_auto((uint64_t)stt.st_size);
     void *m = map_weights(fd, (size_t)stt.st_size, opt.populate);
     if (m == MAP_FAILED) {
         cb_set_err(err, err_len, "cannot map '%s' (%lld bytes): %s", path, (long long)stt.st_size,
