@@ -102,7 +102,14 @@ static inline void cb_fast_quant_act(const float *x, int64_t n, int8_t *q, cb_fa
     }
 }
 
+/* The little-endian binary16 at p: by F16C where the including file is compiled for it
+ * (exact, as the software conversion, which the others use). */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float cb_fast_f16(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
+#else
 static inline float cb_fast_f16(const uint8_t *p) { return cb_f16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
+#endif
 
 /* Columns k0 .. k0 + kc of a weight row of block type dt (k0, kc whole blocks) as bytes
  * u[0..kc) and per sub-block ws, wm [kc / cb_fast_group(dt)] (see the top of this file). */

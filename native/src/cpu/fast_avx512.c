@@ -56,7 +56,165 @@ FVI void vi_transpose(vi r[16]) {
     for (int i = 0; i < 16; i++) r[i] = o[i];
 }
 
+/* 8 vectors z[i] = [dwords 0..7 of row i | of row i + 8] -> out[j], lane r = dword j of row
+ * r (an 8 x 8 transpose in each half, then the halves' 128-bit lanes interleaved) */
+FVI void tr8x16(const vi z[8], vi *out) {
+    vi t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+    }
+    for (int g = 0; g < 2; g++) { /* u[4g + c], lane L: rows 4g..4g+3 (+8 for L >= 2), dword 4(L & 1) + c */
+        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < 4; c++) {
+            vi v = _mm512_shuffle_i32x4(u[c], u[4 + c], h ? 0xDD : 0x88);
+            out[4 * h + c] = _mm512_shuffle_i32x4(v, v, 0xD8);
+        }
+}
+
+/* 32 bytes at offset off of each row (rp[r]) as the 8 vectors tr8x16 takes */
+FVI void load_rows32(const uint8_t *const *rp, size_t off, vi z[8]) {
+    for (int i = 0; i < 8; i++)
+        z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(rp[i] + off))),
+                                  _mm256_loadu_si256((const __m256i *)(rp[i + 8] + off)), 1);
+}
+
+/* The packs of fast_simd.inc for Q8_0, Q4_K and Q6_K straight from the blocks, 16 rows at a
+ * time (the same bytes, scales and offsets as cb_fast_unpack + the transpose, which the
+ * other types take): rows past `rows` read the last row (lanes never stored). idx: the
+ * rows' byte offsets from row 0, for the gathers of the scales. */
+FVI void rows_at(const uint8_t *w, size_t rb, int64_t rows, size_t off, const uint8_t **rp, __m512i *idx) {
+    int32_t o[16];
+    for (int r = 0; r < 16; r++) {
+        o[r] = (int32_t)((size_t)(r < rows ? r : rows - 1) * rb);
+        rp[r] = w + (size_t)o[r] + off;
+    }
+    *idx = _mm512_loadu_si512(o);
+}
+/* the rows' bytes PF_AHEAD past off, into L1: sixteen row streams at once are more than
+ * the hardware prefetchers follow when a decode reads each weight once */
+#define PF_AHEAD 768
+FVI void prefetch_rows16(const uint8_t *const *rp, size_t off) {
+    for (int r = 0; r < 16; r++) _mm_prefetch((const char *)(rp[r] + off + PF_AHEAD), _MM_HINT_T0);
+}
+FVI vf f16_lo(vi v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
+FVI vf f16_hi(vi v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))); }
+FVI vf neg(vf v) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))); }
+#define GATHER(idx, p) _mm512_i32gather_epi32((idx), (const void *)(p), 1)
+
+#define FS_DIRECT_PACK 1
+static int pack_direct(void *panel, const uint8_t *w, size_t rb, uint32_t dt, int64_t rows, int64_t k0, int64_t kc);
+
 #include "cpu/fast_simd.inc"
+
+static int pack_direct(void *panel, const uint8_t *w, size_t rb, uint32_t dt, int64_t rows, int64_t k0, int64_t kc) {
+    FS(panel) *P = (FS(panel) *)panel;
+    const uint8_t *rp[16];
+    __m512i idx;
+    if (dt == COLIBRI_DTYPE_Q8_0) {
+        size_t off = (size_t)(k0 / 32) * 34;
+        rows_at(w, rb, rows, off, rp, &idx);
+        const vi x80 = _mm512_set1_epi8((char)0x80);
+        for (int64_t g = 0; g < kc / 32; g++) {
+            vi z[8];
+            if (g % 2 == 0) prefetch_rows16(rp, (size_t)g * 34);
+            load_rows32(rp, (size_t)g * 34 + 2, z);
+            for (int i = 0; i < 8; i++) z[i] = _mm512_xor_si512(z[i], x80);
+            tr8x16(z, &P->u[8 * g]);
+            vf d = f16_lo(GATHER(idx, w + off + (size_t)g * 34));
+            P->ws[g] = d;
+            P->wm[g] = _mm512_mul_ps(_mm512_set1_ps(-128.0f), d);
+        }
+        return 1;
+    }
+    if (dt == COLIBRI_DTYPE_Q4_K) {
+        size_t off = (size_t)(k0 / 256) * 144;
+        rows_at(w, rb, rows, off, rp, &idx);
+        const vi m4 = _mm512_set1_epi8(0x0F);
+        for (int64_t s = 0; s < kc / 256; s++) {
+            size_t b = (size_t)s * 144;
+            for (int p = 0; p < 4; p++) {
+                vi z[8], lo[8], hi[8];
+                prefetch_rows16(rp, b + 32 * (size_t)p);
+                load_rows32(rp, b + 16 + 32 * (size_t)p, z);
+                for (int i = 0; i < 8; i++) {
+                    lo[i] = _mm512_and_si512(z[i], m4);
+                    hi[i] = _mm512_and_si512(_mm512_srli_epi16(z[i], 4), m4);
+                }
+                tr8x16(lo, &P->u[s * 64 + 16 * p]);
+                tr8x16(hi, &P->u[s * 64 + 16 * p + 8]);
+            }
+            const uint8_t *blk = w + off + b;
+            vi dd = GATHER(idx, blk), u0 = GATHER(idx, blk + 4), u1 = GATHER(idx, blk + 8), u2 = GATHER(idx, blk + 12);
+            vf d = f16_lo(dd), dmin = f16_hi(dd);
+            const vi m6 = _mm512_set1_epi32(0x3f3f3f3f), m4w = _mm512_set1_epi32(0x0f0f0f0f),
+                     m2 = _mm512_set1_epi32(0x03030303);
+            vi sc[2], mn[2]; /* as cb_k4_unpack, lane-wise */
+            sc[0] = _mm512_and_si512(u0, m6);
+            sc[1] = _mm512_or_si512(_mm512_and_si512(u2, m4w),
+                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), m2), 4));
+            mn[0] = _mm512_and_si512(u1, m6);
+            mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4w),
+                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), m2), 4));
+            for (int j = 0; j < 8; j++) {
+                const vi ff = _mm512_set1_epi32(0xFF);
+                vf scj = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(sc[j / 4], 8 * (j % 4)), ff));
+                vf mj = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(mn[j / 4], 8 * (j % 4)), ff));
+                P->ws[s * 8 + j] = _mm512_mul_ps(d, scj);
+                P->wm[s * 8 + j] = neg(_mm512_mul_ps(dmin, mj));
+            }
+        }
+        return 1;
+    }
+    if (dt == COLIBRI_DTYPE_Q6_K) {
+        size_t off = (size_t)(k0 / 256) * 210;
+        rows_at(w, rb, rows, off, rp, &idx);
+        const vi m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+        for (int64_t s = 0; s < kc / 256; s++) {
+            size_t b = (size_t)s * 210;
+            for (int h = 0; h < 2; h++) {
+                vi l0[8], l1[8], qh[8], v[8];
+                prefetch_rows16(rp, b + 64 * (size_t)h);
+                prefetch_rows16(rp, b + 64 * (size_t)h + 128);
+                load_rows32(rp, b + 64 * (size_t)h, l0);
+                load_rows32(rp, b + 64 * (size_t)h + 32, l1);
+                load_rows32(rp, b + 128 + 32 * (size_t)h, qh);
+                vi *u = &P->u[s * 64 + 32 * h];
+                for (int i = 0; i < 8; i++)
+                    v[i] = _mm512_or_si512(_mm512_and_si512(l0[i], m4), _mm512_and_si512(_mm512_slli_epi16(qh[i], 4), m30));
+                tr8x16(v, u);
+                for (int i = 0; i < 8; i++)
+                    v[i] = _mm512_or_si512(_mm512_and_si512(l1[i], m4), _mm512_and_si512(_mm512_slli_epi16(qh[i], 2), m30));
+                tr8x16(v, u + 8);
+                for (int i = 0; i < 8; i++)
+                    v[i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0[i], 4), m4), _mm512_and_si512(qh[i], m30));
+                tr8x16(v, u + 16);
+                for (int i = 0; i < 8; i++)
+                    v[i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1[i], 4), m4),
+                                           _mm512_and_si512(_mm512_srli_epi16(qh[i], 2), m30));
+                tr8x16(v, u + 24);
+            }
+            const uint8_t *blk = w + off + b;
+            vf d = f16_hi(GATHER(idx, blk + 206)); /* bytes 206..209: two scales, then d */
+            for (int q = 0; q < 4; q++) {
+                vi g4 = GATHER(idx, blk + 192 + 4 * q);
+                for (int j = 0; j < 4; j++) {
+                    vf scj = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(g4, 24 - 8 * j), 24));
+                    vf ws = _mm512_mul_ps(d, scj);
+                    P->ws[s * 16 + 4 * q + j] = ws;
+                    P->wm[s * 16 + 4 * q + j] = _mm512_mul_ps(_mm512_set1_ps(-32.0f), ws);
+                }
+            }
+        }
+        return 1;
+    }
+    return 0;
+}
 
 const cb_fast_kernels *cb_fast_avx512vnni(void) { return &FS(table); }
 
