@@ -1,0 +1,184 @@
+"""The fast numeric mode (Engine(precision="fast"), colibri_options.precision): chosen per
+engine, reported by the engine, refused when unknown; and, like the exact mode,
+deterministic, batch-invariant and incremental == full, BIT FOR BIT, for BF16 files (bf16
+activations), Q8_0 files and K-quant files (int8 activation blocks). The SIMD tables of
+the int8 path must give the reference table's bits (cpu/fast.h).
+
+Files: data/tiny-mixtral in bf16 and q8_0 (trained weights), and a random Mixtral 256 wide
+with 8 experts in q4_k_m, so that its tensors really are Q4_K, Q5_K, Q6_K and Q8_0 (the tiny
+model's rows, 96 and 192 wide, fall back to Q8_0 everywhere). Accuracy against the exact
+mode is measured in tests/test_quality.py (precision_agreement).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import colibri_lab
+from colibri_lab import ColibriInvalidArgError, Engine
+from colibri_lab import format as fmt
+from colibri_lab.engine import PRECISIONS
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A prompt of real text (the tiny model's held-out kind: Python source) and random ids.
+TEXT = "import heapq\n\ndef merge(*iterables, key=None):\n    h = []\n    for it in map(iter, iterables):\n"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, make_model):
+    d = tmp_path_factory.mktemp("precision")
+    out = {dt: colibri_lab.convert(REPO / "data" / "tiny-mixtral", d / f"tiny-{dt}.colibri", dtype=dt,
+                                   progress=False) for dt in ("f32", "bf16", "q8_0")}
+    out["q4_k_m"] = make_model(vocab=1024, hidden=256, inter=256, experts=8, top_k=2, heads=4, kv_heads=2,
+                               seed=3, dtype="q4_k_m")[1]
+    return out
+
+
+def _ids(path, n, seed=0):
+    with Engine(path, max_seq_len=16) as eng:
+        if eng._has_tokenizer():
+            ids = eng.tokenizer.encode(TEXT * 4)[:n]
+        else:
+            ids = [1]
+        rng = np.random.default_rng(seed)
+        more = rng.integers(3, eng.vocab_size, size=max(n - len(ids), 0))
+    return np.concatenate([np.asarray(ids, np.int32), more.astype(np.int32)])[:n]
+
+
+def test_the_q4_k_m_file_holds_k_quants(files):
+    """Otherwise the K-quant fast path would go untested."""
+    dtypes = {t.dtype for t in fmt.inspect(files["q4_k_m"]).tensors}
+    assert {"q4_k", "q5_k", "q6_k", "q8_0"} <= dtypes, dtypes
+
+
+@pytest.mark.parametrize("bad", ["turbo", "FAST", "", None, 1, "exact "])
+def test_unknown_precision_is_refused(files, bad):
+    with pytest.raises(ColibriInvalidArgError, match="precision"):
+        Engine(files["q8_0"], precision=bad)
+
+
+def test_the_engine_reports_its_mode(files):
+    assert PRECISIONS == ("exact", "fast")
+    with Engine(files["q8_0"]) as ex, Engine(files["q8_0"], precision="fast") as fa:
+        assert ex.config.precision == "exact" and "fast(" not in ex.config.kernels
+        assert fa.config.precision == "fast"
+        assert fa.config.kernels.startswith(ex.config.kernels + " fast(int8 "), fa.config.kernels
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "q8_0", "q4_k_m"])
+def test_fast_is_another_computation_close_to_exact(files, dtype):
+    """Fast mode changes the bits of a BF16 or block-type file (it is not silently the exact
+    path) but stays close on the trained model (the random q4_k_m model's near-uniform
+    routers turn a rounding into another expert now and then: there only "differs" is
+    checked); an f32 file has no matmul input to round and computes the same."""
+    ids = _ids(files[dtype], 40)
+    with Engine(files[dtype], num_threads=2, precision="exact") as ex:
+        a = ex.forward(ids)
+    with Engine(files[dtype], num_threads=2, precision="fast") as fa:
+        b = fa.forward(ids)
+    assert not np.array_equal(a, b)
+    if dtype != "q4_k_m":
+        assert np.abs(a - b).max() < 0.05 * np.abs(a).max(), np.abs(a - b).max()
+        assert (a.argmax(axis=1) == b.argmax(axis=1)).mean() >= 0.95
+    ids = _ids(files["f32"], 40)
+    with Engine(files["f32"], precision="exact") as ex, Engine(files["f32"], precision="fast") as fa:
+        assert np.array_equal(ex.forward(ids), fa.forward(ids))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "q8_0", "q4_k_m"])
+def test_fast_is_deterministic_at_any_thread_count(files, dtype):
+    ids = _ids(files[dtype], 48, seed=1)
+    runs = []
+    for threads in (1, 2, 2):
+        with Engine(files[dtype], num_threads=threads, precision="fast") as eng:
+            runs.append(eng.forward(ids))
+            runs.append(eng.forward(ids))   # the same context again, its KV cache rewritten
+    for r in runs[1:]:
+        assert np.array_equal(r, runs[0])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "q8_0", "q4_k_m"])
+def test_fast_incremental_equals_full(files, dtype):
+    """Decoding token by token, and a prefill cut into chunks, give the rows of one forward
+    over the whole prompt, bit for bit (each token's activations are quantized on their
+    own, and every dot product is one chain in a fixed order)."""
+    ids = _ids(files[dtype], 33, seed=2)
+    with Engine(files[dtype], num_threads=2, precision="fast", max_batch=8) as eng:
+        full = eng.forward(ids)
+        steps = np.concatenate([eng.forward(ids[i:i + 1], start_pos=i) for i in range(len(ids))])
+        chunks = np.concatenate([eng.forward(ids[:5]), eng.forward(ids[5:21], start_pos=5),
+                                 eng.forward(ids[21:], start_pos=21)])
+        last = eng.forward(ids, last_only=True)
+    assert np.array_equal(steps, full)
+    assert np.array_equal(chunks, full)
+    assert np.array_equal(last[0], full[-1])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "q8_0", "q4_k_m"])
+def test_fast_batch_invariance(files, dtype):
+    """As tests/test_batch.py's test_batch_invariance, in fast mode: 4 sequences run
+    together, cut at different places, in another order each call, through small internal
+    chunks and KV blocks, on 2 threads: every row equals the sequence alone on 1 thread."""
+    path = files[dtype]
+    lengths = [19, 1, 33, 8]
+    prompts = [_ids(path, n, seed=10 + s) for s, n in enumerate(lengths)]
+    with Engine(path, num_threads=1, precision="fast") as eng:
+        ref = [eng.forward(p) for p in prompts]
+    with Engine(path, num_threads=2, precision="fast", max_seqs=4, max_batch=7, kv_block_tokens=5) as eng:
+        got = [[] for _ in prompts]
+        cuts = [[0, 5, 19], [0, 1], [0, 11, 12, 33], [0, 8]]
+        for step in range(3):
+            work = [(s, prompts[s][c[step]:c[step + 1]]) for s, c in enumerate(cuts) if step + 1 < len(c)]
+            work = work[::-1] if step % 2 else work
+            for (s, _), lg in zip(work, eng.batch(work, logits="all")):
+                got[s].append(lg)
+        for s in range(4):
+            assert np.array_equal(np.concatenate(got[s]), ref[s]), f"sequence {s} differs from its forward alone"
+        # decode steps of all four at once against each one's own next step alone
+        nxt = [int(np.argmax(r[-1])) for r in ref]
+        out = eng.batch([(s, [nxt[s]]) for s in range(4)])
+    with Engine(path, num_threads=1, precision="fast") as eng:
+        for s in range(4):
+            eng.forward(prompts[s])
+            assert np.array_equal(out[s][0], eng.forward([nxt[s]], start_pos=lengths[s])[0]), s
+
+
+_TABLE_SCRIPT = """
+import json, sys
+import numpy as np
+from colibri_lab import Engine
+path, ids, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+with Engine(path, num_threads=2, precision="fast") as eng:
+    np.save(out, eng.forward(np.asarray(ids, np.int32)))
+    print(eng.config.kernels)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_k_m"])
+def test_every_int8_table_gives_the_reference_bits(files, dtype, tmp_path):
+    """The fast tables this CPU runs ($COLIBRI_FAST_KERNELS picks one; cpu/fast.c) compute
+    the int8 path's logits bit for bit as the reference table does, over a whole forward of
+    40 tokens (matmuls, the fused gate/up with its SiLU, the LM head)."""
+    ids = _ids(files[dtype], 40, seed=4).tolist()
+    got = {}
+    for name in ("reference", "avx2", "avxvnni", "avx512vnni"):
+        npy = tmp_path / f"{name}.npy"
+        r = subprocess.run([sys.executable, "-c", _TABLE_SCRIPT, str(files[dtype]), json.dumps(ids), str(npy)],
+                           env={**os.environ, "COLIBRI_FAST_KERNELS": name}, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        kernels = r.stdout.strip()
+        if f"fast(int8 {name}," in kernels:   # else this CPU (or build) lacks the table
+            got[name] = np.load(npy)
+    assert "reference" in got
+    for name, lg in got.items():
+        assert np.array_equal(lg, got["reference"]), (
+            f"fast table {name} differs from the reference: max |diff| {np.abs(lg - got['reference']).max():g}")
