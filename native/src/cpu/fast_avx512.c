@@ -107,6 +107,29 @@ FVI vf f16_hi(vi v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_e
 FVI vf neg(vf v) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))); }
 #define GATHER(idx, p) _mm512_i32gather_epi32((idx), (const void *)(p), 1)
 
+/* cb_fast_quant_act on vectors, the same operations lane by lane (so the same bytes and
+ * scales): two vectors per block of 32, the rounding of cvtps (nearest even, as nearbyintf) */
+#define FS_QUANT_ACT 1
+static void quant_act(const float *x, int64_t n, int8_t *q, cb_fast_ablk *a) {
+    const vi sign = _mm512_set1_epi32(0x7fffffff);
+    for (int64_t b = 0; b < n / 32; b++) {
+        vf v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
+        vf a0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), sign));
+        vf a1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), sign));
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        vi q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+        vi q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(q + 32 * b), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+        int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+        a[b].d = d;
+        a[b].ds32 = d * (float)(s0 + s1);
+        a[b].ds16[0] = d * (float)s0;
+        a[b].ds16[1] = d * (float)s1;
+    }
+}
+
 #define FS_DIRECT_PACK 1
 static int pack_direct(void *panel, const uint8_t *w, size_t rb, uint32_t dt, int64_t rows, int64_t k0, int64_t kc);
 
