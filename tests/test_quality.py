@@ -1,7 +1,7 @@
 """colibri_lab.quality: the statistics against hand-computed values, routing flips on
-synthetic top-k arrays, the llama-perplexity output parser on a captured run, and the
+synthetic top-k arrays, the llama-perplexity output parser on a captured run, the
 engine comparison on real files (a model against itself, bf16, q8_0 once the converter
-has it)."""
+has it), and the fast numeric mode against the exact one (precision_agreement)."""
 
 from __future__ import annotations
 
@@ -409,3 +409,96 @@ def test_llama_perplexity_on_the_same_text(tiny, tmp_path, capsys):
     assert ll["tokens_sha256"] == d["colibri"]["tokens_sha256"]
     assert 0 < ll["kld_mean"] < 0.01 and ll["top1_agreement"] > 0.9
     assert ll["ppl_ref"] == pytest.approx(d["colibri"]["ppl_ref"], rel=0.01)   # 16-bit base
+
+
+# --------------------------------------------------------------------------- numeric modes
+
+@pytest.fixture(scope="module")
+def tiny_q8(tmp_path_factory):
+    return colibri_lab.convert(TINY, tmp_path_factory.mktemp("quality-q8") / "tiny-q8_0.colibri",
+                               dtype="q8_0", progress=False)
+
+
+# Measured on these 2040 positions (heapq.py, 8 chunks of 256; docs/quantization.md, "Fast
+# mode accuracy"): bf16 KL mean 5.3e-5, P99 1.0e-4, max 0.022, top-1 99.61 %, flips 0.12 %;
+# q8_0 KL mean 4.2e-4, P99 5.6e-3, max 0.14, top-1 98.82 %, flips 0.63 %. The bounds leave
+# 4-6x on the mean KL: one bit less in the activations doubles the rounding step and so
+# roughly quadruples the KL, and a wrong block scale or a dropped sub-block offset moves the
+# logits by far more.
+FAST_BOUNDS = {"bf16": dict(kl_mean=3e-4, kl_p99=1e-3, kl_max=0.3, top1=0.99, flips=0.01),
+               "q8_0": dict(kl_mean=2e-3, kl_p99=0.025, kl_max=0.6, top1=0.98, flips=0.03)}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "q8_0"])
+def test_precision_agreement_fast_against_exact(tiny, tiny_q8, text_ids, dtype):
+    path = tiny["bf16"] if dtype == "bf16" else tiny_q8
+    r = q.precision_agreement(path, text_ids, chunk=256, max_chunks=8, num_threads=2)
+    b = FAST_BOUNDS[dtype]
+    assert (r["n_tokens"], r["n_chunks"], r["chunk"]) == (8 * 255, 8, 256)
+    assert r["n_routing_decisions"] == 8 * 256 * 4 and r["moe_layers"] == [0, 1, 2, 3]
+    assert (r["ref"], r["test"], r["weight_dtype"]) == ("exact", "fast", dtype)
+    assert " fast(int8 " in r["kernels"]
+    assert 0.0 < r["kl_mean"] < b["kl_mean"], r
+    assert r["kl_p99"] < b["kl_p99"] and r["kl_max"] < b["kl_max"], r
+    assert r["kl_min"] >= -1e-12
+    assert b["top1"] <= r["top1"] < 1.0, r
+    assert 0.0 <= r["routing_flips"] < b["flips"], r
+    assert len(r["routing_flips_per_layer"]) == 4
+    assert r["routing_flips"] == pytest.approx(np.mean(r["routing_flips_per_layer"]))
+    assert abs(r["ppl_test"] / r["ppl_ref"] - 1) < 0.01
+    if dtype == "q8_0":
+        assert r["routing_flips"] > 0   # int8 activations do move some routing decisions
+    assert json.loads(json.dumps(r)) == r
+    # deterministic: the same numbers again
+    assert q.precision_agreement(path, text_ids, chunk=256, max_chunks=8, num_threads=1) == r
+
+
+def test_precision_agreement_exact_against_exact_is_zero(tiny_q8, text_ids):
+    r = q.precision_agreement(tiny_q8, text_ids[:300], chunk=128, ref="exact", test="exact")
+    assert (r["n_chunks"], r["n_tokens"]) == (3, 127 + 127 + 43)   # the short last chunk counts
+    assert r["kl_mean"] == 0.0 and r["kl_max"] == 0.0 and r["top1"] == 1.0
+    assert r["routing_flips"] == 0.0 and r["routing_top1_flips"] == 0.0
+    assert r["n_routing_decisions"] == 300 * 4 and r["ppl_ref"] == r["ppl_test"]
+    with colibri_lab.Engine(tiny_q8, max_seq_len=4) as eng:
+        assert r["kernels"] == eng.config.kernels   # the exact table
+
+
+def test_precision_agreement_bad_input(tiny_q8):
+    with pytest.raises(colibri_lab.ColibriInvalidArgError, match="precision"):
+        q.precision_agreement(tiny_q8, [1, 2, 3], test="turbo")
+    with pytest.raises(ValueError, match="at least 2"):
+        q.precision_agreement(tiny_q8, [1])
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        q.precision_agreement(tiny_q8, [1, 2, 3], chunk=1)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        q.precision_agreement(tiny_q8, [1, 2, 32000])
+    with pytest.raises(ValueError, match="1-D"):
+        q.precision_agreement(tiny_q8, [[1, 2], [3, 4]])
+    with pytest.raises(OSError):
+        q.precision_agreement(Path(tiny_q8).parent / "absent.colibri", [1, 2, 3])
+
+
+def test_cli_precision_agreement(tiny, tiny_q8, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    rc = q.main(["--precision-agreement", str(tiny_q8), "--precision-agreement", str(tiny["bf16"]),
+                 "--random-tokens", "300", "--ctx", "128", "--threads", "1", "--quiet", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "fast against exact over 297 positions" in text and "same top1" in text
+    d = json.loads(out.read_text())["precision_agreement"]
+    assert set(d) == {str(tiny_q8), str(tiny["bf16"])}
+    assert d[str(tiny_q8)]["n_tokens"] == 297 and d[str(tiny_q8)]["kl_mean"] > 0
+    assert q.main(["--precision-agreement", str(tiny_q8), "--random-tokens", "1"]) == 1
+    assert "at least 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        q.main(["--precision-agreement", str(tiny_q8), "--ref", str(tiny_q8)])
+    assert "leave out --ref" in capsys.readouterr().err
+
+
+def test_held_out_text():
+    text = q.held_out_text()
+    files = json.loads((REPO_ROOT / "docs" / "training" / "summary.json").read_text())["corpus"]["heldout_file_list"]
+    first = (Path(sysconfig.get_paths()["stdlib"]) / files[0]).read_text(encoding="utf-8", errors="replace")
+    assert text.startswith(first) and len(text) > 100_000
+    with pytest.raises(FileNotFoundError):
+        q.held_out_text(REPO_ROOT / "absent.json")
