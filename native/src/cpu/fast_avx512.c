@@ -27,7 +27,10 @@ typedef __m512i vi;
 FVI vi vi_zero(void) { return _mm512_setzero_si512(); }
 FVI vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
 FVI void vi_store(void *p, vi v) { _mm512_storeu_si512(p, v); }
-FVI vi vi_dot(vi acc, vi w, int32_t b) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(b)); }
+FVI vi vi_dot(vi acc, vi w, int32_t b, const int wide) {
+    (void)wide;
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(b));
+}
 FVI vf vf_cvt(vi v) { return _mm512_cvtepi32_ps(v); }
 FVI vf vf_load_n(const float *p, int64_t n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p); }
 FVI void vf_store_n(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1u), v); }
@@ -245,5 +248,3 @@ const cb_fast_kernels *cb_fast_avx512vnni(void) { return &FS(table); }
 const cb_fast_kernels *cb_fast_avx512vnni(void) { return NULL; }
 #endif
 
-const cb_fast_kernels *cb_fast_avxvnni(void) { return NULL; }
-const cb_fast_kernels *cb_fast_avx2(void) { return NULL; }
