@@ -27,8 +27,8 @@ def model_file(request, tmp_path_factory) -> Path:
     return out
 
 
-def run_ok(program: Path, model: Path):
-    proc = subprocess.run([str(program), str(model)], capture_output=True, text=True,
+def run_ok(program: Path, model: Path, *args: str):
+    proc = subprocess.run([str(program), str(model), *args], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout and "SKIP" not in proc.stdout, proc.stdout
@@ -36,6 +36,11 @@ def run_ok(program: Path, model: Path):
 
 def test_no_allocation_in_forward(native_tests, model_file):
     run_ok(native_tests / "test_noalloc", model_file)
+
+
+def test_no_allocation_in_fast_forward(native_tests, model_file):
+    """The fast numeric mode (bf16-rounded activations on this bf16 model) allocates nothing either."""
+    run_ok(native_tests / "test_noalloc", model_file, "fast")
 
 
 def test_file_checks(native_tests, tmp_path):

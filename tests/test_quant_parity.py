@@ -105,14 +105,16 @@ def test_quantized_logits_equal_transformers_on_dequantized_weights(checkpoints,
     assert np.array_equal(np.concatenate([first, rest]), got), "incremental decoding differs from the full forward"
 
 
+@pytest.mark.parametrize("precision", ["exact", "fast"])
 @pytest.mark.parametrize("mix", ["q8_0", "q4_k_m"])
-def test_no_allocation_in_quantized_forward(native_tests, checkpoints, mix, tmp_path):
+def test_no_allocation_in_quantized_forward(native_tests, checkpoints, mix, precision, tmp_path):
     """test_noalloc (forward, batch, fork, truncate with malloc counted) on quantized files
     of a Qwen2-MoE with a dense layer and a shared expert: every split FFN, every quantized
-    matmul tile and the dequantized embedding rows run from the arena."""
+    matmul tile and the dequantized embedding rows run from the arena; in fast mode the
+    int8 panels and activation tiles too (they live on the kernels' stacks)."""
     from test_native import run_ok
 
     _, folder = checkpoints["qwen2_moe"]
     out = tmp_path / f"q-{mix}.colibri"
     colibri_lab.convert(folder, out, dtype=mix, progress=False)
-    run_ok(native_tests / "test_noalloc", out)
+    run_ok(native_tests / "test_noalloc", out, *([precision] if precision == "fast" else []))

@@ -8,7 +8,8 @@
  * prefill of more than one chunk, decode steps and samples, and fails (exit 1, printing
  * the count) if anything allocated. Without argv[1] (or on a non-glibc libc) it skips
  * (prints a note and returns 77, which ctest reports as skipped: SKIP_RETURN_CODE in
- * native/CMakeLists.txt), so that ctest without a model file stays green.
+ * native/CMakeLists.txt), so that ctest without a model file stays green. An argv[2] of
+ * "fast" runs the fast numeric mode (colibri_options.precision).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -94,6 +95,8 @@ int main(int argc, char **argv) {
     opt.group_pad = 4;
     opt.max_seqs = 3;        /* batches over several sequences, fork and truncate too */
     opt.kv_block_tokens = 3; /* small blocks: growth crosses blocks, forks copy on write */
+    /* argv[2] "fast": the fast numeric mode, whose kernels keep their tiles on the stack */
+    if (argc > 2 && strcmp(argv[2], "fast") == 0) opt.precision = COLIBRI_PRECISION_FAST;
     colibri_ctx *ctx = NULL;
     char err[512];
     colibri_status st = colibri_init_ex(argv[1], &opt, &ctx, err, sizeof err);
