@@ -353,7 +353,8 @@ READ_VARIANTS = {"plain": 0, "nt_prefetch": 1, "nt_load": 2, "nt": 3, "avx2": 8,
 
 
 def measure_read_bandwidth(threads: int = 0, nbytes: int = 1 << 30, reps: int = 5,
-                           variants: Sequence[str] = ("plain", "nt_prefetch", "portable")) -> Facts:
+                           variants: Sequence[str] = ("plain", "avx2", "portable", "nt_prefetch",
+                                                      "nt_load")) -> Facts:
     """The streaming-READ bandwidth of the machine on ``threads`` threads (0: one per
     physical core, the engine's default), measured by the engine's own C kernel
     (``colibri_read_bandwidth``): a buffer of ``nbytes`` (choose several times the
