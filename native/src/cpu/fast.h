@@ -32,6 +32,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "core/dtype.h"
 
@@ -183,7 +184,28 @@ static inline float cb_fast_step(float acc, int32_t isum, float ws, float wm, fl
     return fmaf(wm, ds, acc);
 }
 
-/* silu(g) * u, as the exact kernels compute it. */
-static inline float cb_fast_silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+/* silu(g) * u as the SIMD tables compute it (simd_math.h: vexp, Cephes with a clamp, and
+ * vsilu), operation by operation in scalar C (fmaf where they fuse), so that the reference
+ * table's gate/up gives the vector tables' bits and a whole fast forward is the same
+ * whichever fast table runs. */
+static inline float cb_fast_exp(float x) {
+    x = fminf(x, 88.7f);
+    x = fmaxf(x, -87.3f);
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float r = fmaf(-n, 0.693359375f, x);
+    r = fmaf(-n, -2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r + 1.0f);
+    uint32_t e = (uint32_t)((int32_t)n + 127) << 23; /* 2^n, n integral in [-126, 128] */
+    float two_n;
+    memcpy(&two_n, &e, 4);
+    return p * two_n;
+}
+static inline float cb_fast_silu_mul(float g, float u) { return g / (1.0f + cb_fast_exp(0.0f - g)) * u; }
 
 #endif
