@@ -6,9 +6,11 @@
  * ceiling is a streaming READ, not a copy (a copy also writes, and a write to a line not
  * in cache costs a read for ownership as well: its bytes per second are not what a
  * read-only stream gets). The buffer is allocated 2 MiB-aligned with MADV_HUGEPAGE (the
- * weights mapping asks for the same), touched by the threads that will read it, read once
+ * weights mapping asks for the same), touched by the pool's threads, read once
  * untimed, then `reps` times timed by the wall clock (CLOCK_MONOTONIC around one parallel
- * section). In a section every thread reads one contiguous slice with the widest vector
+ * section). A section has one chunk per thread, a contiguous slice of the buffer (the pool
+ * hands chunks out dynamically, so a thread that starts late can leave its slice to
+ * another: the figure is then lower, never higher). Each slice is read with the widest vector
  * loads the CPU has (AVX-512, AVX2, or a portable C loop), summed into a few integer
  * accumulators whose total is stored, so the compiler cannot drop the loads.
  *
@@ -16,7 +18,10 @@
  * of the loads, COLIBRI_MEMBW_NT_LOAD uses (V)MOVNTDQA loads (_mm*_stream_load_*), and
  * COLIBRI_MEMBW_PORTABLE / COLIBRI_MEMBW_AVX2 cap the instruction set. The SIMD loops are
  * compiled with target attributes and entered only after __builtin_cpu_supports, so the
- * library stays a baseline x86-64 build. This is a measurement call, not the forward pass:
+ * library stays a baseline x86-64 build. Which variant reads fastest depends on the machine
+ * (on the Xeon VM of docs/performance.md the portable loop, 16-byte SSE2 loads, beats the
+ * 64-byte ones by ~15 % per core, and the non-temporal ones read less), so the benchmark
+ * measures each and keeps the best. This is a measurement call, not the forward pass:
  * it allocates (and frees) its buffer and a pool of its own.
  */
 #define _GNU_SOURCE
@@ -221,9 +226,12 @@ colibri_status colibri_read_bandwidth(int32_t num_threads, int64_t bytes, int32_
     const char *isa = "";
     membw_fn fn = pick(flags, &isa);
     if (!fn) {
-        cb_set_err(err, err_len, "colibri_read_bandwidth: flags 0x%x need %s loads%s, which this CPU or build "
-                   "lacks", (unsigned)flags, isa,
-                   (flags & COLIBRI_MEMBW_PORTABLE) ? " (the non-temporal variants are SIMD only)" : "");
+        if (flags & COLIBRI_MEMBW_PORTABLE)
+            cb_set_err(err, err_len, "colibri_read_bandwidth: flags 0x%x: the non-temporal variants are SIMD "
+                       "only; drop COLIBRI_MEMBW_PORTABLE or the _NT_ flags", (unsigned)flags);
+        else
+            cb_set_err(err, err_len, "colibri_read_bandwidth: flags 0x%x need %s loads, which this CPU or build "
+                       "lacks; use flags 0 (the widest loads it has)", (unsigned)flags, isa);
         return COLIBRI_E_UNSUPPORTED;
     }
     int nt = num_threads == 0 ? cb_physical_cores() : (int)num_threads;
@@ -255,7 +263,7 @@ colibri_status colibri_read_bandwidth(int32_t num_threads, int64_t bytes, int32_
     job->buf = buf;
     job->slice = slice;
     job->fn = fn;
-    job->touch = 1; /* every page faulted in by the thread that will read it, not timed */
+    job->touch = 1; /* every page faulted in (by the pool's threads), not timed */
     cb_pool_run(pool, membw_chunk, job, nt);
     job->touch = 0;
     cb_pool_run(pool, membw_chunk, job, nt); /* one untimed read: the workers are awake */
