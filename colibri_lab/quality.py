@@ -779,11 +779,12 @@ def precision_agreement(path: str | os.PathLike, token_ids: Sequence[int] | np.n
 
 def format_agreement(results: dict[str, dict[str, Any]]) -> str:
     """:func:`precision_agreement` results side by side, one row per {label: result}."""
-    head = (f"{'':<22} {'KL mean':>10} {'KL P99':>10} {'KL max':>10} {'same top1':>10} "
+    w = max([12, *map(len, results)])
+    head = (f"{'':<{w}} {'KL mean':>10} {'KL P99':>10} {'KL max':>10} {'same top1':>10} "
             f"{'flips':>8} {'tokens':>7}")
     out = [head]
     for name, r in results.items():
-        out.append(f"{name[:22]:<22} {r['kl_mean']:>10.3g} {r['kl_p99']:>10.3g} {r['kl_max']:>10.3g} "
+        out.append(f"{name:<{w}} {r['kl_mean']:>10.3g} {r['kl_p99']:>10.3g} {r['kl_max']:>10.3g} "
                    f"{100 * r['top1']:>9.3f}% {100 * r['routing_flips']:>7.3f}% {r['n_tokens']:>7}")
     return "\n".join(out)
 
