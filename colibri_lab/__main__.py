@@ -1,5 +1,6 @@
-"""`python -m colibri_lab inspect FILE [--verify] [--all]` and
-`python -m colibri_lab convert --model_name_or_path DIR --output_path OUT [...]`."""
+"""`python -m colibri_lab inspect FILE [--verify] [--all]`,
+`python -m colibri_lab convert --model_name_or_path DIR --output_path OUT [...]` and
+`python -m colibri_lab quality ...` (the same as `python -m colibri_lab.quality ...`)."""
 
 import sys
 
@@ -9,6 +10,9 @@ commands:
   inspect FILE [--verify] [--all]   show and validate a .colibri file
   convert --model_name_or_path DIR --output_path OUT [--dtype ...]
                                     convert a Hugging Face Mixtral checkpoint
+  quality --ref A --test B --text F | --precision-agreement FILE
+                                    KL / top-1 / routing flips of a file against a
+                                    reference, or of the fast numeric mode against exact
 run a command with --help for its options."""
 
 
@@ -24,6 +28,9 @@ def main(argv=None) -> int:
     if cmd == "convert":
         from .convert import main as convert_main
         return convert_main(rest)
+    if cmd == "quality":
+        from .quality import main as quality_main
+        return quality_main(rest)
     print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -488,6 +488,11 @@ def test_cli_precision_agreement(tiny, tiny_q8, tmp_path, capsys):
     d = json.loads(out.read_text())["precision_agreement"]
     assert set(d) == {str(tiny_q8), str(tiny["bf16"])}
     assert d[str(tiny_q8)]["n_tokens"] == 297 and d[str(tiny_q8)]["kl_mean"] > 0
+    from colibri_lab.__main__ import main as package_main   # python -m colibri_lab quality ...
+
+    assert package_main(["quality", "--precision-agreement", str(tiny_q8), "--random-tokens", "50",
+                         "--ctx", "25", "--quiet"]) == 0
+    assert "fast against exact over 48 positions" in capsys.readouterr().out
     assert q.main(["--precision-agreement", str(tiny_q8), "--random-tokens", "1"]) == 1
     assert "at least 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
