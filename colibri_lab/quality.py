@@ -47,11 +47,17 @@ the base file, so ours can score exactly the same ids (:func:`compare` with thos
 and the two tokenizers can be checked against each other. llama-perplexity tokenizes text
 itself: the random-token mode of the CLI has no llama.cpp counterpart.
 
+**Numeric modes.** :func:`precision_agreement` measures one file's fast numeric mode
+(``Engine(precision="fast")``: int8 / bf16 activations into the weight matmuls) against its
+exact mode on the same ids, every position scored: mean and max KL, top-1 agreement, routing
+flips (docs/quantization.md, "Fast mode accuracy").
+
 CLI::
 
     python -m colibri_lab.quality --ref a.colibri --test b.colibri --text held_out.txt \\
         --ctx 256 [--chunks N] [--threads N] [--json out.json]
     python -m colibri_lab.quality --ref a.colibri --test b.colibri --random-tokens 8192
+    python -m colibri_lab.quality --precision-agreement a.colibri [--text F | --random-tokens N]
 """
 
 from __future__ import annotations
