@@ -222,6 +222,22 @@ def test_side_by_side_smoke(model, tmp_path):
     assert t["colibri_over_this_decode"] == pytest.approx(
         cfg["engines"]["colibri"]["decode_tok_s"] / t["decode_tok_s"])
     assert "| colibri" in r.stdout and "| transformers" in r.stdout
+    # the fast numeric mode runs as an engine of its own (--precision exact,fast, the default),
+    # with its ratios to the peers and its accuracy against exact on the prompt
+    assert res["precisions"] == ["exact", "fast"]
+    fast = cfg["engines"]["colibri fast"]
+    assert fast["status"] == "ok" and fast["precision"] == "fast" and " fast(int8 " in fast["kernels"]
+    assert cfg["engines"]["colibri"]["precision"] == "exact"
+    assert t["colibri_fast_over_this_prefill"] == pytest.approx(fast["prefill_tok_s"] / t["prefill_tok_s"])
+    acc = cfg["fast_vs_exact"]  # f32 weights run the exact kernels in either mode
+    assert acc["n_tokens"] == 31 and acc["top1"] == 1.0 and acc["kl_mean"] == 0.0
+    assert acc["routing_flips"] == 0.0
+    assert "fast vs exact, f32" in r.stdout and "| colibri fast [" in r.stdout
+
+
+def test_precision_is_checked(tmp_path):
+    r = _run_module("--smoke", "--precision", "exact,turbo", "--cache-dir", tmp_path)
+    assert r.returncode == 2 and "--precision takes exact, fast" in r.stderr
 
 
 def test_decode_above_the_roofline_is_warned(model, tmp_path, monkeypatch):
@@ -237,7 +253,7 @@ def test_decode_above_the_roofline_is_warned(model, tmp_path, monkeypatch):
     args = side_by_side.build_parser().parse_args([
         "--smoke", "--engines", "colibri", "--model-dir", str(model[0]), "--cache-dir",
         str(tmp_path / "cache"), "--prefill", "8", "--decode", "4", "--reps", "1",
-        "--bandwidth-mib", "8", "--read-bandwidth-mib", "8", "--no-build"])  # fmt: skip
+        "--bandwidth-mib", "8", "--read-bandwidth-mib", "8", "--no-build", "--precision", "exact"])  # fmt: skip
     args.engines, args.dtype, args.threads = ["colibri"], ["f32"], [2]  # as main() splits them
     res = side_by_side.run(args)
     (cfg,) = res["configs"]
@@ -501,6 +517,10 @@ def test_side_by_side_smoke_quantized_without_llama_cpp(model, tmp_path):
         assert roof["bytes_per_token"] == want["bytes_per_token"] and roof["bits_per_weight"] > 8
         assert eng["colibri"]["roofline_fraction"] == pytest.approx(
             eng["colibri"]["decode_tok_s"] / roof["roofline_tok_s"])
+        # the int8 path runs in fast mode: another computation, measured close to exact
+        assert eng["colibri fast"]["status"] == "ok" and eng["colibri fast"]["decode_tok_s"] > 0
+        acc = cfg["fast_vs_exact"]
+        assert 0 < acc["kl_mean"] < 1e-2 and acc["top1"] >= 0.9 and 0 <= acc["routing_flips"] < 0.2
     assert "| q8_0 | 2 | transformers | not applicable" in r.stdout
     assert "(8.5" in r.stdout  # Q8_0: 8.5 bits per weight, plus the f32 norms
 

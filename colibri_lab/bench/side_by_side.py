@@ -103,7 +103,7 @@ def _ids_for(seed: int, rep: int, n: int, vocab: int, bos: int | None) -> np.nda
     return ids.astype(np.int32)
 
 
-def _colibri_worker(conn, path: str, threads: int, max_seq_len: int):
+def _colibri_worker(conn, path: str, threads: int, max_seq_len: int, precision: str = "exact"):
     from .._native import version
     from ..engine import Engine
 
@@ -111,14 +111,15 @@ def _colibri_worker(conn, path: str, threads: int, max_seq_len: int):
     # when it fits in half of the available memory, as llama.cpp's loader does (a MoE
     # warm-up touches only the experts it routes to; the rest would fault in during timed
     # runs), and leaves a model larger than that to fault in on demand
-    eng = Engine(path, num_threads=threads, max_seq_len=max_seq_len)
+    eng = Engine(path, num_threads=threads, max_seq_len=max_seq_len, precision=precision)
     c = eng.config
     try:  # the kernel table in use ("reference", "avx2", ...), where the library reports it
         kernels = eng._get_string("kernels")
     except Exception:
         kernels = "not reported"
     conn.send({"ok": True, "threads_used": c.threads_used, "weight_dtype": c.weight_dtype,
-               "vocab": c.vocab_size, "kernels": kernels, "version": version()})  # fmt: skip
+               "vocab": c.vocab_size, "kernels": kernels, "version": version(),
+               "precision": c.precision})  # fmt: skip
     while True:
         msg = conn.recv()
         if msg is None:
@@ -360,10 +361,36 @@ def _roofline(hf_cfg: dict, dtype: str, bandwidth_gbs: float, files: dict) -> di
             "error": why}  # fmt: skip
 
 
+def colibri_key(precision: str) -> str:
+    """The engine name of Colibri in one numeric mode: "colibri" (exact), "colibri fast"."""
+    return "colibri" if precision == "exact" else f"colibri {precision}"
+
+
+def key_precision(key: str) -> str:
+    return key.split(" ", 1)[1] if " " in key else "exact"
+
+
+def _fast_vs_exact(path: Path, args, hf_cfg: dict, threads: int) -> dict:
+    """The fast mode's accuracy against the exact one on this file (not timed): KL, top-1 and
+    routing flips over the first repetition's prompt ids (quality.precision_agreement)."""
+    from ..quality import precision_agreement
+
+    _say(f"fast vs exact on {Path(path).name}")
+    ids = _ids_for(args.seed, 0, args.prefill, hf_cfg["vocab"], 1)
+    try:
+        r = precision_agreement(path, ids, num_threads=threads, chunk=min(256, len(ids)))
+    except Exception as ex:
+        return {"error": f"{type(ex).__name__}: {ex}"}
+    return {k: r[k] for k in ("kl_mean", "kl_max", "top1", "routing_flips", "n_tokens", "kernels")
+            if k in r}
+
+
 def run(args) -> dict:
     cache = Path(args.cache_dir).expanduser()
     llama_root = Path(args.llama_cpp_dir).expanduser() if args.llama_cpp_dir else cache / "llama.cpp"
     engines, dtypes, threads = args.engines, args.dtype, args.threads
+    if isinstance(args.precision, str):  # as main() splits it
+        args.precision = [x.strip() for x in args.precision.split(",") if x.strip()]
 
     if args.model_dir:
         model_dir = Path(args.model_dir).expanduser()
@@ -395,6 +422,7 @@ def run(args) -> dict:
         "decode_tokens": n_dec,
         "reps": args.reps,
         "seed": args.seed,
+        "precisions": list(args.precision),
         "token_ids": "numpy PRNG seeded by (seed, rep), uniform over [3, vocab), BOS first; "
                      "the same ids for colibri and transformers; llama-bench draws its own "
                      "with std::rand()",
@@ -444,11 +472,14 @@ def run(args) -> dict:
                 roof = dict(roof_copy, bandwidth="copy (the read bandwidth was not measured)")
             cfg = Config(dtype, nt)
             workers: dict[str, Worker] = {}
+            # Colibri once per numeric mode: "colibri" (exact), "colibri fast"
+            run_engines = [n for e in engines for n in
+                           ([colibri_key(p) for p in args.precision] if e == "colibri" else [e])]
             # every engine loads its file cold (drop_from_page_cache says why)
             for f in files.values():
                 if isinstance(f, Path):
                     drop_from_page_cache(f)
-            for e in engines:
+            for e in run_engines:
                 cfg.engines[e] = {"reps": []}
                 if e == "transformers" and dtype in QUANT_TYPES:
                     cfg.engines[e]["status"] = (f"not applicable: transformers has no {dtype} "
@@ -456,13 +487,13 @@ def run(args) -> dict:
                     cfg.engines[e]["not_applicable"] = True
                     continue
                 try:
-                    if e == "colibri":
+                    if e.startswith("colibri"):
                         if isinstance(files["colibri"], Exception):
                             raise files["colibri"]
-                        w = Worker("colibri", str(files["colibri"]), nt, n_pre + n_dec)
+                        w = Worker("colibri", str(files["colibri"]), nt, n_pre + n_dec, key_precision(e))
                         cfg.engines[e].update({k: w.info[k] for k in
                                                ("threads_used", "kernels", "version",
-                                                "weight_dtype")})  # fmt: skip
+                                                "weight_dtype", "precision")})  # fmt: skip
                         workers[e] = w
                     elif e == "transformers":
                         w = Worker("transformers", str(model_dir), dtype, nt)
@@ -490,7 +521,7 @@ def run(args) -> dict:
             for rep in range(args.reps):
                 prompt = _ids_for(args.seed, rep, n_pre, hf_cfg["vocab"], 1)
                 dec = _ids_for(args.seed + 1, rep, n_dec, hf_cfg["vocab"], None)
-                for e in engines:
+                for e in run_engines:
                     ent = cfg.engines[e]
                     if "error" in ent or ent.get("not_applicable"):
                         continue
@@ -542,16 +573,20 @@ def run(args) -> dict:
                     ent["status"] = f"not available: {ent['error']}"
                 else:
                     ent["status"] = "ok" if "error" not in ent else f"partial: {ent['error']}"
-            col = cfg.engines.get("colibri", {})
-            for e, ent in cfg.engines.items():
-                if e == "colibri":
-                    continue
-                for k in ("prefill_tok_s", "decode_tok_s"):
-                    if col.get(k) and ent.get(k):
-                        ent[f"colibri_over_this_{k[:-6]}"] = col[k] / ent[k]
-            result["configs"].append({"dtype": dtype, "threads": nt, "roofline": roof,
-                                      "roofline_copy": roof_copy, "files": file_info,
-                                      "engines": cfg.engines})  # fmt: skip
+            for p in args.precision:  # colibri_over_this_* (exact), colibri_fast_over_this_* ...
+                col, pre = cfg.engines.get(colibri_key(p), {}), colibri_key(p).replace(" ", "_")
+                for e, ent in cfg.engines.items():
+                    if e.startswith("colibri"):
+                        continue
+                    for k in ("prefill_tok_s", "decode_tok_s"):
+                        if col.get(k) and ent.get(k):
+                            ent[f"{pre}_over_this_{k[:-6]}"] = col[k] / ent[k]
+            entry = {"dtype": dtype, "threads": nt, "roofline": roof, "roofline_copy": roof_copy,
+                     "files": file_info, "engines": cfg.engines}
+            if ("colibri" in engines and "fast" in args.precision and nt == max(threads)
+                    and not isinstance(files.get("colibri"), (Exception, type(None)))):
+                entry["fast_vs_exact"] = _fast_vs_exact(files["colibri"], args, hf_cfg, nt)
+            result["configs"].append(entry)
     result["loadavg_end"] = list(os.getloadavg())
     result["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return result
@@ -633,11 +668,18 @@ def render_table(res: dict) -> str:
         *_quant_lines(res),
         *[f"llama.cpp {c['dtype']} {c['threads']}t: {c['engines']['llama.cpp']['llama_bench_note']}"
           for c in res["configs"] if c["engines"].get("llama.cpp", {}).get("llama_bench_note")],
+        *[f"fast vs exact, {c['dtype']} (Colibri, the prompt's {c['fast_vs_exact'].get('n_tokens', '?')} "
+          f"positions): " + (f"mean KL {c['fast_vs_exact']['kl_mean']:.3g}, max KL "
+                            f"{c['fast_vs_exact']['kl_max']:.3g}, top-1 agreement "
+                            f"{c['fast_vs_exact']['top1']:.2%}, routing decisions changed "
+                            f"{c['fast_vs_exact']['routing_flips']:.2%}"
+                            if "kl_mean" in c["fast_vs_exact"] else c["fast_vs_exact"].get("error", "?"))
+          for c in res["configs"] if c.get("fast_vs_exact")],
         *[f"WARNING: {w}" for w in res.get("warnings", [])],
         "",
         "| dtype | threads | engine | prefill tok/s | decode tok/s | decode P99/P50 "
         "| weight MB/token (bits/weight) | roofline tok/s | decode ÷ roofline "
-        "| copy roofline tok/s | Colibri ÷ this (prefill, decode) | CPU ms/token (prefill, decode) "
+        "| copy roofline tok/s | Colibri ÷ this (prefill, decode; exact; fast) | CPU ms/token (prefill, decode) "
         "| file in 2 MiB pages |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -651,18 +693,21 @@ def render_table(res: dict) -> str:
                              + " |" * 9)
                 continue
             name = e
-            if e == "colibri" and ent.get("kernels") not in (None, "not reported"):
+            if e.startswith("colibri") and ent.get("kernels") not in (None, "not reported"):
                 name += f" [{ent['kernels']}]"
-            if e == "colibri" and ent.get("threads_used") not in (None, c["threads"]):
+            if e.startswith("colibri") and ent.get("threads_used") not in (None, c["threads"]):
                 name += f" ({ent['threads_used']} thread used)"
             if e == "llama.cpp" and ent.get("llama_bench_args"):
                 name += f" ({' '.join(ent['llama_bench_args'])})"
             if e == "transformers" and ent.get("experts_implementation") == "eager":
                 name += " (eager experts)"
             ratio = "—"
-            if e != "colibri":
-                ratio = (f"{_fmt(ent.get('colibri_over_this_prefill'), '.2f')}, "
-                         f"{_fmt(ent.get('colibri_over_this_decode'), '.2f')}")  # fmt: skip
+            if not e.startswith("colibri"):
+                ratio = "; ".join(
+                    f"{'' if p == 'exact' else p + ' '}{_fmt(ent.get(f'{pre}_over_this_prefill'), '.2f')}, "
+                    f"{_fmt(ent.get(f'{pre}_over_this_decode'), '.2f')}"
+                    for p in res.get("precisions", ["exact"])
+                    for pre in [colibri_key(p).replace(" ", "_")])  # fmt: skip
             lines.append(
                 f"| {c['dtype']} | {c['threads']} | {name} | {_fmt(ent.get('prefill_tok_s'))} "
                 f"| {_fmt(ent.get('decode_tok_s'))} | {_fmt(ent.get('decode_p99_over_p50'), '.2f')} "
@@ -695,6 +740,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="repetitions per engine (default 3)")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help="comma-separated subset of colibri,llama.cpp,transformers (default all)")
+    p.add_argument("--precision", default="exact,fast",
+                   help="Colibri's numeric modes, each run as an engine of its own: exact, fast "
+                        "or exact,fast (default; docs/kernels.md 'Numeric modes'); with fast, the "
+                        "fast mode's KL / top-1 / routing flips against exact are printed too")
     p.add_argument("--prefill", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("--decode", type=int, default=128, help="decoded tokens (default 128)")
     p.add_argument("--seed", type=int, default=0, help="seed of the token ids and the model")
@@ -739,6 +788,11 @@ def main(argv=None) -> int:
     for e in args.engines:
         if e not in ENGINES:
             p.error(f"unknown engine {e!r}; choose from {', '.join(ENGINES)}")
+    from ..engine import PRECISIONS
+
+    args.precision = [x.strip() for x in args.precision.split(",") if x.strip()]
+    if not args.precision or any(x not in PRECISIONS for x in args.precision):
+        p.error(f"--precision takes {', '.join(PRECISIONS)} or a comma-separated list of them")
     args.dtype = [d.strip() for d in args.dtype.split(",") if d.strip()]
     for d in args.dtype:
         if d not in BENCH_DTYPES:
