@@ -754,14 +754,15 @@ def find_colibri_bench() -> str | None:
 def run_colibri_bench(model, *, sequential_sequences: int = 1, seq_len: int = 64,
                       max_new_tokens: int = 8, num_requests: int = 2, num_threads: int = 2,
                       warmup: int | None = None, seed: int | None = None,
-                      group_pad: int | None = None, exe: str | None = None,
-                      timeout: float = 600) -> dict:  # fmt: skip
+                      group_pad: int | None = None, precision: str | None = None,
+                      exe: str | None = None, timeout: float = 600) -> dict:  # fmt: skip
     """Run ``colibri_bench --json`` on a ``.colibri`` file and return its parsed JSON.
 
     Each of the ``num_requests`` requests is ``sequential_sequences`` sequences of
     ``seq_len`` prompt tokens plus ``max_new_tokens`` decode steps, run one after another
     (the engine holds one sequence per context: nothing is batched into one matrix
-    product). ``warmup``, ``seed`` and ``group_pad`` are passed on when given. ``exe``
+    product). ``warmup``, ``seed``, ``group_pad`` and ``precision`` ("exact" or "fast")
+    are passed on when given. ``exe``
     defaults to :func:`find_colibri_bench`. Raises FileNotFoundError without an
     executable and RuntimeError (with its stderr) when it fails.
     """
@@ -773,7 +774,8 @@ def run_colibri_bench(model, *, sequential_sequences: int = 1, seq_len: int = 64
             "--sequential_sequences", str(sequential_sequences),  # run one after another
             "--seq_len", str(seq_len), "--max_new_tokens", str(max_new_tokens),
             "--num_requests", str(num_requests), "--num_threads", str(num_threads), "--json"]  # fmt: skip
-    for flag, v in (("--warmup", warmup), ("--seed", seed), ("--group_pad", group_pad)):
+    for flag, v in (("--warmup", warmup), ("--seed", seed), ("--group_pad", group_pad),
+                    ("--precision", precision)):
         if v is not None:
             args += [flag, str(v)]
     r = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)

@@ -203,6 +203,9 @@ def test_run_colibri_bench(model, monkeypatch):
                                              num_requests=1, num_threads=1, warmup=0)  # fmt: skip
     assert rows.column("sequential_sequences") == [1, 2]
     assert all(r["request_p50_ms"] > 0 and r["prefill_tok_s"] > 0 for r in rows)
+    fast = tuning.run_colibri_bench(model[1], seq_len=9, max_new_tokens=2, num_requests=1,
+                                    num_threads=1, warmup=0, precision="fast")  # fmt: skip
+    assert fast["precision"] == "fast" and " fast(" in fast["kernels"]
     with pytest.raises(RuntimeError, match="exited with 1"):
         tuning.run_colibri_bench(model[1].parent / "absent.colibri", exe=exe)
     monkeypatch.setattr(tuning, "find_colibri_bench", lambda: None)
