@@ -946,6 +946,132 @@ static void test_fast(const cb_fast_kernels *F) {
     }
 }
 
+/* A fast table's BF16 kernels (native_bf16: AMX tiles) on bf16-rounded activations: against
+ * a double loop (float32 accumulation: 2e-6 of the terms' magnitude), each token alone the
+ * batch's bits, nothing written outside the rows/columns asked for: the split FFN's matmul
+ * and gate/up, and the packed expert's gate/up and down. */
+static double silu_d(double g) { return g / (1.0 + exp(-g)); }
+static void test_fast_bf16(const cb_fast_kernels *F) {
+    const uint32_t BF = COLIBRI_DTYPE_BF16;
+    const int64_t Ks[] = {32, 96, 1024}, Ns[] = {1, 7, 33, 67}, Ts[] = {1, 3, 17, 37};
+    for (size_t c = 0; c < 3; c++)
+        for (size_t b = 0; b < 4; b++)
+            for (size_t a = 0; a < 4; a++) {
+                int64_t K = Ks[c], N = Ns[b], T = Ts[a], ldy = N + 2;
+                if (K > 100 && T > 3 && N > 7) continue;
+                wbuf w = make_w(BF, N * K, 0.5);
+                float *x = malloc((size_t)(T * K) * 4), *y = malloc((size_t)(T * ldy) * 4), *y1 = malloc((size_t)N * 4);
+                fill(x, T * K, 2.0);
+                cb_round_bf16(x, T * K);
+                for (int64_t i = 0; i < T * ldy; i++) y[i] = SENTINEL;
+                F->matmul_ld(y, ldy, x, w.raw, BF, T, N, K);
+                for (int64_t t = 0; t < T; t++) {
+                    for (int64_t n = 0; n < N; n++) {
+                        double sum = 0, mag = 0;
+                        for (int64_t k = 0; k < K; k++) {
+                            sum += (double)x[t * K + k] * w.val[n * K + k];
+                            mag += fabs((double)x[t * K + k] * w.val[n * K + k]);
+                        }
+                        if (!close_to(y[t * ldy + n], sum, mag, 2e-6))
+                            FAIL("[fast %s] bf16 matmul N%lld K%lld (%lld,%lld): %.9g vs %.9g", F->name, (long long)N,
+                                 (long long)K, (long long)t, (long long)n, (double)y[t * ldy + n], sum);
+                    }
+                    for (int64_t n = N; n < ldy; n++)
+                        if (y[t * ldy + n] != SENTINEL) FAIL("[fast %s] bf16 matmul wrote past N", F->name);
+                    F->matmul_ld(y1, N, x + t * K, w.raw, BF, 1, N, K);
+                    n_check++;
+                    if (memcmp(y1, y + t * ldy, (size_t)N * 4) != 0)
+                        FAIL("[fast %s] bf16 matmul T%lld N%lld K%lld: token %lld alone differs from the batch", F->name,
+                             (long long)T, (long long)N, (long long)K, (long long)t);
+                }
+                free(x);
+                free(y);
+                free(y1);
+                free_w(&w);
+            }
+    /* the packed expert (B = 32 and 16) and the split gate/up */
+    struct { int64_t R, H, I, B; } cs[] = {{1, 64, 96, 32}, {5, 96, 64, 16}, {37, 32, 160, 32}, {17, 1024, 96, 32}};
+    for (size_t ci = 0; ci < 4; ci++) {
+        int64_t R = cs[ci].R, H = cs[ci].H, I = cs[ci].I, B = cs[ci].B;
+        wbuf w1 = make_w(BF, I * H, 0.3), w3 = make_w(BF, I * H, 0.3), w2 = make_w(BF, H * I, 0.3);
+        float *pk = malloc((size_t)(3 * I * H) * 4);
+        pack_expert(pk, w1.val, w3.val, w2.val, I, H, B);
+        uint16_t *pb = malloc((size_t)(3 * I * H) * 2);
+        for (int64_t i = 0; i < 3 * I * H; i++) pb[i] = cb_f32_to_bf16(pk[i]); /* exact: bf16 values */
+        float *x = malloc((size_t)(R * H) * 4), *h = malloc((size_t)(R * I) * 4), *hs = malloc((size_t)(R * I) * 4);
+        float *y = malloc((size_t)(R * H) * 4), *h1 = malloc((size_t)I * 4), *y1 = malloc((size_t)H * 4);
+        fill(x, R * H, 1.0);
+        cb_round_bf16(x, R * H);
+        int64_t i0 = 32, i1 = I; /* a range, as a thread's chunk */
+        for (int64_t k = 0; k < R * I; k++) h[k] = hs[k] = SENTINEL;
+        F->gateup_packed(h, x, pb, R, H, I, B, i0, i1);
+        F->gateup(hs, x, w1.raw, w3.raw, BF, R, H, I, i0, i1);
+        for (int64_t r = 0; r < R; r++) {
+            for (int64_t i = 0; i < I; i++) {
+                if (i < i0) {
+                    if (h[r * I + i] != SENTINEL || hs[r * I + i] != SENTINEL)
+                        FAIL("[fast %s] bf16 gate/up wrote outside its columns", F->name);
+                    continue;
+                }
+                double g = 0, u = 0, mag = 0;
+                for (int64_t k = 0; k < H; k++) {
+                    g += (double)x[r * H + k] * w1.val[i * H + k];
+                    u += (double)x[r * H + k] * w3.val[i * H + k];
+                    mag += fabs((double)x[r * H + k]) * (fabs(w1.val[i * H + k]) + fabs(w3.val[i * H + k]));
+                }
+                double want = silu_d(g) * u;
+                if (!close_to(h[r * I + i], want, mag * (fabs(u) + 1.0), 1e-5) ||
+                    !close_to(hs[r * I + i], want, mag * (fabs(u) + 1.0), 1e-5))
+                    FAIL("[fast %s] bf16 gate/up R%lld H%lld I%lld (%lld,%lld): packed %.9g split %.9g vs %.9g", F->name,
+                         (long long)R, (long long)H, (long long)I, (long long)r, (long long)i, (double)h[r * I + i],
+                         (double)hs[r * I + i], want);
+            }
+            for (int64_t k = 0; k < I; k++) h1[k] = SENTINEL;
+            F->gateup_packed(h1, x + r * H, pb, 1, H, I, B, i0, i1);
+            n_check++;
+            if (memcmp(h1 + i0, h + r * I + i0, (size_t)(i1 - i0) * 4) != 0)
+                FAIL("[fast %s] bf16 gate/up packed: row %lld alone differs from the batch", F->name, (long long)r);
+        }
+        /* down over every column but the first 16, from the (rounded) full h */
+        for (int64_t k = 0; k < R * I; k++) h[k] = (float)(urand() * 0.5);
+        cb_round_bf16(h, R * I);
+        int64_t c0 = H > 16 ? 16 : 0;
+        for (int64_t k = 0; k < R * H; k++) y[k] = SENTINEL;
+        F->down_packed(y, h, pb, R, H, I, c0, H);
+        for (int64_t r = 0; r < R; r++) {
+            for (int64_t cc = 0; cc < H; cc++) {
+                if (cc < c0) {
+                    if (y[r * H + cc] != SENTINEL) FAIL("[fast %s] bf16 down wrote outside its columns", F->name);
+                    continue;
+                }
+                double sum = 0, mag = 0;
+                for (int64_t i = 0; i < I; i++) {
+                    sum += (double)h[r * I + i] * w2.val[cc * I + i];
+                    mag += fabs((double)h[r * I + i] * w2.val[cc * I + i]);
+                }
+                if (!close_to(y[r * H + cc], sum, mag, 2e-6))
+                    FAIL("[fast %s] bf16 down R%lld H%lld I%lld (%lld,%lld): %.9g vs %.9g", F->name, (long long)R,
+                         (long long)H, (long long)I, (long long)r, (long long)cc, (double)y[r * H + cc], sum);
+            }
+            F->down_packed(y1, h + r * I, pb, 1, H, I, c0, H);
+            n_check++;
+            if (memcmp(y1 + c0, y + r * H + c0, (size_t)(H - c0) * 4) != 0)
+                FAIL("[fast %s] bf16 down: row %lld alone differs from the batch", F->name, (long long)r);
+        }
+        free(pk);
+        free(pb);
+        free(x);
+        free(h);
+        free(hs);
+        free(y);
+        free(h1);
+        free(y1);
+        free_w(&w1);
+        free_w(&w3);
+        free_w(&w2);
+    }
+}
+
 static void test_table(const cb_kernels *K) {
     test_matmul(K);
     test_matmul_i8(K);
@@ -975,12 +1101,13 @@ int main(void) {
         }
     }
     test_round_bf16();
-    const char *fast_names[] = {"reference", "avx2", "avxvnni", "avx512vnni"};
-    for (size_t i = 0; i < 4; i++) {
+    const char *fast_names[] = {"reference", "avx2", "avxvnni", "avx512vnni", "avx512vnni-amx"};
+    for (size_t i = 0; i < 5; i++) {
         const cb_fast_kernels *F = cb_fast_by_name(fast_names[i]);
         if (F) {
             int before = n_fail;
             test_fast(F);
+            if (F->native_bf16) test_fast_bf16(F);
             printf("test_kernels: fast table %s checked (%s)\n", fast_names[i], n_fail == before ? "ok" : "FAILED");
         } else {
             printf("test_kernels: fast table %s skipped (not built, or this CPU lacks it)\n", fast_names[i]);

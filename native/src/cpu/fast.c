@@ -5,6 +5,7 @@
  */
 #include "cpu/fast.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -145,18 +146,49 @@ int cb_fast_cpu_bf16(void) {
 #endif
 }
 
+/* "avx512vnni-amx": the avx512vnni table's int8 kernels with the BF16 ones on AMX tiles
+ * (fast_amx.c) where the CPU and the OS give them. */
+static void amx_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T, int64_t N,
+                          int64_t K) {
+    if (dt == COLIBRI_DTYPE_BF16) cb_amx_matmul_ld(y, ldy, x, w, T, N, K);
+    else cb_fast_avx512vnni()->matmul_ld(y, ldy, x, w, dt, T, N, K);
+}
+static void amx_gateup(float *h, const float *x, const void *gate, const void *up, uint32_t dt, int64_t R, int64_t H,
+                       int64_t I, int64_t i0, int64_t i1) {
+    if (dt == COLIBRI_DTYPE_BF16) cb_amx_gateup_split(h, x, gate, up, R, H, I, i0, i1);
+    else cb_fast_avx512vnni()->gateup(h, x, gate, up, dt, R, H, I, i0, i1);
+}
+static const cb_fast_kernels fast_amx = {
+    .name = "avx512vnni",
+    .bf16 = "amx",
+    .native_bf16 = 1,
+    .matmul_ld = amx_matmul_ld,
+    .gateup = amx_gateup,
+    .gateup_packed = cb_amx_gateup_packed,
+    .down_packed = cb_amx_down_packed,
+};
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static int amx_ok;
+static void amx_probe(void) { amx_ok = cpu_avx512vnni() && cb_fast_avx512vnni() && cb_amx_usable(); }
+
 const cb_fast_kernels *cb_fast_by_name(const char *name) {
     if (!name) return NULL;
     if (strcmp(name, "ref") == 0 || strcmp(name, "reference") == 0) return &fast_ref;
     if (strcmp(name, "avx2") == 0) return cpu_avx2() ? cb_fast_avx2() : NULL;
     if (strcmp(name, "avxvnni") == 0) return cpu_avxvnni() ? cb_fast_avxvnni() : NULL;
     if (strcmp(name, "avx512vnni") == 0) return cpu_avx512vnni() ? cb_fast_avx512vnni() : NULL;
+    if (strcmp(name, "avx512vnni-amx") == 0) {
+        pthread_once(&amx_once, amx_probe);
+        return amx_ok ? &fast_amx : NULL;
+    }
     return NULL;
 }
 
 const cb_fast_kernels *cb_fast_best(void) {
     const cb_fast_kernels *f = cb_fast_by_name(getenv("COLIBRI_FAST_KERNELS"));
     if (f) return f;
+    /* not avx512vnni-amx: its BF16 prefill is 1.9x the f32 kernels' but its decode 0.55x
+     * (docs/kernels.md, "Numeric modes"); COLIBRI_FAST_KERNELS=avx512vnni-amx chooses it */
     if ((f = cb_fast_by_name("avx512vnni")) != NULL) return f;
     if ((f = cb_fast_by_name("avxvnni")) != NULL) return f;
     if ((f = cb_fast_by_name("avx2")) != NULL) return f;

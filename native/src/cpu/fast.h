@@ -45,7 +45,7 @@ typedef struct cb_fast_ablk {
 
 typedef struct cb_fast_kernels {
     const char *name;   /* the int8 path's instructions: "reference", "avx2", "avxvnni", "avx512vnni" */
-    const char *bf16;   /* the BF16 path: "avx512bf16" (vdpbf16ps) or "f32" (exact kernels) */
+    const char *bf16;   /* the BF16 path: "amx" (AMX-BF16 tiles) or "f32" (exact kernels) */
     int native_bf16;    /* 1: matmul_ld/gateup also take BF16 weights */
     /* y[t * ldy + n] for t < T, n < N, as matmul_ld (kernels.h) but in fast mode:
      * dt a block type (K a whole number of its blocks) or BF16 when native_bf16. */
@@ -55,11 +55,35 @@ typedef struct cb_fast_kernels {
      * up [I, H] in dt (as expert_gateup with up != NULL), each dot as matmul_ld computes it. */
     void (*gateup)(float *h, const float *x, const void *gate, const void *up, uint32_t dt, int64_t R,
                    int64_t H, int64_t I, int64_t i0, int64_t i1);
+    /* native_bf16 only (else NULL): a BF16 packed expert (docs/format.md, EXPERTS_PACKED):
+     * gate/up for columns i0 <= i < i1 of h [R, I] (blocks of B rows), and the down
+     * projection for output columns c0 <= c < c1 of y [R, H], one accumulation over all of
+     * I (no CB_DOWN_BLOCK parts). */
+    void (*gateup_packed)(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I, int64_t B,
+                          int64_t i0, int64_t i1);
+    void (*down_packed)(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
+                        int64_t c1);
 } cb_fast_kernels;
 
-/* 1 when the fast table computes matrices of dtype dt (else they run the exact kernels). */
-static inline int cb_fast_takes(const cb_fast_kernels *f, uint32_t dt) {
-    return f && (cb_dtype_is_quant(dt) || (dt == COLIBRI_DTYPE_BF16 && f->native_bf16));
+/* fast_amx.c: the BF16 kernels on AMX tiles, and the shapes they take (K % 32 == 0, K <= 4096). */
+int cb_amx_usable(void);
+int cb_amx_shape_ok(int64_t K);
+void cb_amx_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int64_t T, int64_t N, int64_t K);
+void cb_amx_gateup_split(float *h, const float *x, const void *gate, const void *up, int64_t R, int64_t H, int64_t I,
+                         int64_t i0, int64_t i1);
+void cb_amx_gateup_packed(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I,
+                          int64_t B, int64_t i0, int64_t i1);
+void cb_amx_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
+                        int64_t c1);
+
+/* 1 when the fast table computes a matrix of dtype dt with rows of K (else the exact
+ * kernels run it, on bf16-rounded activations for BF16). */
+static inline int cb_fast_takes(const cb_fast_kernels *f, uint32_t dt, int64_t K) {
+    return f && (cb_dtype_is_quant(dt) || (dt == COLIBRI_DTYPE_BF16 && f->native_bf16 && cb_amx_shape_ok(K)));
+}
+/* 1 when it computes a packed BF16 expert of hidden H and intermediate I. */
+static inline int cb_fast_takes_packed(const cb_fast_kernels *f, uint32_t dt, int64_t H, int64_t I) {
+    return f && f->native_bf16 && dt == COLIBRI_DTYPE_BF16 && cb_amx_shape_ok(H) && I % 32 == 0;
 }
 
 const cb_fast_kernels *cb_fast_ref(void);
@@ -67,7 +91,8 @@ const cb_fast_kernels *cb_fast_ref(void);
 const cb_fast_kernels *cb_fast_avx2(void);
 const cb_fast_kernels *cb_fast_avxvnni(void);
 const cb_fast_kernels *cb_fast_avx512vnni(void);
-/* "ref"/"reference", "avx2", "avxvnni", "avx512vnni" if compiled in and supported; else NULL. */
+/* "ref"/"reference", "avx2", "avxvnni", "avx512vnni", "avx512vnni-amx" (the same with the
+ * BF16 kernels on AMX tiles) if compiled in and supported; else NULL. */
 const cb_fast_kernels *cb_fast_by_name(const char *name);
 /* COLIBRI_FAST_KERNELS if set and usable, else the best the CPU supports. */
 const cb_fast_kernels *cb_fast_best(void);

@@ -156,7 +156,7 @@ static void mm_chunk(void *arg, int64_t c, int tid) {
     const mm_job *b = &m->jobs[j];
     int64_t n0 = c * b->len, n1 = n0 + b->len < b->N ? n0 + b->len : b->N;
     size_t row = (size_t)cb_row_bytes(b->dt, (uint64_t)b->K);
-    if (cb_fast_takes(m->fast, b->dt))
+    if (cb_fast_takes(m->fast, b->dt, b->K))
         m->fast->matmul_ld(b->y + n0, b->N, b->x, (const uint8_t *)b->w + (size_t)n0 * row, b->dt, m->T, n1 - n0,
                            b->K);
     else
@@ -260,10 +260,13 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
         const ffn_job *b = &f->jobs[j];
         const cb_ffn *w = b->f;
         int64_t lo = c * b->len0, hi = lo + b->len0 < b->I ? lo + b->len0 : b->I;
-        if (w->packed)
+        if (w->packed && cb_fast_takes_packed(f->fast, w->dt, f->H, b->I))
+            f->fast->gateup_packed(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, b->R, f->H,
+                                   b->I, f->B, lo, hi);
+        else if (w->packed)
             f->kern->expert_gateup(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, NULL, w->dt,
                                    b->R, f->H, b->I, f->B, lo, hi);
-        else if (cb_fast_takes(f->fast, w->dt))
+        else if (cb_fast_takes(f->fast, w->dt, f->H))
             f->fast->gateup(b->h, b->x, (const uint8_t *)w->gate + (size_t)b->e * w->gu_stride,
                             (const uint8_t *)w->up + (size_t)b->e * w->gu_stride, w->dt, b->R, f->H, b->I, lo, hi);
         else
@@ -280,13 +283,17 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
         if (!w->packed) { /* split: output rows lo..hi of the down matrix [H, I] */
             size_t rb = (size_t)cb_row_bytes(w->down_dt, (uint64_t)b->I);
             const uint8_t *wd = (const uint8_t *)w->down + (size_t)b->e * w->down_stride + (size_t)lo * rb;
-            if (cb_fast_takes(f->fast, w->down_dt))
+            if (cb_fast_takes(f->fast, w->down_dt, b->I))
                 f->fast->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
             else
                 f->kern->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
             return;
         }
         const void *ew = (const uint8_t *)w->packed + (size_t)b->e * w->stride;
+        if (cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) {
+            f->fast->down_packed(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
+            return;
+        }
         if (b->part) {
             f->kern->expert_down_part(b->part + c * b->R * f->H, b->h, ew, w->dt, b->R, f->H, b->I, c);
             return;
@@ -318,7 +325,8 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
         b->len0 = chunk_len(ctx, b->I, 8, 64);
         b->nch0 = (b->I + b->len0 - 1) / b->len0;
         b->part = NULL;
-        if (b->f->packed && b->R <= CB_SPLIT_MAX_ROWS && nblk * b->R <= part_left) {
+        if (b->f->packed && b->R <= CB_SPLIT_MAX_ROWS && nblk * b->R <= part_left &&
+            !cb_fast_takes_packed(ctx->fast, b->f->dt, H, b->I)) {
             b->part = part;
             part += nblk * b->R * H;
             part_left -= nblk * b->R;
