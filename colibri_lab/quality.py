@@ -92,6 +92,15 @@ _ROW_BLOCK = 64  # logits rows turned into float64 log-probabilities at a time
 
 # --------------------------------------------------------------------------- statistics
 
+
+def _id_array(ids, name: str) -> np.ndarray:
+    """ids as a 1-D integer array, or ValueError naming the argument."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"{name} must be a 1-D sequence of integer ids")
+    return arr
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise log-softmax in float64 (``[n, V]`` -> ``[n, V]``)."""
     x = np.asarray(logits, dtype=np.float64)
@@ -473,9 +482,7 @@ def compare(ref, test, tokens: Sequence[int] | np.ndarray, *, ctx: int = 512,
     ctx = int(ctx)
     if ctx < 4:
         raise ValueError(f"ctx {ctx}: at least 4 tokens")
-    ids = np.asarray(tokens)
-    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-        raise ValueError("tokens must be a 1-D sequence of integer ids")
+    ids = _id_array(tokens, "tokens")
     total = len(ids) // ctx
     if n_chunks is not None:
         total = min(total, int(n_chunks))
@@ -722,9 +729,7 @@ def precision_agreement(path: str | os.PathLike, token_ids: Sequence[int] | np.n
     chunk = int(chunk)
     if chunk < 2:
         raise ValueError(f"chunk {chunk}: at least 2 tokens (a position and the id it predicts)")
-    ids = np.asarray(token_ids)
-    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-        raise ValueError("token_ids must be a 1-D sequence of integer ids")
+    ids = _id_array(token_ids, "token_ids")
     ids = ids.astype(np.int64)
     starts = [s for s in range(0, len(ids), chunk) if len(ids) - s >= 2]
     if max_chunks is not None:

@@ -728,6 +728,20 @@ static wbuf make_q(uint32_t dt, int64_t rows, int64_t K) {
     return w;
 }
 
+/* A gate/up row computed alone (h1: [I]) against row r of the batch (h: [R, I]): the same
+ * bits in columns i0 .. i1, and neither wrote outside them (SENTINEL there). */
+static void check_gateup_row(const char *who, const char *dtn, const float *h, const float *h1, int64_t R, int64_t r,
+                             int64_t I, int64_t i0, int64_t i1) {
+    n_check++;
+    if (memcmp(h1 + i0, h + r * I + i0, (size_t)(i1 - i0) * 4) != 0)
+        FAIL("[%s] gateup %s R%lld: row %lld alone differs from the batch", who, dtn, (long long)R, (long long)r);
+    for (int64_t k = 0; k < I; k++)
+        if ((k < i0 || k >= i1) && (h[r * I + k] != SENTINEL || h1[k] != SENTINEL)) {
+            FAIL("[%s] gateup %s wrote outside its range", who, dtn);
+            break;
+        }
+}
+
 static void test_quant(const cb_kernels *K) {
     const cb_kernels *R = cb_kernels_ref();
     for (size_t qi = 0; qi < sizeof QTYPES / sizeof QTYPES[0]; qi++) {
@@ -792,15 +806,7 @@ static void test_quant(const cb_kernels *K) {
                 for (int64_t r = 0; r < Rr; r++) {
                     for (int64_t k = 0; k < I; k++) h1[k] = SENTINEL;
                     K->expert_gateup(h1, x + r * H, g.raw, u.raw, dt, 1, H, I, 0, i0, i1);
-                    n_check++;
-                    if (memcmp(h1 + i0, h + r * I + i0, (size_t)(i1 - i0) * 4) != 0)
-                        FAIL("[%s] expert_gateup split %s R%lld: row %lld alone differs from the batch", K->name,
-                             cb_dtype_name(dt), (long long)Rr, (long long)r);
-                    for (int64_t k = 0; k < I; k++)
-                        if ((k < i0 || k >= i1) && h[r * I + k] != SENTINEL) {
-                            FAIL("[%s] expert_gateup split %s wrote outside its range", K->name, cb_dtype_name(dt));
-                            break;
-                        }
+                    check_gateup_row(K->name, cb_dtype_name(dt), h, h1, Rr, r, I, i0, i1);
                 }
                 free(x);
                 free(h);
@@ -925,15 +931,7 @@ static void test_fast(const cb_fast_kernels *F) {
                 for (int64_t r = 0; r < Rr; r++) {
                     for (int64_t k = 0; k < I; k++) h1[k] = SENTINEL;
                     F->gateup(h1, x + r * H, g.raw, u.raw, dt, 1, H, I, i0, i1);
-                    n_check++;
-                    if (memcmp(h1 + i0, h + r * I + i0, (size_t)(i1 - i0) * 4) != 0)
-                        FAIL("[fast %s] gateup %s R%lld: row %lld alone differs from the batch", F->name,
-                             cb_dtype_name(dt), (long long)Rr, (long long)r);
-                    for (int64_t k = 0; k < I; k++)
-                        if ((k < i0 || k >= i1) && (h[r * I + k] != SENTINEL || h1[k] != SENTINEL)) {
-                            FAIL("[fast %s] gateup %s wrote outside its range", F->name, cb_dtype_name(dt));
-                            break;
-                        }
+                    check_gateup_row(F->name, cb_dtype_name(dt), h, h1, Rr, r, I, i0, i1);
                 }
                 free(x);
                 free(h);
