@@ -266,76 +266,88 @@ void cb_amx_gateup_packed(float *h, const float *x, const void *expert, int64_t 
 }
 
 /* The packed expert's down projection, y[r, c] = sum_i h[r, i] w2T[i, c] for c0 <= c < c1
- * (w2T: rows 2I .. 3I-1 of the expert, [I, H]); one accumulation over all of I. */
+ * (w2T: rows 2I .. 3I-1 of the expert, [I, H]). Columns in blocks of 128 (8 B tiles), I in
+ * passes of DP rows: each pass repacks its w2T rows once for every token (reading each row's
+ * columns contiguously, which a decode needs) and converts each 32 tokens' h once for
+ * every column; y holds the first pass's sums, then each pass's is added, in order. */
+#define DP 512
 void cb_amx_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
                         int64_t c1) {
-    uint16_t ab[32 * 2048];    /* 32 tokens' h in bf16, a pass of 2048 (128 KiB of stack) */
-    uint32_t bb[2][1024 * 16]; /* pairs of w2T rows for two column tiles (128 KiB) */
+    uint16_t ab[32 * DP];          /* 32 tokens' h in bf16 for one pass (32 KiB of stack) */
+    uint32_t bb[8][DP / 2 * 16];   /* pairs of w2T rows, 8 column tiles (128 KiB) */
     const uint16_t *w2 = (const uint16_t *)expert + (size_t)2 * (size_t)I * (size_t)H;
     float c[16 * 16];
     amx_config();
-    for (int64_t t0 = 0; t0 < R; t0 += 32) {
-        int64_t nt = R - t0 < 32 ? R - t0 : 32;
-        for (int64_t cc = c0; cc < c1; cc += 32) {
-            int64_t ncol = c1 - cc < 32 ? c1 - cc : 32;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t i0 = 0; i0 < I; i0 += 2048) {
-                int64_t ic = I - i0 < 2048 ? I - i0 : 2048;
+    for (int64_t sb = c0; sb < c1; sb += 128) {
+        int64_t nsb = c1 - sb < 128 ? c1 - sb : 128, ntile = (nsb + 15) / 16;
+        for (int64_t i0 = 0; i0 < I; i0 += DP) {
+            int64_t ic = I - i0 < DP ? I - i0 : DP;
+            for (int64_t r = 0; r < ic / 2; r++) { /* B: rows i, i + 1 interleaved per column */
+                const uint16_t *ra = w2 + (size_t)(i0 + 2 * r) * H + sb, *rb2 = ra + H;
+                if (2 * (r + PF_R) + 1 < ic) {
+                    _mm_prefetch((const char *)(ra + (size_t)(2 * PF_R) * H), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(rb2 + (size_t)(2 * PF_R) * H), _MM_HINT_T0);
+                    if (nsb > 32) {
+                        _mm_prefetch((const char *)(ra + (size_t)(2 * PF_R) * H + 32), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(rb2 + (size_t)(2 * PF_R) * H + 32), _MM_HINT_T0);
+                    }
+                }
+                for (int64_t q = 0; q < ntile; q++) {
+                    int64_t n = nsb - 16 * q;
+                    __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFFu : (1u << n) - 1u);
+                    __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, ra + 16 * q));
+                    __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, rb2 + 16 * q));
+                    _mm512_storeu_si512(&bb[q][r * 16], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                }
+            }
+            for (int64_t t0 = 0; t0 < R; t0 += 32) {
+                int64_t nt = R - t0 < 32 ? R - t0 : 32;
                 for (int64_t t = 0; t < (nt > 16 ? 32 : 16); t++) { /* A: the tokens' h, bf16, zero rows past nt */
                     if (t < nt) {
                         for (int64_t i = 0; i < ic; i += 16)
-                            _mm256_storeu_si256((__m256i *)(ab + t * 2048 + i),
+                            _mm256_storeu_si256((__m256i *)(ab + t * DP + i),
                                                 to_bf16(_mm512_loadu_ps(h + (t0 + t) * I + i0 + i)));
                     } else {
-                        memset(ab + t * 2048, 0, (size_t)ic * 2);
+                        memset(ab + t * DP, 0, (size_t)ic * 2);
                     }
                 }
-                for (int64_t r = 0; r < ic / 2; r++) { /* B: rows i, i + 1 interleaved per column */
-                    if (2 * (r + PF_R) + 1 < ic) { /* the rows PF_R pairs ahead */
-                        _mm_prefetch((const char *)(w2 + (size_t)(i0 + 2 * (r + PF_R)) * H + cc), _MM_HINT_T0);
-                        _mm_prefetch((const char *)(w2 + (size_t)(i0 + 2 * (r + PF_R) + 1) * H + cc), _MM_HINT_T0);
-                    }
-                    for (int q = 0; q < 2; q++) {
-                        int64_t col = cc + 16 * q, n = ncol - 16 * q;
-                        __m512i lo, hi;
-                        if (n >= 16) {
-                            lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w2 + (size_t)(i0 + 2 * r) * H + col)));
-                            hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w2 + (size_t)(i0 + 2 * r + 1) * H + col)));
-                        } else if (n > 0) {
-                            __mmask16 m = (__mmask16)((1u << n) - 1u);
-                            lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w2 + (size_t)(i0 + 2 * r) * H + col));
-                            hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w2 + (size_t)(i0 + 2 * r + 1) * H + col));
-                        } else {
-                            lo = hi = _mm512_setzero_si512();
+                for (int64_t q = 0; q < ntile; q += 2) {
+                    int two = q + 1 < ntile;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t k = 0; k < ic; k += 32) {
+                        _tile_loadd(4, ab + k, DP * 2);
+                        _tile_loadd(6, &bb[q][k / 2 * 16], 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (two) {
+                            _tile_loadd(7, &bb[q + 1][k / 2 * 16], 64);
+                            _tile_dpbf16ps(1, 4, 7);
                         }
-                        _mm512_storeu_si512(&bb[q][r * 16], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                        if (nt > 16) { /* the second 16 tokens (each C is its own) */
+                            _tile_loadd(5, ab + 16 * DP + k, DP * 2);
+                            _tile_dpbf16ps(2, 5, 6);
+                            if (two) _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    for (int z = 0; z < 4; z++) {
+                        int64_t qt = q + (z & 1), tt = 16 * (z >> 1);
+                        if (qt >= ntile || tt >= nt) continue;
+                        int64_t n = nsb - 16 * qt < 16 ? nsb - 16 * qt : 16;
+                        if (z == 0) _tile_stored(0, c, 64);
+                        else if (z == 1) _tile_stored(1, c, 64);
+                        else if (z == 2) _tile_stored(2, c, 64);
+                        else _tile_stored(3, c, 64);
+                        for (int64_t t = tt; t < nt && t < tt + 16; t++) {
+                            float *yr = y + (t0 + t) * H + sb + 16 * qt;
+                            const float *cr = c + (t - tt) * 16;
+                            if (i0 == 0) memcpy(yr, cr, (size_t)n * sizeof(float));
+                            else
+                                for (int64_t j = 0; j < n; j++) yr[j] += cr[j];
+                        }
                     }
                 }
-                for (int64_t k = 0; k < ic; k += 32) {
-                    _tile_loadd(4, ab + k, 2048 * 2);
-                    _tile_loadd(6, &bb[0][k / 2 * 16], 64);
-                    _tile_loadd(7, &bb[1][k / 2 * 16], 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (nt > 16) { /* the second 16 tokens (each C is its own) */
-                        _tile_loadd(5, ab + 16 * 2048 + k, 2048 * 2);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-            }
-            for (int q = 0; q < 4; q++) {
-                int64_t n = ncol - 16 * (q & 1), tt = 16 * (q >> 1);
-                if (n <= 0 || tt >= nt) continue;
-                if (q == 0) _tile_stored(0, c, 64);
-                else if (q == 1) _tile_stored(1, c, 64);
-                else if (q == 2) _tile_stored(2, c, 64);
-                else _tile_stored(3, c, 64);
-                for (int64_t t = tt; t < nt && t < tt + 16; t++)
-                    memcpy(y + (t0 + t) * H + cc + 16 * (q & 1), c + (t - tt) * 16, (size_t)(n < 16 ? n : 16) * sizeof(float));
             }
         }
     }
