@@ -187,8 +187,9 @@ const cb_fast_kernels *cb_fast_by_name(const char *name) {
 const cb_fast_kernels *cb_fast_best(void) {
     const cb_fast_kernels *f = cb_fast_by_name(getenv("COLIBRI_FAST_KERNELS"));
     if (f) return f;
-    /* not avx512vnni-amx: its BF16 prefill is 1.9x the f32 kernels' but its decode 0.55x
-     * (docs/kernels.md, "Numeric modes"); COLIBRI_FAST_KERNELS=avx512vnni-amx chooses it */
+    /* avx512vnni-amx first: its BF16 prefill is 3x the f32 kernels' (its decode 0.73x,
+     * docs/kernels.md "Numeric modes"; COLIBRI_FAST_KERNELS=avx512vnni keeps BF16 on them) */
+    if ((f = cb_fast_by_name("avx512vnni-amx")) != NULL) return f;
     if ((f = cb_fast_by_name("avx512vnni")) != NULL) return f;
     if ((f = cb_fast_by_name("avxvnni")) != NULL) return f;
     if ((f = cb_fast_by_name("avx2")) != NULL) return f;

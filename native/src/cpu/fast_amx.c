@@ -44,7 +44,6 @@
 
 #define AKC 1024 /* columns (K) per pass of the padded copies */
 #define ATT 32   /* tokens per pass */
-#define PF_K 256 /* columns ahead that rows_block prefetches */
 #define PF_R 12  /* pairs of w2T rows ahead that the down projection prefetches */
 #define AMX_MAX_K 4096 /* the longest rows (K) of a matmul or gate/up here: the packed tokens' stack */
 
@@ -95,7 +94,16 @@ static inline __m256i to_bf16(vf v) {
  * missing tokens are zero. */
 static void pack_tokens(uint32_t *xb, const float *x, int64_t ldx, int64_t nt, int64_t K) {
     int64_t np = K / 2;
-    for (int h = 0; h < 2; h++) {
+    if (nt == 1) { /* a decode step: each pair alone in its row (token 0), the rest zero */
+        for (int64_t r = 0; r < np; r++) {
+            uint32_t lo, hi;
+            memcpy(&lo, &x[2 * r], 4);
+            memcpy(&hi, &x[2 * r + 1], 4);
+            _mm512_storeu_si512(xb + r * 16, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)((lo >> 16) | (hi & 0xffff0000u)))));
+        }
+        return;
+    }
+    for (int h = 0; h < (nt > 16 ? 2 : 1); h++) { /* the second B operand only when it holds tokens */
         uint32_t *dst = xb + (size_t)h * (size_t)np * 16;
         for (int64_t r0 = 0; r0 < np; r0 += 16) { /* 16 pairs (32 columns) of 16 tokens: a transpose */
             __m512i rows[16];
@@ -141,9 +149,12 @@ static void store_transposed(float *y, int64_t ldy, const float *c, int64_t nr, 
         for (int64_t i = 0; i < nr; i++) y[j * ldy + i] = c[i * 16 + j];
 }
 
-/* Rows 0 .. nr-1 (nr <= 32) of W (bf16, stride rb) times the packed tokens (nt <= 32). */
+/* Rows 0 .. nr-1 (nr <= 32) of W (bf16, stride rb) times the packed tokens (nt <= 32).
+ * next: the 32 rows (stride rb) the caller computes after these, or NULL: their lines are
+ * prefetched into L2 one per row and step, a block ahead (a decode reads each weight once,
+ * and 32 row streams are more than the hardware prefetchers follow). */
 static void rows_block(float *y, int64_t ldy, const uint8_t *w, size_t rb, int64_t nr, const uint32_t *xb,
-                       int64_t nt, int64_t K) {
+                       int64_t nt, int64_t K, const uint8_t *next) {
     uint16_t pad[32 * AKC]; /* zero-padded copies of a partial row tile (64 KiB of stack) */
     int64_t np = K / 2;
     const uint32_t *b0 = xb, *b1 = xb + (size_t)np * 16;
@@ -168,8 +179,9 @@ static void rows_block(float *y, int64_t ldy, const uint8_t *w, size_t rb, int64
             as = AKC * 2;
         }
         for (int64_t k = 0; k < kc; k += 32) {
-            if (whole && k + PF_K < kc) /* a decode reads each weight once: the rows' lines ahead */
-                for (int r = 0; r < 32; r++) _mm_prefetch((const char *)(a + (size_t)r * as + (size_t)(k + PF_K) * 2), _MM_HINT_T0);
+            if (next)
+                for (int r = 0; r < 32; r++)
+                    _mm_prefetch((const char *)(next + (size_t)r * rb + (size_t)(k0 + k) * 2), _MM_HINT_T1);
             _tile_loadd(4, a + (size_t)k * 2, as);
             _tile_loadd(5, a + 16 * as + (size_t)k * 2, as);
             _tile_loadd(6, b0 + (k0 + k) / 2 * 16, 64);
@@ -202,9 +214,11 @@ void cb_amx_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int6
     for (int64_t t0 = 0; t0 < T; t0 += ATT) {
         int64_t nt = T - t0 < ATT ? T - t0 : ATT;
         pack_tokens(xb, x + t0 * K, K, nt, K);
-        for (int64_t n0 = 0; n0 < N; n0 += 32)
-            rows_block(y + t0 * ldy + n0, ldy, (const uint8_t *)w + (size_t)n0 * rb, rb, N - n0 < 32 ? N - n0 : 32, xb,
-                       nt, K);
+        for (int64_t n0 = 0; n0 < N; n0 += 32) {
+            const uint8_t *wr = (const uint8_t *)w + (size_t)n0 * rb;
+            rows_block(y + t0 * ldy + n0, ldy, wr, rb, N - n0 < 32 ? N - n0 : 32, xb, nt, K,
+                       N - n0 >= 64 && t0 == 0 ? wr + 32 * rb : NULL);
+        }
     }
     _tile_release();
 }
@@ -252,8 +266,10 @@ void cb_amx_gateup_packed(float *h, const float *x, const void *expert, int64_t 
             for (int64_t c = s; c < e; c += 32) {
                 int64_t nr = e - c < 32 ? e - c : 32;
                 const uint8_t *gr = (const uint8_t *)expert + (size_t)(2 * bs + (c - bs)) * rb;
-                rows_block(g, 32, gr, rb, nr, xb, nt, H);
-                rows_block(u, 32, gr + (size_t)nb * rb, rb, nr, xb, nt, H);
+                int last = c + 32 >= e && e >= i1; /* the next block's gate rows follow this one's up rows */
+                rows_block(g, 32, gr, rb, nr, xb, nt, H, t0 == 0 && nr == 32 ? gr + (size_t)nb * rb : NULL);
+                rows_block(u, 32, gr + (size_t)nb * rb, rb, nr, xb, nt, H,
+                           t0 == 0 && nr == 32 && !last && c + 32 < e ? gr + 32 * rb : NULL);
                 for (int64_t t = 0; t < nt; t++) {
                     silu_mul(g + t * 32, u + t * 32, nr);
                     memcpy(h + (t0 + t) * I + c, g + t * 32, (size_t)nr * sizeof(float));
