@@ -1100,8 +1100,8 @@ int main(void) {
         }
     }
     test_round_bf16();
-    const char *fast_names[] = {"reference", "avx2", "avxvnni", "avx512vnni", "avx512vnni-amx"};
-    for (size_t i = 0; i < 5; i++) {
+    const char *fast_names[] = {"reference", "avx2", "avxvnni", "avx512vnni", "avx512vnni-amx", "avx512bf16"};
+    for (size_t i = 0; i < 6; i++) {
         const cb_fast_kernels *F = cb_fast_by_name(fast_names[i]);
         if (F) {
             int before = n_fail;

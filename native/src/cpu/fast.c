@@ -136,8 +136,16 @@ static int cpu_avx512vnni(void) {
 #endif
 }
 
-int cb_fast_cpu_bf16(void); /* kernels_vnni512.c reads it when choosing its BF16 path */
-int cb_fast_cpu_bf16(void) {
+static int cpu_amd(void) {
+#ifdef CB_FAST_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd");
+#else
+    return 0;
+#endif
+}
+
+static int cb_fast_cpu_bf16(void) {
 #ifdef CB_FAST_X86
     unsigned a, b, c, d;
     return cpu_avx512vnni() && leaf7(1, &a, &b, &c, &d) && ((a >> 5) & 1u);
@@ -167,6 +175,27 @@ static const cb_fast_kernels fast_amx = {
     .gateup_packed = cb_amx_gateup_packed,
     .down_packed = cb_amx_down_packed,
 };
+/* "avx512bf16": the avx512vnni table's int8 kernels with the BF16 ones on vdpbf16ps
+ * (fast_bf16dp.c), for AVX512_BF16 CPUs without AMX. */
+static void dp_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T, int64_t N,
+                         int64_t K) {
+    if (dt == COLIBRI_DTYPE_BF16) cb_bf16dp_matmul_ld(y, ldy, x, w, T, N, K);
+    else cb_fast_avx512vnni()->matmul_ld(y, ldy, x, w, dt, T, N, K);
+}
+static void dp_gateup(float *h, const float *x, const void *gate, const void *up, uint32_t dt, int64_t R, int64_t H,
+                      int64_t I, int64_t i0, int64_t i1) {
+    if (dt == COLIBRI_DTYPE_BF16) cb_bf16dp_gateup_split(h, x, gate, up, R, H, I, i0, i1);
+    else cb_fast_avx512vnni()->gateup(h, x, gate, up, dt, R, H, I, i0, i1);
+}
+static const cb_fast_kernels fast_bf16dp = {
+    .name = "avx512vnni",
+    .bf16 = "avx512bf16",
+    .native_bf16 = 1,
+    .matmul_ld = dp_matmul_ld,
+    .gateup = dp_gateup,
+    .gateup_packed = cb_bf16dp_gateup_packed,
+    .down_packed = cb_bf16dp_down_packed,
+};
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 static int amx_ok;
 static void amx_probe(void) { amx_ok = cpu_avx512vnni() && cb_fast_avx512vnni() && cb_amx_usable(); }
@@ -177,6 +206,7 @@ const cb_fast_kernels *cb_fast_by_name(const char *name) {
     if (strcmp(name, "avx2") == 0) return cpu_avx2() ? cb_fast_avx2() : NULL;
     if (strcmp(name, "avxvnni") == 0) return cpu_avxvnni() ? cb_fast_avxvnni() : NULL;
     if (strcmp(name, "avx512vnni") == 0) return cpu_avx512vnni() ? cb_fast_avx512vnni() : NULL;
+    if (strcmp(name, "avx512bf16") == 0) return cb_fast_cpu_bf16() && cb_fast_avx512vnni() && cb_bf16dp_built() ? &fast_bf16dp : NULL;
     if (strcmp(name, "avx512vnni-amx") == 0) {
         pthread_once(&amx_once, amx_probe);
         return amx_ok ? &fast_amx : NULL;
@@ -190,6 +220,9 @@ const cb_fast_kernels *cb_fast_best(void) {
     /* avx512vnni-amx first: its BF16 prefill is 3x the f32 kernels' (its decode 0.73x,
      * docs/kernels.md "Numeric modes"; COLIBRI_FAST_KERNELS=avx512vnni keeps BF16 on them) */
     if ((f = cb_fast_by_name("avx512vnni-amx")) != NULL) return f;
+    /* vdpbf16ps only where it beats the f32 FMAs: AMD Zen 4/5 (two per FMA's multiply-adds);
+     * on Intel cores it issues at a quarter of the FMA rate (docs/kernels.md) */
+    if (cpu_amd() && (f = cb_fast_by_name("avx512bf16")) != NULL) return f;
     if ((f = cb_fast_by_name("avx512vnni")) != NULL) return f;
     if ((f = cb_fast_by_name("avxvnni")) != NULL) return f;
     if ((f = cb_fast_by_name("avx2")) != NULL) return f;

@@ -45,7 +45,8 @@ typedef struct cb_fast_ablk {
 
 typedef struct cb_fast_kernels {
     const char *name;   /* the int8 path's instructions: "reference", "avx2", "avxvnni", "avx512vnni" */
-    const char *bf16;   /* the BF16 path: "amx" (AMX-BF16 tiles) or "f32" (exact kernels) */
+    const char *bf16;   /* the BF16 path: "amx" (AMX-BF16 tiles), "avx512bf16" (vdpbf16ps) or
+                         * "f32" (the exact kernels on the rounded activations) */
     int native_bf16;    /* 1: matmul_ld/gateup also take BF16 weights */
     /* y[t * ldy + n] for t < T, n < N, as matmul_ld (kernels.h) but in fast mode:
      * dt a block type (K a whole number of its blocks) or BF16 when native_bf16. */
@@ -65,9 +66,13 @@ typedef struct cb_fast_kernels {
                         int64_t c1);
 } cb_fast_kernels;
 
-/* fast_amx.c: the BF16 kernels on AMX tiles, and the shapes they take (K % 32 == 0, K <= 4096). */
+/* The rows (K) the native BF16 kernels take: whole steps of 32, at most 4096 (their stack
+ * buffers); other matrices run the exact kernels on the rounded activations. */
+#define CB_FAST_BF16_MAX_K 4096
+static inline int cb_fast_bf16_k_ok(int64_t K) { return K % 32 == 0 && K <= CB_FAST_BF16_MAX_K; }
+
+/* fast_amx.c: the BF16 kernels on AMX tiles. */
 int cb_amx_usable(void);
-int cb_amx_shape_ok(int64_t K);
 void cb_amx_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int64_t T, int64_t N, int64_t K);
 void cb_amx_gateup_split(float *h, const float *x, const void *gate, const void *up, int64_t R, int64_t H, int64_t I,
                          int64_t i0, int64_t i1);
@@ -75,15 +80,24 @@ void cb_amx_gateup_packed(float *h, const float *x, const void *expert, int64_t 
                           int64_t B, int64_t i0, int64_t i1);
 void cb_amx_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
                         int64_t c1);
+/* fast_bf16dp.c: the same four on AVX512_BF16 (vdpbf16ps); 1 when compiled with them. */
+int cb_bf16dp_built(void);
+void cb_bf16dp_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int64_t T, int64_t N, int64_t K);
+void cb_bf16dp_gateup_split(float *h, const float *x, const void *gate, const void *up, int64_t R, int64_t H,
+                            int64_t I, int64_t i0, int64_t i1);
+void cb_bf16dp_gateup_packed(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I,
+                             int64_t B, int64_t i0, int64_t i1);
+void cb_bf16dp_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
+                           int64_t c1);
 
 /* 1 when the fast table computes a matrix of dtype dt with rows of K (else the exact
  * kernels run it, on bf16-rounded activations for BF16). */
 static inline int cb_fast_takes(const cb_fast_kernels *f, uint32_t dt, int64_t K) {
-    return f && (cb_dtype_is_quant(dt) || (dt == COLIBRI_DTYPE_BF16 && f->native_bf16 && cb_amx_shape_ok(K)));
+    return f && (cb_dtype_is_quant(dt) || (dt == COLIBRI_DTYPE_BF16 && f->native_bf16 && cb_fast_bf16_k_ok(K)));
 }
 /* 1 when it computes a packed BF16 expert of hidden H and intermediate I. */
 static inline int cb_fast_takes_packed(const cb_fast_kernels *f, uint32_t dt, int64_t H, int64_t I) {
-    return f && f->native_bf16 && dt == COLIBRI_DTYPE_BF16 && cb_amx_shape_ok(H) && I % 32 == 0;
+    return f && f->native_bf16 && dt == COLIBRI_DTYPE_BF16 && cb_fast_bf16_k_ok(H) && I % 32 == 0;
 }
 
 const cb_fast_kernels *cb_fast_ref(void);
@@ -92,7 +106,8 @@ const cb_fast_kernels *cb_fast_avx2(void);
 const cb_fast_kernels *cb_fast_avxvnni(void);
 const cb_fast_kernels *cb_fast_avx512vnni(void);
 /* "ref"/"reference", "avx2", "avxvnni", "avx512vnni", "avx512vnni-amx" (the same with the
- * BF16 kernels on AMX tiles) if compiled in and supported; else NULL. */
+ * BF16 kernels on AMX tiles), "avx512bf16" (the same with them on vdpbf16ps) if compiled in
+ * and supported; else NULL. */
 const cb_fast_kernels *cb_fast_by_name(const char *name);
 /* COLIBRI_FAST_KERNELS if set and usable, else the best the CPU supports. */
 const cb_fast_kernels *cb_fast_best(void);

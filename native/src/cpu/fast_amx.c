@@ -19,7 +19,7 @@
  * Rows, tokens or columns short of a whole tile are padded in stack buffers (a tile load
  * never reads past a matrix). K must be a multiple of 32 and at most 4096 (I of the down
  * projection any multiple of 32); other shapes run the exact kernels on the rounded
- * activations (cb_amx_shape_ok). Buffers are on the stack (up to about 450 KiB).
+ * activations (cb_fast_bf16_k_ok). Buffers are on the stack (up to about 450 KiB).
  *
  * Compiled with -mamx-tile -mamx-bf16 -mavx512f -mavx512bw -mavx2 -mfma -mf16c; entered
  * only after cb_amx_usable() (cpuid, XCR0, and the kernel's permission for the tile data
@@ -45,7 +45,7 @@
 #define AKC 1024 /* columns (K) per pass of the padded copies */
 #define ATT 32   /* tokens per pass */
 #define PF_R 12  /* pairs of w2T rows ahead that the down projection prefetches */
-#define AMX_MAX_K 4096 /* the longest rows (K) of a matmul or gate/up here: the packed tokens' stack */
+#define AMX_MAX_K CB_FAST_BF16_MAX_K /* the longest rows (K) of a matmul or gate/up: the packed tokens' stack */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -82,7 +82,6 @@ int cb_amx_usable(void) {
     return ((lo >> 17) & 3u) == 3u; /* XTILECFG, XTILEDATA */
 }
 
-int cb_amx_shape_ok(int64_t K) { return K % 32 == 0 && K <= AMX_MAX_K; }
 
 /* The bf16 bits of an f32 already rounded to bf16 (exact). */
 static inline __m256i to_bf16(vf v) {
@@ -372,7 +371,6 @@ void cb_amx_down_packed(float *y, const float *h, const void *expert, int64_t R,
 
 #else /* no AMX in this build (not x86-64 Linux, an old compiler) or the fuzzers' build */
 int cb_amx_usable(void) { return 0; }
-int cb_amx_shape_ok(int64_t K) { (void)K; return 0; }
 void cb_amx_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int64_t T, int64_t N, int64_t K) {
     (void)y, (void)ldy, (void)x, (void)w, (void)T, (void)N, (void)K;
 }
