@@ -989,8 +989,9 @@ static void test_fast_bf16(const cb_fast_kernels *F) {
             }
     /* the packed expert (B = 32 and 16) and the split gate/up */
     struct { int64_t R, H, I, B; } cs[] = {{1, 64, 96, 32}, {5, 96, 64, 16}, {37, 32, 160, 32}, {17, 1024, 96, 32},
-                                           {3, 160, 1056, 32}}; /* the last: I in three passes */
-    for (size_t ci = 0; ci < 5; ci++) {
+                                           {3, 160, 1056, 32}, /* I in three passes of AMX's down */
+                                           {2, 64, 8224, 32}}; /* two passes of vdpbf16ps' down */
+    for (size_t ci = 0; ci < 6; ci++) {
         int64_t R = cs[ci].R, H = cs[ci].H, I = cs[ci].I, B = cs[ci].B;
         wbuf w1 = make_w(BF, I * H, 0.3), w3 = make_w(BF, I * H, 0.3), w2 = make_w(BF, H * I, 0.3);
         float *pk = malloc((size_t)(3 * I * H) * 4);

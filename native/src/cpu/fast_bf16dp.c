@@ -166,34 +166,50 @@ void cb_bf16dp_gateup_packed(float *h, const float *x, const void *expert, int64
     gateup_rows(h, x, (const uint16_t *)expert, NULL, R, H, I, i0, i1, B);
 }
 
-/* y[r, c] = sum_i h[r, i] w2T[i, c] for c0 <= c < c1: lanes = 16 columns, w2T rows i, i + 1
- * interleaved into pairs, each token's h pair broadcast; one chain over all of I */
+/* y[r, c] = sum_i h[r, i] w2T[i, c] for c0 <= c < c1: lanes = 16 columns, four vectors (64
+ * columns, two cache lines of each w2T row) per step, w2T rows i, i + 1 interleaved into
+ * pairs, each token's h pair broadcast; one chain over all of I (passes of 8192 rows, the
+ * chain carried in registers). h is converted to pairs once per 4 tokens and pass. */
 void cb_bf16dp_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
                            int64_t c1) {
     const uint16_t *w2 = (const uint16_t *)expert + (size_t)2 * (size_t)I * (size_t)H;
-    uint32_t hp[4 * 2048]; /* 4 tokens' h pairs over a pass of 4096 rows */
+    uint32_t hp[4 * 4096]; /* 4 tokens' h pairs over a pass of 8192 rows (64 KiB) */
     for (int64_t t0 = 0; t0 < R; t0 += 4) {
         int64_t nt = R - t0 < 4 ? R - t0 : 4;
-        for (int64_t c = c0; c < c1; c += 16) {
-            int64_t n = c1 - c < 16 ? c1 - c : 16;
-            __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFFu : (1u << n) - 1u);
-            vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
-            for (int64_t i0 = 0; i0 < I; i0 += 4096) {
-                int64_t ic = I - i0 < 4096 ? I - i0 : 4096;
-                for (int64_t t = 0; t < nt; t++)
-                    for (int64_t k = 0; k < ic; k += 16)
-                        _mm256_storeu_si256((__m256i *)((uint16_t *)(hp + t * 2048) + k),
-                                            bf16_bits(_mm512_loadu_ps(h + (t0 + t) * I + i0 + k)));
+        for (int64_t i0 = 0; i0 < I; i0 += 8192) {
+            int64_t ic = I - i0 < 8192 ? I - i0 : 8192;
+            for (int64_t t = 0; t < nt; t++)
+                for (int64_t k = 0; k < ic; k += 16)
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)(hp + t * 4096) + k),
+                                        bf16_bits(_mm512_loadu_ps(h + (t0 + t) * I + i0 + k)));
+            for (int64_t c = c0; c < c1; c += 64) {
+                __mmask16 m[4];
+                for (int v = 0; v < 4; v++) {
+                    int64_t n = c1 - c - 16 * v;
+                    m[v] = (__mmask16)(n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u);
+                }
+                vf acc[4][4];
+                for (int t = 0; t < 4; t++)
+                    for (int v = 0; v < 4; v++)
+                        acc[t][v] = i0 == 0 || t >= nt ? vzero() : _mm512_maskz_loadu_ps(m[v], y + (t0 + t) * H + c + 16 * v);
                 for (int64_t r = 0; r < ic / 2; r++) {
                     const uint16_t *ra = w2 + (size_t)(i0 + 2 * r) * (size_t)H + c;
-                    __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, ra));
-                    __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, ra + H));
-                    __m512bh wv = (__m512bh)_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-                    for (int64_t t = 0; t < nt; t++)
-                        acc[t] = _mm512_dpbf16_ps(acc[t], wv, (__m512bh)_mm512_set1_epi32((int)hp[t * 2048 + r]));
+                    _mm_prefetch((const char *)(ra + (size_t)16 * H), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(ra + (size_t)17 * H), _MM_HINT_T0);
+                    __m512bh wv[4];
+                    for (int v = 0; v < 4; v++) {
+                        __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m[v], ra + 16 * v));
+                        __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m[v], ra + H + 16 * v));
+                        wv[v] = (__m512bh)_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+                    }
+                    for (int64_t t = 0; t < nt; t++) {
+                        __m512bh hb = (__m512bh)_mm512_set1_epi32((int)hp[t * 4096 + r]);
+                        for (int v = 0; v < 4; v++) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], wv[v], hb);
+                    }
                 }
+                for (int64_t t = 0; t < nt; t++)
+                    for (int v = 0; v < 4; v++) _mm512_mask_storeu_ps(y + (t0 + t) * H + c + 16 * v, m[v], acc[t][v]);
             }
-            for (int64_t t = 0; t < nt; t++) _mm512_mask_storeu_ps(y + (t0 + t) * H + c, m, acc[t]);
         }
     }
 }
