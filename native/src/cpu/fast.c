@@ -145,48 +145,30 @@ static int cb_fast_cpu_bf16(void) {
 #endif
 }
 
-/* "avx512vnni-amx": the avx512vnni table's int8 kernels with the BF16 ones on AMX tiles
- * (fast_amx.c) where the CPU and the OS give them. */
-static void amx_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T, int64_t N,
-                          int64_t K) {
-    if (dt == COLIBRI_DTYPE_BF16) cb_amx_matmul_ld(y, ldy, x, w, T, N, K);
-    else cb_fast_avx512vnni()->matmul_ld(y, ldy, x, w, dt, T, N, K);
-}
-static void amx_gateup(float *h, const float *x, const void *gate, const void *up, uint32_t dt, int64_t R, int64_t H,
-                       int64_t I, int64_t i0, int64_t i1) {
-    if (dt == COLIBRI_DTYPE_BF16) cb_amx_gateup_split(h, x, gate, up, R, H, I, i0, i1);
-    else cb_fast_avx512vnni()->gateup(h, x, gate, up, dt, R, H, I, i0, i1);
-}
-static const cb_fast_kernels fast_amx = {
-    .name = "avx512vnni",
-    .bf16 = "amx",
-    .native_bf16 = 1,
-    .matmul_ld = amx_matmul_ld,
-    .gateup = amx_gateup,
-    .gateup_packed = cb_amx_gateup_packed,
-    .down_packed = cb_amx_down_packed,
-};
-/* "avx512bf16": the avx512vnni table's int8 kernels with the BF16 ones on vdpbf16ps
- * (fast_bf16dp.c), for AVX512_BF16 CPUs without AMX. */
-static void dp_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T, int64_t N,
-                         int64_t K) {
-    if (dt == COLIBRI_DTYPE_BF16) cb_bf16dp_matmul_ld(y, ldy, x, w, T, N, K);
-    else cb_fast_avx512vnni()->matmul_ld(y, ldy, x, w, dt, T, N, K);
-}
-static void dp_gateup(float *h, const float *x, const void *gate, const void *up, uint32_t dt, int64_t R, int64_t H,
-                      int64_t I, int64_t i0, int64_t i1) {
-    if (dt == COLIBRI_DTYPE_BF16) cb_bf16dp_gateup_split(h, x, gate, up, R, H, I, i0, i1);
-    else cb_fast_avx512vnni()->gateup(h, x, gate, up, dt, R, H, I, i0, i1);
-}
-static const cb_fast_kernels fast_bf16dp = {
-    .name = "avx512vnni",
-    .bf16 = "avx512bf16",
-    .native_bf16 = 1,
-    .matmul_ld = dp_matmul_ld,
-    .gateup = dp_gateup,
-    .gateup_packed = cb_bf16dp_gateup_packed,
-    .down_packed = cb_bf16dp_down_packed,
-};
+/* The avx512vnni table's int8 kernels with native BF16 ones (cb_fast_kernels.native_bf16):
+ * "avx512vnni-amx" on AMX tiles (fast_amx.c), "avx512bf16" on vdpbf16ps (fast_bf16dp.c).
+ * One definition of the table and its two dispatching entries per BF16 back end. */
+#define CB_FAST_BF16_TABLE(TAB, BF16NAME, P)                                                                     \
+    static void TAB##_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T,   \
+                                int64_t N, int64_t K) {                                                         \
+        if (dt == COLIBRI_DTYPE_BF16) P##_matmul_ld(y, ldy, x, w, T, N, K);                                     \
+        else cb_fast_avx512vnni()->matmul_ld(y, ldy, x, w, dt, T, N, K);                                        \
+    }                                                                                                            \
+    static void TAB##_gateup(float *h, const float *x, const void *gate, const void *up, uint32_t dt, int64_t R, \
+                             int64_t H, int64_t I, int64_t i0, int64_t i1) {                                    \
+        if (dt == COLIBRI_DTYPE_BF16) P##_gateup_split(h, x, gate, up, R, H, I, i0, i1);                       \
+        else cb_fast_avx512vnni()->gateup(h, x, gate, up, dt, R, H, I, i0, i1);                                 \
+    }                                                                                                            \
+    static const cb_fast_kernels TAB = {.name = "avx512vnni",                                                   \
+                                        .bf16 = BF16NAME,                                                       \
+                                        .native_bf16 = 1,                                                       \
+                                        .matmul_ld = TAB##_matmul_ld,                                           \
+                                        .gateup = TAB##_gateup,                                                 \
+                                        .gateup_packed = P##_gateup_packed,                                     \
+                                        .down_packed = P##_down_packed}
+CB_FAST_BF16_TABLE(fast_amx, "amx", cb_amx);
+CB_FAST_BF16_TABLE(fast_bf16dp, "avx512bf16", cb_bf16dp);
+
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 static int amx_ok;
 static void amx_probe(void) { amx_ok = cpu_avx512vnni() && cb_fast_avx512vnni() && cb_amx_usable(); }

@@ -116,28 +116,8 @@ static void pack_tokens(uint32_t *xb, const float *x, int64_t ldx, int64_t nt, i
                     rows[j] = _mm512_setzero_si512();
                 }
             }
-            /* rows[j] dword r = token j's pair r0 + r: transpose to dword-major */
-            __m512i t8[16];
-            for (int i = 0; i < 8; i++) {
-                t8[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
-                t8[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
-            }
-            for (int i = 0; i < 4; i++) {
-                rows[4 * i] = _mm512_unpacklo_epi64(t8[4 * i], t8[4 * i + 2]);
-                rows[4 * i + 1] = _mm512_unpackhi_epi64(t8[4 * i], t8[4 * i + 2]);
-                rows[4 * i + 2] = _mm512_unpacklo_epi64(t8[4 * i + 1], t8[4 * i + 3]);
-                rows[4 * i + 3] = _mm512_unpackhi_epi64(t8[4 * i + 1], t8[4 * i + 3]);
-            }
-            for (int j = 0; j < 4; j++) {
-                __m512i ab0 = _mm512_shuffle_i32x4(rows[j], rows[4 + j], 0x44);
-                __m512i ab1 = _mm512_shuffle_i32x4(rows[j], rows[4 + j], 0xEE);
-                __m512i cd0 = _mm512_shuffle_i32x4(rows[8 + j], rows[12 + j], 0x44);
-                __m512i cd1 = _mm512_shuffle_i32x4(rows[8 + j], rows[12 + j], 0xEE);
-                _mm512_storeu_si512(dst + (r0 + j) * 16, _mm512_shuffle_i32x4(ab0, cd0, 0x88));
-                _mm512_storeu_si512(dst + (r0 + 4 + j) * 16, _mm512_shuffle_i32x4(ab0, cd0, 0xDD));
-                _mm512_storeu_si512(dst + (r0 + 8 + j) * 16, _mm512_shuffle_i32x4(ab1, cd1, 0x88));
-                _mm512_storeu_si512(dst + (r0 + 12 + j) * 16, _mm512_shuffle_i32x4(ab1, cd1, 0xDD));
-            }
+            tr16x16_epi32(rows); /* rows[j] dword r = token j's pair r0 + r: to pair-major */
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512(dst + (r0 + j) * 16, rows[j]);
         }
     }
 }

@@ -34,30 +34,7 @@ FVI vi vi_dot(vi acc, vi w, int32_t b, const int wide) {
 FVI vf vf_cvt(vi v) { return _mm512_cvtepi32_ps(v); }
 FVI vf vf_load_n(const float *p, int64_t n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p); }
 FVI void vf_store_n(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1u), v); }
-/* the 16 x 16 int32 transpose: pairs, quads, then 128-bit lanes */
-FVI void vi_transpose(vi r[16]) {
-    vi t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* r[4i + j], 128-bit lane L: rows 4i..4i+3 at column 4L + j */
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    vi o[16];
-    for (int j = 0; j < 4; j++) {
-        vi ab0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), ab1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
-        vi cd0 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44), cd1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
-        o[j] = _mm512_shuffle_i32x4(ab0, cd0, 0x88);
-        o[4 + j] = _mm512_shuffle_i32x4(ab0, cd0, 0xDD);
-        o[8 + j] = _mm512_shuffle_i32x4(ab1, cd1, 0x88);
-        o[12 + j] = _mm512_shuffle_i32x4(ab1, cd1, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = o[i];
-}
+FVI void vi_transpose(vi r[16]) { tr16x16_epi32(r); }
 
 /* 8 vectors z[i] = [dwords 0..7 of row i | of row i + 8] -> out[j], lane r = dword j of row
  * r (an 8 x 8 transpose in each half, then the halves' 128-bit lanes interleaved) */

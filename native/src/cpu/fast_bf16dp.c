@@ -45,27 +45,10 @@ static void pairs_of(uint32_t *xp, const float *x, int64_t ldx, int64_t nt, int6
 /* 16 rows (pointers, K bf16 each) as pair vectors: P[q] lane r = row r's columns 2q, 2q + 1 */
 static void pack16(__m512i *P, const uint16_t *const *rows, int64_t K) {
     for (int64_t c = 0; c < K; c += 32) {
-        __m512i r[16], t[16];
+        __m512i r[16];
         for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(rows[i] + c);
-        for (int i = 0; i < 8; i++) {
-            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-        }
-        for (int i = 0; i < 4; i++) {
-            r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-            r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-            r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-            r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-        }
-        __m512i *o = P + c / 2;
-        for (int j = 0; j < 4; j++) {
-            __m512i ab0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), ab1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
-            __m512i cd0 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44), cd1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
-            o[j] = _mm512_shuffle_i32x4(ab0, cd0, 0x88);
-            o[4 + j] = _mm512_shuffle_i32x4(ab0, cd0, 0xDD);
-            o[8 + j] = _mm512_shuffle_i32x4(ab1, cd1, 0x88);
-            o[12 + j] = _mm512_shuffle_i32x4(ab1, cd1, 0xDD);
-        }
+        tr16x16_epi32(r);
+        for (int j = 0; j < 16; j++) P[c / 2 + j] = r[j];
     }
 }
 

@@ -51,4 +51,30 @@ static inline __attribute__((always_inline)) void vprefetch_l2(const void *p) {
 }
 
 
+/* the 16 x 16 int32 transpose, in place: r[i] lane j <-> r[j] lane i (pairs, quads, then
+ * 128-bit lanes; AVX-512F only) */
+static inline __attribute__((always_inline)) void tr16x16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + j], 128-bit lane L: rows 4i..4i+3 at column 4L + j */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    __m512i o[16];
+    for (int j = 0; j < 4; j++) {
+        __m512i ab0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), ab1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+        __m512i cd0 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44), cd1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+        o[j] = _mm512_shuffle_i32x4(ab0, cd0, 0x88);
+        o[4 + j] = _mm512_shuffle_i32x4(ab0, cd0, 0xDD);
+        o[8 + j] = _mm512_shuffle_i32x4(ab1, cd1, 0x88);
+        o[12 + j] = _mm512_shuffle_i32x4(ab1, cd1, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = o[i];
+}
+
 #endif
