@@ -113,7 +113,113 @@ static void quant_act(const float *x, int64_t n, int8_t *q, cb_fast_ablk *a) {
 #define FS_DIRECT_PACK 1
 static int pack_direct(void *panel, const uint8_t *w, size_t rb, uint32_t dt, int64_t rows, int64_t k0, int64_t kc);
 
+#define FS_FUSED_DECODE 1
+struct act_tile_avx512vnni;
+static int fused_decode(float *y, int64_t ldy, int first, const uint8_t *w, size_t rb, uint32_t dt, int64_t N,
+                        int64_t k0, int64_t kc, const struct act_tile_avx512vnni *A, int nt);
+
 #include "cpu/fast_simd.inc"
+
+/* Decode (nt <= 4 tokens), Q8_0 and Q4_K: for each 16 rows, the quads are transposed in
+ * registers and go straight into vpdpbusd, the scales into the float steps, with no panel
+ * stored and reloaded: the same operations on the same values as pack + micro. */
+FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t rb, uint32_t dt, int64_t rows,
+                    int64_t k0, int64_t kc, const FS(act_tile) *A, const int NT) {
+    const uint8_t *rp[16];
+    __m512i idx;
+    vf acc[4];
+    __mmask16 m = (__mmask16)(rows >= 16 ? 0xFFFFu : (1u << rows) - 1u);
+    for (int t = 0; t < NT; t++) acc[t] = first ? vzero() : _mm512_maskz_loadu_ps(m, y + t * ldy);
+    if (dt == COLIBRI_DTYPE_Q8_0) {
+        size_t off = (size_t)(k0 / 32) * 34;
+        rows_at(w, rb, rows, off, rp, &idx);
+        const vi x80 = _mm512_set1_epi8((char)0x80);
+        for (int64_t g = 0; g < kc / 32; g++) {
+            vi z[8], q[8];
+            if (g % 2 == 0) prefetch_rows16(rp, (size_t)g * 34);
+            load_rows32(rp, (size_t)g * 34 + 2, z);
+            for (int i = 0; i < 8; i++) z[i] = _mm512_xor_si512(z[i], x80);
+            tr8x16(z, q);
+            vf d = f16_lo(GATHER(idx, w + off + (size_t)g * 34));
+            vf wm = _mm512_mul_ps(_mm512_set1_ps(-128.0f), d);
+            for (int t = 0; t < NT; t++) {
+                vi is = vi_zero();
+                for (int j = 0; j < 8; j++) {
+                    int32_t b;
+                    memcpy(&b, &A->q[t][g * 32 + 4 * j], 4);
+                    is = vi_dot(is, q[j], b, 1);
+                }
+                const cb_fast_ablk *blk = &A->a[t][g];
+                acc[t] = vfma(vf_cvt(is), vmul(d, vset1(blk->d)), acc[t]);
+                acc[t] = vfma(wm, vset1(blk->ds32), acc[t]);
+            }
+        }
+    } else { /* Q4_K */
+        size_t off = (size_t)(k0 / 256) * 144;
+        rows_at(w, rb, rows, off, rp, &idx);
+        const vi m4 = _mm512_set1_epi8(0x0F);
+        for (int64_t s = 0; s < kc / 256; s++) {
+            size_t b = (size_t)s * 144;
+            const uint8_t *blkp = w + off + b;
+            vi dd = GATHER(idx, blkp), u0 = GATHER(idx, blkp + 4), u1 = GATHER(idx, blkp + 8), u2 = GATHER(idx, blkp + 12);
+            vf d = f16_lo(dd), dmin = f16_hi(dd);
+            const vi m6 = _mm512_set1_epi32(0x3f3f3f3f), m4w = _mm512_set1_epi32(0x0f0f0f0f),
+                     m2 = _mm512_set1_epi32(0x03030303), ff = _mm512_set1_epi32(0xFF);
+            vi sc[2], mn[2];
+            sc[0] = _mm512_and_si512(u0, m6);
+            sc[1] = _mm512_or_si512(_mm512_and_si512(u2, m4w),
+                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), m2), 4));
+            mn[0] = _mm512_and_si512(u1, m6);
+            mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4w),
+                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), m2), 4));
+            for (int p = 0; p < 4; p++) {
+                vi z[8], lo[8], hi[8], q[2][8];
+                prefetch_rows16(rp, b + 32 * (size_t)p);
+                load_rows32(rp, b + 16 + 32 * (size_t)p, z);
+                for (int i = 0; i < 8; i++) {
+                    lo[i] = _mm512_and_si512(z[i], m4);
+                    hi[i] = _mm512_and_si512(_mm512_srli_epi16(z[i], 4), m4);
+                }
+                tr8x16(lo, q[0]);
+                tr8x16(hi, q[1]);
+                for (int h = 0; h < 2; h++) {
+                    int j = 2 * p + h; /* the sub-block */
+                    vf scj = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(sc[j / 4], 8 * (j % 4)), ff));
+                    vf mj = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(mn[j / 4], 8 * (j % 4)), ff));
+                    vf ws = _mm512_mul_ps(d, scj), wm = neg(_mm512_mul_ps(dmin, mj));
+                    int64_t g = s * 8 + j;
+                    for (int t = 0; t < NT; t++) {
+                        vi is = vi_zero();
+                        for (int i = 0; i < 8; i++) {
+                            int32_t bb;
+                            memcpy(&bb, &A->q[t][g * 32 + 4 * i], 4);
+                            is = vi_dot(is, q[h][i], bb, 0);
+                        }
+                        const cb_fast_ablk *blk = &A->a[t][g];
+                        acc[t] = vfma(vf_cvt(is), vmul(ws, vset1(blk->d)), acc[t]);
+                        acc[t] = vfma(wm, vset1(blk->ds32), acc[t]);
+                    }
+                }
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) _mm512_mask_storeu_ps(y + t * ldy, m, acc[t]);
+}
+
+static int fused_decode(float *y, int64_t ldy, int first, const uint8_t *w, size_t rb, uint32_t dt, int64_t N,
+                        int64_t k0, int64_t kc, const struct act_tile_avx512vnni *At, int nt) {
+    if (dt != COLIBRI_DTYPE_Q8_0 && dt != COLIBRI_DTYPE_Q4_K) return 0;
+    const FS(act_tile) *A = At;
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+        int64_t rows = N - n0 < 16 ? N - n0 : 16;
+        const uint8_t *wr = w + (size_t)n0 * rb;
+        if (nt == 1) fused_rows(y + n0, ldy, first, wr, rb, dt, rows, k0, kc, A, 1);
+        else if (nt == 2) fused_rows(y + n0, ldy, first, wr, rb, dt, rows, k0, kc, A, 2);
+        else if (nt == 3) fused_rows(y + n0, ldy, first, wr, rb, dt, rows, k0, kc, A, 3);
+        else fused_rows(y + n0, ldy, first, wr, rb, dt, rows, k0, kc, A, 4);
+    }
+    return 1;
+}
 
 static int pack_direct(void *panel, const uint8_t *w, size_t rb, uint32_t dt, int64_t rows, int64_t k0, int64_t kc) {
     FS(panel) *P = (FS(panel) *)panel;
