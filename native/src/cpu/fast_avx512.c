@@ -110,6 +110,29 @@ static void quant_act(const float *x, int64_t n, int8_t *q, cb_fast_ablk *a) {
     }
 }
 
+/* A Q4_K super-block's eight sub-blocks for 16 rows (blk: row 0's block, idx: the rows'
+ * byte offsets): ws[j] = d * sc[j], wm[j] = -(dmin * m[j]) lane-wise, the 6-bit scales
+ * unpacked as cb_k4_unpack does. */
+FVI void k4_scales16(const uint8_t *blk, __m512i idx, vf ws[8], vf wm[8]) {
+    vi dd = GATHER(idx, blk), u0 = GATHER(idx, blk + 4), u1 = GATHER(idx, blk + 8), u2 = GATHER(idx, blk + 12);
+    vf d = f16_lo(dd), dmin = f16_hi(dd);
+    const vi m6 = _mm512_set1_epi32(0x3f3f3f3f), m4w = _mm512_set1_epi32(0x0f0f0f0f),
+             m2 = _mm512_set1_epi32(0x03030303), ff = _mm512_set1_epi32(0xFF);
+    vi sc[2], mn[2];
+    sc[0] = _mm512_and_si512(u0, m6);
+    sc[1] = _mm512_or_si512(_mm512_and_si512(u2, m4w),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), m2), 4));
+    mn[0] = _mm512_and_si512(u1, m6);
+    mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4w),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), m2), 4));
+    for (int j = 0; j < 8; j++) {
+        vf scj = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(sc[j / 4], 8 * (j % 4)), ff));
+        vf mj = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(mn[j / 4], 8 * (j % 4)), ff));
+        ws[j] = _mm512_mul_ps(d, scj);
+        wm[j] = neg(_mm512_mul_ps(dmin, mj));
+    }
+}
+
 #define FS_DIRECT_PACK 1
 static int pack_direct(void *panel, const uint8_t *w, size_t rb, uint32_t dt, int64_t rows, int64_t k0, int64_t kc);
 
@@ -160,18 +183,8 @@ FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t r
         const vi m4 = _mm512_set1_epi8(0x0F);
         for (int64_t s = 0; s < kc / 256; s++) {
             size_t b = (size_t)s * 144;
-            const uint8_t *blkp = w + off + b;
-            vi dd = GATHER(idx, blkp), u0 = GATHER(idx, blkp + 4), u1 = GATHER(idx, blkp + 8), u2 = GATHER(idx, blkp + 12);
-            vf d = f16_lo(dd), dmin = f16_hi(dd);
-            const vi m6 = _mm512_set1_epi32(0x3f3f3f3f), m4w = _mm512_set1_epi32(0x0f0f0f0f),
-                     m2 = _mm512_set1_epi32(0x03030303), ff = _mm512_set1_epi32(0xFF);
-            vi sc[2], mn[2];
-            sc[0] = _mm512_and_si512(u0, m6);
-            sc[1] = _mm512_or_si512(_mm512_and_si512(u2, m4w),
-                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), m2), 4));
-            mn[0] = _mm512_and_si512(u1, m6);
-            mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4w),
-                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), m2), 4));
+            vf ws8[8], wm8[8];
+            k4_scales16(w + off + b, idx, ws8, wm8);
             for (int p = 0; p < 4; p++) {
                 vi z[8], lo[8], hi[8], q[2][8];
                 prefetch_rows16(rp, b + 32 * (size_t)p);
@@ -184,9 +197,7 @@ FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t r
                 tr8x16(hi, q[1]);
                 for (int h = 0; h < 2; h++) {
                     int j = 2 * p + h; /* the sub-block */
-                    vf scj = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(sc[j / 4], 8 * (j % 4)), ff));
-                    vf mj = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(mn[j / 4], 8 * (j % 4)), ff));
-                    vf ws = _mm512_mul_ps(d, scj), wm = neg(_mm512_mul_ps(dmin, mj));
+                    vf ws = ws8[j], wm = wm8[j];
                     int64_t g = s * 8 + j;
                     for (int t = 0; t < NT; t++) {
                         vi is = vi_zero();
@@ -258,24 +269,11 @@ static int pack_direct(void *panel, const uint8_t *w, size_t rb, uint32_t dt, in
                 tr8x16(lo, &P->u[s * 64 + 16 * p]);
                 tr8x16(hi, &P->u[s * 64 + 16 * p + 8]);
             }
-            const uint8_t *blk = w + off + b;
-            vi dd = GATHER(idx, blk), u0 = GATHER(idx, blk + 4), u1 = GATHER(idx, blk + 8), u2 = GATHER(idx, blk + 12);
-            vf d = f16_lo(dd), dmin = f16_hi(dd);
-            const vi m6 = _mm512_set1_epi32(0x3f3f3f3f), m4w = _mm512_set1_epi32(0x0f0f0f0f),
-                     m2 = _mm512_set1_epi32(0x03030303);
-            vi sc[2], mn[2]; /* as cb_k4_unpack, lane-wise */
-            sc[0] = _mm512_and_si512(u0, m6);
-            sc[1] = _mm512_or_si512(_mm512_and_si512(u2, m4w),
-                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), m2), 4));
-            mn[0] = _mm512_and_si512(u1, m6);
-            mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4w),
-                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), m2), 4));
+            vf ws[8], wm[8];
+            k4_scales16(w + off + b, idx, ws, wm);
             for (int j = 0; j < 8; j++) {
-                const vi ff = _mm512_set1_epi32(0xFF);
-                vf scj = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(sc[j / 4], 8 * (j % 4)), ff));
-                vf mj = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(mn[j / 4], 8 * (j % 4)), ff));
-                P->ws[s * 8 + j] = _mm512_mul_ps(d, scj);
-                P->wm[s * 8 + j] = neg(_mm512_mul_ps(dmin, mj));
+                P->ws[s * 8 + j] = ws[j];
+                P->wm[s * 8 + j] = wm[j];
             }
         }
         return 1;
