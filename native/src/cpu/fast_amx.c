@@ -245,10 +245,10 @@ void cb_amx_gateup_packed(float *h, const float *x, const void *expert, int64_t 
             for (int64_t c = s; c < e; c += 32) {
                 int64_t nr = e - c < 32 ? e - c : 32;
                 const uint8_t *gr = (const uint8_t *)expert + (size_t)(2 * bs + (c - bs)) * rb;
-                int last = c + 32 >= e && e >= i1; /* the next block's gate rows follow this one's up rows */
+                /* prefetched meanwhile: the up rows after the gate rows, then the next 32 gate rows */
                 rows_block(g, 32, gr, rb, nr, xb, nt, H, t0 == 0 && nr == 32 ? gr + (size_t)nb * rb : NULL);
                 rows_block(u, 32, gr + (size_t)nb * rb, rb, nr, xb, nt, H,
-                           t0 == 0 && nr == 32 && !last && c + 32 < e ? gr + 32 * rb : NULL);
+                           t0 == 0 && nr == 32 && c + 32 < e ? gr + 32 * rb : NULL);
                 for (int64_t t = 0; t < nt; t++) {
                     silu_mul(g + t * 32, u + t * 32, nr);
                     memcpy(h + (t0 + t) * I + c, g + t * 32, (size_t)nr * sizeof(float));
