@@ -50,11 +50,11 @@ FVI void tr8x16(const vi z[8], vi *out) {
         u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
         u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
     }
-    for (int h = 0; h < 2; h++)
-        for (int c = 0; c < 4; c++) {
-            vi v = _mm512_shuffle_i32x4(u[c], u[4 + c], h ? 0xDD : 0x88);
-            out[4 * h + c] = _mm512_shuffle_i32x4(v, v, 0xD8);
-        }
+    for (int c = 0; c < 4; c++) { /* immediates written out: no loop variable in them */
+        vi lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), hi = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+        out[c] = _mm512_shuffle_i32x4(lo, lo, 0xD8);
+        out[4 + c] = _mm512_shuffle_i32x4(hi, hi, 0xD8);
+    }
 }
 
 /* 32 bytes at offset off of each row (rp[r]) as the 8 vectors tr8x16 takes */
