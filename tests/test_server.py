@@ -812,7 +812,7 @@ def test_help(server_path):
     assert r.returncode == 0
     for flag in ["--model", "--host", "--port", "--num_threads", "--max_batch_size", "--max_seq_len",
                  "--prefetch_batches", "--gpu_memory_fraction", "--parallel", "--max_batch_tokens", "--kv_tokens",
-                 "--api-key", "--max_queue", "--timeout", "--max_body_bytes", "--precision"]:
+                 "--api-key", "--max_queue", "--timeout", "--max_body_bytes", "--precision", "--shutdown_timeout_s"]:
         assert flag in r.stdout, flag
     assert "has no effect on CPU" in r.stdout
 
@@ -879,10 +879,15 @@ def test_health_503_while_loading_then_sigterm_exit_0(server_path, model, tmp_pa
     assert rc == 0, proc.stderr.read().decode()
 
 
-def test_sigterm_with_requests_in_flight(server_path, model, tmp_path):
-    """SIGTERM while a stream and a plain request run: the stream gets a 503 error event and
-    [DONE], the plain request a 503, and the server exits 0."""
-    srv = Server(server_path, model, tmp_path / "term.log", "--parallel", "2", "--max_seq_len", "4096")
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_sigterm_cancels_at_the_drain_deadline(server_path, model, tmp_path, second_signal):
+    """SIGTERM while a stream and a plain request run that cannot finish within
+    --shutdown_timeout_s: at the deadline (or at once on a second SIGTERM) the stream gets a
+    503 error event and [DONE], the plain request a 503, and the server exits 0.
+    (tests/test_failover.py has the drain itself: requests that finish in time do.)"""
+    timeout_s = 30 if second_signal else 1
+    srv = Server(server_path, model, tmp_path / "term.log", "--parallel", "2", "--max_seq_len", "4096",
+                 "--shutdown_timeout_s", str(timeout_s))
     long = {"prompt": "def main", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
     out = {}
 
@@ -898,13 +903,24 @@ def test_sigterm_with_requests_in_flight(server_path, model, tmp_path):
         while srv.metrics()["colibri_requests_running"] < 2:
             assert time.monotonic() < t_end
             time.sleep(0.02)
+        t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
+        if second_signal:
+            time.sleep(0.2)
+            assert srv.proc.poll() is None  # still draining
+            srv.proc.send_signal(signal.SIGTERM)
         events = sse_events(r)
         c.close()
         t.join(timeout=30)
         assert events[-1] == "[DONE]" and events[-2]["error"]["message"].startswith("the server is shutting down")
+        assert events[-2]["error"]["code"] == "server_shutting_down"
         status, body = out["plain"]
         assert_error(status, body, 503, "shutting down")
         assert srv.proc.wait(timeout=30) == 0
+        # the deadline held (4000 tokens take several seconds here); a second signal is faster still
+        assert time.monotonic() - t0 < (5 if second_signal else timeout_s + 5), srv.text()
+        log = srv.text()
+        assert "draining 2 running" in log, log
+        assert ("a second signal came" if second_signal else "the drain deadline") in log, log
     finally:
         srv.stop()

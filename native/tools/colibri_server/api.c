@@ -533,7 +533,8 @@ static void cb_done(cs_request *r, const char *error) {
     if (j->stream) {
         if (error) {
             cs_api_error e;
-            cs_api_set_error(&e, j->shutdown ? 503 : 500, "server_error", NULL, NULL, "%s", error);
+            cs_api_set_error(&e, j->shutdown ? 503 : 500, "server_error", NULL,
+                             j->shutdown ? "server_shutting_down" : NULL, "%s", error);
             size_t n;
             char *s = cs_api_error_json(&e, &n);
             if (s) {
@@ -980,7 +981,8 @@ int cs_api_submit(cs_job *j, cs_api_error *err) {
         cs_api_set_error(err, 429, "rate_limit_exceeded", NULL, "queue_full",
                          "the server is busy: its queue of waiting requests is full (--max_queue); retry later");
     else if (rc == CS_E_STOPPED)
-        cs_api_set_error(err, 503, "server_error", NULL, NULL, "the server is shutting down");
+        cs_api_set_error(err, 503, "server_error", NULL, "server_shutting_down",
+                         "the server is shutting down and admits no new requests; retry on another replica");
     else
         cs_api_set_error(err, 400, "invalid_request_error", NULL, NULL, "the request cannot run on this server");
     return -1;
@@ -1027,7 +1029,8 @@ long cs_job_read_stream(cs_job *j, char *buf, size_t max, int wait_ms) {
 char *cs_job_response(cs_job *j, size_t *len, int *status) {
     if (j->error) {
         cs_api_error e;
-        cs_api_set_error(&e, j->shutdown ? 503 : 500, "server_error", NULL, NULL, "%s", j->error);
+        cs_api_set_error(&e, j->shutdown ? 503 : 500, "server_error", NULL,
+                         j->shutdown ? "server_shutting_down" : NULL, "%s", j->error);
         *status = e.status;
         return cs_api_error_json(&e, len);
     }

@@ -7,6 +7,12 @@
  * streaming one returns a response whose reader callback blocks until the scheduler has
  * produced the next events. Both look at the socket every 200 ms, and a client that
  * closed its connection cancels its job (its KV blocks return in the next step).
+ *
+ * Shutting down (main.c drains the scheduler): the daemon keeps listening so that /health
+ * can say 503 and new requests get a clean 503 rather than a refused connection; those
+ * answers, and the answers of requests that end during the drain, carry "Connection:
+ * close", so a keep-alive client (or a proxy's connection pool) reconnects, through its
+ * load balancer, to a replica that is not going away.
  */
 #define _GNU_SOURCE /* POLLRDHUP */
 #include <arpa/inet.h>
@@ -92,6 +98,10 @@ static enum MHD_Result send_buf(struct MHD_Connection *c, unsigned status, char 
     MHD_destroy_response(r);
     return ok;
 }
+
+/* the extra header (name, value) of an answer: "Connection: close" once shutting down */
+#define CLOSE_IF_STOPPING(srv)                                                                          \
+    (atomic_load(&(srv)->state) == CS_STATE_STOPPING ? MHD_HTTP_HEADER_CONNECTION : NULL), "close"
 
 static enum MHD_Result send_json(struct MHD_Connection *c, unsigned status, char *json, size_t len) {
     return send_buf(c, status, json, len, "application/json", NULL, NULL);
@@ -214,7 +224,7 @@ static enum MHD_Result handle_generate(cs_server *srv, struct MHD_Connection *c,
     cs_job_set_fd(j, fd);
     if (cs_api_submit(j, &err)) {
         cs_job_unref(j);
-        return send_error(c, &err);
+        return send_error_hdr(c, &err, CLOSE_IF_STOPPING(srv)); /* 503 when the drain began meanwhile */
     }
     if (cs_job_stream(j)) {
         stream_ctx *sc = malloc(sizeof *sc);
@@ -242,7 +252,7 @@ static enum MHD_Result handle_generate(cs_server *srv, struct MHD_Connection *c,
     int status = 200;
     char *s = cs_job_response(j, &len, &status);
     cs_job_unref(j);
-    return send_json(c, (unsigned)status, s, len);
+    return send_buf(c, (unsigned)status, s, len, "application/json", CLOSE_IF_STOPPING(srv));
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
@@ -337,17 +347,25 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         const char *body = state == CS_STATE_READY     ? "{\"status\":\"ok\"}"
                            : state == CS_STATE_LOADING ? "{\"status\":\"loading\"}"
                                                        : "{\"status\":\"stopping\"}";
-        return send_json(c, state == CS_STATE_READY ? 200 : 503, strdup(body), strlen(body));
+        return send_buf(c, state == CS_STATE_READY ? 200 : 503, strdup(body), strlen(body), "application/json",
+                        CLOSE_IF_STOPPING(srv));
     }
     case R_METRICS:
         return handle_metrics(srv, c);
     default:
         break;
     }
-    if (!ready)
-        return fail(c, 503, "server_error", "model_loading",
-                    atomic_load(&srv->state) == CS_STATE_LOADING ? "the model is still loading; retry when GET /health says ok"
-                                                                 : "the server is shutting down");
+    if (!ready) {
+        if (atomic_load(&srv->state) == CS_STATE_LOADING)
+            return fail(c, 503, "server_error", "model_loading",
+                        "the model is still loading; retry when GET /health says ok");
+        /* draining: nothing new is admitted; the request is safe to send elsewhere, since
+         * none of it ran here */
+        cs_api_error e;
+        cs_api_set_error(&e, 503, "server_error", NULL, "server_shutting_down",
+                         "the server is shutting down and admits no new requests; retry on another replica");
+        return send_error_hdr(c, &e, MHD_HTTP_HEADER_CONNECTION, "close");
+    }
     if (k->route == R_MODELS) {
         size_t len = 0;
         char *s = cs_api_models_json(srv, &len);

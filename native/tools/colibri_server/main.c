@@ -9,6 +9,12 @@
  * run; only then does /health say 200. The main thread then runs the scheduler (the only
  * thread that touches the engine) until SIGINT or SIGTERM.
  *
+ * Shutdown: the first SIGINT/SIGTERM starts a drain: /health and every new request answer
+ * 503 (a load balancer takes the replica out, a client retries elsewhere) while the
+ * requests already accepted, queued or running, go on; when the last one ends, or
+ * --shutdown_timeout_s has passed, or a second signal comes, whatever is left is cancelled
+ * (plain requests get a 503, streams an error event and [DONE]) and the server exits 0.
+ *
  * Exit status: 0 after a signal, 1 an engine or start-up error (message on stderr),
  * 2 a usage error.
  */
@@ -16,6 +22,7 @@
 #define TOOL_NAME "colibri_server"
 #include "../tool_common.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <signal.h>
@@ -30,7 +37,7 @@ typedef struct args {
     const char *model, *alias, *host, *api_key;
     int64_t decode_prefill_tokens;
     int64_t port, num_threads, max_batch_size, max_seq_len, prefetch_batches, parallel, max_batch_tokens, kv_tokens,
-        kv_block_tokens, max_queue, timeout, max_body_bytes, default_max_tokens;
+        kv_block_tokens, max_queue, timeout, max_body_bytes, default_max_tokens, shutdown_timeout_s;
     double gpu_memory_fraction;
     int32_t precision;
 } args;
@@ -70,6 +77,11 @@ static void usage(FILE *f) {
             "  --max_queue N             requests waiting for admission; more get 429 (default 64)\n"
             "  --timeout S               idle connection timeout in seconds (default 60)\n"
             "  --max_body_bytes N        largest request body; more gets 413 (default 1048576)\n"
+            "  --shutdown_timeout_s S    on SIGTERM/SIGINT: stop admitting (new requests and\n"
+            "                            /health get 503), let accepted requests finish for up\n"
+            "                            to S seconds, then cancel the rest and exit 0; a second\n"
+            "                            signal cuts the drain short; 0 = cancel at once\n"
+            "                            (default 30)\n"
             "  --default_max_tokens N    max_tokens of /v1/completions when the request has none\n"
             "                            (default 16, as OpenAI's)\n"
             "  --api-key KEY             require 'Authorization: Bearer KEY' on /v1/* (also --api_key)\n"
@@ -77,7 +89,8 @@ static void usage(FILE *f) {
             "  --gpu_memory_fraction F   accepted only as 0: this build has no GPU backend\n"
             "  --help                    print this help and exit\n"
             "\n"
-            "Exit status: 0 after SIGINT/SIGTERM, 1 engine or start-up error, 2 usage error.\n");
+            "Exit status: 0 after SIGINT/SIGTERM (drained or cancelled), 1 engine or start-up\n"
+            "error, 2 usage error.\n");
 }
 
 static int parse_args(int argc, char **argv, args *a) {
@@ -92,6 +105,7 @@ static int parse_args(int argc, char **argv, args *a) {
     a->timeout = 60;
     a->max_body_bytes = 1 << 20;
     a->default_max_tokens = 16;
+    a->shutdown_timeout_s = 30;
     int port_in_host = 0;
     static char host_buf[256];
     for (int i = 1; i < argc; i++) {
@@ -105,7 +119,7 @@ static int parse_args(int argc, char **argv, args *a) {
             "--model", "--alias", "--host", "--port", "--num_threads", "--max_batch_size", "--max_seq_len",
             "--prefetch_batches", "--gpu_memory_fraction", "--parallel", "--max_batch_tokens", "--decode_prefill_tokens", "--kv_tokens",
             "--kv_block_tokens", "--api-key", "--api_key", "--max_queue", "--timeout", "--max_body_bytes",
-            "--default_max_tokens", "--precision"};
+            "--default_max_tokens", "--precision", "--shutdown_timeout_s"};
         char name[64];
         const char *val = NULL;
         int bad = split_option(argc, argv, &i, known, sizeof known / sizeof known[0], name, &val);
@@ -172,6 +186,7 @@ static int parse_args(int argc, char **argv, args *a) {
         INT_OPT("--timeout", timeout, 1, 86400)
         INT_OPT("--max_body_bytes", max_body_bytes, 64, INT64_C(1) << 32)
         INT_OPT("--default_max_tokens", default_max_tokens, 1, INT32_MAX)
+        INT_OPT("--shutdown_timeout_s", shutdown_timeout_s, 0, 86400)
 #undef INT_OPT
     }
     if (!a->model) return usage_error("--model is required");
@@ -185,23 +200,84 @@ static int parse_args(int argc, char **argv, args *a) {
     return -1;
 }
 
-/* ---- signals: a thread waits for SIGINT/SIGTERM and stops the scheduler ---- */
+/* ---- signals: a thread waits for SIGINT/SIGTERM, drains the scheduler, then stops it ---- */
 
 static pthread_mutex_t g_stop_mu = PTHREAD_MUTEX_INITIALIZER;
 static cs_server *g_srv;
 static int g_stop_requested;
+static int64_t g_shutdown_timeout_s;
+
+/* What the scheduler still holds (0 when it is gone); caller holds g_stop_mu. */
+static int64_t pending_locked(int64_t *waiting) {
+    cs_metrics m;
+    *waiting = 0;
+    if (!g_srv || !g_srv->sched) return 0;
+    cs_sched_snapshot(g_srv->sched, &m);
+    *waiting = m.requests_waiting;
+    return m.requests_running;
+}
 
 static void *signal_thread(void *arg) {
     sigset_t *set = arg;
     int sig = 0;
-    sigwait(set, &sig);
+    while (sigwait(set, &sig) != 0) {
+    }
+    /* 1. stop admitting: /health and new requests answer 503 from here on */
     pthread_mutex_lock(&g_stop_mu);
     g_stop_requested = 1;
+    int draining = 0;
     if (g_srv) {
         atomic_store(&g_srv->state, CS_STATE_STOPPING);
-        if (g_srv->sched) cs_sched_stop(g_srv->sched);
+        if (g_srv->sched) {
+            int64_t waiting, running = pending_locked(&waiting);
+            if (g_shutdown_timeout_s > 0) {
+                cs_sched_drain(g_srv->sched);
+                draining = 1;
+                fprintf(stderr, "colibri_server: %s: draining %" PRId64 " running and %" PRId64
+                                " waiting request(s) for up to %" PRId64 " s (a second signal stops at once)\n",
+                        sig == SIGINT ? "SIGINT" : "SIGTERM", running, waiting, g_shutdown_timeout_s);
+            } else {
+                cs_sched_stop(g_srv->sched);
+            }
+        }
     }
     pthread_mutex_unlock(&g_stop_mu);
+    if (draining) {
+        /* 2. wait for the drain's deadline or a second signal; the main thread leaves on its
+         * own when the last request ends (then g_srv is NULL below and nothing is left) */
+        struct timespec end, now;
+        clock_gettime(CLOCK_MONOTONIC, &end);
+        end.tv_sec += (time_t)g_shutdown_timeout_s;
+        const char *why = "the drain deadline (--shutdown_timeout_s) passed";
+        for (;;) {
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            struct timespec left = {end.tv_sec - now.tv_sec, end.tv_nsec - now.tv_nsec};
+            if (left.tv_nsec < 0) {
+                left.tv_sec--;
+                left.tv_nsec += 1000000000L;
+            }
+            if (left.tv_sec < 0) break;
+            int got = sigtimedwait(set, NULL, &left);
+            if (got > 0) {
+                why = "a second signal came";
+                break;
+            }
+            if (errno == EAGAIN) break;
+            /* EINTR: wait for the rest */
+        }
+        /* 3. cancel whatever still runs: its clients get a 503 / an error event */
+        pthread_mutex_lock(&g_stop_mu);
+        if (g_srv && g_srv->sched) {
+            int64_t waiting, running = pending_locked(&waiting);
+            if (running + waiting > 0)
+                fprintf(stderr, "colibri_server: %s: cancelling %" PRId64 " running and %" PRId64
+                                " waiting request(s)\n", why, running, waiting);
+            cs_sched_stop(g_srv->sched);
+        }
+        pthread_mutex_unlock(&g_stop_mu);
+    }
+    /* the server is stopping already: later signals change nothing */
+    for (;;) sigwait(set, &sig);
     return NULL;
 }
 
@@ -224,6 +300,7 @@ int main(int argc, char **argv) {
         return EXIT_ENGINE;
     }
 
+    g_shutdown_timeout_s = a.shutdown_timeout_s; /* set before the signal thread reads it */
     /* every thread made from here on has SIGINT/SIGTERM blocked; one waits for them */
     static sigset_t set;
     sigemptyset(&set);

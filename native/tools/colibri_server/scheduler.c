@@ -19,6 +19,7 @@ struct cs_sched {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int stop;
+    int draining;            /* cs_sched_drain: no new requests; run returns when idle */
     /* waiting requests, FIFO (under mu) */
     cs_request *wait_head, *wait_tail;
     int64_t n_waiting;
@@ -169,7 +170,7 @@ int cs_sched_submit(cs_sched *s, cs_request *r) {
     char msg[256];
     if (cs_sched_check(s, r, msg, sizeof msg) != CS_OK) return CS_E_INVALID;
     pthread_mutex_lock(&s->mu);
-    if (s->stop) {
+    if (s->stop || s->draining) {
         pthread_mutex_unlock(&s->mu);
         return CS_E_STOPPED;
     }
@@ -214,6 +215,13 @@ void cs_sched_stop(cs_sched *s) {
     pthread_mutex_lock(&s->mu);
     s->stop = 1;
     pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+void cs_sched_drain(cs_sched *s) {
+    pthread_mutex_lock(&s->mu);
+    s->draining = 1;
+    pthread_cond_broadcast(&s->cv); /* an idle cs_sched_run returns now */
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -533,11 +541,13 @@ int64_t cs_sched_step(cs_sched *s) {
 void cs_sched_run(cs_sched *s) {
     for (;;) {
         pthread_mutex_lock(&s->mu);
-        while (!s->stop && !s->wait_head && s->n_active == 0) {
+        while (!s->stop && !s->draining && !s->wait_head && s->n_active == 0) {
             struct timespec ts = cs_deadline_ms(100);
             pthread_cond_timedwait(&s->cv, &s->mu, &ts);
         }
-        int stop = s->stop;
+        /* draining ends when the last accepted request has ended: submit refuses new ones,
+         * so nothing can arrive after this check */
+        int stop = s->stop || (s->draining && !s->wait_head && s->n_active == 0);
         pthread_mutex_unlock(&s->mu);
         if (stop) break;
         if (cs_sched_step(s) == 0) {

@@ -92,7 +92,7 @@ enum {
     CS_OK = 0,
     CS_E_QUEUE_FULL = 1,      /* max_queue requests are waiting */
     CS_E_INVALID = 2,         /* a request that can never run (see cs_sched_check) */
-    CS_E_STOPPED = 3          /* the scheduler is shutting down */
+    CS_E_STOPPED = 3          /* the scheduler is shutting down (stopped or draining) */
 };
 
 typedef struct cs_request cs_request;
@@ -162,9 +162,14 @@ void cs_sched_cancel(cs_sched *s, cs_request *r);
 
 /* One iteration. Returns the entries run (0: nothing to do). Engine thread only. */
 int64_t cs_sched_step(cs_sched *s);
-/* Step until cs_sched_stop, sleeping while there is no work; then cancels what is left. */
+/* Step until cs_sched_stop, sleeping while there is no work; then cancels what is left.
+ * After cs_sched_drain it also returns once nothing waits or runs. */
 void cs_sched_run(cs_sched *s);
 void cs_sched_stop(cs_sched *s);
+/* Graceful shutdown: from now on cs_sched_submit refuses (CS_E_STOPPED), while every request
+ * already queued or running goes on to its end; cs_sched_run returns when none is left
+ * (cs_sched_stop, e.g. at a deadline, cancels what still runs). Safe from any thread. */
+void cs_sched_drain(cs_sched *s);
 /* Wake cs_sched_run (e.g. after a cancel) without submitting. */
 void cs_sched_wake(cs_sched *s);
 
