@@ -1,9 +1,13 @@
-"""The libFuzzer harnesses in a short smoke run (CI): native/tests/fuzz_server_api.c over
-colibri_server's request handling and native/tests/fuzz_colibri.c over the file loader,
-tokenizers and forward pass, each built with clang, libFuzzer, ASan and UBSan and run for
-a few seconds from a small seed corpus. A crash, a leak, an out-of-bounds access or
-undefined behaviour fails the test with libFuzzer's report. Longer runs by hand: the
-commands at the top of each harness."""
+"""The libFuzzer targets in a short smoke run (CI), from the seed corpus kept in the repository.
+
+Three targets (native/tests/): fuzz_loader (the .colibri file loader, forward pass and the
+model's tokenizer), fuzz_tokenizer (the SentencePiece-BPE and byte-level BPE tokenizers from a
+section) and fuzz_server_api (colibri_server's request handling), built by `tools/fuzz.sh build`
+with clang, libFuzzer, ASan and UBSan into build/fuzz/bin. Each runs COLIBRI_FUZZ_SECONDS
+(default 12) from a copy of native/tests/fuzz_corpus/<target>/ (CI never writes into the
+repository), and every committed seed and regression input (…/<target>/regressions/) is run
+once. A crash, a leak, an out-of-bounds access, undefined behaviour or a timeout fails the
+test with libFuzzer's report. Long runs by hand: `make fuzz` (tools/fuzz.sh, 600 s a target)."""
 
 from __future__ import annotations
 
@@ -19,7 +23,16 @@ import colibri_lab
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build" / "fuzz"
-SECONDS = int(os.environ.get("COLIBRI_FUZZ_SECONDS", "15"))
+CORPUS = REPO / "native" / "tests" / "fuzz_corpus"
+SECONDS = int(os.environ.get("COLIBRI_FUZZ_SECONDS", "12"))
+TARGETS = {"loader": ("fuzz_loader", 70000), "tokenizer": ("fuzz_tokenizer", 32768),
+           "server": ("fuzz_server_api", 4096)}
+
+
+def _files(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".") and p.suffix != ".md")
 
 
 @pytest.fixture(scope="module")
@@ -28,59 +41,72 @@ def fuzzers() -> Path:
         if os.environ.get("CI"):
             pytest.fail("clang is missing: make test installs clang and libclang-rt-14-dev")
         pytest.skip("clang is not installed (make test installs it)")
-    subprocess.run(["cmake", "-S", str(REPO / "native"), "-B", str(BUILD), "-DCMAKE_C_COMPILER=clang",
-                    "-DCOLIBRI_FUZZ=ON", "-DCMAKE_BUILD_TYPE=RelWithDebInfo"], check=True, capture_output=True)
-    r = subprocess.run(["cmake", "--build", str(BUILD), "-j", str(os.cpu_count() or 2), "--target",
-                        "fuzz_server_api", "fuzz_colibri"], capture_output=True, text=True)
+    r = subprocess.run(["bash", str(REPO / "tools" / "fuzz.sh"), "build"], capture_output=True, text=True,
+                       env={**os.environ, "FUZZ_BUILD": str(BUILD)})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return BUILD
+    return BUILD / "bin"
 
 
-def _run(exe: Path, corpus: Path, env: dict, *extra: str) -> None:
-    r = subprocess.run([str(exe), str(corpus), f"-max_total_time={SECONDS}", "-rss_limit_mb=3072",
-                        "-print_final_stats=1", *extra], env={**os.environ, **env}, capture_output=True,
-                       text=True, timeout=SECONDS + 300)
-    assert r.returncode == 0, r.stderr[-6000:]
-    assert "Done" in r.stderr and "stat::number_of_executed_units" in r.stderr, r.stderr[-3000:]
-
-
-def test_fuzz_server_request_handling(fuzzers, tmp_path):
+@pytest.fixture(scope="module")
+def server_model(tmp_path_factory) -> Path:
+    """data/tiny-mixtral (SentencePiece tokenizer) with the Mixtral-Instruct chat template."""
     from test_chat_template import MIXTRAL_8X7B_INSTRUCT
 
-    hf = tmp_path / "hf"
+    tmp = tmp_path_factory.mktemp("fuzz-model")
+    hf = tmp / "hf"
     shutil.copytree(REPO / "data" / "tiny-mixtral", hf)
     cfg = json.loads((hf / "tokenizer_config.json").read_text())
     cfg["chat_template"] = MIXTRAL_8X7B_INSTRUCT
     (hf / "tokenizer_config.json").write_text(json.dumps(cfg))
-    model = colibri_lab.convert(hf, tmp_path / "chat.colibri", dtype="bf16", progress=False)
+    return Path(colibri_lab.convert(hf, tmp / "chat.colibri", dtype="bf16", progress=False))
+
+
+def _exe(fuzzers: Path, target: str, request) -> tuple[Path, dict]:
+    exe = fuzzers / TARGETS[target][0]
+    if not exe.exists():
+        if target == "server" and not os.environ.get("CI"):
+            pytest.skip("fuzz_server_api not built (jansson missing: apt-get install libjansson-dev)")
+        pytest.fail(f"{exe} was not built")
+    env = {"COLIBRI_FUZZ_MODEL": str(request.getfixturevalue("server_model"))} if target == "server" else {}
+    return exe, env
+
+
+def _libfuzzer(exe: Path, args: list[str], env: dict, cwd: Path, timeout: int) -> str:
+    r = subprocess.run([str(exe), *args], env={**os.environ, **env}, cwd=cwd, capture_output=True, text=True,
+                       errors="replace", timeout=timeout)
+    assert r.returncode == 0, f"{exe.name} exited {r.returncode}:\n{r.stderr[-8000:]}"
+    return r.stderr
+
+
+def test_corpus_is_committed_and_small():
+    total = 0
+    for target in TARGETS:
+        seeds = _files(CORPUS / target)
+        assert len(seeds) >= 2, f"no seeds in {CORPUS / target}"
+        assert (CORPUS / target / "regressions").is_dir(), f"{target}/regressions/ is missing"
+        total += sum(p.stat().st_size for p in seeds + _files(CORPUS / target / "regressions"))
+    assert total < 1 << 20, f"the committed corpus is {total} bytes (keep it under 1 MiB)"
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_seeds_and_regressions_replay(fuzzers, target, request, tmp_path):
+    """Every committed seed and every regression input (a crash once found) runs clean."""
+    exe, env = _exe(fuzzers, target, request)
+    files = _files(CORPUS / target) + _files(CORPUS / target / "regressions")
+    err = _libfuzzer(exe, [f"-artifact_prefix={tmp_path}/", "-rss_limit_mb=3072", "-timeout=60",
+                           *map(str, files)], env, tmp_path, 600)
+    assert err.count("Executed ") == len(files), err[-3000:]
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_fuzz_smoke(fuzzers, target, request, tmp_path):
+    """COLIBRI_FUZZ_SECONDS of fuzzing from a copy of the committed seeds."""
+    exe, env = _exe(fuzzers, target, request)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    seeds = [
-        (0, {"model": "fuzz", "prompt": "def f(x):", "max_tokens": 3, "temperature": 0.5, "seed": 1,
-             "stop": ["\n", "x"], "logprobs": 2, "echo": True, "n": 2}),
-        (0, {"prompt": [1, 415, 2936], "max_tokens": 2, "stream": True, "top_p": 0.9, "top_k": 5}),
-        (1, {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi é"}],
-             "max_tokens": 4, "logprobs": True, "top_logprobs": 3, "stream": True}),
-        (1, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                          {"role": "user", "content": "c"}], "stop": "c", "seed": 7}),
-    ]
-    for i, (kind, body) in enumerate(seeds):
-        (corpus / f"seed{i}").write_bytes(bytes([kind]) + json.dumps(body).encode())
-    _run(fuzzers / "fuzz_server_api", corpus, {"COLIBRI_FUZZ_MODEL": str(model)}, "-max_len=4096")
-
-
-def test_fuzz_model_files(fuzzers, tmp_path):
-    pytest.importorskip("torch")
-    from hf_models import Shape, build_model, save_checkpoint
-
-    folder = save_checkpoint(build_model(Shape(vocab=300, hidden=16, inter=8, layers=2, heads=2, kv_heads=1,
-                                               experts=4, top_k=2)), tmp_path / "hf")
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    colibri_lab.convert(folder, corpus / "small.colibri", dtype="bf16", quantize_router="int8", progress=False)
-    # a version 2 seed: Q8_0 blocks and split FFNs (rows of 32, so the blocks are really used)
-    folder2 = save_checkpoint(build_model(Shape(vocab=300, hidden=32, inter=32, layers=2, heads=2, kv_heads=1,
-                                                experts=4, top_k=2, seed=1)), tmp_path / "hf2")
-    q8 = colibri_lab.convert(folder2, corpus / "small-q8_0.colibri", dtype="q8_0", progress=False)
-    assert colibri_lab.format.inspect(q8).version == 2
-    _run(fuzzers / "fuzz_colibri", corpus, {}, "-max_len=200000")
+    for p in _files(CORPUS / target):
+        shutil.copy(p, corpus / p.name)
+    err = _libfuzzer(exe, [str(corpus), f"-max_total_time={SECONDS}", f"-max_len={TARGETS[target][1]}",
+                           "-rss_limit_mb=3072", "-timeout=60", f"-artifact_prefix={tmp_path}/",
+                           "-print_final_stats=1"], env, tmp_path, SECONDS + 300)
+    assert "Done" in err and "stat::number_of_executed_units" in err, err[-3000:]

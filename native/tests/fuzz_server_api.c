@@ -8,11 +8,13 @@
  * too). The job is not run: the engine has its own harness (fuzz_colibri.c).
  *
  * The model (a .colibri file with a tokenizer and, to reach the chat code, a chat template)
- * is $COLIBRI_FUZZ_MODEL. Build and run (clang >= 14 with libclang-rt-*-dev):
- *   cmake -S native -B build/fuzz -DCMAKE_C_COMPILER=clang -DCOLIBRI_FUZZ=ON
- *   cmake --build build/fuzz --target fuzz_server_api
- *   COLIBRI_FUZZ_MODEL=tiny.colibri build/fuzz/fuzz_server_api CORPUS -max_total_time=600
- * `make fuzz-smoke` (part of `make test`) runs it for a short while on a seed corpus.
+ * is $COLIBRI_FUZZ_MODEL (tools/fuzz.sh makes one from data/tiny-mixtral). Seeds:
+ * native/tests/fuzz_corpus/server/ (byte 0 then a JSON body); crash inputs found:
+ * native/tests/fuzz_corpus/server/regressions/. Build and run: tools/fuzz.sh server
+ * (`make fuzz`, 600 s), or by hand after `tools/fuzz.sh build`:
+ *   COLIBRI_FUZZ_MODEL=tiny.colibri build/fuzz/bin/fuzz_server_api CORPUS \
+ *       native/tests/fuzz_corpus/server -max_len=4096 -max_total_time=600
+ * tests/test_fuzz.py runs it for a few seconds from a copy of the seeds.
  */
 #include <pthread.h>
 #include <stdint.h>
