@@ -5,7 +5,7 @@
  * parsing, every field's type and range checks, prompt tokenization or the chat template,
  * stop strings, n, logprobs. The handler must never crash, leak, read out of bounds or hit
  * undefined behaviour: every body becomes a job or an OpenAI-style error (whose JSON is built
- * too). The job is not run: the engine has its own harness (fuzz_colibri.c).
+ * too). The job is not run: the engine has its own harness (fuzz_loader.c).
  *
  * The model (a .colibri file with a tokenizer and, to reach the chat code, a chat template)
  * is $COLIBRI_FUZZ_MODEL (tools/fuzz.sh makes one from data/tiny-mixtral). Seeds:
