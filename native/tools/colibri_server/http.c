@@ -99,9 +99,11 @@ static enum MHD_Result send_buf(struct MHD_Connection *c, unsigned status, char 
     return ok;
 }
 
-/* the extra header (name, value) of an answer: "Connection: close" once shutting down */
-#define CLOSE_IF_STOPPING(srv)                                                                          \
-    (atomic_load(&(srv)->state) == CS_STATE_STOPPING ? MHD_HTTP_HEADER_CONNECTION : NULL), "close"
+/* The name of an answer's extra header, with the value "close": "Connection" once shutting
+ * down (the client should reconnect elsewhere), else NULL (none). */
+static const char *close_if_stopping(cs_server *srv) {
+    return atomic_load(&srv->state) == CS_STATE_STOPPING ? MHD_HTTP_HEADER_CONNECTION : NULL;
+}
 
 static enum MHD_Result send_json(struct MHD_Connection *c, unsigned status, char *json, size_t len) {
     return send_buf(c, status, json, len, "application/json", NULL, NULL);
@@ -224,7 +226,7 @@ static enum MHD_Result handle_generate(cs_server *srv, struct MHD_Connection *c,
     cs_job_set_fd(j, fd);
     if (cs_api_submit(j, &err)) {
         cs_job_unref(j);
-        return send_error_hdr(c, &err, CLOSE_IF_STOPPING(srv)); /* 503 when the drain began meanwhile */
+        return send_error_hdr(c, &err, close_if_stopping(srv), "close"); /* 503 when the drain began meanwhile */
     }
     if (cs_job_stream(j)) {
         stream_ctx *sc = malloc(sizeof *sc);
@@ -252,7 +254,7 @@ static enum MHD_Result handle_generate(cs_server *srv, struct MHD_Connection *c,
     int status = 200;
     char *s = cs_job_response(j, &len, &status);
     cs_job_unref(j);
-    return send_buf(c, (unsigned)status, s, len, "application/json", CLOSE_IF_STOPPING(srv));
+    return send_buf(c, (unsigned)status, s, len, "application/json", close_if_stopping(srv), "close");
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
@@ -348,7 +350,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
                            : state == CS_STATE_LOADING ? "{\"status\":\"loading\"}"
                                                        : "{\"status\":\"stopping\"}";
         return send_buf(c, state == CS_STATE_READY ? 200 : 503, strdup(body), strlen(body), "application/json",
-                        CLOSE_IF_STOPPING(srv));
+                        close_if_stopping(srv), "close");
     }
     case R_METRICS:
         return handle_metrics(srv, c);
