@@ -827,6 +827,7 @@ def test_help(server_path):
     (["--model", "m.colibri", "--parallel", "2", "--max_batch_size", "4"], "--max_batch_size"),
     (["--model", "m.colibri", "--max_batch_tokens", "2"], "--max_batch_tokens"),
     (["--model", "m.colibri", "--precision", "half"], "--precision must be 'exact' or 'fast', got 'half'"),
+    (["--model", "m.colibri", "--shutdown_timeout_s", "-1"], "--shutdown_timeout_s"),
     (["--model"], "needs a value"),
     (["stray"], "unexpected argument"),
 ])  # fmt: skip

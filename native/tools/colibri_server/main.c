@@ -11,9 +11,9 @@
  *
  * Shutdown: the first SIGINT/SIGTERM starts a drain: /health and every new request answer
  * 503 (a load balancer takes the replica out, a client retries elsewhere) while the
- * requests already accepted, queued or running, go on; when the last one ends, or
- * --shutdown_timeout_s has passed, or a second signal comes, whatever is left is cancelled
- * (plain requests get a 503, streams an error event and [DONE]) and the server exits 0.
+ * requests already accepted, queued or running, go on, and the server exits 0 when the last
+ * has ended. What still runs after --shutdown_timeout_s, or when a second signal comes, is
+ * cancelled (plain requests get a 503, streams an error event and [DONE]); exit 0 as well.
  *
  * Exit status: 0 after a signal, 1 an engine or start-up error (message on stderr),
  * 2 a usage error.
