@@ -847,7 +847,10 @@ static void check_fast_token(const cb_fast_kernels *F, uint32_t dt, const float 
         double s = 0, bound = 0;
         for (int64_t b = 0; b < Kd / 32; b++) {
             double amax = 0;
-            for (int k = 0; k < 32; k++) amax = fmax(amax, fabs((double)x[t * Kd + b * 32 + k]));
+            for (int k = 0; k < 32; k++) { /* not fmax(): gcc 12's aarch64 vectorizer crashes on that reduction */
+                double a = fabs((double)x[t * Kd + b * 32 + k]);
+                if (a > amax) amax = a;
+            }
             for (int k = 0; k < 32; k++) {
                 int64_t i = b * 32 + k;
                 s += (double)x[t * Kd + i] * val[n * Kd + i];
@@ -1089,8 +1092,8 @@ static void test_table(const cb_kernels *K) {
 int main(void) {
     test_conversions();
     test_table(cb_kernels_ref());
-    const char *names[] = {"avx2", "avx512"};
-    for (size_t i = 0; i < 2; i++) {
+    const char *names[] = {"avx2", "avx512", "neon"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         const cb_kernels *K = cb_kernels_by_name(names[i]);
         if (K) {
             int before = n_fail;
@@ -1101,8 +1104,9 @@ int main(void) {
         }
     }
     test_round_bf16();
-    const char *fast_names[] = {"reference", "avx2", "avxvnni", "avx512vnni", "avx512vnni-amx", "avx512bf16"};
-    for (size_t i = 0; i < 6; i++) {
+    const char *fast_names[] = {"reference", "avx2", "avxvnni", "avx512vnni", "avx512vnni-amx", "avx512bf16",
+                                "neon",      "neon-dotprod", "neon-i8mm"};
+    for (size_t i = 0; i < sizeof fast_names / sizeof fast_names[0]; i++) {
         const cb_fast_kernels *F = cb_fast_by_name(fast_names[i]);
         if (F) {
             int before = n_fail;

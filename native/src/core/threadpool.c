@@ -33,6 +33,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define cpu_relax() _mm_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield") /* the spin-wait hint, as x86's pause */
 #else
 #define cpu_relax() ((void)0)
 #endif

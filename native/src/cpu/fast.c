@@ -106,6 +106,19 @@ static int os_zmm(void) {
 }
 #endif
 
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+/* Linux's AArch64 HWCAP bits (asm/hwcap.h): ASIMDDP (SDOT/UDOT) in AT_HWCAP, I8MM in
+ * AT_HWCAP2; the kernel sets them only for what the CPU has and the OS enables. */
+#define CB_HWCAP_ASIMDDP (1ul << 20)
+#define CB_HWCAP2_I8MM (1ul << 13)
+static int cpu_dotprod(void) { return (getauxval(AT_HWCAP) & CB_HWCAP_ASIMDDP) != 0; }
+static int cpu_i8mm(void) { return cpu_dotprod() && (getauxval(AT_HWCAP2) & CB_HWCAP2_I8MM) != 0; }
+#else
+static int cpu_dotprod(void) { return 0; }
+static int cpu_i8mm(void) { return 0; }
+#endif
+
 static int cpu_avx2(void) {
 #ifdef CB_FAST_X86
     __builtin_cpu_init();
@@ -177,6 +190,9 @@ const cb_fast_kernels *cb_fast_by_name(const char *name) {
     if (!name) return NULL;
     if (strcmp(name, "ref") == 0 || strcmp(name, "reference") == 0) return &fast_ref;
     if (strcmp(name, "avx2") == 0) return cpu_avx2() ? cb_fast_avx2() : NULL;
+    if (strcmp(name, "neon") == 0) return cb_fast_neon(); /* NULL off AArch64 */
+    if (strcmp(name, "neon-dotprod") == 0) return cpu_dotprod() ? cb_fast_neon_dotprod() : NULL;
+    if (strcmp(name, "neon-i8mm") == 0) return cpu_i8mm() ? cb_fast_neon_i8mm() : NULL;
     if (strcmp(name, "avxvnni") == 0) return cpu_avxvnni() ? cb_fast_avxvnni() : NULL;
     if (strcmp(name, "avx512vnni") == 0) return cpu_avx512vnni() ? cb_fast_avx512vnni() : NULL;
     if (strcmp(name, "avx512bf16") == 0) return cb_fast_cpu_bf16() && cb_fast_avx512vnni() && cb_bf16dp_built() ? &fast_bf16dp : NULL;
@@ -199,5 +215,8 @@ const cb_fast_kernels *cb_fast_best(void) {
     if ((f = cb_fast_by_name("avx512vnni")) != NULL) return f;
     if ((f = cb_fast_by_name("avxvnni")) != NULL) return f;
     if ((f = cb_fast_by_name("avx2")) != NULL) return f;
+    if ((f = cb_fast_by_name("neon-i8mm")) != NULL) return f;
+    if ((f = cb_fast_by_name("neon-dotprod")) != NULL) return f;
+    if ((f = cb_fast_by_name("neon")) != NULL) return f;
     return &fast_ref;
 }

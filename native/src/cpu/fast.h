@@ -105,6 +105,10 @@ const cb_fast_kernels *cb_fast_ref(void);
 const cb_fast_kernels *cb_fast_avx2(void);
 const cb_fast_kernels *cb_fast_avxvnni(void);
 const cb_fast_kernels *cb_fast_avx512vnni(void);
+/* AArch64 (fast_neon*.c): plain Advanced SIMD, SDOT (FEAT_DotProd), USDOT (FEAT_I8MM). */
+const cb_fast_kernels *cb_fast_neon(void);
+const cb_fast_kernels *cb_fast_neon_dotprod(void);
+const cb_fast_kernels *cb_fast_neon_i8mm(void);
 /* "ref"/"reference", "avx2", "avxvnni", "avx512vnni", "avx512vnni-amx" (the same with the
  * BF16 kernels on AMX tiles), "avx512bf16" (the same with them on vdpbf16ps) if compiled in
  * and supported; else NULL. */

@@ -298,14 +298,16 @@ static int cpu_has_avx512(void) {
 #endif
 }
 
-/* cb_kernels_avx2 / cb_kernels_avx512 are defined in kernels_avx2.c / kernels_avx512.c
- * (returning NULL when built for another architecture). */
+/* cb_kernels_avx2 / cb_kernels_avx512 / cb_kernels_neon are defined in kernels_avx2.c /
+ * kernels_avx512.c / kernels_neon.c (returning NULL when built for another architecture).
+ * Advanced SIMD is mandatory in AArch64: the neon table needs no check beyond being built. */
 
 const cb_kernels *cb_kernels_by_name(const char *name) {
     if (!name) return NULL;
     if (strcmp(name, "ref") == 0 || strcmp(name, "reference") == 0) return &k_ref;
     if (strcmp(name, "avx2") == 0) return cpu_has_avx2() ? cb_kernels_avx2() : NULL;
     if (strcmp(name, "avx512") == 0) return cpu_has_avx512() ? cb_kernels_avx512() : NULL;
+    if (strcmp(name, "neon") == 0) return cb_kernels_neon();
     return NULL;
 }
 
@@ -314,5 +316,6 @@ const cb_kernels *cb_kernels_best(void) {
     if (k) return k;
     if ((k = cb_kernels_by_name("avx512")) != NULL) return k;
     if ((k = cb_kernels_by_name("avx2")) != NULL) return k;
+    if ((k = cb_kernels_by_name("neon")) != NULL) return k;
     return &k_ref;
 }

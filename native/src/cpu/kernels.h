@@ -5,9 +5,10 @@
  * the CPU can run against the reference on random odd-sized inputs).
  *
  * Tables (docs/kernels.md): "reference" (kernels.c, portable C), "avx2" (kernels_avx2.c,
- * AVX2+FMA+F16C) and "avx512" (kernels_avx512.c, AVX-512F). cb_kernels_best() picks the
- * best one the CPU supports at run time (__builtin_cpu_supports); the environment
- * variable COLIBRI_KERNELS=ref|avx2|avx512 forces one (an unsupported or unknown name
+ * AVX2+FMA+F16C), "avx512" (kernels_avx512.c, AVX-512F) and "neon" (kernels_neon.c, AArch64
+ * Advanced SIMD). cb_kernels_best() picks the best one the CPU supports at run time
+ * (__builtin_cpu_supports; every AArch64 CPU has Advanced SIMD); the environment
+ * variable COLIBRI_KERNELS=ref|avx2|avx512|neon forces one (an unsupported or unknown name
  * falls back to the best supported table, so a forced name never crashes).
  *
  * Conventions: every matrix is row-major; weights are stored as nn.Linear, [out, in],
@@ -150,10 +151,12 @@ const cb_kernels *cb_kernels_ref(void);
  * Calling one on a CPU without the instruction set faults: use cb_kernels_by_name. */
 const cb_kernels *cb_kernels_avx2(void);
 const cb_kernels *cb_kernels_avx512(void);
-/* "ref"/"reference", "avx2" or "avx512" if compiled in AND supported by this CPU; else NULL. */
+const cb_kernels *cb_kernels_neon(void); /* AArch64 Advanced SIMD (kernels_neon.c) */
+/* "ref"/"reference", "avx2", "avx512" or "neon" if compiled in AND supported by this CPU;
+ * else NULL. */
 const cb_kernels *cb_kernels_by_name(const char *name);
 /* The kernels the engine uses: COLIBRI_KERNELS if set and usable, else the best the CPU
- * supports (avx512 > avx2 > reference). */
+ * supports (avx512 > avx2 > reference on x86, neon > reference on AArch64). */
 const cb_kernels *cb_kernels_best(void);
 
 #endif
