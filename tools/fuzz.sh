@@ -40,6 +40,9 @@ NATIVE="$REPO/native"
 SERVER_DIR="$NATIVE/tools/colibri_server"
 CORPUS_SRC="$NATIVE/tests/fuzz_corpus"
 ALL_TARGETS=(loader tokenizer server)
+# the commit the binaries are built from (+ "-dirty" with uncommitted changes), for the summary
+COMMIT="$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')"
+git -C "$REPO" diff --quiet HEAD -- native 2>/dev/null || COMMIT="$COMMIT-dirty"
 
 SAN=(-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g)
 CFLAGS=(-std=gnu11 -O1 -Wall -Wextra "${SAN[@]}" -DCOLIBRI_NO_SIMD_TABLES=1
@@ -209,7 +212,7 @@ for t in "${targets[@]}"; do
     run_target "$t"
 done
 echo
-echo "fuzz.sh: summary ($(date -u +%Y-%m-%dT%H:%MZ), $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?'))"
+echo "fuzz.sh: summary ($(date -u +%Y-%m-%dT%H:%MZ), built from $COMMIT)"
 printf '%-10s %8s %12s %8s %7s %7s %-22s %8s %s\n' target seconds executions exec/s cov ft corpus crashes status
 for row in "${SUMMARY[@]}"; do
     IFS='|' read -r t s e r c f corp cr st <<< "$row"
