@@ -22,11 +22,12 @@ DEMO_MODEL  := build/tiny-mixtral.colibri
 DEMO_PROMPT ?= def
 NATIVE_TEST_DIR := build/native-tests
 
-.PHONY: demo test venv native-tests pytest clean help
+.PHONY: demo test venv native-tests pytest clean help fuzz
 
 help:
 	@echo "make demo   - install, convert $(DEMO_SRC), inspect it, generate text and show the top-5"
 	@echo "make test   - install with the test extra, run the native C tests and pytest"
+	@echo "make fuzz   - long libFuzzer runs by hand (FUZZ_SECONDS=600 per target; tools/fuzz.sh)"
 	@echo "make clean  - remove build/ and .venv/"
 
 $(PY):
@@ -62,6 +63,12 @@ test: $(PY)
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 	# the fuzz smoke test (tests/test_fuzz.py) builds the libFuzzer harnesses with clang
 	dpkg -s clang libclang-rt-14-dev >/dev/null 2>&1 || (apt-get update && apt-get install -y clang libclang-rt-14-dev)
+	# the failover test (tests/test_failover.py) runs Debian's haproxy as a child process
+	dpkg -s haproxy >/dev/null 2>&1 || (apt-get update && apt-get install -y haproxy)
+	# the aarch64 job (tests/test_aarch64.py): Debian's cross compiler, qemu-user, and the arm64
+	# libmicrohttpd and jansson for the cross-built colibri_server (multiarch)
+	dpkg --print-foreign-architectures | grep -qx arm64 || dpkg --add-architecture arm64
+	dpkg -s gcc-aarch64-linux-gnu qemu-user libmicrohttpd-dev:arm64 libjansson-dev:arm64 >/dev/null 2>&1 || (apt-get update && apt-get install -y gcc-aarch64-linux-gnu qemu-user libmicrohttpd-dev:arm64 libjansson-dev:arm64)
 	$(MAKE) pytest
 
 native-tests:
@@ -69,6 +76,10 @@ native-tests:
 	    -DCOLIBRI_WERROR=ON -DCOLIBRI_BUILD_TESTS=ON
 	$(CMAKE) --build $(NATIVE_TEST_DIR) -j $(JOBS)
 	cd $(NATIVE_TEST_DIR) && ctest --output-on-failure -j $(JOBS)
+
+# Long libFuzzer runs by hand (tests/test_fuzz.py runs the same targets for seconds in CI).
+fuzz:
+	tools/fuzz.sh
 
 # The notebooks run under strict nbval: outputs of untagged cells are compared.
 pytest:

@@ -6,7 +6,7 @@
 #   cmake -S native -B build/aarch64 -DCMAKE_TOOLCHAIN_FILE=$PWD/native/cmake/aarch64-linux-gnu.cmake \
 #         -DCOLIBRI_BUILD_TESTS=ON
 #   cmake --build build/aarch64 -j
-#   qemu-aarch64 -L /usr/aarch64-linux-gnu build/aarch64/test_kernels
+#   qemu-aarch64 build/aarch64/test_kernels     (-L /usr/aarch64-linux-gnu without libc6:arm64)
 #
 # The C tests are run through qemu by ctest as well (CMAKE_CROSSCOMPILING_EMULATOR below).
 set(CMAKE_SYSTEM_NAME Linux)
@@ -29,8 +29,17 @@ set(CMAKE_FIND_ROOT_PATH_MODE_PACKAGE ONLY)
 set(ENV{PKG_CONFIG_LIBDIR} "/usr/lib/aarch64-linux-gnu/pkgconfig:/usr/share/pkgconfig")
 set(ENV{PKG_CONFIG_PATH} "")
 
-# ctest runs the test executables under user-mode emulation with the cross libc as root.
+# ctest runs the test executables under user-mode emulation. Where Debian's multiarch arm64
+# libc is installed (it comes with libmicrohttpd-dev:arm64), qemu finds its loader at
+# /lib/ld-linux-aarch64.so.1 and must not be given the cross libc's root as well: with
+# -L /usr/aarch64-linux-gnu it would pair that root's loader with the multiarch libc.so.6 (the
+# path falls through to the host's /lib/aarch64-linux-gnu), a mismatch that hangs in
+# pthread_create. Without the multiarch libc, the cross root is the only one there is.
 find_program(COLIBRI_QEMU_AARCH64 qemu-aarch64)
 if(COLIBRI_QEMU_AARCH64)
-  set(CMAKE_CROSSCOMPILING_EMULATOR "${COLIBRI_QEMU_AARCH64};-L;/usr/aarch64-linux-gnu")
+  if(EXISTS /lib/ld-linux-aarch64.so.1)
+    set(CMAKE_CROSSCOMPILING_EMULATOR "${COLIBRI_QEMU_AARCH64}")
+  else()
+    set(CMAKE_CROSSCOMPILING_EMULATOR "${COLIBRI_QEMU_AARCH64};-L;/usr/aarch64-linux-gnu")
+  endif()
 endif()

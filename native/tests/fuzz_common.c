@@ -1,6 +1,6 @@
 /*
  * fuzz_common.c — the code the libFuzzer harnesses share; #included by fuzz_loader.c,
- * fuzz_tokenizer.c (and the older combined fuzz_colibri.c), never compiled on its own.
+ * fuzz_tokenizer.c, never compiled on its own.
  *
  *   fuzz_file()        a whole .colibri file: memfd, colibri_init_ex, forward, sample,
  *                      getters, the model's tokenizer, verify, free
