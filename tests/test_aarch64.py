@@ -1,0 +1,196 @@
+"""The aarch64 job: the engine, colibri_cli, colibri_server and the C tests cross-compiled
+with Debian's gcc-aarch64-linux-gnu (native/cmake/aarch64-linux-gnu.cmake) into
+build/aarch64 and run under qemu-user's aarch64 emulation (`make test` installs both, and
+the arm64 libmicrohttpd and jansson for the server).
+
+What runs under emulation: the C tests through ctest (test_kernels checks the neon table and
+the neon, neon-dotprod and neon-i8mm fast tables against the references on odd sizes; qemu's
+default CPU has every extension), test_kernels again on a CPU model without dotprod/i8mm (the
+run-time choice must then skip those tables), the file checks and the zero-allocation test on
+the embedded model, and colibri_cli and colibri_server on it: the same top-5 ids as the x86
+build with probabilities equal to 1e-5, and the same greedy text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import colibri_lab
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = REPO / "build" / "aarch64"
+TOOLCHAIN = REPO / "native" / "cmake" / "aarch64-linux-gnu.cmake"
+
+
+def _qemu_argv() -> list[str]:
+    """qemu-aarch64, pointed at the cross libc only where Debian's multiarch arm64 libc is
+    absent (as the toolchain file's emulator: mixing the two hangs)."""
+    argv = [shutil.which("qemu-aarch64") or "qemu-aarch64"]
+    if not Path("/lib/ld-linux-aarch64.so.1").exists():
+        argv += ["-L", "/usr/aarch64-linux-gnu"]
+    return argv
+
+
+@pytest.fixture(scope="module")
+def a64() -> Path:
+    missing = [t for t in ("aarch64-linux-gnu-gcc", "qemu-aarch64") if not shutil.which(t)]
+    if missing:
+        msg = f"{', '.join(missing)} missing: make test installs gcc-aarch64-linux-gnu and qemu-user"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    r = subprocess.run(["cmake", "-S", str(REPO / "native"), "-B", str(BUILD), f"-DCMAKE_TOOLCHAIN_FILE={TOOLCHAIN}",
+                        "-DCMAKE_BUILD_TYPE=Release", "-DCOLIBRI_BUILD_TESTS=ON", "-DCOLIBRI_WERROR=ON"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = subprocess.run(["cmake", "--build", str(BUILD), "-j", str(os.cpu_count() or 2)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return BUILD
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("a64") / "tiny-bf16.colibri"
+    colibri_lab.convert(REPO / "data" / "tiny-mixtral", out, dtype="bf16", progress=False)
+    return out
+
+
+def _file_type(path: Path) -> str:
+    head = path.read_bytes()[:20]
+    assert head[:4] == b"\x7fELF", path
+    machine = int.from_bytes(head[18:20], "little")
+    return {0xB7: "aarch64", 0x3E: "x86_64"}.get(machine, hex(machine))
+
+
+def test_everything_is_built_for_aarch64(a64):
+    """The engine (both libraries), the CLI, the bench tool and the server, all aarch64 ELF."""
+    for name in ("libcolibri.so", "colibri_cli", "colibri_bench", "colibri_server", "test_kernels"):
+        assert (a64 / name).is_file(), f"{name} was not cross-built (colibri_server needs libmicrohttpd-dev:arm64)"
+        assert _file_type(a64 / name) == "aarch64", name
+
+
+def test_ctest_under_qemu(a64):
+    r = subprocess.run(["ctest", "--output-on-failure", "-j", "2"], cwd=a64, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    assert "100% tests passed" in r.stdout, r.stdout[-3000:]
+
+
+def test_kernel_tables_under_qemu(a64):
+    """Every AArch64 table is checked where the emulated CPU has it (qemu's default, "max",
+    has dotprod and i8mm); on a Cortex-A57 (plain ARMv8.0) the dotprod and i8mm tables must
+    be skipped by the run-time check and the others still pass."""
+    r = subprocess.run([*_qemu_argv(), str(a64 / "test_kernels")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:]
+    for table in ("table neon checked (ok)", "fast table neon checked (ok)", "fast table neon-dotprod checked (ok)",
+                  "fast table neon-i8mm checked (ok)"):
+        assert table in r.stdout, r.stdout[-3000:]
+    r = subprocess.run([*_qemu_argv(), "-cpu", "cortex-a57", str(a64 / "test_kernels")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "table neon checked (ok)" in r.stdout and "fast table neon checked (ok)" in r.stdout
+    assert "fast table neon-dotprod skipped" in r.stdout and "fast table neon-i8mm skipped" in r.stdout
+
+
+@pytest.mark.parametrize("args", [(), ("fast",)], ids=["exact", "fast"])
+def test_noalloc_under_qemu(a64, tiny, args):
+    r = subprocess.run([*_qemu_argv(), str(a64 / "test_noalloc"), str(tiny), *args], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout and "SKIP" not in r.stdout, r.stdout + r.stderr
+
+
+def test_file_checks_under_qemu(a64, tmp_path):
+    pytest.importorskip("torch")
+    from hf_models import Shape, build_model, save_checkpoint
+
+    folder = save_checkpoint(build_model(Shape(vocab=300, hidden=32, inter=24, layers=2, heads=4, kv_heads=2,
+                                               experts=4, top_k=2)), tmp_path / "hf")
+    out = tmp_path / "small.colibri"
+    colibri_lab.convert(folder, out, dtype="bf16", quantize_router="int8", progress=False)
+    r = subprocess.run([*_qemu_argv(), str(a64 / "test_format"), str(out)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+TOP5 = re.compile(r"^\s*(\d)\s+id=(\d+)\s+p=([0-9.]+)", re.M)
+
+
+def _cli(argv: list[str], model: Path, *extra: str, env: dict | None = None) -> str:
+    r = subprocess.run([*argv, "--model", str(model), "--prompt", "def", *extra], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+@pytest.mark.parametrize("kernels", ["best", "ref"])
+def test_cli_same_as_x86(a64, tiny, cli_path, kernels):
+    """colibri_cli on the embedded model: the same top-5 ids as on x86, probabilities equal
+    to 1e-5, and the same greedy text (24 tokens), with the best tables of each machine (neon
+    here, avx2/avx512 there) and with the reference kernels on both."""
+    env = dict(os.environ)
+    if kernels == "ref":
+        env["COLIBRI_KERNELS"] = "ref"
+    else:
+        env.pop("COLIBRI_KERNELS", None)
+    arm = _cli([*_qemu_argv(), str(a64 / "colibri_cli")], tiny, "--max_new_tokens", "1", "--verbose", env=env)
+    x86 = _cli([cli_path], tiny, "--max_new_tokens", "1", env=env)
+    a5, x5 = TOP5.findall(arm), TOP5.findall(x86)
+    assert len(a5) == len(x5) == 5, (arm, x86)
+    assert [a[1] for a in a5] == [x[1] for x in x5], (arm, x86)
+    for a, x in zip(a5, x5):
+        assert abs(float(a[2]) - float(x[2])) <= 1e-5 + 1e-12, (a, x)
+    arm_text = _cli([*_qemu_argv(), str(a64 / "colibri_cli")], tiny, "--max_new_tokens", "24", env=env)
+    x86_text = _cli([cli_path], tiny, "--max_new_tokens", "24", env=env)
+    assert arm_text == x86_text and arm_text.strip(), (arm_text, x86_text)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_server_under_qemu(a64, tiny, cli_path):
+    """The cross-built colibri_server, emulated, on loopback: /health, then a greedy
+    completion equal to the x86 CLI's text."""
+    port = _free_port()
+    proc = subprocess.Popen([*_qemu_argv(), str(a64 / "colibri_server"), "--model", str(tiny), "--host",
+                             f"127.0.0.1:{port}", "--num_threads", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "colibri_server under qemu did not become healthy in 60 s"
+            time.sleep(0.25)
+        body = json.dumps({"prompt": "def", "max_tokens": 24, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            text = json.load(r)["choices"][0]["text"]
+        x86_text = _cli([cli_path], tiny, "--max_new_tokens", "24")
+        assert text.strip() and text.strip() == x86_text.strip(), (text, x86_text)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, proc.stdout.read() if proc.stdout else ""
