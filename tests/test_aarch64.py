@@ -194,3 +194,28 @@ def test_server_under_qemu(a64, tiny, cli_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, proc.stdout.read() if proc.stdout else ""
+
+
+def test_self_contained_bundle(a64, tiny, tmp_path):
+    """tools/bundle_server.sh: colibri_server and colibri_cli with every library they load
+    (found through DT_NEEDED) and the loader, for a board without Python or the libraries.
+    Under qemu the bundled loader must load every library from the bundle (LD_DEBUG=libs)
+    and the bundled CLI must give the unbundled one's top-5."""
+    out = tmp_path / "bundle"
+    r = subprocess.run(["bash", str(REPO / "tools" / "bundle_server.sh"), str(a64), str(out)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lib = out / "lib"
+    loader = lib / "ld-linux-aarch64.so.1"
+    assert loader.is_file() and (lib / "libmicrohttpd.so.12").is_file() and (lib / "libjansson.so.4").is_file()
+    bundled_run = [str(loader), "--inhibit-cache", "--library-path", str(lib)]
+    r = subprocess.run([*_qemu_argv(), "-E", "LD_DEBUG=libs", *bundled_run, str(out / "bin" / "colibri_server"),
+                        "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "usage: colibri_server" in r.stdout, r.stdout + r.stderr
+    inits = re.findall(r"calling init: (\S+)", r.stderr)
+    assert inits and all(p.startswith(str(lib)) for p in inits), inits
+    bundled = subprocess.run([*_qemu_argv(), *bundled_run, str(out / "bin" / "colibri_cli"), "--model", str(tiny), "--prompt",
+                              "def", "--max_new_tokens", "1"], capture_output=True, text=True, timeout=120)
+    plain = subprocess.run([*_qemu_argv(), str(a64 / "colibri_cli"), "--model", str(tiny), "--prompt", "def",
+                            "--max_new_tokens", "1"], capture_output=True, text=True, timeout=120)
+    assert bundled.returncode == 0 and bundled.stdout == plain.stdout, bundled.stdout + bundled.stderr
