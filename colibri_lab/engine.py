@@ -76,7 +76,7 @@ class EngineConfig:
     rms_norm_eps: float
     weight_dtype: str
     router_dtype: str
-    kernels: str  # the kernel table chosen at run time: "avx512", "avx2" or "reference" (+ " fast(...)")
+    kernels: str  # the kernel table chosen at run time: "avx512", "avx2", "neon" or "reference" (+ " fast(...)")
     precision: str  # "exact" or "fast" (Engine(precision=...); docs/kernels.md "Numeric modes")
     bos_id: int
     eos_id: int

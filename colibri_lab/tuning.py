@@ -291,10 +291,15 @@ def read_hf_config(model_dir: str | os.PathLike) -> Facts:
 # ---------------------------------------------------------------------------------------
 
 
+#: the /proc/cpuinfo flags that decide the kernel tables (docs/portability.md)
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "asimd", "asimddp", "i8mm", "bf16")
+
+
 def machine_info() -> Facts:
     """Platform, Python, CPUs online and usable (the affinity mask), the CPU model, the
-    SIMD flags that matter to the kernels (avx2, fma, f16c, avx512f, avx512bw,
-    avx512_bf16) and the RAM, from ``/proc`` where there is one."""
+    SIMD flags that matter to the kernels (x86: avx2, fma, f16c, avx512f, avx512bw,
+    avx512_bf16; AArch64: asimd, asimddp, i8mm, bf16) and the RAM, from ``/proc`` where there
+    is one."""
     info = Facts(platform=platform.platform(), python=platform.python_version(),
                  cpus_online=os.cpu_count(),
                  cpus_usable=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -304,11 +309,10 @@ def machine_info() -> Facts:
         m = re.search(r"^model name\s*:\s*(.+)$", txt, re.MULTILINE)
         if m:
             info["cpu"] = m.group(1).strip()
-        fl = re.search(r"^flags\s*:\s*(.+)$", txt, re.MULTILINE)
+        fl = re.search(r"^(?:flags|Features)\s*:\s*(.+)$", txt, re.MULTILINE)  # x86 | AArch64
         if fl:
             flags = set(fl.group(1).split())
-            info["simd"] = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16")
-                            if f in flags]  # fmt: skip
+            info["simd"] = [f for f in SIMD_FLAGS if f in flags]
         mem = re.search(r"^MemTotal:\s*(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
         if mem:
             info["mem_gib"] = round(int(mem.group(1)) / 2**20, 1)
