@@ -4,11 +4,12 @@ build/aarch64 and run under qemu-user's aarch64 emulation (`make test` installs 
 the arm64 libmicrohttpd and jansson for the server).
 
 What runs under emulation: the C tests through ctest (test_kernels checks the neon table and
-the neon, neon-dotprod and neon-i8mm fast tables against the references on odd sizes; qemu's
-default CPU has every extension), test_kernels again on a CPU model without dotprod/i8mm (the
-run-time choice must then skip those tables), the file checks and the zero-allocation test on
-the embedded model, and colibri_cli and colibri_server on it: the same top-5 ids as the x86
-build with probabilities equal to 1e-5, and the same greedy text.
+the neon, neon-dotprod, neon-i8mm and neon-bf16 fast tables against the references on odd
+sizes: qemu's default CPU has every extension), test_kernels again on a CPU model without
+dotprod/i8mm/bf16 (the run-time choice must then skip those tables), the file checks and the
+zero-allocation test on the embedded model, and colibri_cli and colibri_server on it: the
+same top-5 ids as the x86 build with probabilities equal to 1e-5, and the same greedy text;
+the self-contained server bundle.
 """
 
 from __future__ import annotations
@@ -88,18 +89,19 @@ def test_ctest_under_qemu(a64):
 
 def test_kernel_tables_under_qemu(a64):
     """Every AArch64 table is checked where the emulated CPU has it (qemu's default, "max",
-    has dotprod and i8mm); on a Cortex-A57 (plain ARMv8.0) the dotprod and i8mm tables must
-    be skipped by the run-time check and the others still pass."""
+    has dotprod, i8mm and bf16); on a Cortex-A57 (plain ARMv8.0) the dotprod, i8mm and bf16
+    tables must be skipped by the run-time check and the others still pass."""
     r = subprocess.run([*_qemu_argv(), str(a64 / "test_kernels")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:]
     for table in ("table neon checked (ok)", "fast table neon checked (ok)", "fast table neon-dotprod checked (ok)",
-                  "fast table neon-i8mm checked (ok)"):
+                  "fast table neon-i8mm checked (ok)", "fast table neon-bf16 checked (ok)"):
         assert table in r.stdout, r.stdout[-3000:]
     r = subprocess.run([*_qemu_argv(), "-cpu", "cortex-a57", str(a64 / "test_kernels")], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:]
     assert "table neon checked (ok)" in r.stdout and "fast table neon checked (ok)" in r.stdout
-    assert "fast table neon-dotprod skipped" in r.stdout and "fast table neon-i8mm skipped" in r.stdout
+    for table in ("neon-dotprod", "neon-i8mm", "neon-bf16"):
+        assert f"fast table {table} skipped" in r.stdout, r.stdout[-3000:]
 
 
 @pytest.mark.parametrize("args", [(), ("fast",)], ids=["exact", "fast"])
@@ -132,25 +134,29 @@ def _cli(argv: list[str], model: Path, *extra: str, env: dict | None = None) -> 
     return r.stdout
 
 
-@pytest.mark.parametrize("kernels", ["best", "ref"])
-def test_cli_same_as_x86(a64, tiny, cli_path, kernels):
+@pytest.mark.parametrize("mode", ["best", "ref", "fast"])
+def test_cli_same_as_x86(a64, tiny, cli_path, mode):
     """colibri_cli on the embedded model: the same top-5 ids as on x86, probabilities equal
     to 1e-5, and the same greedy text (24 tokens), with the best tables of each machine (neon
-    here, avx2/avx512 there) and with the reference kernels on both."""
+    here, avx2/avx512 there) and with the reference kernels on both. In fast mode (bf16
+    activations: BFDOT here, AMX/vdpbf16ps/f32 there) the same ids and text, probabilities
+    to 1e-4."""
     env = dict(os.environ)
-    if kernels == "ref":
+    env.pop("COLIBRI_KERNELS", None)
+    env.pop("COLIBRI_FAST_KERNELS", None)
+    if mode == "ref":
         env["COLIBRI_KERNELS"] = "ref"
-    else:
-        env.pop("COLIBRI_KERNELS", None)
-    arm = _cli([*_qemu_argv(), str(a64 / "colibri_cli")], tiny, "--max_new_tokens", "1", "--verbose", env=env)
-    x86 = _cli([cli_path], tiny, "--max_new_tokens", "1", env=env)
+    extra = ("--precision", "fast") if mode == "fast" else ()
+    tol = 1e-4 if mode == "fast" else 1e-5
+    arm = _cli([*_qemu_argv(), str(a64 / "colibri_cli")], tiny, "--max_new_tokens", "1", *extra, env=env)
+    x86 = _cli([cli_path], tiny, "--max_new_tokens", "1", *extra, env=env)
     a5, x5 = TOP5.findall(arm), TOP5.findall(x86)
     assert len(a5) == len(x5) == 5, (arm, x86)
     assert [a[1] for a in a5] == [x[1] for x in x5], (arm, x86)
     for a, x in zip(a5, x5):
-        assert abs(float(a[2]) - float(x[2])) <= 1e-5 + 1e-12, (a, x)
-    arm_text = _cli([*_qemu_argv(), str(a64 / "colibri_cli")], tiny, "--max_new_tokens", "24", env=env)
-    x86_text = _cli([cli_path], tiny, "--max_new_tokens", "24", env=env)
+        assert abs(float(a[2]) - float(x[2])) <= tol + 1e-12, (a, x)
+    arm_text = _cli([*_qemu_argv(), str(a64 / "colibri_cli")], tiny, "--max_new_tokens", "24", *extra, env=env)
+    x86_text = _cli([cli_path], tiny, "--max_new_tokens", "24", *extra, env=env)
     assert arm_text == x86_text and arm_text.strip(), (arm_text, x86_text)
 
 

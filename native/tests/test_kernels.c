@@ -1105,7 +1105,7 @@ int main(void) {
     }
     test_round_bf16();
     const char *fast_names[] = {"reference", "avx2", "avxvnni", "avx512vnni", "avx512vnni-amx", "avx512bf16",
-                                "neon",      "neon-dotprod", "neon-i8mm"};
+                                "neon",      "neon-dotprod", "neon-i8mm",      "neon-bf16"};
     for (size_t i = 0; i < sizeof fast_names / sizeof fast_names[0]; i++) {
         const cb_fast_kernels *F = cb_fast_by_name(fast_names[i]);
         if (F) {

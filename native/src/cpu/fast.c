@@ -112,11 +112,14 @@ static int os_zmm(void) {
  * AT_HWCAP2; the kernel sets them only for what the CPU has and the OS enables. */
 #define CB_HWCAP_ASIMDDP (1ul << 20)
 #define CB_HWCAP2_I8MM (1ul << 13)
+#define CB_HWCAP2_BF16 (1ul << 14)
 static int cpu_dotprod(void) { return (getauxval(AT_HWCAP) & CB_HWCAP_ASIMDDP) != 0; }
 static int cpu_i8mm(void) { return cpu_dotprod() && (getauxval(AT_HWCAP2) & CB_HWCAP2_I8MM) != 0; }
+static int cpu_arm_bf16(void) { return cpu_i8mm() && (getauxval(AT_HWCAP2) & CB_HWCAP2_BF16) != 0; }
 #else
 static int cpu_dotprod(void) { return 0; }
 static int cpu_i8mm(void) { return 0; }
+static int cpu_arm_bf16(void) { return 0; }
 #endif
 
 static int cpu_avx2(void) {
@@ -158,29 +161,32 @@ static int cb_fast_cpu_bf16(void) {
 #endif
 }
 
-/* The avx512vnni table's int8 kernels with native BF16 ones (cb_fast_kernels.native_bf16):
- * "avx512vnni-amx" on AMX tiles (fast_amx.c), "avx512bf16" on vdpbf16ps (fast_bf16dp.c).
- * One definition of the table and its two dispatching entries per BF16 back end. */
-#define CB_FAST_BF16_TABLE(TAB, BF16NAME, P)                                                                     \
+/* An int8 table's kernels with native BF16 ones (cb_fast_kernels.native_bf16): the
+ * avx512vnni table with "avx512vnni-amx" on AMX tiles (fast_amx.c) or "avx512bf16" on
+ * vdpbf16ps (fast_bf16dp.c); the neon-i8mm table with "neon-bf16" on BFDOT
+ * (fast_neon_bf16.c). One definition of the table and its two dispatching entries per BF16
+ * back end. */
+#define CB_FAST_BF16_TABLE(TAB, INT8, NAME, BF16NAME, P)                                                        \
     static void TAB##_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T,   \
                                 int64_t N, int64_t K) {                                                         \
         if (dt == COLIBRI_DTYPE_BF16) P##_matmul_ld(y, ldy, x, w, T, N, K);                                     \
-        else cb_fast_avx512vnni()->matmul_ld(y, ldy, x, w, dt, T, N, K);                                        \
+        else INT8()->matmul_ld(y, ldy, x, w, dt, T, N, K);                                                      \
     }                                                                                                            \
     static void TAB##_gateup(float *h, const float *x, const void *gate, const void *up, uint32_t dt, int64_t R, \
                              int64_t H, int64_t I, int64_t i0, int64_t i1) {                                    \
         if (dt == COLIBRI_DTYPE_BF16) P##_gateup_split(h, x, gate, up, R, H, I, i0, i1);                       \
-        else cb_fast_avx512vnni()->gateup(h, x, gate, up, dt, R, H, I, i0, i1);                                 \
+        else INT8()->gateup(h, x, gate, up, dt, R, H, I, i0, i1);                                               \
     }                                                                                                            \
-    static const cb_fast_kernels TAB = {.name = "avx512vnni",                                                   \
+    static const cb_fast_kernels TAB = {.name = NAME,                                                           \
                                         .bf16 = BF16NAME,                                                       \
                                         .native_bf16 = 1,                                                       \
                                         .matmul_ld = TAB##_matmul_ld,                                           \
                                         .gateup = TAB##_gateup,                                                 \
                                         .gateup_packed = P##_gateup_packed,                                     \
                                         .down_packed = P##_down_packed}
-CB_FAST_BF16_TABLE(fast_amx, "amx", cb_amx);
-CB_FAST_BF16_TABLE(fast_bf16dp, "avx512bf16", cb_bf16dp);
+CB_FAST_BF16_TABLE(fast_amx, cb_fast_avx512vnni, "avx512vnni", "amx", cb_amx);
+CB_FAST_BF16_TABLE(fast_bf16dp, cb_fast_avx512vnni, "avx512vnni", "avx512bf16", cb_bf16dp);
+CB_FAST_BF16_TABLE(fast_neonbf16, cb_fast_neon_i8mm, "neon-i8mm", "bfdot", cb_neonbf16);
 
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 static int amx_ok;
@@ -193,6 +199,8 @@ const cb_fast_kernels *cb_fast_by_name(const char *name) {
     if (strcmp(name, "neon") == 0) return cb_fast_neon(); /* NULL off AArch64 */
     if (strcmp(name, "neon-dotprod") == 0) return cpu_dotprod() ? cb_fast_neon_dotprod() : NULL;
     if (strcmp(name, "neon-i8mm") == 0) return cpu_i8mm() ? cb_fast_neon_i8mm() : NULL;
+    if (strcmp(name, "neon-bf16") == 0)
+        return cpu_arm_bf16() && cb_fast_neon_i8mm() && cb_neonbf16_built() ? &fast_neonbf16 : NULL;
     if (strcmp(name, "avxvnni") == 0) return cpu_avxvnni() ? cb_fast_avxvnni() : NULL;
     if (strcmp(name, "avx512vnni") == 0) return cpu_avx512vnni() ? cb_fast_avx512vnni() : NULL;
     if (strcmp(name, "avx512bf16") == 0) return cb_fast_cpu_bf16() && cb_fast_avx512vnni() && cb_bf16dp_built() ? &fast_bf16dp : NULL;
@@ -215,6 +223,10 @@ const cb_fast_kernels *cb_fast_best(void) {
     if ((f = cb_fast_by_name("avx512vnni")) != NULL) return f;
     if ((f = cb_fast_by_name("avxvnni")) != NULL) return f;
     if ((f = cb_fast_by_name("avx2")) != NULL) return f;
+    /* BFDOT does twice the multiply-adds of an FMLA per instruction (on Neoverse V1/N2/V2
+     * and Cortex-A710/X2 alike, per Arm's optimization guides; not measured here: no ARM
+     * hardware, only qemu) */
+    if ((f = cb_fast_by_name("neon-bf16")) != NULL) return f;
     if ((f = cb_fast_by_name("neon-i8mm")) != NULL) return f;
     if ((f = cb_fast_by_name("neon-dotprod")) != NULL) return f;
     if ((f = cb_fast_by_name("neon")) != NULL) return f;

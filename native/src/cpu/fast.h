@@ -90,6 +90,15 @@ void cb_bf16dp_gateup_packed(float *h, const float *x, const void *expert, int64
 void cb_bf16dp_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
                            int64_t c1);
 
+/* fast_neon_bf16.c: the same four on AArch64 BFDOT (FEAT_BF16); 1 when compiled with it. */
+int cb_neonbf16_built(void);
+void cb_neonbf16_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int64_t T, int64_t N, int64_t K);
+void cb_neonbf16_gateup_split(float *h, const float *x, const void *gate, const void *up, int64_t R, int64_t H,
+                              int64_t I, int64_t i0, int64_t i1);
+void cb_neonbf16_gateup_packed(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I,
+                               int64_t B, int64_t i0, int64_t i1);
+void cb_neonbf16_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
+                             int64_t c0, int64_t c1);
 /* 1 when the fast table computes a matrix of dtype dt with rows of K (else the exact
  * kernels run it, on bf16-rounded activations for BF16). */
 static inline int cb_fast_takes(const cb_fast_kernels *f, uint32_t dt, int64_t K) {
