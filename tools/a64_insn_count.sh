@@ -9,6 +9,9 @@
 #
 #   tools/a64_insn_count.sh MODEL [TABLE...]      (default tables: neon ref; build/aarch64)
 #
+# A TABLE is an exact table (COLIBRI_KERNELS: neon, ref) or fast:NAME, the fast mode with that
+# fast table (COLIBRI_FAST_KERNELS: fast:neon, fast:neon-dotprod, fast:neon-i8mm, ...).
+#
 # Environment: A64_BUILD (build/aarch64), K (2), PROMPT ("def").
 set -euo pipefail
 model=${1:?usage: tools/a64_insn_count.sh MODEL [TABLE...]}
@@ -24,19 +27,22 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
 count() { # table, new tokens -> instructions executed by the whole run
-    local fifo="$tmp/log.$1.$2"
+    local fifo="$tmp/log.${1//[:\/]/_}.$2"
     mkfifo "$fifo"
     wc -l <"$fifo" >"$fifo.n" &
     local wc_pid=$!
-    COLIBRI_KERNELS=$1 "${qemu[@]}" -singlestep -d exec,nochain -D "$fifo" "$build/colibri_cli" --model "$model" \
-        --prompt "$prompt" --max_new_tokens "$2" --num_threads 1 >/dev/null
+    local exact=$1 fast="" precision=exact
+    if [[ $1 == fast:* ]]; then exact="" fast=${1#fast:} precision=fast; fi
+    COLIBRI_KERNELS=$exact COLIBRI_FAST_KERNELS=$fast "${qemu[@]}" -singlestep -d exec,nochain -D "$fifo" \
+        "$build/colibri_cli" --model "$model" --prompt "$prompt" --max_new_tokens "$2" --num_threads 1 \
+        --precision "$precision" >/dev/null
     wait "$wc_pid"
     cat "$fifo.n"
 }
 
-printf '%-10s %16s %16s %18s\n' table "insns (2 tokens)" "insns (2+$k)" "insns / decode token"
+printf '%-16s %16s %16s %20s\n' table "insns (2 tokens)" "insns (2+$k)" "insns / decode token"
 for t in "${tables[@]}"; do
     a=$(count "$t" 2)
     b=$(count "$t" $((2 + k)))
-    printf '%-10s %16d %16d %18d\n' "$t" "$a" "$b" $(((b - a) / k))
+    printf '%-16s %16d %16d %20d\n' "$t" "$a" "$b" $(((b - a) / k))
 done
