@@ -82,22 +82,6 @@ static void rows16(float *y, int64_t ldy, const uint16_t *const *rows, int64_t n
     }
 }
 
-/* y[t * ldy + n] = x[t] . W[n] (BF16 W [N, K]) */
-void cb_bf16dp_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int64_t T, int64_t N, int64_t K) {
-    uint32_t xp[DTT * DKMAX / 2];
-    const uint16_t *W = (const uint16_t *)w;
-    for (int64_t t0 = 0; t0 < T; t0 += DTT) {
-        int64_t nt = T - t0 < DTT ? T - t0 : DTT;
-        pairs_of(xp, x + t0 * K, K, nt, K);
-        for (int64_t n0 = 0; n0 < N; n0 += 16) {
-            int64_t nr = N - n0 < 16 ? N - n0 : 16;
-            const uint16_t *rows[16];
-            for (int r = 0; r < 16; r++) rows[r] = W + (size_t)(n0 + (r < nr ? r : nr - 1)) * (size_t)K;
-            rows16(y + t0 * ldy + n0, ldy, rows, nr, xp, nt, K);
-        }
-    }
-}
-
 static void silu_mul16(float *g, const float *u, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) vstore(g + i, vmul(vsilu(vload(g + i)), vload(u + i)));
@@ -107,47 +91,11 @@ static void silu_mul16(float *g, const float *u, int64_t n) {
     }
 }
 
-/* gate/up for columns i0 .. i1 of h [R, I]: row c of gate at gate_row(c), of up at up_row(c) */
-static void gateup_rows(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R, int64_t H,
-                        int64_t I, int64_t i0, int64_t i1, int64_t B) {
-    uint32_t xp[DTT * DKMAX / 2];
-    float g[DTT * 16], u[DTT * 16];
-    for (int64_t t0 = 0; t0 < R; t0 += DTT) {
-        int64_t nt = R - t0 < DTT ? R - t0 : DTT;
-        pairs_of(xp, x + t0 * H, H, nt, H);
-        for (int64_t c = i0; c < i1; c += 16) {
-            int64_t nr = i1 - c < 16 ? i1 - c : 16;
-            const uint16_t *gr[16], *ur[16];
-            for (int r = 0; r < 16; r++) {
-                int64_t i = c + (r < nr ? r : nr - 1);
-                if (B > 0) { /* packed: block b holds nb gate rows then the same nb up rows */
-                    int64_t b = i / B, bs = b * B, nb = I - bs < B ? I - bs : B;
-                    gr[r] = gate + (size_t)(2 * bs + (i - bs)) * (size_t)H;
-                    ur[r] = gr[r] + (size_t)nb * (size_t)H;
-                } else {
-                    gr[r] = gate + (size_t)i * (size_t)H;
-                    ur[r] = up + (size_t)i * (size_t)H;
-                }
-            }
-            rows16(g, 16, gr, nr, xp, nt, H);
-            rows16(u, 16, ur, nr, xp, nt, H);
-            for (int64_t t = 0; t < nt; t++) {
-                silu_mul16(g + t * 16, u + t * 16, nr);
-                memcpy(h + (t0 + t) * I + c, g + t * 16, (size_t)nr * sizeof(float));
-            }
-        }
-    }
-}
-
-void cb_bf16dp_gateup_split(float *h, const float *x, const void *gate, const void *up, int64_t R, int64_t H,
-                            int64_t I, int64_t i0, int64_t i1) {
-    gateup_rows(h, x, (const uint16_t *)gate, (const uint16_t *)up, R, H, I, i0, i1, 0);
-}
-
-void cb_bf16dp_gateup_packed(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I,
-                             int64_t B, int64_t i0, int64_t i1) {
-    gateup_rows(h, x, (const uint16_t *)expert, NULL, R, H, I, i0, i1, B);
-}
+#define BW 16
+#define BF(name) cb_bf16dp_##name
+#define rows_panel rows16
+#define silu_mul_panel silu_mul16
+#include "cpu/fast_bf16_rows.inc"
 
 /* y[r, c] = sum_i h[r, i] w2T[i, c] for c0 <= c < c1: lanes = 16 columns, four vectors (64
  * columns, two cache lines of each w2T row) per step, w2T rows i, i + 1 interleaved into

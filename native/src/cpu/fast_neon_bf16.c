@@ -105,22 +105,6 @@ static void rows4(float *y, int64_t ldy, const uint16_t *const *rows, int64_t nr
     }
 }
 
-/* y[t * ldy + n] = x[t] . W[n] (BF16 W [N, K]) */
-void cb_neonbf16_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int64_t T, int64_t N, int64_t K) {
-    uint32_t xp[DTT * DKMAX / 2];
-    const uint16_t *W = (const uint16_t *)w;
-    for (int64_t t0 = 0; t0 < T; t0 += DTT) {
-        int64_t nt = T - t0 < DTT ? T - t0 : DTT;
-        pairs_of(xp, x + t0 * K, K, nt, K);
-        for (int64_t n0 = 0; n0 < N; n0 += 4) {
-            int64_t nr = N - n0 < 4 ? N - n0 : 4;
-            const uint16_t *rows[4];
-            for (int r = 0; r < 4; r++) rows[r] = W + (size_t)(n0 + (r < nr ? r : nr - 1)) * (size_t)K;
-            rows4(y + t0 * ldy + n0, ldy, rows, nr, xp, nt, K);
-        }
-    }
-}
-
 /* g[i] <- silu(g[i]) * u[i] for i < n <= 4, lane-wise */
 static void silu_mul4(float *g, const float *u, int64_t n) {
     float a[4] = {0, 0, 0, 0}, b[4] = {0, 0, 0, 0};
@@ -130,48 +114,11 @@ static void silu_mul4(float *g, const float *u, int64_t n) {
     memcpy(g, a, (size_t)n * sizeof(float));
 }
 
-/* gate/up for columns i0 .. i1 of h [R, I]: packed (B > 0: block b holds nb gate rows then
- * the same nb up rows) or split (gate, up [I, H]) */
-static void gateup_rows(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R, int64_t H,
-                        int64_t I, int64_t i0, int64_t i1, int64_t B) {
-    uint32_t xp[DTT * DKMAX / 2];
-    float g[DTT * 4], u[DTT * 4];
-    for (int64_t t0 = 0; t0 < R; t0 += DTT) {
-        int64_t nt = R - t0 < DTT ? R - t0 : DTT;
-        pairs_of(xp, x + t0 * H, H, nt, H);
-        for (int64_t c = i0; c < i1; c += 4) {
-            int64_t nr = i1 - c < 4 ? i1 - c : 4;
-            const uint16_t *gr[4], *ur[4];
-            for (int r = 0; r < 4; r++) {
-                int64_t i = c + (r < nr ? r : nr - 1);
-                if (B > 0) {
-                    int64_t bs = i / B * B, nb = I - bs < B ? I - bs : B;
-                    gr[r] = gate + (size_t)(2 * bs + (i - bs)) * (size_t)H;
-                    ur[r] = gr[r] + (size_t)nb * (size_t)H;
-                } else {
-                    gr[r] = gate + (size_t)i * (size_t)H;
-                    ur[r] = up + (size_t)i * (size_t)H;
-                }
-            }
-            rows4(g, 4, gr, nr, xp, nt, H);
-            rows4(u, 4, ur, nr, xp, nt, H);
-            for (int64_t t = 0; t < nt; t++) {
-                silu_mul4(g + t * 4, u + t * 4, nr);
-                memcpy(h + (t0 + t) * I + c, g + t * 4, (size_t)nr * sizeof(float));
-            }
-        }
-    }
-}
-
-void cb_neonbf16_gateup_split(float *h, const float *x, const void *gate, const void *up, int64_t R, int64_t H,
-                              int64_t I, int64_t i0, int64_t i1) {
-    gateup_rows(h, x, (const uint16_t *)gate, (const uint16_t *)up, R, H, I, i0, i1, 0);
-}
-
-void cb_neonbf16_gateup_packed(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I,
-                               int64_t B, int64_t i0, int64_t i1) {
-    gateup_rows(h, x, (const uint16_t *)expert, NULL, R, H, I, i0, i1, B);
-}
+#define BW 4
+#define BF(name) cb_neonbf16_##name
+#define rows_panel rows4
+#define silu_mul_panel silu_mul4
+#include "cpu/fast_bf16_rows.inc"
 
 /* the n (< 4 or 4) bf16 at p, zero-padded to 4 */
 static inline uint16x4_t load4_bf16(const uint16_t *p, int64_t n) {
