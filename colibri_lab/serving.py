@@ -55,6 +55,27 @@ def percentile(xs: list[float], q: float) -> float | None:
     return xs[i] if i + 1 >= len(xs) else xs[i] + (xs[i + 1] - xs[i]) * (k - i)
 
 
+def wait_healthy(proc: subprocess.Popen, port: int, timeout: float, name: str = "colibri_server") -> None:
+    """Poll http://127.0.0.1:port/health until it answers 200; RuntimeError if `proc` exits
+    first or `timeout` seconds pass (each poll has a 2 s timeout of its own)."""
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with status {proc.returncode}")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            try:
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    return
+            finally:
+                c.close()
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{name} did not become healthy in {timeout:.0f} s")
+
+
 class Server:
     """A server process on 127.0.0.1 with /health polled until it answers 200."""
 
@@ -70,27 +91,15 @@ class Server:
         self.stop()
 
     def wait_healthy(self, timeout: float = 600) -> None:
-        t_end = time.monotonic() + timeout
-        while time.monotonic() < t_end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} ({self.log.name})")
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"{self.name} did not become healthy in {timeout:.0f} s")
+        wait_healthy(self.proc, self.port, timeout, f"{self.name} ({self.log.name})")
 
     def stop(self) -> None:
         if self.proc.poll() is not None:
             self.log.close()
             return
-        self.proc.terminate()
+        self.proc.terminate()  # SIGTERM drains: running requests get --shutdown_timeout_s (30 s by default)
         try:
-            self.proc.wait(timeout=20)
+            self.proc.wait(timeout=45)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()

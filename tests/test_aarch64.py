@@ -18,15 +18,14 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 import colibri_lab
+from colibri_lab.serving import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build" / "aarch64"
@@ -160,31 +159,15 @@ def test_cli_same_as_x86(a64, tiny, cli_path, mode):
     assert arm_text == x86_text and arm_text.strip(), (arm_text, x86_text)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_under_qemu(a64, tiny, cli_path):
     """The cross-built colibri_server, emulated, on loopback: /health, then a greedy
     completion equal to the x86 CLI's text."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([*_qemu_argv(), str(a64 / "colibri_server"), "--model", str(tiny), "--host",
                              f"127.0.0.1:{port}", "--num_threads", "2"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "colibri_server under qemu did not become healthy in 60 s"
-            time.sleep(0.25)
+        wait_healthy(proc, port, 60, "colibri_server under qemu")
         body = json.dumps({"prompt": "def", "max_tokens": 24, "temperature": 0}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 import colibri_lab
-from colibri_lab.serving import parse_metrics
+from colibri_lab.serving import parse_metrics, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 REQ_TIMEOUT = 20.0  # seconds, every request through the proxy
@@ -104,18 +104,10 @@ class Replica:
         self.proc = subprocess.Popen([self.exe, "--model", str(self.model), "--host", f"127.0.0.1:{self.port}",
                                       *REPLICA_ARGS, *self.args], stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        t_end = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: {self.text()}")
-            try:
-                if request(self.port, "GET", "/health", timeout=2)[0] == 200:
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > t_end:
-                raise RuntimeError(f"{self.name} not healthy in 30 s: {self.text()}")
-            time.sleep(0.05)
+        try:
+            wait_healthy(self.proc, self.port, 30, self.name)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}: {self.text()}") from None
 
     def text(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]

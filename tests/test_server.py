@@ -15,13 +15,11 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import os
 import random
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ import pytest
 
 import colibri_lab
 from colibri_lab import Engine
+from colibri_lab.serving import wait_healthy
 
 openai = pytest.importorskip("openai")
 
@@ -99,18 +98,10 @@ class Server:
         argv = [exe, "--model", str(model), "--host", f"127.0.0.1:{self.port}", "--num_threads", "2",
                 *args]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
-        t_end = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"colibri_server exited {self.proc.returncode}: {self.text()}")
-            try:
-                if get(self.port, "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > t_end:
-                raise RuntimeError(f"colibri_server not healthy in 60 s: {self.text()}")
-            time.sleep(0.05)
+        try:
+            wait_healthy(self.proc, self.port, 60)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}: {self.text()}") from None
 
     def text(self) -> str:
         self.log.flush()
