@@ -66,22 +66,6 @@ static inline __attribute__((always_inline)) void micro(float *y, int64_t ldy, c
     for (int t = 0; t < NT; t++) _mm512_mask_storeu_ps(y + t * ldy, m, acc[t]);
 }
 
-/* rows[0..nr) (nr <= 16; past nr the last row again, never stored) times the tile's tokens */
-static void rows16(float *y, int64_t ldy, const uint16_t *const *rows, int64_t nr, const uint32_t *xp, int64_t nt,
-                   int64_t K) {
-    __m512i P[DKMAX / 2];
-    pack16(P, rows, K);
-    int64_t np = K / 2;
-    for (int64_t t = 0; t < nt; t += 4) {
-        int64_t n = nt - t < 4 ? nt - t : 4;
-        const uint32_t *xt = xp + t * np;
-        if (n == 4) micro(y + t * ldy, ldy, P, xt, np, 4, nr);
-        else if (n == 3) micro(y + t * ldy, ldy, P, xt, np, 3, nr);
-        else if (n == 2) micro(y + t * ldy, ldy, P, xt, np, 2, nr);
-        else micro(y + t * ldy, ldy, P, xt, np, 1, nr);
-    }
-}
-
 static void silu_mul16(float *g, const float *u, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) vstore(g + i, vmul(vsilu(vload(g + i)), vload(u + i)));
@@ -93,7 +77,8 @@ static void silu_mul16(float *g, const float *u, int64_t n) {
 
 #define BW 16
 #define BF(name) cb_bf16dp_##name
-#define rows_panel rows16
+#define BF_PANEL __m512i
+#define pack_panel pack16
 #define silu_mul_panel silu_mul16
 #include "cpu/fast_bf16_rows.inc"
 

@@ -89,22 +89,6 @@ static inline __attribute__((always_inline)) void micro(float *y, int64_t ldy, c
     }
 }
 
-/* rows[0..nr) (nr <= 4; past nr the last row again, never stored) times the tile's tokens */
-static void rows4(float *y, int64_t ldy, const uint16_t *const *rows, int64_t nr, const uint32_t *xp, int64_t nt,
-                  int64_t K) {
-    uint32x4_t P[DKMAX / 2];
-    pack4(P, rows, K);
-    int64_t np = K / 2;
-    for (int64_t t = 0; t < nt; t += 4) {
-        int64_t n = nt - t < 4 ? nt - t : 4;
-        const uint32_t *xt = xp + t * np;
-        if (n == 4) micro(y + t * ldy, ldy, P, xt, np, 4, nr);
-        else if (n == 3) micro(y + t * ldy, ldy, P, xt, np, 3, nr);
-        else if (n == 2) micro(y + t * ldy, ldy, P, xt, np, 2, nr);
-        else micro(y + t * ldy, ldy, P, xt, np, 1, nr);
-    }
-}
-
 /* g[i] <- silu(g[i]) * u[i] for i < n <= 4, lane-wise */
 static void silu_mul4(float *g, const float *u, int64_t n) {
     float a[4] = {0, 0, 0, 0}, b[4] = {0, 0, 0, 0};
@@ -116,7 +100,8 @@ static void silu_mul4(float *g, const float *u, int64_t n) {
 
 #define BW 4
 #define BF(name) cb_neonbf16_##name
-#define rows_panel rows4
+#define BF_PANEL uint32x4_t
+#define pack_panel pack4
 #define silu_mul_panel silu_mul4
 #include "cpu/fast_bf16_rows.inc"
 
