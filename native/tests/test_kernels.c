@@ -376,12 +376,16 @@ static cb_kv_view contiguous_copy(const cb_kv_view *src, int64_t npos, int64_t H
     return c;
 }
 
+/* Every case with and without attention sinks (gpt-oss): with sinks, each query head's
+ * denominator gains exp(sink_h - m), m the max over its scores and sink_h. */
 static void test_attention(const cb_kernels *K) {
     struct { int64_t T, start, Hq, Hkv, D, window, blen; } cs[] = {
         {1, 0, 1, 1, 2, 0, 1}, {7, 0, 4, 2, 6, 0, 3}, {3, 30, 6, 3, 16, 0, 16}, {33, 5, 4, 1, 10, 7, 5},
         {1, 128, 2, 2, 8, 129, 32}, {5, 3, 8, 8, 4, 1, 7}, {9, 4, 12, 2, 40, 0, 2}, {2, 17, 5, 1, 64, 0, 19},
     };
-    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+    for (size_t ii = 0; ii < 2 * sizeof cs / sizeof cs[0]; ii++) {
+        size_t i = ii % (sizeof cs / sizeof cs[0]);
+        int with_sinks = ii >= sizeof cs / sizeof cs[0];
         int64_t T = cs[i].T, P = cs[i].start + T, nq = cs[i].Hq * cs[i].D;
         int64_t D = cs[i].D, group = cs[i].Hq / cs[i].Hkv;
         float *q = malloc((size_t)(T * nq) * 4), *out = malloc((size_t)(T * nq) * 4);
@@ -391,19 +395,24 @@ static void test_attention(const cb_kernels *K) {
         float *pool, *cpool;
         int32_t *table, one;
         fill(q, T * nq, 1.5);
+        float *sinks = NULL;
+        if (with_sinks) { /* odd head counts; sinks both below and above the scores */
+            sinks = malloc((size_t)cs[i].Hq * 4);
+            fill(sinks, cs[i].Hq, 3.0);
+        }
         cb_kv_view kv = paged_cache(P, cs[i].Hkv, D, cs[i].blen, &pool, &table);
         cb_kv_view ckv = contiguous_copy(&kv, P, cs[i].Hkv, D, &cpool, &one);
-        K->attention(out, q, &kv, sc, T, cs[i].start, cs[i].Hq, cs[i].Hkv, D, cs[i].window);
+        K->attention(out, q, &kv, sc, T, cs[i].start, cs[i].Hq, cs[i].Hkv, D, cs[i].window, sinks);
         /* the block layout changes no bit: the same keys and values in one block */
-        K->attention(out_c, q, &ckv, sc, T, cs[i].start, cs[i].Hq, cs[i].Hkv, D, cs[i].window);
+        K->attention(out_c, q, &ckv, sc, T, cs[i].start, cs[i].Hq, cs[i].Hkv, D, cs[i].window, sinks);
         if (memcmp(out, out_c, (size_t)(T * nq) * 4) != 0)
-            FAIL("[%s] attention case %zu: the paged cache (blocks of %lld) differs from the contiguous one",
-                 K->name, i, (long long)cs[i].blen);
+            FAIL("[%s] attention case %zu%s: the paged cache (blocks of %lld) differs from the contiguous one",
+                 K->name, i, sinks ? " (sinks)" : "", (long long)cs[i].blen);
         for (int64_t t = 0; t < T; t++) {
             int64_t pos = cs[i].start + t;
             for (int64_t h = 0; h < cs[i].Hq; h++) {
                 int64_t kvh = h / group;
-                double m = -INFINITY, sum = 0;
+                double m = sinks ? (double)sinks[h] : -INFINITY, sum = 0;
                 for (int64_t j = 0; j <= pos; j++) {
                     int vis = cs[i].window <= 0 || pos - j < cs[i].window;
                     double s = -INFINITY;
@@ -420,6 +429,7 @@ static void test_attention(const cb_kernels *K) {
                     p[j] = isinf(p[j]) ? 0.0 : exp(p[j] - m);
                     sum += p[j];
                 }
+                if (sinks) sum += exp((double)sinks[h] - m);
                 for (int64_t d = 0; d < D; d++) {
                     double o = 0, mag = 0;
                     for (int64_t j = 0; j <= pos; j++) {
@@ -428,7 +438,7 @@ static void test_attention(const cb_kernels *K) {
                         mag += fabs(p[j] / sum * vv);
                     }
                     if (!close_to(out[t * nq + h * D + d], o, mag, 2e-5))
-                        FAIL("[%s] attention case %zu t%lld h%lld d%lld: %.9g vs %.9g", K->name, i, (long long)t,
+                        FAIL("[%s] attention case %zu%s t%lld h%lld d%lld: %.9g vs %.9g", K->name, i, sinks ? " (sinks)" : "", (long long)t,
                              (long long)h, (long long)d, (double)out[t * nq + h * D + d], o);
                 }
             }
@@ -441,6 +451,7 @@ static void test_attention(const cb_kernels *K) {
         free(table);
         free(sc);
         free(p);
+        free(sinks);
     }
 }
 
@@ -564,12 +575,16 @@ static void test_vs_ref(const cb_kernels *K) {
         int32_t *table;
         fill(q, T * nq, 1.0);
         cb_kv_view kv = paged_cache(P, Hkv, D, 13, &pool, &table);
-        for (int64_t window = 0; window <= 9; window += 9) {
-            for (int64_t i = 0; i < T * nq; i++) o[i] = orf[i] = SENTINEL;
-            K->attention_heads(o, q, &kv, sc, T, start, Hq, Hkv, D, window, 3, 7);
-            R->attention_heads(orf, q, &kv, sc, T, start, Hq, Hkv, D, window, 3, 7);
-            compare_arrays("attention_heads", K, o, orf, T * nq, 2e-5, 1.0);
-        }
+        float sinks[8];
+        fill(sinks, 8, 3.0);
+        for (int64_t window = 0; window <= 9; window += 9)
+            for (int ws = 0; ws < 2; ws++) {
+                const float *sk = ws ? sinks : NULL;
+                for (int64_t i = 0; i < T * nq; i++) o[i] = orf[i] = SENTINEL;
+                K->attention_heads(o, q, &kv, sc, T, start, Hq, Hkv, D, window, sk, 3, 7);
+                R->attention_heads(orf, q, &kv, sc, T, start, Hq, Hkv, D, window, sk, 3, 7);
+                compare_arrays(ws ? "attention_heads (sinks)" : "attention_heads", K, o, orf, T * nq, 2e-5, 1.0);
+            }
         free(q);
         free(o);
         free(orf);

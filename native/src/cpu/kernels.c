@@ -133,9 +133,26 @@ static void softmax_ref(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] *= inv;
 }
 
+/* softmax_ref over x[0..n) with one more logit, sink, in the max and the denominator (its
+ * own probability is not written): transformers' softmax of cat([scores, sink]) minus the
+ * sink's column. */
+static void softmax_sink_ref(float *x, int64_t n, float sink) {
+    float m = sink;
+    for (int64_t i = 0; i < n; i++)
+        if (x[i] > m) m = x[i];
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        sum += x[i];
+    }
+    sum += expf(sink - m);
+    float inv = 1.0f / sum;
+    for (int64_t i = 0; i < n; i++) x[i] *= inv;
+}
+
 static void attention_heads_ref(float *out, const float *q, const cb_kv_view *kv, float *scores, int64_t T,
                                 int64_t start_pos, int64_t Hq, int64_t Hkv, int64_t D, int64_t window,
-                                int64_t h0, int64_t h1) {
+                                const float *sinks, int64_t h0, int64_t h1) {
     int64_t group = Hq / Hkv;
     int64_t nq = Hq * D;
     float scale = (float)(1.0 / sqrt((double)D));
@@ -152,7 +169,8 @@ static void attention_heads_ref(float *out, const float *q, const cb_kv_view *kv
                 for (int64_t d = 0; d < D; d++) acc += qh[d] * kr[d];
                 scores[j] = acc * scale;
             }
-            softmax_ref(scores, cnt);
+            if (sinks) softmax_sink_ref(scores, cnt, sinks[h]);
+            else softmax_ref(scores, cnt);
             float *oh = out + t * nq + h * D;
             for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
             for (int64_t j = 0; j < cnt; j++) {
@@ -165,8 +183,9 @@ static void attention_heads_ref(float *out, const float *q, const cb_kv_view *kv
 }
 
 static void attention_ref(float *out, const float *q, const cb_kv_view *kv, float *scores, int64_t T,
-                          int64_t start_pos, int64_t Hq, int64_t Hkv, int64_t D, int64_t window) {
-    attention_heads_ref(out, q, kv, scores, T, start_pos, Hq, Hkv, D, window, 0, Hq);
+                          int64_t start_pos, int64_t Hq, int64_t Hkv, int64_t D, int64_t window,
+                          const float *sinks) {
+    attention_heads_ref(out, q, kv, scores, T, start_pos, Hq, Hkv, D, window, sinks, 0, Hq);
 }
 
 static void gateup_one_ref(float *h, const float *x, const void *grow, const void *urow, uint32_t dt,

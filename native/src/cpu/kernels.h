@@ -103,16 +103,21 @@ typedef struct cb_kernels {
      * sequence must be in it). q: [T, Hq*D]; out: [T, Hq*D];
      * scores: [CB_ATT_HEADS, start_pos+T] scratch. window > 0: key j visible from query i iff
      * j <= i and i - j < window. Scale 1/sqrt(D). Every query's result depends only on its
-     * own inputs (not on T, start_pos of the call, the block layout or the heads range). */
+     * own inputs (not on T, start_pos of the call, the block layout or the heads range).
+     * sinks: NULL, or [Hq] attention sinks (gpt-oss): query head h's softmax denominator
+     * gains exp(sinks[h] - m) (m the max over its scores and sinks[h]) and no value is
+     * attended for it, as transformers' eager_attention_forward with `sinks`. NULL computes
+     * exactly what a table without sinks computes. */
     void (*attention)(float *out, const float *q, const cb_kv_view *kv, float *scores, int64_t T,
-                      int64_t start_pos, int64_t Hq, int64_t Hkv, int64_t D, int64_t window);
+                      int64_t start_pos, int64_t Hq, int64_t Hkv, int64_t D, int64_t window,
+                      const float *sinks);
 
     /* The same for query heads h0 <= h < h1 only (out is written for those heads only);
      * each thread passes its own scores scratch [CB_ATT_HEADS, start_pos+T]: the heads of
      * one KV group are done CB_ATT_HEADS at a time, sharing every key and value they load. */
     void (*attention_heads)(float *out, const float *q, const cb_kv_view *kv, float *scores, int64_t T,
                             int64_t start_pos, int64_t Hq, int64_t Hkv, int64_t D, int64_t window,
-                            int64_t h0, int64_t h1);
+                            const float *sinks, int64_t h0, int64_t h1);
 
     /* SwiGLU expert FFN over a group of R rows with the EXPERTS_PACKED layout
      * (docs/format.md): expert: [3I, H] in dt, rows 0..2I-1 gate/up interleaved by

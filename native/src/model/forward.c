@@ -60,6 +60,34 @@ static void route(colibri_ctx *ctx, int64_t T) {
     }
 }
 
+/* Route T tokens as transformers' GptOssTopKRouter (model.routing topk_softmax): top-k of
+ * the logits (highest first, lower id wins ties), then softmax over the k selected logits.
+ * router_probs gets the softmax over all experts, for observation only. */
+static void route_topk_softmax(colibri_ctx *ctx, int64_t T) {
+    const cb_config *c = &ctx->cfg;
+    cb_scratch *s = &ctx->s;
+    int64_t E = c->n_experts, K = c->top_k;
+    memcpy(s->router_probs, s->router_logits, (size_t)(T * E) * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        const float *lg = s->router_logits + t * E;
+        int32_t *ids = s->topk_ids + t * K;
+        float *w = s->topk_w + t * K;
+        for (int64_t k = 0; k < K; k++) {
+            int32_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t j = 0; j < k; j++) taken |= ids[j] == (int32_t)e;
+                if (taken) continue;
+                if (best < 0 || lg[e] > lg[best]) best = (int32_t)e;
+            }
+            ids[k] = best;
+            w[k] = lg[best];
+        }
+        ctx->kern->softmax(w, K);
+        ctx->kern->softmax(s->router_probs + t * E, E);
+    }
+}
+
 /* Group (token, slot) pairs by expert: counting sort + prefix sum into the row map.
  * Each group is padded with zero rows (token -1, weight 0) to a multiple of group_pad. */
 static void group_tokens(colibri_ctx *ctx, int64_t T) {
@@ -222,7 +250,8 @@ static void att_chunk(void *arg, int64_t ch, int tid) {
     cb_kv_view kv = cb_kv_layer_view(&ctx->sess.kv, s->row_seq[r0], a->layer);
     ctx->kern->attention_heads(s->att + r0 * Nq, s->q + r0 * Nq, &kv,
                                s->att_scores + (int64_t)tid * ctx->max_seq_len * CB_ATT_HEADS, T,
-                               s->row_pos[r0], c->n_heads, c->n_kv_heads, c->head_dim, a->window, h0, h1);
+                               s->row_pos[r0], c->n_heads, c->n_kv_heads, c->head_dim, a->window,
+                               ctx->w.layers[a->layer].sinks, h0, h1);
 }
 
 /* One FFN job: a group of rows through one expert's weights (cb_ffn, packed or split). */
@@ -236,6 +265,8 @@ typedef struct ffn_job {
     int64_t len0, nch0; /* gate/up: intermediate columns per chunk, chunks */
     int64_t len1, nch1; /* down: output columns per chunk, chunks; or one block per chunk */
     float *part;        /* NULL, or the split down projection's [nch1, R, H] block sums */
+    float *u;           /* NULL: silu_glu; else clamped_swiglu (split FFN) with this [R, I]
+                         * scratch for the up projection */
 } ffn_job;
 
 
@@ -249,7 +280,44 @@ typedef struct ffn_task {
     int n_jobs;
     int phase;         /* 0: gate/up, 1: down, 2: sum of the block parts */
     const ffn_job *jobs;
+    float limit, alpha; /* clamped_swiglu's (jobs with u) */
 } ffn_task;
+
+/* y[:, 0..N) (row stride ldy) = x W^T on the fast table when it takes W, else the kernels'. */
+static void ffn_matmul(const ffn_task *f, float *y, int64_t ldy, const float *x, const void *w, uint32_t dt,
+                       int64_t R, int64_t N, int64_t K) {
+    if (cb_fast_takes(f->fast, dt, K)) f->fast->matmul_ld(y, ldy, x, w, dt, R, N, K);
+    else f->kern->matmul_ld(y, ldy, x, w, dt, R, N, K);
+}
+
+/* clamped_swiglu (gpt-oss, transformers' GptOssExperts._apply_gate) for intermediate
+ * columns lo..hi of a split FFN job: g = x Wg^T + bg, u = x Wu^T + bu (plain matmuls, then
+ * the biases), g = min(g, limit), u = clamp(u, -limit, limit),
+ * h = (u + 1) * (g * sigmoid(g * alpha)). */
+static void gateup_clamped(const ffn_task *f, const ffn_job *b, int64_t lo, int64_t hi) {
+    const cb_ffn *w = b->f;
+    int64_t H = f->H, I = b->I;
+    size_t rb = (size_t)cb_row_bytes(w->dt, (uint64_t)H);
+    const uint8_t *g = (const uint8_t *)w->gate + (size_t)b->e * w->gu_stride + (size_t)lo * rb;
+    const uint8_t *u = (const uint8_t *)w->up + (size_t)b->e * w->gu_stride + (size_t)lo * rb;
+    ffn_matmul(f, b->h + lo, I, b->x, g, w->dt, b->R, hi - lo, H);
+    ffn_matmul(f, b->u + lo, I, b->x, u, w->dt, b->R, hi - lo, H);
+    const float *gb = w->gate_bias ? w->gate_bias + b->e * I : NULL;
+    const float *ub = w->up_bias ? w->up_bias + b->e * I : NULL;
+    const float lim = f->limit, alpha = f->alpha;
+    for (int64_t r = 0; r < b->R; r++) {
+        float *hr = b->h + r * I;
+        const float *ur = b->u + r * I;
+        for (int64_t i = lo; i < hi; i++) {
+            float gv = gb ? hr[i] + gb[i] : hr[i], uv = ub ? ur[i] + ub[i] : ur[i];
+            if (gv > lim) gv = lim; /* torch.clamp: NaN stays NaN */
+            if (uv < -lim) uv = -lim;
+            else if (uv > lim) uv = lim;
+            float sg = 1.0f / (1.0f + expf(-(gv * alpha)));
+            hr[i] = (uv + 1.0f) * (gv * sg);
+        }
+    }
+}
 
 static void ffn_chunk(void *arg, int64_t c, int tid) {
     (void)tid;
@@ -260,7 +328,9 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
         const ffn_job *b = &f->jobs[j];
         const cb_ffn *w = b->f;
         int64_t lo = c * b->len0, hi = lo + b->len0 < b->I ? lo + b->len0 : b->I;
-        if (w->packed && cb_fast_takes_packed(f->fast, w->dt, f->H, b->I))
+        if (b->u)
+            gateup_clamped(f, b, lo, hi);
+        else if (w->packed && cb_fast_takes_packed(f->fast, w->dt, f->H, b->I))
             f->fast->gateup_packed(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, b->R, f->H,
                                    b->I, f->B, lo, hi);
         else if (w->packed)
@@ -287,6 +357,11 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
                 f->fast->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
             else
                 f->kern->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
+            if (w->down_bias) {
+                const float *db = w->down_bias + b->e * f->H;
+                for (int64_t r = 0; r < b->R; r++)
+                    for (int64_t k = lo; k < hi; k++) b->y[r * f->H + k] += db[k];
+            }
             return;
         }
         const void *ew = (const uint8_t *)w->packed + (size_t)b->e * w->stride;
@@ -341,7 +416,8 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
         n0 += b->nch0;
         n1 += b->nch1;
     }
-    ffn_task f = {ctx->kern, ctx->fast, H, ctx->cfg.block_size, n_jobs, 0, jobs};
+    ffn_task f = {ctx->kern, ctx->fast, H, ctx->cfg.block_size, n_jobs, 0, jobs, ctx->cfg.swiglu_limit,
+                  ctx->cfg.swiglu_alpha};
     cb_pool_run(ctx->pool, ffn_chunk, &f, n0);
     f.phase = 1;
     cb_pool_run(ctx->pool, ffn_chunk, &f, n1);
@@ -475,7 +551,9 @@ static void stage_router(colibri_ctx *ctx, uint32_t l) {
                              L->router_zero, T, c->n_experts, c->hidden);
     else
         ctx->kern->matmul(s->router_logits, s->xn, L->router, c->router_dtype, T, c->n_experts, c->hidden);
-    route(ctx, T);
+    if (L->router_b) add_bias(s->router_logits, L->router_b, T, c->n_experts);
+    if (c->routing == CB_ROUTE_TOPK_SOFTMAX) route_topk_softmax(ctx, T);
+    else route(ctx, T);
 }
 
 /* Group the (token, slot) pairs by expert and gather each group's input rows. */
@@ -506,7 +584,7 @@ static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
     int n_jobs = 0;
     if (!L->moe) {
         fast_round(ctx, s->xn, T * H, ffn_bf16(&L->dense));
-        jobs[0] = (ffn_job){s->delta, s->ffn_h, s->xn, &L->dense, 0, T, c->dense_inter, 0, 0, 0, 0, NULL};
+        jobs[0] = (ffn_job){s->delta, s->ffn_h, s->xn, &L->dense, 0, T, c->dense_inter, 0, 0, 0, 0, NULL, NULL};
         par_ffn(ctx, jobs, 1);
         return;
     }
@@ -514,7 +592,8 @@ static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
         int64_t r0 = s->expert_offset[e], R = s->expert_offset[e + 1] - r0;
         if (R == 0) continue;
         jobs[n_jobs++] = (ffn_job){s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, &L->experts, e, R, I,
-                                   0, 0, 0, 0, NULL};
+                                   0, 0, 0, 0, NULL,
+                                   c->activation == CB_ACT_CLAMPED_SWIGLU ? s->ex_up + r0 * I : NULL};
         if (n_jobs == CB_FFN_BATCH) {
             par_ffn(ctx, jobs, n_jobs);
             n_jobs = 0;
@@ -522,7 +601,7 @@ static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
     }
     /* routed sum + sigmoid(g . x) * shared(x), as transformers' Qwen2-MoE */
     if (L->has_shared)
-        jobs[n_jobs++] = (ffn_job){s->sh_out, s->ffn_h, s->xn, &L->shared, 0, T, c->shared_inter, 0, 0, 0, 0, NULL};
+        jobs[n_jobs++] = (ffn_job){s->sh_out, s->ffn_h, s->xn, &L->shared, 0, T, c->shared_inter, 0, 0, 0, 0, NULL, NULL};
     if (n_jobs > 0) par_ffn(ctx, jobs, n_jobs);
     if (L->has_shared) {
         if (L->shared_gate.w) {

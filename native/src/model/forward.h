@@ -48,6 +48,7 @@ typedef struct cb_scratch {
     float *row_weight;   /* [R] routing weight of each grouped row, 0 for padding */
     float *ex_in;        /* [R, H] gathered expert inputs */
     float *ex_h;         /* [R, I] silu(gate)*up */
+    float *ex_up;        /* [R, I] the up projection (clamped_swiglu only; else NULL) */
     float *ex_out;       /* [R, H] expert outputs */
     float *ffn_h;        /* [B, max(Id, Is)] silu(gate)*up of the dense MLP / shared expert */
     float *sh_out;       /* [B, H] shared-expert output */

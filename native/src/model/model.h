@@ -16,6 +16,15 @@
 /* model.attn_qk_norm (docs/format.md, "Family options"). */
 enum { CB_QKNORM_NONE = 0, CB_QKNORM_HEAD = 1, CB_QKNORM_FULL = 2 };
 
+/* model.activation: the routed experts' gated activation. silu_glu: silu(g) * u;
+ * clamped_swiglu (gpt-oss): g = min(g, limit), u = clamp(u, -limit, limit),
+ * (u + 1) * g * sigmoid(alpha * g), on the split FFN with optional biases. */
+enum { CB_ACT_SILU_GLU = 0, CB_ACT_CLAMPED_SWIGLU = 1 };
+
+/* model.routing: softmax_topk: softmax over all experts, top-k, optional renormalisation
+ * (norm_topk_prob); topk_softmax (gpt-oss): top-k of the logits, softmax over those k. */
+enum { CB_ROUTE_SOFTMAX_TOPK = 0, CB_ROUTE_TOPK_SOFTMAX = 1 };
+
 /* Read-only model facts (and the facts of the file they came from). */
 typedef struct cb_config {
     uint32_t version;
@@ -41,6 +50,13 @@ typedef struct cb_config {
     int attn_output_bias;      /* o projection has a bias */
     int qk_norm;               /* CB_QKNORM_* */
     float clip_qkv;            /* > 0: clamp q, k, v to [-clip, clip] after the q/k norm */
+    int activation;            /* CB_ACT_* (model.activation) */
+    float swiglu_limit;        /* clamped_swiglu: the clamp bound (f32) */
+    float swiglu_alpha;        /* clamped_swiglu: the sigmoid's gain (f32) */
+    int routing;               /* CB_ROUTE_* (model.routing) */
+    int router_bias;           /* the router has a bias [E] (blk.N.ffn_gate_inp.bias) */
+    int attn_sinks;            /* one learned sink logit per query head (blk.N.attn_sinks) */
+    int expert_bias;           /* the routed experts' gate/up/down have biases (blk.N.ffn_*_exps.bias) */
     const uint8_t *layer_ffn;  /* [n_layers] u32 in the mapped metadata (1 MoE, 0 dense), or NULL = all MoE */
     const uint8_t *layer_window; /* [n_layers] u64 in the mapped metadata, or NULL = all sliding_window */
     const uint8_t *chat_template; /* [chat_template_len] UTF-8 in the mapped metadata, or NULL */
@@ -70,6 +86,9 @@ typedef struct cb_ffn {
     uint32_t dt;               /* packed: its dtype; split: the gate's and up's */
     uint32_t down_dt;          /* split: the down projection's dtype */
     uint32_t inter;            /* I */
+    /* split only, optional (NULL = none): f32 biases, expert e's at + e * I (gate, up) or
+     * + e * H (down), added after each projection */
+    const float *gate_bias, *up_bias, *down_bias;
 } cb_ffn;
 
 /* Pointers of one decoder layer, all into the mmap. */
@@ -89,6 +108,8 @@ typedef struct cb_layer {
     const float *bo;           /* [H] f32 output-projection bias */
     const float *q_norm;       /* [head_dim] (qk_norm head) or [Nq] (full) f32 */
     const float *k_norm;       /* [head_dim] (qk_norm head) or [Nkv] (full) f32 */
+    const float *sinks;        /* [n_heads] f32 attention sink logits, or NULL */
+    const float *router_b;     /* [E] f32 router bias, or NULL */
     cb_ffn dense;              /* dense-MLP layers: one expert of width Id */
     cb_ffn shared;             /* the shared expert (width Is), when the family has one */
     int has_shared;

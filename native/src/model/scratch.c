@@ -77,6 +77,7 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&s->row_weight, R, 4, "row_weight"},
         {(void **)&s->ex_in, R * H, 4, "ex_in"},
         {(void **)&s->ex_h, R * I, 4, "ex_h"},
+        {(void **)&s->ex_up, c->activation == CB_ACT_CLAMPED_SWIGLU ? R * I : 0, 4, "ex_up"},
         {(void **)&s->ex_out, R * H, 4, "ex_out"},
         {(void **)&s->ffn_h, B * F, 4, "ffn_h"},
         {(void **)&s->sh_out, c->shared_inter ? BH : 0, 4, "sh_out"},
