@@ -1,18 +1,20 @@
 """Random-init Hugging Face checkpoints of the other MoE families (Qwen2-MoE, Qwen3-MoE,
-OLMoE) for the parity tests — the counterpart of ``hf_models.py`` (Mixtral), whose
+OLMoE, gpt-oss) for the parity tests — the counterpart of ``hf_models.py`` (Mixtral), whose
 ``save_checkpoint``, ``hf_logits`` and ``first_near_tie`` serve these models too.
 
 Models are made with transformers itself (torch==2.13.0 CPU, float32, eager experts),
 seeded, with every 1-D parameter randomised: RMSNorm weights (layer norms, q/k norms) in
 [0.5, 1.5] and biases in [-0.5, 0.5], so that a norm or bias applied in the wrong place,
-or not at all, changes the logits.
+or not at all, changes the logits. gpt-oss's 2-D expert biases (`gate_up_proj_bias`,
+`down_proj_bias`) are biases too, and its attention sinks (`self_attn.sinks`, one logit
+per query head) are drawn from [-1, 2] so that they take a visible share of the softmax.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FAMILIES = ("qwen2_moe", "qwen3_moe", "olmoe")
+FAMILIES = ("qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class FamilyShape:
     sliding_window: int | None = None  # Qwen: use_sliding_window with this window
     max_window_layers: int = 28       # Qwen2-MoE
     tie: bool = False
+    layer_types: tuple | None = None  # gpt-oss: None = transformers' default (sliding, full, ...)
+    swiglu_limit: float = 7.0         # gpt-oss
+    rope: tuple | None = None         # gpt-oss rope_parameters items; None = default RoPE
     max_pos: int = 1024
     std: float = 0.08
     seed: int = 0
@@ -52,6 +57,19 @@ class FamilyShape:
             max_position_embeddings=self.max_pos, initializer_range=self.std,
             bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )
+        if self.family == "gpt_oss":
+            from transformers import GptOssConfig
+
+            rope = dict(self.rope) if self.rope else {"rope_type": "default"}
+            rope.setdefault("rope_theta", 10000.0)
+            gcommon = {k: v for k, v in common.items() if k not in ("num_experts", "norm_topk_prob")}
+            return GptOssConfig(**gcommon, num_local_experts=self.experts,
+                                intermediate_size=self.inter, head_dim=self.head_dim or 64,
+                                rms_norm_eps=1e-5, attention_bias=self.bias,
+                                sliding_window=self.sliding_window,
+                                layer_types=list(self.layer_types) if self.layer_types else None,
+                                swiglu_limit=self.swiglu_limit, rope_parameters=rope,
+                                **dict(self.extra))
         if self.family == "olmoe":
             from transformers import OlmoeConfig
 
@@ -82,16 +100,22 @@ def model_class(family: str):
 
     return getattr(transformers, {"qwen2_moe": "Qwen2MoeForCausalLM",
                                   "qwen3_moe": "Qwen3MoeForCausalLM",
-                                  "olmoe": "OlmoeForCausalLM"}[family])
+                                  "olmoe": "OlmoeForCausalLM",
+                                  "gpt_oss": "GptOssForCausalLM"}[family])
 
 
 def randomise_vectors(model) -> None:
-    """Norm weights in [0.5, 1.5], biases in [-0.5, 0.5] (under the caller's seed)."""
+    """Norm weights in [0.5, 1.5], biases in [-0.5, 0.5], attention sinks in [-1, 2]
+    (under the caller's seed)."""
     import torch
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 1:
+            if name.endswith(".sinks"):
+                p.uniform_(-1.0, 2.0)
+            elif name.endswith("_bias"):   # gpt-oss experts' [E, 2I] and [E, H] biases
+                p.uniform_(-0.5, 0.5)
+            elif p.ndim == 1:
                 if name.endswith(".bias"):
                     p.uniform_(-0.5, 0.5)
                 else:

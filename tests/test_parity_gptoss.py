@@ -1,0 +1,256 @@
+"""Parity of the Colibri engine with Hugging Face transformers for gpt-oss
+(transformers' GptOssForCausalLM, eager attention and eager experts; docs/format.md,
+"Family options").
+
+What gpt-oss adds to the decoder, each exercised here at odd tiny sizes: attention sinks
+(one logit per query head in the softmax denominator), alternating sliding/full layers
+with windows shorter than the sequences, q/k/v/o biases, an explicit head_dim, a router
+with a bias that takes top-k of its logits then a softmax over those k, and experts with
+biases and the clamped SwiGLU (a swiglu_limit small enough to bite). As for the other
+families: logits within 1e-4 of transformers in f32, incremental decoding equal to one
+full forward, greedy generation equal token for token.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import colibri_lab  # noqa: E402
+from colibri_lab import ColibriError  # noqa: E402
+from colibri_lab.format import inspect  # noqa: E402
+
+from hf_families import FamilyShape, build_family_model, load_family_model  # noqa: E402
+from hf_models import (  # noqa: E402
+    ModelCache, check_bf16_checkpoint, compare_logits, hf_logits, random_ids,
+)
+
+TOL = 1e-4
+
+SHAPES = {
+    # the default layer_types (sliding, full, sliding), GQA 3, head_dim 10, a limit that
+    # clamps most gates, 5 experts top-2
+    "go-gqa3-limit": FamilyShape(
+        "gpt_oss", vocab=301, hidden=44, inter=27, layers=3, heads=6, kv_heads=2, head_dim=10,
+        experts=5, top_k=2, sliding_window=5, swiglu_limit=0.8, seed=21),
+    # explicit layer_types (full, sliding), GQA 5 (one KV head), 7 experts top-3, window 3,
+    # the default limit 7
+    "go-gqa5-top3": FamilyShape(
+        "gpt_oss", vocab=517, hidden=60, inter=33, layers=2, heads=5, kv_heads=1, head_dim=12,
+        experts=7, top_k=3, sliding_window=3, layer_types=("full_attention", "sliding_attention"),
+        swiglu_limit=7.0, seed=22),
+    # no attention biases, tied embeddings, top-1 of 3, MHA, every layer sliding (one window)
+    "go-tied-top1": FamilyShape(
+        "gpt_oss", vocab=333, hidden=36, inter=19, layers=2, heads=4, kv_heads=4, head_dim=8,
+        experts=3, top_k=1, bias=False, tie=True, sliding_window=6,
+        layer_types=("sliding_attention", "sliding_attention"), swiglu_limit=1.5, seed=23),
+}
+
+MEASURED: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return ModelCache(tmp_path_factory, SHAPES, build_family_model)
+
+
+def compare(ref, got, router_logits, top_k, what):
+    delta = compare_logits(ref, got, router_logits, top_k, what, tol=TOL)
+    MEASURED[what] = max(MEASURED.get(what, 0.0), delta)
+    return delta
+
+
+# ------------------------------------------------------------------------ conversion
+
+def test_gptoss_options_in_metadata(models):
+    _, path = models("go-gqa3-limit")
+    info = inspect(path)
+    m = info.metadata
+    assert m["general.architecture"] == "gpt_oss"
+    assert m["model.head_dim"] == 10
+    assert m["model.layer_sliding_window"] == [5, 0, 5]
+    assert m["model.activation"] == "clamped_swiglu"
+    assert m["model.swiglu_limit"] == pytest.approx(0.8)
+    assert m["model.swiglu_alpha"] == pytest.approx(1.702)
+    assert m["model.routing"] == "topk_softmax"
+    assert m["model.router_bias"] is True and m["model.attn_sinks"] is True
+    assert m["model.expert_bias"] is True
+    assert m["model.attn_qkv_bias"] is True and m["model.attn_output_bias"] is True
+    assert info.version == 2   # the experts are stored split
+    assert info.tensor("blk.0.attn_sinks").shape == (6,)
+    assert info.tensor("blk.0.ffn_gate_inp.bias").shape == (5,)
+    assert info.tensor("blk.1.ffn_gate_exps").shape == (5, 27, 44)
+    assert info.tensor("blk.1.ffn_up_exps").shape == (5, 27, 44)
+    assert info.tensor("blk.1.ffn_down_exps").shape == (5, 44, 27)
+    assert info.tensor("blk.1.ffn_gate_exps.bias").shape == (5, 27)
+    assert info.tensor("blk.1.ffn_down_exps.bias").shape == (5, 44)
+
+    m = inspect(models("go-tied-top1")[1]).metadata
+    assert m["model.sliding_window"] == 6 and "model.layer_sliding_window" not in m
+    assert m["model.attn_qkv_bias"] is False
+
+
+def test_experts_deinterleaved_and_transposed(models):
+    """The split tensors are transformers' interleaved gate_up_proj columns, transposed."""
+    model, path = models("go-gqa3-limit")
+    info = inspect(path)
+    ex = model.model.layers[2].mlp.experts
+    gu = ex.gate_up_proj.detach().numpy()
+    rd = info.read_tensor
+    np.testing.assert_array_equal(rd("blk.2.ffn_gate_exps"), gu[:, :, 0::2].transpose(0, 2, 1))
+    np.testing.assert_array_equal(rd("blk.2.ffn_up_exps"), gu[:, :, 1::2].transpose(0, 2, 1))
+    np.testing.assert_array_equal(rd("blk.2.ffn_down_exps"),
+                                  ex.down_proj.detach().numpy().transpose(0, 2, 1))
+    b = ex.gate_up_proj_bias.detach().numpy()
+    np.testing.assert_array_equal(rd("blk.2.ffn_gate_exps.bias"), b[:, 0::2])
+    np.testing.assert_array_equal(rd("blk.2.ffn_up_exps.bias"), b[:, 1::2])
+    np.testing.assert_array_equal(rd("blk.2.attn_sinks"),
+                                  model.model.layers[2].self_attn.sinks.detach().numpy())
+
+
+def _patch_metadata(path, out, old: bytes, new: bytes):
+    """Replace bytes inside the metadata section (same length) and fix the CRCs."""
+    buf = bytearray(path.read_bytes())
+    off, size, _ = struct.unpack_from("<QQI", buf, 56)
+    meta = bytes(buf[off:off + size])
+    assert meta.count(old) == 1 and len(old) == len(new)
+    buf[off:off + size] = meta.replace(old, new)
+    struct.pack_into("<I", buf, 56 + 16, zlib.crc32(buf[off:off + size]))
+    struct.pack_into("<I", buf, 252, zlib.crc32(buf[:252]))
+    out.write_bytes(bytes(buf))
+    return out
+
+
+def test_engine_refuses_unknown_activation_and_routing(models, tmp_path):
+    _, path = models("go-tied-top1")
+    bad = _patch_metadata(path, tmp_path / "act.colibri", b"clamped_swiglu", b"clamped_gelu__")
+    with pytest.raises(ColibriError, match="activation 'clamped_gelu__'.*silu_glu, clamped_swiglu"):
+        colibri_lab.Engine(bad)
+    bad = _patch_metadata(path, tmp_path / "route.colibri", b"topk_softmax", b"topk_sigmoid")
+    with pytest.raises(ColibriError, match="routing 'topk_sigmoid'.*softmax_topk, topk_softmax"):
+        colibri_lab.Engine(bad)
+
+
+# ------------------------------------------------------------------------ parity
+
+@pytest.mark.parametrize("key", list(SHAPES))
+@pytest.mark.parametrize("seq_len", [1, 13, 40])
+def test_logits_f32(models, key, seq_len):
+    model, path = models(key)
+    shape = SHAPES[key]
+    ids = random_ids(shape.vocab, seq_len, seed=seq_len)
+    ref, router_logits = hf_logits(model, ids)
+    assert float(np.std(ref)) > 0.05
+    with colibri_lab.Engine(path) as eng:
+        got = eng.forward(ids)
+    compare(ref, got, router_logits, shape.top_k, f"{key} f32 seq {seq_len}")
+
+
+def test_logits_bf16_checkpoint(models, tmp_path):
+    key = "go-gqa3-limit"
+    model, _ = models(key)
+    shape = SHAPES[key]
+    what = f"{key} bf16"
+    delta = check_bf16_checkpoint(model, lambda f: load_family_model(shape.family, f),
+                                  shape.vocab, shape.top_k, tmp_path, what)
+    MEASURED[what] = max(MEASURED.get(what, 0.0), delta)
+
+
+def _set_limit(model, limit):
+    for layer in model.model.layers:
+        layer.mlp.experts.limit = limit
+
+
+def test_limit_and_sinks_bite(models):
+    """The SHAPES' swiglu_limit and the sinks change transformers' logits: the parity above
+    tests them."""
+    model, _ = models("go-gqa3-limit")
+    ids = random_ids(SHAPES["go-gqa3-limit"].vocab, 20, seed=3)
+    ref, _ = hf_logits(model, ids)
+    _set_limit(model, 1e4)
+    try:
+        unclamped, _ = hf_logits(model, ids)
+    finally:
+        _set_limit(model, SHAPES["go-gqa3-limit"].swiglu_limit)
+    assert float(np.max(np.abs(ref - unclamped))) > 1e-2
+    saved = [layer.self_attn.sinks.detach().clone() for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.fill_(-1e4)
+        nosink, _ = hf_logits(model, ids)
+    finally:
+        with torch.no_grad():
+            for layer, s in zip(model.model.layers, saved):
+                layer.self_attn.sinks.copy_(s)
+    assert float(np.max(np.abs(ref - nosink))) > 1e-2
+
+
+@pytest.mark.parametrize("key", list(SHAPES))
+def test_incremental_equals_full(models, key):
+    _, path = models(key)
+    ids = random_ids(SHAPES[key].vocab, 41, seed=7)
+    with colibri_lab.Engine(path) as eng:
+        full = eng.forward(ids)
+        pieces = []
+        cuts = [0, 1, 2, 9, 10, 25, 41]
+        for a, b in zip(cuts, cuts[1:]):
+            pieces.append(eng.forward(ids[a:b], start_pos=a))
+        inc = np.concatenate(pieces)
+    with colibri_lab.Engine(path, max_batch=6) as eng:
+        chunked = eng.forward(ids)
+    assert np.max(np.abs(full - inc)) <= 1e-5
+    assert np.max(np.abs(full - chunked)) <= 1e-5
+
+
+@pytest.mark.parametrize("key", list(SHAPES))
+def test_greedy_generation_equals_transformers(models, key):
+    model, path = models(key)
+    shape = SHAPES[key]
+    prompt = random_ids(shape.vocab, 12, seed=9)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    ref = out[0, len(prompt):].tolist()
+    with colibri_lab.Engine(path) as eng:
+        got = [t.id for t in eng.generate(prompt, max_new_tokens=32, stop_at_eos=False)]
+    assert got == ref
+
+
+def test_batch_api_equals_forward(models):
+    """Two sequences through colibri_batch, in steps that interleave them, give each the
+    logits it has alone (the paged cache, per-sequence windows and sinks)."""
+    key = "go-gqa5-top3"
+    _, path = models(key)
+    a = random_ids(SHAPES[key].vocab, 17, seed=1)
+    b = random_ids(SHAPES[key].vocab, 11, seed=2)
+    with colibri_lab.Engine(path) as eng:
+        fa = eng.forward(a)
+    with colibri_lab.Engine(path) as eng:
+        fb = eng.forward(b)
+    with colibri_lab.Engine(path, max_seqs=2) as eng:
+        a1, b1 = eng.batch([(0, a[:9]), (1, b[:4])], logits="all")
+        b2, a2 = eng.batch([(1, b[4:]), (0, a[9:])], logits="all")
+    assert np.max(np.abs(np.concatenate([a1, a2]) - fa)) <= 1e-5
+    assert np.max(np.abs(np.concatenate([b1, b2]) - fb)) <= 1e-5
+
+
+def test_no_allocation_in_forward_gptoss(native_tests, tmp_path):
+    """test_noalloc on a small gpt-oss (sinks, clamped experts with biases, windows)."""
+    from test_native import run_ok
+
+    from hf_models import save_checkpoint
+
+    shape = FamilyShape("gpt_oss", vocab=300, hidden=36, inter=20, layers=2, heads=4,
+                        kv_heads=2, head_dim=8, experts=4, top_k=2, sliding_window=5,
+                        swiglu_limit=1.0, seed=3)
+    folder = save_checkpoint(build_family_model(shape), tmp_path / "hf")
+    out = tmp_path / "go.colibri"
+    colibri_lab.convert(folder, out, dtype="bf16", quantize_router="int8", progress=False)
+    run_ok(native_tests / "test_noalloc", out)
