@@ -254,3 +254,25 @@ def test_no_allocation_in_forward_gptoss(native_tests, tmp_path):
     out = tmp_path / "go.colibri"
     colibri_lab.convert(folder, out, dtype="bf16", quantize_router="int8", progress=False)
     run_ok(native_tests / "test_noalloc", out)
+
+
+def test_sink_share_stage_tensor(models):
+    """colibri_stage_tensor("sink_share") after a layer's attention: the sinks' share of
+    each head's softmax, 1 - the sum of transformers' eager attention weights."""
+    key = "go-gqa3-limit"
+    model, path = models(key)
+    ids = random_ids(SHAPES[key].vocab, 13, seed=4)
+    with torch.no_grad():
+        att = model(torch.tensor([ids]), output_attentions=True).attentions
+    with colibri_lab.Engine(path) as eng:
+        run = eng.stages(ids)
+        run.embedding()
+        for layer in range(SHAPES[key].layers):
+            run.attention()
+            share = np.array(run.tensor("sink_share"))
+            want = 1.0 - att[layer][0].sum(-1).numpy().T   # [T, Hq]
+            assert share.shape == want.shape
+            assert np.max(np.abs(share - want)) <= 1e-5
+            assert float(share.min()) > 0.0
+            for stage in ("router", "grouping", "expert_ffn", "combine"):
+                run.run(stage)

@@ -315,8 +315,11 @@ COLIBRI_API colibri_status colibri_stage_run(colibri_ctx *ctx, int32_t stage, fl
  * "router_logits", "router_probs" [T, E], "topk_ids" I32 [T, K], "topk_weights" [T, K],
  * "expert_count" I64 [E], "expert_offset" I64 [E+1], "row_token" I32 [rows] (-1 padding),
  * "row_weight" [rows], "ex_in" [rows, H], "ex_h" [rows, I], "ex_out" [rows, H],
- * "shared_out" [T, H], "shared_gate" [T] (sigmoid values), "ffn_h" [T, Id or Is].
- * rows = expert_offset[E] of the current layer. */
+ * "shared_out" [T, H], "shared_gate" [T] (sigmoid values), "ffn_h" [T, Id or Is],
+ * "sink_share" [T, Hq] (models with attention sinks: each query head's sink share of its
+ * softmax at the layer whose attention ran last, recomputed when asked; NaN before any).
+ * rows = expert_offset[E] of the current layer. "router_probs" of topk_softmax routing is
+ * the softmax over all experts (observation only; the weights are "topk_weights"). */
 COLIBRI_API colibri_status colibri_stage_tensor(colibri_ctx *ctx, const char *name,
                                                 const void **data, int32_t *dtype,
                                                 int32_t *ndim, int64_t shape[4]);

@@ -485,6 +485,7 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
     float eps = (float)c->rms_norm_eps;
     cb_kv *kv = &ctx->sess.kv;
 
+    ctx->run.att_layer = (int32_t)l;
     K->rmsnorm(s->xn, s->x, L->attn_norm, T, H, eps);
     {
         fast_round(ctx, s->xn, T * H, L->wq.dt == COLIBRI_DTYPE_BF16 || L->wk.dt == COLIBRI_DTYPE_BF16 ||
@@ -767,6 +768,7 @@ static void run_setup(colibri_ctx *ctx, const int32_t *ids, int64_t T, int32_t s
     ctx->run.stage = COLIBRI_STAGE_EMBEDDING;
     ctx->run.layer = -1;
     ctx->run.head_rows = T;
+    ctx->run.att_layer = -1;
     run_segments(ctx);
 }
 
@@ -928,6 +930,7 @@ colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t 
         ctx->run.stage = COLIBRI_STAGE_EMBEDDING;
         ctx->run.layer = -1;
         ctx->run.head_rows = R;
+        ctx->run.att_layer = -1;
         run_segments(ctx);
         float *lg = R ? logits + done_logits * V : NULL;
         run_chunk(ctx, lg);
@@ -976,6 +979,43 @@ colibri_status cb_stage_run(colibri_ctx *ctx, int32_t stage, float *logits) {
     return COLIBRI_OK;
 }
 
+/* The attention sinks' share of each (row, query head)'s softmax at the layer whose
+ * attention ran last: exp(sink - m) / (sum_j exp(s_j - m) + exp(sink - m)) over the row's
+ * visible keys, recomputed (in double) from the chunk's q and the KV cache, only when the
+ * lab asks for it, so the forward pass pays nothing. */
+static void fill_sink_share(colibri_ctx *ctx) {
+    const cb_config *c = &ctx->cfg;
+    cb_scratch *s = &ctx->s;
+    int64_t T = ctx->run.T, Hq = c->n_heads, D = c->head_dim, group = c->n_heads / c->n_kv_heads;
+    int32_t l = ctx->run.att_layer;
+    if (l < 0) {
+        for (int64_t i = 0; i < T * Hq; i++) s->sink_share[i] = NAN;
+        return;
+    }
+    const cb_layer *L = &ctx->w.layers[l];
+    double scale = 1.0 / sqrt((double)D);
+    for (int64_t t = 0; t < T; t++) {
+        cb_kv_view kv = cb_kv_layer_view(&ctx->sess.kv, s->row_seq[t], (uint32_t)l);
+        int64_t pos = s->row_pos[t];
+        int64_t lo = (L->window > 0 && pos >= L->window) ? pos - L->window + 1 : 0;
+        for (int64_t h = 0; h < Hq; h++) {
+            const float *qh = s->q + t * Hq * D + h * D;
+            double m = L->sinks[h], sum = 0.0;
+            for (int pass = 0; pass < 2; pass++)
+                for (int64_t j = lo; j <= pos; j++) {
+                    const float *kr = cb_kv_at(kv.k, &kv, h / group, j, D);
+                    double acc = 0.0;
+                    for (int64_t d = 0; d < D; d++) acc += (double)qh[d] * kr[d];
+                    acc *= scale;
+                    if (pass == 0 && acc > m) m = acc;
+                    if (pass == 1) sum += exp(acc - m);
+                }
+            double e = exp((double)L->sinks[h] - m);
+            s->sink_share[t * Hq + h] = (float)(e / (sum + e));
+        }
+    }
+}
+
 colibri_status cb_stage_tensor(colibri_ctx *ctx, const char *name, const void **data,
                                int32_t *dtype, int32_t *ndim, int64_t shape[4]) {
     const cb_config *c = &ctx->cfg;
@@ -1006,11 +1046,13 @@ colibri_status cb_stage_tensor(colibri_ctx *ctx, const char *name, const void **
         {"shared_out", s->sh_out, COLIBRI_DTYPE_F32, 2, c->shared_inter ? T : 0, H},
         {"shared_gate", s->sh_gate, COLIBRI_DTYPE_F32, 1, c->shared_gate ? T : 0, 0},
         {"ffn_h", s->ffn_h, COLIBRI_DTYPE_F32, 2, T, F},
+        {"sink_share", c->attn_sinks ? s->sink_share : NULL, COLIBRI_DTYPE_F32, 2, T, c->n_heads},
     };
     for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++) {
         if (strcmp(tab[i].n, name) != 0) continue;
         if (!tab[i].p)
             return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "this model has no '%s' tensor (no such block)", name);
+        if (tab[i].p == (const void *)s->sink_share) fill_sink_share(ctx);
         *data = tab[i].p;
         *dtype = tab[i].dt;
         *ndim = tab[i].nd;

@@ -49,6 +49,8 @@ typedef struct cb_scratch {
     float *ex_in;        /* [R, H] gathered expert inputs */
     float *ex_h;         /* [R, I] silu(gate)*up */
     float *ex_up;        /* [R, I] the up projection (clamped_swiglu only; else NULL) */
+    float *sink_share;   /* [B, Hq] attention sinks' share of the softmax, filled on request
+                          * by colibri_stage_tensor("sink_share") (attn_sinks only) */
     float *ex_out;       /* [R, H] expert outputs */
     float *ffn_h;        /* [B, max(Id, Is)] silu(gate)*up of the dense MLP / shared expert */
     float *sh_out;       /* [B, H] shared-expert output */
@@ -74,6 +76,7 @@ typedef struct cb_run {
     int32_t stage;      /* next stage (COLIBRI_STAGE_*), -1 when no stage run is active */
     int32_t layer;      /* layer of the next stage, -1 outside the layers */
     int64_t head_rows;  /* LM_HEAD computes logits for rows s->head_idx[0 .. head_rows) */
+    int32_t att_layer;  /* the layer whose ATTENTION stage ran last in this chunk, -1 none */
 } cb_run;
 
 /* What lasts between calls: the sequences and their paged KV cache (model/kv.h). */

@@ -77,6 +77,7 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&s->row_weight, R, 4, "row_weight"},
         {(void **)&s->ex_in, R * H, 4, "ex_in"},
         {(void **)&s->ex_h, R * I, 4, "ex_h"},
+        {(void **)&s->sink_share, c->attn_sinks ? B * (uint64_t)c->n_heads : 0, 4, "sink_share"},
         {(void **)&s->ex_up, c->activation == CB_ACT_CLAMPED_SWIGLU ? R * I : 0, 4, "ex_up"},
         {(void **)&s->ex_out, R * H, 4, "ex_out"},
         {(void **)&s->ffn_h, B * F, 4, "ffn_h"},
