@@ -55,7 +55,8 @@ FLOAT_DTYPES = ("f32", "f16", "bf16")
 QUANT_MIXES = quants.MIXES
 # model_type -> the architectures class name transformers writes for it
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+            "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+            "gpt_oss": "GptOssForCausalLM"}
 SUPPORTED = ", ".join(f"{k} ({v})" for k, v in FAMILIES.items())
 
 
@@ -257,6 +258,13 @@ class ModelSpec:
     attn_qk_norm: str = "none"       # none | head | full
     clip_qkv: float = 0.0
     layer_sliding_window: tuple = () # per-layer windows; () = all `sliding_window`
+    activation: str = "silu_glu"     # silu_glu | clamped_swiglu (gpt-oss experts)
+    swiglu_limit: float = 0.0        # clamped_swiglu
+    swiglu_alpha: float = 0.0        # clamped_swiglu
+    routing: str = "softmax_topk"    # softmax_topk | topk_softmax (gpt-oss)
+    router_bias: bool = False        # blk.N.ffn_gate_inp.bias
+    attn_sinks: bool = False         # blk.N.attn_sinks
+    expert_bias: bool = False        # blk.N.ffn_{gate,up,down}_exps.bias
 
     def is_moe(self, layer: int) -> bool:
         return not self.layer_ffn or bool(self.layer_ffn[layer])
@@ -375,7 +383,11 @@ def read_config(model_dir: str) -> ModelSpec:
 
     n_layers = _cfg_int(cfg, "num_hidden_layers")
     opts: dict = {"architecture": fam}
-    if fam == "mixtral":
+    if fam == "gpt_oss":
+        E, inter, sw, gopts = _gptoss_config(cfg, n_layers)
+        opts.update(gopts)
+        eps_default = 1e-5
+    elif fam == "mixtral":
         E = _cfg_int(cfg, "num_local_experts")
         inter = _cfg_int(cfg, "intermediate_size")
         sw = cfg.get("sliding_window")
@@ -452,7 +464,7 @@ def read_config(model_dir: str) -> ModelSpec:
         raise ConversionError(f"config.json: sliding_window {sw} < 0")
     k = _cfg_int(cfg, "num_experts_per_tok")
     if k > E:
-        ek = "num_local_experts" if fam == "mixtral" else "num_experts"
+        ek = "num_local_experts" if fam in ("mixtral", "gpt_oss") else "num_experts"
         raise ConversionError(f"config.json: num_experts_per_tok {k} > {ek} {E}")
     eps = cfg.get("rms_norm_eps", eps_default)
     spec = ModelSpec(
@@ -790,6 +802,8 @@ def _mlp_source(ck: Checkpoint, prefix: str, I: int, H: int) -> ExpertSource:
 
 
 def _router_source(ck: Checkpoint, layer: int, E: int, H: int) -> SrcTensor:
+    if ck.has(f"model.layers.{layer}.mlp.router.weight"):   # gpt-oss
+        return ck.get(f"model.layers.{layer}.mlp.router.weight", (E, H))
     for moe in ("block_sparse_moe", "mlp"):
         n = f"model.layers.{layer}.{moe}.gate.weight"
         if ck.has(n):
@@ -885,6 +899,8 @@ def plan_tensors(ck: Checkpoint, s: ModelSpec, W: int, int8_router: bool,
         if qk is not None:
             vec(f"blk.{n}.attn_q_norm.weight", f"{a}.q_norm.weight", qk[0])
             vec(f"blk.{n}.attn_k_norm.weight", f"{a}.k_norm.weight", qk[1])
+        if s.attn_sinks:
+            vec(f"blk.{n}.attn_sinks", f"{a}.sinks", s.n_heads)
         dense(f"blk.{n}.attn_output.weight", f"{a}.o_proj.weight", (H, nq))
         if s.attn_output_bias:
             vec(f"blk.{n}.attn_output.bias", f"{a}.o_proj.bias", H)
@@ -909,6 +925,10 @@ def plan_tensors(ck: Checkpoint, s: ModelSpec, W: int, int8_router: bool,
             rdt = W if mix is None else DTYPE_F32
             out.append(PlannedTensor(f"{name}.weight", rdt, LAYOUT_ROW_MAJOR, (E, H), R,
                                      _dense_producer(src, rdt)))
+        if s.router_bias:
+            out.append(PlannedTensor(f"{name}.bias", DTYPE_F32, LAYOUT_ROW_MAJOR, (E,), R,
+                                     _norm_producer(ck.get(f"model.layers.{n}.mlp.router.bias",
+                                                           (E,)))))
         if s.shared_expert_gate:
             dense(f"blk.{n}.ffn_shared_gate.weight",
                   f"model.layers.{n}.mlp.shared_expert_gate.weight", (1, H), R,
@@ -918,6 +938,9 @@ def plan_tensors(ck: Checkpoint, s: ModelSpec, W: int, int8_router: bool,
                       "shared_expert.down_proj", "shared_expert_gate"):
                 ck.skip(f"model.layers.{n}.mlp.{x}.weight")
     for n in range(s.n_layers):
+        if s.activation == "clamped_swiglu":   # gpt-oss: always split, with biases
+            out.extend(_gptoss_tensors(ck, n, s, wdtype))
+            continue
         if mix is not None:
             if not s.is_moe(n):
                 split(n, "", [_mlp_source(ck, f"model.layers.{n}.mlp", Id, H)], Id)
@@ -955,6 +978,16 @@ def family_metadata(s: ModelSpec) -> list[tuple[str, MetaValue]]:
         ("model.attn_qk_norm", M(fmt.MT_STRING, s.attn_qk_norm)),
         ("model.clip_qkv", M(fmt.MT_F64, s.clip_qkv)),
     ]
+    if s.architecture == "gpt_oss":
+        out += [
+            ("model.activation", M(fmt.MT_STRING, s.activation)),
+            ("model.swiglu_limit", M(fmt.MT_F64, s.swiglu_limit)),
+            ("model.swiglu_alpha", M(fmt.MT_F64, s.swiglu_alpha)),
+            ("model.routing", M(fmt.MT_STRING, s.routing)),
+            ("model.router_bias", M(fmt.MT_BOOL, s.router_bias)),
+            ("model.attn_sinks", M(fmt.MT_BOOL, s.attn_sinks)),
+            ("model.expert_bias", M(fmt.MT_BOOL, s.expert_bias)),
+        ]
     if s.layer_sliding_window:
         out.append(("model.layer_sliding_window",
                      M(fmt.MT_ARRAY, list(s.layer_sliding_window), fmt.MT_U64)))
@@ -1006,6 +1039,126 @@ def build_metadata(s: ModelSpec, name: str, W: int, int8_router: bool, B: int,
         ("convert.source", M(fmt.MT_STRING, f"{CONVERTER_NAME} {_version()}")),
     ]
     return fmt.encode_metadata(entries)
+
+
+# --------------------------------------------------------------------------- gpt-oss
+
+def _cfg_positive(cfg: dict, key: str, default: float) -> float:
+    v = cfg.get(key, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ConversionError(f"config.json: {key} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _gptoss_config(cfg: dict, n_layers: int) -> tuple[int, int, int, dict]:
+    """gpt-oss (transformers 5.24's GptOssConfig / modeling_gpt_oss.py): the expert count,
+    the experts' width, the window of model.sliding_window and the family options.
+
+    Every layer is MoE; q/k/v/o biases when attention_bias (default true); one sink logit
+    per query head; the router has a bias and takes top-k of its logits, then a softmax
+    over those k; the experts have biases and the clamped SwiGLU (swiglu_limit, and
+    swiglu_alpha, 1.702 when the config predates the key). layer_types picks the sliding
+    layers (default: even layers); transformers' sliding mask lets query i see key j iff
+    i - j < sliding_window, the engine's rule, so the window is stored as it is."""
+    E = _cfg_int(cfg, "num_local_experts" if "num_local_experts" in cfg else "num_experts")
+    inter = _cfg_int(cfg, "intermediate_size")
+    types = cfg.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or \
+            any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ConversionError(f"config.json: layer_types {types!r} must list sliding_attention "
+                              f"or full_attention for each of the {n_layers} layers")
+    win = cfg.get("sliding_window")
+    win = 0 if win is None else _cfg_size(cfg, "sliding_window")
+    if "sliding_attention" in types and win == 0:
+        raise ConversionError("config.json: layer_types has sliding_attention layers but "
+                              "sliding_window is null or 0")
+    windows = tuple(win if t == "sliding_attention" else 0 for t in types)
+    opts: dict = {}
+    if len(set(windows)) == 1:
+        sw = windows[0]
+    else:
+        sw = 0
+        opts["layer_sliding_window"] = windows
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConversionError(f"config.json: hidden_act {act!r}; gpt-oss experts are the "
+                              "clamped SwiGLU")
+    bias = _cfg_bool(cfg, "attention_bias", True)
+    opts.update(norm_topk_prob=False, attn_qkv_bias=bias, attn_output_bias=bias,
+                activation="clamped_swiglu",
+                swiglu_limit=_cfg_positive(cfg, "swiglu_limit", 7.0),
+                swiglu_alpha=_cfg_positive(cfg, "swiglu_alpha", 1.702),
+                routing="topk_softmax", router_bias=True, attn_sinks=True, expert_bias=True)
+    return E, inter, sw, opts
+
+
+def _gptoss_rows_producer(src: SrcTensor, E: int, nrows: int, ncols: int, pick,
+                          dst: int) -> Callable[[], Iterator[Chunk]]:
+    """Expert e's [nrows, ncols] block of `src` (viewed as [E * nrows, ncols]), turned into
+    the stored matrix by `pick` (a column slice and a transpose), one expert at a time,
+    then in chunks of whole rows converted to `dst` (float or block-quantized)."""
+    def gen():
+        for e in range(E):
+            a = fmt.stored_to_f32(src.read_rows(e * nrows, nrows, ncols), src.dtype_id)
+            m = np.ascontiguousarray(pick(a), dtype=np.float32)
+            del a
+            step = max(1, CHUNK_ELEMS // m.shape[1])
+            for r0 in range(0, m.shape[0], step):
+                x = m[r0:r0 + step]
+                if dst in QUANT_DTYPES:
+                    st = quants.to_stored(x, dst)
+                    yield st, _sumsq(quants.from_stored(st, dst, x.shape[1]))
+                else:
+                    yield _with_sumsq(fmt.f32_to_stored(x, dst), dst)
+            del m
+    return gen
+
+
+def _gptoss_bias_producer(src: SrcTensor, pick) -> Callable[[], Iterator[Chunk]]:
+    def gen():
+        x = fmt.stored_to_f32(src.read_flat(0, src.numel), src.dtype_id).reshape(src.shape)
+        yield _with_sumsq(np.ascontiguousarray(pick(x), dtype="<f4"), DTYPE_F32)
+    return gen
+
+
+def _gptoss_tensors(ck: Checkpoint, layer: int, s: ModelSpec, wdtype) -> list[PlannedTensor]:
+    """Layer `layer`'s routed experts as the split FFN (docs/format.md, "The split FFN")
+    with their biases. transformers' GptOssExperts computes x @ gate_up_proj[e]
+    ([E, H, 2I], gate = columns 0::2, up = columns 1::2, interleaved) + gate_up_proj_bias
+    and h @ down_proj[e] ([E, I, H]) + down_proj_bias: the gate and up rows are those
+    columns transposed, down is down_proj[e] transposed."""
+    E, I, H = s.n_experts, s.intermediate_size, s.hidden_size
+    p = f"model.layers.{layer}.mlp.experts"
+    if ck.has(f"{p}.gate_up_proj_blocks") or ck.has(f"{p}.down_proj_blocks"):
+        raise ConversionError(f"{p} is stored MXFP4 (gate_up_proj_blocks / _scales); this "
+                              "converter reads float gpt-oss experts: load the checkpoint with "
+                              "transformers' Mxfp4Config(dequantize=True) and save_pretrained it")
+    gu = ck.get(f"{p}.gate_up_proj", (E, H, 2 * I))
+    gub = ck.get(f"{p}.gate_up_proj_bias", (E, 2 * I))
+    dn = ck.get(f"{p}.down_proj", (E, I, H))
+    dnb = ck.get(f"{p}.down_proj_bias", (E, H))
+    X, D = fmt.SECTION_EXPERTS, fmt.SECTION_DENSE
+    out = []
+    names = [f"blk.{layer}.ffn_{w}_exps" for w in ("gate", "up", "down")]
+    shapes = [(E, I, H), (E, I, H), (E, H, I)]
+    dts = [wdtype(n, sh, layer) for n, sh in zip(names, shapes)]
+    if dts[0] != dts[1]:
+        raise ConversionError(f"internal: {names[0]} and {names[1]} got different dtypes")
+    picks = [(gu, H, 2 * I, lambda a: a[:, 0::2].T), (gu, H, 2 * I, lambda a: a[:, 1::2].T),
+             (dn, I, H, lambda a: a.T)]
+    for n, sh, dt, (src, nr, nc, pick) in zip(names, shapes, dts, picks):
+        out.append(PlannedTensor(n, dt, LAYOUT_ROW_MAJOR, sh, X,
+                                 _gptoss_rows_producer(src, E, nr, nc, pick, dt)))
+    for n, sh, src, pick in ((names[0], (E, I), gub, lambda b: b[:, 0::2]),
+                             (names[1], (E, I), gub, lambda b: b[:, 1::2]),
+                             (names[2], (E, H), dnb, lambda b: b)):
+        out.append(PlannedTensor(f"{n}.bias", DTYPE_F32, LAYOUT_ROW_MAJOR, sh, D,
+                                 _gptoss_bias_producer(src, pick)))
+    return out
 
 
 # --------------------------------------------------------------------------- writing

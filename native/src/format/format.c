@@ -21,7 +21,7 @@
 #include "core/dtype.h"
 
 #define RECONVERT "re-convert the model with colibri-convert"
-#define CB_SUPPORTED "mixtral, qwen2_moe, qwen3_moe, olmoe"
+#define CB_SUPPORTED "mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss"
 
 static uint32_t rd_u32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
@@ -350,6 +350,78 @@ static colibri_status meta_opt(const colibri_ctx *ctx, const char *key, uint32_t
         if (st != COLIBRI_OK) return st;                                     \
     } while (0)
 
+/* A positive finite F64 option as f32 (0 when absent). */
+static colibri_status opt_positive(const cb_meta_entry *e, const char *key, float *out, char *err, size_t len) {
+    *out = 0.0f;
+    if (!e) return COLIBRI_OK;
+    double v = rd_f64(e->value);
+    if (!isfinite(v) || v <= 0 || v > 3.0e38) {
+        cb_set_err(err, len, "%s = %g must be a positive finite number; " RECONVERT, key, v);
+        return COLIBRI_E_FORMAT;
+    }
+    *out = (float)v;
+    if (*out == 0.0f) *out = 1e-45f;
+    return COLIBRI_OK;
+}
+
+/* gpt-oss's options (docs/format.md, "Family options"): the experts' activation, the
+ * routing rule, and which biases and sinks the file holds. */
+static colibri_status read_gptoss_options(colibri_ctx *ctx, char *err, size_t len) {
+    cb_config *c = &ctx->cfg;
+    const cb_meta_entry *e;
+    colibri_status st;
+    char tmp[64];
+    OPT("model.activation", CB_MT_STRING, 0);
+    c->activation = CB_ACT_SILU_GLU;
+    if (e) {
+        if (str_is(e, "silu_glu")) c->activation = CB_ACT_SILU_GLU;
+        else if (str_is(e, "clamped_swiglu")) c->activation = CB_ACT_CLAMPED_SWIGLU;
+        else {
+            str_copy(tmp, sizeof tmp, e);
+            cb_set_err(err, len, "model.activation '%s' is not supported by this build (supported: silu_glu, "
+                       "clamped_swiglu); use a newer Colibri or " RECONVERT, tmp);
+            return COLIBRI_E_UNSUPPORTED;
+        }
+    }
+    OPT("model.swiglu_limit", CB_MT_F64, 0);
+    st = opt_positive(e, "model.swiglu_limit", &c->swiglu_limit, err, len);
+    if (st != COLIBRI_OK) return st;
+    OPT("model.swiglu_alpha", CB_MT_F64, 0);
+    st = opt_positive(e, "model.swiglu_alpha", &c->swiglu_alpha, err, len);
+    if (st != COLIBRI_OK) return st;
+    if (c->activation == CB_ACT_CLAMPED_SWIGLU && (c->swiglu_limit == 0.0f || c->swiglu_alpha == 0.0f)) {
+        cb_set_err(err, len, "model.activation clamped_swiglu needs model.swiglu_limit and model.swiglu_alpha; "
+                   RECONVERT);
+        return COLIBRI_E_FORMAT;
+    }
+    int any_dense = 0;
+    for (uint32_t l = 0; c->layer_ffn && l < c->n_layers; l++) any_dense |= rd_u32(c->layer_ffn + 4 * (uint64_t)l) == 0;
+    if (c->activation == CB_ACT_CLAMPED_SWIGLU && (any_dense || c->shared_inter > 0)) {
+        cb_set_err(err, len, "model.activation clamped_swiglu applies to the routed experts only; this build "
+                   "runs it without dense layers or a shared expert; " RECONVERT);
+        return COLIBRI_E_UNSUPPORTED;
+    }
+    OPT("model.routing", CB_MT_STRING, 0);
+    c->routing = CB_ROUTE_SOFTMAX_TOPK;
+    if (e) {
+        if (str_is(e, "softmax_topk")) c->routing = CB_ROUTE_SOFTMAX_TOPK;
+        else if (str_is(e, "topk_softmax")) c->routing = CB_ROUTE_TOPK_SOFTMAX;
+        else {
+            str_copy(tmp, sizeof tmp, e);
+            cb_set_err(err, len, "model.routing '%s' is not supported by this build (supported: softmax_topk, "
+                       "topk_softmax); use a newer Colibri or " RECONVERT, tmp);
+            return COLIBRI_E_UNSUPPORTED;
+        }
+    }
+    OPT("model.router_bias", CB_MT_BOOL, 0);
+    c->router_bias = e ? e->value[0] : 0;
+    OPT("model.attn_sinks", CB_MT_BOOL, 0);
+    c->attn_sinks = e ? e->value[0] : 0;
+    OPT("model.expert_bias", CB_MT_BOOL, 0);
+    c->expert_bias = e ? e->value[0] : 0;
+    return COLIBRI_OK;
+}
+
 /* The family options (docs/format.md, "Family options"): all optional, Mixtral's
  * behaviour by default. Read once here; the forward pass only sees cb_config/cb_layer. */
 static colibri_status read_family_options(colibri_ctx *ctx, char *err, size_t len) {
@@ -442,6 +514,8 @@ static colibri_status read_family_options(colibri_ctx *ctx, char *err, size_t le
         }
         c->layer_window = e->value;
     }
+    st = read_gptoss_options(ctx, err, len);
+    if (st != COLIBRI_OK) return st;
     /* the chat template (a Jinja source, as tokenizer_config.json has it); applied by
      * colibri_server, never by the engine */
     OPT("tokenizer.chat_template", CB_MT_STRING, 0);
@@ -462,7 +536,8 @@ static colibri_status read_config(colibri_ctx *ctx, char *err, size_t len) {
     REQ("general.architecture", CB_MT_STRING);
     str_copy(c->architecture, sizeof c->architecture, e);
     /* the architecture selects nothing in the forward pass: the family options below do */
-    if (!str_is(e, "mixtral") && !str_is(e, "qwen2_moe") && !str_is(e, "qwen3_moe") && !str_is(e, "olmoe")) {
+    if (!str_is(e, "mixtral") && !str_is(e, "qwen2_moe") && !str_is(e, "qwen3_moe") && !str_is(e, "olmoe") &&
+        !str_is(e, "gpt_oss")) {
         cb_set_err(err, len, "architecture '%s' is not supported by this build (supported: " CB_SUPPORTED "); "
                    "use a newer Colibri or a model of a supported family", c->architecture);
         return COLIBRI_E_UNSUPPORTED;
@@ -958,6 +1033,11 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
             WANT(name, COLIBRI_DTYPE_F32, 0, 1, head ? c->head_dim : Nkv, 1, 1, CB_SEC_DENSE);
             L->k_norm = p;
         }
+        if (c->attn_sinks) {
+            snprintf(name, sizeof name, "blk.%u.attn_sinks", l);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 1, c->n_heads, 1, 1, CB_SEC_DENSE);
+            L->sinks = p;
+        }
         L->moe = c->layer_ffn ? (int)rd_u32(c->layer_ffn + 4 * (uint64_t)l) : 1;
         {
             uint64_t w = c->layer_window ? rd_u64(c->layer_window + 8 * (uint64_t)l) : c->sliding_window;
@@ -978,7 +1058,28 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
             WANT(name, COLIBRI_DTYPE_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
             L->router_zero = p;
         }
+        if (c->router_bias) {
+            snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.bias", l);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
+            L->router_b = p;
+        }
         FFN("ffn_experts", "_exps", 1, E, I, &L->experts);
+        if (c->activation == CB_ACT_CLAMPED_SWIGLU && L->experts.packed) {
+            cb_set_err(err, len, "layer %u's experts are packed; model.activation clamped_swiglu runs on the split "
+                       "FFN (version 2); " RECONVERT, l);
+            return COLIBRI_E_FORMAT;
+        }
+        if (c->expert_bias) {
+            snprintf(name, sizeof name, "blk.%u.ffn_gate_exps.bias", l);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 2, E, I, 1, CB_SEC_DENSE);
+            L->experts.gate_bias = p;
+            snprintf(name, sizeof name, "blk.%u.ffn_up_exps.bias", l);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 2, E, I, 1, CB_SEC_DENSE);
+            L->experts.up_bias = p;
+            snprintf(name, sizeof name, "blk.%u.ffn_down_exps.bias", l);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 2, E, H, 1, CB_SEC_DENSE);
+            L->experts.down_bias = p;
+        }
         if (c->shared_inter > 0) {
             FFN("ffn_shared", "_shexp", 0, 1, c->shared_inter, &L->shared);
             L->has_shared = 1;
