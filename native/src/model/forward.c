@@ -1052,7 +1052,7 @@ colibri_status cb_stage_tensor(colibri_ctx *ctx, const char *name, const void **
         if (strcmp(tab[i].n, name) != 0) continue;
         if (!tab[i].p)
             return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "this model has no '%s' tensor (no such block)", name);
-        if (tab[i].p == (const void *)s->sink_share) fill_sink_share(ctx);
+        if (strcmp(name, "sink_share") == 0) fill_sink_share(ctx); /* (a zero-size buffer may share another's address) */
         *data = tab[i].p;
         *dtype = tab[i].dt;
         *ndim = tab[i].nd;
