@@ -159,6 +159,8 @@ COLIBRI_API colibri_status colibri_seq_fork(colibri_ctx *ctx, int32_t src, int32
  *       "max_batch" "num_threads" (requested) "threads_used" (by the forward) "group_pad" "sliding_window" "bos_id" "eos_id"
  *       "arena_bytes" "file_size" "format_version" "router_int8" "tie_word_embeddings"
  *       "norm_topk_prob" "max_seqs" "kv_block_tokens" "kv_blocks_total" "kv_blocks_used"
+ *       "kv_bytes_per_token" (cache bytes per position of a sequence, all layers: keys and
+ *       values, or the latent rows of multi-head latent attention)
  * floats: "rope_theta" "rms_norm_eps"
  * Unknown names give COLIBRI_E_INVALID_ARG. */
 COLIBRI_API colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t *out);
