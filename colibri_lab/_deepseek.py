@@ -97,7 +97,7 @@ def deepseek_config(cfg: dict, fam: str, n_layers: int, E: int, k: int) -> dict:
                        "group_limited_greedy")
         if scoring not in (None, "softmax"):
             raise _Err(f"config.json: scoring_func {scoring!r}; DeepseekV2TopkRouter uses softmax")
-        routing = "softmax" if method == "greedy" else "softmax_group"
+        routing = "softmax_topk"
         # DeepseekV2TopkRouter never renormalises, whatever norm_topk_prob says
         norm = False
         if method == "greedy":
@@ -108,15 +108,15 @@ def deepseek_config(cfg: dict, fam: str, n_layers: int, E: int, k: int) -> dict:
             raise _Err(f"config.json: topk_method {method!r}; DeepseekV3TopkRouter is noaux_tc")
         if scoring not in (None, "sigmoid"):
             raise _Err(f"config.json: scoring_func {scoring!r}; DeepseekV3TopkRouter uses sigmoid")
-        routing = "sigmoid_group"
+        routing = "sigmoid_topk"
         norm = bool(cfg.get("norm_topk_prob", True))
     if E % G:
         raise _Err(f"config.json: n_routed_experts {E} is not a multiple of n_group {G}")
     if TG > G:
         raise _Err(f"config.json: topk_group {TG} > n_group {G}")
-    if routing == "sigmoid_group" and E // G < 2:
+    if routing == "sigmoid_topk" and G > 1 and E // G < 2:
         raise _Err(f"config.json: {E // G} expert per group; noaux_tc scores a group by its two best")
-    if routing != "softmax" and TG * (E // G) < k:
+    if TG * (E // G) < k:
         raise _Err(f"config.json: the {TG} kept groups hold {TG * (E // G)} experts, fewer than "
                    f"num_experts_per_tok {k}")
     scale = cfg.get("routed_scaling_factor", 1.0)
@@ -125,7 +125,7 @@ def deepseek_config(cfg: dict, fam: str, n_layers: int, E: int, k: int) -> dict:
     out = dict(
         head_dim=dr, intermediate_size=inter, norm_topk_prob=norm,
         shared_expert_intermediate_size=n_shared * inter, shared_expert_gate=False,
-        routing=routing, n_group=G, topk_group=TG, routed_scaling_factor=float(scale), mla=mla,
+        routing=routing, router_bias=routing == "sigmoid_topk", n_group=G, topk_group=TG, routed_scaling_factor=float(scale), mla=mla,
     )
     if not all(layer_ffn):
         out["layer_ffn"] = layer_ffn
@@ -207,4 +207,5 @@ def metadata(s) -> list[tuple[str, int, object]]:
         ("model.n_group", "U32", s.n_group),
         ("model.topk_group", "U32", s.topk_group),
         ("model.routed_scaling_factor", "F64", s.routed_scaling_factor),
+        ("model.router_bias", "BOOL", s.router_bias),
     ]

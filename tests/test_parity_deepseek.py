@@ -146,7 +146,7 @@ def test_deepseek_options_in_metadata(models):
     assert m["model.q_lora_rank"] == 17 and m["model.kv_lora_rank"] == 14
     assert m["model.qk_nope_head_dim"] == 7 and m["model.v_head_dim"] == 11
     assert m["model.head_dim"] == 8          # the RoPE width, as transformers' head_dim
-    assert m["model.routing"] == "softmax_group"
+    assert m["model.routing"] == "softmax_topk"
     assert m["model.n_group"] == 4 and m["model.topk_group"] == 2
     assert m["model.routed_scaling_factor"] == pytest.approx(1.7)
     assert m["model.norm_topk_prob"] is False   # transformers' V2 never renormalises
@@ -167,10 +167,11 @@ def test_deepseek_options_in_metadata(models):
 
     m = inspect(models("v3-groups")[1]).metadata
     assert m["general.architecture"] == "deepseek_v3"
-    assert m["model.routing"] == "sigmoid_group" and m["model.norm_topk_prob"] is True
+    assert m["model.routing"] == "sigmoid_topk" and m["model.router_bias"] is True and m["model.norm_topk_prob"] is True
     assert inspect(models("v3-groups")[1]).tensor("blk.1.exp_probs_b.bias").shape == (8,)
     m = inspect(models("v2-greedy")[1]).metadata
-    assert m["model.routing"] == "softmax" and m["model.q_lora_rank"] == 0
+    assert m["model.routing"] == "softmax_topk" and m["model.q_lora_rank"] == 0
+    assert m["model.n_group"] == 1 and m["model.router_bias"] is False
 
 
 def test_kv_cache_holds_the_latent_only(models):
@@ -206,8 +207,8 @@ def _patch_metadata(path, out, old: bytes, new: bytes):
 
 def test_engine_refuses_unknown_options(models, tmp_path):
     _, path = models("v3-groups")
-    bad = _patch_metadata(path, tmp_path / "r.colibri", b"sigmoid_group", b"sigmoid_grup")
-    with pytest.raises(ColibriError, match="model.routing 'sigmoid_grup'"):
+    bad = _patch_metadata(path, tmp_path / "r.colibri", b"sigmoid_topk", b"sigmoid_tapk")
+    with pytest.raises(ColibriError, match="model.routing 'sigmoid_tapk'"):
         colibri_lab.Engine(bad)
     bad = _patch_metadata(path, tmp_path / "a.colibri", b"\x03\x00\x00\x00\x00\x00\x00\x00mla",
                           b"\x03\x00\x00\x00\x00\x00\x00\x00mlb")

@@ -483,7 +483,8 @@ static void stage_router(colibri_ctx *ctx, uint32_t l) {
                              L->router_zero, T, c->n_experts, c->hidden);
     else
         ctx->kern->matmul(s->router_logits, s->xn, L->router, c->router_dtype, T, c->n_experts, c->hidden);
-    if (c->routing != CB_ROUTE_SOFTMAX || c->routed_scale != 1.0f) cb_route_grouped(ctx, l, T); /* route_group.c */
+    if (c->routing == CB_ROUTE_SIGMOID_TOPK || c->n_group > 1 || c->routed_scale != 1.0f)
+        cb_route_grouped(ctx, l, T); /* route_group.c */
     else route(ctx, T);
 }
 

@@ -15,14 +15,9 @@
 
 /* model.attn_qk_norm (docs/format.md, "Family options"). */
 enum { CB_QKNORM_NONE = 0, CB_QKNORM_HEAD = 1, CB_QKNORM_FULL = 2 };
-/* model.attention: grouped-query attention, or DeepSeek's multi-head latent attention. */
+/* TEMPORARY until the family table (model/family.h) is merged: its choices */
 enum { CB_ATTN_GQA = 0, CB_ATTN_MLA = 1 };
-/* model.routing (docs/format.md, "Family options"): softmax then top-k (Mixtral, Qwen,
- * OLMoE, DeepSeek-V2 "greedy"); softmax, the top topk_group groups by their best
- * probability, then top-k inside them (DeepSeek-V2 "group_limited_greedy"); sigmoid plus a
- * per-expert correction bias for the choice only, groups by the sum of their two best
- * biased scores (DeepSeek-V3 "noaux_tc"). */
-enum { CB_ROUTE_SOFTMAX = 0, CB_ROUTE_SOFTMAX_GROUP = 1, CB_ROUTE_SIGMOID_GROUP = 2 };
+enum { CB_ROUTE_SOFTMAX_TOPK = 0, CB_ROUTE_TOPK_SOFTMAX = 1, CB_ROUTE_SIGMOID_TOPK = 2 };
 
 /* Read-only model facts (and the facts of the file they came from). */
 typedef struct cb_config {
@@ -49,13 +44,17 @@ typedef struct cb_config {
     int attn_output_bias;      /* o projection has a bias */
     int qk_norm;               /* CB_QKNORM_* */
     float clip_qkv;            /* > 0: clamp q, k, v to [-clip, clip] after the q/k norm */
-    /* routing (model.routing ...): Mixtral's softmax top-k by default */
-    int routing;               /* CB_ROUTE_* */
-    uint32_t n_group, topk_group; /* expert groups and the groups kept (1, 1 = no grouping) */
-    float routed_scale;        /* routed_scaling_factor: the routed weights times this (1) */
+    int routing;               /* TEMPORARY (family table) */
+    int attention;             /* TEMPORARY (family table) */
+    /* grouped routing (model.n_group, model.topk_group; route_group.c): the experts in
+     * n_group groups, the top topk_group groups kept (1, 1 = no grouping); a group's score
+     * is its best probability (softmax_topk, DeepSeek-V2) or the sum of its two best biased
+     * scores (sigmoid_topk, DeepSeek-V3) */
+    uint32_t n_group, topk_group;
+    float routed_scale;        /* model.routed_scaling_factor: the routed weights times this (1) */
+    int router_bias;           /* model.router_bias: a per-expert bias added for the choice only */
     /* multi-head latent attention (model.attention "mla"; DeepSeek-V2/V3): head_dim is the
      * RoPE width qk_rope_head_dim, as transformers' config.head_dim */
-    int attention;             /* CB_ATTN_* */
     uint32_t q_lora_rank;      /* 0: q = W_q x; else q = W_qb rmsnorm(W_qa x) */
     uint32_t kv_lora_rank;     /* r: the latent c per position (the KV cache holds c and k_pe) */
     uint32_t qk_nope_dim;      /* per-head query/key width without RoPE */
@@ -113,7 +112,7 @@ typedef struct cb_layer {
     cb_ffn shared;             /* the shared expert (width Is), when the family has one */
     int has_shared;
     cb_mat shared_gate;        /* [1, H]: shared-expert gate; .w NULL when none */
-    const float *router_bias;  /* [E] f32 choice-only correction bias (CB_ROUTE_SIGMOID_GROUP) */
+    const float *router_bias;  /* [E] f32 choice-only correction bias (model.router_bias), or NULL */
     /* multi-head latent attention (CB_ATTN_MLA): wq is W_q [n_heads*(dn+dr), H] when
      * q_lora_rank is 0; wo is [H, n_heads*dv] */
     cb_mat wq_a;               /* [q_lora_rank, H] */

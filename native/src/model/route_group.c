@@ -1,14 +1,16 @@
 /*
- * route_group.c — DeepSeek's routers (model.routing, docs/format.md "Family options"),
- * as transformers computes them (modeling_deepseek_v2.py / modeling_deepseek_v3.py):
+ * route_group.c — the routers with groups, a choice bias and scaling (model.routing
+ * softmax_topk or sigmoid_topk with model.n_group, model.topk_group, model.router_bias,
+ * model.routed_scaling_factor; docs/format.md "Family options"), as transformers computes
+ * DeepSeek's (modeling_deepseek_v2.py / modeling_deepseek_v3.py):
  *
- *   softmax        (V2 "greedy"): p = softmax(logits); top-k of p.
- *   softmax_group  (V2 "group_limited_greedy"): p = softmax(logits); a group's score is
- *                  the max of its p; the top topk_group groups are kept; top-k of p among
- *                  the experts of the kept groups (transformers zeroes the others).
- *   sigmoid_group  (V3 "noaux_tc"): p = sigmoid(logits); choice = p + correction bias; a
- *                  group's score is the sum of its two best choice values; the top
- *                  topk_group groups are kept; top-k of choice inside them; the weights
+ *   softmax_topk, 1 group    (V2 "greedy"): p = softmax(logits); top-k of p.
+ *   softmax_topk, n groups   (V2 "group_limited_greedy"): p = softmax(logits); a group's
+ *                  score is the max of its p; the top topk_group groups are kept; top-k of
+ *                  p among the experts of the kept groups (transformers zeroes the others).
+ *   sigmoid_topk  (V3 "noaux_tc"): p = sigmoid(logits); choice = p + correction bias; with
+ *                  groups, a group's score is the sum of its two best choice values and the
+ *                  top topk_group groups are kept; top-k of choice inside them; the weights
  *                  are the un-biased p of the chosen experts.
  *
  * Then, when norm_topk_prob, w /= (sum w + 1e-20) (transformers' V3; V2 never
@@ -39,8 +41,8 @@ void cb_route_grouped(colibri_ctx *ctx, uint32_t l, int64_t T) {
     cb_scratch *s = &ctx->s;
     int64_t E = c->n_experts, K = c->top_k, G = c->n_group ? c->n_group : 1, TG = c->topk_group;
     int64_t per = E / G;
-    int sigmoid = c->routing == CB_ROUTE_SIGMOID_GROUP;
-    int grouped = c->routing != CB_ROUTE_SOFTMAX && G > 1;
+    int sigmoid = c->routing == CB_ROUTE_SIGMOID_TOPK;
+    int grouped = G > 1;
     if (TG <= 0 || TG > G) TG = G;
     for (int64_t t = 0; t < T; t++) {
         const float *lg = s->router_logits + t * E;
