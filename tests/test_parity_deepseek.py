@@ -305,3 +305,19 @@ def test_threads_do_not_change_results(models):
     with colibri_lab.Engine(path, num_threads=2) as eng:
         two = eng.forward(ids)
     assert np.array_equal(one, two)
+
+
+def test_no_allocation_in_forward_deepseek(native_tests, tmp_path):
+    """test_noalloc on a small DeepSeek-V3 (MLA with q LoRA, grouped sigmoid router, a
+    dense layer, shared expert): the latent cache and the MLA buffers are the arena's."""
+    from test_native import run_ok
+
+    from hf_models import save_checkpoint
+
+    shape = DeepseekShape("deepseek_v3", vocab=300, hidden=36, inter=20, dense_inter=30,
+                          layers=2, heads=3, q_lora=10, kv_lora=12, nope=6, rope=4, v_dim=5,
+                          experts=4, top_k=2, n_group=2, topk_group=1, seed=3)
+    folder = save_checkpoint(build_deepseek_model(shape), tmp_path / "hf")
+    out = tmp_path / "ds.colibri"
+    colibri_lab.convert(folder, out, dtype="bf16", progress=False)
+    run_ok(native_tests / "test_noalloc", out)
