@@ -19,9 +19,9 @@
 #include "core/checked.h"
 #include "core/context.h"
 #include "core/dtype.h"
+#include "model/family.h"
 
 #define RECONVERT "re-convert the model with colibri-convert"
-#define CB_SUPPORTED "mixtral, qwen2_moe, qwen3_moe, olmoe"
 
 static uint32_t rd_u32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
@@ -453,6 +453,78 @@ static colibri_status read_family_options(colibri_ctx *ctx, char *err, size_t le
 }
 #undef OPT
 
+/* The family's choices (model/family.h): model.attention, model.routing, model.activation
+ * (absent: Mixtral's) and model.rope_type (required), each parsed by its axis's table and
+ * checked against the family's entry; YaRN's frequencies and attention factor. */
+static colibri_status read_choices(colibri_ctx *ctx, char *err, size_t len) {
+    cb_config *c = &ctx->cfg;
+    int *choice[CB_N_AXES] = {&c->attention, &c->routing, &c->activation, &c->rope_type};
+    const cb_meta_entry *e;
+    colibri_status st;
+    for (int a = 0; a < CB_N_AXES; a++) {
+        const char *key = cb_axis_key(a);
+        if ((st = meta_opt(ctx, key, CB_MT_STRING, 0, &e, err, len))) return st;
+        *choice[a] = cb_axis_default(a);
+        if (!e) continue;
+        char tmp[64], have[160];
+        str_copy(tmp, sizeof tmp, e);
+        cb_axis_choices(a, have, sizeof have);
+        int v = cb_axis_parse(a, e->value, e->count);
+        if (v < 0 || !cb_axis_implemented(a, v)) {
+            cb_set_err(err, len, "%s '%s' is not supported by this build (supported: %s); use a newer "
+                       "Colibri or a model of a supported family", key, tmp, have);
+            return COLIBRI_E_UNSUPPORTED;
+        }
+        if (!(c->family->allowed[a] >> v & 1u)) {
+            cb_set_err(err, len, "%s '%s' is not a choice of the %s family; " RECONVERT, key, tmp,
+                       c->family->name);
+            return COLIBRI_E_FORMAT;
+        }
+        *choice[a] = v;
+    }
+    /* RoPE: the rotated dims (every head dim unless the attention says otherwise) and, for
+     * YaRN, the converter's [rope_dim / 2] inverse frequencies and cos/sin factor */
+    c->rope_dim = c->head_dim;
+    c->rope_inv_freq = NULL;
+    c->rope_attention_factor = 1.0f;
+    if ((st = meta_opt(ctx, "model.rope_inv_freq", CB_MT_ARRAY, CB_MT_F64, &e, err, len))) return st;
+    if (e) {
+        if (e->count != c->rope_dim / 2) {
+            cb_set_err(err, len, "model.rope_inv_freq has %llu entries, expected %u (rotated dims / 2); " RECONVERT,
+                       (unsigned long long)e->count, c->rope_dim / 2);
+            return COLIBRI_E_FORMAT;
+        }
+        for (uint64_t i = 0; i < e->count; i++) {
+            double f = rd_f64(e->value + 8 * i);
+            if (!isfinite(f) || f <= 0) {
+                cb_set_err(err, len, "model.rope_inv_freq[%llu] = %g must be finite and > 0; " RECONVERT,
+                           (unsigned long long)i, f);
+                return COLIBRI_E_FORMAT;
+            }
+        }
+        c->rope_inv_freq = e->value;
+    }
+    if ((st = meta_opt(ctx, "model.rope_attention_factor", CB_MT_F64, 0, &e, err, len))) return st;
+    if (e) {
+        double f = rd_f64(e->value);
+        if (!isfinite(f) || f <= 0 || f > 1e6) {
+            cb_set_err(err, len, "model.rope_attention_factor = %g must be finite and in (0, 1e6]; " RECONVERT, f);
+            return COLIBRI_E_FORMAT;
+        }
+        c->rope_attention_factor = (float)f;
+    }
+    if (c->rope_type == CB_ROPE_YARN && !c->rope_inv_freq) {
+        cb_set_err(err, len, "model.rope_type is yarn but model.rope_inv_freq is missing; " RECONVERT);
+        return COLIBRI_E_FORMAT;
+    }
+    if (c->rope_type == CB_ROPE_DEFAULT && (c->rope_inv_freq || c->rope_attention_factor != 1.0f)) {
+        cb_set_err(err, len, "model.rope_type is default but the file has YaRN's model.rope_inv_freq or "
+                   "model.rope_attention_factor; " RECONVERT);
+        return COLIBRI_E_FORMAT;
+    }
+    return COLIBRI_OK;
+}
+
 static colibri_status read_config(colibri_ctx *ctx, char *err, size_t len) {
     cb_config *c = &ctx->cfg;
     const cb_meta_entry *e;
@@ -461,10 +533,14 @@ static colibri_status read_config(colibri_ctx *ctx, char *err, size_t len) {
     /* the family first: a file of another family must say "unsupported", not "bad shape" */
     REQ("general.architecture", CB_MT_STRING);
     str_copy(c->architecture, sizeof c->architecture, e);
-    /* the architecture selects nothing in the forward pass: the family options below do */
-    if (!str_is(e, "mixtral") && !str_is(e, "qwen2_moe") && !str_is(e, "qwen3_moe") && !str_is(e, "olmoe")) {
-        cb_set_err(err, len, "architecture '%s' is not supported by this build (supported: " CB_SUPPORTED "); "
-                   "use a newer Colibri or a model of a supported family", c->architecture);
+    /* the architecture selects nothing in the forward pass: its entry in the family table
+     * (model/family.c) says which choices its files may make, and the choices do */
+    c->family = cb_family_find(e->value, e->count);
+    if (!c->family) {
+        char names[256];
+        cb_family_names(names, sizeof names);
+        cb_set_err(err, len, "architecture '%s' is not supported by this build (supported: %s); "
+                   "use a newer Colibri or a model of a supported family", c->architecture, names);
         return COLIBRI_E_UNSUPPORTED;
     }
     REQ("general.name", CB_MT_STRING);
@@ -523,12 +599,7 @@ static colibri_status read_config(colibri_ctx *ctx, char *err, size_t len) {
         return COLIBRI_E_FORMAT;
     }
     REQ("model.rope_type", CB_MT_STRING);
-    if (!str_is(e, "default")) {
-        char tmp[64];
-        str_copy(tmp, sizeof tmp, e);
-        cb_set_err(err, len, "model.rope_type '%s' is not supported by this build (supported: default)", tmp);
-        return COLIBRI_E_UNSUPPORTED;
-    }
+    if ((st = read_choices(ctx, err, len))) return st;
     REQ("model.max_position_embeddings", CB_MT_U64);
     c->max_position_embeddings = rd_u64(e->value);
     REQ("model.sliding_window", CB_MT_U64);

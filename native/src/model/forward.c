@@ -386,7 +386,8 @@ static void combine_chunk(void *arg, int64_t c, int tid) {
 static void stage_embedding(colibri_ctx *ctx) {
     const cb_config *c = &ctx->cfg;
     cb_scratch *s = &ctx->s;
-    int64_t T = ctx->run.T, H = c->hidden, half = c->head_dim / 2;
+    int64_t T = ctx->run.T, H = c->hidden, half = c->rope_dim / 2;
+    float af = c->rope_attention_factor; /* 1 but for YaRN: cos * af, sin * af as transformers */
     cb_mat E = ctx->w.tok_embd;
     size_t rb = (size_t)cb_row_bytes(E.dt, (uint64_t)H);
     for (int64_t t = 0; t < T; t++)
@@ -395,8 +396,8 @@ static void stage_embedding(colibri_ctx *ctx) {
         float p = (float)s->row_pos[t];
         for (int64_t i = 0; i < half; i++) {
             float f = p * s->inv_freq[i];
-            s->rope_cos[t * half + i] = cosf(f);
-            s->rope_sin[t * half + i] = sinf(f);
+            s->rope_cos[t * half + i] = cosf(f) * af;
+            s->rope_sin[t * half + i] = sinf(f) * af;
         }
     }
 }

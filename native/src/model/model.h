@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "format/format.h"
+#include "model/family.h"
 
 /* model.attn_qk_norm (docs/format.md, "Family options"). */
 enum { CB_QKNORM_NONE = 0, CB_QKNORM_HEAD = 1, CB_QKNORM_FULL = 2 };
@@ -36,6 +37,15 @@ typedef struct cb_config {
     uint32_t weight_dtype;     /* the experts' dtype (the bulk of the file); every matrix has its own */
     uint32_t router_dtype;     /* COLIBRI_DTYPE_F32/F16/BF16/I8 */
     int32_t bos_id, eos_id, unk_id, pad_id;
+    /* the family's entry and choices (model/family.h); defaults are Mixtral's */
+    const cb_family *family;
+    int attention;             /* CB_ATTN_* */
+    int routing;               /* CB_ROUTE_* */
+    int activation;            /* CB_ACT_* */
+    int rope_type;             /* CB_ROPE_* */
+    uint32_t rope_dim;         /* dims RoPE rotates per head (head_dim for GQA) */
+    const uint8_t *rope_inv_freq; /* [rope_dim / 2] f64 in the mapped metadata (YaRN), or NULL */
+    float rope_attention_factor;  /* multiplies cos and sin (YaRN's mscale); 1 otherwise */
     /* family options (docs/format.md, "Family options"); defaults are Mixtral's */
     uint32_t dense_inter;      /* width of the dense-MLP layers; 0 when every layer is MoE */
     uint32_t shared_inter;     /* shared-expert width; 0 = no shared expert */

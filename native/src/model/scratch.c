@@ -5,6 +5,7 @@
  * Every size is overflow-checked; a plan that does not fit says which option to lower.
  */
 #include <math.h>
+#include <string.h>
 
 #include "core/arena.h"
 #include "core/checked.h"
@@ -17,7 +18,7 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     uint64_t B = (uint64_t)ctx->max_batch, S = (uint64_t)ctx->max_seq_len;
     uint64_t H = c->hidden, I = c->inter, V = c->vocab, E = c->n_experts, K = c->top_k;
     uint64_t Nq = (uint64_t)c->n_heads * c->head_dim, Nkv = (uint64_t)c->n_kv_heads * c->head_dim;
-    uint64_t half = c->head_dim / 2, L = c->n_layers;
+    uint64_t half = c->rope_dim / 2, L = c->n_layers; /* RoPE tables: rotated dims / 2 */
     uint64_t F = c->dense_inter > c->shared_inter ? c->dense_inter : c->shared_inter;
     uint64_t R = 0, tmp = 0, kv = 0;
     cb_kv *kc = &ss->kv;
@@ -137,10 +138,17 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     ctx->arena_bytes = alloc;
     cb_arena_assign(items, n_items, offs, mem);
 
-    /* RoPE inverse frequencies as transformers computes them, in float32:
-     * 1.0 / (base ** (arange(0, dim, 2).float() / dim)) */
+    /* RoPE inverse frequencies: YaRN's from the file (the converter computed them as
+     * transformers does, float32 values stored as f64); the default as transformers computes
+     * them, in float32: 1.0 / (base ** (arange(0, dim, 2).float() / dim)) */
     for (uint64_t i = 0; i < half; i++) {
-        float expo = (float)(2 * i) / (float)c->head_dim;
+        if (c->rope_inv_freq) {
+            double f;
+            memcpy(&f, c->rope_inv_freq + 8 * i, 8);
+            s->inv_freq[i] = (float)f;
+            continue;
+        }
+        float expo = (float)(2 * i) / (float)c->rope_dim;
         s->inv_freq[i] = 1.0f / powf((float)c->rope_theta, expo);
     }
     kc->n_blocks = (int64_t)n_blocks;
