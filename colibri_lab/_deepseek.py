@@ -125,7 +125,7 @@ def deepseek_config(cfg: dict, fam: str, n_layers: int, E: int, k: int) -> dict:
     out = dict(
         head_dim=dr, intermediate_size=inter, norm_topk_prob=norm,
         shared_expert_intermediate_size=n_shared * inter, shared_expert_gate=False,
-        routing=routing, router_bias=routing == "sigmoid_topk", n_group=G, topk_group=TG, routed_scaling_factor=float(scale), mla=mla,
+        router_bias=routing == "sigmoid_topk", n_group=G, topk_group=TG, routed_scaling_factor=float(scale), mla=mla,
     )
     if not all(layer_ffn):
         out["layer_ffn"] = layer_ffn
@@ -194,16 +194,15 @@ def attention_tensors(s, n: int) -> list[tuple]:
 
 
 def metadata(s) -> list[tuple[str, int, object]]:
-    """(key, metadata type name, value) of the DeepSeek family options."""
+    """(key, metadata type name, value) of the DeepSeek family options (model.attention and
+    model.routing are the family table's, written for every family)."""
     m: MLAOptions = s.mla
     return [
-        ("model.attention", "STRING", "mla"),
         ("model.q_lora_rank", "U32", m.q_lora_rank),
         ("model.kv_lora_rank", "U32", m.kv_lora_rank),
         ("model.qk_nope_head_dim", "U32", m.qk_nope_head_dim),
         ("model.v_head_dim", "U32", m.v_head_dim),
         ("model.attn_scale", "F64", m.attn_scale),
-        ("model.routing", "STRING", s.routing),
         ("model.n_group", "U32", s.n_group),
         ("model.topk_group", "U32", s.topk_group),
         ("model.routed_scaling_factor", "F64", s.routed_scaling_factor),

@@ -45,7 +45,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from . import format as fmt
-from . import quants
+from . import _deepseek, quants
 from .format import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_I8, DTYPE_IDS, DTYPE_NUMPY,
                      LAYOUT_EXPERTS_PACKED, LAYOUT_ROW_MAJOR, QUANT_DTYPES,
                      MetaValue)
@@ -262,6 +262,12 @@ class ModelSpec:
     rope_type: str = "default"       # default | yarn
     rope_inv_freq: tuple = ()        # yarn: the [rope_dim / 2] inverse frequencies
     rope_attention_factor: float = 1.0   # yarn: multiplies cos and sin
+    # grouped routing (DeepSeek; model/route_group.c): n_group groups, topk_group kept
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False        # a per-expert correction bias for the choice only (V3)
+    mla: object = None               # _deepseek.MLAOptions of a multi-head latent attention
 
     def is_moe(self, layer: int) -> bool:
         return not self.layer_ffn or bool(self.layer_ffn[layer])
@@ -422,6 +428,24 @@ def _olmoe_options(c: CommonConfig) -> dict:
                 clip_qkv=float(clip or 0.0))
 
 
+def _deepseek_options(c: CommonConfig, fam: str) -> dict:
+    """DeepSeek-V2/V3 (colibri_lab/_deepseek.py): multi-head latent attention, dense first
+    layers, shared experts (ungated), grouped routers."""
+    cfg = c.cfg
+    if c.n_kv_heads != c.n_heads:
+        raise ConversionError(f"config.json: num_key_value_heads {c.n_kv_heads} != "
+                              f"num_attention_heads {c.n_heads}; DeepSeek's MLA has one latent "
+                              "for every head")
+    E = _cfg_int(cfg, "n_routed_experts")
+    try:
+        opts = _deepseek.deepseek_config(cfg, fam, c.n_layers, E,
+                                         _cfg_int(cfg, "num_experts_per_tok"))
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    # RoPE (and YaRN's frequencies) over qk_rope_head_dim, transformers' config.head_dim
+    return dict(n_experts=E, rope_dim=opts["head_dim"], **opts)
+
+
 @dataclass(frozen=True)
 class Family:
     """One MoE family, as one described thing: the config keys it reads (`read`), the
@@ -458,6 +482,11 @@ FAMILY_TABLE: tuple[Family, ...] = (
     Family("qwen2_moe", "Qwen2MoeForCausalLM", _qwen2_moe_options),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_options),
     Family("olmoe", "OlmoeForCausalLM", _olmoe_options, eps_default=1e-5),
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", lambda c: _deepseek_options(c, "deepseek_v2"),
+           attention="mla", shared_expert="shared_experts", experts_key="n_routed_experts"),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", lambda c: _deepseek_options(c, "deepseek_v3"),
+           attention="mla", routing="sigmoid_topk", shared_expert="shared_experts",
+           experts_key="n_routed_experts"),
 )
 FAMILY_BY_NAME = {f.name: f for f in FAMILY_TABLE}
 # model_type -> the architectures class name transformers writes for it
@@ -619,6 +648,7 @@ def read_config(model_dir: str) -> ModelSpec:
     opts = fam.read(CommonConfig(cfg, H, nh, nkv, hd, n_layers))
     E = opts["n_experts"]
     rope_dim = opts.pop("rope_dim", hd)
+    hd = opts.pop("head_dim", hd)   # MLA: the RoPE width (qk_rope_head_dim)
     opts = {"sliding_window": 0, **read_rope(cfg, fam, rope_dim, max_pos), **opts}
     if opts["sliding_window"] < 0:
         raise ConversionError(f"config.json: sliding_window {opts['sliding_window']} < 0")
@@ -1096,6 +1126,10 @@ def plan_router(P: TensorPlan, n: int) -> None:
         P.out.append(PlannedTensor(f"{name}.weight", rdt, LAYOUT_ROW_MAJOR, (E, H), R,
                                    _dense_producer(src, rdt)))
     moe = f"model.layers.{n}.{fam.moe_blocks[-1]}"
+    if s.router_bias:   # DeepSeek-V3's e_score_correction_bias (the choice only), f32
+        b = ck.get(f"{moe}.gate.e_score_correction_bias", (E,))
+        P.out.append(PlannedTensor(f"blk.{n}.exp_probs_b.bias", DTYPE_F32, LAYOUT_ROW_MAJOR, (E,), R,
+                                   _norm_producer(b)))
     if s.shared_expert_gate:
         P.dense(f"blk.{n}.ffn_shared_gate.weight", f"{moe}.{fam.shared_expert}_gate.weight",
                 (1, H), R, dtype=None if P.mix is None else DTYPE_F32)
@@ -1121,8 +1155,27 @@ def plan_swiglu_ffn(P: TensorPlan, n: int) -> None:
         P.ffn(n, "_shexp", [_mlp_source(ck, f"{moe}.{fam.shared_expert}", Is, H)], Is)
 
 
+def plan_mla_attention(P: TensorPlan, n: int) -> None:
+    """Multi-head latent attention of layer n (colibri_lab/_deepseek.py): q or the q LoRA,
+    kv_a, kv_b, o. The RoPE rows of q and kv_a of a checkpoint with interleaved RoPE pairs
+    are reordered (even dims, then odd) so that the engine's rotate_half RoPE computes the
+    interleaved rotation (_deepseek.rope_rows)."""
+    for name, src_name, shape, runs, is_vec in _deepseek.attention_tensors(P.s, n):
+        if is_vec:
+            P.vec(name, src_name, shape[0])
+        elif runs is None:
+            P.dense(name, src_name, shape)
+        else:
+            src = P.ck.get(src_name, shape)
+            dt = P.wdtype(name, shape, n)
+            parts = [(src, r0, k) for r0, k in runs]
+            prod = (_rows_producer if dt in QUANT_DTYPES else _float_rows_producer)(parts, shape[-1], dt)
+            P.out.append(PlannedTensor(name, dt, LAYOUT_ROW_MAJOR, shape, fmt.SECTION_DENSE, prod))
+
+
 # family.attention -> the planner of a layer's attention tensors
-ATTENTION_PLANNERS: dict[str, Callable[[TensorPlan, int], None]] = {"gqa": plan_gqa_attention}
+ATTENTION_PLANNERS: dict[str, Callable[[TensorPlan, int], None]] = {"gqa": plan_gqa_attention,
+                                                                   "mla": plan_mla_attention}
 # family.activation -> the planners of a MoE layer's router and of a layer's FFN tensors
 FFN_PLANNERS: dict[str, tuple[Callable[[TensorPlan, int], None], Callable[[TensorPlan, int], None]]] = {
     "silu_glu": (plan_router, plan_swiglu_ffn)}
@@ -1175,6 +1228,10 @@ def family_metadata(s: ModelSpec) -> list[tuple[str, MetaValue]]:
             ("model.attn_qk_norm", M(fmt.MT_STRING, s.attn_qk_norm)),
             ("model.clip_qkv", M(fmt.MT_F64, s.clip_qkv)),
         ]
+        if s.mla is not None:   # DeepSeek: MLA widths, router groups, bias and scale
+            types = {"STRING": fmt.MT_STRING, "U32": fmt.MT_U32, "F64": fmt.MT_F64,
+                     "BOOL": fmt.MT_BOOL}
+            out += [(k, M(types[t], v)) for k, t, v in _deepseek.metadata(s)]
         if s.layer_sliding_window:
             out.append(("model.layer_sliding_window",
                         M(fmt.MT_ARRAY, list(s.layer_sliding_window), fmt.MT_U64)))

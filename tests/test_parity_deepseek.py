@@ -39,13 +39,13 @@ SHAPES = {
         "deepseek_v2", vocab=509, hidden=54, inter=22, dense_inter=46, layers=3, heads=3,
         kv_lora=20, nope=10, rope=6, v_dim=9, experts=8, top_k=2, shared=1, first_dense=1,
         seed=21),
-    # V2: q LoRA, group_limited_greedy (4 groups, 2 kept), routed scaling, 2 shared experts,
+    # V2 (its complex RoPE needs an even qk_head_dim): q LoRA, group_limited_greedy (4 groups, 2 kept), routed scaling, 2 shared experts,
     # YaRN (mscale_all_dim: the softmax scale changes too).
     "v2-group-yarn": DeepseekShape(
         "deepseek_v2", vocab=611, hidden=60, inter=18, dense_inter=38, layers=3, heads=4,
-        q_lora=17, kv_lora=14, nope=7, rope=8, v_dim=11, experts=12, top_k=3, shared=2,
+        q_lora=17, kv_lora=14, nope=6, rope=8, v_dim=11, experts=12, top_k=3, shared=2,
         first_dense=1, n_group=4, topk_group=2, topk_method="group_limited_greedy",
-        scale=1.7, yarn=YARN, seed=22),
+        scale=1.7, yarn=YARN, max_pos=256, seed=22),
     # V3: q LoRA, noaux_tc with 4 groups (2 kept), correction bias, renormalised, scaled.
     "v3-groups": DeepseekShape(
         "deepseek_v3", vocab=523, hidden=50, inter=19, dense_inter=41, layers=3, heads=5,
@@ -56,13 +56,13 @@ SHAPES = {
         "deepseek_v3", vocab=401, hidden=44, inter=23, dense_inter=35, layers=2, heads=2,
         kv_lora=22, nope=12, rope=10, v_dim=13, experts=6, top_k=2, shared=1, first_dense=1,
         n_group=1, topk_group=1, norm_topk=False, scale=1.0, interleave=False, yarn=YARN,
-        tie=True, seed=24),
+        tie=True, max_pos=256, seed=24),
     # V3: q LoRA, 2 groups (1 kept), interleaved RoPE, YaRN, two shared experts.
     "v3-yarn-interleave": DeepseekShape(
         "deepseek_v3", vocab=389, hidden=36, inter=15, dense_inter=29, layers=3, heads=3,
         q_lora=11, kv_lora=10, nope=5, rope=4, v_dim=6, experts=6, top_k=2, shared=2,
         first_dense=1, n_group=2, topk_group=1, norm_topk=True, scale=1.5, yarn=YARN,
-        seed=25),
+        max_pos=256, seed=25),
 }
 MEASURED: dict[str, float] = {}
 
@@ -144,7 +144,7 @@ def test_deepseek_options_in_metadata(models):
     assert m["general.architecture"] == "deepseek_v2"
     assert m["model.attention"] == "mla"
     assert m["model.q_lora_rank"] == 17 and m["model.kv_lora_rank"] == 14
-    assert m["model.qk_nope_head_dim"] == 7 and m["model.v_head_dim"] == 11
+    assert m["model.qk_nope_head_dim"] == 6 and m["model.v_head_dim"] == 11
     assert m["model.head_dim"] == 8          # the RoPE width, as transformers' head_dim
     assert m["model.routing"] == "softmax_topk"
     assert m["model.n_group"] == 4 and m["model.topk_group"] == 2
@@ -157,10 +157,10 @@ def test_deepseek_options_in_metadata(models):
     assert m["model.rope_type"] == "yarn"
     assert info.tensor("blk.0.attn_q_a.weight").shape == (17, 60)
     assert info.tensor("blk.0.attn_q_a_norm.weight").shape == (17,)
-    assert info.tensor("blk.0.attn_q_b.weight").shape == (4 * 15, 17)
+    assert info.tensor("blk.0.attn_q_b.weight").shape == (4 * 14, 17)
     assert info.tensor("blk.0.attn_kv_a_mqa.weight").shape == (22, 60)
     assert info.tensor("blk.0.attn_kv_a_norm.weight").shape == (14,)
-    assert info.tensor("blk.0.attn_kv_b.weight").shape == (4 * 18, 14)
+    assert info.tensor("blk.0.attn_kv_b.weight").shape == (4 * 17, 14)
     assert info.tensor("blk.0.attn_output.weight").shape == (60, 44)
     names = {t.name for t in info.tensors}
     assert "blk.0.attn_q.weight" not in names and "blk.1.exp_probs_b.bias" not in names

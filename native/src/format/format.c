@@ -350,6 +350,91 @@ static colibri_status meta_opt(const colibri_ctx *ctx, const char *key, uint32_t
         if (st != COLIBRI_OK) return st;                                     \
     } while (0)
 
+/* Grouped routing, a choice bias and scaling (docs/format.md, "Family options";
+ * model/route_group.c): model.n_group, model.topk_group, model.router_bias,
+ * model.routed_scaling_factor. Defaults: no groups, no bias, scale 1. */
+static colibri_status read_router_options(colibri_ctx *ctx, char *err, size_t len) {
+    cb_config *c = &ctx->cfg;
+    const cb_meta_entry *e;
+    colibri_status st;
+    OPT("model.n_group", CB_MT_U32, 0);
+    c->n_group = e ? rd_u32(e->value) : 1;
+    OPT("model.topk_group", CB_MT_U32, 0);
+    c->topk_group = e ? rd_u32(e->value) : c->n_group;
+    if (c->n_group == 0 || c->n_experts % c->n_group != 0 || c->topk_group == 0 || c->topk_group > c->n_group) {
+        cb_set_err(err, len, "model.n_group = %u must be >= 1 and divide n_experts = %u, and model.topk_group = %u "
+                   "must be in [1, n_group]; " RECONVERT, c->n_group, c->n_experts, c->topk_group);
+        return COLIBRI_E_FORMAT;
+    }
+    if (c->n_group > 1) {
+        uint32_t per = c->n_experts / c->n_group;
+        if (c->routing != CB_ROUTE_SOFTMAX_TOPK && c->routing != CB_ROUTE_SIGMOID_TOPK) {
+            cb_set_err(err, len, "model.n_group = %u: expert groups need model.routing softmax_topk or "
+                       "sigmoid_topk; " RECONVERT, c->n_group);
+            return COLIBRI_E_FORMAT;
+        }
+        if ((uint64_t)c->topk_group * per < c->top_k || (c->routing == CB_ROUTE_SIGMOID_TOPK && per < 2)) {
+            cb_set_err(err, len, "model.topk_group = %u groups of %u experts cannot hold top_k = %u choices "
+                       "(sigmoid_topk groups also need 2 experts each); " RECONVERT, c->topk_group, per, c->top_k);
+            return COLIBRI_E_FORMAT;
+        }
+    }
+    OPT("model.router_bias", CB_MT_BOOL, 0);
+    c->router_bias = e ? e->value[0] : 0;
+    if (c->router_bias && c->routing != CB_ROUTE_SIGMOID_TOPK) {
+        cb_set_err(err, len, "model.router_bias is true but model.routing is not sigmoid_topk; " RECONVERT);
+        return COLIBRI_E_FORMAT;
+    }
+    OPT("model.routed_scaling_factor", CB_MT_F64, 0);
+    c->routed_scale = 1.0f;
+    if (e) {
+        double v = rd_f64(e->value);
+        if (!isfinite(v) || v <= 0 || v > 1e6) {
+            cb_set_err(err, len, "model.routed_scaling_factor = %g must be finite and in (0, 1e6]; " RECONVERT, v);
+            return COLIBRI_E_FORMAT;
+        }
+        c->routed_scale = (float)v;
+    }
+    return COLIBRI_OK;
+}
+
+/* Multi-head latent attention (model.attention "mla", model/mla.c): its widths and
+ * softmax scale, required in an MLA file; model.head_dim is the RoPE width. */
+static colibri_status read_mla_options(colibri_ctx *ctx, char *err, size_t len) {
+    cb_config *c = &ctx->cfg;
+    const cb_meta_entry *e;
+    colibri_status st;
+    if (c->attention != CB_ATTN_MLA) return COLIBRI_OK;
+    struct { const char *key; uint32_t *v; uint32_t lo; } w[] = {
+        {"model.q_lora_rank", &c->q_lora_rank, 0}, {"model.kv_lora_rank", &c->kv_lora_rank, 1},
+        {"model.qk_nope_head_dim", &c->qk_nope_dim, 1}, {"model.v_head_dim", &c->v_head_dim, 1}};
+    for (size_t i = 0; i < sizeof w / sizeof w[0]; i++) {
+        if ((st = meta_req(ctx, w[i].key, CB_MT_U32, &e, err, len))) return st;
+        *w[i].v = rd_u32(e->value);
+        if (*w[i].v < w[i].lo || *w[i].v > (1u << 16)) {
+            cb_set_err(err, len, "%s = %u must be in [%u, 65536]; " RECONVERT, w[i].key, *w[i].v, w[i].lo);
+            return COLIBRI_E_FORMAT;
+        }
+    }
+    if (c->n_kv_heads != c->n_heads) {
+        cb_set_err(err, len, "model.n_kv_heads = %u must equal model.n_heads = %u in an MLA file (every head "
+                   "reads the one latent); " RECONVERT, c->n_kv_heads, c->n_heads);
+        return COLIBRI_E_FORMAT;
+    }
+    if ((st = meta_req(ctx, "model.attn_scale", CB_MT_F64, &e, err, len))) return st;
+    double v = rd_f64(e->value);
+    if (!isfinite(v) || v <= 0 || v > 1e6) {
+        cb_set_err(err, len, "model.attn_scale = %g must be finite and in (0, 1e6]; " RECONVERT, v);
+        return COLIBRI_E_FORMAT;
+    }
+    c->attn_scale = (float)v;
+    if (c->sliding_window != 0 || c->layer_window) {
+        cb_set_err(err, len, "an MLA file has no attention window (model.sliding_window must be 0); " RECONVERT);
+        return COLIBRI_E_FORMAT;
+    }
+    return COLIBRI_OK;
+}
+
 /* The family options (docs/format.md, "Family options"): all optional, Mixtral's
  * behaviour by default. Read once here; the forward pass only sees cb_config/cb_layer. */
 static colibri_status read_family_options(colibri_ctx *ctx, char *err, size_t len) {
@@ -442,6 +527,8 @@ static colibri_status read_family_options(colibri_ctx *ctx, char *err, size_t le
         }
         c->layer_window = e->value;
     }
+    if ((st = read_router_options(ctx, err, len))) return st;
+    if ((st = read_mla_options(ctx, err, len))) return st;
     /* the chat template (a Jinja source, as tokenizer_config.json has it); applied by
      * colibri_server, never by the engine */
     OPT("tokenizer.chat_template", CB_MT_STRING, 0);
@@ -953,6 +1040,40 @@ static colibri_status want_ffn(const colibri_ctx *ctx, uint32_t l, const char *p
     return COLIBRI_OK;
 }
 
+/* The attention tensors of layer l of an MLA file (docs/format.md, "Family options"):
+ * q (or the q LoRA and its norm), kv_a with its norm, kv_b and the output projection. */
+static colibri_status bind_mla_attention(const colibri_ctx *ctx, uint32_t l, cb_layer *L, char *err,
+                                         size_t len) {
+    const cb_config *c = &ctx->cfg;
+    uint64_t H = c->hidden, nh = c->n_heads, r = c->kv_lora_rank, dr = c->head_dim;
+    uint64_t Nq = nh * (c->qk_nope_dim + dr), ql = c->q_lora_rank;
+    colibri_status st;
+    const void *p;
+    char name[96];
+    if (ql) {
+        snprintf(name, sizeof name, "blk.%u.attn_q_a.weight", l);
+        if ((st = want_mat(ctx, name, ql, H, CB_SEC_DENSE, &L->wq_a, err, len))) return st;
+        snprintf(name, sizeof name, "blk.%u.attn_q_a_norm.weight", l);
+        if ((st = want_tensor(ctx, name, COLIBRI_DTYPE_F32, 0, 1, ql, 1, 1, CB_SEC_DENSE, &p, err, len))) return st;
+        L->q_a_norm = p;
+        snprintf(name, sizeof name, "blk.%u.attn_q_b.weight", l);
+        if ((st = want_mat(ctx, name, Nq, ql, CB_SEC_DENSE, &L->wq_b, err, len))) return st;
+    } else {
+        snprintf(name, sizeof name, "blk.%u.attn_q.weight", l);
+        if ((st = want_mat(ctx, name, Nq, H, CB_SEC_DENSE, &L->wq, err, len))) return st;
+    }
+    snprintf(name, sizeof name, "blk.%u.attn_kv_a_mqa.weight", l);
+    if ((st = want_mat(ctx, name, r + dr, H, CB_SEC_DENSE, &L->wkv_a, err, len))) return st;
+    snprintf(name, sizeof name, "blk.%u.attn_kv_a_norm.weight", l);
+    if ((st = want_tensor(ctx, name, COLIBRI_DTYPE_F32, 0, 1, r, 1, 1, CB_SEC_DENSE, &p, err, len))) return st;
+    L->kv_a_norm = p;
+    snprintf(name, sizeof name, "blk.%u.attn_kv_b.weight", l);
+    if ((st = want_mat(ctx, name, nh * (c->qk_nope_dim + c->v_head_dim), r, CB_SEC_DENSE, &L->wkv_b, err, len)))
+        return st;
+    snprintf(name, sizeof name, "blk.%u.attn_output.weight", l);
+    return want_mat(ctx, name, H, nh * c->v_head_dim, CB_SEC_DENSE, &L->wo, err, len);
+}
+
 static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
     cb_config *c = &ctx->cfg;
     uint64_t H = c->hidden, I = c->inter, V = c->vocab, E = c->n_experts;
@@ -993,14 +1114,18 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
         snprintf(name, sizeof name, "blk.%u.attn_norm.weight", l);
         WANT(name, COLIBRI_DTYPE_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
         L->attn_norm = p;
-        snprintf(name, sizeof name, "blk.%u.attn_q.weight", l);
-        MAT(name, Nq, H, CB_SEC_DENSE, &L->wq);
-        snprintf(name, sizeof name, "blk.%u.attn_k.weight", l);
-        MAT(name, Nkv, H, CB_SEC_DENSE, &L->wk);
-        snprintf(name, sizeof name, "blk.%u.attn_v.weight", l);
-        MAT(name, Nkv, H, CB_SEC_DENSE, &L->wv);
-        snprintf(name, sizeof name, "blk.%u.attn_output.weight", l);
-        MAT(name, H, Nq, CB_SEC_DENSE, &L->wo);
+        if (c->attention == CB_ATTN_MLA) { /* model/mla.c */
+            if ((st = bind_mla_attention(ctx, l, L, err, len))) return st;
+        } else {
+            snprintf(name, sizeof name, "blk.%u.attn_q.weight", l);
+            MAT(name, Nq, H, CB_SEC_DENSE, &L->wq);
+            snprintf(name, sizeof name, "blk.%u.attn_k.weight", l);
+            MAT(name, Nkv, H, CB_SEC_DENSE, &L->wk);
+            snprintf(name, sizeof name, "blk.%u.attn_v.weight", l);
+            MAT(name, Nkv, H, CB_SEC_DENSE, &L->wv);
+            snprintf(name, sizeof name, "blk.%u.attn_output.weight", l);
+            MAT(name, H, Nq, CB_SEC_DENSE, &L->wo);
+        }
         snprintf(name, sizeof name, "blk.%u.ffn_norm.weight", l);
         WANT(name, COLIBRI_DTYPE_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
         L->ffn_norm = p;
@@ -1048,6 +1173,11 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
             snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.zero", l);
             WANT(name, COLIBRI_DTYPE_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
             L->router_zero = p;
+        }
+        if (c->router_bias) { /* the choice-only correction bias (model/route_group.c) */
+            snprintf(name, sizeof name, "blk.%u.exp_probs_b.bias", l);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
+            L->router_bias = p;
         }
         FFN("ffn_experts", "_exps", 1, E, I, &L->experts);
         if (c->shared_inter > 0) {

@@ -20,6 +20,10 @@ static const cb_family FAMILIES[] = {
                    BIT(CB_ROPE_DEFAULT) | BIT(CB_ROPE_YARN)}},
     {"olmoe",     {BIT(CB_ATTN_GQA), BIT(CB_ROUTE_SOFTMAX_TOPK), BIT(CB_ACT_SILU_GLU),
                    BIT(CB_ROPE_DEFAULT) | BIT(CB_ROPE_YARN)}},
+    {"deepseek_v2", {BIT(CB_ATTN_MLA), BIT(CB_ROUTE_SOFTMAX_TOPK), BIT(CB_ACT_SILU_GLU),
+                   BIT(CB_ROPE_DEFAULT) | BIT(CB_ROPE_YARN)}},
+    {"deepseek_v3", {BIT(CB_ATTN_MLA), BIT(CB_ROUTE_SIGMOID_TOPK), BIT(CB_ACT_SILU_GLU),
+                   BIT(CB_ROPE_DEFAULT) | BIT(CB_ROPE_YARN)}},
 };
 #define N_FAMILIES (sizeof FAMILIES / sizeof FAMILIES[0])
 
@@ -36,8 +40,8 @@ static const char *const ACT[] = {"silu_glu", "clamped_swiglu"};
 static const char *const ROPE[] = {"default", "yarn"};
 
 static const axis AXES[CB_N_AXES] = {
-    {"model.attention", ATTN, 2, BIT(CB_ATTN_GQA)},
-    {"model.routing", ROUTE, 3, BIT(CB_ROUTE_SOFTMAX_TOPK)},
+    {"model.attention", ATTN, 2, BIT(CB_ATTN_GQA) | BIT(CB_ATTN_MLA)},
+    {"model.routing", ROUTE, 3, BIT(CB_ROUTE_SOFTMAX_TOPK) | BIT(CB_ROUTE_SIGMOID_TOPK)},
     {"model.activation", ACT, 2, BIT(CB_ACT_SILU_GLU)},
     {"model.rope_type", ROPE, 2, BIT(CB_ROPE_DEFAULT) | BIT(CB_ROPE_YARN)},
 };

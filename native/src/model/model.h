@@ -16,9 +16,6 @@
 
 /* model.attn_qk_norm (docs/format.md, "Family options"). */
 enum { CB_QKNORM_NONE = 0, CB_QKNORM_HEAD = 1, CB_QKNORM_FULL = 2 };
-/* TEMPORARY until the family table (model/family.h) is merged: its choices */
-enum { CB_ATTN_GQA = 0, CB_ATTN_MLA = 1 };
-enum { CB_ROUTE_SOFTMAX_TOPK = 0, CB_ROUTE_TOPK_SOFTMAX = 1, CB_ROUTE_SIGMOID_TOPK = 2 };
 
 /* Read-only model facts (and the facts of the file they came from). */
 typedef struct cb_config {
@@ -54,8 +51,6 @@ typedef struct cb_config {
     int attn_output_bias;      /* o projection has a bias */
     int qk_norm;               /* CB_QKNORM_* */
     float clip_qkv;            /* > 0: clamp q, k, v to [-clip, clip] after the q/k norm */
-    int routing;               /* TEMPORARY (family table) */
-    int attention;             /* TEMPORARY (family table) */
     /* grouped routing (model.n_group, model.topk_group; route_group.c): the experts in
      * n_group groups, the top topk_group groups kept (1, 1 = no grouping); a group's score
      * is its best probability (softmax_topk, DeepSeek-V2) or the sum of its two best biased
