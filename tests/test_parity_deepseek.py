@@ -321,3 +321,27 @@ def test_no_allocation_in_forward_deepseek(native_tests, tmp_path):
     out = tmp_path / "ds.colibri"
     colibri_lab.convert(folder, out, dtype="bf16", progress=False)
     run_ok(native_tests / "test_noalloc", out)
+
+
+def test_router_options_bite(models, tmp_path):
+    """The groups, the correction bias and the scaling of the V3 shape each change the
+    engine's logits: the parity above tests them (the file says them, the engine uses them)."""
+    _, path = models("v3-groups")
+    ids = random_ids(SHAPES["v3-groups"].vocab, 40, seed=6)
+    with colibri_lab.Engine(path) as eng:
+        ref = eng.forward(ids)
+    u32 = lambda key, v: key + struct.pack("<II", 0, v)  # noqa: E731
+    f64 = lambda key, v: key + struct.pack("<Id", 7, v)  # noqa: E731
+    variants = {
+        "no groups": [(u32(b"model.n_group", 4), u32(b"model.n_group", 1)),
+                      (u32(b"model.topk_group", 2), u32(b"model.topk_group", 1))],
+        "no bias": [(b"model.router_bias\x03\x00\x00\x00\x01", b"model.router_bias\x03\x00\x00\x00\x00")],
+        "no scale": [(f64(b"model.routed_scaling_factor", 2.5), f64(b"model.routed_scaling_factor", 1.0))],
+    }
+    for what, patches in variants.items():
+        src = path
+        for i, (old, new) in enumerate(patches):
+            src = _patch_metadata(src, tmp_path / f"{what}-{i}.colibri".replace(" ", "_"), old, new)
+        with colibri_lab.Engine(src) as eng:
+            got = eng.forward(ids)
+        assert float(np.max(np.abs(got - ref))) > 1e-3, what
