@@ -1,6 +1,7 @@
 """Convert a Hugging Face MoE checkpoint folder into one `.colibri` file (docs/format.md).
 
-Supported families: the entries of FAMILY_TABLE (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE).
+Supported families: the entries of FAMILY_TABLE (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+DeepSeek-V2, DeepSeek-V3).
 A family is one `Family` entry: its config keys (`Family.read`), its tensor names, and its
 choices of attention, routing, activation and RoPE; its differences (biases, q/k norms,
 clipping, dense layers, shared expert, per-layer windows, YaRN) become the format's

@@ -1,11 +1,12 @@
 """Random-init Hugging Face checkpoints of the other MoE families (Qwen2-MoE, Qwen3-MoE,
-OLMoE) for the parity tests — the counterpart of ``hf_models.py`` (Mixtral), whose
+OLMoE; DeepSeek-V2/V3 in DeepseekShape) for the parity tests — the counterpart of ``hf_models.py`` (Mixtral), whose
 ``save_checkpoint``, ``hf_logits`` and ``first_near_tie`` serve these models too.
 
 Models are made with transformers itself (torch==2.13.0 CPU, float32, eager experts),
 seeded, with every 1-D parameter randomised: RMSNorm weights (layer norms, q/k norms) in
 [0.5, 1.5] and biases in [-0.5, 0.5], so that a norm or bias applied in the wrong place,
-or not at all, changes the logits.
+or not at all, changes the logits (DeepSeek-V3's e_score_correction_bias, a buffer,
+in [-0.3, 0.3]).
 """
 
 from __future__ import annotations

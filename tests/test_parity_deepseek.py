@@ -345,3 +345,24 @@ def test_router_options_bite(models, tmp_path):
         with colibri_lab.Engine(src) as eng:
             got = eng.forward(ids)
         assert float(np.max(np.abs(got - ref))) > 1e-3, what
+
+
+def test_quantized_mix_runs(tmp_path):
+    """A q8_0 mix quantizes the MLA matrices too (kv_b's W_UK rows go through dequant_row,
+    W_UV through matmul): the logits stay close to transformers' f32 ones."""
+    from hf_models import save_checkpoint
+
+    shape = DeepseekShape("deepseek_v3", vocab=300, hidden=64, inter=32, dense_inter=64,
+                          layers=2, heads=2, q_lora=32, kv_lora=32, nope=16, rope=16, v_dim=16,
+                          experts=8, top_k=2, n_group=2, topk_group=1, seed=5)
+    model = build_deepseek_model(shape)
+    folder = save_checkpoint(model, tmp_path / "hf")
+    out = tmp_path / "q8.colibri"
+    colibri_lab.convert(folder, out, dtype="q8_0", progress=False)
+    assert inspect(out).tensor("blk.0.attn_kv_b.weight").dtype == "q8_0"
+    ids = random_ids(shape.vocab, 30, seed=1)
+    ref, _ = hf_logits(model, ids)
+    with colibri_lab.Engine(out) as eng:
+        got = eng.forward(ids)
+    assert float(np.max(np.abs(got - ref))) < 0.3
+    assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.8
