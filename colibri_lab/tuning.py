@@ -274,18 +274,42 @@ DEEPSEEK_V3_800M = dict(
     bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 
 
+def _write_bpe_tokenizer(folder: Path, n_tokens: int) -> None:
+    """A byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json) of n_tokens
+    entries, trained with the `tokenizers` library on this package's own source: a GPT-2
+    style vocabulary with merges, for converters that take nothing else (llama.cpp's
+    DeepSeek converter). Ids 0, 1, 2 are <unk>, <s>, </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=n_tokens, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train(sorted(str(p) for p in Path(__file__).parent.rglob("*.py")), trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "model_max_length": 1 << 20}))
+
+
 def make_family_model(out_dir: str | os.PathLike, family: str, config: dict, seed: int = 0,
-                      log: Callable[[str], None] | None = None) -> Path:
+                      log: Callable[[str], None] | None = None, tokenizer: str = "auto") -> Path:
     """Write a seeded random-init model of any MoE family transformers knows —
     ``AutoConfig.for_model(family, **config)`` — to ``out_dir`` (f32 safetensors) and return
     the folder; reused when it already holds the same family, config and seed. 1-D
     parameters are randomised so that none is a no-op: norm weights in [0.5, 1.5], biases,
     sinks and score-correction biases in [-0.5, 0.5]. Experts are saved as transformers
-    writes them. With a 32000-entry vocabulary the Mixtral tokenizer.model is copied beside
-    the weights (as :func:`make_model`)."""
+    writes them. ``tokenizer``: "spm" copies the Mixtral tokenizer.model beside the weights
+    (a 32000-entry vocabulary only, as :func:`make_model`), "bpe" writes a byte-level BPE
+    tokenizer.json trained on this package's source (at most the vocabulary's size; the rest
+    of the ids are unused), "none" neither; "auto": "bpe" for the DeepSeek families (whose
+    llama.cpp converter reads BPE only), else "spm"."""
     out = Path(out_dir)
     stamp = out / "colibri_bench_shape.json"
-    want = json.dumps({"family": family, **config, "seed": seed}, sort_keys=True, default=str)
+    want = json.dumps({"family": family, **config, "seed": seed, "tokenizer": tokenizer},
+                      sort_keys=True, default=str)
     if stamp.is_file() and stamp.read_text() == want and (out / "config.json").is_file():
         return out
     import torch
@@ -316,9 +340,14 @@ def make_family_model(out_dir: str | os.PathLike, family: str, config: dict, see
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    tok = _tokenizer_model_file()
-    if config.get("vocab_size") == 32000 and tok is not None:
-        shutil.copy(tok, tmp / "tokenizer.model")
+    if tokenizer == "auto":
+        tokenizer = "bpe" if family.startswith("deepseek") else "spm"
+    if tokenizer == "bpe":
+        _write_bpe_tokenizer(tmp, min(int(config.get("vocab_size", 32000)), 4000))
+    elif tokenizer == "spm":
+        tok = _tokenizer_model_file()
+        if config.get("vocab_size") == 32000 and tok is not None:
+            shutil.copy(tok, tmp / "tokenizer.model")
     (tmp / "colibri_bench_shape.json").write_text(want)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
