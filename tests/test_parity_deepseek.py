@@ -214,6 +214,16 @@ def test_engine_refuses_unknown_options(models, tmp_path):
                           b"\x03\x00\x00\x00\x00\x00\x00\x00mlb")
     with pytest.raises(ColibriError, match="model.attention 'mlb'"):
         colibri_lab.Engine(bad)
+    # a choice another family makes: V2's router is softmax, V3's sigmoid
+    v2 = models("v2-greedy")[1]
+    bad = _patch_metadata(v2, tmp_path / "v2.colibri", b"softmax_topk", b"sigmoid_topk")
+    with pytest.raises(ColibriError, match="model.routing 'sigmoid_topk' is not a choice of the deepseek_v2"):
+        colibri_lab.Engine(bad)
+    # groups that cannot hold top_k experts
+    bad = _patch_metadata(path, tmp_path / "g.colibri", b"model.topk_group" + struct.pack("<II", 0, 2),
+                          b"model.topk_group" + struct.pack("<II", 0, 0))
+    with pytest.raises(ColibriError, match="model.topk_group = 0"):
+        colibri_lab.Engine(bad)
 
 
 # ------------------------------------------------------------------------ parity

@@ -17,8 +17,8 @@
  * Every buffer is the arena's (scratch.c): q [B, nh*(dn+dr)], k [B, r+dr] (the latent
  * rows), mla_qa [B, q_lora_rank], mla_qlat [B, nh, r+dr], mla_olat [nh, B, r], att
  * [B, nh*dv], mla_row [threads, r] and the threads' att_scores rows. Parallel sections
- * split by head (and by segment for the attention): each output element is computed by
- * one chunk, in one order, whatever the thread count.
+ * split by head (and by row and group of heads for the attention): each output element
+ * is computed by one chunk, in one order, whatever the thread count.
  */
 #define _GNU_SOURCE
 #include <string.h>
@@ -60,35 +60,43 @@ static void absorb_chunk(void *arg, int64_t h, int tid) {
     }
 }
 
-/* Chunk (segment, head): softmax(scale * q_lat . [c_j, k_pe_j]) over the segment's own
- * sequence's positions 0..pos, and o_lat = sum_j p_j c_j (j ascending). */
+/* Chunk (row t, CB_ATT_HEADS heads from h0): softmax(scale * q_lat . [c_j, k_pe_j]) over
+ * the row's own sequence's positions 0..pos, and o_lat = sum_j p_j c_j (j ascending). The
+ * scores of a block of cached rows are one kernel matmul: the heads' latent queries times
+ * the block's rows (contiguous, one latent row per position), each row loaded once for
+ * every head of the chunk. */
 static void latent_att_chunk(void *arg, int64_t ch, int tid) {
     const mla_task *a = (const mla_task *)arg;
     colibri_ctx *ctx = a->ctx;
     const cb_config *c = &ctx->cfg;
     const cb_scratch *s = &ctx->s;
     const cb_kv *kv = &ctx->sess.kv;
-    int64_t nh = c->n_heads, r = c->kv_lora_rank, Dc = r + c->head_dim, T = a->T;
-    int64_t seg = ch / nh, h = ch % nh;
-    int64_t r0 = s->seg_row[seg], n = s->seg_row[seg + 1] - r0;
-    int32_t seq = s->row_seq[r0];
-    float *p = s->att_scores + (int64_t)tid * ctx->max_seq_len * CB_ATT_HEADS;
-    for (int64_t t = r0; t < r0 + n; t++) {
-        int64_t pos = s->row_pos[t];
-        const float *q = s->mla_qlat + (t * nh + h) * Dc;
-        for (int64_t j = 0; j <= pos; j++) {
-            const float *kr = kv->k + cb_kv_offset(kv, seq, a->layer, 0, j);
-            float d = 0.0f;
-            for (int64_t i = 0; i < Dc; i++) d += q[i] * kr[i];
-            p[j] = d * c->attn_scale;
-        }
-        ctx->kern->softmax(p, pos + 1);
-        float *o = s->mla_olat + (h * T + t) * r;
+    int64_t nh = c->n_heads, r = c->kv_lora_rank, Dc = r + c->head_dim, T = a->T, S = ctx->max_seq_len;
+    int64_t per = (nh + CB_ATT_HEADS - 1) / CB_ATT_HEADS;
+    int64_t t = ch / per, h0 = ch % per * CB_ATT_HEADS, hn = nh - h0 < CB_ATT_HEADS ? nh - h0 : CB_ATT_HEADS;
+    int32_t seq = s->row_seq[t];
+    int64_t pos = s->row_pos[t], P = kv->block_len;
+    float *p = s->att_scores + (int64_t)tid * S * CB_ATT_HEADS; /* [hn, S] */
+    const float *q = s->mla_qlat + (t * nh + h0) * Dc;
+    for (int64_t j0 = 0; j0 <= pos; j0 += P) {
+        int64_t n = pos + 1 - j0 < P ? pos + 1 - j0 : P;
+        const float *rows = kv->k + cb_kv_offset(kv, seq, a->layer, 0, j0);
+        ctx->kern->matmul_ld(p + j0, S, q, rows, COLIBRI_DTYPE_F32, hn, n, Dc);
+    }
+    for (int64_t h = 0; h < hn; h++) {
+        float *ph = p + h * S;
+        for (int64_t j = 0; j <= pos; j++) ph[j] *= c->attn_scale;
+        ctx->kern->softmax(ph, pos + 1);
+        float *o = s->mla_olat + ((h0 + h) * T + t) * r;
         memset(o, 0, (size_t)r * sizeof(float));
-        for (int64_t j = 0; j <= pos; j++) {
-            const float *kr = kv->k + cb_kv_offset(kv, seq, a->layer, 0, j);
-            float pj = p[j];
-            for (int64_t i = 0; i < r; i++) o[i] += pj * kr[i];
+        for (int64_t j0 = 0; j0 <= pos; j0 += P) {
+            int64_t n = pos + 1 - j0 < P ? pos + 1 - j0 : P;
+            const float *rows = kv->k + cb_kv_offset(kv, seq, a->layer, 0, j0);
+            for (int64_t j = 0; j < n; j++) {
+                float pj = ph[j0 + j];
+                const float *kr = rows + j * Dc;
+                for (int64_t i = 0; i < r; i++) o[i] += pj * kr[i];
+            }
         }
     }
 }
@@ -147,7 +155,7 @@ void cb_mla_attention(colibri_ctx *ctx, uint32_t l) {
         work += n * (s->row_pos[r0] + n);
     }
     cb_pool_run(work * nh * Dc < CB_PAR_MIN_WORK_MLA ? NULL : ctx->pool, latent_att_chunk, &a,
-                ctx->run.n_seg * nh);
+                T * ((nh + CB_ATT_HEADS - 1) / CB_ATT_HEADS));
     cb_pool_run(T * nh * dv * r < CB_PAR_MIN_WORK_MLA ? NULL : ctx->pool, value_chunk, &a, nh);
     cb_matmul_par(ctx, s->delta, s->att, L->wo, T, H, nh * dv);
     for (int64_t i = 0; i < T * H; i++) s->x[i] = s->x[i] + s->delta[i];
