@@ -376,3 +376,22 @@ def test_quantized_mix_runs(tmp_path):
         got = eng.forward(ids)
     assert float(np.max(np.abs(got - ref))) < 0.3
     assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.8
+
+
+def test_stage_run_equals_forward(models):
+    """colibri_stage_*: an MLA layer's attention stage shows q, the latent rows as k, an
+    empty v and att; running every stage gives the fused forward's logits."""
+    _, path = models("v3-groups")
+    s = SHAPES["v3-groups"]
+    ids = random_ids(s.vocab, 9, seed=2)
+    with colibri_lab.Engine(path) as eng:
+        full = eng.forward(ids)
+        run = eng.stages(ids)
+        run.embedding()
+        att = run.attention()
+        assert att["q"].shape == (9, s.heads * (s.nope + s.rope))
+        assert att["k"].shape == (9, s.kv_lora + s.rope) and att["v"].shape == (9, 0)
+        assert att["att"].shape == (9, s.heads * s.v_dim)
+        while not run.done:
+            run.run()
+        assert np.array_equal(run.logits, full)

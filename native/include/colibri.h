@@ -320,7 +320,7 @@ COLIBRI_API colibri_status colibri_stage_run(colibri_ctx *ctx, int32_t stage, fl
  * "shared_out" [T, H], "shared_gate" [T] (sigmoid values), "ffn_h" [T, Id or Is].
  * rows = expert_offset[E] of the current layer. Multi-head latent attention (model.attention
  * "mla"): "q" [T, Hq*(dn+dr)] (q_pe before RoPE), "k" [T, r+dr] (the cached latent rows,
- * normed and RoPE'd), no "v", "att" [T, Hq*dv]; "router_probs" holds the sigmoid scores of
+ * normed and RoPE'd), "v" [T, 0], "att" [T, Hq*dv]; "router_probs" holds the sigmoid scores of
  * a sigmoid_topk router. */
 COLIBRI_API colibri_status colibri_stage_tensor(colibri_ctx *ctx, const char *name,
                                                 const void **data, int32_t *dtype,

@@ -917,7 +917,7 @@ colibri_status cb_stage_tensor(colibri_ctx *ctx, const char *name, const void **
     int64_t rows = s->expert_offset[E];
     int64_t F = c->dense_inter > c->shared_inter ? c->dense_inter : c->shared_inter;
     int mla = c->attention == CB_ATTN_MLA;
-    if (mla) { /* q [T, nh*(dn+dr)], k the latent rows [T, r+dr], no v, att [T, nh*dv] */
+    if (mla) { /* q [T, nh*(dn+dr)], k the latent rows [T, r+dr], v [T, 0], att [T, nh*dv] */
         Nq = (int64_t)c->n_heads * (c->qk_nope_dim + c->head_dim);
         Nkv = (int64_t)c->kv_lora_rank + c->head_dim;
     }
@@ -927,7 +927,7 @@ colibri_status cb_stage_tensor(colibri_ctx *ctx, const char *name, const void **
         {"xn", s->xn, COLIBRI_DTYPE_F32, 2, T, H},
         {"q", s->q, COLIBRI_DTYPE_F32, 2, T, Nq},
         {"k", s->k, COLIBRI_DTYPE_F32, 2, T, Nkv},
-        {"v", mla ? NULL : s->v, COLIBRI_DTYPE_F32, 2, T, Nkv},
+        {"v", s->v, COLIBRI_DTYPE_F32, 2, T, mla ? 0 : Nkv}, /* MLA: no values, [T, 0] */
         {"att", s->att, COLIBRI_DTYPE_F32, 2, T, Natt},
         {"delta", s->delta, COLIBRI_DTYPE_F32, 2, T, H},
         {"router_logits", s->router_logits, COLIBRI_DTYPE_F32, 2, T, E},
