@@ -575,7 +575,7 @@ def from_stored(raw: np.ndarray, dtype: int, n: int) -> np.ndarray:
 
 # --------------------------------------------------------------------------- mixes
 
-MIXES = ("q8_0", "q4_k", "q4_k_m")
+MIXES = ("q8_0", "q4_k", "q4_k_m", "mxfp4")
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -612,6 +612,8 @@ def mix_dtype(mix: str, name: str, shape, *, layer: int | None, n_layers: int,
       use_more_bits(layer) layers; everything else Q4_K. (llama.cpp counts attn_v tensors
       in file order and parses the layer from an MoE model's ffn_down name; with one
       attn_v per layer both are the layer index.)
+    - "mxfp4": the routed experts (`ffn_{gate,up,down}_exps`) MXFP4, every other weight
+      matrix BF16 — the way gpt-oss ships (its experts in MXFP4, the rest bf16).
     - then `fallback_dtype` for a row the type's block does not divide.
     """
     if mix not in MIXES:
@@ -628,6 +630,10 @@ def mix_dtype(mix: str, name: str, shape, *, layer: int | None, n_layers: int,
             or base.endswith((".scale", ".zero"))):
         return DTYPE_F32
     ncols = shape[-1]
+    if mix == "mxfp4":
+        if base in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") and ncols % QK_MXFP4 == 0:
+            return DTYPE_MXFP4
+        return DTYPE_BF16
     if mix == "q8_0":
         return fallback_dtype(DTYPE_Q8_0, ncols)
     if mix == "q4_k":

@@ -200,3 +200,40 @@ def test_gguf_tensor_round_trip(tmp_path):
     assert np.array_equal(np.asarray(t.raw).reshape(-1), q.reshape(-1))
     want = gguf.quants.dequantize(q.reshape(-1), QT.MXFP4).reshape(-1).astype(np.float32)
     assert np.array_equal(_engine_dequant(np.asarray(t.raw), want.size).view(np.uint32), want.view(np.uint32))
+
+
+def test_converter_mix_mxfp4(tmp_path):
+    """`dtype="mxfp4"`: the routed experts' gate/up/down MXFP4 (quantize_mxfp4 of the
+    checkpoint's values, row by row), every other matrix BF16, norms and routers F32; the
+    engine runs the file, and its logits follow the f32 file's."""
+    from pathlib import Path
+
+    import colibri_lab
+    from colibri_lab.convert import Checkpoint
+
+    src = Path(__file__).resolve().parents[1] / "data" / "tiny-mixtral"
+    path = colibri_lab.convert(src, tmp_path / "mx.colibri", dtype="mxfp4", progress=False)
+    ref = colibri_lab.convert(src, tmp_path / "f32.colibri", dtype="f32", progress=False)
+    info = fmt.inspect(path)
+    dts = {t.name: t.dtype for t in info.tensors}
+    assert dts["blk.0.ffn_gate_exps"] == dts["blk.0.ffn_down_exps"] == "mxfp4"
+    assert dts["blk.0.attn_q.weight"] == "bf16" and dts["blk.0.ffn_gate_inp.weight"] == "f32"
+    assert dts["blk.0.attn_norm.weight"] == "f32"
+    assert info.metadata["model.weight_dtype"] == "mxfp4"
+    # expert 1's gate rows are quantize_mxfp4 of the checkpoint's w1
+    ck = Checkpoint(str(src))
+    name = next(n for n in ck.tensors if n.endswith("layers.0.block_sparse_moe.experts.1.w1.weight")
+                or n.endswith("layers.0.mlp.experts.1.w1.weight"))
+    t = ck.tensors[name]
+    w1 = fmt.stored_to_f32(t.read_flat(0, t.numel), t.dtype_id).reshape(t.shape)
+    raw = info.read_tensor("blk.0.ffn_gate_exps")
+    I, H = w1.shape
+    got = quants.dequantize(raw.reshape(-1), fmt.DTYPE_MXFP4, H).reshape(-1, I, H)[1]
+    want = quants.dequantize(quants.quantize_mxfp4(w1).reshape(-1), fmt.DTYPE_MXFP4, H).reshape(I, H)
+    np.testing.assert_array_equal(got, want)
+    ids = list(range(3, 70))
+    with colibri_lab.Engine(path) as e:
+        a = e.forward(ids)
+    with colibri_lab.Engine(ref) as e:
+        b = e.forward(ids)
+    assert np.isfinite(a).all() and (a.argmax(-1) == b.argmax(-1)).mean() > 0.5
