@@ -227,13 +227,20 @@ typedef enum colibri_dtype {
     COLIBRI_DTYPE_Q8_0 = 7,
     COLIBRI_DTYPE_Q4_K = 8,
     COLIBRI_DTYPE_Q5_K = 9,
-    COLIBRI_DTYPE_Q6_K = 10
+    COLIBRI_DTYPE_Q6_K = 10,
+    /* OCP MXFP4: blocks of 32 e2m1 values sharing one e8m0 scale byte, ggml's block_mxfp4
+     * (17 bytes: the scale byte e, then 16 bytes of nibbles; docs/format.md) */
+    COLIBRI_DTYPE_MXFP4 = 11
 } colibri_dtype;
 
 /* Dequantize (or widen) n elements of a weight row of dtype dt (F32, F16, BF16, Q8_0, Q4_K,
- * Q5_K, Q6_K) from src into dst, as the engine's reference kernels see them. n must be a
- * whole number of the dtype's blocks (32 for Q8_0, 256 for the K types). Returns
- * COLIBRI_E_INVALID_ARG (and writes nothing) otherwise or for another dtype. */
+ * Q5_K, Q6_K, MXFP4) from src into dst, as the engine's reference kernels see them. n must be
+ * a whole number of the dtype's blocks (32 for Q8_0 and MXFP4, 256 for the K types). Returns
+ * COLIBRI_E_INVALID_ARG (and writes nothing) otherwise or for another dtype.
+ * MXFP4 gives ggml's dequantize_row_mxfp4 bits: element j of a block is
+ * (float)k2[code] * 2^(e - 128) with k2 = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, ..., -12} (the
+ * e2m1 values doubled, so the product is e2m1 * 2^(e - 127)); code 8 (-0) gives +0, and
+ * e = 255 (NaN in OCP) is read as the scale 2^127, as ggml reads it. */
 COLIBRI_API colibri_status colibri_dequantize(int dt, const void *src, int64_t n, float *dst);
 
 /* colibri_options.populate's default: pre-fault the file when it is under half of the memory

@@ -806,7 +806,7 @@ static colibri_status parse_tensors(colibri_ctx *ctx, char *err, size_t len) {
         const char *NM = (const char *)t->name;
         if (!cb_dtype_in_file(t->dtype)) {
             cb_set_err(err, len, "tensor '%.*s' has dtype %u, which this build does not know "
-                       "(known: 0 f32, 1 f16, 2 bf16, 3 i8, 7 q8_0, 8 q4_k, 9 q5_k, 10 q6_k); use a newer "
+                       "(known: 0 f32, 1 f16, 2 bf16, 3 i8, 7 q8_0, 8 q4_k, 9 q5_k, 10 q6_k, 11 mxfp4); use a newer "
                        "Colibri or " RECONVERT, NL, NM, t->dtype);
             return COLIBRI_E_UNSUPPORTED;
         }
@@ -958,7 +958,7 @@ static colibri_status want_mat(const colibri_ctx *ctx, const char *name, uint64_
     const cb_tensor *t = cb_find_tensor(ctx, name);
     if (t && !cb_dtype_is_weight(t->dtype)) {
         cb_set_err(err, len, "tensor '%s' has dtype %s, which a weight matrix cannot have (f32, f16, bf16, "
-                   "q8_0, q4_k, q5_k, q6_k); " RECONVERT, name, cb_dtype_name(t->dtype));
+                   "q8_0, q4_k, q5_k, q6_k, mxfp4); " RECONVERT, name, cb_dtype_name(t->dtype));
         return COLIBRI_E_FORMAT;
     }
     const void *p = NULL;
