@@ -87,14 +87,17 @@ static void latent_att_chunk(void *arg, int64_t ch, int tid) {
         float *ph = p + h * S;
         for (int64_t j = 0; j <= pos; j++) ph[j] *= c->attn_scale;
         ctx->kern->softmax(ph, pos + 1);
-        float *o = s->mla_olat + ((h0 + h) * T + t) * r;
-        memset(o, 0, (size_t)r * sizeof(float));
-        for (int64_t j0 = 0; j0 <= pos; j0 += P) {
-            int64_t n = pos + 1 - j0 < P ? pos + 1 - j0 : P;
-            const float *rows = kv->k + cb_kv_offset(kv, seq, a->layer, 0, j0);
-            for (int64_t j = 0; j < n; j++) {
-                float pj = ph[j0 + j];
-                const float *kr = rows + j * Dc;
+        memset(s->mla_olat + ((h0 + h) * T + t) * r, 0, (size_t)r * sizeof(float));
+    }
+    /* o_h += p_h[j] * c_j, j ascending; each row c_j read once for the chunk's heads */
+    for (int64_t j0 = 0; j0 <= pos; j0 += P) {
+        int64_t n = pos + 1 - j0 < P ? pos + 1 - j0 : P;
+        const float *rows = kv->k + cb_kv_offset(kv, seq, a->layer, 0, j0);
+        for (int64_t j = 0; j < n; j++) {
+            const float *kr = rows + j * Dc;
+            for (int64_t h = 0; h < hn; h++) {
+                float pj = p[h * S + j0 + j];
+                float *o = s->mla_olat + ((h0 + h) * T + t) * r;
                 for (int64_t i = 0; i < r; i++) o[i] += pj * kr[i];
             }
         }
