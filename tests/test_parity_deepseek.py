@@ -395,3 +395,17 @@ def test_stage_run_equals_forward(models):
         while not run.done:
             run.run()
         assert np.array_equal(run.logits, full)
+
+
+def test_kv_bytes_per_token_gqa(tmp_path):
+    """The same fact for a grouped-query file: keys and values of every KV head."""
+    from hf_families import FamilyShape, build_family_model
+    from hf_models import save_checkpoint
+
+    shape = FamilyShape("qwen3_moe", vocab=300, hidden=32, inter=16, layers=2, heads=4,
+                        kv_heads=2, head_dim=8, experts=4, top_k=2, seed=1)
+    folder = save_checkpoint(build_family_model(shape), tmp_path / "hf")
+    out = tmp_path / "q3.colibri"
+    colibri_lab.convert(folder, out, dtype="f32", progress=False)
+    with colibri_lab.Engine(out) as eng:
+        assert eng.config.kv_bytes_per_token == 2 * 2 * 8 * 4 * 2
