@@ -409,3 +409,22 @@ def test_kv_bytes_per_token_gqa(tmp_path):
     colibri_lab.convert(folder, out, dtype="f32", progress=False)
     with colibri_lab.Engine(out) as eng:
         assert eng.config.kv_bytes_per_token == 2 * 2 * 8 * 4 * 2
+
+
+def test_fork_copy_on_write_latent_cache(models):
+    """A forked sequence shares the latent blocks; writing past the fork point copies the
+    partly filled block (keys only: the latent cache has no values), and both branches
+    continue exactly as if run alone."""
+    _, path = models("v2-group-yarn")
+    v = SHAPES["v2-group-yarn"].vocab
+    prompt, a, b = random_ids(v, 13, 1), random_ids(v, 6, 2), random_ids(v, 6, 3)
+    with colibri_lab.Engine(path) as eng:
+        ref_a = eng.forward(prompt + a)[-1]
+        ref_b = eng.forward(prompt + b)[-1]
+    with colibri_lab.Engine(path, max_seqs=2, kv_block_tokens=8) as eng:
+        s0 = eng.sequence(0)
+        s0.append(prompt)
+        s1 = s0.fork(1)
+        got_a = s0.append(a)[-1]
+        got_b = s1.append(b)[-1]
+    assert np.max(np.abs(got_a - ref_a)) <= 1e-5 and np.max(np.abs(got_b - ref_b)) <= 1e-5
