@@ -274,6 +274,49 @@ DEEPSEEK_V3_800M = dict(
     bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 
 
+#: A tiny random model of every family the converter knows (transformers config keys, for
+#: :func:`make_family_model`): sizes that are not multiples of 8, the family's own choices
+#: switched on (Qwen2-MoE's gated shared expert, OLMoE's q/k norms, DeepSeek's latent
+#: attention and group-limited routing, gpt-oss's sinks, windows and clamped SwiGLU).
+_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+TINY_FAMILY_CONFIGS = {
+    "mixtral": dict(vocab_size=512, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=6,
+                    num_experts_per_tok=2, max_position_embeddings=256, **_IDS),
+    "qwen2_moe": dict(vocab_size=512, hidden_size=48, intermediate_size=56, moe_intermediate_size=24,
+                      shared_expert_intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+                      max_position_embeddings=256, **_IDS),
+    "qwen3_moe": dict(vocab_size=512, hidden_size=48, moe_intermediate_size=24, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256, **_IDS),
+    "olmoe": dict(vocab_size=512, hidden_size=48, intermediate_size=24, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                  max_position_embeddings=256, **_IDS),
+    "deepseek_v2": dict(vocab_size=512, hidden_size=48, intermediate_size=64, moe_intermediate_size=20,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                        q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                        v_head_dim=12, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                        n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                        first_k_dense_replace=1, routed_scaling_factor=1.5,
+                        max_position_embeddings=256, **_IDS),
+    "deepseek_v3": dict(vocab_size=512, hidden_size=48, intermediate_size=64, moe_intermediate_size=20,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                        q_lora_rank=20, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                        v_head_dim=12, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
+                        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, max_position_embeddings=256, **_IDS),
+    "gpt_oss": dict(vocab_size=512, hidden_size=48, intermediate_size=24, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=6,
+                    num_experts_per_tok=2, sliding_window=6, swiglu_limit=1.5,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    max_position_embeddings=256,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                     "original_max_position_embeddings": 64}, **_IDS),
+}
+
+
 def _write_bpe_tokenizer(folder: Path, n_tokens: int) -> None:
     """A byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json) of n_tokens
     entries, trained with the `tokenizers` library on this package's own source: a GPT-2
