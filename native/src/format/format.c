@@ -416,6 +416,14 @@ static colibri_status read_mla_options(colibri_ctx *ctx, char *err, size_t len) 
             return COLIBRI_E_FORMAT;
         }
     }
+    uint64_t nh = c->n_heads, dq = (uint64_t)c->qk_nope_dim + c->head_dim;
+    if (nh * dq > (1u << 24) || nh * ((uint64_t)c->qk_nope_dim + c->v_head_dim) > (1u << 24) ||
+        nh * ((uint64_t)c->kv_lora_rank + c->head_dim) > (1u << 26)) {
+        cb_set_err(err, len, "MLA widths are implausible (n_heads = %u, qk_nope_head_dim = %u, head_dim = %u, "
+                   "v_head_dim = %u, kv_lora_rank = %u); " RECONVERT, c->n_heads, c->qk_nope_dim, c->head_dim,
+                   c->v_head_dim, c->kv_lora_rank);
+        return COLIBRI_E_FORMAT;
+    }
     if (c->n_kv_heads != c->n_heads) {
         cb_set_err(err, len, "model.n_kv_heads = %u must equal model.n_heads = %u in an MLA file (every head "
                    "reads the one latent); " RECONVERT, c->n_kv_heads, c->n_heads);

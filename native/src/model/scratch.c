@@ -48,6 +48,10 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     ok &= cb_mul_u64(kv, L, &kv);
     ok &= cb_mul_u64(kv, Hkv * Dkv, &kv);
     ok &= cb_mul_u64(NS, max_blocks, &tables);
+    uint64_t qlat = 0, olat = 0; /* MLA: B * NH * Dc and B * NH * r (format.c bounds the widths) */
+    ok &= cb_mul_u64(B, NH, &qlat);
+    ok &= cb_mul_u64(qlat, r * (uint64_t)mla, &olat);
+    ok &= cb_mul_u64(qlat, Dc, &qlat);
     if (!ok) {
         cb_set_err(err, err_len, "the run-time buffers for these options overflow 64 bits; "
                    "lower max_seq_len, max_batch or group_pad");
@@ -76,8 +80,8 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&s->v, B * Nv_buf, 4, "v"},
         {(void **)&s->att, B * Natt_buf, 4, "att"},
         {(void **)&s->mla_qa, B * QL, 4, "mla_qa"},
-        {(void **)&s->mla_qlat, B * NH * Dc, 4, "mla_qlat"},
-        {(void **)&s->mla_olat, B * NH * r * (uint64_t)mla, 4, "mla_olat"},
+        {(void **)&s->mla_qlat, qlat, 4, "mla_qlat"},
+        {(void **)&s->mla_olat, olat, 4, "mla_olat"},
         {(void **)&s->mla_row, NT * r * (uint64_t)mla, 4, "mla_row"},
         {(void **)&s->route_choice, E, 4, "route_choice"},
         {(void **)&s->route_group, E, 4, "route_group"},
