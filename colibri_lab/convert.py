@@ -1,8 +1,12 @@
 """Convert a Hugging Face MoE checkpoint folder into one `.colibri` file (docs/format.md).
 
-Supported families: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE. Their differences (biases,
-q/k norms, clipping, dense layers, shared expert, per-layer windows) become the format's
-family-option metadata keys; see `read_config`.
+Supported families: the entries of FAMILY_TABLE (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+DeepSeek-V2, DeepSeek-V3).
+A family is one `Family` entry: its config keys (`Family.read`), its tensor names, and its
+choices of attention, routing, activation and RoPE; its differences (biases, q/k norms,
+clipping, dense layers, shared expert, per-layer windows, YaRN) become the format's
+family-option metadata keys (docs/format.md, "Family options"), which the engine checks
+against its own family table (native/src/model/family.c).
 
 The converter streams: it never holds the model in memory. It parses the safetensors
 headers itself and reads each source tensor (or a row range of it) with seek +
@@ -42,7 +46,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from . import format as fmt
-from . import quants
+from . import _deepseek, quants
 from .format import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_I8, DTYPE_IDS, DTYPE_NUMPY,
                      LAYOUT_EXPERTS_PACKED, LAYOUT_ROW_MAJOR, QUANT_DTYPES,
                      MetaValue)
@@ -53,12 +57,6 @@ FLOAT_DTYPES = ("f32", "f16", "bf16")
 # block-quantized converter mixes (docs/quantization.md, "Converter mixes"); each tensor's
 # dtype comes from quants.mix_dtype, every FFN is stored split (format version 2)
 QUANT_MIXES = quants.MIXES
-# model_type -> the architectures class name transformers writes for it
-FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-            "gpt_oss": "GptOssForCausalLM"}
-SUPPORTED = ", ".join(f"{k} ({v})" for k, v in FAMILIES.items())
-
 
 class ConversionError(ValueError):
     """The checkpoint cannot be converted; the message says why and what to do."""
@@ -258,12 +256,24 @@ class ModelSpec:
     attn_qk_norm: str = "none"       # none | head | full
     clip_qkv: float = 0.0
     layer_sliding_window: tuple = () # per-layer windows; () = all `sliding_window`
-    activation: str = "silu_glu"     # silu_glu | clamped_swiglu (gpt-oss experts)
-    swiglu_limit: float = 0.0        # clamped_swiglu
-    swiglu_alpha: float = 0.0        # clamped_swiglu
-    routing: str = "softmax_topk"    # softmax_topk | topk_softmax (gpt-oss)
-    router_bias: bool = False        # blk.N.ffn_gate_inp.bias
-    attn_sinks: bool = False         # blk.N.attn_sinks
+    # the family's choices (Family, docs/format.md "Family options")
+    attention: str = "gqa"
+    routing: str = "softmax_topk"
+    activation: str = "silu_glu"
+    rope_type: str = "default"       # default | yarn
+    rope_inv_freq: tuple = ()        # yarn: the [rope_dim / 2] inverse frequencies
+    rope_attention_factor: float = 1.0   # yarn: multiplies cos and sin
+    # grouped routing (DeepSeek; model/route_group.c): n_group groups, topk_group kept
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False        # a per-expert correction bias for the choice only (V3)
+    mla: object = None               # _deepseek.MLAOptions of a multi-head latent attention
+    # gpt-oss (docs/format.md, "Family options of gpt-oss")
+    swiglu_limit: float = 0.0        # activation clamped_swiglu: the clamp bound
+    swiglu_alpha: float = 0.0        # activation clamped_swiglu: the sigmoid's gain
+    router_logit_bias: bool = False  # blk.N.ffn_gate_inp.bias added to the router logits
+    attn_sinks: bool = False         # blk.N.attn_sinks, one sink logit per query head
     expert_bias: bool = False        # blk.N.ffn_{gate,up,down}_exps.bias
 
     def is_moe(self, layer: int) -> bool:
@@ -299,19 +309,6 @@ def _cfg_size(cfg: dict, key: str, default=None) -> int:
     return int(v)
 
 
-def _family(cfg: dict) -> str:
-    mt = cfg.get("model_type")
-    archs = cfg.get("architectures") or []
-    if mt in FAMILIES:
-        return mt
-    for fam, cls in FAMILIES.items():
-        if cls in archs:
-            return fam
-    what = mt or (archs[0] if archs else "unknown")
-    raise ConversionError(f"unsupported architecture {what!r} (model_type={mt!r}, "
-                          f"architectures={archs}); supported: {SUPPORTED}")
-
-
 def _sparse_layers(cfg: dict, n_layers: int, n_experts: int) -> tuple:
     """Qwen's rule (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer): layer i is an MoE block
     iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
@@ -324,15 +321,353 @@ def _sparse_layers(cfg: dict, n_layers: int, n_experts: int) -> tuple:
                  for i in range(n_layers))
 
 
+@dataclass(frozen=True)
+class CommonConfig:
+    """The config keys every family shares, read before the family's own (`Family.read`)."""
+    cfg: dict
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_layers: int
+
+
+def _layer_windows(cfg: dict, n_layers: int, win: int, default_types) -> tuple[int, tuple]:
+    """`layer_types` (sliding_attention / full_attention per layer; `default_types` when the
+    config has none) -> (sliding_window, layer_sliding_window): one window for every layer
+    when they agree, else the per-layer tuple."""
+    types = cfg.get("layer_types")
+    if types is None:
+        types = default_types
+    if not isinstance(types, list) or len(types) != n_layers or \
+            any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ConversionError(f"config.json: layer_types {types!r} must list "
+                              f"sliding_attention or full_attention for each of "
+                              f"the {n_layers} layers")
+    if "sliding_attention" in types and win == 0:
+        raise ConversionError("config.json: layer_types has sliding_attention "
+                              "layers but no sliding window (use_sliding_window / "
+                              "sliding_window)")
+    windows = tuple(win if t == "sliding_attention" else 0 for t in types)
+    if len(set(windows)) == 1:
+        return windows[0], ()
+    return 0, windows
+
+
+def _mixtral_options(c: CommonConfig) -> dict:
+    cfg = c.cfg
+    sw = cfg.get("sliding_window")
+    return dict(n_experts=_cfg_int(cfg, "num_local_experts"),
+                intermediate_size=_cfg_int(cfg, "intermediate_size"),
+                sliding_window=0 if sw is None else _cfg_size(cfg, "sliding_window"))
+
+
+def _qwen_moe_layers(c: CommonConfig, E: int) -> dict:
+    """Qwen's dense layers (mlp_only_layers / decoder_sparse_step) and window switch."""
+    cfg = c.cfg
+    out: dict = {}
+    layer_ffn = _sparse_layers(cfg, c.n_layers, E)
+    if not any(layer_ffn):
+        raise ConversionError("config.json: no layer is an MoE block (mlp_only_layers / "
+                              "decoder_sparse_step); colibri runs MoE models")
+    if not all(layer_ffn):
+        out["layer_ffn"] = layer_ffn
+        out["dense_intermediate_size"] = _cfg_int(cfg, "intermediate_size")
+    return out
+
+
+def _qwen_window(cfg: dict) -> int:
+    use_sw = _cfg_bool(cfg, "use_sliding_window", False)
+    win = cfg.get("sliding_window") if use_sw else None
+    return 0 if win is None else _cfg_size(cfg, "sliding_window")
+
+
+def _qwen2_moe_options(c: CommonConfig) -> dict:
+    cfg = c.cfg
+    E = _cfg_int(cfg, "num_experts")
+    Is = _cfg_size(cfg, "shared_expert_intermediate_size")
+    out = dict(n_experts=E, intermediate_size=_cfg_int(cfg, "moe_intermediate_size"),
+               norm_topk_prob=_cfg_bool(cfg, "norm_topk_prob", False),
+               shared_expert_intermediate_size=Is,
+               shared_expert_gate=Is > 0,   # Qwen2MoeSparseMoeBlock always gates it
+               attn_qkv_bias=_cfg_bool(cfg, "qkv_bias", True), **_qwen_moe_layers(c, E))
+    # Qwen2MoeConfig: sliding_window only when use_sliding_window; layer_types default:
+    # sliding on even layers below max_window_layers.
+    use_sw = _cfg_bool(cfg, "use_sliding_window", False)
+    mwl = _cfg_size(cfg, "max_window_layers", 28)
+    default = ["sliding_attention" if (i + 1) % 2 and i < mwl and use_sw else "full_attention"
+               for i in range(c.n_layers)]
+    out["sliding_window"], out["layer_sliding_window"] = \
+        _layer_windows(cfg, c.n_layers, _qwen_window(cfg), default)
+    return out
+
+
+def _qwen3_moe_options(c: CommonConfig) -> dict:
+    cfg = c.cfg
+    # Qwen3-MoE's config.json says num_local_experts (attribute_map) or num_experts
+    E = _cfg_int(cfg, "num_experts" if "num_experts" in cfg else "num_local_experts")
+    bias = _cfg_bool(cfg, "attention_bias", False)
+    return dict(n_experts=E, intermediate_size=_cfg_int(cfg, "moe_intermediate_size"),
+                norm_topk_prob=_cfg_bool(cfg, "norm_topk_prob", False),
+                sliding_window=_qwen_window(cfg),   # one window for every layer
+                attn_qkv_bias=bias, attn_output_bias=bias, attn_qk_norm="head",
+                **_qwen_moe_layers(c, E))
+
+
+def _olmoe_options(c: CommonConfig) -> dict:
+    cfg = c.cfg
+    # OlmoeAttention normalises the whole q and k projections (q_norm over hidden_size,
+    # k_norm over (H // nh) * nkv values), which only fits when head_dim == H // nh.
+    if c.hidden % c.n_heads or c.head_dim != c.hidden // c.n_heads:
+        raise ConversionError(f"config.json: OLMoE's q/k norms need head_dim == "
+                              f"hidden_size / num_attention_heads ({c.hidden}/{c.n_heads}), "
+                              f"got head_dim {c.head_dim}")
+    bias = _cfg_bool(cfg, "attention_bias", False)
+    clip = cfg.get("clip_qkv")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                             or not clip > 0 or not math.isfinite(clip)):
+        raise ConversionError(f"config.json: clip_qkv must be a positive number or "
+                              f"null, got {clip!r}")
+    E = _cfg_int(cfg, "num_experts" if "num_experts" in cfg else "num_local_experts")
+    return dict(n_experts=E, intermediate_size=_cfg_int(cfg, "intermediate_size"),
+                norm_topk_prob=_cfg_bool(cfg, "norm_topk_prob", False),
+                attn_qkv_bias=bias, attn_output_bias=bias, attn_qk_norm="full",
+                clip_qkv=float(clip or 0.0))
+
+
+def _deepseek_options(c: CommonConfig, fam: str) -> dict:
+    """DeepSeek-V2/V3 (colibri_lab/_deepseek.py): multi-head latent attention, dense first
+    layers, shared experts (ungated), grouped routers."""
+    cfg = c.cfg
+    if c.n_kv_heads != c.n_heads:
+        raise ConversionError(f"config.json: num_key_value_heads {c.n_kv_heads} != "
+                              f"num_attention_heads {c.n_heads}; DeepSeek's MLA has one latent "
+                              "for every head")
+    E = _cfg_int(cfg, "n_routed_experts")
+    try:
+        opts = _deepseek.deepseek_config(cfg, fam, c.n_layers, E,
+                                         _cfg_int(cfg, "num_experts_per_tok"))
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    # RoPE (and YaRN's frequencies) over qk_rope_head_dim, transformers' config.head_dim
+    return dict(n_experts=E, rope_dim=opts["head_dim"], **opts)
+
+
+def _cfg_positive(cfg: dict, key: str, default: float) -> float:
+    v = cfg.get(key, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ConversionError(f"config.json: {key} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _gptoss_options(c: CommonConfig) -> dict:
+    """gpt-oss (transformers 5.24's GptOssConfig / modeling_gpt_oss.py). Every layer is MoE;
+    q/k/v/o biases when attention_bias (default true); one sink logit per query head; the
+    router has a bias and takes top-k of its logits, then a softmax over those k; the
+    experts have biases and the clamped SwiGLU (swiglu_limit, and swiglu_alpha, 1.702 when
+    the config predates the key). layer_types picks the sliding layers (default: even
+    layers); transformers' sliding mask lets query i see key j iff i - j < sliding_window,
+    the engine's rule, so the window is stored as it is."""
+    cfg = c.cfg
+    bias = _cfg_bool(cfg, "attention_bias", True)
+    default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(c.n_layers)]
+    win = cfg.get("sliding_window")
+    win = 0 if win is None else _cfg_size(cfg, "sliding_window")
+    out = dict(n_experts=_cfg_int(cfg, "num_local_experts" if "num_local_experts" in cfg
+                                  else "num_experts"),
+               intermediate_size=_cfg_int(cfg, "intermediate_size"), norm_topk_prob=False,
+               attn_qkv_bias=bias, attn_output_bias=bias,
+               swiglu_limit=_cfg_positive(cfg, "swiglu_limit", 7.0),
+               swiglu_alpha=_cfg_positive(cfg, "swiglu_alpha", 1.702),
+               router_logit_bias=True, attn_sinks=True, expert_bias=True)
+    out["sliding_window"], out["layer_sliding_window"] = _layer_windows(cfg, c.n_layers, win, default)
+    return out
+
+
+@dataclass(frozen=True)
+class Family:
+    """One MoE family, as one described thing: the config keys it reads (`read`), the
+    tensor names of its checkpoints, and its choice of attention, routing, activation and
+    RoPE. The converter reads the entry; the file carries the choices as metadata
+    (docs/format.md, "Family options"), which the engine checks against its own family
+    table (native/src/model/family.c) — so a new family is mostly a new entry here and there.
+
+    attention: "gqa" (grouped-query, KV cache per KV head) | "mla" (multi-head latent).
+    routing: "softmax_topk" (softmax over all experts, then top-k, optionally renormalised)
+    | "topk_softmax" (top-k of the logits, softmax over those k) | "sigmoid_topk".
+    activation: "silu_glu" (silu(gate) * up) | "clamped_swiglu".
+    rope_types: the RoPE types its configs may ask for (rope_type / rope_scaling)."""
+    name: str                       # config.json model_type = the file's general.architecture
+    hf_class: str                   # the architectures entry transformers writes
+    read: Callable[[CommonConfig], dict]   # -> ModelSpec fields
+    eps_default: float = 1e-6
+    rope_theta_default: float = 10000.0
+    attention: str = "gqa"
+    routing: str = "softmax_topk"
+    activation: str = "silu_glu"
+    rope_types: tuple = ("default", "yarn")
+    # tensor names under model.layers.N (transformers' state dict)
+    moe_blocks: tuple = ("mlp",)    # the MoE block's module (router `gate`, `experts`)
+    expert_names: tuple = ("gate_proj", "up_proj", "down_proj")   # per-expert w1, w3, w2
+    shared_expert: str = "shared_expert"
+    router: str = "gate"            # the router's module in the MoE block
+    experts_key: str = "num_experts"   # named in the top-k check's message
+
+
+FAMILY_TABLE: tuple[Family, ...] = (
+    Family("mixtral", "MixtralForCausalLM", _mixtral_options, eps_default=1e-5,
+           rope_theta_default=1e6, moe_blocks=("block_sparse_moe", "mlp"),
+           expert_names=("w1", "w3", "w2"), experts_key="num_local_experts"),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", _qwen2_moe_options),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_options),
+    Family("olmoe", "OlmoeForCausalLM", _olmoe_options, eps_default=1e-5),
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", lambda c: _deepseek_options(c, "deepseek_v2"),
+           attention="mla", shared_expert="shared_experts", experts_key="n_routed_experts"),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", lambda c: _deepseek_options(c, "deepseek_v3"),
+           attention="mla", routing="sigmoid_topk", shared_expert="shared_experts",
+           experts_key="n_routed_experts"),
+    Family("gpt_oss", "GptOssForCausalLM", _gptoss_options, eps_default=1e-5,
+           rope_theta_default=150000.0, routing="topk_softmax", activation="clamped_swiglu",
+           router="router", experts_key="num_local_experts"),
+)
+FAMILY_BY_NAME = {f.name: f for f in FAMILY_TABLE}
+# model_type -> the architectures class name transformers writes for it
+FAMILIES = {f.name: f.hf_class for f in FAMILY_TABLE}
+SUPPORTED = ", ".join(f"{k} ({v})" for k, v in FAMILIES.items())
+
+
+def family_of(cfg: dict) -> Family:
+    """The family entry of a config.json (by model_type, else by architectures); refuses
+    every other family by name."""
+    mt = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    if mt in FAMILY_BY_NAME:
+        return FAMILY_BY_NAME[mt]
+    for f in FAMILY_TABLE:
+        if f.hf_class in archs:
+            return f
+    what = mt or (archs[0] if archs else "unknown")
+    raise ConversionError(f"unsupported architecture {what!r} (model_type={mt!r}, "
+                          f"architectures={archs}); supported: {SUPPORTED}")
+
+
+def _family(cfg: dict) -> str:
+    return family_of(cfg).name
+
+
+def _rope_parameters(cfg: dict) -> dict:
+    """transformers 5 writes rope_parameters {rope_theta, rope_type, ...}; 4 writes
+    rope_theta and rope_scaling {type | rope_type, ...}. One dict either way (no theta key
+    when the config has none)."""
+    rp = cfg.get("rope_parameters")
+    rs = cfg.get("rope_scaling")
+    out: dict = {}
+    for src, what in ((rp, "rope_parameters"), (rs, "rope_scaling")):
+        if src is None:
+            continue
+        if not isinstance(src, dict) or any(isinstance(v, dict) for v in src.values()):
+            raise ConversionError(f"config.json: {what} {src!r} not understood (expected one "
+                                  "dict of RoPE parameters)")
+        out.update(src)
+    if "type" in out and "rope_type" not in out:
+        out["rope_type"] = out["type"]
+    out.pop("type", None)
+    out.setdefault("rope_type", "default")
+    if "rope_theta" not in out and cfg.get("rope_theta") is not None:
+        out["rope_theta"] = cfg["rope_theta"]
+    return out
+
+
+def yarn_parameters(rp: dict, dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    """YaRN's inverse frequencies ([dim/2] float32) and attention factor, as transformers'
+    `_compute_yarn_parameters` computes them (float32 where it uses torch, float64 where it
+    uses Python floats)."""
+    base = float(rp["rope_theta"])
+    factor = rp.get("factor")
+    omp = rp.get("original_max_position_embeddings")
+    for key, v in (("factor", factor), ("original_max_position_embeddings", omp)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or
+                              not v > 0 or not math.isfinite(v)):
+            raise ConversionError(f"config.json: YaRN {key} must be a positive number, got {v!r}")
+    if omp is None:
+        raise ConversionError("config.json: YaRN needs original_max_position_embeddings")
+    if factor is None:
+        factor = max_position_embeddings / omp
+    factor = float(factor)
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    af = rp.get("attention_factor")
+    mscale, mscale_all = rp.get("mscale"), rp.get("mscale_all_dim")
+    if af is None:
+        af = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
+              if mscale and mscale_all else get_mscale(factor))
+    beta_fast = rp.get("beta_fast") or 32
+    beta_slow = rp.get("beta_slow") or 1
+    truncate = rp.get("truncate", True)
+
+    def corr_dim(rot):
+        return (dim * math.log(omp / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    f32 = np.float32
+    # base ** (arange(0, dim, 2).float() / dim) as torch's float32 pow (correctly rounded,
+    # which numpy's vectorised float32 power is not always): in f64, rounded once
+    expo = np.arange(0, dim, 2, dtype=f32) / f32(dim)
+    pos = np.array([math.pow(float(f32(base)), float(e)) for e in expo]).astype(f32)
+    extrap = (f32(1.0) / pos).astype(f32)
+    interp = (f32(1.0) / (f32(factor) * pos)).astype(f32)
+    ramp = np.clip((np.arange(dim // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1).astype(f32)
+    ef = (f32(1) - ramp).astype(f32)
+    inv = (interp * (f32(1) - ef) + extrap * ef).astype(f32)
+    return inv, float(af)
+
+
+def read_rope(cfg: dict, fam: Family, dim: int, max_pos: int) -> dict:
+    """The RoPE fields of a ModelSpec: rope_theta, and for YaRN rope_type, rope_inv_freq
+    (the dim/2 frequencies) and rope_attention_factor."""
+    rp = _rope_parameters(cfg)
+    rtype = rp["rope_type"]
+    if rtype not in fam.rope_types:
+        raise ConversionError(f"config.json: rope_type {rtype!r}; colibri runs "
+                              f"{' and '.join(fam.rope_types)} RoPE for {fam.name}")
+    theta = rp.get("rope_theta", fam.rope_theta_default)
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise ConversionError(f"config.json: rope_theta must be a positive number, got {theta!r}")
+    known = {"default": {"rope_theta", "rope_type"},
+             "yarn": {"rope_theta", "rope_type", "factor", "original_max_position_embeddings",
+                      "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+                      "truncate"}}[rtype]
+    extra = sorted(k for k in set(rp) - known if rp[k] is not None)
+    if extra:
+        raise ConversionError(f"config.json: RoPE parameters {extra} for rope_type {rtype!r} "
+                              "are not implemented by colibri")
+    out = {"rope_theta": float(theta)}
+    if rtype == "yarn":
+        inv, af = yarn_parameters({**rp, "rope_theta": theta}, dim, max_pos)
+        out.update(rope_type="yarn", rope_inv_freq=tuple(float(x) for x in inv),
+                   rope_attention_factor=af)
+    return out
+
+
 def read_config(model_dir: str) -> ModelSpec:
-    """Parse config.json (transformers 4 or 5 style) of a supported MoE checkpoint."""
+    """Parse config.json (transformers 4 or 5 style) of a supported MoE checkpoint: the
+    common keys here, the family's own through its FAMILY_TABLE entry."""
     p = os.path.join(model_dir, "config.json")
     if not os.path.isfile(p):
         raise ConversionError(f"no config.json in {model_dir}: give the folder of a Hugging "
                               "Face checkpoint")
     with open(p) as f:
         cfg = json.load(f)
-    fam = _family(cfg)
+    fam = family_of(cfg)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"config.json: hidden_act {act!r}; colibri runs silu experts only")
@@ -352,128 +687,26 @@ def read_config(model_dir: str) -> ModelSpec:
     if nh % nkv:
         raise ConversionError(f"config.json: num_attention_heads {nh} is not a multiple of "
                               f"num_key_value_heads {nkv}")
-
-    # RoPE: transformers 5 writes rope_parameters {rope_theta, rope_type}; 4 writes
-    # rope_theta and rope_scaling. Only the default (unscaled) RoPE is supported.
-    rp = cfg.get("rope_parameters")
-    theta = None
-    if rp is not None:
-        if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
-            raise ConversionError(f"config.json: rope_parameters {rp!r} not understood "
-                                  "(expected {rope_theta, rope_type})")
-        rtype = rp.get("rope_type", rp.get("type", "default"))
-        if rtype != "default":
-            raise ConversionError(f"config.json: rope_type {rtype!r}; version 1 of the format "
-                                  "supports only the default RoPE (no scaling)")
-        extra = set(rp) - {"rope_theta", "rope_type", "type"}
-        if extra:
-            raise ConversionError(f"config.json: rope_parameters has {sorted(extra)}, which "
-                                  "colibri does not implement")
-        theta = rp.get("rope_theta")
-    rs = cfg.get("rope_scaling")
-    if rs is not None:
-        rtype = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else rs
-        if rtype != "default":
-            raise ConversionError(f"config.json: rope_scaling {rs!r}; version 1 of the format "
-                                  "supports only the default RoPE (no scaling)")
-    if theta is None:   # each config class's default
-        theta = cfg.get("rope_theta", 1e6 if fam == "mixtral" else 10000.0)
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise ConversionError(f"config.json: rope_theta must be a positive number, got {theta!r}")
-
     n_layers = _cfg_int(cfg, "num_hidden_layers")
-    opts: dict = {"architecture": fam}
-    if fam == "gpt_oss":
-        E, inter, sw, gopts = _gptoss_config(cfg, n_layers)
-        opts.update(gopts)
-        eps_default = 1e-5
-    elif fam == "mixtral":
-        E = _cfg_int(cfg, "num_local_experts")
-        inter = _cfg_int(cfg, "intermediate_size")
-        sw = cfg.get("sliding_window")
-        sw = 0 if sw is None else int(sw)
-        eps_default = 1e-5
-    else:
-        # Qwen3-MoE's config.json says num_local_experts (attribute_map), the others num_experts
-        ek = "num_experts" if "num_experts" in cfg else "num_local_experts"
-        E = _cfg_int(cfg, ek)
-        opts["norm_topk_prob"] = _cfg_bool(cfg, "norm_topk_prob", False)
-        eps_default = 1e-5 if fam == "olmoe" else 1e-6
-        sw = 0
-        if fam == "olmoe":
-            # OlmoeExperts use intermediate_size; OlmoeAttention normalises the whole q and
-            # k projections (q_norm over hidden_size, k_norm over (H // nh) * nkv values),
-            # which only fits the projections when head_dim == H // nh.
-            inter = _cfg_int(cfg, "intermediate_size")
-            if H % nh or hd != H // nh:
-                raise ConversionError(f"config.json: OLMoE's q/k norms need head_dim == "
-                                      f"hidden_size / num_attention_heads ({H}/{nh}), got "
-                                      f"head_dim {hd}")
-            bias = _cfg_bool(cfg, "attention_bias", False)
-            clip = cfg.get("clip_qkv")
-            if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
-                                     or not clip > 0 or not math.isfinite(clip)):
-                raise ConversionError(f"config.json: clip_qkv must be a positive number or "
-                                      f"null, got {clip!r}")
-            opts.update(attn_qkv_bias=bias, attn_output_bias=bias, attn_qk_norm="full",
-                        clip_qkv=float(clip or 0.0))
-        else:
-            inter = _cfg_int(cfg, "moe_intermediate_size")
-            layer_ffn = _sparse_layers(cfg, n_layers, E)
-            if not any(layer_ffn):
-                raise ConversionError("config.json: no layer is an MoE block (mlp_only_layers / "
-                                      "decoder_sparse_step); colibri runs MoE models")
-            if not all(layer_ffn):
-                opts["layer_ffn"] = layer_ffn
-                opts["dense_intermediate_size"] = _cfg_int(cfg, "intermediate_size")
-            use_sw = _cfg_bool(cfg, "use_sliding_window", False)
-            win = cfg.get("sliding_window") if use_sw else None
-            win = 0 if win is None else _cfg_size(cfg, "sliding_window")
-            if fam == "qwen2_moe":
-                opts["shared_expert_intermediate_size"] = Is = \
-                    _cfg_size(cfg, "shared_expert_intermediate_size")
-                opts["shared_expert_gate"] = Is > 0   # Qwen2MoeSparseMoeBlock always gates it
-                bias = _cfg_bool(cfg, "qkv_bias", True)
-                opts.update(attn_qkv_bias=bias)
-                # Qwen2MoeConfig: sliding_window only when use_sliding_window; layer_types
-                # default: sliding on even layers below max_window_layers.
-                types = cfg.get("layer_types")
-                if types is None:
-                    mwl = _cfg_size(cfg, "max_window_layers", 28)
-                    types = ["sliding_attention" if (i + 1) % 2 and i < mwl and use_sw
-                             else "full_attention" for i in range(n_layers)]
-                if not isinstance(types, list) or len(types) != n_layers or \
-                        any(t not in ("sliding_attention", "full_attention") for t in types):
-                    raise ConversionError(f"config.json: layer_types {types!r} must list "
-                                          f"sliding_attention or full_attention for each of "
-                                          f"the {n_layers} layers")
-                if "sliding_attention" in types and win == 0:
-                    raise ConversionError("config.json: layer_types has sliding_attention "
-                                          "layers but no sliding window (use_sliding_window / "
-                                          "sliding_window)")
-                windows = tuple(win if t == "sliding_attention" else 0 for t in types)
-                if len(set(windows)) == 1:
-                    sw = windows[0]
-                else:
-                    opts["layer_sliding_window"] = windows
-            else:   # qwen3_moe: one window for every layer when use_sliding_window
-                sw = win
-                bias = _cfg_bool(cfg, "attention_bias", False)
-                opts.update(attn_qkv_bias=bias, attn_output_bias=bias, attn_qk_norm="head")
-    if sw < 0:
-        raise ConversionError(f"config.json: sliding_window {sw} < 0")
+    max_pos = _cfg_int(cfg, "max_position_embeddings")
+    opts = fam.read(CommonConfig(cfg, H, nh, nkv, hd, n_layers))
+    E = opts["n_experts"]
+    rope_dim = opts.pop("rope_dim", hd)
+    hd = opts.pop("head_dim", hd)   # MLA: the RoPE width (qk_rope_head_dim)
+    opts = {"sliding_window": 0, **read_rope(cfg, fam, rope_dim, max_pos), **opts}
+    if opts["sliding_window"] < 0:
+        raise ConversionError(f"config.json: sliding_window {opts['sliding_window']} < 0")
     k = _cfg_int(cfg, "num_experts_per_tok")
     if k > E:
-        ek = "num_local_experts" if fam in ("mixtral", "gpt_oss") else "num_experts"
-        raise ConversionError(f"config.json: num_experts_per_tok {k} > {ek} {E}")
-    eps = cfg.get("rms_norm_eps", eps_default)
+        raise ConversionError(f"config.json: num_experts_per_tok {k} > {fam.experts_key} {E}")
+    eps = cfg.get("rms_norm_eps", fam.eps_default)
     spec = ModelSpec(
-        vocab_size=_cfg_int(cfg, "vocab_size"), hidden_size=H, intermediate_size=inter,
+        vocab_size=_cfg_int(cfg, "vocab_size"), hidden_size=H,
         n_layers=n_layers, n_heads=nh, n_kv_heads=nkv, head_dim=hd,
-        n_experts=E, top_k=k, rms_norm_eps=float(eps), rope_theta=float(theta),
-        max_position_embeddings=_cfg_int(cfg, "max_position_embeddings"),
-        sliding_window=sw, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        **opts)
+        top_k=k, rms_norm_eps=float(eps), max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        architecture=fam.name, attention=fam.attention, routing=fam.routing,
+        activation=fam.activation, **opts)
     for name in ("hidden_size", "intermediate_size", "vocab_size", "n_layers", "n_experts",
                  "dense_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(spec, name) > fmt.U32_MAX:
@@ -772,26 +1005,26 @@ class _RouterInt8:
         return gen
 
 
-def _expert_sources(ck: Checkpoint, layer: int, E: int, I: int, H: int) -> list[ExpertSource]:
-    """Hub-style per-expert keys (Mixtral w1/w3/w2, Qwen/OLMoE gate_proj/up_proj/down_proj)
-    or fused gate_up_proj [E, 2I, H] (gate rows first, then up, as transformers' experts
-    modules) + down_proj [E, H, I]."""
-    for moe in ("block_sparse_moe", "mlp"):
+def _expert_sources(ck: Checkpoint, fam: Family, layer: int, E: int, I: int,
+                    H: int) -> list[ExpertSource]:
+    """The routed experts of a layer, under the family's MoE block names: per-expert keys
+    (`fam.expert_names`: Mixtral w1/w3/w2, the others gate_proj/up_proj/down_proj) or fused
+    gate_up_proj [E, 2I, H] (gate rows first, then up, as transformers' experts modules) +
+    down_proj [E, H, I]."""
+    for moe in fam.moe_blocks:
         p = f"model.layers.{layer}.{moe}.experts"
         if ck.has(f"{p}.gate_up_proj") or ck.has(f"{p}.down_proj"):
             gu = ck.get(f"{p}.gate_up_proj", (E, 2 * I, H))
             dn = ck.get(f"{p}.down_proj", (E, H, I))
             return [ExpertSource((gu, e * 2 * I), (gu, e * 2 * I + I), (dn, e * H))
                     for e in range(E)]
-    p = f"model.layers.{layer}.mlp.experts"
-    if ck.has(f"{p}.0.gate_proj.weight"):
-        return [_mlp_source(ck, f"{p}.{e}", I, H) for e in range(E)]
-    p = f"model.layers.{layer}.block_sparse_moe.experts"
-    if not ck.has(f"{p}.0.w1.weight") and ck.has(f"model.layers.{layer}.mlp.experts.0.w1.weight"):
-        p = f"model.layers.{layer}.mlp.experts"
-    return [ExpertSource((ck.get(f"{p}.{e}.w1.weight", (I, H)), 0),
-                         (ck.get(f"{p}.{e}.w3.weight", (I, H)), 0),
-                         (ck.get(f"{p}.{e}.w2.weight", (H, I)), 0)) for e in range(E)]
+    w1, w3, w2 = fam.expert_names
+    p = next((f"model.layers.{layer}.{moe}.experts" for moe in fam.moe_blocks
+              if ck.has(f"model.layers.{layer}.{moe}.experts.0.{w1}.weight")),
+             f"model.layers.{layer}.{fam.moe_blocks[0]}.experts")
+    return [ExpertSource((ck.get(f"{p}.{e}.{w1}.weight", (I, H)), 0),
+                         (ck.get(f"{p}.{e}.{w3}.weight", (I, H)), 0),
+                         (ck.get(f"{p}.{e}.{w2}.weight", (H, I)), 0)) for e in range(E)]
 
 
 def _mlp_source(ck: Checkpoint, prefix: str, I: int, H: int) -> ExpertSource:
@@ -801,58 +1034,64 @@ def _mlp_source(ck: Checkpoint, prefix: str, I: int, H: int) -> ExpertSource:
                         (ck.get(f"{prefix}.down_proj.weight", (H, I)), 0))
 
 
-def _router_source(ck: Checkpoint, layer: int, E: int, H: int) -> SrcTensor:
-    if ck.has(f"model.layers.{layer}.mlp.router.weight"):   # gpt-oss
-        return ck.get(f"model.layers.{layer}.mlp.router.weight", (E, H))
-    for moe in ("block_sparse_moe", "mlp"):
-        n = f"model.layers.{layer}.{moe}.gate.weight"
+def _router_source(ck: Checkpoint, fam: Family, layer: int, E: int, H: int) -> SrcTensor:
+    for moe in fam.moe_blocks:
+        n = f"model.layers.{layer}.{moe}.{fam.router}.weight"
         if ck.has(n):
             return ck.get(n, (E, H))
-    return ck.get(f"model.layers.{layer}.block_sparse_moe.gate.weight", (E, H))
+    return ck.get(f"model.layers.{layer}.{fam.moe_blocks[0]}.{fam.router}.weight", (E, H))
 
 
-def plan_tensors(ck: Checkpoint, s: ModelSpec, W: int, int8_router: bool,
-                 B: int, mix: str | None = None) -> list[PlannedTensor]:
-    """Every tensor of the output in file order, with its source checked (name, shape).
+class TensorPlan:
+    """The output's tensors in file order, built by the family's planners: `dense` (a
+    weight matrix in the file's dtype or the mix's), `vec` (a 1-D f32 tensor), `split` /
+    `packed` (an FFN of one or E experts), each with its source checked (name, shape).
 
     mix None: every weight in the float dtype W, FFNs packed (format version 1). mix
     "q8_0" / "q4_k" / "q4_k_m": each weight matrix in quants.mix_dtype's dtype, routers
     f32 (or int8), every FFN split into gate / up / down tensors (format version 2)."""
-    V, H, I, E = s.vocab_size, s.hidden_size, s.intermediate_size, s.n_experts
-    Id, Is = s.dense_intermediate_size, s.shared_expert_intermediate_size
-    nq, nkv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
-    D, R, X = fmt.SECTION_DENSE, fmt.SECTION_ROUTER, fmt.SECTION_EXPERTS
-    out: list[PlannedTensor] = []
 
-    def wdtype(name, shape, layer=None) -> int:
-        if mix is None:
-            return W
-        return quants.mix_dtype(mix, name, shape, layer=layer, n_layers=s.n_layers,
-                                n_experts=E, tied=s.tie_word_embeddings)
+    def __init__(self, ck: Checkpoint, s: ModelSpec, W: int, int8_router: bool, B: int,
+                 mix: str | None):
+        self.ck, self.s, self.W, self.int8_router, self.B, self.mix = ck, s, W, int8_router, B, mix
+        self.fam = FAMILY_BY_NAME[s.architecture]
+        self.out: list[PlannedTensor] = []
 
-    def producer(parts, ncols, dt):
-        if dt in QUANT_DTYPES:
-            return _rows_producer(parts, ncols, dt)
-        (src, r0, nrows), = parts
-        assert r0 == 0 and nrows * ncols == src.numel
-        return _dense_producer(src, dt)
+    def wdtype(self, name, shape, layer=None) -> int:
+        if self.mix is None:
+            return self.W
+        s = self.s
+        return quants.mix_dtype(self.mix, name, shape, layer=layer, n_layers=s.n_layers,
+                                n_experts=s.n_experts, tied=s.tie_word_embeddings)
 
-    def dense(name, src_name, shape, section=D, dtype=None):
-        src = ck.get(src_name, shape)
+    def dense(self, name, src_name, shape, section=fmt.SECTION_DENSE, dtype=None):
+        src = self.ck.get(src_name, shape)
         layer = int(name.split(".")[1]) if name.startswith("blk.") else None
-        dt = wdtype(name, shape, layer) if dtype is None else dtype
-        out.append(PlannedTensor(name, dt, LAYOUT_ROW_MAJOR, shape, section,
-                                 producer([(src, 0, math.prod(shape[:-1]))], shape[-1], dt)))
+        dt = self.wdtype(name, shape, layer) if dtype is None else dtype
+        parts = [(src, 0, math.prod(shape[:-1]))]
+        if dt in QUANT_DTYPES:
+            prod = _rows_producer(parts, shape[-1], dt)
+        else:
+            prod = _dense_producer(src, dt)
+        self.out.append(PlannedTensor(name, dt, LAYOUT_ROW_MAJOR, shape, section, prod))
 
-    def split(layer, suffix, srcs, width):
+    def vec(self, name, src_name, n=None):
+        """A 1-D tensor (norm weight, bias), always f32."""
+        n = self.s.hidden_size if n is None else n
+        src = self.ck.get(src_name, (n,))
+        self.out.append(PlannedTensor(name, DTYPE_F32, LAYOUT_ROW_MAJOR, (n,), fmt.SECTION_DENSE,
+                                      _norm_producer(src)))
+
+    def split(self, layer, suffix, srcs, width):
         """One FFN as three row-major tensors (docs/format.md, "The split FFN"): gate and
         up [.., width, H] from w1 / w3, down [.., H, width] from w2 as it is (rows over the
         intermediate dimension, not transposed). `srcs`: the experts (3-D tensors) or one
         MLP (suffix "" or "_shexp": 2-D)."""
+        H = self.s.hidden_size
         lead = (len(srcs),) if suffix == "_exps" else ()
         names = [f"blk.{layer}.ffn_{w}{suffix}" for w in ("gate", "up", "down")]
         shapes = [lead + (width, H), lead + (width, H), lead + (H, width)]
-        dts = [wdtype(n, sh, layer) for n, sh in zip(names, shapes)]
+        dts = [self.wdtype(n, sh, layer) for n, sh in zip(names, shapes)]
         if dts[0] != dts[1]:
             raise ConversionError(f"internal: {names[0]} and {names[1]} got different dtypes")
         parts = ([(ex.w1[0], ex.w1[1], width) for ex in srcs],
@@ -864,236 +1103,120 @@ def plan_tensors(ck: Checkpoint, s: ModelSpec, W: int, int8_router: bool,
                 prod = _rows_producer(pp, ncols, dt)
             else:   # a float fallback (rows no block divides): the same rows, converted
                 prod = _float_rows_producer(pp, ncols, dt)
-            out.append(PlannedTensor(n, dt, LAYOUT_ROW_MAJOR, sh, X, prod))
+            self.out.append(PlannedTensor(n, dt, LAYOUT_ROW_MAJOR, sh, fmt.SECTION_EXPERTS, prod))
 
-    def vec(name, src_name, n=H):
-        """A 1-D tensor (norm weight, bias), always f32."""
-        src = ck.get(src_name, (n,))
-        out.append(PlannedTensor(name, DTYPE_F32, LAYOUT_ROW_MAJOR, (n,), D, _norm_producer(src)))
+    def packed(self, name, srcs, width):
+        H = self.s.hidden_size
+        self.out.append(PlannedTensor(name, self.W, LAYOUT_EXPERTS_PACKED, (len(srcs), 3 * width, H),
+                                      fmt.SECTION_EXPERTS,
+                                      _experts_producer(srcs, width, H, self.B, self.W)))
 
-    def packed(name, srcs, width):
-        out.append(PlannedTensor(name, W, LAYOUT_EXPERTS_PACKED, (len(srcs), 3 * width, H), X,
-                                 _experts_producer(srcs, width, H, B, W)))
-
-    qk = {"none": None, "head": (s.head_dim, s.head_dim), "full": (nq, nkv)}[s.attn_qk_norm]
-    dense("token_embd.weight", "model.embed_tokens.weight", (V, H))
-    for n in range(s.n_layers):
-        p = f"model.layers.{n}"
-        a = f"{p}.self_attn"
-        for what, has, names in (("q/k/v", s.attn_qkv_bias, ("q_proj", "k_proj", "v_proj")),
-                                 ("output", s.attn_output_bias, ("o_proj",))):
-            if not has and any(ck.has(f"{a}.{x}.bias") for x in names):
-                raise ConversionError(f"{a} has {what} biases but config.json does not enable "
-                                      f"them for {s.architecture}; colibri would not run them")
-        if qk is None and (ck.has(f"{a}.q_norm.weight") or ck.has(f"{a}.k_norm.weight")):
-            raise ConversionError(f"{a} has q/k norm weights, which {s.architecture} does not "
-                                  "use; colibri would not run them")
-        vec(f"blk.{n}.attn_norm.weight", f"{p}.input_layernorm.weight")
-        dense(f"blk.{n}.attn_q.weight", f"{a}.q_proj.weight", (nq, H))
-        dense(f"blk.{n}.attn_k.weight", f"{a}.k_proj.weight", (nkv, H))
-        dense(f"blk.{n}.attn_v.weight", f"{a}.v_proj.weight", (nkv, H))
-        if s.attn_qkv_bias:
-            vec(f"blk.{n}.attn_q.bias", f"{a}.q_proj.bias", nq)
-            vec(f"blk.{n}.attn_k.bias", f"{a}.k_proj.bias", nkv)
-            vec(f"blk.{n}.attn_v.bias", f"{a}.v_proj.bias", nkv)
-        if qk is not None:
-            vec(f"blk.{n}.attn_q_norm.weight", f"{a}.q_norm.weight", qk[0])
-            vec(f"blk.{n}.attn_k_norm.weight", f"{a}.k_norm.weight", qk[1])
-        if s.attn_sinks:
-            vec(f"blk.{n}.attn_sinks", f"{a}.sinks", s.n_heads)
-        dense(f"blk.{n}.attn_output.weight", f"{a}.o_proj.weight", (H, nq))
-        if s.attn_output_bias:
-            vec(f"blk.{n}.attn_output.bias", f"{a}.o_proj.bias", H)
-        vec(f"blk.{n}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight")
-    vec("output_norm.weight", "model.norm.weight")
-    if not s.tie_word_embeddings:
-        dense("output.weight", "lm_head.weight", (V, H))
-    for n in range(s.n_layers):
-        if not s.is_moe(n):
-            continue
-        src = _router_source(ck, n, E, H)
-        name = f"blk.{n}.ffn_gate_inp"
-        if int8_router:
-            r = _RouterInt8(src)
-            out.append(PlannedTensor(f"{name}.weight", DTYPE_I8, LAYOUT_ROW_MAJOR, (E, H), R,
-                                     r.producer("q")))
-            out.append(PlannedTensor(f"{name}.scale", DTYPE_F32, LAYOUT_ROW_MAJOR, (E,), R,
-                                     r.producer("scale")))
-            out.append(PlannedTensor(f"{name}.zero", DTYPE_F32, LAYOUT_ROW_MAJOR, (E,), R,
-                                     r.producer("zero")))
+    def ffn(self, layer, suffix, srcs, width):
+        """An FFN in the file's layout: split for a quantized mix, packed otherwise."""
+        if self.mix is not None:
+            self.split(layer, suffix, srcs, width)
         else:
-            rdt = W if mix is None else DTYPE_F32
-            out.append(PlannedTensor(f"{name}.weight", rdt, LAYOUT_ROW_MAJOR, (E, H), R,
-                                     _dense_producer(src, rdt)))
-        if s.router_bias:
-            out.append(PlannedTensor(f"{name}.bias", DTYPE_F32, LAYOUT_ROW_MAJOR, (E,), R,
-                                     _norm_producer(ck.get(f"model.layers.{n}.mlp.router.bias",
-                                                           (E,)))))
-        if s.shared_expert_gate:
-            dense(f"blk.{n}.ffn_shared_gate.weight",
-                  f"model.layers.{n}.mlp.shared_expert_gate.weight", (1, H), R,
-                  dtype=None if mix is None else DTYPE_F32)
-        elif Is == 0:   # Qwen2-MoE with shared_expert_intermediate_size 0: empty tensors
-            for x in ("shared_expert.gate_proj", "shared_expert.up_proj",
-                      "shared_expert.down_proj", "shared_expert_gate"):
-                ck.skip(f"model.layers.{n}.mlp.{x}.weight")
-    for n in range(s.n_layers):
-        if s.activation == "clamped_swiglu":   # gpt-oss: always split, with biases
-            out.extend(_gptoss_tensors(ck, n, s, wdtype))
-            continue
-        if mix is not None:
-            if not s.is_moe(n):
-                split(n, "", [_mlp_source(ck, f"model.layers.{n}.mlp", Id, H)], Id)
-                continue
-            split(n, "_exps", _expert_sources(ck, n, E, I, H), I)
-            if Is > 0:
-                split(n, "_shexp",
-                      [_mlp_source(ck, f"model.layers.{n}.mlp.shared_expert", Is, H)], Is)
-            continue
-        if not s.is_moe(n):
-            packed(f"blk.{n}.ffn_dense", [_mlp_source(ck, f"model.layers.{n}.mlp", Id, H)], Id)
-            continue
-        packed(f"blk.{n}.ffn_experts", _expert_sources(ck, n, E, I, H), I)
-        if Is > 0:
-            packed(f"blk.{n}.ffn_shared",
-                   [_mlp_source(ck, f"model.layers.{n}.mlp.shared_expert", Is, H)], Is)
-    return out
+            self.packed(f"blk.{layer}.ffn_" + {"": "dense", "_exps": "experts",
+                                               "_shexp": "shared"}[suffix], srcs, width)
 
 
-def family_metadata(s: ModelSpec) -> list[tuple[str, MetaValue]]:
-    """The family-option keys (docs/format.md, "Family options"). A Mixtral file needs
-    none of them (their defaults are Mixtral's); other families write them all, so that
-    `colibri-inspect` shows every option."""
-    if s.architecture == "mixtral":
-        return []
-    M = MetaValue
-    L = s.n_layers
-    out = [
-        ("model.layer_ffn", M(fmt.MT_ARRAY, list(s.layer_ffn or (1,) * L), fmt.MT_U32)),
-        ("model.dense_intermediate_size", M(fmt.MT_U32, s.dense_intermediate_size)),
-        ("model.shared_expert_intermediate_size", M(fmt.MT_U32, s.shared_expert_intermediate_size)),
-        ("model.shared_expert_gate", M(fmt.MT_BOOL, s.shared_expert_gate)),
-        ("model.attn_qkv_bias", M(fmt.MT_BOOL, s.attn_qkv_bias)),
-        ("model.attn_output_bias", M(fmt.MT_BOOL, s.attn_output_bias)),
-        ("model.attn_qk_norm", M(fmt.MT_STRING, s.attn_qk_norm)),
-        ("model.clip_qkv", M(fmt.MT_F64, s.clip_qkv)),
-    ]
-    if s.architecture == "gpt_oss":
-        out += [
-            ("model.activation", M(fmt.MT_STRING, s.activation)),
-            ("model.swiglu_limit", M(fmt.MT_F64, s.swiglu_limit)),
-            ("model.swiglu_alpha", M(fmt.MT_F64, s.swiglu_alpha)),
-            ("model.routing", M(fmt.MT_STRING, s.routing)),
-            ("model.router_bias", M(fmt.MT_BOOL, s.router_bias)),
-            ("model.attn_sinks", M(fmt.MT_BOOL, s.attn_sinks)),
-            ("model.expert_bias", M(fmt.MT_BOOL, s.expert_bias)),
-        ]
-    if s.layer_sliding_window:
-        out.append(("model.layer_sliding_window",
-                     M(fmt.MT_ARRAY, list(s.layer_sliding_window), fmt.MT_U64)))
-    return out
+def plan_gqa_attention(P: TensorPlan, n: int) -> None:
+    """Grouped-query attention of layer n: q/k/v/o projections, the biases and q/k norms
+    the spec enables (refusing checkpoint tensors it would leave unused)."""
+    s, ck = P.s, P.ck
+    H = s.hidden_size
+    nq, nkv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    qk = {"none": None, "head": (s.head_dim, s.head_dim), "full": (nq, nkv)}[s.attn_qk_norm]
+    a = f"model.layers.{n}.self_attn"
+    for what, has, names in (("q/k/v", s.attn_qkv_bias, ("q_proj", "k_proj", "v_proj")),
+                             ("output", s.attn_output_bias, ("o_proj",))):
+        if not has and any(ck.has(f"{a}.{x}.bias") for x in names):
+            raise ConversionError(f"{a} has {what} biases but config.json does not enable "
+                                  f"them for {s.architecture}; colibri would not run them")
+    if qk is None and (ck.has(f"{a}.q_norm.weight") or ck.has(f"{a}.k_norm.weight")):
+        raise ConversionError(f"{a} has q/k norm weights, which {s.architecture} does not "
+                              "use; colibri would not run them")
+    P.dense(f"blk.{n}.attn_q.weight", f"{a}.q_proj.weight", (nq, H))
+    P.dense(f"blk.{n}.attn_k.weight", f"{a}.k_proj.weight", (nkv, H))
+    P.dense(f"blk.{n}.attn_v.weight", f"{a}.v_proj.weight", (nkv, H))
+    if s.attn_qkv_bias:
+        P.vec(f"blk.{n}.attn_q.bias", f"{a}.q_proj.bias", nq)
+        P.vec(f"blk.{n}.attn_k.bias", f"{a}.k_proj.bias", nkv)
+        P.vec(f"blk.{n}.attn_v.bias", f"{a}.v_proj.bias", nkv)
+    if qk is not None:
+        P.vec(f"blk.{n}.attn_q_norm.weight", f"{a}.q_norm.weight", qk[0])
+        P.vec(f"blk.{n}.attn_k_norm.weight", f"{a}.k_norm.weight", qk[1])
+    if s.attn_sinks:   # gpt-oss
+        P.vec(f"blk.{n}.attn_sinks", f"{a}.sinks", s.n_heads)
+    P.dense(f"blk.{n}.attn_output.weight", f"{a}.o_proj.weight", (H, nq))
+    if s.attn_output_bias:
+        P.vec(f"blk.{n}.attn_output.bias", f"{a}.o_proj.bias", H)
 
 
-def spec_metadata(s: ModelSpec, *, name: str, max_seq_len: int, router_dtype: str,
-                  weight_dtype: str) -> list[tuple[str, MetaValue]]:
-    """The required model keys of the metadata (docs/format.md, "Keys"), for the HF
-    converter and the GGUF importer alike."""
-    M = MetaValue
-    return [
-        ("general.architecture", M(fmt.MT_STRING, s.architecture)),
-        ("general.name", M(fmt.MT_STRING, name)),
-        ("model.n_layers", M(fmt.MT_U32, s.n_layers)),
-        ("model.hidden_size", M(fmt.MT_U32, s.hidden_size)),
-        ("model.intermediate_size", M(fmt.MT_U32, s.intermediate_size)),
-        ("model.vocab_size", M(fmt.MT_U32, s.vocab_size)),
-        ("model.n_heads", M(fmt.MT_U32, s.n_heads)),
-        ("model.n_kv_heads", M(fmt.MT_U32, s.n_kv_heads)),
-        ("model.head_dim", M(fmt.MT_U32, s.head_dim)),
-        ("model.n_experts", M(fmt.MT_U32, s.n_experts)),
-        ("model.top_k", M(fmt.MT_U32, s.top_k)),
-        ("model.norm_topk_prob", M(fmt.MT_BOOL, s.norm_topk_prob)),
-        ("model.rms_norm_eps", M(fmt.MT_F64, s.rms_norm_eps)),
-        ("model.rope_theta", M(fmt.MT_F64, s.rope_theta)),
-        ("model.rope_type", M(fmt.MT_STRING, "default")),
-        ("model.max_position_embeddings", M(fmt.MT_U64, s.max_position_embeddings)),
-        ("model.sliding_window", M(fmt.MT_U64, s.sliding_window)),
-        ("model.tie_word_embeddings", M(fmt.MT_BOOL, s.tie_word_embeddings)),
-        ("model.max_seq_len", M(fmt.MT_U64, max_seq_len)),
-        ("model.router_dtype", M(fmt.MT_STRING, router_dtype)),
-        ("model.weight_dtype", M(fmt.MT_STRING, weight_dtype)),
-    ]
-
-
-def build_metadata(s: ModelSpec, name: str, W: int, int8_router: bool, B: int,
-                   max_seq_len: int, tok_meta: dict, *, mix: str | None = None) -> bytes:
-    """The metadata section. `mix`: a quantized mix's name, which becomes
-    model.weight_dtype (its routers are f32 unless int8)."""
-    wname = fmt.DTYPE_NAMES[W] if mix is None else mix
-    rname = "int8" if int8_router else (fmt.DTYPE_NAMES[W] if mix is None else "f32")
-    M = MetaValue
-    entries = [
-        *spec_metadata(s, name=name, max_seq_len=max_seq_len, router_dtype=rname, weight_dtype=wname),
-        *family_metadata(s),
-        *_tokenizer_meta_entries(tok_meta),
-        ("convert.block_size", M(fmt.MT_U32, B)),
-        ("convert.source", M(fmt.MT_STRING, f"{CONVERTER_NAME} {_version()}")),
-    ]
-    return fmt.encode_metadata(entries)
-
-
-# --------------------------------------------------------------------------- gpt-oss
-
-def _cfg_positive(cfg: dict, key: str, default: float) -> float:
-    v = cfg.get(key, default)
-    if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ConversionError(f"config.json: {key} must be a positive number, got {v!r}")
-    return float(v)
-
-
-def _gptoss_config(cfg: dict, n_layers: int) -> tuple[int, int, int, dict]:
-    """gpt-oss (transformers 5.24's GptOssConfig / modeling_gpt_oss.py): the expert count,
-    the experts' width, the window of model.sliding_window and the family options.
-
-    Every layer is MoE; q/k/v/o biases when attention_bias (default true); one sink logit
-    per query head; the router has a bias and takes top-k of its logits, then a softmax
-    over those k; the experts have biases and the clamped SwiGLU (swiglu_limit, and
-    swiglu_alpha, 1.702 when the config predates the key). layer_types picks the sliding
-    layers (default: even layers); transformers' sliding mask lets query i see key j iff
-    i - j < sliding_window, the engine's rule, so the window is stored as it is."""
-    E = _cfg_int(cfg, "num_local_experts" if "num_local_experts" in cfg else "num_experts")
-    inter = _cfg_int(cfg, "intermediate_size")
-    types = cfg.get("layer_types")
-    if types is None:
-        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
-    if not isinstance(types, list) or len(types) != n_layers or \
-            any(t not in ("sliding_attention", "full_attention") for t in types):
-        raise ConversionError(f"config.json: layer_types {types!r} must list sliding_attention "
-                              f"or full_attention for each of the {n_layers} layers")
-    win = cfg.get("sliding_window")
-    win = 0 if win is None else _cfg_size(cfg, "sliding_window")
-    if "sliding_attention" in types and win == 0:
-        raise ConversionError("config.json: layer_types has sliding_attention layers but "
-                              "sliding_window is null or 0")
-    windows = tuple(win if t == "sliding_attention" else 0 for t in types)
-    opts: dict = {}
-    if len(set(windows)) == 1:
-        sw = windows[0]
+def plan_router(P: TensorPlan, n: int) -> None:
+    """Layer n's router (f32/float or int8 with scale and zero) and shared-expert gate."""
+    s, ck, fam = P.s, P.ck, P.fam
+    E, H, R = s.n_experts, s.hidden_size, fmt.SECTION_ROUTER
+    src = _router_source(ck, fam, n, E, H)
+    name = f"blk.{n}.ffn_gate_inp"
+    if P.int8_router:
+        r = _RouterInt8(src)
+        P.out.append(PlannedTensor(f"{name}.weight", DTYPE_I8, LAYOUT_ROW_MAJOR, (E, H), R,
+                                   r.producer("q")))
+        P.out.append(PlannedTensor(f"{name}.scale", DTYPE_F32, LAYOUT_ROW_MAJOR, (E,), R,
+                                   r.producer("scale")))
+        P.out.append(PlannedTensor(f"{name}.zero", DTYPE_F32, LAYOUT_ROW_MAJOR, (E,), R,
+                                   r.producer("zero")))
     else:
-        sw = 0
-        opts["layer_sliding_window"] = windows
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConversionError(f"config.json: hidden_act {act!r}; gpt-oss experts are the "
-                              "clamped SwiGLU")
-    bias = _cfg_bool(cfg, "attention_bias", True)
-    opts.update(norm_topk_prob=False, attn_qkv_bias=bias, attn_output_bias=bias,
-                activation="clamped_swiglu",
-                swiglu_limit=_cfg_positive(cfg, "swiglu_limit", 7.0),
-                swiglu_alpha=_cfg_positive(cfg, "swiglu_alpha", 1.702),
-                routing="topk_softmax", router_bias=True, attn_sinks=True, expert_bias=True)
-    return E, inter, sw, opts
+        rdt = P.W if P.mix is None else DTYPE_F32
+        P.out.append(PlannedTensor(f"{name}.weight", rdt, LAYOUT_ROW_MAJOR, (E, H), R,
+                                   _dense_producer(src, rdt)))
+    moe = f"model.layers.{n}.{fam.moe_blocks[-1]}"
+    if s.router_bias:   # DeepSeek-V3's e_score_correction_bias (the choice only), f32
+        b = ck.get(f"{moe}.gate.e_score_correction_bias", (E,))
+        P.out.append(PlannedTensor(f"blk.{n}.exp_probs_b.bias", DTYPE_F32, LAYOUT_ROW_MAJOR, (E,), R,
+                                   _norm_producer(b)))
+    if s.shared_expert_gate:
+        P.dense(f"blk.{n}.ffn_shared_gate.weight", f"{moe}.{fam.shared_expert}_gate.weight",
+                (1, H), R, dtype=None if P.mix is None else DTYPE_F32)
+    elif s.shared_expert_intermediate_size == 0:   # e.g. Qwen2-MoE's empty shared expert
+        for x in ("gate_proj", "up_proj", "down_proj"):
+            ck.skip(f"{moe}.{fam.shared_expert}.{x}.weight")
+        ck.skip(f"{moe}.{fam.shared_expert}_gate.weight")
+
+
+def plan_swiglu_ffn(P: TensorPlan, n: int) -> None:
+    """Layer n's FFN: a dense SwiGLU MLP, or the routed experts and the shared expert."""
+    s, ck, fam = P.s, P.ck, P.fam
+    H, mlp = s.hidden_size, f"model.layers.{n}.mlp"
+    if not s.is_moe(n):
+        Id = s.dense_intermediate_size
+        P.ffn(n, "", [_mlp_source(ck, mlp, Id, H)], Id)
+        return
+    P.ffn(n, "_exps", _expert_sources(ck, fam, n, s.n_experts, s.intermediate_size, H),
+          s.intermediate_size)
+    Is = s.shared_expert_intermediate_size
+    if Is > 0:
+        moe = f"model.layers.{n}.{fam.moe_blocks[-1]}"
+        P.ffn(n, "_shexp", [_mlp_source(ck, f"{moe}.{fam.shared_expert}", Is, H)], Is)
+
+
+def plan_mla_attention(P: TensorPlan, n: int) -> None:
+    """Multi-head latent attention of layer n (colibri_lab/_deepseek.py): q or the q LoRA,
+    kv_a, kv_b, o. The RoPE rows of q and kv_a of a checkpoint with interleaved RoPE pairs
+    are reordered (even dims, then odd) so that the engine's rotate_half RoPE computes the
+    interleaved rotation (_deepseek.rope_rows)."""
+    for name, src_name, shape, runs, is_vec in _deepseek.attention_tensors(P.s, n):
+        if is_vec:
+            P.vec(name, src_name, shape[0])
+        elif runs is None:
+            P.dense(name, src_name, shape)
+        else:
+            src = P.ck.get(src_name, shape)
+            dt = P.wdtype(name, shape, n)
+            parts = [(src, r0, k) for r0, k in runs]
+            prod = (_rows_producer if dt in QUANT_DTYPES else _float_rows_producer)(parts, shape[-1], dt)
+            P.out.append(PlannedTensor(name, dt, LAYOUT_ROW_MAJOR, shape, fmt.SECTION_DENSE, prod))
 
 
 def _gptoss_rows_producer(src: SrcTensor, E: int, nrows: int, ncols: int, pick,
@@ -1125,40 +1248,174 @@ def _gptoss_bias_producer(src: SrcTensor, pick) -> Callable[[], Iterator[Chunk]]
     return gen
 
 
-def _gptoss_tensors(ck: Checkpoint, layer: int, s: ModelSpec, wdtype) -> list[PlannedTensor]:
-    """Layer `layer`'s routed experts as the split FFN (docs/format.md, "The split FFN")
-    with their biases. transformers' GptOssExperts computes x @ gate_up_proj[e]
-    ([E, H, 2I], gate = columns 0::2, up = columns 1::2, interleaved) + gate_up_proj_bias
-    and h @ down_proj[e] ([E, I, H]) + down_proj_bias: the gate and up rows are those
-    columns transposed, down is down_proj[e] transposed."""
+def plan_gptoss_router(P: TensorPlan, n: int) -> None:
+    """gpt-oss's router (`mlp.router.weight`, as plan_router) and its logit bias
+    (`mlp.router.bias`, f32 also beside an int8 router)."""
+    plan_router(P, n)
+    E = P.s.n_experts
+    if P.s.router_logit_bias:
+        b = P.ck.get(f"model.layers.{n}.mlp.router.bias", (E,))
+        P.out.append(PlannedTensor(f"blk.{n}.ffn_gate_inp.bias", DTYPE_F32, LAYOUT_ROW_MAJOR, (E,),
+                                   fmt.SECTION_ROUTER, _norm_producer(b)))
+
+
+def plan_gptoss_ffn(P: TensorPlan, n: int) -> None:
+    """Layer n's routed experts as the split FFN (docs/format.md, "The split FFN") with
+    their biases, whatever the dtype (the clamped SwiGLU runs on the split layout).
+    transformers' GptOssExperts computes x @ gate_up_proj[e] ([E, H, 2I], gate = columns
+    0::2, up = columns 1::2, interleaved) + gate_up_proj_bias and h @ down_proj[e]
+    ([E, I, H]) + down_proj_bias: the gate and up rows are those columns transposed, down
+    is down_proj[e] transposed."""
+    s, ck = P.s, P.ck
     E, I, H = s.n_experts, s.intermediate_size, s.hidden_size
-    p = f"model.layers.{layer}.mlp.experts"
+    p = f"model.layers.{n}.mlp.experts"
     if ck.has(f"{p}.gate_up_proj_blocks") or ck.has(f"{p}.down_proj_blocks"):
         raise ConversionError(f"{p} is stored MXFP4 (gate_up_proj_blocks / _scales); this "
                               "converter reads float gpt-oss experts: load the checkpoint with "
                               "transformers' Mxfp4Config(dequantize=True) and save_pretrained it")
     gu = ck.get(f"{p}.gate_up_proj", (E, H, 2 * I))
-    gub = ck.get(f"{p}.gate_up_proj_bias", (E, 2 * I))
     dn = ck.get(f"{p}.down_proj", (E, I, H))
-    dnb = ck.get(f"{p}.down_proj_bias", (E, H))
-    X, D = fmt.SECTION_EXPERTS, fmt.SECTION_DENSE
-    out = []
-    names = [f"blk.{layer}.ffn_{w}_exps" for w in ("gate", "up", "down")]
+    names = [f"blk.{n}.ffn_{w}_exps" for w in ("gate", "up", "down")]
     shapes = [(E, I, H), (E, I, H), (E, H, I)]
-    dts = [wdtype(n, sh, layer) for n, sh in zip(names, shapes)]
+    dts = [P.wdtype(nm, sh, n) for nm, sh in zip(names, shapes)]
     if dts[0] != dts[1]:
         raise ConversionError(f"internal: {names[0]} and {names[1]} got different dtypes")
     picks = [(gu, H, 2 * I, lambda a: a[:, 0::2].T), (gu, H, 2 * I, lambda a: a[:, 1::2].T),
              (dn, I, H, lambda a: a.T)]
-    for n, sh, dt, (src, nr, nc, pick) in zip(names, shapes, dts, picks):
-        out.append(PlannedTensor(n, dt, LAYOUT_ROW_MAJOR, sh, X,
-                                 _gptoss_rows_producer(src, E, nr, nc, pick, dt)))
-    for n, sh, src, pick in ((names[0], (E, I), gub, lambda b: b[:, 0::2]),
-                             (names[1], (E, I), gub, lambda b: b[:, 1::2]),
-                             (names[2], (E, H), dnb, lambda b: b)):
-        out.append(PlannedTensor(f"{n}.bias", DTYPE_F32, LAYOUT_ROW_MAJOR, sh, D,
-                                 _gptoss_bias_producer(src, pick)))
+    for nm, sh, dt, (src, nr, nc, pick) in zip(names, shapes, dts, picks):
+        P.out.append(PlannedTensor(nm, dt, LAYOUT_ROW_MAJOR, sh, fmt.SECTION_EXPERTS,
+                                   _gptoss_rows_producer(src, E, nr, nc, pick, dt)))
+    if s.expert_bias:
+        gub = ck.get(f"{p}.gate_up_proj_bias", (E, 2 * I))
+        dnb = ck.get(f"{p}.down_proj_bias", (E, H))
+        for nm, sh, src, pick in ((names[0], (E, I), gub, lambda b: b[:, 0::2]),
+                                  (names[1], (E, I), gub, lambda b: b[:, 1::2]),
+                                  (names[2], (E, H), dnb, lambda b: b)):
+            P.out.append(PlannedTensor(f"{nm}.bias", DTYPE_F32, LAYOUT_ROW_MAJOR, sh,
+                                       fmt.SECTION_DENSE, _gptoss_bias_producer(src, pick)))
+
+
+# family.attention -> the planner of a layer's attention tensors
+ATTENTION_PLANNERS: dict[str, Callable[[TensorPlan, int], None]] = {"gqa": plan_gqa_attention,
+                                                                   "mla": plan_mla_attention}
+# family.activation -> the planners of a MoE layer's router and of a layer's FFN tensors
+FFN_PLANNERS: dict[str, tuple[Callable[[TensorPlan, int], None], Callable[[TensorPlan, int], None]]] = {
+    "silu_glu": (plan_router, plan_swiglu_ffn),
+    "clamped_swiglu": (plan_gptoss_router, plan_gptoss_ffn)}
+
+
+def plan_tensors(ck: Checkpoint, s: ModelSpec, W: int, int8_router: bool,
+                 B: int, mix: str | None = None) -> list[PlannedTensor]:
+    """Every tensor of the output in file order (dense: embedding, each layer's norms and
+    attention, final norm, LM head; routers; experts), through the family's planners
+    (ATTENTION_PLANNERS, FFN_PLANNERS). See TensorPlan for W, mix and B."""
+    P = TensorPlan(ck, s, W, int8_router, B, mix)
+    attention = ATTENTION_PLANNERS[s.attention]
+    router, ffn = FFN_PLANNERS[s.activation]
+    V, H = s.vocab_size, s.hidden_size
+    P.dense("token_embd.weight", "model.embed_tokens.weight", (V, H))
+    for n in range(s.n_layers):
+        p = f"model.layers.{n}"
+        P.vec(f"blk.{n}.attn_norm.weight", f"{p}.input_layernorm.weight")
+        attention(P, n)
+        P.vec(f"blk.{n}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight")
+    P.vec("output_norm.weight", "model.norm.weight")
+    if not s.tie_word_embeddings:
+        P.dense("output.weight", "lm_head.weight", (V, H))
+    for n in range(s.n_layers):
+        if s.is_moe(n):
+            router(P, n)
+    for n in range(s.n_layers):
+        ffn(P, n)
+    return P.out
+
+
+def family_metadata(s: ModelSpec) -> list[tuple[str, MetaValue]]:
+    """The family-option keys (docs/format.md, "Family options"). A Mixtral file needs
+    none of them (their defaults are Mixtral's); other families write them all, so that
+    `colibri-inspect` shows every option. The RoPE keys of a YaRN file go with every family."""
+    M = MetaValue
+    out: list[tuple[str, MetaValue]] = []
+    if s.architecture != "mixtral":
+        L = s.n_layers
+        out += [
+            ("model.attention", M(fmt.MT_STRING, s.attention)),
+            ("model.routing", M(fmt.MT_STRING, s.routing)),
+            ("model.activation", M(fmt.MT_STRING, s.activation)),
+            ("model.layer_ffn", M(fmt.MT_ARRAY, list(s.layer_ffn or (1,) * L), fmt.MT_U32)),
+            ("model.dense_intermediate_size", M(fmt.MT_U32, s.dense_intermediate_size)),
+            ("model.shared_expert_intermediate_size", M(fmt.MT_U32, s.shared_expert_intermediate_size)),
+            ("model.shared_expert_gate", M(fmt.MT_BOOL, s.shared_expert_gate)),
+            ("model.attn_qkv_bias", M(fmt.MT_BOOL, s.attn_qkv_bias)),
+            ("model.attn_output_bias", M(fmt.MT_BOOL, s.attn_output_bias)),
+            ("model.attn_qk_norm", M(fmt.MT_STRING, s.attn_qk_norm)),
+            ("model.clip_qkv", M(fmt.MT_F64, s.clip_qkv)),
+        ]
+        if s.mla is not None:   # DeepSeek: MLA widths, router groups, bias and scale
+            types = {"STRING": fmt.MT_STRING, "U32": fmt.MT_U32, "F64": fmt.MT_F64,
+                     "BOOL": fmt.MT_BOOL}
+            out += [(k, M(types[t], v)) for k, t, v in _deepseek.metadata(s)]
+        if s.activation == "clamped_swiglu":   # gpt-oss
+            out += [("model.swiglu_limit", M(fmt.MT_F64, s.swiglu_limit)),
+                    ("model.swiglu_alpha", M(fmt.MT_F64, s.swiglu_alpha))]
+        if s.architecture == "gpt_oss":
+            out += [("model.router_logit_bias", M(fmt.MT_BOOL, s.router_logit_bias)),
+                    ("model.attn_sinks", M(fmt.MT_BOOL, s.attn_sinks)),
+                    ("model.expert_bias", M(fmt.MT_BOOL, s.expert_bias))]
+        if s.layer_sliding_window:
+            out.append(("model.layer_sliding_window",
+                        M(fmt.MT_ARRAY, list(s.layer_sliding_window), fmt.MT_U64)))
+    if s.rope_type != "default":
+        out += [("model.rope_inv_freq", M(fmt.MT_ARRAY, list(s.rope_inv_freq), fmt.MT_F64)),
+                ("model.rope_attention_factor", M(fmt.MT_F64, s.rope_attention_factor))]
     return out
+
+
+def spec_metadata(s: ModelSpec, *, name: str, max_seq_len: int, router_dtype: str,
+                  weight_dtype: str) -> list[tuple[str, MetaValue]]:
+    """The required model keys of the metadata (docs/format.md, "Keys"), for the HF
+    converter and the GGUF importer alike."""
+    M = MetaValue
+    return [
+        ("general.architecture", M(fmt.MT_STRING, s.architecture)),
+        ("general.name", M(fmt.MT_STRING, name)),
+        ("model.n_layers", M(fmt.MT_U32, s.n_layers)),
+        ("model.hidden_size", M(fmt.MT_U32, s.hidden_size)),
+        ("model.intermediate_size", M(fmt.MT_U32, s.intermediate_size)),
+        ("model.vocab_size", M(fmt.MT_U32, s.vocab_size)),
+        ("model.n_heads", M(fmt.MT_U32, s.n_heads)),
+        ("model.n_kv_heads", M(fmt.MT_U32, s.n_kv_heads)),
+        ("model.head_dim", M(fmt.MT_U32, s.head_dim)),
+        ("model.n_experts", M(fmt.MT_U32, s.n_experts)),
+        ("model.top_k", M(fmt.MT_U32, s.top_k)),
+        ("model.norm_topk_prob", M(fmt.MT_BOOL, s.norm_topk_prob)),
+        ("model.rms_norm_eps", M(fmt.MT_F64, s.rms_norm_eps)),
+        ("model.rope_theta", M(fmt.MT_F64, s.rope_theta)),
+        ("model.rope_type", M(fmt.MT_STRING, s.rope_type)),
+        ("model.max_position_embeddings", M(fmt.MT_U64, s.max_position_embeddings)),
+        ("model.sliding_window", M(fmt.MT_U64, s.sliding_window)),
+        ("model.tie_word_embeddings", M(fmt.MT_BOOL, s.tie_word_embeddings)),
+        ("model.max_seq_len", M(fmt.MT_U64, max_seq_len)),
+        ("model.router_dtype", M(fmt.MT_STRING, router_dtype)),
+        ("model.weight_dtype", M(fmt.MT_STRING, weight_dtype)),
+    ]
+
+
+def build_metadata(s: ModelSpec, name: str, W: int, int8_router: bool, B: int,
+                   max_seq_len: int, tok_meta: dict, *, mix: str | None = None) -> bytes:
+    """The metadata section. `mix`: a quantized mix's name, which becomes
+    model.weight_dtype (its routers are f32 unless int8)."""
+    wname = fmt.DTYPE_NAMES[W] if mix is None else mix
+    rname = "int8" if int8_router else (fmt.DTYPE_NAMES[W] if mix is None else "f32")
+    M = MetaValue
+    entries = [
+        *spec_metadata(s, name=name, max_seq_len=max_seq_len, router_dtype=rname, weight_dtype=wname),
+        *family_metadata(s),
+        *_tokenizer_meta_entries(tok_meta),
+        ("convert.block_size", M(fmt.MT_U32, B)),
+        ("convert.source", M(fmt.MT_STRING, f"{CONVERTER_NAME} {_version()}")),
+    ]
+    return fmt.encode_metadata(entries)
 
 
 # --------------------------------------------------------------------------- writing

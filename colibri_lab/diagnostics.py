@@ -11,6 +11,9 @@ hold NaN there, and the ``overall`` figures are taken over MoE layers only.
 - :func:`load_imbalance`    max/mean load, coefficient of variation, normalised entropy
 - :func:`padding_waste`     rows added by group padding (``group_pad``), per layer
 - :func:`expert_reuse`      consecutive tokens / consecutive layers sharing experts, vs chance
+- :func:`select_experts`    numpy reference of group-limited routing (bias, n_group, topk_group)
+- :func:`group_selection`   how many expert groups a token's experts span; load per group
+- :func:`correction_bias_effect`  how often a score-correction bias changes the chosen set
 - :func:`token_classes`     token pieces -> {whitespace, newline, keyword, name, number,
                             punctuation, other}
 - :func:`specialisation`    mutual information I(expert; token class), bits and share of H(class)
@@ -167,6 +170,89 @@ def padding_waste(trace: Trace) -> dict[str, Any]:
             "waste_rows": waste, "waste_pct": pct, "total_real_rows": int(real[moe].sum()),
             "total_padded_rows": tp, "total_waste_rows": tw,
             "total_waste_pct": 100.0 * tw / tp if tp else 0.0}
+
+
+# --------------------------------------------------------------------------- family routing
+
+def select_experts(scores: np.ndarray, top_k: int, *, bias: np.ndarray | None = None,
+                   n_group: int = 1, topk_group: int | None = None,
+                   group_score: str = "top2_sum") -> np.ndarray:
+    """[T, top_k] the experts a group-limited router picks from per-expert scores [T, E]
+    (a numpy reference of DeepSeek's routers, for what-if questions): ``bias`` [E] is added
+    for the choice only (DeepSeek-V3's ``e_score_correction_bias``); with ``n_group`` > 1
+    the experts form n_group equal consecutive groups, each group is scored by the sum of
+    its top two (``"top2_sum"``, V3) or its maximum (``"max"``, V2's group-limited greedy),
+    the ``topk_group`` best groups stay and top-k runs over their experts. Best first; ties
+    go to the lower id (the engine's rule)."""
+    sc = np.asarray(scores, np.float64)
+    T, E = sc.shape
+    choice = sc + (0.0 if bias is None else np.asarray(bias, np.float64)[None, :])
+    if n_group > 1:
+        if E % n_group:
+            raise ValueError(f"{E} experts do not split into {n_group} groups")
+        g = choice.reshape(T, n_group, E // n_group)
+        if group_score == "top2_sum":
+            gs = -np.sort(-g, axis=2)[:, :, :2].sum(axis=2)
+        elif group_score == "max":
+            gs = g.max(axis=2)
+        else:
+            raise ValueError(f"group_score {group_score!r}: choose top2_sum or max")
+        keep = np.argsort(-gs, axis=1, kind="stable")[:, :topk_group or n_group]
+        mask = np.zeros((T, n_group), bool)
+        np.put_along_axis(mask, keep, True, axis=1)
+        choice = np.where(np.repeat(mask, E // n_group, axis=1), choice, -np.inf)
+    return np.argsort(-choice, axis=1, kind="stable")[:, :top_k].astype(np.int32)
+
+
+def group_selection(trace: Trace, n_group: int) -> dict[str, Any]:
+    """Which of ``n_group`` equal consecutive expert groups a token's experts came from
+    (DeepSeek's group-limited routing keeps each token's experts in ``topk_group`` groups).
+
+    Per MoE layer: ``groups_per_token[l]`` (mean distinct groups among a token's top-k),
+    ``histogram[l, g]`` (share of tokens whose experts span g groups, g = 0..n_group) and
+    ``group_load[l, g]`` (share of the layer's routed rows in group g)."""
+    L, E = trace.n_layers, trace.n_experts
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"{E} experts do not split into {n_group} groups")
+    per = _nan_layers(trace)
+    hist = np.full((L, n_group + 1), np.nan)
+    load = np.full((L, n_group), np.nan)
+    for l in trace.moe_layers:
+        ids = trace.topk_ids[l]
+        grp = ids // (E // n_group)
+        span = np.array([len(set(r[r >= 0].tolist())) for r in grp]) if len(grp) else np.zeros(0)
+        per[l] = float(span.mean()) if span.size else math.nan
+        hist[l] = np.bincount(span, minlength=n_group + 1)[: n_group + 1] / max(1, span.size)
+        load[l] = np.bincount(grp[grp >= 0].ravel(), minlength=n_group) / max(1, (grp >= 0).sum())
+    return {"layers": trace.moe_layers, "n_group": n_group, "groups_per_token": per,
+            "histogram": hist, "group_load": load}
+
+
+def correction_bias_effect(trace: Trace, bias: np.ndarray, *, n_group: int = 1,
+                           topk_group: int | None = None) -> dict[str, Any]:
+    """How often the score-correction bias (DeepSeek-V3: added to the scores for the choice
+    only) changes the chosen experts. ``bias`` [L, E] (rows of dense layers ignored); the
+    trace's ``router_probs`` are the per-expert scores (sigmoid for V3).
+
+    Per MoE layer: ``set_changed[l]`` (share of tokens whose top-k set differs with and
+    without the bias, under the same group rule), ``engine_agrees[l]`` (share whose set
+    with the bias is the engine's own choice: 1.0 unless ties), ``mean_swapped[l]`` (experts
+    per token the bias swapped in)."""
+    bias = np.asarray(bias, np.float64)
+    changed, agrees, swapped = (_nan_layers(trace) for _ in range(3))
+    K = trace.top_k
+    for l in trace.moe_layers:
+        sc = trace.router_probs[l]
+        if not len(sc):
+            continue
+        with_b = select_experts(sc, K, bias=bias[l], n_group=n_group, topk_group=topk_group)
+        without = select_experts(sc, K, n_group=n_group, topk_group=topk_group)
+        a, b = np.sort(with_b, axis=1), np.sort(without, axis=1)
+        changed[l] = float(np.mean(np.any(a != b, axis=1)))
+        agrees[l] = float(np.mean(np.all(a == np.sort(trace.topk_ids[l], axis=1), axis=1)))
+        swapped[l] = float(np.mean([len(set(x) - set(y)) for x, y in zip(a.tolist(), b.tolist())]))
+    return {"layers": trace.moe_layers, "set_changed": changed, "engine_agrees": agrees,
+            "mean_swapped": swapped}
 
 
 # --------------------------------------------------------------------------- reuse

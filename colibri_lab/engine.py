@@ -86,6 +86,7 @@ class EngineConfig:
     max_seqs: int  # sequences the context holds at once (Engine.batch, Engine.sequence)
     kv_block_tokens: int  # positions per block of the paged KV cache
     kv_blocks_total: int  # blocks in the KV cache, shared by every sequence
+    kv_bytes_per_token: int  # cache bytes per position, all layers (MLA: the latent rows only)
 
 
 _CONFIG_INTS = (
@@ -93,6 +94,7 @@ _CONFIG_INTS = (
     "head_dim", "n_experts", "top_k", "max_seq_len", "file_max_seq_len", "max_batch",
     "num_threads", "threads_used", "group_pad", "sliding_window", "bos_id", "eos_id", "arena_bytes",
     "file_size", "format_version", "max_seqs", "kv_block_tokens", "kv_blocks_total",
+    "kv_bytes_per_token",
 )  # fmt: skip
 _CONFIG_BOOLS = ("norm_topk_prob", "tie_word_embeddings", "router_int8")
 _CONFIG_FLOATS = ("rope_theta", "rms_norm_eps")

@@ -55,14 +55,17 @@ DTYPE_Q8_0 = 7
 DTYPE_Q4_K = 8
 DTYPE_Q5_K = 9
 DTYPE_Q6_K = 10
+# OCP MXFP4 as ggml's block_mxfp4: an e8m0 scale byte, then 16 bytes of e2m1 nibbles
+DTYPE_MXFP4 = 11
 DTYPE_NAMES = {DTYPE_F32: "f32", DTYPE_F16: "f16", DTYPE_BF16: "bf16", DTYPE_I8: "i8",
-               DTYPE_Q8_0: "q8_0", DTYPE_Q4_K: "q4_k", DTYPE_Q5_K: "q5_k", DTYPE_Q6_K: "q6_k"}
+               DTYPE_Q8_0: "q8_0", DTYPE_Q4_K: "q4_k", DTYPE_Q5_K: "q5_k", DTYPE_Q6_K: "q6_k",
+               DTYPE_MXFP4: "mxfp4"}
 DTYPE_IDS = {v: k for k, v in DTYPE_NAMES.items()}
 # elements per block and bytes per block; a float type is a block of one element
 DTYPE_BLOCKS = {DTYPE_F32: (1, 4), DTYPE_F16: (1, 2), DTYPE_BF16: (1, 2), DTYPE_I8: (1, 1),
                 DTYPE_Q8_0: (32, 34), DTYPE_Q4_K: (256, 144), DTYPE_Q5_K: (256, 176),
-                DTYPE_Q6_K: (256, 210)}
-QUANT_DTYPES = (DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K)
+                DTYPE_Q6_K: (256, 210), DTYPE_MXFP4: (32, 17)}
+QUANT_DTYPES = (DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_MXFP4)
 # bytes per element of the element types (the block types have no element size)
 DTYPE_SIZES = {d: bb for d, (be, bb) in DTYPE_BLOCKS.items() if be == 1}
 # numpy storage type of each dtype (bf16 is kept as its raw uint16 bits; a quantized

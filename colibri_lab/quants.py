@@ -1,12 +1,13 @@
 """Block quantization of the `.colibri` format version 2 (docs/format.md, "Version 2"):
-Q8_0, Q4_K, Q5_K and Q6_K, byte for byte ggml's blocks.
+Q8_0, Q4_K, Q5_K, Q6_K and MXFP4, byte for byte ggml's blocks.
 
 What lives here:
 
 - `quantize(x, dtype)`: float32 rows -> the stored bytes of a quantized dtype. Our own
   numpy implementation of llama.cpp's reference quantizers (ggml-quants.c
   `quantize_row_q8_0_ref`, `quantize_row_q4_K_ref`, `quantize_row_q5_K_ref`,
-  `quantize_row_q6_K_ref`, i.e. what `llama-quantize` does without an importance
+  `quantize_row_q6_K_ref`, `quantize_row_mxfp4_ref`, i.e. what `llama-quantize` does
+  without an importance
   matrix). Every step is the C code's float32 arithmetic in the C code's order (sums
   accumulated element by element, no fused multiply-add, `nearest_int`'s
   1.5 * 2^23 rounding trick emulated), so the bytes are the ones the C reference writes
@@ -16,6 +17,9 @@ What lives here:
   package's `gguf.quants.dequantize` (float32 products in ggml's order, none fused).
 - `to_stored` / `from_stored`: the same for every dtype, the float ones included.
 - `GGML_TYPES`: our dtype ids <-> `gguf.GGMLQuantizationType`.
+- MXFP4: `quantize_mxfp4` / `dequantize_mxfp4` (the two above for DTYPE_MXFP4), and
+  `mxfp4_from_hf(blocks, scales)`: a transformers MXFP4 checkpoint's `*_blocks` /
+  `*_scales` (gpt-oss) repacked into our block bytes, the same values, no requantization.
 - `mix_dtype(mix, name, shape, ...)`: the dtype a converter mix ("q8_0", "q4_k",
   "q4_k_m") gives a tensor; "q4_k_m" is llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M as
   `llama_tensor_get_type` decides it (docs/quantization.md, "Converter mixes").
@@ -31,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import format as fmt
-from .format import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K,
-                     DTYPE_Q8_0, QUANT_DTYPES)
+from .format import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_MXFP4, DTYPE_Q4_K, DTYPE_Q5_K,
+                     DTYPE_Q6_K, DTYPE_Q8_0, QUANT_DTYPES)
 
 try:  # the GGUF type ids; the quantizers themselves do not need the package
     import gguf
@@ -40,6 +44,8 @@ try:  # the GGUF type ids; the quantizers themselves do not need the package
     GGML_TYPES = {DTYPE_F32: _GQT.F32, DTYPE_F16: _GQT.F16, DTYPE_BF16: _GQT.BF16,
                   DTYPE_Q8_0: _GQT.Q8_0, DTYPE_Q4_K: _GQT.Q4_K, DTYPE_Q5_K: _GQT.Q5_K,
                   DTYPE_Q6_K: _GQT.Q6_K}
+    if hasattr(_GQT, "MXFP4"):  # GGML_TYPE_MXFP4 = 39 (gguf >= 0.17)
+        GGML_TYPES[DTYPE_MXFP4] = _GQT.MXFP4
 except ImportError:  # pragma: no cover - gguf is a declared dependency
     gguf = None
     GGML_TYPES = {}
@@ -355,15 +361,97 @@ def _q6_k_blocks(x: np.ndarray) -> np.ndarray:
     return out
 
 
+# --------------------------------------------------------------------------- MXFP4
+
+#: e2m1 values doubled, indexed by the 4-bit code (ggml's kvalues_mxfp4): bit 3 is the sign,
+#: bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}; code 8 (-0) is 0
+MXFP4_K2 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+QK_MXFP4 = 32
+
+
+def e8m0_to_f32_half(e: np.ndarray) -> np.ndarray:
+    """ggml's GGML_E8M0_TO_FP32_HALF: 2^(e - 128) as float32 (subnormal for e < 2). e = 255,
+    NaN in OCP, is 2^127 here, as in ggml and gguf-py. Element = K2[code] * this."""
+    e = np.asarray(e, np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _mxfp4_blocks(x: np.ndarray) -> np.ndarray:
+    """quantize_row_mxfp4_ref over blocks [nb, 32] -> [nb, 17]: e = floor(log2(amax)) - 2 + 127
+    (0 for an all-zero block; float32 log2, as log2f), so the largest magnitude lands in
+    [4, 8) * 2^(e - 127) and 6 is the nearest code for it; then each value's code is the
+    one of the 16 whose k2 * 2^(e - 128) is nearest in float32, the first on a tie (ggml's
+    best_index_mxfp4 scan, numpy's argmin). ggml converts a negative e (amax < 2^-125) to
+    uint8 with undefined behaviour; here it is clamped to 0 (the smallest scale)."""
+    f32 = np.float32
+    amax = np.abs(x).max(axis=1)
+    with np.errstate(divide="ignore"):
+        lg = np.floor(np.log2(amax))                       # float32 (-inf for 0)
+    ef = np.where(amax > 0, lg - f32(2) + f32(127), f32(0))
+    e = np.clip(ef, 0, 255).astype(np.uint8)
+    d = e8m0_to_f32_half(e)                                # [nb]
+    kv = MXFP4_K2.astype(f32)
+    err = np.abs((d[:, None] * kv[None, :])[:, None, :] - x[:, :, None])   # [nb, 32, 16]
+    code = np.argmin(err, axis=2).astype(np.uint8)         # first minimum, as the C scan
+    out = np.empty((x.shape[0], 17), np.uint8)
+    out[:, 0] = e
+    out[:, 1:] = code[:, :16] | (code[:, 16:] << np.uint8(4))
+    return out
+
+
+def quantize_mxfp4(x: np.ndarray, *, threads: int | None = None) -> np.ndarray:
+    """float32 rows [rows, n] (n a multiple of 32) -> MXFP4 block bytes [rows, n / 32 * 17],
+    byte for byte ggml's quantize_row_mxfp4_ref (and gguf-py's MXFP4.quantize)."""
+    return quantize(x, DTYPE_MXFP4, threads=threads)
+
+
+def dequantize_mxfp4(raw: np.ndarray, n: int) -> np.ndarray:
+    """MXFP4 block bytes -> float32 [rows, n]: K2[code] * 2^(e - 128), one float32 product per
+    element, bit for bit ggml's dequantize_row_mxfp4 and the engine's cb_dequant_mxfp4."""
+    return dequantize(raw, DTYPE_MXFP4, n)
+
+
+def mxfp4_from_hf(blocks, scales) -> np.ndarray:
+    """A transformers MXFP4 checkpoint tensor pair -> our MXFP4 rows, values unchanged.
+
+    `blocks`: uint8 [..., rows, G, 16] (the `*_blocks` tensor: 32 e2m1 codes per group, the
+    even element in the low nibble, the odd one in the high nibble); `scales`: uint8
+    [..., rows, G] (`*_scales`: e8m0, value = e2m1 * 2^(scale - 127)), as
+    transformers.integrations.mxfp4.convert_moe_packed_tensors reads them. Returns uint8
+    [..., rows, G * 17]: row r is the K = 32 G elements of row r (the same rows, in order,
+    no transposition) in ggml's block_mxfp4 layout (scale byte, then element j < 16 in the low
+    nibble of qs[j] and j + 16 in its high nibble). A pure repack of nibbles and bytes.
+
+    A scale byte of 255 (NaN in OCP; transformers computes 2^128, i.e. inf) is refused: the
+    block format reads it as 2^127 (ggml), so its values would not be the checkpoint's."""
+    b = np.asarray(blocks)
+    sc = np.asarray(scales)
+    if b.dtype != np.uint8 or sc.dtype != np.uint8:
+        raise ValueError(f"mxfp4_from_hf: blocks and scales must be uint8, got {b.dtype}, {sc.dtype}")
+    if b.ndim < 2 or b.shape[-1] != 16 or b.shape[:-1] != sc.shape:
+        raise ValueError(f"mxfp4_from_hf: blocks [..., rows, G, 16] and scales [..., rows, G] "
+                         f"expected, got {b.shape} and {sc.shape}")
+    if (sc == 255).any():
+        raise ValueError("mxfp4_from_hf: a scale byte is 255 (NaN in OCP MXFP4), which the "
+                         "block format cannot hold with the same value")
+    codes = np.stack([b & np.uint8(0x0F), b >> np.uint8(4)], axis=-1).reshape(*b.shape[:-1], 32)
+    out = np.empty((*sc.shape, 17), np.uint8)
+    out[..., 0] = sc
+    out[..., 1:] = codes[..., :16] | (codes[..., 16:] << np.uint8(4))
+    return out.reshape(*sc.shape[:-1], sc.shape[-1] * 17)
+
+
 _BLOCK_FN = {DTYPE_Q8_0: _q8_0_blocks, DTYPE_Q4_K: lambda b: _qk_blocks(b, 15),
-             DTYPE_Q5_K: lambda b: _qk_blocks(b, 31), DTYPE_Q6_K: _q6_k_blocks}
+             DTYPE_Q5_K: lambda b: _qk_blocks(b, 31), DTYPE_Q6_K: _q6_k_blocks,
+             DTYPE_MXFP4: _mxfp4_blocks}
 
 
 # --------------------------------------------------------------------------- public API
 
 def quantize(x: np.ndarray, dtype: int, *, threads: int | None = None) -> np.ndarray:
     """float32 rows [rows, n] -> the stored bytes [rows, row_nbytes] (uint8) of quantized
-    `dtype` (Q8_0, Q4_K, Q5_K, Q6_K), byte for byte llama.cpp's reference quantizer (no
+    `dtype` (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4), byte for byte llama.cpp's reference quantizer (no
     importance matrix). n must be a whole number of the dtype's blocks. Values must be
     finite. A float dtype (f32, f16, bf16) gives its storage array instead (`to_stored`).
     `threads`: worker threads (default `default_threads()`); the bytes do not depend on it.
@@ -419,6 +507,11 @@ def dequantize(raw: np.ndarray, dtype: int, n: int) -> np.ndarray:
 def _dequantize_blocks(b: np.ndarray, dtype: int) -> np.ndarray:
     nb = b.shape[0]
     f32 = np.float32
+    if dtype == DTYPE_MXFP4:
+        d = e8m0_to_f32_half(b[:, 0])[:, None]                          # [nb, 1]
+        qs = b[:, 1:17]
+        code = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
+        return MXFP4_K2[code].astype(f32) * d
     if dtype == DTYPE_Q8_0:
         d = b[:, 0:2].copy().view("<f2").astype(f32)                   # [nb, 1]
         q = b[:, 2:].view(np.int8).astype(f32)
@@ -482,7 +575,7 @@ def from_stored(raw: np.ndarray, dtype: int, n: int) -> np.ndarray:
 
 # --------------------------------------------------------------------------- mixes
 
-MIXES = ("q8_0", "q4_k", "q4_k_m")
+MIXES = ("q8_0", "q4_k", "q4_k_m", "mxfp4")
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -519,6 +612,8 @@ def mix_dtype(mix: str, name: str, shape, *, layer: int | None, n_layers: int,
       use_more_bits(layer) layers; everything else Q4_K. (llama.cpp counts attn_v tensors
       in file order and parses the layer from an MoE model's ffn_down name; with one
       attn_v per layer both are the layer index.)
+    - "mxfp4": the routed experts (`ffn_{gate,up,down}_exps`) MXFP4, every other weight
+      matrix BF16 — the way gpt-oss ships (its experts in MXFP4, the rest bf16).
     - then `fallback_dtype` for a row the type's block does not divide.
     """
     if mix not in MIXES:
@@ -535,6 +630,10 @@ def mix_dtype(mix: str, name: str, shape, *, layer: int | None, n_layers: int,
             or base.endswith((".scale", ".zero"))):
         return DTYPE_F32
     ncols = shape[-1]
+    if mix == "mxfp4":
+        if base in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") and ncols % QK_MXFP4 == 0:
+            return DTYPE_MXFP4
+        return DTYPE_BF16
     if mix == "q8_0":
         return fallback_dtype(DTYPE_Q8_0, ncols)
     if mix == "q4_k":

@@ -260,6 +260,143 @@ def make_model(out_dir: str | os.PathLike, shape: dict | None = None, seed: int 
     return out
 
 
+#: Random models of about 800 M parameters for other families (transformers config keys);
+#: ``make_family_model(dir, "deepseek_v3", DEEPSEEK_V3_800M)``: MLA with a q LoRA, a dense
+#: first layer, 32 routed experts in 4 groups (top-2 groups, top-4 experts) plus one shared
+#: expert, sigmoid routing with the score-correction bias — the DeepSeek-V3 recipe, scaled.
+DEEPSEEK_V3_800M = dict(
+    vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+    num_hidden_layers=14, num_attention_heads=16, num_key_value_heads=16,
+    q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+    v_head_dim=64, n_routed_experts=32, n_shared_experts=1, num_experts_per_tok=4,
+    n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+    norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+
+#: A tiny random model of every family the converter knows (transformers config keys, for
+#: :func:`make_family_model`): sizes that are not multiples of 8, the family's own choices
+#: switched on (Qwen2-MoE's gated shared expert, OLMoE's q/k norms, DeepSeek's latent
+#: attention and group-limited routing, gpt-oss's sinks, windows and clamped SwiGLU).
+_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+TINY_FAMILY_CONFIGS = {
+    "mixtral": dict(vocab_size=512, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=6,
+                    num_experts_per_tok=2, max_position_embeddings=256, **_IDS),
+    "qwen2_moe": dict(vocab_size=512, hidden_size=48, intermediate_size=56, moe_intermediate_size=24,
+                      shared_expert_intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+                      max_position_embeddings=256, **_IDS),
+    "qwen3_moe": dict(vocab_size=512, hidden_size=48, moe_intermediate_size=24, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256, **_IDS),
+    "olmoe": dict(vocab_size=512, hidden_size=48, intermediate_size=24, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                  max_position_embeddings=256, **_IDS),
+    "deepseek_v2": dict(vocab_size=512, hidden_size=48, intermediate_size=64, moe_intermediate_size=20,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                        q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                        v_head_dim=12, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                        n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                        first_k_dense_replace=1, routed_scaling_factor=1.5,
+                        max_position_embeddings=256, **_IDS),
+    "deepseek_v3": dict(vocab_size=512, hidden_size=48, intermediate_size=64, moe_intermediate_size=20,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                        q_lora_rank=20, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                        v_head_dim=12, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
+                        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, max_position_embeddings=256, **_IDS),
+    "gpt_oss": dict(vocab_size=512, hidden_size=48, intermediate_size=24, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=6,
+                    num_experts_per_tok=2, sliding_window=6, swiglu_limit=1.5,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    max_position_embeddings=256,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                     "original_max_position_embeddings": 64}, **_IDS),
+}
+
+
+def _write_bpe_tokenizer(folder: Path, n_tokens: int) -> None:
+    """A byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json) of n_tokens
+    entries, trained with the `tokenizers` library on this package's own source: a GPT-2
+    style vocabulary with merges, for converters that take nothing else (llama.cpp's
+    DeepSeek converter). Ids 0, 1, 2 are <unk>, <s>, </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=n_tokens, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train(sorted(str(p) for p in Path(__file__).parent.rglob("*.py")), trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "model_max_length": 1 << 20}))
+
+
+def make_family_model(out_dir: str | os.PathLike, family: str, config: dict, seed: int = 0,
+                      log: Callable[[str], None] | None = None, tokenizer: str = "auto") -> Path:
+    """Write a seeded random-init model of any MoE family transformers knows —
+    ``AutoConfig.for_model(family, **config)`` — to ``out_dir`` (f32 safetensors) and return
+    the folder; reused when it already holds the same family, config and seed. 1-D
+    parameters are randomised so that none is a no-op: norm weights in [0.5, 1.5], biases,
+    sinks and score-correction biases in [-0.5, 0.5]. Experts are saved as transformers
+    writes them. ``tokenizer``: "spm" copies the Mixtral tokenizer.model beside the weights
+    (a 32000-entry vocabulary only, as :func:`make_model`), "bpe" writes a byte-level BPE
+    tokenizer.json trained on this package's source (at most the vocabulary's size; the rest
+    of the ids are unused), "none" neither; "auto": "bpe" for the DeepSeek families (whose
+    llama.cpp converter reads BPE only), else "spm"."""
+    out = Path(out_dir)
+    stamp = out / "colibri_bench_shape.json"
+    want = json.dumps({"family": family, **config, "seed": seed, "tokenizer": tokenizer},
+                      sort_keys=True, default=str)
+    if stamp.is_file() and stamp.read_text() == want and (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if log is not None:
+        log(f"generating a random {family} {config} (seed {seed}) in {out}")
+    cfg = AutoConfig.for_model(family, **config)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+                else:
+                    p.uniform_(-0.5, 0.5)
+        for name, b in model.named_buffers():   # e.g. DeepSeek-V3's e_score_correction_bias
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.5, 0.5)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    if tokenizer == "auto":
+        tokenizer = "bpe" if family.startswith("deepseek") else "spm"
+    if tokenizer == "bpe":
+        _write_bpe_tokenizer(tmp, min(int(config.get("vocab_size", 32000)), 4000))
+    elif tokenizer == "spm":
+        tok = _tokenizer_model_file()
+        if config.get("vocab_size") == 32000 and tok is not None:
+            shutil.copy(tok, tmp / "tokenizer.model")
+    (tmp / "colibri_bench_shape.json").write_text(want)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
 def read_hf_config(model_dir: str | os.PathLike) -> Facts:
     """The shape facts the roofline needs, from a Hugging Face ``config.json`` (both the
     transformers 4 and 5 spellings): model_type, vocab, hidden, inter, layers, heads,

@@ -241,7 +241,7 @@ def test_failure_mid_write_removes_tmp(hf5, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("model_type,arch", [("llama", "LlamaForCausalLM"),
-                                             ("deepseek_v2", "DeepseekV2ForCausalLM")])
+                                             ("dbrx", "DbrxForCausalLM")])
 def test_unknown_architecture_names_supported(tmp_path, model_type, arch):
     d = tmp_path / "hf"
     d.mkdir()
@@ -253,9 +253,13 @@ def test_unknown_architecture_names_supported(tmp_path, model_type, arch):
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}},
+     "YaRN needs original_max_position_embeddings"),
     ({"rope_parameters": None, "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}},
-     "rope_scaling"),
+     "rope_type 'linear'"),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0,
+                          "original_max_position_embeddings": 64, "low_freq_factor": 1.0}},
+     r"\['low_freq_factor'\]"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"head_dim": 5}, "head_dim 5 is odd"),
     ({"num_experts_per_tok": 4}, "num_experts_per_tok 4 > num_local_experts 3"),

@@ -218,3 +218,48 @@ def test_int8_router_agreement_on_a_real_model(make_model, tmp_path):
     assert 0 < np.nanmax(r["max_prob_diff"]) < 0.05
     rows = D.summary(a)
     assert len(rows) == a.n_layers and all(r["kind"] == "moe" for r in rows)
+
+
+# ------------------------------------------------------------------ family routing
+
+def test_select_experts_group_limited_matches_transformers_rule():
+    """select_experts against DeepSeek-V3's router written out with torch ops
+    (transformers' DeepseekV3TopkRouter / get_topk_indices), biased and group-limited."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    T, E, K, G, TG = 37, 12, 3, 4, 2
+    scores = rng.random((T, E)).astype(np.float32)
+    bias = rng.uniform(-0.3, 0.3, E).astype(np.float32)
+    s = torch.from_numpy(scores) + torch.from_numpy(bias)
+    gs = s.view(T, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
+    gidx = torch.topk(gs, k=TG, dim=-1, sorted=False)[1]
+    gmask = torch.zeros_like(gs).scatter_(1, gidx, 1)
+    smask = gmask.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
+    want = torch.topk(s.masked_fill(~smask.bool(), 0.0), k=K, dim=-1, sorted=False)[1].numpy()
+    got = D.select_experts(scores, K, bias=bias, n_group=G, topk_group=TG)
+    assert np.array_equal(np.sort(got, axis=1), np.sort(want, axis=1))
+    # every token's experts lie in at most TG groups; without groups: the plain top-k
+    assert max(len(set((r // (E // G)).tolist())) for r in got) <= TG
+    plain = D.select_experts(scores, K)
+    assert np.array_equal(plain, np.argsort(-scores.astype(np.float64), axis=1, kind="stable")[:, :K])
+
+
+def test_group_selection_and_bias_effect_on_a_synthetic_trace():
+    rng = np.random.default_rng(6)
+    T, E, K = 40, 8, 2
+    scores = rng.random((T, E))
+    bias = np.zeros((1, E))
+    bias[0, 7] = 5.0   # expert 7 always wins a slot
+    ids = D.select_experts(scores, K, bias=bias[0])
+    tr = D.synthetic_trace(ids[None], n_experts=E)
+    tr.router_probs[0] = scores.astype(np.float32)
+    eff = D.correction_bias_effect(tr, bias)
+    assert eff["engine_agrees"][0] == 1.0
+    want = np.mean([7 not in r for r in np.argsort(-scores, axis=1)[:, :K]])
+    assert eff["set_changed"][0] == pytest.approx(want) and want > 0.5
+    g = D.group_selection(tr, 4)
+    assert g["histogram"][0].sum() == pytest.approx(1.0)
+    assert g["group_load"][0, 3] >= 0.5   # expert 7 is in the last group
+    assert 1.0 <= g["groups_per_token"][0] <= 2.0
+    with pytest.raises(ValueError, match="groups"):
+        D.group_selection(tr, 3)

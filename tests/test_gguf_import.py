@@ -587,6 +587,50 @@ def test_engine_runs_quantized_as_its_values(models, imported, fam, outtype, tmp
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * max(1.0, float(np.abs(ref).max())))
 
 
+def test_mxfp4_experts_import_and_run_as_their_values(models, tmp_path):
+    """An f32 GGUF whose expert tensors are rewritten as MXFP4 (gguf.quants, = ggml's
+    quantize_row_mxfp4_ref): the import copies their bytes (no requantization), and the
+    engine's logits on it are those of the f32 file of the same dequantized values, in the
+    exact and the fast mode (which runs MXFP4 on the exact kernels)."""
+    from hf_models import random_ids
+    MX, F32 = gguf.GGMLQuantizationType.MXFP4, gguf.GGMLQuantizationType.F32
+    if not hasattr(gguf.GGMLQuantizationType, "MXFP4"):
+        pytest.skip("this gguf package has no MXFP4")
+    blocks = {}
+
+    def mx(name, ttype, data):
+        if "_exps" in name and ttype == F32 and data.shape[-1] % 32 == 0:
+            blocks[name] = gguf.quants.quantize(data, MX)
+            return [(name, MX, blocks[name])]
+        return [(name, ttype, data)]
+
+    def mx_values(name, ttype, data):
+        (n, t, d), = mx(name, ttype, data)
+        if t == MX:
+            return [(n, F32, np.ascontiguousarray(gguf.quants.dequantize(d, MX), dtype=np.float32))]
+        return [(n, t, d)]
+
+    src = models["qwen3_moe"]["gguf"]["f32"]
+    g = rewrite_gguf(src, tmp_path / "mx.gguf", tensors=mx, fields=no_vocab)
+    assert blocks
+    gv = rewrite_gguf(src, tmp_path / "mxv.gguf", tensors=mx_values, fields=no_vocab)
+    out = convert_gguf(g, tmp_path / "mx.colibri", progress=False)
+    ref = convert_gguf(gv, tmp_path / "mxv.colibri", progress=False)
+    info = fmt.inspect(out, verify=True)
+    for name in ("blk.0.ffn_gate_exps", "blk.0.ffn_up_exps", "blk.0.ffn_down_exps"):
+        assert info.tensor(name).dtype == "mxfp4", name
+        assert info.read_tensor(name).tobytes() == blocks[gguf_name(name)].tobytes(), name
+    ids = random_ids(info.metadata["model.vocab_size"], 24, seed=11)
+    for precision in ("exact", "fast"):
+        _native_or_fail()
+        with colibri_lab.Engine(out, precision=precision) as eng:
+            got = eng.forward(ids)
+        with colibri_lab.Engine(ref, precision=precision) as eng:
+            want = eng.forward(ids)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * max(1.0, float(np.abs(want).max())))
+
+
 # --------------------------------------------------------------------------- K-quants
 
 def _llama_quantize(src: Path) -> Path | None:

@@ -56,6 +56,13 @@ SHAPES = {
     "q3-window": FamilyShape(
         "qwen3_moe", vocab=515, hidden=44, inter=33, layers=2, heads=4, kv_heads=1,
         head_dim=16, experts=5, top_k=2, bias=False, sliding_window=9, seed=14),
+    # Qwen3-MoE with YaRN RoPE (factor 4 over an original context of 24 positions, so the
+    # 90-token runs are past it; transformers' attention factor on cos and sin).
+    "q3-yarn": FamilyShape(
+        "qwen3_moe", vocab=401, hidden=48, inter=21, layers=2, heads=4, kv_heads=2,
+        head_dim=12, experts=5, top_k=2, bias=False, seed=17,
+        extra=(("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 24}),)),
     # OLMoE: full-projection q/k norms, clip_qkv that bites, q/k/v/o biases, GQA 2.
     "ol-clip": FamilyShape(
         "olmoe", vocab=1003, hidden=84, inter=37, layers=2, heads=6, kv_heads=3, experts=8,
@@ -113,6 +120,18 @@ def test_family_options_in_metadata(models):
     assert info.metadata["model.attn_qk_norm"] == "head"
     assert info.tensor("blk.0.attn_q_norm.weight").shape == (10,)
     assert info.tensor("blk.0.attn_output.bias").shape == (67,)
+    assert (m["model.attention"], m["model.routing"], m["model.activation"]) == \
+        ("gqa", "softmax_topk", "silu_glu")
+    assert info.metadata["model.rope_type"] == "default"
+    assert "model.rope_inv_freq" not in info.metadata
+
+    # YaRN: the frequencies and attention factor transformers computes, in the file
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    yarn = inspect(models("q3-yarn")[1]).metadata
+    assert yarn["model.rope_type"] == "yarn"
+    inv, af = ROPE_INIT_FUNCTIONS["yarn"](SHAPES["q3-yarn"].config(), "cpu")
+    np.testing.assert_array_equal(np.array(yarn["model.rope_inv_freq"], np.float32), inv.numpy())
+    assert yarn["model.rope_attention_factor"] == pytest.approx(af, rel=1e-12) and af > 1
 
     info = inspect(models("ol-clip")[1])
     assert info.metadata["model.attn_qk_norm"] == "full"
@@ -120,7 +139,7 @@ def test_family_options_in_metadata(models):
     assert info.tensor("blk.0.attn_k_norm.weight").shape == (42,)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v2", "llama"])
+@pytest.mark.parametrize("model_type", ["dbrx", "llama"])
 def test_converter_refuses_other_families(tmp_path, model_type):
     d = tmp_path / "hf"
     d.mkdir()
@@ -157,6 +176,13 @@ def test_engine_refuses_other_architectures_and_options(models, tmp_path):
     assert "mixtral, qwen2_moe, qwen3_moe, olmoe" in msg
     bad = _patch_metadata(path, tmp_path / "norm.colibri", b"full", b"fuzz")
     with pytest.raises(ColibriError, match="attn_qk_norm 'fuzz'.*none, head, full"):
+        colibri_lab.Engine(bad)
+    # a choice no family has, and one the file's family does not make
+    bad = _patch_metadata(path, tmp_path / "act.colibri", b"silu_glu", b"tanh_glu")
+    with pytest.raises(ColibriError, match="model.activation 'tanh_glu' is not supported.*silu_glu"):
+        colibri_lab.Engine(bad)
+    bad = _patch_metadata(path, tmp_path / "route.colibri", b"softmax_topk", b"sigmoid_topk")
+    with pytest.raises(ColibriError, match="model.routing 'sigmoid_topk'"):
         colibri_lab.Engine(bad)
     # All layers dense: not an MoE, and nothing would bound n_experts (which sizes the arena).
     ffn = inspect(path).metadata["model.layer_ffn"]

@@ -89,7 +89,7 @@ def test_gptoss_options_in_metadata(models):
     assert m["model.swiglu_limit"] == pytest.approx(0.8)
     assert m["model.swiglu_alpha"] == pytest.approx(1.702)
     assert m["model.routing"] == "topk_softmax"
-    assert m["model.router_bias"] is True and m["model.attn_sinks"] is True
+    assert m["model.router_logit_bias"] is True and m["model.attn_sinks"] is True
     assert m["model.expert_bias"] is True
     assert m["model.attn_qkv_bias"] is True and m["model.attn_output_bias"] is True
     assert info.version == 2   # the experts are stored split
@@ -186,6 +186,10 @@ def test_engine_refuses_unknown_activation_and_routing(models, tmp_path):
         colibri_lab.Engine(bad)
     bad = _patch_metadata(path, tmp_path / "route.colibri", b"topk_softmax", b"topk_sigmoid")
     with pytest.raises(ColibriError, match="routing 'topk_sigmoid'.*softmax_topk, topk_softmax"):
+        colibri_lab.Engine(bad)
+    # a choice the engine implements but the gpt_oss family does not make
+    bad = _patch_metadata(path, tmp_path / "fam.colibri", b"topk_softmax", b"softmax_topk")
+    with pytest.raises(ColibriError, match="'softmax_topk' is not a choice of the gpt_oss family"):
         colibri_lab.Engine(bad)
 
 

@@ -12,7 +12,7 @@ from colibri_lab import _native, format as fmt
 
 QT = gguf.GGMLQuantizationType
 TYPES = {fmt.DTYPE_Q8_0: QT.Q8_0, fmt.DTYPE_Q4_K: QT.Q4_K, fmt.DTYPE_Q5_K: QT.Q5_K,
-         fmt.DTYPE_Q6_K: QT.Q6_K}
+         fmt.DTYPE_Q6_K: QT.Q6_K, fmt.DTYPE_MXFP4: QT.MXFP4}
 
 
 def _random_blocks(dtype: int, n_blocks: int, rng) -> np.ndarray:
@@ -22,7 +22,9 @@ def _random_blocks(dtype: int, n_blocks: int, rng) -> np.ndarray:
     def f16(n):
         v = (rng.standard_normal(n) * rng.choice([1e-6, 1e-3, 0.05, 3.0], n)).astype(np.float16)
         return v.view(np.uint8).reshape(n, 2)
-    if dtype == fmt.DTYPE_Q8_0:
+    if dtype == fmt.DTYPE_MXFP4:
+        pass                                 # an e8m0 scale byte: every value is one
+    elif dtype == fmt.DTYPE_Q8_0:
         raw[:, 0:2] = f16(n_blocks)
     elif dtype == fmt.DTYPE_Q6_K:
         raw[:, 208:210] = f16(n_blocks)

@@ -258,3 +258,28 @@ def test_make_model_loads_in_transformers_and_colibri(tmp_path):
         ref = m(torch.tensor([ids])).logits[0].numpy()
     assert ours.shape == ref.shape == (5, 300)
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_make_family_model_any_family(tmp_path):
+    """make_family_model: a seeded random model of a family by transformers' config keys,
+    1-D parameters randomised (no norm of ones, no zero bias), reused for the same
+    arguments, regenerated for another seed."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    cfg = dict(vocab_size=211, hidden_size=24, moe_intermediate_size=12, intermediate_size=20,
+               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=12,
+               num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    said = []
+    out = tuning.make_family_model(tmp_path / "q3", "qwen3_moe", cfg, seed=3, log=said.append)
+    assert len(said) == 1 and "qwen3_moe" in said[0]
+    sd = load_file(out / "model.safetensors")
+    norms = [v for k, v in sd.items() if k.endswith("norm.weight")]
+    assert norms and all(float(v.min()) >= 0.5 and not torch.all(v == 1) for v in norms)
+    again = tuning.make_family_model(tmp_path / "q3", "qwen3_moe", cfg, seed=3, log=said.append)
+    assert again == out and len(said) == 1
+    tuning.make_family_model(tmp_path / "q3", "qwen3_moe", cfg, seed=4, log=said.append)
+    assert len(said) == 2
+    path = colibri_lab.convert(out, tmp_path / "q3.colibri", dtype="f32", progress=False)
+    with colibri_lab.Engine(path, num_threads=1) as eng:
+        assert eng.vocab_size == 211

@@ -112,6 +112,29 @@ def ensure_llama_cpp(root: Path, build: bool) -> Path:
     return src
 
 
+# llama.cpp's DeepSeek converter writes GPT-2 BPE vocabularies only and names the
+# pre-tokenizer by hashing its output on a probe text; the random models of the bench
+# (tuning.make_family_model) carry a byte-level BPE trained on this package's source, whose
+# hash it does not know. For them (a colibri_bench_shape.json beside the weights) the
+# converter is run with the pre-tokenizer named "default": the prefill and decode speed
+# of random ids does not depend on it.
+_BPE_STAND_IN = (
+    "import runpy, sys\n"
+    "sys.argv = sys.argv[1:]\n"
+    "sys.path.insert(0, __import__('os').path.dirname(sys.argv[0]))\n"
+    "import conversion.base as b\n"
+    "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+
+def _needs_bpe_stand_in(model_dir: Path) -> bool:
+    try:
+        mt = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return mt in ("deepseek_v2", "deepseek_v3") and (Path(model_dir) / "colibri_bench_shape.json").is_file()
+
+
 def gguf_file(src: Path, model_dir: Path, dtype: str, cache: Path, *, quant_from: str = "f32",
               threads: int = 2) -> Path:
     """The model as GGUF at `dtype`, made with llama.cpp's convert_hf_to_gguf.py (its own
@@ -127,9 +150,10 @@ def gguf_file(src: Path, model_dir: Path, dtype: str, cache: Path, *, quant_from
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     _say(f"converting {model_dir} to {out}")
-    r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir),
-                        "--outtype", dtype, "--outfile", str(tmp)],
-                       capture_output=True, text=True, check=False)  # fmt: skip
+    argv = [str(src / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", dtype, "--outfile", str(tmp)]
+    if _needs_bpe_stand_in(model_dir):
+        argv = ["-c", _BPE_STAND_IN, *argv]
+    r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=False)
     if r.returncode != 0 or not tmp.is_file():
         tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
         raise RuntimeError("convert_hf_to_gguf.py failed: " + " | ".join(tail))

@@ -71,13 +71,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..tuning import (MIXTRAL_791M, decode_roofline, file_decode_roofline, machine_info,
-                      make_model, measure_bandwidth, measure_read_bandwidth, read_hf_config)
+from ..tuning import (DEEPSEEK_V3_800M, MIXTRAL_791M, decode_roofline, file_decode_roofline, machine_info,
+                      make_family_model, make_model, measure_bandwidth, measure_read_bandwidth, read_hf_config)
 from .common import DTYPES, ENGINES, SMOKE_SHAPE, _say, default_cache_dir
 from .files import (colibri_file, colibri_from_gguf, drop_from_page_cache, hugepage_fraction,
                     source_info)
 from .llama_cpp import (NO_REPACK, QUANT_BASES, QUANT_TYPES, LlamaBenchCrash, ensure_llama_cpp,
                         gguf_file, run_llama_bench)
+
+# --make-model FAMILY: the random models of other families (transformers config keys)
+FAMILY_MODELS = {"deepseek_v3": DEEPSEEK_V3_800M}
 
 #: Every dtype the benchmark runs: the float ones and llama.cpp's quantized types.
 BENCH_DTYPES = tuple(DTYPES) + tuple(QUANT_TYPES)
@@ -401,11 +404,16 @@ def run(args) -> dict:
         model_dir = make_model(cache / "models" / "mixtral-smoke", SMOKE_SHAPE, seed=args.seed,
                                log=_say)
     else:
-        if not args.make_model and not (cache / "models" / "mixtral-791m" / "config.json").is_file():
-            raise SystemExit("bench: no model: pass --model-dir DIR, or --make-model to generate "
-                             "the 791 M random Mixtral into the cache")  # fmt: skip
-        model_dir = make_model(cache / "models" / "mixtral-791m", MIXTRAL_791M, seed=args.seed,
-                               log=_say)
+        which = args.make_model or "mixtral"
+        if which != "mixtral":
+            model_dir = make_family_model(cache / "models" / f"{which}-800m", which,
+                                          FAMILY_MODELS[which], seed=args.seed, log=_say)
+        else:
+            if not args.make_model and not (cache / "models" / "mixtral-791m" / "config.json").is_file():
+                raise SystemExit("bench: no model: pass --model-dir DIR, or --make-model to generate "
+                                 "the 791 M random Mixtral into the cache")  # fmt: skip
+            model_dir = make_model(cache / "models" / "mixtral-791m", MIXTRAL_791M, seed=args.seed,
+                                   log=_say)
     hf_cfg = read_hf_config(model_dir)
     n_pre, n_dec = args.prefill, args.decode
 
@@ -728,8 +736,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model-dir", help="Hugging Face checkpoint folder (config.json + safetensors)")
-    src.add_argument("--make-model", action="store_true",
-                     help="generate the 791 M random Mixtral (seeded) into the cache and use it")
+    src.add_argument("--make-model", nargs="?", const="mixtral", default=None,
+                     choices=["mixtral", *FAMILY_MODELS],
+                     help="generate a random model (seeded) into the cache and use it: the 791 M "
+                          "Mixtral (no value), or deepseek_v3 (about 800 M, tuning.DEEPSEEK_V3_800M)")
     p.add_argument("--dtype", default="f32",
                    help="comma-separated f32, bf16, q8_0, q4_k_m (llama.cpp's quantized types; "
                         "Colibri runs the same GGUF, imported), e.g. f32,bf16 (default f32)")

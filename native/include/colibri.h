@@ -159,6 +159,8 @@ COLIBRI_API colibri_status colibri_seq_fork(colibri_ctx *ctx, int32_t src, int32
  *       "max_batch" "num_threads" (requested) "threads_used" (by the forward) "group_pad" "sliding_window" "bos_id" "eos_id"
  *       "arena_bytes" "file_size" "format_version" "router_int8" "tie_word_embeddings"
  *       "norm_topk_prob" "max_seqs" "kv_block_tokens" "kv_blocks_total" "kv_blocks_used"
+ *       "kv_bytes_per_token" (cache bytes per position of a sequence, all layers: keys and
+ *       values, or the latent rows of multi-head latent attention)
  * floats: "rope_theta" "rms_norm_eps"
  * Unknown names give COLIBRI_E_INVALID_ARG. */
 COLIBRI_API colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t *out);
@@ -225,13 +227,20 @@ typedef enum colibri_dtype {
     COLIBRI_DTYPE_Q8_0 = 7,
     COLIBRI_DTYPE_Q4_K = 8,
     COLIBRI_DTYPE_Q5_K = 9,
-    COLIBRI_DTYPE_Q6_K = 10
+    COLIBRI_DTYPE_Q6_K = 10,
+    /* OCP MXFP4: blocks of 32 e2m1 values sharing one e8m0 scale byte, ggml's block_mxfp4
+     * (17 bytes: the scale byte e, then 16 bytes of nibbles; docs/format.md) */
+    COLIBRI_DTYPE_MXFP4 = 11
 } colibri_dtype;
 
 /* Dequantize (or widen) n elements of a weight row of dtype dt (F32, F16, BF16, Q8_0, Q4_K,
- * Q5_K, Q6_K) from src into dst, as the engine's reference kernels see them. n must be a
- * whole number of the dtype's blocks (32 for Q8_0, 256 for the K types). Returns
- * COLIBRI_E_INVALID_ARG (and writes nothing) otherwise or for another dtype. */
+ * Q5_K, Q6_K, MXFP4) from src into dst, as the engine's reference kernels see them. n must be
+ * a whole number of the dtype's blocks (32 for Q8_0 and MXFP4, 256 for the K types). Returns
+ * COLIBRI_E_INVALID_ARG (and writes nothing) otherwise or for another dtype.
+ * MXFP4 gives ggml's dequantize_row_mxfp4 bits: element j of a block is
+ * (float)k2[code] * 2^(e - 128) with k2 = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, ..., -12} (the
+ * e2m1 values doubled, so the product is e2m1 * 2^(e - 127)); code 8 (-0) gives +0, and
+ * e = 255 (NaN in OCP) is read as the scale 2^127, as ggml reads it. */
 COLIBRI_API colibri_status colibri_dequantize(int dt, const void *src, int64_t n, float *dst);
 
 /* colibri_options.populate's default: pre-fault the file when it is under half of the memory
@@ -318,8 +327,11 @@ COLIBRI_API colibri_status colibri_stage_run(colibri_ctx *ctx, int32_t stage, fl
  * "shared_out" [T, H], "shared_gate" [T] (sigmoid values), "ffn_h" [T, Id or Is],
  * "sink_share" [T, Hq] (models with attention sinks: each query head's sink share of its
  * softmax at the layer whose attention ran last, recomputed when asked; NaN before any).
- * rows = expert_offset[E] of the current layer. "router_probs" of topk_softmax routing is
- * the softmax over all experts (observation only; the weights are "topk_weights"). */
+ * rows = expert_offset[E] of the current layer. Multi-head latent attention (model.attention
+ * "mla"): "q" [T, Hq*(dn+dr)] (q_pe before RoPE), "k" [T, r+dr] (the cached latent rows,
+ * normed and RoPE'd), "v" [T, 0], "att" [T, Hq*dv]; "router_probs" holds the sigmoid scores of
+ * a sigmoid_topk router, and the softmax over all experts of a topk_softmax router
+ * (observation only; its weights are "topk_weights"). */
 COLIBRI_API colibri_status colibri_stage_tensor(colibri_ctx *ctx, const char *name,
                                                 const void **data, int32_t *dtype,
                                                 int32_t *ndim, int64_t shape[4]);

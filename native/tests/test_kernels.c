@@ -712,7 +712,20 @@ static void test_down_parts(const cb_kernels *K) {
 
 /* ---- block-quantized weights ---- */
 
-static const uint32_t QTYPES[] = {COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K, COLIBRI_DTYPE_Q5_K, COLIBRI_DTYPE_Q6_K};
+static const uint32_t QTYPES[] = {COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K, COLIBRI_DTYPE_Q5_K, COLIBRI_DTYPE_Q6_K,
+                                  COLIBRI_DTYPE_MXFP4};
+/* The block types of the fast mode's int8 path (MXFP4 runs the exact kernels there: fast.h) */
+static const uint32_t FAST_QTYPES[] = {COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K, COLIBRI_DTYPE_Q5_K,
+                                       COLIBRI_DTYPE_Q6_K};
+
+/* MXFP4 scale bytes of make_q: 0, typical ones (weights up to 0.75, as the float tests'), or
+ * the extremes a matmul can still sum finitely (subnormal 2^-128 .. 2^-125 scales, 2^0, 2^33) */
+static int mx_extreme = 0;
+static uint8_t mx_scale(void) {
+    static const uint8_t ext[] = {0, 1, 2, 3, 100, 127, 150, 160};
+    if (mx_extreme) return ext[(int)((urand() + 1.0) * 4.0) & 7];
+    return (uint8_t)(118 + (int)((urand() + 1.0) * 4.5)); /* 118 .. 126 */
+}
 
 static void put_f16(uint8_t *p, float v) {
     uint16_t h = cb_f32_to_f16(v);
@@ -732,6 +745,7 @@ static wbuf make_q(uint32_t dt, int64_t rows, int64_t K) {
         uint8_t *blk = raw + b * bb;
         /* weights of magnitude up to about 0.5, as the float tests' */
         if (dt == COLIBRI_DTYPE_Q8_0) put_f16(blk, (float)(urand() * 0.004));
+        else if (dt == COLIBRI_DTYPE_MXFP4) blk[0] = mx_scale();
         else if (dt == COLIBRI_DTYPE_Q6_K) put_f16(blk + 208, (float)(urand() * 0.0001));
         else {
             put_f16(blk, (float)(urand() * 0.0005));
@@ -886,8 +900,11 @@ static void check_fast_token(const cb_fast_kernels *F, uint32_t dt, const float 
  * reference itself against the exact product. */
 static void test_fast(const cb_fast_kernels *F) {
     const cb_fast_kernels *R = cb_fast_ref();
-    for (size_t qi = 0; qi < sizeof QTYPES / sizeof QTYPES[0]; qi++) {
-        uint32_t dt = QTYPES[qi];
+    n_check++;
+    if (cb_fast_takes(F, COLIBRI_DTYPE_MXFP4, 2880))
+        FAIL("[fast %s] takes MXFP4 matrices: it has no MXFP4 path (the exact kernels run them)", F->name);
+    for (size_t qi = 0; qi < sizeof FAST_QTYPES / sizeof FAST_QTYPES[0]; qi++) {
+        uint32_t dt = FAST_QTYPES[qi];
         int64_t blk = cb_dtype_block(dt);
         const int64_t Ts[] = {1, 2, 3, 5, 9, 37};
         const int64_t Ns[] = {1, 7, 17, 33, 67};
@@ -1090,6 +1107,73 @@ static void test_fast_bf16(const cb_fast_kernels *F) {
     }
 }
 
+/* e2m1 value of a code, independently of core/dtype.h */
+static double e2m1_value(unsigned c) {
+    static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+    return (c & 8) ? -mag[c & 7] : mag[c & 7];
+}
+
+/* MXFP4 at its extremes: every code with every scale byte (0 .. 255) through dequant_row,
+ * the reference against ldexp (e2m1 * 2^(e - 127) in double, rounded to float: exact, or inf
+ * where it overflows; e = 255 read as 2^127 times the doubled value, as ggml does), the table
+ * against the reference bit for bit; then matmul and gate/up on blocks whose scales are
+ * subnormal (2^-128 ..), 1 and 2^33, mixed within rows, against the double loop and each
+ * token alone. */
+static void test_mxfp4_extremes(const cb_kernels *K) {
+    const uint32_t dt = COLIBRI_DTYPE_MXFP4;
+    const int64_t nb = 256 * 8, n = nb * 32; /* block b: e = b % 256, codes cycle through all 16 */
+    uint8_t *raw = malloc((size_t)nb * 17);
+    float *d = malloc((size_t)n * 4), *ref = malloc((size_t)n * 4);
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *blk = raw + b * 17;
+        blk[0] = (uint8_t)(b % 256);
+        for (int j = 0; j < 16; j++) blk[1 + j] = (uint8_t)(((j + b / 256) & 15) | ((((j * 7 + 3 + b / 256)) & 15) << 4));
+    }
+    cb_dtype_dequant(dt)(ref, raw, n);
+    for (int64_t b = 0; b < nb && K == cb_kernels_ref(); b++) {
+        int e = b % 256;
+        for (int j = 0; j < 32; j++) {
+            const uint8_t *blk = raw + b * 17;
+            unsigned c = j < 16 ? blk[1 + j] & 15u : blk[1 + j - 16] >> 4;
+            double v = e == 255 ? e2m1_value(c) * 2.0 * ldexp(1.0, 127) : ldexp(e2m1_value(c), e - 127);
+            float want = (float)v; /* exact, or +-inf past FLT_MAX */
+            n_check++;
+            if (!(ref[b * 32 + j] == want))
+                FAIL("mxfp4 reference: e %d code %u = %.9g, want %.9g", e, c, (double)ref[b * 32 + j], (double)want);
+        }
+    }
+    K->dequant_row(d, raw, dt, n);
+    n_check++;
+    if (memcmp(d, ref, (size_t)n * 4) != 0) FAIL("[%s] dequant_row mxfp4 (all scales) differs from the reference", K->name);
+    free(raw);
+    free(d);
+    free(ref);
+    mx_extreme = 1;
+    const int64_t Ts[] = {1, 3, 4, 13}, Ns[] = {5, 67}, Kq[] = {96, 800};
+    for (size_t c = 0; c < 2; c++)
+        for (size_t b = 0; b < 2; b++)
+            for (size_t a = 0; a < 4; a++) {
+                int64_t T = Ts[a], N = Ns[b], Kd = Kq[c];
+                wbuf w = make_q(dt, N, Kd);
+                float *x = malloc((size_t)(T * Kd) * 4), *y = malloc((size_t)(T * N) * 4), *y1 = malloc((size_t)N * 4);
+                fill(x, T * Kd, 2.0);
+                K->matmul(y, x, w.raw, dt, T, N, Kd);
+                for (int64_t t = 0; t < T; t++) {
+                    check_matmul_token(K, dt, y, x, w.val, t, N, Kd);
+                    K->matmul(y1, x + t * Kd, w.raw, dt, 1, N, Kd);
+                    n_check++;
+                    if (memcmp(y1, y + t * N, (size_t)N * 4) != 0)
+                        FAIL("[%s] matmul mxfp4 extremes T%lld N%lld K%lld: token %lld alone differs", K->name,
+                             (long long)T, (long long)N, (long long)Kd, (long long)t);
+                }
+                free(x);
+                free(y);
+                free(y1);
+                free_w(&w);
+            }
+    mx_extreme = 0;
+}
+
 static void test_table(const cb_kernels *K) {
     test_matmul(K);
     test_matmul_i8(K);
@@ -1101,6 +1185,7 @@ static void test_table(const cb_kernels *K) {
     test_batch_invariance(K);
     test_down_parts(K);
     test_quant(K);
+    test_mxfp4_extremes(K);
     if (K != cb_kernels_ref()) test_vs_ref(K);
 }
 

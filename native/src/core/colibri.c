@@ -443,6 +443,10 @@ colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t
         {"kv_block_tokens", ctx->sess.kv.block_len},
         {"kv_blocks_total", ctx->sess.kv.n_blocks},
         {"kv_blocks_used", ctx->sess.kv.n_blocks - ctx->sess.kv.n_free},
+        /* bytes of cache per position of a sequence, every layer: keys and values, or one
+         * latent row for multi-head latent attention (model/mla.c) */
+        {"kv_bytes_per_token", ctx->sess.kv.block_len ? ctx->sess.kv.layer_stride / ctx->sess.kv.block_len *
+                                   (int64_t)c->n_layers * (int64_t)sizeof(float) * (ctx->sess.kv.v ? 2 : 1) : 0},
         {"file_size", (int64_t)c->file_size},
         {"format_version", c->version},
         {"router_int8", c->router_int8},

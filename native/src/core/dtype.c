@@ -31,6 +31,7 @@ static const struct {
     [COLIBRI_DTYPE_Q4_K] = {"q4_k", 256, 144, 1, 1, cb_dequant_q4_k},
     [COLIBRI_DTYPE_Q5_K] = {"q5_k", 256, 176, 1, 1, cb_dequant_q5_k},
     [COLIBRI_DTYPE_Q6_K] = {"q6_k", 256, 210, 1, 1, cb_dequant_q6_k},
+    [COLIBRI_DTYPE_MXFP4] = {"mxfp4", 32, 17, 1, 1, cb_dequant_mxfp4},
 };
 #define N_DTYPES (sizeof dtype_table / sizeof dtype_table[0])
 

@@ -23,7 +23,7 @@ uint32_t cb_dtype_block_bytes(uint32_t dt);
 uint64_t cb_row_bytes(uint32_t dt, uint64_t n);
 /* 1 for the dtypes a weight matrix may have: F32, F16, BF16 and the block types. */
 int cb_dtype_is_weight(uint32_t dt);
-/* 1 for the block-quantized types (Q8_0, Q4_K, Q5_K, Q6_K). */
+/* 1 for the block-quantized types (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4). */
 int cb_dtype_is_quant(uint32_t dt);
 
 /* The reference dequantize-row of a weight dtype: n elements (whole blocks) of src into
@@ -31,7 +31,7 @@ int cb_dtype_is_quant(uint32_t dt);
 typedef void (*cb_dequant_fn)(float *dst, const void *src, int64_t n);
 cb_dequant_fn cb_dtype_dequant(uint32_t dt);
 /* Its name ("f32", "f16", "bf16", "int8", "i32", "i64", "u64", "q8_0", "q4_k", "q5_k",
- * "q6_k"); "unknown" otherwise. */
+ * "q6_k", "mxfp4"); "unknown" otherwise. */
 const char *cb_dtype_name(uint32_t dt);
 /* 1 when a tensor of a .colibri file may have this dtype (docs/format.md, "Tensor
  * directory section"): f32, f16, bf16, int8 and the block types. The array-only types are
@@ -53,6 +53,24 @@ void cb_dequant_q8_0(float *dst, const void *src, int64_t n);
 void cb_dequant_q4_k(float *dst, const void *src, int64_t n);
 void cb_dequant_q5_k(float *dst, const void *src, int64_t n);
 void cb_dequant_q6_k(float *dst, const void *src, int64_t n);
+void cb_dequant_mxfp4(float *dst, const void *src, int64_t n);
+
+/* MXFP4 (ggml's block_mxfp4: e, then qs[16]; element j < 16 the low nibble of qs[j], j + 16
+ * its high nibble): the doubled e2m1 value of a 4-bit code (ggml's kvalues_mxfp4: bit 3 the
+ * sign, bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6} times 2) ... */
+static inline int8_t cb_mxfp4_k2(unsigned code) {
+    static const int8_t k2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    return k2[code & 15u];
+}
+/* ... and the block's half scale 2^(e - 128) (ggml's GGML_E8M0_TO_FP32_HALF: subnormal for
+ * e < 2; e = 255, NaN in OCP, is 2^127 here as in ggml), so that an element is exactly
+ * (float)cb_mxfp4_k2(code) * cb_e8m0_half(e) = e2m1 * 2^(e - 127), one float product. */
+static inline float cb_e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 /* The eight 6-bit scales (out[0..8)) and mins (out[8..16)) of a Q4_K/Q5_K block's 12 scale
  * bytes (ggml's get_scale_min_k4 for j = 0..7: sc[j] = q[j] & 63, m[j] = q[j+4] & 63 for
  * j < 4; for j >= 4 the low four bits from q[j+4], the top two from q[j-4] (sc) or q[j]

@@ -1,6 +1,6 @@
 /*
  * quant.c — the reference dequantizers of the block types (docs/format.md, "Version 2"):
- * ggml's Q8_0, Q4_K, Q5_K and Q6_K blocks, read byte by byte (no alignment assumed).
+ * ggml's Q8_0, Q4_K, Q5_K, Q6_K and MXFP4 blocks, read byte by byte (no alignment assumed).
  *
  * These are the definition the engine's kernels are tested against, and they give the bits
  * of the `gguf` package's gguf.quants.dequantize (tests/test_quant_native.py): float32
@@ -85,6 +85,21 @@ void cb_dequant_q6_k(float *dst, const void *src, int64_t n) {
                 y[l + 64] = (d * (float)sc[is + 4]) * (float)q3;
                 y[l + 96] = (d * (float)sc[is + 6]) * (float)q4;
             }
+        }
+    }
+}
+
+/* MXFP4: e (the e8m0 scale byte), then 16 bytes of codes: element j < 16 is the low nibble
+ * of qs[j], element j + 16 its high nibble; value = k2[code] * 2^(e - 128), as ggml's
+ * dequantize_row_mxfp4 (one product, exact unless it overflows to inf for e >= 253). */
+void cb_dequant_mxfp4(float *dst, const void *src, int64_t n) {
+    const uint8_t *b = (const uint8_t *)src;
+    for (int64_t i = 0; i < n; i += 32, b += 17) {
+        float d = cb_e8m0_half(b[0]);
+        const uint8_t *qs = b + 1;
+        for (int j = 0; j < 16; j++) {
+            dst[i + j] = (float)cb_mxfp4_k2(qs[j] & 0xF) * d;
+            dst[i + j + 16] = (float)cb_mxfp4_k2(qs[j] >> 4) * d;
         }
     }
 }

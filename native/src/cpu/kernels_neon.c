@@ -95,6 +95,16 @@ static inline __attribute__((always_inline)) vf vcvt_i8(const int8_t *p) {
     return vcvtq_f32_s32(vmovl_s16(vget_low_s16(w)));
 }
 
+/* MXFP4: the 32 doubled e2m1 values (cb_mxfp4_k2) of a block's 16 code bytes qs, in element
+ * order (the low nibbles, then the high ones), by one 16-entry table lookup per half */
+static inline __attribute__((always_inline)) void vmx4_bytes(const uint8_t *qs, int8_t *out) {
+    static const int8_t k2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    int8x16_t t = vld1q_s8(k2);
+    uint8x16_t q = vld1q_u8(qs);
+    vst1q_s8(out, vqtbl1q_s8(t, vandq_u8(q, vdupq_n_u8(0x0F))));
+    vst1q_s8(out + 16, vqtbl1q_s8(t, vshrq_n_u8(q, 4)));
+}
+
 #include "kernels_simd.inc"
 
 #else /* built for another architecture, or for the fuzzers: no table */

@@ -19,9 +19,9 @@
 #include "core/checked.h"
 #include "core/context.h"
 #include "core/dtype.h"
+#include "model/family.h"
 
 #define RECONVERT "re-convert the model with colibri-convert"
-#define CB_SUPPORTED "mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss"
 
 static uint32_t rd_u32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
@@ -350,6 +350,99 @@ static colibri_status meta_opt(const colibri_ctx *ctx, const char *key, uint32_t
         if (st != COLIBRI_OK) return st;                                     \
     } while (0)
 
+/* Grouped routing, a choice bias and scaling (docs/format.md, "Family options";
+ * model/route_group.c): model.n_group, model.topk_group, model.router_bias,
+ * model.routed_scaling_factor. Defaults: no groups, no bias, scale 1. */
+static colibri_status read_router_options(colibri_ctx *ctx, char *err, size_t len) {
+    cb_config *c = &ctx->cfg;
+    const cb_meta_entry *e;
+    colibri_status st;
+    OPT("model.n_group", CB_MT_U32, 0);
+    c->n_group = e ? rd_u32(e->value) : 1;
+    OPT("model.topk_group", CB_MT_U32, 0);
+    c->topk_group = e ? rd_u32(e->value) : c->n_group;
+    if (c->n_group == 0 || c->n_experts % c->n_group != 0 || c->topk_group == 0 || c->topk_group > c->n_group) {
+        cb_set_err(err, len, "model.n_group = %u must be >= 1 and divide n_experts = %u, and model.topk_group = %u "
+                   "must be in [1, n_group]; " RECONVERT, c->n_group, c->n_experts, c->topk_group);
+        return COLIBRI_E_FORMAT;
+    }
+    if (c->n_group > 1) {
+        uint32_t per = c->n_experts / c->n_group;
+        if (c->routing != CB_ROUTE_SOFTMAX_TOPK && c->routing != CB_ROUTE_SIGMOID_TOPK) {
+            cb_set_err(err, len, "model.n_group = %u: expert groups need model.routing softmax_topk or "
+                       "sigmoid_topk; " RECONVERT, c->n_group);
+            return COLIBRI_E_FORMAT;
+        }
+        if ((uint64_t)c->topk_group * per < c->top_k || (c->routing == CB_ROUTE_SIGMOID_TOPK && per < 2)) {
+            cb_set_err(err, len, "model.topk_group = %u groups of %u experts cannot hold top_k = %u choices "
+                       "(sigmoid_topk groups also need 2 experts each); " RECONVERT, c->topk_group, per, c->top_k);
+            return COLIBRI_E_FORMAT;
+        }
+    }
+    OPT("model.router_bias", CB_MT_BOOL, 0);
+    c->router_bias = e ? e->value[0] : 0;
+    if (c->router_bias && c->routing != CB_ROUTE_SIGMOID_TOPK) {
+        cb_set_err(err, len, "model.router_bias is true but model.routing is not sigmoid_topk; " RECONVERT);
+        return COLIBRI_E_FORMAT;
+    }
+    OPT("model.routed_scaling_factor", CB_MT_F64, 0);
+    c->routed_scale = 1.0f;
+    if (e) {
+        double v = rd_f64(e->value);
+        if (!isfinite(v) || v <= 0 || v > 1e6) {
+            cb_set_err(err, len, "model.routed_scaling_factor = %g must be finite and in (0, 1e6]; " RECONVERT, v);
+            return COLIBRI_E_FORMAT;
+        }
+        c->routed_scale = (float)v;
+    }
+    return COLIBRI_OK;
+}
+
+/* Multi-head latent attention (model.attention "mla", model/mla.c): its widths and
+ * softmax scale, required in an MLA file; model.head_dim is the RoPE width. */
+static colibri_status read_mla_options(colibri_ctx *ctx, char *err, size_t len) {
+    cb_config *c = &ctx->cfg;
+    const cb_meta_entry *e;
+    colibri_status st;
+    if (c->attention != CB_ATTN_MLA) return COLIBRI_OK;
+    struct { const char *key; uint32_t *v; uint32_t lo; } w[] = {
+        {"model.q_lora_rank", &c->q_lora_rank, 0}, {"model.kv_lora_rank", &c->kv_lora_rank, 1},
+        {"model.qk_nope_head_dim", &c->qk_nope_dim, 1}, {"model.v_head_dim", &c->v_head_dim, 1}};
+    for (size_t i = 0; i < sizeof w / sizeof w[0]; i++) {
+        if ((st = meta_req(ctx, w[i].key, CB_MT_U32, &e, err, len))) return st;
+        *w[i].v = rd_u32(e->value);
+        if (*w[i].v < w[i].lo || *w[i].v > (1u << 16)) {
+            cb_set_err(err, len, "%s = %u must be in [%u, 65536]; " RECONVERT, w[i].key, *w[i].v, w[i].lo);
+            return COLIBRI_E_FORMAT;
+        }
+    }
+    uint64_t nh = c->n_heads, dq = (uint64_t)c->qk_nope_dim + c->head_dim;
+    if (nh * dq > (1u << 24) || nh * ((uint64_t)c->qk_nope_dim + c->v_head_dim) > (1u << 24) ||
+        nh * ((uint64_t)c->kv_lora_rank + c->head_dim) > (1u << 26)) {
+        cb_set_err(err, len, "MLA widths are implausible (n_heads = %u, qk_nope_head_dim = %u, head_dim = %u, "
+                   "v_head_dim = %u, kv_lora_rank = %u); " RECONVERT, c->n_heads, c->qk_nope_dim, c->head_dim,
+                   c->v_head_dim, c->kv_lora_rank);
+        return COLIBRI_E_FORMAT;
+    }
+    if (c->n_kv_heads != c->n_heads) {
+        cb_set_err(err, len, "model.n_kv_heads = %u must equal model.n_heads = %u in an MLA file (every head "
+                   "reads the one latent); " RECONVERT, c->n_kv_heads, c->n_heads);
+        return COLIBRI_E_FORMAT;
+    }
+    if ((st = meta_req(ctx, "model.attn_scale", CB_MT_F64, &e, err, len))) return st;
+    double v = rd_f64(e->value);
+    if (!isfinite(v) || v <= 0 || v > 1e6) {
+        cb_set_err(err, len, "model.attn_scale = %g must be finite and in (0, 1e6]; " RECONVERT, v);
+        return COLIBRI_E_FORMAT;
+    }
+    c->attn_scale = (float)v;
+    if (c->sliding_window != 0 || c->layer_window) {
+        cb_set_err(err, len, "an MLA file has no attention window (model.sliding_window must be 0); " RECONVERT);
+        return COLIBRI_E_FORMAT;
+    }
+    return COLIBRI_OK;
+}
+
 /* A positive finite F64 option as f32 (0 when absent). */
 static colibri_status opt_positive(const cb_meta_entry *e, const char *key, float *out, char *err, size_t len) {
     *out = 0.0f;
@@ -364,61 +457,44 @@ static colibri_status opt_positive(const cb_meta_entry *e, const char *key, floa
     return COLIBRI_OK;
 }
 
-/* gpt-oss's options (docs/format.md, "Family options"): the experts' activation, the
- * routing rule, and which biases and sinks the file holds. */
+/* gpt-oss's options (docs/format.md, "Family options of gpt-oss"): the clamped SwiGLU's
+ * limit and alpha (model.activation clamped_swiglu, read with the other choices), the
+ * router's logit bias, attention sinks and expert biases. */
 static colibri_status read_gptoss_options(colibri_ctx *ctx, char *err, size_t len) {
     cb_config *c = &ctx->cfg;
     const cb_meta_entry *e;
     colibri_status st;
-    char tmp[64];
-    OPT("model.activation", CB_MT_STRING, 0);
-    c->activation = CB_ACT_SILU_GLU;
-    if (e) {
-        if (str_is(e, "silu_glu")) c->activation = CB_ACT_SILU_GLU;
-        else if (str_is(e, "clamped_swiglu")) c->activation = CB_ACT_CLAMPED_SWIGLU;
-        else {
-            str_copy(tmp, sizeof tmp, e);
-            cb_set_err(err, len, "model.activation '%s' is not supported by this build (supported: silu_glu, "
-                       "clamped_swiglu); use a newer Colibri or " RECONVERT, tmp);
-            return COLIBRI_E_UNSUPPORTED;
-        }
-    }
     OPT("model.swiglu_limit", CB_MT_F64, 0);
     st = opt_positive(e, "model.swiglu_limit", &c->swiglu_limit, err, len);
     if (st != COLIBRI_OK) return st;
     OPT("model.swiglu_alpha", CB_MT_F64, 0);
     st = opt_positive(e, "model.swiglu_alpha", &c->swiglu_alpha, err, len);
     if (st != COLIBRI_OK) return st;
-    if (c->activation == CB_ACT_CLAMPED_SWIGLU && (c->swiglu_limit == 0.0f || c->swiglu_alpha == 0.0f)) {
-        cb_set_err(err, len, "model.activation clamped_swiglu needs model.swiglu_limit and model.swiglu_alpha; "
-                   RECONVERT);
-        return COLIBRI_E_FORMAT;
-    }
-    int any_dense = 0;
-    for (uint32_t l = 0; c->layer_ffn && l < c->n_layers; l++) any_dense |= rd_u32(c->layer_ffn + 4 * (uint64_t)l) == 0;
-    if (c->activation == CB_ACT_CLAMPED_SWIGLU && (any_dense || c->shared_inter > 0)) {
-        cb_set_err(err, len, "model.activation clamped_swiglu applies to the routed experts only; this build "
-                   "runs it without dense layers or a shared expert; " RECONVERT);
-        return COLIBRI_E_UNSUPPORTED;
-    }
-    OPT("model.routing", CB_MT_STRING, 0);
-    c->routing = CB_ROUTE_SOFTMAX_TOPK;
-    if (e) {
-        if (str_is(e, "softmax_topk")) c->routing = CB_ROUTE_SOFTMAX_TOPK;
-        else if (str_is(e, "topk_softmax")) c->routing = CB_ROUTE_TOPK_SOFTMAX;
-        else {
-            str_copy(tmp, sizeof tmp, e);
-            cb_set_err(err, len, "model.routing '%s' is not supported by this build (supported: softmax_topk, "
-                       "topk_softmax); use a newer Colibri or " RECONVERT, tmp);
+    if (c->activation == CB_ACT_CLAMPED_SWIGLU) {
+        if (c->swiglu_limit == 0.0f || c->swiglu_alpha == 0.0f) {
+            cb_set_err(err, len, "model.activation clamped_swiglu needs model.swiglu_limit and "
+                       "model.swiglu_alpha; " RECONVERT);
+            return COLIBRI_E_FORMAT;
+        }
+        int any_dense = 0;
+        for (uint32_t l = 0; c->layer_ffn && l < c->n_layers; l++)
+            any_dense |= rd_u32(c->layer_ffn + 4 * (uint64_t)l) == 0;
+        if (any_dense || c->shared_inter > 0) {
+            cb_set_err(err, len, "model.activation clamped_swiglu applies to the routed experts only; this build "
+                       "runs it without dense layers or a shared expert; " RECONVERT);
             return COLIBRI_E_UNSUPPORTED;
         }
     }
-    OPT("model.router_bias", CB_MT_BOOL, 0);
-    c->router_bias = e ? e->value[0] : 0;
+    OPT("model.router_logit_bias", CB_MT_BOOL, 0);
+    c->router_logit_bias = e ? e->value[0] : 0;
     OPT("model.attn_sinks", CB_MT_BOOL, 0);
     c->attn_sinks = e ? e->value[0] : 0;
     OPT("model.expert_bias", CB_MT_BOOL, 0);
     c->expert_bias = e ? e->value[0] : 0;
+    if (c->attn_sinks && c->attention != CB_ATTN_GQA) {
+        cb_set_err(err, len, "model.attn_sinks needs model.attention gqa; " RECONVERT);
+        return COLIBRI_E_FORMAT;
+    }
     return COLIBRI_OK;
 }
 
@@ -514,8 +590,9 @@ static colibri_status read_family_options(colibri_ctx *ctx, char *err, size_t le
         }
         c->layer_window = e->value;
     }
-    st = read_gptoss_options(ctx, err, len);
-    if (st != COLIBRI_OK) return st;
+    if ((st = read_router_options(ctx, err, len))) return st;
+    if ((st = read_mla_options(ctx, err, len))) return st;
+    if ((st = read_gptoss_options(ctx, err, len))) return st;
     /* the chat template (a Jinja source, as tokenizer_config.json has it); applied by
      * colibri_server, never by the engine */
     OPT("tokenizer.chat_template", CB_MT_STRING, 0);
@@ -527,6 +604,78 @@ static colibri_status read_family_options(colibri_ctx *ctx, char *err, size_t le
 }
 #undef OPT
 
+/* The family's choices (model/family.h): model.attention, model.routing, model.activation
+ * (absent: Mixtral's) and model.rope_type (required), each parsed by its axis's table and
+ * checked against the family's entry; YaRN's frequencies and attention factor. */
+static colibri_status read_choices(colibri_ctx *ctx, char *err, size_t len) {
+    cb_config *c = &ctx->cfg;
+    int *choice[CB_N_AXES] = {&c->attention, &c->routing, &c->activation, &c->rope_type};
+    const cb_meta_entry *e;
+    colibri_status st;
+    for (int a = 0; a < CB_N_AXES; a++) {
+        const char *key = cb_axis_key(a);
+        if ((st = meta_opt(ctx, key, CB_MT_STRING, 0, &e, err, len))) return st;
+        *choice[a] = cb_axis_default(a);
+        if (!e) continue;
+        char tmp[64], have[160];
+        str_copy(tmp, sizeof tmp, e);
+        cb_axis_choices(a, have, sizeof have);
+        int v = cb_axis_parse(a, e->value, e->count);
+        if (v < 0 || !cb_axis_implemented(a, v)) {
+            cb_set_err(err, len, "%s '%s' is not supported by this build (supported: %s); use a newer "
+                       "Colibri or a model of a supported family", key, tmp, have);
+            return COLIBRI_E_UNSUPPORTED;
+        }
+        if (!(c->family->allowed[a] >> v & 1u)) {
+            cb_set_err(err, len, "%s '%s' is not a choice of the %s family; " RECONVERT, key, tmp,
+                       c->family->name);
+            return COLIBRI_E_FORMAT;
+        }
+        *choice[a] = v;
+    }
+    /* RoPE: the rotated dims (every head dim unless the attention says otherwise) and, for
+     * YaRN, the converter's [rope_dim / 2] inverse frequencies and cos/sin factor */
+    c->rope_dim = c->head_dim;
+    c->rope_inv_freq = NULL;
+    c->rope_attention_factor = 1.0f;
+    if ((st = meta_opt(ctx, "model.rope_inv_freq", CB_MT_ARRAY, CB_MT_F64, &e, err, len))) return st;
+    if (e) {
+        if (e->count != c->rope_dim / 2) {
+            cb_set_err(err, len, "model.rope_inv_freq has %llu entries, expected %u (rotated dims / 2); " RECONVERT,
+                       (unsigned long long)e->count, c->rope_dim / 2);
+            return COLIBRI_E_FORMAT;
+        }
+        for (uint64_t i = 0; i < e->count; i++) {
+            double f = rd_f64(e->value + 8 * i);
+            if (!isfinite(f) || f <= 0) {
+                cb_set_err(err, len, "model.rope_inv_freq[%llu] = %g must be finite and > 0; " RECONVERT,
+                           (unsigned long long)i, f);
+                return COLIBRI_E_FORMAT;
+            }
+        }
+        c->rope_inv_freq = e->value;
+    }
+    if ((st = meta_opt(ctx, "model.rope_attention_factor", CB_MT_F64, 0, &e, err, len))) return st;
+    if (e) {
+        double f = rd_f64(e->value);
+        if (!isfinite(f) || f <= 0 || f > 1e6) {
+            cb_set_err(err, len, "model.rope_attention_factor = %g must be finite and in (0, 1e6]; " RECONVERT, f);
+            return COLIBRI_E_FORMAT;
+        }
+        c->rope_attention_factor = (float)f;
+    }
+    if (c->rope_type == CB_ROPE_YARN && !c->rope_inv_freq) {
+        cb_set_err(err, len, "model.rope_type is yarn but model.rope_inv_freq is missing; " RECONVERT);
+        return COLIBRI_E_FORMAT;
+    }
+    if (c->rope_type == CB_ROPE_DEFAULT && (c->rope_inv_freq || c->rope_attention_factor != 1.0f)) {
+        cb_set_err(err, len, "model.rope_type is default but the file has YaRN's model.rope_inv_freq or "
+                   "model.rope_attention_factor; " RECONVERT);
+        return COLIBRI_E_FORMAT;
+    }
+    return COLIBRI_OK;
+}
+
 static colibri_status read_config(colibri_ctx *ctx, char *err, size_t len) {
     cb_config *c = &ctx->cfg;
     const cb_meta_entry *e;
@@ -535,11 +684,14 @@ static colibri_status read_config(colibri_ctx *ctx, char *err, size_t len) {
     /* the family first: a file of another family must say "unsupported", not "bad shape" */
     REQ("general.architecture", CB_MT_STRING);
     str_copy(c->architecture, sizeof c->architecture, e);
-    /* the architecture selects nothing in the forward pass: the family options below do */
-    if (!str_is(e, "mixtral") && !str_is(e, "qwen2_moe") && !str_is(e, "qwen3_moe") && !str_is(e, "olmoe") &&
-        !str_is(e, "gpt_oss")) {
-        cb_set_err(err, len, "architecture '%s' is not supported by this build (supported: " CB_SUPPORTED "); "
-                   "use a newer Colibri or a model of a supported family", c->architecture);
+    /* the architecture selects nothing in the forward pass: its entry in the family table
+     * (model/family.c) says which choices its files may make, and the choices do */
+    c->family = cb_family_find(e->value, e->count);
+    if (!c->family) {
+        char names[256];
+        cb_family_names(names, sizeof names);
+        cb_set_err(err, len, "architecture '%s' is not supported by this build (supported: %s); "
+                   "use a newer Colibri or a model of a supported family", c->architecture, names);
         return COLIBRI_E_UNSUPPORTED;
     }
     REQ("general.name", CB_MT_STRING);
@@ -598,12 +750,7 @@ static colibri_status read_config(colibri_ctx *ctx, char *err, size_t len) {
         return COLIBRI_E_FORMAT;
     }
     REQ("model.rope_type", CB_MT_STRING);
-    if (!str_is(e, "default")) {
-        char tmp[64];
-        str_copy(tmp, sizeof tmp, e);
-        cb_set_err(err, len, "model.rope_type '%s' is not supported by this build (supported: default)", tmp);
-        return COLIBRI_E_UNSUPPORTED;
-    }
+    if ((st = read_choices(ctx, err, len))) return st;
     REQ("model.max_position_embeddings", CB_MT_U64);
     c->max_position_embeddings = rd_u64(e->value);
     REQ("model.sliding_window", CB_MT_U64);
@@ -723,7 +870,7 @@ static colibri_status parse_tensors(colibri_ctx *ctx, char *err, size_t len) {
         const char *NM = (const char *)t->name;
         if (!cb_dtype_in_file(t->dtype)) {
             cb_set_err(err, len, "tensor '%.*s' has dtype %u, which this build does not know "
-                       "(known: 0 f32, 1 f16, 2 bf16, 3 i8, 7 q8_0, 8 q4_k, 9 q5_k, 10 q6_k); use a newer "
+                       "(known: 0 f32, 1 f16, 2 bf16, 3 i8, 7 q8_0, 8 q4_k, 9 q5_k, 10 q6_k, 11 mxfp4); use a newer "
                        "Colibri or " RECONVERT, NL, NM, t->dtype);
             return COLIBRI_E_UNSUPPORTED;
         }
@@ -875,7 +1022,7 @@ static colibri_status want_mat(const colibri_ctx *ctx, const char *name, uint64_
     const cb_tensor *t = cb_find_tensor(ctx, name);
     if (t && !cb_dtype_is_weight(t->dtype)) {
         cb_set_err(err, len, "tensor '%s' has dtype %s, which a weight matrix cannot have (f32, f16, bf16, "
-                   "q8_0, q4_k, q5_k, q6_k); " RECONVERT, name, cb_dtype_name(t->dtype));
+                   "q8_0, q4_k, q5_k, q6_k, mxfp4); " RECONVERT, name, cb_dtype_name(t->dtype));
         return COLIBRI_E_FORMAT;
     }
     const void *p = NULL;
@@ -957,6 +1104,40 @@ static colibri_status want_ffn(const colibri_ctx *ctx, uint32_t l, const char *p
     return COLIBRI_OK;
 }
 
+/* The attention tensors of layer l of an MLA file (docs/format.md, "Family options"):
+ * q (or the q LoRA and its norm), kv_a with its norm, kv_b and the output projection. */
+static colibri_status bind_mla_attention(const colibri_ctx *ctx, uint32_t l, cb_layer *L, char *err,
+                                         size_t len) {
+    const cb_config *c = &ctx->cfg;
+    uint64_t H = c->hidden, nh = c->n_heads, r = c->kv_lora_rank, dr = c->head_dim;
+    uint64_t Nq = nh * (c->qk_nope_dim + dr), ql = c->q_lora_rank;
+    colibri_status st;
+    const void *p;
+    char name[96];
+    if (ql) {
+        snprintf(name, sizeof name, "blk.%u.attn_q_a.weight", l);
+        if ((st = want_mat(ctx, name, ql, H, CB_SEC_DENSE, &L->wq_a, err, len))) return st;
+        snprintf(name, sizeof name, "blk.%u.attn_q_a_norm.weight", l);
+        if ((st = want_tensor(ctx, name, COLIBRI_DTYPE_F32, 0, 1, ql, 1, 1, CB_SEC_DENSE, &p, err, len))) return st;
+        L->q_a_norm = p;
+        snprintf(name, sizeof name, "blk.%u.attn_q_b.weight", l);
+        if ((st = want_mat(ctx, name, Nq, ql, CB_SEC_DENSE, &L->wq_b, err, len))) return st;
+    } else {
+        snprintf(name, sizeof name, "blk.%u.attn_q.weight", l);
+        if ((st = want_mat(ctx, name, Nq, H, CB_SEC_DENSE, &L->wq, err, len))) return st;
+    }
+    snprintf(name, sizeof name, "blk.%u.attn_kv_a_mqa.weight", l);
+    if ((st = want_mat(ctx, name, r + dr, H, CB_SEC_DENSE, &L->wkv_a, err, len))) return st;
+    snprintf(name, sizeof name, "blk.%u.attn_kv_a_norm.weight", l);
+    if ((st = want_tensor(ctx, name, COLIBRI_DTYPE_F32, 0, 1, r, 1, 1, CB_SEC_DENSE, &p, err, len))) return st;
+    L->kv_a_norm = p;
+    snprintf(name, sizeof name, "blk.%u.attn_kv_b.weight", l);
+    if ((st = want_mat(ctx, name, nh * (c->qk_nope_dim + c->v_head_dim), r, CB_SEC_DENSE, &L->wkv_b, err, len)))
+        return st;
+    snprintf(name, sizeof name, "blk.%u.attn_output.weight", l);
+    return want_mat(ctx, name, H, nh * c->v_head_dim, CB_SEC_DENSE, &L->wo, err, len);
+}
+
 static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
     cb_config *c = &ctx->cfg;
     uint64_t H = c->hidden, I = c->inter, V = c->vocab, E = c->n_experts;
@@ -997,14 +1178,18 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
         snprintf(name, sizeof name, "blk.%u.attn_norm.weight", l);
         WANT(name, COLIBRI_DTYPE_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
         L->attn_norm = p;
-        snprintf(name, sizeof name, "blk.%u.attn_q.weight", l);
-        MAT(name, Nq, H, CB_SEC_DENSE, &L->wq);
-        snprintf(name, sizeof name, "blk.%u.attn_k.weight", l);
-        MAT(name, Nkv, H, CB_SEC_DENSE, &L->wk);
-        snprintf(name, sizeof name, "blk.%u.attn_v.weight", l);
-        MAT(name, Nkv, H, CB_SEC_DENSE, &L->wv);
-        snprintf(name, sizeof name, "blk.%u.attn_output.weight", l);
-        MAT(name, H, Nq, CB_SEC_DENSE, &L->wo);
+        if (c->attention == CB_ATTN_MLA) { /* model/mla.c */
+            if ((st = bind_mla_attention(ctx, l, L, err, len))) return st;
+        } else {
+            snprintf(name, sizeof name, "blk.%u.attn_q.weight", l);
+            MAT(name, Nq, H, CB_SEC_DENSE, &L->wq);
+            snprintf(name, sizeof name, "blk.%u.attn_k.weight", l);
+            MAT(name, Nkv, H, CB_SEC_DENSE, &L->wk);
+            snprintf(name, sizeof name, "blk.%u.attn_v.weight", l);
+            MAT(name, Nkv, H, CB_SEC_DENSE, &L->wv);
+            snprintf(name, sizeof name, "blk.%u.attn_output.weight", l);
+            MAT(name, H, Nq, CB_SEC_DENSE, &L->wo);
+        }
         snprintf(name, sizeof name, "blk.%u.ffn_norm.weight", l);
         WANT(name, COLIBRI_DTYPE_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
         L->ffn_norm = p;
@@ -1058,7 +1243,12 @@ static colibri_status bind_weights(colibri_ctx *ctx, char *err, size_t len) {
             WANT(name, COLIBRI_DTYPE_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
             L->router_zero = p;
         }
-        if (c->router_bias) {
+        if (c->router_bias) { /* the choice-only correction bias (model/route_group.c) */
+            snprintf(name, sizeof name, "blk.%u.exp_probs_b.bias", l);
+            WANT(name, COLIBRI_DTYPE_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
+            L->router_bias = p;
+        }
+        if (c->router_logit_bias) {
             snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.bias", l);
             WANT(name, COLIBRI_DTYPE_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
             L->router_b = p;

@@ -212,6 +212,10 @@ static void par_matmul1(colibri_ctx *ctx, float *y, const float *x, cb_mat w, in
     par_matmul(ctx, &m);
 }
 
+void cb_matmul_par(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t T, int64_t N, int64_t K) {
+    par_matmul1(ctx, y, x, w, T, N, K);
+}
+
 /* Fast mode (cpu/fast.h): the n activations about to enter a BF16 weight matmul, rounded to
  * bf16 in place (the router has already read them). Exact mode: nothing. */
 static void fast_round(const colibri_ctx *ctx, float *x, int64_t n, int bf16) {
@@ -458,7 +462,8 @@ static void combine_chunk(void *arg, int64_t c, int tid) {
 static void stage_embedding(colibri_ctx *ctx) {
     const cb_config *c = &ctx->cfg;
     cb_scratch *s = &ctx->s;
-    int64_t T = ctx->run.T, H = c->hidden, half = c->head_dim / 2;
+    int64_t T = ctx->run.T, H = c->hidden, half = c->rope_dim / 2;
+    float af = c->rope_attention_factor; /* 1 but for YaRN: cos * af, sin * af as transformers */
     cb_mat E = ctx->w.tok_embd;
     size_t rb = (size_t)cb_row_bytes(E.dt, (uint64_t)H);
     for (int64_t t = 0; t < T; t++)
@@ -467,8 +472,8 @@ static void stage_embedding(colibri_ctx *ctx) {
         float p = (float)s->row_pos[t];
         for (int64_t i = 0; i < half; i++) {
             float f = p * s->inv_freq[i];
-            s->rope_cos[t * half + i] = cosf(f);
-            s->rope_sin[t * half + i] = sinf(f);
+            s->rope_cos[t * half + i] = cosf(f) * af;
+            s->rope_sin[t * half + i] = sinf(f) * af;
         }
     }
 }
@@ -486,6 +491,10 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
     cb_kv *kv = &ctx->sess.kv;
 
     ctx->run.att_layer = (int32_t)l;
+    if (c->attention == CB_ATTN_MLA) { /* multi-head latent attention (mla.c) */
+        cb_mla_attention(ctx, l);
+        return;
+    }
     K->rmsnorm(s->xn, s->x, L->attn_norm, T, H, eps);
     {
         fast_round(ctx, s->xn, T * H, L->wq.dt == COLIBRI_DTYPE_BF16 || L->wk.dt == COLIBRI_DTYPE_BF16 ||
@@ -552,8 +561,10 @@ static void stage_router(colibri_ctx *ctx, uint32_t l) {
                              L->router_zero, T, c->n_experts, c->hidden);
     else
         ctx->kern->matmul(s->router_logits, s->xn, L->router, c->router_dtype, T, c->n_experts, c->hidden);
-    if (L->router_b) add_bias(s->router_logits, L->router_b, T, c->n_experts);
+    if (L->router_b) add_bias(s->router_logits, L->router_b, T, c->n_experts); /* gpt-oss's logit bias */
     if (c->routing == CB_ROUTE_TOPK_SOFTMAX) route_topk_softmax(ctx, T);
+    else if (c->routing == CB_ROUTE_SIGMOID_TOPK || c->n_group > 1 || c->routed_scale != 1.0f)
+        cb_route_grouped(ctx, l, T); /* route_group.c */
     else route(ctx, T);
 }
 
@@ -1024,13 +1035,19 @@ colibri_status cb_stage_tensor(colibri_ctx *ctx, const char *name, const void **
     int64_t Nq = (int64_t)c->n_heads * c->head_dim, Nkv = (int64_t)c->n_kv_heads * c->head_dim;
     int64_t rows = s->expert_offset[E];
     int64_t F = c->dense_inter > c->shared_inter ? c->dense_inter : c->shared_inter;
+    int mla = c->attention == CB_ATTN_MLA;
+    if (mla) { /* q [T, nh*(dn+dr)], k the latent rows [T, r+dr], v [T, 0], att [T, nh*dv] */
+        Nq = (int64_t)c->n_heads * (c->qk_nope_dim + c->head_dim);
+        Nkv = (int64_t)c->kv_lora_rank + c->head_dim;
+    }
+    int64_t Natt = mla ? (int64_t)c->n_heads * c->v_head_dim : Nq;
     struct { const char *n; const void *p; int32_t dt; int32_t nd; int64_t d0, d1; } tab[] = {
         {"x", s->x, COLIBRI_DTYPE_F32, 2, T, H},
         {"xn", s->xn, COLIBRI_DTYPE_F32, 2, T, H},
         {"q", s->q, COLIBRI_DTYPE_F32, 2, T, Nq},
         {"k", s->k, COLIBRI_DTYPE_F32, 2, T, Nkv},
-        {"v", s->v, COLIBRI_DTYPE_F32, 2, T, Nkv},
-        {"att", s->att, COLIBRI_DTYPE_F32, 2, T, Nq},
+        {"v", s->v, COLIBRI_DTYPE_F32, 2, T, mla ? 0 : Nkv}, /* MLA: no values, [T, 0] */
+        {"att", s->att, COLIBRI_DTYPE_F32, 2, T, Natt},
         {"delta", s->delta, COLIBRI_DTYPE_F32, 2, T, H},
         {"router_logits", s->router_logits, COLIBRI_DTYPE_F32, 2, T, E},
         {"router_probs", s->router_probs, COLIBRI_DTYPE_F32, 2, T, E},

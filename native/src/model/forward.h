@@ -13,6 +13,7 @@
 
 #include "colibri.h"
 #include "model/kv.h"
+#include "model/model.h"
 
 /* Groups of at most this many rows split their down projection by blocks of intermediate
  * rows (expert_down_part, then a sum of the parts) rather than by output columns: each
@@ -64,6 +65,14 @@ typedef struct cb_scratch {
     int64_t *seg_row;    /* [B+1] first row of each attention segment (a run of rows of one
                           * sequence at consecutive positions); seg_row[n_seg] = T */
     int64_t *seq_next;   /* [max_seqs] next position of each sequence while a batch is checked */
+    /* DeepSeek (mla.c, route_group.c); NULL/unused in other files */
+    float *mla_qa;       /* [B, q_lora_rank] the q LoRA's inner activations */
+    float *mla_qlat;     /* [B, n_heads, r+dr] latent queries [q_nope W_UK, RoPE'd q_pe] */
+    float *mla_olat;     /* [n_heads, B, r] latent outputs sum_j p_j c_j, head-major */
+    float *mla_row;      /* [num_threads, r] a dequantized W_UK row per thread */
+    float *route_choice; /* [E] the values a grouped router ranks */
+    float *route_group;  /* [E] group scores (n_group <= E) */
+    uint8_t *route_skip; /* [2E] expert mask, then a group/in-group mask */
     float *down_part;    /* [down_part_rows, H] per-block partial sums of few-row down projections */
     int64_t down_part_rows;
     int64_t max_rows;    /* R */
@@ -94,6 +103,12 @@ colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64
 colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *entries, int64_t n, float *logits);
 /* Checks shared by colibri_forward_at and colibri_stage_begin (nothing is changed). */
 colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos);
+/* y = x W^T over the context's threads (forward.c's parallel matmul). */
+void cb_matmul_par(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t T, int64_t N, int64_t K);
+/* mla.c: the attention stage of a layer of an MLA file (model.attention "mla"). */
+void cb_mla_attention(colibri_ctx *ctx, uint32_t l);
+/* route_group.c: softmax/sigmoid routers with groups, bias and scaling (model.routing). */
+void cb_route_grouped(colibri_ctx *ctx, uint32_t l, int64_t T);
 /* Stage-by-stage execution (colibri_stage_*). */
 colibri_status cb_stage_begin(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos);
 colibri_status cb_stage_run(colibri_ctx *ctx, int32_t stage, float *logits);

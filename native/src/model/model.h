@@ -12,18 +12,10 @@
 #include <stdint.h>
 
 #include "format/format.h"
+#include "model/family.h"
 
 /* model.attn_qk_norm (docs/format.md, "Family options"). */
 enum { CB_QKNORM_NONE = 0, CB_QKNORM_HEAD = 1, CB_QKNORM_FULL = 2 };
-
-/* model.activation: the routed experts' gated activation. silu_glu: silu(g) * u;
- * clamped_swiglu (gpt-oss): g = min(g, limit), u = clamp(u, -limit, limit),
- * (u + 1) * g * sigmoid(alpha * g), on the split FFN with optional biases. */
-enum { CB_ACT_SILU_GLU = 0, CB_ACT_CLAMPED_SWIGLU = 1 };
-
-/* model.routing: softmax_topk: softmax over all experts, top-k, optional renormalisation
- * (norm_topk_prob); topk_softmax (gpt-oss): top-k of the logits, softmax over those k. */
-enum { CB_ROUTE_SOFTMAX_TOPK = 0, CB_ROUTE_TOPK_SOFTMAX = 1 };
 
 /* Read-only model facts (and the facts of the file they came from). */
 typedef struct cb_config {
@@ -42,6 +34,15 @@ typedef struct cb_config {
     uint32_t weight_dtype;     /* the experts' dtype (the bulk of the file); every matrix has its own */
     uint32_t router_dtype;     /* COLIBRI_DTYPE_F32/F16/BF16/I8 */
     int32_t bos_id, eos_id, unk_id, pad_id;
+    /* the family's entry and choices (model/family.h); defaults are Mixtral's */
+    const cb_family *family;
+    int attention;             /* CB_ATTN_* */
+    int routing;               /* CB_ROUTE_* */
+    int activation;            /* CB_ACT_* */
+    int rope_type;             /* CB_ROPE_* */
+    uint32_t rope_dim;         /* dims RoPE rotates per head (head_dim for GQA) */
+    const uint8_t *rope_inv_freq; /* [rope_dim / 2] f64 in the mapped metadata (YaRN), or NULL */
+    float rope_attention_factor;  /* multiplies cos and sin (YaRN's mscale); 1 otherwise */
     /* family options (docs/format.md, "Family options"); defaults are Mixtral's */
     uint32_t dense_inter;      /* width of the dense-MLP layers; 0 when every layer is MoE */
     uint32_t shared_inter;     /* shared-expert width; 0 = no shared expert */
@@ -50,11 +51,24 @@ typedef struct cb_config {
     int attn_output_bias;      /* o projection has a bias */
     int qk_norm;               /* CB_QKNORM_* */
     float clip_qkv;            /* > 0: clamp q, k, v to [-clip, clip] after the q/k norm */
-    int activation;            /* CB_ACT_* (model.activation) */
-    float swiglu_limit;        /* clamped_swiglu: the clamp bound (f32) */
-    float swiglu_alpha;        /* clamped_swiglu: the sigmoid's gain (f32) */
-    int routing;               /* CB_ROUTE_* (model.routing) */
-    int router_bias;           /* the router has a bias [E] (blk.N.ffn_gate_inp.bias) */
+    /* grouped routing (model.n_group, model.topk_group; route_group.c): the experts in
+     * n_group groups, the top topk_group groups kept (1, 1 = no grouping); a group's score
+     * is its best probability (softmax_topk, DeepSeek-V2) or the sum of its two best biased
+     * scores (sigmoid_topk, DeepSeek-V3) */
+    uint32_t n_group, topk_group;
+    float routed_scale;        /* model.routed_scaling_factor: the routed weights times this (1) */
+    int router_bias;           /* model.router_bias: a per-expert bias added for the choice only */
+    /* multi-head latent attention (model.attention "mla"; DeepSeek-V2/V3): head_dim is the
+     * RoPE width qk_rope_head_dim, as transformers' config.head_dim */
+    uint32_t q_lora_rank;      /* 0: q = W_q x; else q = W_qb rmsnorm(W_qa x) */
+    uint32_t kv_lora_rank;     /* r: the latent c per position (the KV cache holds c and k_pe) */
+    uint32_t qk_nope_dim;      /* per-head query/key width without RoPE */
+    uint32_t v_head_dim;       /* per-head value width */
+    float attn_scale;          /* MLA softmax scale (qk_head_dim^-0.5, times YaRN's mscale^2) */
+    /* gpt-oss (docs/format.md, "Family options of gpt-oss") */
+    float swiglu_limit;        /* activation clamped_swiglu: the clamp bound (f32) */
+    float swiglu_alpha;        /* activation clamped_swiglu: the sigmoid's gain (f32) */
+    int router_logit_bias;     /* model.router_logit_bias: the router logits add blk.N.ffn_gate_inp.bias */
     int attn_sinks;            /* one learned sink logit per query head (blk.N.attn_sinks) */
     int expert_bias;           /* the routed experts' gate/up/down have biases (blk.N.ffn_*_exps.bias) */
     const uint8_t *layer_ffn;  /* [n_layers] u32 in the mapped metadata (1 MoE, 0 dense), or NULL = all MoE */
@@ -109,11 +123,20 @@ typedef struct cb_layer {
     const float *q_norm;       /* [head_dim] (qk_norm head) or [Nq] (full) f32 */
     const float *k_norm;       /* [head_dim] (qk_norm head) or [Nkv] (full) f32 */
     const float *sinks;        /* [n_heads] f32 attention sink logits, or NULL */
-    const float *router_b;     /* [E] f32 router bias, or NULL */
+    const float *router_b;     /* [E] f32 router logit bias (router_logit_bias), or NULL */
     cb_ffn dense;              /* dense-MLP layers: one expert of width Id */
     cb_ffn shared;             /* the shared expert (width Is), when the family has one */
     int has_shared;
     cb_mat shared_gate;        /* [1, H]: shared-expert gate; .w NULL when none */
+    const float *router_bias;  /* [E] f32 choice-only correction bias (model.router_bias), or NULL */
+    /* multi-head latent attention (CB_ATTN_MLA): wq is W_q [n_heads*(dn+dr), H] when
+     * q_lora_rank is 0; wo is [H, n_heads*dv] */
+    cb_mat wq_a;               /* [q_lora_rank, H] */
+    const float *q_a_norm;     /* [q_lora_rank] f32 */
+    cb_mat wq_b;               /* [n_heads*(dn+dr), q_lora_rank] */
+    cb_mat wkv_a;              /* [r+dr, H]: the latent c then the shared k_pe */
+    const float *kv_a_norm;    /* [r] f32 */
+    cb_mat wkv_b;              /* [n_heads*(dn+dv), r]: per head W_UK [dn, r] then W_UV [dv, r] */
     /* per-layer options, from the metadata at load */
     int moe;                   /* 1: MoE block (router, experts); 0: dense MLP (`dense`) */
     int64_t window;            /* attention window in tokens, 0 = full */

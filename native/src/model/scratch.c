@@ -5,6 +5,7 @@
  * Every size is overflow-checked; a plan that does not fit says which option to lower.
  */
 #include <math.h>
+#include <string.h>
 
 #include "core/arena.h"
 #include "core/checked.h"
@@ -17,7 +18,7 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     uint64_t B = (uint64_t)ctx->max_batch, S = (uint64_t)ctx->max_seq_len;
     uint64_t H = c->hidden, I = c->inter, V = c->vocab, E = c->n_experts, K = c->top_k;
     uint64_t Nq = (uint64_t)c->n_heads * c->head_dim, Nkv = (uint64_t)c->n_kv_heads * c->head_dim;
-    uint64_t half = c->head_dim / 2, L = c->n_layers;
+    uint64_t half = c->rope_dim / 2, L = c->n_layers; /* RoPE tables: rotated dims / 2 */
     uint64_t F = c->dense_inter > c->shared_inter ? c->dense_inter : c->shared_inter;
     uint64_t R = 0, tmp = 0, kv = 0;
     cb_kv *kc = &ss->kv;
@@ -25,6 +26,19 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     uint64_t n_blocks = ((uint64_t)ctx->kv_tokens + P - 1) / P, max_blocks = (S + P - 1) / P;
     uint64_t tables = 0;
     int ok = 1;
+    /* multi-head latent attention (mla.c): the cache holds one latent row per position and
+     * layer, [c (r), k_pe (dr)], no values; q, k and att take the MLA widths */
+    int mla = c->attention == CB_ATTN_MLA;
+    uint64_t r = c->kv_lora_rank, Dc = mla ? r + c->head_dim : 0, QL = mla ? c->q_lora_rank : 0;
+    uint64_t Hkv = mla ? 1 : c->n_kv_heads, Dkv = mla ? Dc : c->head_dim;
+    uint64_t Nq_buf = Nq, Nk_buf = Nkv, Nv_buf = Nkv, Natt_buf = Nq;
+    if (mla) {
+        Nq_buf = (uint64_t)c->n_heads * (c->qk_nope_dim + c->head_dim);
+        Nk_buf = Dc;
+        Nv_buf = 0;
+        Natt_buf = (uint64_t)c->n_heads * c->v_head_dim;
+    }
+    uint64_t NH = mla ? c->n_heads : 0, NT = (uint64_t)ctx->num_threads;
     /* R = B*K + E*(group_pad-1): each non-empty group gains at most group_pad-1 zero rows */
     ok &= cb_mul_u64(B, K, &R);
     ok &= cb_mul_u64(E, (uint64_t)(ctx->group_pad - 1), &tmp);
@@ -32,8 +46,12 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     /* the KV pool: n_blocks blocks of P positions of every layer's Nkv values, K and V apart */
     ok &= cb_mul_u64(n_blocks, P, &kv);
     ok &= cb_mul_u64(kv, L, &kv);
-    ok &= cb_mul_u64(kv, Nkv, &kv);
+    ok &= cb_mul_u64(kv, Hkv * Dkv, &kv);
     ok &= cb_mul_u64(NS, max_blocks, &tables);
+    uint64_t qlat = 0, olat = 0; /* MLA: B * NH * Dc and B * NH * r (format.c bounds the widths) */
+    ok &= cb_mul_u64(B, NH, &qlat);
+    ok &= cb_mul_u64(qlat, r * (uint64_t)mla, &olat);
+    ok &= cb_mul_u64(qlat, Dc, &qlat);
     if (!ok) {
         cb_set_err(err, err_len, "the run-time buffers for these options overflow 64 bits; "
                    "lower max_seq_len, max_batch or group_pad");
@@ -50,17 +68,24 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     uint64_t BH = B * H; /* B <= 2^32 and H <= 2^24: cannot overflow */
     cb_arena_item items[] = {
         {(void **)&kc->k, kv, 4, "K cache"},
-        {(void **)&kc->v, kv, 4, "V cache"},
+        {(void **)&kc->v, mla ? 0 : kv, 4, "V cache"},
         {(void **)&kc->table, tables, 4, "KV block tables"},
         {(void **)&kc->len, NS, 8, "sequence lengths"},
         {(void **)&kc->ref, n_blocks, 4, "KV block counts"},
         {(void **)&kc->free_ids, n_blocks, 4, "KV free blocks"},
         {(void **)&s->x, BH, 4, "x"},
         {(void **)&s->xn, BH, 4, "xn"},
-        {(void **)&s->q, B * Nq, 4, "q"},
-        {(void **)&s->k, B * Nkv, 4, "k"},
-        {(void **)&s->v, B * Nkv, 4, "v"},
-        {(void **)&s->att, B * Nq, 4, "att"},
+        {(void **)&s->q, B * Nq_buf, 4, "q"},
+        {(void **)&s->k, B * Nk_buf, 4, "k"},
+        {(void **)&s->v, B * Nv_buf, 4, "v"},
+        {(void **)&s->att, B * Natt_buf, 4, "att"},
+        {(void **)&s->mla_qa, B * QL, 4, "mla_qa"},
+        {(void **)&s->mla_qlat, qlat, 4, "mla_qlat"},
+        {(void **)&s->mla_olat, olat, 4, "mla_olat"},
+        {(void **)&s->mla_row, NT * r * (uint64_t)mla, 4, "mla_row"},
+        {(void **)&s->route_choice, E, 4, "route_choice"},
+        {(void **)&s->route_group, E, 4, "route_group"},
+        {(void **)&s->route_skip, 2 * E, 1, "route_skip"},
         {(void **)&s->delta, BH, 4, "delta"},
         {(void **)&s->att_scores, S * (uint64_t)ctx->num_threads * CB_ATT_HEADS, 4, "att_scores"},
         {(void **)&s->rope_cos, B * half, 4, "rope_cos"},
@@ -112,26 +137,34 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     if (!mem) {
         cb_set_err(err, err_len, "cannot allocate the %.1f MiB arena (KV cache %.1f MiB for %lld positions); "
                    "lower kv_tokens, max_seq_len or max_batch", (double)alloc / 1048576.0,
-                   2.0 * (double)kv * 4 / 1048576.0, (long long)(n_blocks * P));
+                   (mla ? 1.0 : 2.0) * (double)kv * 4 / 1048576.0, (long long)(n_blocks * P));
         return COLIBRI_E_NOMEM;
     }
     ctx->arena = mem;
     ctx->arena_bytes = alloc;
     cb_arena_assign(items, n_items, offs, mem);
 
-    /* RoPE inverse frequencies as transformers computes them, in float32:
-     * 1.0 / (base ** (arange(0, dim, 2).float() / dim)) */
+    /* RoPE inverse frequencies: YaRN's from the file (the converter computed them as
+     * transformers does, float32 values stored as f64); the default as transformers computes
+     * them, in float32: 1.0 / (base ** (arange(0, dim, 2).float() / dim)) */
     for (uint64_t i = 0; i < half; i++) {
-        float expo = (float)(2 * i) / (float)c->head_dim;
+        if (c->rope_inv_freq) {
+            double f;
+            memcpy(&f, c->rope_inv_freq + 8 * i, 8);
+            s->inv_freq[i] = (float)f;
+            continue;
+        }
+        float expo = (float)(2 * i) / (float)c->rope_dim;
         s->inv_freq[i] = 1.0f / powf((float)c->rope_theta, expo);
     }
     kc->n_blocks = (int64_t)n_blocks;
     kc->block_len = (int64_t)P;
     kc->max_blocks = (int64_t)max_blocks;
     kc->max_seqs = (int64_t)NS;
-    kc->head_dim = c->head_dim;
-    kc->head_stride = (int64_t)P * c->head_dim;
-    kc->layer_stride = (int64_t)c->n_kv_heads * kc->head_stride;
+    if (mla) kc->v = NULL; /* no values: the latent rows are keys and values */
+    kc->head_dim = (int64_t)Dkv;
+    kc->head_stride = (int64_t)P * (int64_t)Dkv;
+    kc->layer_stride = (int64_t)Hkv * kc->head_stride;
     kc->block_stride = (int64_t)L * kc->layer_stride;
     cb_kv_reset(kc);
     return COLIBRI_OK;
