@@ -355,3 +355,40 @@ def test_quantized_and_int8_router(models, tmp_path, dtype, router, agree):
         assert np.isfinite(b).all()
         assert np.mean(a.argmax(-1) == b.argmax(-1)) >= agree
         assert float(np.median(np.abs(a - b))) < 0.05   # a flipped expert choice moves a few
+
+
+def test_mxfp4_experts_parity(tmp_path):
+    """The mxfp4 mix (routed experts MXFP4, as gpt-oss ships): the engine equals
+    transformers run on the dequantized MXFP4 values of the file (put back interleaved and
+    transposed), through the clamped SwiGLU with biases, in exact and fast precision."""
+    shape = FamilyShape("gpt_oss", vocab=301, hidden=64, inter=32, layers=2, heads=4,
+                        kv_heads=2, head_dim=16, experts=4, top_k=2, sliding_window=5,
+                        swiglu_limit=1.0, seed=5)
+    model = build_family_model(shape)
+    folder = save_checkpoint(model, tmp_path / "hf")
+    out = tmp_path / "mx.colibri"
+    colibri_lab.convert(folder, out, dtype="mxfp4", progress=False)
+    info = inspect(out)
+    with torch.no_grad():
+        # the mix's other weight matrices are BF16 (routers F32): round the reference's too
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "router" not in name and "experts" not in name:
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
+        for n, layer in enumerate(model.model.layers):
+            ex = layer.mlp.experts
+            assert info.tensor(f"blk.{n}.ffn_gate_exps").dtype == "mxfp4"
+            g = info.read_tensor(f"blk.{n}.ffn_gate_exps", as_float32=True)   # [E, I, H]
+            u = info.read_tensor(f"blk.{n}.ffn_up_exps", as_float32=True)
+            d = info.read_tensor(f"blk.{n}.ffn_down_exps", as_float32=True)   # [E, H, I]
+            ex.gate_up_proj[:, :, 0::2] = torch.from_numpy(np.ascontiguousarray(g.transpose(0, 2, 1)))
+            ex.gate_up_proj[:, :, 1::2] = torch.from_numpy(np.ascontiguousarray(u.transpose(0, 2, 1)))
+            ex.down_proj.copy_(torch.from_numpy(np.ascontiguousarray(d.transpose(0, 2, 1))))
+    ids = random_ids(shape.vocab, 30, seed=1)
+    ref, router_logits = hf_logits(model, ids)
+    for precision in ("exact", "fast"):
+        with colibri_lab.Engine(out, precision=precision) as eng:
+            got = eng.forward(ids)
+        if precision == "exact":
+            compare(ref, got, router_logits, shape.top_k, "mxfp4 experts")
+        else:   # fast: BF16 attention/LM head inputs rounded
+            assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.9
