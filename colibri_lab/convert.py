@@ -94,6 +94,8 @@ class SrcTensor:
 
     @property
     def np_dtype(self) -> np.dtype:
+        if self.st_dtype == "U8":   # raw bytes (MXFP4 blocks and scales), Checkpoint.get_bytes
+            return np.dtype("u1")
         return _ST_DTYPES[self.st_dtype][0]
 
     @property
@@ -209,6 +211,17 @@ class Checkpoint:
         if t.shape != tuple(shape):
             raise ConversionError(f"tensor {name!r} has shape {list(t.shape)}, expected "
                                   f"{list(shape)} from config.json")
+        self.used.add(name)
+        return t
+
+    def get_bytes(self, name: str, shape: tuple[int, ...]) -> SrcTensor:
+        """A U8 tensor (an MXFP4 checkpoint's *_blocks / *_scales), read as raw bytes."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise ConversionError(f"missing tensor {name!r} in {self.dir}")
+        if t.st_dtype != "U8" or t.shape != tuple(shape):
+            raise ConversionError(f"tensor {name!r} is {t.st_dtype} {list(t.shape)}, expected U8 "
+                                  f"{list(shape)} (MXFP4 blocks / scales)")
         self.used.add(name)
         return t
 
@@ -1248,6 +1261,34 @@ def _gptoss_bias_producer(src: SrcTensor, pick) -> Callable[[], Iterator[Chunk]]
     return gen
 
 
+def _gptoss_mxfp4_producer(blocks: SrcTensor, scales: SrcTensor, E: int, rows: int, G: int,
+                           sel: slice, dst: int) -> Callable[[], Iterator[Chunk]]:
+    """Rows `sel` of each expert's MXFP4 matrix of a transformers checkpoint (`*_blocks`
+    [E, rows, G, 16], `*_scales` [E, rows, G]: rows are the output dimension, blocks along
+    the input, the engine's row layout) repacked by quants.mxfp4_from_hf: stored as they
+    are for an MXFP4 destination (no requantization), else dequantized and converted."""
+    def gen():
+        K = 32 * G
+        for e in range(E):
+            b = blocks.read_rows(e * rows, rows, G * 16).reshape(rows, G, 16)
+            sc = scales.read_rows(e * rows, rows, G)
+            q = np.ascontiguousarray(quants.mxfp4_from_hf(b, sc)[sel])
+            del b, sc
+            if dst == fmt.DTYPE_MXFP4:
+                yield q, _sumsq(quants.from_stored(q, dst, K))
+                continue
+            x = np.asarray(quants.from_stored(q, fmt.DTYPE_MXFP4, K), dtype=np.float32).reshape(-1, K)
+            step = max(1, CHUNK_ELEMS // K)
+            for r0 in range(0, x.shape[0], step):
+                c = x[r0:r0 + step]
+                if dst in QUANT_DTYPES:
+                    st = quants.to_stored(c, dst)
+                    yield st, _sumsq(quants.from_stored(st, dst, K))
+                else:
+                    yield _with_sumsq(fmt.f32_to_stored(c, dst), dst)
+    return gen
+
+
 def plan_gptoss_router(P: TensorPlan, n: int) -> None:
     """gpt-oss's router (`mlp.router.weight`, as plan_router) and its logit bias
     (`mlp.router.bias`, f32 also beside an int8 router)."""
@@ -1269,22 +1310,33 @@ def plan_gptoss_ffn(P: TensorPlan, n: int) -> None:
     s, ck = P.s, P.ck
     E, I, H = s.n_experts, s.intermediate_size, s.hidden_size
     p = f"model.layers.{n}.mlp.experts"
-    if ck.has(f"{p}.gate_up_proj_blocks") or ck.has(f"{p}.down_proj_blocks"):
-        raise ConversionError(f"{p} is stored MXFP4 (gate_up_proj_blocks / _scales); this "
-                              "converter reads float gpt-oss experts: load the checkpoint with "
-                              "transformers' Mxfp4Config(dequantize=True) and save_pretrained it")
-    gu = ck.get(f"{p}.gate_up_proj", (E, H, 2 * I))
-    dn = ck.get(f"{p}.down_proj", (E, I, H))
     names = [f"blk.{n}.ffn_{w}_exps" for w in ("gate", "up", "down")]
     shapes = [(E, I, H), (E, I, H), (E, H, I)]
     dts = [P.wdtype(nm, sh, n) for nm, sh in zip(names, shapes)]
     if dts[0] != dts[1]:
         raise ConversionError(f"internal: {names[0]} and {names[1]} got different dtypes")
-    picks = [(gu, H, 2 * I, lambda a: a[:, 0::2].T), (gu, H, 2 * I, lambda a: a[:, 1::2].T),
-             (dn, I, H, lambda a: a.T)]
-    for nm, sh, dt, (src, nr, nc, pick) in zip(names, shapes, dts, picks):
-        P.out.append(PlannedTensor(nm, dt, LAYOUT_ROW_MAJOR, sh, fmt.SECTION_EXPERTS,
-                                   _gptoss_rows_producer(src, E, nr, nc, pick, dt)))
+    if ck.has(f"{p}.gate_up_proj_blocks") or ck.has(f"{p}.down_proj_blocks"):
+        # the hub's MXFP4 experts: rows = outputs (gate/up interleaved), blocks along inputs
+        if H % 32 or I % 32:
+            raise ConversionError(f"{p}: MXFP4 experts need hidden_size and intermediate_size "
+                                  f"multiples of 32, got {H} and {I}")
+        gb = ck.get_bytes(f"{p}.gate_up_proj_blocks", (E, 2 * I, H // 32, 16))
+        gs = ck.get_bytes(f"{p}.gate_up_proj_scales", (E, 2 * I, H // 32))
+        db = ck.get_bytes(f"{p}.down_proj_blocks", (E, H, I // 32, 16))
+        ds = ck.get_bytes(f"{p}.down_proj_scales", (E, H, I // 32))
+        srcs = [(gb, gs, 2 * I, H // 32, slice(0, None, 2)), (gb, gs, 2 * I, H // 32, slice(1, None, 2)),
+                (db, ds, H, I // 32, slice(None))]
+        for nm, sh, dt, (b, sc, rows, G, sel) in zip(names, shapes, dts, srcs):
+            P.out.append(PlannedTensor(nm, dt, LAYOUT_ROW_MAJOR, sh, fmt.SECTION_EXPERTS,
+                                       _gptoss_mxfp4_producer(b, sc, E, rows, G, sel, dt)))
+    else:
+        gu = ck.get(f"{p}.gate_up_proj", (E, H, 2 * I))
+        dn = ck.get(f"{p}.down_proj", (E, I, H))
+        picks = [(gu, H, 2 * I, lambda a: a[:, 0::2].T), (gu, H, 2 * I, lambda a: a[:, 1::2].T),
+                 (dn, I, H, lambda a: a.T)]
+        for nm, sh, dt, (src, nr, nc, pick) in zip(names, shapes, dts, picks):
+            P.out.append(PlannedTensor(nm, dt, LAYOUT_ROW_MAJOR, sh, fmt.SECTION_EXPERTS,
+                                       _gptoss_rows_producer(src, E, nr, nc, pick, dt)))
     if s.expert_bias:
         gub = ck.get(f"{p}.gate_up_proj_bias", (E, 2 * I))
         dnb = ck.get(f"{p}.down_proj_bias", (E, H))

@@ -124,8 +124,9 @@ def test_experts_deinterleaved_and_transposed(models):
                                   model.model.layers[2].self_attn.sinks.detach().numpy())
 
 
-def test_converter_refuses_mxfp4_checkpoints(models, tmp_path):
-    """gpt-oss as the hub ships it (experts as *_blocks / *_scales): a clear refusal."""
+def test_converter_refuses_malformed_mxfp4_checkpoints(models, tmp_path):
+    """MXFP4 experts whose blocks do not have the shape config.json implies: a clear
+    refusal naming the tensor, and no output left behind."""
     from safetensors.torch import load_file, save_file
 
     src = models.folder("go-tied-top1")
@@ -136,7 +137,7 @@ def test_converter_refuses_mxfp4_checkpoints(models, tmp_path):
     for k in [k for k in sd if k.endswith("experts.gate_up_proj")]:
         sd[k + "_blocks"] = sd.pop(k).to(torch.uint8)
     save_file(sd, str(d / "model.safetensors"))
-    with pytest.raises(ConversionError, match="stored MXFP4"):
+    with pytest.raises(ConversionError, match="MXFP4 experts need|gate_up_proj_blocks"):
         colibri_lab.convert(d, tmp_path / "m.colibri", progress=False)
     assert not list(tmp_path.glob("*.colibri*"))
 
@@ -392,3 +393,81 @@ def test_mxfp4_experts_parity(tmp_path):
             compare(ref, got, router_logits, shape.top_k, "mxfp4 experts")
         else:   # fast: BF16 attention/LM head inputs rounded
             assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.9
+
+
+def _hf_mxfp4(rows_q: np.ndarray):
+    """Our MXFP4 rows [..., rows, G*17] -> a transformers checkpoint's (*_blocks
+    [..., rows, G, 16], *_scales [..., rows, G]): the inverse of quants.mxfp4_from_hf."""
+    q = rows_q.reshape(*rows_q.shape[:-1], -1, 17)
+    scales = np.ascontiguousarray(q[..., 0])
+    qs = q[..., 1:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)             # element j < 32
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return np.ascontiguousarray(blocks), scales
+
+
+@pytest.mark.parametrize("dtype", ["mxfp4", "f32"])
+def test_hub_mxfp4_checkpoint(tmp_path, dtype):
+    """A checkpoint as the hub ships gpt-oss (experts as gate_up_proj_blocks / _scales and
+    down_proj_blocks / _scales, rows = outputs with gate/up interleaved): the mxfp4 mix keeps
+    its bytes (a repack, no requantization), f32 dequantizes them; both run as transformers
+    on the dequantized experts (transformers' own convert_moe_packed_tensors)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from colibri_lab import quants
+    from colibri_lab.format import DTYPE_MXFP4
+
+    shape = FamilyShape("gpt_oss", vocab=301, hidden=64, inter=32, layers=2, heads=4,
+                        kv_heads=2, head_dim=16, experts=3, top_k=2, sliding_window=4,
+                        swiglu_limit=1.0, seed=6)
+    model = build_family_model(shape)
+    folder = save_checkpoint(model, tmp_path / "hf")
+    sd = load_file(str(folder / "model.safetensors"))
+    ours = {}
+    for n, layer in enumerate(model.model.layers):
+        ex = layer.mlp.experts
+        p = f"model.layers.{n}.mlp.experts"
+        gu_rows = ex.gate_up_proj.detach().numpy().transpose(0, 2, 1)   # [E, 2I, H], interleaved
+        dn_rows = ex.down_proj.detach().numpy().transpose(0, 2, 1)      # [E, H, I]
+        for name, rows in (("gate_up_proj", gu_rows), ("down_proj", dn_rows)):
+            q = quants.to_stored(np.ascontiguousarray(rows.reshape(-1, rows.shape[-1])), DTYPE_MXFP4)
+            q = q.reshape(*rows.shape[:-1], -1)
+            ours[(n, name)] = q
+            b, s = _hf_mxfp4(q)
+            del sd[f"{p}.{name}"]
+            sd[f"{p}.{name}_blocks"] = torch.from_numpy(b)
+            sd[f"{p}.{name}_scales"] = torch.from_numpy(s)
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    # the reference: transformers' dequantization of those blocks, in its [E, in, out] layout
+    with torch.no_grad():
+        for n, layer in enumerate(model.model.layers):
+            ex = layer.mlp.experts
+            p = f"model.layers.{n}.mlp.experts"
+            for name, param in (("gate_up_proj", ex.gate_up_proj), ("down_proj", ex.down_proj)):
+                param.copy_(convert_moe_packed_tensors(sd[f"{p}.{name}_blocks"],
+                                                       sd[f"{p}.{name}_scales"], dtype=torch.float32))
+            if dtype == "mxfp4":   # the mix's other matrices are BF16
+                for name, prm in layer.named_parameters():
+                    if prm.ndim == 2 and "router" not in name and "experts" not in name:
+                        prm.copy_(prm.to(torch.bfloat16).to(torch.float32))
+        if dtype == "mxfp4":
+            for prm in (model.model.embed_tokens.weight, model.lm_head.weight):
+                prm.copy_(prm.to(torch.bfloat16).to(torch.float32))
+    out = tmp_path / "m.colibri"
+    colibri_lab.convert(folder, out, dtype=dtype, progress=False)
+    info = inspect(out)
+    if dtype == "mxfp4":   # byte for byte the checkpoint's blocks, gate/up rows apart
+        for n in range(shape.layers):
+            gu = ours[(n, "gate_up_proj")]
+            np.testing.assert_array_equal(info.read_tensor(f"blk.{n}.ffn_gate_exps").reshape(gu[:, 0::2].shape),
+                                          gu[:, 0::2])
+            np.testing.assert_array_equal(info.read_tensor(f"blk.{n}.ffn_up_exps").reshape(gu[:, 1::2].shape),
+                                          gu[:, 1::2])
+            dn = ours[(n, "down_proj")]
+            np.testing.assert_array_equal(info.read_tensor(f"blk.{n}.ffn_down_exps").reshape(dn.shape), dn)
+    ids = random_ids(shape.vocab, 30, seed=2)
+    ref, router_logits = hf_logits(model, ids)
+    with colibri_lab.Engine(out) as eng:
+        got = eng.forward(ids)
+    compare(ref, got, router_logits, shape.top_k, f"hub mxfp4 checkpoint -> {dtype}")
