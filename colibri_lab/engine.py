@@ -900,6 +900,7 @@ class StageRun:
         self._moe = engine._layer_is_moe()
         self._shared = self._has("shared_out")
         self._shared_gate = self._has("shared_gate")
+        self._sinks = self._has("sink_share")   # attention sinks (gpt-oss)
 
     def _has(self, name: str) -> bool:
         try:
@@ -962,6 +963,8 @@ class StageRun:
         if name == "expert_ffn" and not moe:
             return {"delta": self.tensor("delta"), "ffn_h": self.tensor("ffn_h")}
         out = {k: self.tensor(k) for k in self._OUTPUTS[name]}
+        if name == "attention" and self._sinks:   # each head's sink share of its softmax
+            out["sink_share"] = self.tensor("sink_share")
         if name == "expert_ffn" and self._shared:
             out["shared_out"] = self.tensor("shared_out")
             if self._shared_gate:
