@@ -321,7 +321,9 @@ def _write_bpe_tokenizer(folder: Path, n_tokens: int) -> None:
     """A byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json) of n_tokens
     entries, trained with the `tokenizers` library on this package's own source: a GPT-2
     style vocabulary with merges, for converters that take nothing else (llama.cpp's
-    DeepSeek converter). Ids 0, 1, 2 are <unk>, <s>, </s>."""
+    DeepSeek converter). Ids 0, 1, 2 are <unk>, <s>, </s>; when the source gives fewer
+    merges than n_tokens, the remaining ids are added tokens ``<unused_i>``, so that every id
+    of the model has a piece."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -331,6 +333,9 @@ def _write_bpe_tokenizer(folder: Path, n_tokens: int) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train(sorted(str(p) for p in Path(__file__).parent.rglob("*.py")), trainer)
+    n = tok.get_vocab_size()
+    if n < n_tokens:   # the source has fewer merges: the rest are placeholder tokens
+        tok.add_tokens([f"<unused_{i}>" for i in range(n, n_tokens)])
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
@@ -346,8 +351,8 @@ def make_family_model(out_dir: str | os.PathLike, family: str, config: dict, see
     sinks and score-correction biases in [-0.5, 0.5]. Experts are saved as transformers
     writes them. ``tokenizer``: "spm" copies the Mixtral tokenizer.model beside the weights
     (a 32000-entry vocabulary only, as :func:`make_model`), "bpe" writes a byte-level BPE
-    tokenizer.json trained on this package's source (at most the vocabulary's size; the rest
-    of the ids are unused), "none" neither; "auto": "bpe" for the DeepSeek families (whose
+    tokenizer.json of the vocabulary's size trained on this package's source (ids past its
+    merges are placeholder added tokens), "none" neither; "auto": "bpe" for the DeepSeek families (whose
     llama.cpp converter reads BPE only), else "spm"."""
     out = Path(out_dir)
     stamp = out / "colibri_bench_shape.json"
@@ -386,7 +391,7 @@ def make_family_model(out_dir: str | os.PathLike, family: str, config: dict, see
     if tokenizer == "auto":
         tokenizer = "bpe" if family.startswith("deepseek") else "spm"
     if tokenizer == "bpe":
-        _write_bpe_tokenizer(tmp, min(int(config.get("vocab_size", 32000)), 4000))
+        _write_bpe_tokenizer(tmp, int(config.get("vocab_size", 32000)))
     elif tokenizer == "spm":
         tok = _tokenizer_model_file()
         if config.get("vocab_size") == 32000 and tok is not None:
@@ -407,7 +412,8 @@ def read_hf_config(model_dir: str | os.PathLike) -> Facts:
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or hidden // heads
-    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts")
+                  or cfg.get("n_routed_experts") or 0)
     return Facts(
         model_type=cfg.get("model_type", "?"),
         vocab=int(cfg["vocab_size"]),

@@ -10,6 +10,8 @@ for live updates (see :mod:`colibri_lab.widgets`).
 - :func:`group_size_histogram`  group sizes and the rows added by group padding
 - :func:`stage_timings`         time per stage, stacked per layer, embedding, LM head
 - :func:`shared_gate`           the shared expert's gate per token and layer (Qwen2-MoE)
+- :func:`sink_share`            attention sinks' share of each head's softmax, per layer (gpt-oss)
+- :func:`expert_groups`         share of routed rows per expert group and layer (DeepSeek)
 - :func:`token_router_probs`    one token's router probabilities in every layer
 - :func:`format_map`            the file's sections to scale and the annotated header
 
@@ -485,6 +487,51 @@ def shared_gate(trace: Trace) -> go.Figure:
                    ticktext=[_layer_label(trace, l) for l in range(L)], autorange="reversed"),
         height=max(260, 120 + 28 * L), margin=dict(b=90),
     )
+    return fig
+
+
+def sink_share(shares: list[np.ndarray], windows: list[int] | None = None) -> go.Figure:
+    """The attention sinks' share of each head's softmax (gpt-oss): ``shares[l]`` is the
+    ``sink_share`` stage tensor [T, Hq] of layer l (``Engine.stages(ids)``'s
+    ``attention()``); the heatmap is the mean over tokens, layer × head, with each layer's
+    window (0 = full attention) in its label when ``windows`` is given. A share near 1
+    means the head attends to almost nothing."""
+    if not shares:
+        return _empty("Attention sinks", "no layer with attention sinks")
+    z = np.stack([np.asarray(s, np.float64).mean(axis=0) for s in shares])
+    L, Hq = z.shape
+    labels = [f"layer {l}" + (f" (window {windows[l]})" if windows and windows[l] else
+                              " (full)" if windows else "") for l in range(L)]
+    fig = go.Figure(go.Heatmap(z=z, x=list(range(Hq)), y=list(range(L)), colorscale="Viridis",
+                               zmin=0.0, zmax=1.0, colorbar=dict(title="sink share"),
+                               hovertemplate="%{y}, head %{x}: %{z:.3f}<extra></extra>"))
+    fig.update_layout(title=f"Attention sinks' share of the softmax, mean over tokens "
+                            f"(overall {z.mean():.3f})",
+                      xaxis=dict(title="query head", dtick=1),
+                      yaxis=dict(tickmode="array", tickvals=list(range(L)), ticktext=labels,
+                                 autorange="reversed"),
+                      height=max(240, 110 + 28 * L))
+    return fig
+
+
+def expert_groups(selection: dict) -> go.Figure:
+    """``diagnostics.group_selection``'s load per expert group, layer × group (DeepSeek's
+    group-limited routing), with the mean number of groups a token's experts span."""
+    load = np.asarray(selection["group_load"], np.float64)
+    layers = [int(l) for l in selection["layers"]]
+    if not layers:
+        return _empty("Expert groups", "no MoE layer")
+    z = load[layers]
+    per = selection["groups_per_token"]
+    fig = go.Figure(go.Heatmap(z=z, x=list(range(z.shape[1])), y=list(range(len(layers))),
+                               colorscale="Blues", zmin=0.0, colorbar=dict(title="share of rows"),
+                               hovertemplate="%{y}, group %{x}: %{z:.3f}<extra></extra>"))
+    fig.update_layout(title=f"Routed rows per expert group ({selection['n_group']} groups)",
+                      xaxis=dict(title="group", dtick=1),
+                      yaxis=dict(tickmode="array", tickvals=list(range(len(layers))),
+                                 ticktext=[f"layer {l}: {per[l]:.2f} groups/token" for l in layers],
+                                 autorange="reversed"),
+                      height=max(240, 110 + 28 * len(layers)))
     return fig
 
 

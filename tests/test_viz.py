@@ -405,3 +405,21 @@ def test_package_import_does_not_load_plotly():
             "colibri_lab.viz.routing_heatmap; assert 'plotly' in sys.modules; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_sink_share_and_expert_groups():
+    """The gpt-oss sink-share heatmap is the per-head mean over tokens; the expert-group
+    heatmap is group_selection's load; both say so when there is nothing to show."""
+    rng = np.random.default_rng(3)
+    shares = [rng.random((7, 5)) for _ in range(3)]
+    fig = viz.sink_share(shares, windows=[4, 0, 4])
+    z = np.asarray(fig.data[0].z)
+    np.testing.assert_allclose(z, np.stack([s.mean(axis=0) for s in shares]))
+    assert "window 4" in fig.layout.yaxis.ticktext[0] and "full" in fig.layout.yaxis.ticktext[1]
+    assert "no layer" in str(viz.sink_share([]).layout.annotations[0].text)
+    ids = D.select_experts(rng.random((30, 8)), 2, n_group=4, topk_group=2)
+    tr = D.synthetic_trace(ids[None], n_experts=8)
+    sel = D.group_selection(tr, 4)
+    fig = viz.expert_groups(sel)
+    np.testing.assert_allclose(np.asarray(fig.data[0].z), sel["group_load"][[0]])
+    assert "groups/token" in fig.layout.yaxis.ticktext[0]

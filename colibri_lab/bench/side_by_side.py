@@ -345,10 +345,11 @@ def _model_files(engines, dtype: str, model_dir: Path, cache: Path, llama_src, l
 
 
 def _roofline(hf_cfg: dict, dtype: str, bandwidth_gbs: float, files: dict) -> dict:
-    """The decode roofline of a configuration. f32/bf16: from the config, as ever
-    (:func:`decode_roofline`); quantized: from the tensor directory of the file the
-    engines run (Colibri's, else llama.cpp's GGUF: the same bytes where both exist)."""
-    if dtype not in QUANT_TYPES:
+    """The decode roofline of a configuration. f32/bf16 Mixtral: from the config, as ever
+    (:func:`decode_roofline`); quantized, or another family (latent attention, shared
+    experts, dense layers): from the tensor directory of the file the engines run
+    (Colibri's, else llama.cpp's GGUF: the same bytes where both exist)."""
+    if dtype not in QUANT_TYPES and hf_cfg.get("model_type", "mixtral") == "mixtral":
         roof = decode_roofline(hf_cfg, dtype, bandwidth_gbs)
         roof["bits_per_weight"] = roof["bytes_per_token"] * 8 / roof["active_params"]
         return roof
