@@ -211,6 +211,26 @@ static void check_matmul_token(const cb_kernels *K, uint32_t dt, const float *y,
     }
 }
 
+/* T random tokens through K->matmul of w [N, Kd] at once: each row against the exact sum
+ * (check_matmul_token), and each token alone equal to its row of the batch, bit for bit. */
+static void check_matmul_batch(const cb_kernels *K, uint32_t dt, const wbuf *w, int64_t T, int64_t N, int64_t Kd,
+                               const char *what) {
+    float *x = malloc((size_t)(T * Kd) * 4), *y = malloc((size_t)(T * N) * 4), *y1 = malloc((size_t)N * 4);
+    fill(x, T * Kd, 2.0);
+    K->matmul(y, x, w->raw, dt, T, N, Kd);
+    for (int64_t t = 0; t < T; t++) {
+        check_matmul_token(K, dt, y, x, w->val, t, N, Kd);
+        K->matmul(y1, x + t * Kd, w->raw, dt, 1, N, Kd);
+        n_check++;
+        if (memcmp(y1, y + t * N, (size_t)N * 4) != 0)
+            FAIL("[%s] matmul %s%s T%lld N%lld K%lld: token %lld alone differs from the batch", K->name,
+                 cb_dtype_name(dt), what, (long long)T, (long long)N, (long long)Kd, (long long)t);
+    }
+    free(x);
+    free(y);
+    free(y1);
+}
+
 static void test_matmul(const cb_kernels *K) {
     const int64_t Ts[] = {1, 3, 7, 17, 33};
     const int64_t Ns[] = {1, 7, 67, 131};
@@ -800,21 +820,7 @@ static void test_quant(const cb_kernels *K) {
                     int64_t T = Ts[a], N = Ns[b];
                     if (Kd > 1000 && (N > 7 || (T > 5 && T != 17))) continue; /* keep the long rows quick */
                     wbuf w = make_q(dt, N, Kd);
-                    float *x = malloc((size_t)(T * Kd) * 4), *y = malloc((size_t)(T * N) * 4);
-                    float *y1 = malloc((size_t)N * 4);
-                    fill(x, T * Kd, 2.0);
-                    K->matmul(y, x, w.raw, dt, T, N, Kd);
-                    for (int64_t t = 0; t < T; t++) {
-                        check_matmul_token(K, dt, y, x, w.val, t, N, Kd);
-                        K->matmul(y1, x + t * Kd, w.raw, dt, 1, N, Kd);
-                        n_check++;
-                        if (memcmp(y1, y + t * N, (size_t)N * 4) != 0)
-                            FAIL("[%s] matmul %s T%lld N%lld K%lld: token %lld alone differs from the batch", K->name,
-                                 cb_dtype_name(dt), (long long)T, (long long)N, (long long)Kd, (long long)t);
-                    }
-                    free(x);
-                    free(y);
-                    free(y1);
+                    check_matmul_batch(K, dt, &w, T, N, Kd, "");
                     free_w(&w);
                 }
         }
@@ -1155,20 +1161,7 @@ static void test_mxfp4_extremes(const cb_kernels *K) {
             for (size_t a = 0; a < 4; a++) {
                 int64_t T = Ts[a], N = Ns[b], Kd = Kq[c];
                 wbuf w = make_q(dt, N, Kd);
-                float *x = malloc((size_t)(T * Kd) * 4), *y = malloc((size_t)(T * N) * 4), *y1 = malloc((size_t)N * 4);
-                fill(x, T * Kd, 2.0);
-                K->matmul(y, x, w.raw, dt, T, N, Kd);
-                for (int64_t t = 0; t < T; t++) {
-                    check_matmul_token(K, dt, y, x, w.val, t, N, Kd);
-                    K->matmul(y1, x + t * Kd, w.raw, dt, 1, N, Kd);
-                    n_check++;
-                    if (memcmp(y1, y + t * N, (size_t)N * 4) != 0)
-                        FAIL("[%s] matmul mxfp4 extremes T%lld N%lld K%lld: token %lld alone differs", K->name,
-                             (long long)T, (long long)N, (long long)Kd, (long long)t);
-                }
-                free(x);
-                free(y);
-                free(y1);
+                check_matmul_batch(K, dt, &w, T, N, Kd, " extremes");
                 free_w(&w);
             }
     mx_extreme = 0;

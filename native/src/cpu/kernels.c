@@ -120,24 +120,11 @@ static void rope_ref(float *x, int64_t T, int64_t n_heads, int64_t D, const floa
     }
 }
 
-static void softmax_ref(float *x, int64_t n) {
-    float m = x[0];
-    for (int64_t i = 1; i < n; i++)
-        if (x[i] > m) m = x[i];
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
-        x[i] = expf(x[i] - m);
-        sum += x[i];
-    }
-    float inv = 1.0f / sum;
-    for (int64_t i = 0; i < n; i++) x[i] *= inv;
-}
-
-/* softmax_ref over x[0..n) with one more logit, sink, in the max and the denominator (its
- * own probability is not written): transformers' softmax of cat([scores, sink]) minus the
- * sink's column. */
-static void softmax_sink_ref(float *x, int64_t n, float sink) {
-    float m = sink;
+/* softmax over x[0..n); with `sink` non-NULL, one more logit *sink in the max and the
+ * denominator whose own probability is not written: transformers' softmax of
+ * cat([scores, sink]) minus the sink's column (gpt-oss's attention sinks). */
+static void softmax_opt_sink(float *x, int64_t n, const float *sink) {
+    float m = sink ? *sink : x[0];
     for (int64_t i = 0; i < n; i++)
         if (x[i] > m) m = x[i];
     float sum = 0.0f;
@@ -145,10 +132,14 @@ static void softmax_sink_ref(float *x, int64_t n, float sink) {
         x[i] = expf(x[i] - m);
         sum += x[i];
     }
-    sum += expf(sink - m);
+    if (sink) sum += expf(*sink - m);
     float inv = 1.0f / sum;
     for (int64_t i = 0; i < n; i++) x[i] *= inv;
 }
+
+static void softmax_ref(float *x, int64_t n) { softmax_opt_sink(x, n, NULL); }
+
+static void softmax_sink_ref(float *x, int64_t n, float sink) { softmax_opt_sink(x, n, &sink); }
 
 static void attention_heads_ref(float *out, const float *q, const cb_kv_view *kv, float *scores, int64_t T,
                                 int64_t start_pos, int64_t Hq, int64_t Hkv, int64_t D, int64_t window,

@@ -349,6 +349,12 @@ static colibri_status meta_opt(const colibri_ctx *ctx, const char *key, uint32_t
         st = meta_opt(ctx, key, type, elem, &e, err, len);                   \
         if (st != COLIBRI_OK) return st;                                     \
     } while (0)
+/* An optional BOOL key into dst (false when absent). */
+#define OPT_BOOL(key, dst)                                                   \
+    do {                                                                     \
+        OPT(key, CB_MT_BOOL, 0);                                             \
+        (dst) = e ? e->value[0] : 0;                                         \
+    } while (0)
 
 /* Grouped routing, a choice bias and scaling (docs/format.md, "Family options";
  * model/route_group.c): model.n_group, model.topk_group, model.router_bias,
@@ -379,8 +385,7 @@ static colibri_status read_router_options(colibri_ctx *ctx, char *err, size_t le
             return COLIBRI_E_FORMAT;
         }
     }
-    OPT("model.router_bias", CB_MT_BOOL, 0);
-    c->router_bias = e ? e->value[0] : 0;
+    OPT_BOOL("model.router_bias", c->router_bias);
     if (c->router_bias && c->routing != CB_ROUTE_SIGMOID_TOPK) {
         cb_set_err(err, len, "model.router_bias is true but model.routing is not sigmoid_topk; " RECONVERT);
         return COLIBRI_E_FORMAT;
@@ -485,12 +490,9 @@ static colibri_status read_gptoss_options(colibri_ctx *ctx, char *err, size_t le
             return COLIBRI_E_UNSUPPORTED;
         }
     }
-    OPT("model.router_logit_bias", CB_MT_BOOL, 0);
-    c->router_logit_bias = e ? e->value[0] : 0;
-    OPT("model.attn_sinks", CB_MT_BOOL, 0);
-    c->attn_sinks = e ? e->value[0] : 0;
-    OPT("model.expert_bias", CB_MT_BOOL, 0);
-    c->expert_bias = e ? e->value[0] : 0;
+    OPT_BOOL("model.router_logit_bias", c->router_logit_bias);
+    OPT_BOOL("model.attn_sinks", c->attn_sinks);
+    OPT_BOOL("model.expert_bias", c->expert_bias);
     if (c->attn_sinks && c->attention != CB_ATTN_GQA) {
         cb_set_err(err, len, "model.attn_sinks needs model.attention gqa; " RECONVERT);
         return COLIBRI_E_FORMAT;
@@ -545,17 +547,14 @@ static colibri_status read_family_options(colibri_ctx *ctx, char *err, size_t le
                    "shared_expert_intermediate_size = %u); " RECONVERT, c->dense_inter, c->shared_inter);
         return COLIBRI_E_FORMAT;
     }
-    OPT("model.shared_expert_gate", CB_MT_BOOL, 0);
-    c->shared_gate = e ? e->value[0] : 0;
+    OPT_BOOL("model.shared_expert_gate", c->shared_gate);
     if (c->shared_gate && c->shared_inter == 0) {
         cb_set_err(err, len, "model.shared_expert_gate is true but the model has no shared expert "
                    "(model.shared_expert_intermediate_size is 0); " RECONVERT);
         return COLIBRI_E_FORMAT;
     }
-    OPT("model.attn_qkv_bias", CB_MT_BOOL, 0);
-    c->attn_qkv_bias = e ? e->value[0] : 0;
-    OPT("model.attn_output_bias", CB_MT_BOOL, 0);
-    c->attn_output_bias = e ? e->value[0] : 0;
+    OPT_BOOL("model.attn_qkv_bias", c->attn_qkv_bias);
+    OPT_BOOL("model.attn_output_bias", c->attn_output_bias);
     OPT("model.attn_qk_norm", CB_MT_STRING, 0);
     c->qk_norm = CB_QKNORM_NONE;
     if (e) {
@@ -602,6 +601,7 @@ static colibri_status read_family_options(colibri_ctx *ctx, char *err, size_t le
     }
     return COLIBRI_OK;
 }
+#undef OPT_BOOL
 #undef OPT
 
 /* The family's choices (model/family.h): model.attention, model.routing, model.activation

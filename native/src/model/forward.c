@@ -28,6 +28,22 @@
 #include "core/context.h"
 #include "core/trace.h"
 
+/* The K largest of v[0..E), highest first, into ids (and their values into w): strict >
+ * keeps the lower id on ties; NaN never wins unless all are NaN. */
+static void topk_desc(const float *v, int64_t E, int64_t K, int32_t *ids, float *w) {
+    for (int64_t k = 0; k < K; k++) {
+        int32_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t j = 0; j < k; j++) taken |= ids[j] == (int32_t)e;
+            if (taken) continue;
+            if (best < 0 || v[e] > v[best]) best = (int32_t)e;
+        }
+        ids[k] = best;
+        w[k] = v[best];
+    }
+}
+
 /* Route T tokens: softmax over experts, top-k (highest first, lower id wins ties),
  * optional renormalisation. logits: [T, E] -> probs [T, E], ids/w [T, K]. */
 static void route(colibri_ctx *ctx, int64_t T) {
@@ -40,18 +56,7 @@ static void route(colibri_ctx *ctx, int64_t T) {
         ctx->kern->softmax(p, E);
         int32_t *ids = s->topk_ids + t * K;
         float *w = s->topk_w + t * K;
-        for (int64_t k = 0; k < K; k++) {
-            int32_t best = -1;
-            for (int64_t e = 0; e < E; e++) {
-                int taken = 0;
-                for (int64_t j = 0; j < k; j++) taken |= ids[j] == (int32_t)e;
-                if (taken) continue;
-                /* strict > keeps the lower id on ties; NaN never wins unless all are NaN */
-                if (best < 0 || p[e] > p[best]) best = (int32_t)e;
-            }
-            ids[k] = best;
-            w[k] = p[best];
-        }
+        topk_desc(p, E, K, ids, w);
         if (c->norm_topk_prob) {
             float sum = 0.0f;
             for (int64_t k = 0; k < K; k++) sum += w[k];
@@ -72,17 +77,7 @@ static void route_topk_softmax(colibri_ctx *ctx, int64_t T) {
         const float *lg = s->router_logits + t * E;
         int32_t *ids = s->topk_ids + t * K;
         float *w = s->topk_w + t * K;
-        for (int64_t k = 0; k < K; k++) {
-            int32_t best = -1;
-            for (int64_t e = 0; e < E; e++) {
-                int taken = 0;
-                for (int64_t j = 0; j < k; j++) taken |= ids[j] == (int32_t)e;
-                if (taken) continue;
-                if (best < 0 || lg[e] > lg[best]) best = (int32_t)e;
-            }
-            ids[k] = best;
-            w[k] = lg[best];
-        }
+        topk_desc(lg, E, K, ids, w);
         ctx->kern->softmax(w, K);
         ctx->kern->softmax(s->router_probs + t * E, E);
     }
