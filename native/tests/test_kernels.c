@@ -338,6 +338,46 @@ static void test_rope(const cb_kernels *K) {
     }
 }
 
+/* rows_combine against a double sum, odd sizes, strided rows, several weight-row groups, and
+ * o's prior contents kept (it accumulates). */
+static void test_rows_combine(const cb_kernels *K) {
+    const int64_t nhs[] = {1, 3, 4, 6, 9}, ns[] = {1, 5, 32, 37}, Ds[] = {1, 7, 16, 33, 260};
+    for (size_t a = 0; a < 5; a++)
+        for (size_t b = 0; b < 4; b++)
+            for (size_t c = 0; c < 5; c++) {
+                int64_t nh = nhs[a], n = ns[b], D = Ds[c], ldp = n + 3, ldr = D + 5, ldo = D + 2;
+                float *p = malloc((size_t)(nh * ldp) * 4), *rows = malloc((size_t)(n * ldr) * 4);
+                float *o = malloc((size_t)(nh * ldo) * 4), *o0 = malloc((size_t)(nh * ldo) * 4);
+                fill(p, nh * ldp, 1.0);
+                fill(rows, n * ldr, 2.0);
+                fill(o, nh * ldo, 1.0);
+                memcpy(o0, o, (size_t)(nh * ldo) * 4);
+                K->rows_combine(o, ldo, p, ldp, rows, ldr, nh, n, D);
+                for (int64_t h = 0; h < nh; h++)
+                    for (int64_t i = 0; i < ldo; i++) {
+                        if (i >= D) { /* past D: untouched */
+                            n_check++;
+                            if (o[h * ldo + i] != o0[h * ldo + i])
+                                FAIL("[%s] rows_combine wrote past D=%lld", K->name, (long long)D);
+                            continue;
+                        }
+                        double want = o0[h * ldo + i], mag = fabs(want);
+                        for (int64_t j = 0; j < n; j++) {
+                            want += (double)p[h * ldp + j] * rows[j * ldr + i];
+                            mag += fabs((double)p[h * ldp + j] * rows[j * ldr + i]);
+                        }
+                        if (!close_to(o[h * ldo + i], want, mag, 1e-6))
+                            FAIL("[%s] rows_combine nh%lld n%lld D%lld [%lld,%lld]: %.9g vs %.9g", K->name,
+                                 (long long)nh, (long long)n, (long long)D, (long long)h, (long long)i,
+                                 (double)o[h * ldo + i], want);
+                    }
+                free(p);
+                free(rows);
+                free(o);
+                free(o0);
+            }
+}
+
 static void test_softmax(const cb_kernels *K) {
     const int64_t Ns[] = {1, 7, 33, 129, 1000};
     for (size_t i = 0; i < 5; i++) {
@@ -1171,6 +1211,7 @@ static void test_table(const cb_kernels *K) {
     test_matmul(K);
     test_matmul_i8(K);
     test_rmsnorm(K);
+    test_rows_combine(K);
     test_rope(K);
     test_softmax(K);
     test_attention(K);

@@ -254,6 +254,18 @@ static void expert_ffn_ref(float *y, float *h, const float *x, const void *exper
     expert_down_ref(y, h, expert, dt, R, H, I, 0, H);
 }
 
+static void rows_combine_ref(float *o, int64_t ldo, const float *p, int64_t ldp, const float *rows, int64_t ldr,
+                             int64_t nh, int64_t n, int64_t D) {
+    for (int64_t j = 0; j < n; j++) {
+        const float *r = rows + j * ldr;
+        for (int64_t h = 0; h < nh; h++) {
+            float pj = p[h * ldp + j];
+            float *oh = o + h * ldo;
+            for (int64_t i = 0; i < D; i++) oh[i] += pj * r[i];
+        }
+    }
+}
+
 static const cb_kernels k_ref = {
     .name = "reference",
     .dequant_row = dequant_row_ref,
@@ -269,6 +281,7 @@ static const cb_kernels k_ref = {
     .expert_gateup = expert_gateup_ref,
     .expert_down = expert_down_ref,
     .expert_down_part = expert_down_part_ref,
+    .rows_combine = rows_combine_ref,
 };
 
 const cb_kernels *cb_kernels_ref(void) { return &k_ref; }

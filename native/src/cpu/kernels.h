@@ -148,6 +148,13 @@ typedef struct cb_kernels {
      * the down projection this way, so each thread streams whole w2T rows. */
     void (*expert_down_part)(float *part, const float *h, const void *expert, uint32_t dt,
                              int64_t R, int64_t H, int64_t I, int64_t blk);
+
+    /* o[h * ldo + i] += sum over j < n of p[h * ldp + j] * rows[j * ldr + i], for h < nh and
+     * i < D: nh rows of weights times n rows of values, added to o; within each element the
+     * j ascending (a SIMD table may fuse each multiply-add). MLA's attention-weighted sum of
+     * cached latent rows (model/mla.c). */
+    void (*rows_combine)(float *o, int64_t ldo, const float *p, int64_t ldp, const float *rows, int64_t ldr,
+                         int64_t nh, int64_t n, int64_t D);
 } cb_kernels;
 
 /* The plain reference kernels (always available). */

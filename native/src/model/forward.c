@@ -211,6 +211,12 @@ void cb_matmul_par(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t
     par_matmul1(ctx, y, x, w, T, N, K);
 }
 
+void cb_matmul_par2(colibri_ctx *ctx, const float *x, int64_t T, int64_t K, float *y1, cb_mat w1, int64_t N1,
+                    float *y2, cb_mat w2, int64_t N2) {
+    mm_task m = {ctx->kern, ctx->fast, T, 2, {{y1, x, w1.w, w1.dt, N1, K, 0, 0}, {y2, x, w2.w, w2.dt, N2, K, 0, 0}}};
+    par_matmul(ctx, &m);
+}
+
 /* Fast mode (cpu/fast.h): the n activations about to enter a BF16 weight matmul, rounded to
  * bf16 in place (the router has already read them). Exact mode: nothing. */
 static void fast_round(const colibri_ctx *ctx, float *x, int64_t n, int bf16) {

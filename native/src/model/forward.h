@@ -105,6 +105,10 @@ colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *entries, in
 colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos);
 /* y = x W^T over the context's threads (forward.c's parallel matmul). */
 void cb_matmul_par(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t T, int64_t N, int64_t K);
+/* Two such matmuls over the same input x [T, K] in one parallel section: y1 = x W1^T
+ * [T, N1] and y2 = x W2^T [T, N2] (the bits of two cb_matmul_par calls). */
+void cb_matmul_par2(colibri_ctx *ctx, const float *x, int64_t T, int64_t K, float *y1, cb_mat w1, int64_t N1,
+                    float *y2, cb_mat w2, int64_t N2);
 /* mla.c: the attention stage of a layer of an MLA file (model.attention "mla"). */
 void cb_mla_attention(colibri_ctx *ctx, uint32_t l);
 /* route_group.c: softmax/sigmoid routers with groups, bias and scaling (model.routing). */

@@ -95,18 +95,12 @@ static void latent_att_chunk(void *arg, int64_t ch, int tid) {
         ctx->kern->softmax(ph, pos + 1);
         memset(s->mla_olat + ((h0 + h) * T + t) * r, 0, (size_t)r * sizeof(float));
     }
-    /* o_h += p_h[j] * c_j, j ascending; each row c_j read once for the chunk's heads */
+    /* o_h += p_h[j] * c_j, j ascending, block by block of the cache (the kernel table's
+     * rows_combine: each row c_j loaded once for the chunk's heads) */
     for (int64_t j0 = 0; j0 <= pos; j0 += P) {
         int64_t n = pos + 1 - j0 < P ? pos + 1 - j0 : P;
         const float *rows = kv->k + cb_kv_offset(kv, seq, a->layer, 0, j0);
-        for (int64_t j = 0; j < n; j++) {
-            const float *kr = rows + j * Dc;
-            for (int64_t h = 0; h < hn; h++) {
-                float pj = p[h * S + j0 + j];
-                float *o = s->mla_olat + ((h0 + h) * T + t) * r;
-                for (int64_t i = 0; i < r; i++) o[i] += pj * kr[i];
-            }
-        }
+        ctx->kern->rows_combine(s->mla_olat + (h0 * T + t) * r, T * r, p + j0, S, rows, Dc, hn, n, r);
     }
 }
 
@@ -139,15 +133,15 @@ void cb_mla_attention(colibri_ctx *ctx, uint32_t l) {
     K->rmsnorm(s->xn, s->x, L->attn_norm, T, H, eps);
     fast_round_for(ctx, s->xn, T * H, (ql ? L->wq_a.dt : L->wq.dt) == COLIBRI_DTYPE_BF16 ||
                                           L->wkv_a.dt == COLIBRI_DTYPE_BF16);
+    /* the two projections of x (q's first, kv_a) in one parallel section */
     if (ql) {
-        cb_matmul_par(ctx, s->mla_qa, s->xn, L->wq_a, T, ql, H);
+        cb_matmul_par2(ctx, s->xn, T, H, s->mla_qa, L->wq_a, ql, s->k, L->wkv_a, Dc);
         K->rmsnorm(s->mla_qa, s->mla_qa, L->q_a_norm, T, ql, CB_MLA_NORM_EPS);
         fast_round_for(ctx, s->mla_qa, T * ql, L->wq_b.dt == COLIBRI_DTYPE_BF16);
         cb_matmul_par(ctx, s->q, s->mla_qa, L->wq_b, T, nh * Dq, ql);
     } else {
-        cb_matmul_par(ctx, s->q, s->xn, L->wq, T, nh * Dq, H);
+        cb_matmul_par2(ctx, s->xn, T, H, s->q, L->wq, nh * Dq, s->k, L->wkv_a, Dc);
     }
-    cb_matmul_par(ctx, s->k, s->xn, L->wkv_a, T, Dc, H);
     for (int64_t t = 0; t < T; t++) {
         float *row = s->k + t * Dc;
         K->rmsnorm(row, row, L->kv_a_norm, 1, r, CB_MLA_NORM_EPS);
