@@ -12,7 +12,7 @@ exactly is accepted; anything else is refused with a ValueError naming the reaso
 * normalizer: none, or NFC (alone or as the only member of a Sequence);
 * pre-tokenizer: ByteLevel(add_prefix_space=False, use_regex=True) (the GPT-2 pattern), or
   Sequence([Split(Regex(P), "Isolated", invert=False), ByteLevel(add_prefix_space=False,
-  use_regex=False)]) where P is one of SUPPORTED_PATTERNS (GPT-2, Qwen2, Llama-3);
+  use_regex=False)]) where P is one of SUPPORTED_PATTERNS (GPT-2, Qwen2, Llama-3, o200k);
 * decoder: ByteLevel;
 * added tokens with lstrip / rstrip / single_word = false (those options are refused).
 
@@ -49,8 +49,14 @@ QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
                  r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
                   r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
-# pattern string -> (id in the section, name)
-SUPPORTED_PATTERNS = {GPT2_PATTERN: (1, "gpt2"), QWEN2_PATTERN: (2, "qwen2"), LLAMA3_PATTERN: (3, "llama3")}
+# OpenAI o200k_base (tiktoken `pat_str`), as gpt-oss's tokenizer.json writes it
+O200K_PATTERN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+                 r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"""
+                 r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+                 r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# pattern string -> (id in the section, name); id 4 is tekken (tekken_*.json only)
+SUPPORTED_PATTERNS = {GPT2_PATTERN: (1, "gpt2"), QWEN2_PATTERN: (2, "qwen2"), LLAMA3_PATTERN: (3, "llama3"),
+                      O200K_PATTERN: (5, "o200k")}
 # mistral-common tekken_*.json (tiktoken `pat_str`)
 TEKKEN_PATTERN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"""
                   r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"""
@@ -388,7 +394,7 @@ def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
 
     The metadata has the keys of colibri_lab._spm.build_tokenizer_section's
     (tokenizer.type = "byte_level_bpe", tokenizer.bos_id / eos_id / unk_id / pad_id,
-    n_pieces) plus "tokenizer.pattern" (gpt2 / qwen2 / llama3), "tokenizer.normalizer"
+    n_pieces) plus "tokenizer.pattern" (gpt2 / qwen2 / llama3 / o200k), "tokenizer.normalizer"
     (none / NFC) and "tokenizer.special_source" (where bos/eos came from). For a tekken file
     the pattern is "tekken" and the special ids are those of <s>, </s>, <unk>, <pad>.
 

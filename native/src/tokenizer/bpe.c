@@ -7,7 +7,8 @@
  *   encode = added tokens (not normalized) split off the raw text, leftmost-longest;
  *            optional NFC normalization of the rest; added tokens (normalized) split off;
  *            the pre-tokenizer split pattern (hand-written matchers of the GPT-2, Qwen2,
- *            Llama-3 and Mistral tekken regexes, Oniguruma / fancy-regex semantics, Unicode
+ *            Llama-3, Mistral tekken and OpenAI o200k (gpt-oss) regexes, Oniguruma /
+ *            fancy-regex semantics, Unicode
  *            tables from unicode_tables.c);
  *            BPE per pre-token with the ranked merges (Word::merge_all: a min-heap of
  *            (rank, position), stale entries dropped by checking the merged id), or the
@@ -53,7 +54,7 @@
 #define BF_SPECIAL_SPLITS_DECODE 0x4u /* decode: each run of non-special tokens is made valid UTF-8 on its own */
 #define BF_KNOWN 0x7u
 
-enum { PAT_GPT2 = 1, PAT_QWEN2 = 2, PAT_LLAMA3 = 3, PAT_TEKKEN = 4 };
+enum { PAT_GPT2 = 1, PAT_QWEN2 = 2, PAT_LLAMA3 = 3, PAT_TEKKEN = 4, PAT_O200K = 5 };
 
 #define EMPTY64 UINT64_MAX
 #define EMPTY32 UINT32_MAX
@@ -166,10 +167,10 @@ colibri_status cb_bpe_load(cb_bpe *b, const uint8_t *data, uint64_t size, char *
         return fail(err, err_len, COLIBRI_E_UNSUPPORTED,
                     "tokenizer section: unknown byte-level BPE flag bits 0x%x (written by a newer converter?)",
                     flags & ~BF_KNOWN);
-    if (pattern < PAT_GPT2 || pattern > PAT_TEKKEN)
+    if (pattern < PAT_GPT2 || pattern > PAT_O200K)
         return fail(err, err_len, COLIBRI_E_UNSUPPORTED,
                     "tokenizer section: pre-tokenizer pattern %u is not supported by this build "
-                    "(1 gpt2, 2 qwen2, 3 llama3, 4 tekken)",
+                    "(1 gpt2, 2 qwen2, 3 llama3, 4 tekken, 5 o200k)",
                     pattern);
     if (reserved != 0) return fail(err, err_len, F, "tokenizer section: reserved header bytes are not zero");
     if (merges_log2 < 1 || merges_log2 > 31 || vocab_log2 > 31 || n_merges >= ((uint64_t)1 << merges_log2) ||
@@ -553,19 +554,43 @@ static uint64_t tk_upper_lower(const uint8_t *s, uint64_t len, uint64_t q) {
     return last_w_end;
 }
 
-static uint64_t match_tekken(const uint8_t *s, uint64_t len, uint64_t pos) {
+/* (?i:'s|'t|'re|'ve|'m|'ll|'d)? at p: the end of the optional contraction suffix of o200k's
+ * letter alternatives (p itself when there is none; it never fails). */
+static uint64_t opt_contraction(const uint8_t *s, uint64_t len, uint64_t p) {
+    if (p + 1 >= len || s[p] != '\'') return p;
+    uint32_t c1, c2;
+    uint32_t l1 = dec(s, p + 1, &c1);
+    uint32_t f1 = fold_c(c1);
+    if (f1 == 's' || f1 == 't' || f1 == 'm' || f1 == 'd') return p + 1 + l1;
+    if ((f1 == 'r' || f1 == 'v' || f1 == 'l') && p + 1 + l1 < len) {
+        uint32_t l2 = dec(s, p + 1 + l1, &c2);
+        uint32_t f2 = fold_c(c2);
+        if (((f1 == 'r' || f1 == 'v') && f2 == 'e') || (f1 == 'l' && f2 == 'l')) return p + 1 + l1 + l2;
+    }
+    return p;
+}
+
+/* Tekken (o200k = 0) and OpenAI o200k (o200k = 1, gpt-oss): tekken's pattern with
+ * (?i:'s|'t|'re|'ve|'m|'ll|'d)? after both letter alternatives and \p{N}{1,3} for \p{N}:
+ * [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|...)?|
+ * [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|...)?|\p{N}{1,3}|
+ *  ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+
+ * The optional suffix cannot fail, so it never makes the regex backtrack into the letters:
+ * it is appended to the letter match tekken's rules find. */
+static uint64_t match_tekken(const uint8_t *s, uint64_t len, uint64_t pos, int o200k) {
     uint32_t c0, c1 = 0;
     uint32_t l0 = dec(s, pos, &c0);
     int p0 = tk_P(c0);
-    uint64_t e;
+    uint64_t e = 0;
     /* [P]?[U]*[W]+ */
-    if (p0 && pos + l0 < len && (e = tk_upper_lower(s, len, pos + l0)) != 0) return e;
-    if ((e = tk_upper_lower(s, len, pos)) != 0) return e;
+    if (p0 && pos + l0 < len) e = tk_upper_lower(s, len, pos + l0);
+    if (e == 0) e = tk_upper_lower(s, len, pos);
     /* [P]?[U]+[W]* */
-    if (p0 && (e = run_U(s, len, pos + l0)) > pos + l0) return run_W(s, len, e);
-    if ((e = run_U(s, len, pos)) > pos) return run_W(s, len, e);
-    /* \p{N} */
-    if (is_N(c0)) return pos + l0;
+    if (e == 0 && p0 && run_U(s, len, pos + l0) > pos + l0) e = run_W(s, len, run_U(s, len, pos + l0));
+    if (e == 0 && run_U(s, len, pos) > pos) e = run_W(s, len, run_U(s, len, pos));
+    if (e != 0) return o200k ? opt_contraction(s, len, e) : e;
+    /* \p{N} (tekken) or \p{N}{1,3} (o200k) */
+    if (is_N(c0)) return o200k ? run_N(s, len, pos, 3) : pos + l0;
     /*  ?[^\s\p{L}\p{N}]+[\r\n/]* */
     uint64_t p = len + 1;
     if (c0 == ' ' && pos + 1 < len && (dec(s, pos + 1, &c1), is_X(c1))) p = run_X(s, len, pos + 1);
@@ -794,7 +819,8 @@ static int pretok(benc_t *e, const uint8_t *s, uint64_t len) {
         case PAT_GPT2: end = match_gpt2(s, len, pos); break;
         case PAT_QWEN2: end = match_qwen(s, len, pos, 1); break;
         case PAT_LLAMA3: end = match_qwen(s, len, pos, 3); break;
-        default: end = match_tekken(s, len, pos); break;
+        case PAT_TEKKEN: end = match_tekken(s, len, pos, 0); break;
+        default: end = match_tekken(s, len, pos, 1); break;
         }
         if (end <= pos || end > len) end = len; /* cannot happen; keeps the loop finite */
         if (!bpe_word(e, s + pos, end - pos)) return 0;
