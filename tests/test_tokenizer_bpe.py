@@ -17,7 +17,11 @@ points, and added / special tokens inside the text.
   (d) gpt-oss-style: Sequence([Split(o200k regex, Isolated), ByteLevel(use_regex=False)]), no
       normalizer, gpt-oss's special tokens (<|start|>, <|message|>, <|channel|>, <|end|>, ...),
       on the shared corpus plus o200k-specific text (contractions glued to words in every
-      case, CamelCase, digit runs, marks, slashes after punctuation, \\r\\n, chat turns).
+      case, CamelCase, digit runs, marks, slashes after punctuation, \\r\\n, chat turns);
+  (e) DeepSeek-V3-style: an empty normalizer Sequence and the Sequence of three Isolated splits
+      (\\p{N}{1,3}, CJK / kana runs, the punctuation / letters regex) then ByteLevel, with
+      DeepSeek's special tokens, on the shared and (d)'s text plus CJK, kana, ASCII
+      punctuation before letters and characters outside every alternative.
 
 The tokenizers are compared on text of the Unicode version of Python's unicodedata (the
 tables' source): characters assigned later may be classified differently by `tokenizers`.
@@ -39,7 +43,8 @@ from pathlib import Path
 import pytest
 
 import colibri_lab
-from colibri_lab._bpe import LLAMA3_PATTERN, O200K_PATTERN, QWEN2_PATTERN, build_bpe_tokenizer_section
+from colibri_lab._bpe import (DEEPSEEK_V3_SPLITS, LLAMA3_PATTERN, O200K_PATTERN, QWEN2_PATTERN,
+                              build_bpe_tokenizer_section)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -397,6 +402,79 @@ def _split_specials(text: str) -> list[str]:
     import re
 
     return [t for t in re.split("(" + "|".join(re.escape(s) for s in GPTOSS_SPECIALS) + ")", text) if t]
+
+
+# ---------------------------------------------------------------------------------
+# DeepSeek-V3 (a sequence of three splits, pattern id 6).
+
+DSV3_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>",
+                 "<think>", "</think>"]
+DSV3_BITS = ["中文字符", "日本語のテキスト", "カタカナ", "ひらがな", "龥龦", "㐀𠀀", "々〆", "ー", "・", "ゝゞ", "ヽヾ",
+             "한국어", ".Hello", "..Hi", "$USD", "@user", "#tag", "_private", "`code`", "{x}", "[a]", "\\n", "x.y.z",
+             "é.é", ".é", " .x", "(1+2)*3", "a1b2c3", "١٢٣٤", "Ⅻx", "x²³", "\u0301a", "a\u0301", " \u0301",
+             "\x00a", "\x00\x00a", "\u200db", "\u200d\u200d", "\x7f", "\ue000x", "¿Qué?", "«x»", "€5", "🙂x", "x🙂",
+             "\r\n\r\n", " \n ", "a\r\n", "!!\r\n", "'s", "'S", "don't", "HTTPServer", "ΣΊΣΥΦΟΣ", "नमस्ते"]
+
+
+def _dsv3_doc(rng: random.Random) -> str:
+    if rng.random() < 0.15:
+        turns = "".join(f"<｜User｜>{_prose(rng, rng.randint(3, 30))}<｜Assistant｜><think>{_prose(rng, 10)}</think>"
+                        f"{_prose(rng, rng.randint(3, 30))}<｜end▁of▁sentence｜>" for _ in range(rng.randint(1, 4)))
+        return "<｜begin▁of▁sentence｜>" + turns
+    if rng.random() < 0.5:
+        return _o200k_doc(rng)
+    return "".join(rng.choice(DSV3_BITS) + rng.choice(["", "", " ", "\n", ", ", "1", "12345"])
+                   for _ in range(rng.randint(20, 200)))
+
+
+@pytest.fixture(scope="module")
+def dsv3_style(tmp_path_factory, train_texts):
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    pt = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
+                                  for r in DEEPSEEK_V3_SPLITS]
+                                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    rng = random.Random(77)
+    tok = _train(pt, normalizers.Sequence([]), train_texts + [_dsv3_doc(rng) for _ in range(300)], 5000,
+                 specials=DSV3_SPECIALS)
+    d = tmp_path_factory.mktemp("dsv3")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<｜begin▁of▁sentence｜>",
+                                                         "eos_token": "<｜end▁of▁sentence｜>",
+                                                         "pad_token": "<｜▁pad▁｜>"}))
+    return d / "tokenizer.json"
+
+
+def test_dsv3_style_parity(dsv3_style):
+    tj = json.loads(dsv3_style.read_text(encoding="utf-8"))
+    assert tj["normalizer"] == {"type": "Sequence", "normalizers": []}
+    pts = tj["pre_tokenizer"]["pretokenizers"]  # the structure DeepSeek-V3's tokenizer.json has
+    assert [p["pattern"]["Regex"] for p in pts[:3]] == list(DEEPSEEK_V3_SPLITS)
+    assert all(p["type"] == "Split" and p["behavior"] == "Isolated" and p["invert"] is False for p in pts[:3])
+    assert pts[3] == {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    hf, ct, meta = _pair(dsv3_style)
+    assert meta["tokenizer.pattern"] == "deepseek_v3" and meta["tokenizer.normalizer"] == "none"
+    vocab = hf.get_vocab()
+    assert meta["tokenizer.bos_id"] == vocab["<｜begin▁of▁sentence｜>"]
+    rng = random.Random(8)
+    extra = DSV3_BITS + [_dsv3_doc(rng) for _ in range(1500)]
+    assert _parity(hf, ct, 7, "deepseek_v3", extra_docs=extra) >= 1_400_000
+    for text in DSV3_BITS + ["<｜User｜>你好，世界！123456<｜Assistant｜>"]:
+        ids = ct.encode(text.encode("utf-8"), add_bos=False)
+        assert ids == hf.encode(text, add_special_tokens=False).ids, text
+        assert ct.decode_bytes(ids).decode("utf-8") == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_dsv3_refusals(tmp_path, dsv3_style):
+    base = json.loads(dsv3_style.read_text(encoding="utf-8"))
+    for mut in (lambda pts: pts.pop(1), lambda pts: pts[1]["pattern"].update(Regex="[一-龥]+"),
+                lambda pts: pts.insert(0, pts[0])):
+        tj = json.loads(json.dumps(base))
+        mut(tj["pre_tokenizer"]["pretokenizers"])
+        p = tmp_path / "tokenizer.json"
+        p.write_text(json.dumps(tj), encoding="utf-8")
+        with pytest.raises(ValueError, match="sequence of .* pre-tokenizer splits"):
+            build_bpe_tokenizer_section(p)
 
 
 def test_special_ids_and_add_bos(qwen_style, gpt2_style):
