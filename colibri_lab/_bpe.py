@@ -12,7 +12,8 @@ exactly is accepted; anything else is refused with a ValueError naming the reaso
 * normalizer: none, or NFC (alone or as the only member of a Sequence);
 * pre-tokenizer: ByteLevel(add_prefix_space=False, use_regex=True) (the GPT-2 pattern), or
   Sequence([Split(Regex(P), "Isolated", invert=False), ByteLevel(add_prefix_space=False,
-  use_regex=False)]) where P is one of SUPPORTED_PATTERNS (GPT-2, Qwen2, Llama-3);
+  use_regex=False)]) where P is one of SUPPORTED_PATTERNS (GPT-2, Qwen2, Llama-3, o200k), or
+  DeepSeek-V3's Sequence of three Splits (DEEPSEEK_V3_SPLITS) and ByteLevel(use_regex=False);
 * decoder: ByteLevel;
 * added tokens with lstrip / rstrip / single_word = false (those options are refused).
 
@@ -49,8 +50,24 @@ QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
                  r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
                   r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
-# pattern string -> (id in the section, name)
-SUPPORTED_PATTERNS = {GPT2_PATTERN: (1, "gpt2"), QWEN2_PATTERN: (2, "qwen2"), LLAMA3_PATTERN: (3, "llama3")}
+# OpenAI o200k_base (tiktoken `pat_str`), as gpt-oss's tokenizer.json writes it
+O200K_PATTERN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+                 r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"""
+                 r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+                 r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# pattern string -> (id in the section, name); id 4 is tekken (tekken_*.json only)
+SUPPORTED_PATTERNS = {GPT2_PATTERN: (1, "gpt2"), QWEN2_PATTERN: (2, "qwen2"), LLAMA3_PATTERN: (3, "llama3"),
+                      O200K_PATTERN: (5, "o200k")}
+# DeepSeek-V3's tokenizer.json: three Isolated splits in sequence (each split applied to the
+# pieces of the one before), then ByteLevel(use_regex=False). The \r\n inside the third regex's
+# classes are the characters themselves, as the file writes them.
+DEEPSEEK_V3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^""" "\r\n" r"""\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+"""
+    "[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+)
+DEEPSEEK_V3_PATTERN_ID = 6
 # mistral-common tekken_*.json (tiktoken `pat_str`)
 TEKKEN_PATTERN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"""
                   r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"""
@@ -116,16 +133,24 @@ def _parse_pre_tokenizer(pt, path: str) -> int:
         return SUPPORTED_PATTERNS[GPT2_PATTERN][0]
     if t == "Sequence":
         items = pt.get("pretokenizers", [])
-        if len(items) == 2 and items[0].get("type") == "Split" and items[1].get("type") == "ByteLevel":
-            sp = items[0]
-            pat = sp.get("pattern", {})
-            if "Regex" not in pat:
-                raise ValueError(f"{path}: Split pre-tokenizer with a String pattern is not implemented (only Regex)")
-            if sp.get("behavior") != "Isolated" or sp.get("invert", False):
-                raise ValueError(f"{path}: Split pre-tokenizer must have behavior Isolated and invert false "
-                                 f"(got {sp.get('behavior')!r}, invert={sp.get('invert')!r})")
-            _check_byte_level(items[1], path, use_regex=False)
-            regex = pat["Regex"]
+        if len(items) >= 2 and all(it.get("type") == "Split" for it in items[:-1]) \
+                and items[-1].get("type") == "ByteLevel":
+            regexes = []
+            for sp in items[:-1]:
+                pat = sp.get("pattern", {})
+                if "Regex" not in pat:
+                    raise ValueError(f"{path}: Split pre-tokenizer with a String pattern is not implemented (only Regex)")
+                if sp.get("behavior") != "Isolated" or sp.get("invert", False):
+                    raise ValueError(f"{path}: Split pre-tokenizer must have behavior Isolated and invert false "
+                                     f"(got {sp.get('behavior')!r}, invert={sp.get('invert')!r})")
+                regexes.append(pat["Regex"])
+            _check_byte_level(items[-1], path, use_regex=False)
+            if tuple(regexes) == DEEPSEEK_V3_SPLITS:
+                return DEEPSEEK_V3_PATTERN_ID
+            if len(regexes) > 1:
+                raise ValueError(f"{path}: unsupported sequence of {len(regexes)} pre-tokenizer splits {regexes!r}; "
+                                 f"the supported sequence is DeepSeek-V3's {list(DEEPSEEK_V3_SPLITS)!r}")
+            regex = regexes[0]
             if regex not in SUPPORTED_PATTERNS:
                 raise ValueError(f"{path}: unsupported pre-tokenizer split pattern {regex!r}; "
                                  f"supported patterns are {_pattern_name_list()}")
@@ -388,7 +413,7 @@ def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
 
     The metadata has the keys of colibri_lab._spm.build_tokenizer_section's
     (tokenizer.type = "byte_level_bpe", tokenizer.bos_id / eos_id / unk_id / pad_id,
-    n_pieces) plus "tokenizer.pattern" (gpt2 / qwen2 / llama3), "tokenizer.normalizer"
+    n_pieces) plus "tokenizer.pattern" (gpt2 / qwen2 / llama3 / o200k / deepseek_v3), "tokenizer.normalizer"
     (none / NFC) and "tokenizer.special_source" (where bos/eos came from). For a tekken file
     the pattern is "tekken" and the special ids are those of <s>, </s>, <unk>, <pad>.
 
@@ -534,7 +559,7 @@ def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
         sorted(added_ids, key=lambda i: (-len(piece_b[i]), i)), [vocab[b2u[b]] for b in range(256)],
         (bos, eos, unk, pad), hflags, pattern)
 
-    pattern_name = {v[0]: v[1] for v in SUPPORTED_PATTERNS.values()}[pattern]
+    pattern_name = {v[0]: v[1] for v in SUPPORTED_PATTERNS.values()}.get(pattern, "deepseek_v3")
     meta = {
         "tokenizer.type": "byte_level_bpe",
         "tokenizer.bos_id": bos,

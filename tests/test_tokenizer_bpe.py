@@ -13,7 +13,15 @@ points, and added / special tokens inside the text.
   (a) Qwen2-style: NFC + Sequence([Split(Qwen2 regex, Isolated), ByteLevel(use_regex=False)]),
       special tokens <|endoftext|>, <|im_start|>, <|im_end|> and a normalized added token;
   (b) GPT-2-style: ByteLevel(use_regex=True), no normalizer, <|endoftext|>;
-  (c) (a)'s model with the Llama-3 split regex (\\p{N}{1,3}) and ignore_merges = true.
+  (c) (a)'s model with the Llama-3 split regex (\\p{N}{1,3}) and ignore_merges = true;
+  (d) gpt-oss-style: Sequence([Split(o200k regex, Isolated), ByteLevel(use_regex=False)]), no
+      normalizer, gpt-oss's special tokens (<|start|>, <|message|>, <|channel|>, <|end|>, ...),
+      on the shared corpus plus o200k-specific text (contractions glued to words in every
+      case, CamelCase, digit runs, marks, slashes after punctuation, \\r\\n, chat turns);
+  (e) DeepSeek-V3-style: an empty normalizer Sequence and the Sequence of three Isolated splits
+      (\\p{N}{1,3}, CJK / kana runs, the punctuation / letters regex) then ByteLevel, with
+      DeepSeek's special tokens, on the shared and (d)'s text plus CJK, kana, ASCII
+      punctuation before letters and characters outside every alternative.
 
 The tokenizers are compared on text of the Unicode version of Python's unicodedata (the
 tables' source): characters assigned later may be classified differently by `tokenizers`.
@@ -35,7 +43,8 @@ from pathlib import Path
 import pytest
 
 import colibri_lab
-from colibri_lab._bpe import LLAMA3_PATTERN, QWEN2_PATTERN, build_bpe_tokenizer_section
+from colibri_lab._bpe import (DEEPSEEK_V3_SPLITS, LLAMA3_PATTERN, O200K_PATTERN, QWEN2_PATTERN,
+                              build_bpe_tokenizer_section)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -172,7 +181,7 @@ def make_corpus(seed: int, target: int = TARGET_BYTES) -> list[str]:
 # Trained tokenizers.
 
 
-def _train(pre_tokenizer, normalizer, texts, vocab_size: int):
+def _train(pre_tokenizer, normalizer, texts, vocab_size: int, specials=SPECIALS):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -180,7 +189,7 @@ def _train(pre_tokenizer, normalizer, texts, vocab_size: int):
         tok.normalizer = normalizer
     tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     tok.add_tokens([ADDED_NORMALIZED, ADDED_RAW])
@@ -251,8 +260,8 @@ def _pair(path: Path):
 # Parity.
 
 
-def _parity(hf, ct, seed: int, label: str):
-    docs = make_corpus(seed)
+def _parity(hf, ct, seed: int, label: str, extra_docs=()):
+    docs = make_corpus(seed) + list(extra_docs)
     n_bytes = sum(len(d.encode("utf-8")) for d in docs)
     t0 = time.perf_counter()
     want = [e.ids for e in hf.encode_batch(docs, add_special_tokens=False)]
@@ -288,6 +297,184 @@ def test_llama3_style_parity(llama3_style):
     hf, ct, meta = _pair(llama3_style)
     assert meta["tokenizer.pattern"] == "llama3"
     _parity(hf, ct, 3, "llama3+ignore_merges")
+
+
+# ---------------------------------------------------------------------------------
+# gpt-oss (OpenAI o200k_base split pattern, pattern id 5).
+
+GPTOSS_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                   "<|end|>", "<|message|>", "<|call|>"]
+O200K_WORDS = ["CamelCase", "camelCase", "HTTPServer", "XMLHttpRequest", "iPhone", "McDonald", "ABCdef", "aBC",
+               "getHTTPResponseCode", "ǅungla", "ǈubljana", "ΣΊΣΥΦΟΣ", "Σίσυφος", "ПРИВЕТмир", "МирПРИВЕТ",
+               "नमस्ते", "क्षत्रिय", "हिन्दी", "ञ्ज", "e\u0301te\u0301", "E\u0301TE\u0301", "\u0301\u0301x",
+               "ʰʲ", "ʰa", "Aʰ", "ﬁﬂ", "ǅǅ", "Ⅻx", "x²", "中文Abc", "かなKANA", "가나다Abc"]
+O200K_SUFFIXES = ["'s", "'S", "'t", "'T", "'re", "'RE", "'Re", "'rE", "'ve", "'VE", "'m", "'M", "'ll", "'LL", "'Ll",
+                  "'lL", "'d", "'D", "'ſ", "n't", "N'T", "'", "''s", "'x", "'llama", "'sup", "'Dare"]
+O200K_PUNCT = ["/", "//", "./", "../", "!/", "?\r\n", ".\n", ",\r\n\r\n", "://", " /", " //x", "-->", " ...",
+               "'\n", "\"/", "(/)", "[\r/\n]", " ¿", "«»", "—/", "💡/", "©/"]
+
+
+def _o200k_doc(rng: random.Random) -> str:
+    if rng.random() < 0.15:  # a gpt-oss (harmony) chat
+        turns = []
+        for _ in range(rng.randint(1, 5)):
+            role = rng.choice(["system", "developer", "user", "assistant"])
+            chan = f"<|channel|>{rng.choice(['analysis', 'final', 'commentary'])}" if role == "assistant" else ""
+            turns.append(f"<|start|>{role}{chan}<|message|>{_prose(rng, rng.randint(5, 40))}"
+                         f"{rng.choice(['<|end|>', '<|return|>', '<|call|>'])}")
+        return "".join(turns) + rng.choice(["", "<|start|>assistant", "<|sta", "<|end|><|end|>", "<|endoftext|>"])
+    parts = []
+    for _ in range(rng.randint(20, 200)):
+        r = rng.random()
+        if r < 0.3:
+            w = rng.choice(O200K_WORDS + WORDS)
+            w = w.upper() if rng.random() < 0.15 else w
+            parts.append(w + (rng.choice(O200K_SUFFIXES) if rng.random() < 0.5 else ""))
+        elif r < 0.45:
+            parts.append(rng.choice(CONTRACTIONS))
+        elif r < 0.6:
+            parts.append("".join(rng.choice("0123456789") for _ in range(rng.randint(1, 7))))
+        elif r < 0.72:
+            parts.append(rng.choice(O200K_PUNCT))
+        elif r < 0.8:
+            parts.append(rng.choice(SCRIPTS + EMOJI))
+        elif r < 0.85:
+            parts.append(rng.choice(GPTOSS_SPECIALS))
+        elif r < 0.92:
+            parts.append(_rand_ws(rng))
+        else:
+            parts.append(rng.choice(["\r\n", "\n\n", " \r\n ", "\t\n", "  \n", "\r", "٣٤٥", "１２３４"]))
+        if rng.random() < 0.6:
+            parts.append(rng.choice([" ", " ", "", "\n", ", "]))
+    return "".join(parts)
+
+
+def _o200k_docs(seed: int, target: int) -> list[str]:
+    rng = random.Random(seed)
+    docs, total = [], 0
+    while total < target:
+        d = _o200k_doc(rng)
+        docs.append(d)
+        total += len(d.encode("utf-8"))
+    return docs
+
+
+@pytest.fixture(scope="module")
+def gptoss_style(tmp_path_factory, train_texts):
+    from tokenizers import Regex, pre_tokenizers
+
+    pt = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(O200K_PATTERN), behavior="isolated", invert=False),
+                                  pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    repo_text = [(REPO / "colibri_lab" / "_bpe.py").read_text(encoding="utf-8"),
+                 (REPO / "docs" / "format.md").read_text(encoding="utf-8")]
+    tok = _train(pt, None, train_texts + repo_text + _o200k_docs(99, 100_000), 5000, specials=GPTOSS_SPECIALS)
+    d = tmp_path_factory.mktemp("gptoss")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+                                                         "pad_token": "<|endoftext|>"}))
+    return d / "tokenizer.json"
+
+
+def test_gptoss_style_parity(gptoss_style):
+    tj = json.loads(gptoss_style.read_text(encoding="utf-8"))
+    pt = tj["pre_tokenizer"]["pretokenizers"]  # the structure gpt-oss's tokenizer.json has
+    assert pt[0] == {"type": "Split", "pattern": {"Regex": O200K_PATTERN}, "behavior": "Isolated", "invert": False}
+    assert pt[1] == {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    hf, ct, meta = _pair(gptoss_style)
+    assert meta["tokenizer.pattern"] == "o200k" and meta["tokenizer.normalizer"] == "none"
+    vocab = hf.get_vocab()
+    assert meta["tokenizer.eos_id"] == vocab["<|return|>"] and meta["tokenizer.bos_id"] == vocab["<|startoftext|>"]
+    fixed = ["don't DON'T Don'T we'Re THEY'VE she'LL it'ſ x'ſt CamelCase'S HTTPServer'LL", "getHTTPResponseCode",
+             "1 12 123 1234 12345 123456 1234567", "a/b//c ./x !/ ?\r\n\r\n", "  \r\n \n\n\t x  y   ",
+             "नमस्ते क्षत्रिय e\u0301te\u0301 ΣΊΣΥΦΟΣ's", "<|start|>user<|message|>Hi<|end|><|start|>assistant"]
+    n = _parity(hf, ct, 5, "o200k", extra_docs=fixed + _o200k_docs(6, 400_000))
+    assert n >= 1_400_000
+    for text in fixed:  # round trips
+        ids = ct.encode(text.encode("utf-8"), add_bos=False)
+        assert ids == hf.encode(text, add_special_tokens=False).ids
+        assert ct.decode_bytes(ids).decode("utf-8") == hf.decode(ids, skip_special_tokens=True)
+        assert ct.decode_bytes(ids).decode("utf-8") == "".join(
+            t for t in _split_specials(text) if t not in GPTOSS_SPECIALS)
+    assert ct.encode(b"hi", add_bos=True) == [vocab["<|startoftext|>"]] + hf.encode("hi", add_special_tokens=False).ids
+
+
+def _split_specials(text: str) -> list[str]:
+    import re
+
+    return [t for t in re.split("(" + "|".join(re.escape(s) for s in GPTOSS_SPECIALS) + ")", text) if t]
+
+
+# ---------------------------------------------------------------------------------
+# DeepSeek-V3 (a sequence of three splits, pattern id 6).
+
+DSV3_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>",
+                 "<think>", "</think>"]
+DSV3_BITS = ["中文字符", "日本語のテキスト", "カタカナ", "ひらがな", "龥龦", "㐀𠀀", "々〆", "ー", "・", "ゝゞ", "ヽヾ",
+             "한국어", ".Hello", "..Hi", "$USD", "@user", "#tag", "_private", "`code`", "{x}", "[a]", "\\n", "x.y.z",
+             "é.é", ".é", " .x", "(1+2)*3", "a1b2c3", "١٢٣٤", "Ⅻx", "x²³", "\u0301a", "a\u0301", " \u0301",
+             "\x00a", "\x00\x00a", "\u200db", "\u200d\u200d", "\x7f", "\ue000x", "¿Qué?", "«x»", "€5", "🙂x", "x🙂",
+             "\r\n\r\n", " \n ", "a\r\n", "!!\r\n", "'s", "'S", "don't", "HTTPServer", "ΣΊΣΥΦΟΣ", "नमस्ते"]
+
+
+def _dsv3_doc(rng: random.Random) -> str:
+    if rng.random() < 0.15:
+        turns = "".join(f"<｜User｜>{_prose(rng, rng.randint(3, 30))}<｜Assistant｜><think>{_prose(rng, 10)}</think>"
+                        f"{_prose(rng, rng.randint(3, 30))}<｜end▁of▁sentence｜>" for _ in range(rng.randint(1, 4)))
+        return "<｜begin▁of▁sentence｜>" + turns
+    if rng.random() < 0.5:
+        return _o200k_doc(rng)
+    return "".join(rng.choice(DSV3_BITS) + rng.choice(["", "", " ", "\n", ", ", "1", "12345"])
+                   for _ in range(rng.randint(20, 200)))
+
+
+@pytest.fixture(scope="module")
+def dsv3_style(tmp_path_factory, train_texts):
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    pt = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
+                                  for r in DEEPSEEK_V3_SPLITS]
+                                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    rng = random.Random(77)
+    tok = _train(pt, normalizers.Sequence([]), train_texts + [_dsv3_doc(rng) for _ in range(300)], 5000,
+                 specials=DSV3_SPECIALS)
+    d = tmp_path_factory.mktemp("dsv3")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<｜begin▁of▁sentence｜>",
+                                                         "eos_token": "<｜end▁of▁sentence｜>",
+                                                         "pad_token": "<｜▁pad▁｜>"}))
+    return d / "tokenizer.json"
+
+
+def test_dsv3_style_parity(dsv3_style):
+    tj = json.loads(dsv3_style.read_text(encoding="utf-8"))
+    assert tj["normalizer"] == {"type": "Sequence", "normalizers": []}
+    pts = tj["pre_tokenizer"]["pretokenizers"]  # the structure DeepSeek-V3's tokenizer.json has
+    assert [p["pattern"]["Regex"] for p in pts[:3]] == list(DEEPSEEK_V3_SPLITS)
+    assert all(p["type"] == "Split" and p["behavior"] == "Isolated" and p["invert"] is False for p in pts[:3])
+    assert pts[3] == {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    hf, ct, meta = _pair(dsv3_style)
+    assert meta["tokenizer.pattern"] == "deepseek_v3" and meta["tokenizer.normalizer"] == "none"
+    vocab = hf.get_vocab()
+    assert meta["tokenizer.bos_id"] == vocab["<｜begin▁of▁sentence｜>"]
+    rng = random.Random(8)
+    extra = DSV3_BITS + [_dsv3_doc(rng) for _ in range(1500)]
+    assert _parity(hf, ct, 7, "deepseek_v3", extra_docs=extra) >= 1_400_000
+    for text in DSV3_BITS + ["<｜User｜>你好，世界！123456<｜Assistant｜>"]:
+        ids = ct.encode(text.encode("utf-8"), add_bos=False)
+        assert ids == hf.encode(text, add_special_tokens=False).ids, text
+        assert ct.decode_bytes(ids).decode("utf-8") == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_dsv3_refusals(tmp_path, dsv3_style):
+    base = json.loads(dsv3_style.read_text(encoding="utf-8"))
+    for mut in (lambda pts: pts.pop(1), lambda pts: pts[1]["pattern"].update(Regex="[一-龥]+"),
+                lambda pts: pts.insert(0, pts[0])):
+        tj = json.loads(json.dumps(base))
+        mut(tj["pre_tokenizer"]["pretokenizers"])
+        p = tmp_path / "tokenizer.json"
+        p.write_text(json.dumps(tj), encoding="utf-8")
+        with pytest.raises(ValueError, match="sequence of .* pre-tokenizer splits"):
+            build_bpe_tokenizer_section(p)
 
 
 def test_special_ids_and_add_bos(qwen_style, gpt2_style):

@@ -7,7 +7,8 @@
  *   encode = added tokens (not normalized) split off the raw text, leftmost-longest;
  *            optional NFC normalization of the rest; added tokens (normalized) split off;
  *            the pre-tokenizer split pattern (hand-written matchers of the GPT-2, Qwen2,
- *            Llama-3 and Mistral tekken regexes, Oniguruma / fancy-regex semantics, Unicode
+ *            Llama-3, Mistral tekken, OpenAI o200k (gpt-oss) regexes and DeepSeek-V3's
+ *            sequence of three splits, Oniguruma / fancy-regex semantics, Unicode
  *            tables from unicode_tables.c);
  *            BPE per pre-token with the ranked merges (Word::merge_all: a min-heap of
  *            (rank, position), stale entries dropped by checking the merged id), or the
@@ -53,7 +54,7 @@
 #define BF_SPECIAL_SPLITS_DECODE 0x4u /* decode: each run of non-special tokens is made valid UTF-8 on its own */
 #define BF_KNOWN 0x7u
 
-enum { PAT_GPT2 = 1, PAT_QWEN2 = 2, PAT_LLAMA3 = 3, PAT_TEKKEN = 4 };
+enum { PAT_GPT2 = 1, PAT_QWEN2 = 2, PAT_LLAMA3 = 3, PAT_TEKKEN = 4, PAT_O200K = 5, PAT_DEEPSEEK_V3 = 6 };
 
 #define EMPTY64 UINT64_MAX
 #define EMPTY32 UINT32_MAX
@@ -166,10 +167,10 @@ colibri_status cb_bpe_load(cb_bpe *b, const uint8_t *data, uint64_t size, char *
         return fail(err, err_len, COLIBRI_E_UNSUPPORTED,
                     "tokenizer section: unknown byte-level BPE flag bits 0x%x (written by a newer converter?)",
                     flags & ~BF_KNOWN);
-    if (pattern < PAT_GPT2 || pattern > PAT_TEKKEN)
+    if (pattern < PAT_GPT2 || pattern > PAT_DEEPSEEK_V3)
         return fail(err, err_len, COLIBRI_E_UNSUPPORTED,
                     "tokenizer section: pre-tokenizer pattern %u is not supported by this build "
-                    "(1 gpt2, 2 qwen2, 3 llama3, 4 tekken)",
+                    "(1 gpt2, 2 qwen2, 3 llama3, 4 tekken, 5 o200k, 6 deepseek_v3)",
                     pattern);
     if (reserved != 0) return fail(err, err_len, F, "tokenizer section: reserved header bytes are not zero");
     if (merges_log2 < 1 || merges_log2 > 31 || vocab_log2 > 31 || n_merges >= ((uint64_t)1 << merges_log2) ||
@@ -553,19 +554,43 @@ static uint64_t tk_upper_lower(const uint8_t *s, uint64_t len, uint64_t q) {
     return last_w_end;
 }
 
-static uint64_t match_tekken(const uint8_t *s, uint64_t len, uint64_t pos) {
+/* (?i:'s|'t|'re|'ve|'m|'ll|'d)? at p: the end of the optional contraction suffix of o200k's
+ * letter alternatives (p itself when there is none; it never fails). */
+static uint64_t opt_contraction(const uint8_t *s, uint64_t len, uint64_t p) {
+    if (p + 1 >= len || s[p] != '\'') return p;
+    uint32_t c1, c2;
+    uint32_t l1 = dec(s, p + 1, &c1);
+    uint32_t f1 = fold_c(c1);
+    if (f1 == 's' || f1 == 't' || f1 == 'm' || f1 == 'd') return p + 1 + l1;
+    if ((f1 == 'r' || f1 == 'v' || f1 == 'l') && p + 1 + l1 < len) {
+        uint32_t l2 = dec(s, p + 1 + l1, &c2);
+        uint32_t f2 = fold_c(c2);
+        if (((f1 == 'r' || f1 == 'v') && f2 == 'e') || (f1 == 'l' && f2 == 'l')) return p + 1 + l1 + l2;
+    }
+    return p;
+}
+
+/* Tekken (o200k = 0) and OpenAI o200k (o200k = 1, gpt-oss): tekken's pattern with
+ * (?i:'s|'t|'re|'ve|'m|'ll|'d)? after both letter alternatives and \p{N}{1,3} for \p{N}:
+ * [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|...)?|
+ * [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|...)?|\p{N}{1,3}|
+ *  ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+
+ * The optional suffix cannot fail, so it never makes the regex backtrack into the letters:
+ * it is appended to the letter match tekken's rules find. */
+static uint64_t match_tekken(const uint8_t *s, uint64_t len, uint64_t pos, int o200k) {
     uint32_t c0, c1 = 0;
     uint32_t l0 = dec(s, pos, &c0);
     int p0 = tk_P(c0);
-    uint64_t e;
+    uint64_t e = 0;
     /* [P]?[U]*[W]+ */
-    if (p0 && pos + l0 < len && (e = tk_upper_lower(s, len, pos + l0)) != 0) return e;
-    if ((e = tk_upper_lower(s, len, pos)) != 0) return e;
+    if (p0 && pos + l0 < len) e = tk_upper_lower(s, len, pos + l0);
+    if (e == 0) e = tk_upper_lower(s, len, pos);
     /* [P]?[U]+[W]* */
-    if (p0 && (e = run_U(s, len, pos + l0)) > pos + l0) return run_W(s, len, e);
-    if ((e = run_U(s, len, pos)) > pos) return run_W(s, len, e);
-    /* \p{N} */
-    if (is_N(c0)) return pos + l0;
+    if (e == 0 && p0 && run_U(s, len, pos + l0) > pos + l0) e = run_W(s, len, run_U(s, len, pos + l0));
+    if (e == 0 && run_U(s, len, pos) > pos) e = run_W(s, len, run_U(s, len, pos));
+    if (e != 0) return o200k ? opt_contraction(s, len, e) : e;
+    /* \p{N} (tekken) or \p{N}{1,3} (o200k) */
+    if (is_N(c0)) return o200k ? run_N(s, len, pos, 3) : pos + l0;
     /*  ?[^\s\p{L}\p{N}]+[\r\n/]* */
     uint64_t p = len + 1;
     if (c0 == ' ' && pos + 1 < len && (dec(s, pos + 1, &c1), is_X(c1))) p = run_X(s, len, pos + 1);
@@ -576,6 +601,61 @@ static uint64_t match_tekken(const uint8_t *s, uint64_t len, uint64_t pos) {
     }
     /* \s*[\r\n]+|\s+(?!\S)|\s+ */
     return match_space(s, len, pos, 1);
+}
+
+/* DeepSeek-V3: three Isolated splits in sequence, each applied to the pieces of the one before
+ * (a piece is a match or the unmatched stretch between two matches):
+ *   1. \p{N}{1,3}
+ *   2. [\u4E00-\u9FA5\u3040-\u309F\u30A0-\u30FF]+
+ *   3. [!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|
+ *       ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+ * (Oniguruma, leftmost alternative first). */
+static inline int is_PS(uint32_t cp) { int c = cb_ucat(cp); return c >= UC_Pc && c <= UC_So; }
+static inline int is_LM(uint32_t cp) { int c = cb_ucat(cp); return (c >= UC_Lu && c <= UC_Lo) || cat_M(c); }
+static inline int ds_cjk(uint32_t cp) {
+    return (cp >= 0x4E00 && cp <= 0x9FA5) || (cp >= 0x3040 && cp <= 0x30FF);
+}
+static inline int ds_ascii_punct(uint32_t cp) {
+    return (cp >= '!' && cp <= '/') || (cp >= ':' && cp <= '@') || (cp >= '[' && cp <= '`') || (cp >= '{' && cp <= '~');
+}
+static inline int ds_ascii_alpha(uint8_t c) { return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z'); }
+static inline uint64_t run_LM(const uint8_t *s, uint64_t len, uint64_t p) {
+    uint32_t cp;
+    while (p < len) { uint32_t l = dec(s, p, &cp); if (!is_LM(cp)) break; p += l; }
+    return p;
+}
+static inline uint64_t run_PS(const uint8_t *s, uint64_t len, uint64_t p) {
+    uint32_t cp;
+    while (p < len) { uint32_t l = dec(s, p, &cp); if (!is_PS(cp)) break; p += l; }
+    return p;
+}
+
+/* Split 3 at pos: the end of its match there, or 0 when no alternative matches. */
+static uint64_t match_ds3(const uint8_t *s, uint64_t len, uint64_t pos) {
+    uint32_t c0, c1 = 0;
+    uint32_t l0 = dec(s, pos, &c0);
+    uint32_t l1 = 0;
+    if (pos + l0 < len) l1 = dec(s, pos + l0, &c1);
+    /* [ASCII punctuation][A-Za-z]+ */
+    if (ds_ascii_punct(c0) && l1 && ds_ascii_alpha(s[pos + 1])) {
+        uint64_t p = pos + 1;
+        while (p < len && ds_ascii_alpha(s[p])) p++;
+        return p;
+    }
+    /* [^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+ (a mark is in both classes: the run from pos) */
+    if (is_LM(c0)) return run_LM(s, len, pos);
+    if (c0 != '\r' && c0 != '\n' && !is_PS(c0) && l1 && is_LM(c1)) return run_LM(s, len, pos + l0);
+    /*  ?[\p{P}\p{S}]+[\r\n]* */
+    uint64_t p = 0;
+    if (is_PS(c0)) p = run_PS(s, len, pos);
+    else if (c0 == ' ' && l1 && is_PS(c1)) p = run_PS(s, len, pos + 1);
+    if (p) {
+        while (p < len && (s[p] == '\r' || s[p] == '\n')) p++;
+        return p;
+    }
+    /* \s*[\r\n]+|\s+(?!\S)|\s+ */
+    if (is_S(c0)) return match_space(s, len, pos, 1);
+    return 0;
 }
 
 /* ---- NFC ---- */
@@ -785,16 +865,69 @@ static int bpe_word(benc_t *e, const uint8_t *w, uint64_t n) {
     return 1;
 }
 
+/* Split 3 over a piece: its matches and the unmatched stretches between them, each a word. */
+static int ds_split3(benc_t *e, const uint8_t *s, uint64_t len) {
+    uint64_t gap = 0, pos = 0;
+    while (pos < len) {
+        uint64_t end = match_ds3(s, len, pos);
+        if (end == 0 || end <= pos || end > len) { /* unmatched character: part of a gap */
+            uint32_t cp;
+            pos += dec(s, pos, &cp);
+            continue;
+        }
+        if (pos > gap && !bpe_word(e, s + gap, pos - gap)) return 0;
+        if (!bpe_word(e, s + pos, end - pos)) return 0;
+        pos = gap = end;
+    }
+    if (len > gap && !bpe_word(e, s + gap, len - gap)) return 0;
+    return 1;
+}
+
+/* Split 2 (runs of CJK / kana): the runs and the stretches between them go to split 3. */
+static int ds_split2(benc_t *e, const uint8_t *s, uint64_t len) {
+    uint64_t gap = 0, pos = 0;
+    while (pos < len) {
+        uint32_t cp;
+        uint32_t l = dec(s, pos, &cp);
+        if (!ds_cjk(cp)) { pos += l; continue; }
+        uint64_t end = pos + l;
+        while (end < len && (l = dec(s, end, &cp), ds_cjk(cp))) end += l;
+        if (pos > gap && !ds_split3(e, s + gap, pos - gap)) return 0;
+        if (!ds_split3(e, s + pos, end - pos)) return 0;
+        pos = gap = end;
+    }
+    if (len > gap && !ds_split3(e, s + gap, len - gap)) return 0;
+    return 1;
+}
+
+/* Split 1 (\p{N}{1,3}): the digit groups and the stretches between them go to split 2. */
+static int ds_pretok(benc_t *e, const uint8_t *s, uint64_t len) {
+    uint64_t gap = 0, pos = 0;
+    while (pos < len) {
+        uint32_t cp;
+        uint32_t l = dec(s, pos, &cp);
+        if (!is_N(cp)) { pos += l; continue; }
+        uint64_t end = run_N(s, len, pos, 3);
+        if (pos > gap && !ds_split2(e, s + gap, pos - gap)) return 0;
+        if (!ds_split2(e, s + pos, end - pos)) return 0;
+        pos = gap = end;
+    }
+    if (len > gap && !ds_split2(e, s + gap, len - gap)) return 0;
+    return 1;
+}
+
 /* Pre-tokenize and BPE a piece of normalized text without added tokens. */
 static int pretok(benc_t *e, const uint8_t *s, uint64_t len) {
     uint64_t pos = 0;
+    if (e->b->pattern == PAT_DEEPSEEK_V3) return ds_pretok(e, s, len);
     while (pos < len) {
         uint64_t end;
         switch (e->b->pattern) {
         case PAT_GPT2: end = match_gpt2(s, len, pos); break;
         case PAT_QWEN2: end = match_qwen(s, len, pos, 1); break;
         case PAT_LLAMA3: end = match_qwen(s, len, pos, 3); break;
-        default: end = match_tekken(s, len, pos); break;
+        case PAT_TEKKEN: end = match_tekken(s, len, pos, 0); break;
+        default: end = match_tekken(s, len, pos, 1); break;
         }
         if (end <= pos || end > len) end = len; /* cannot happen; keeps the loop finite */
         if (!bpe_word(e, s + pos, end - pos)) return 0;
