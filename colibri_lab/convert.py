@@ -1,7 +1,7 @@
 """Convert a Hugging Face MoE checkpoint folder into one `.colibri` file (docs/format.md).
 
 Supported families: the entries of FAMILY_TABLE (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-DeepSeek-V2, DeepSeek-V3).
+DeepSeek-V2, DeepSeek-V3, gpt-oss).
 A family is one `Family` entry: its config keys (`Family.read`), its tensor names, and its
 choices of attention, routing, activation and RoPE; its differences (biases, q/k norms,
 clipping, dense layers, shared expert, per-layer windows, YaRN) become the format's
@@ -1508,11 +1508,11 @@ def _drop_cached_pages(fd: int) -> None:
 def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str | None = None,
             block_size: int = fmt.DEFAULT_BLOCK_SIZE, max_seq_len: int | None = None,
             progress: bool = True, tokenizer: str = "auto") -> str:
-    """Convert the Hugging Face checkpoint in `model_dir` (Mixtral, Qwen2-MoE, Qwen3-MoE or
-    OLMoE) to `output_path`.
+    """Convert the Hugging Face checkpoint in `model_dir` (a family of FAMILY_TABLE: Mixtral,
+    Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss) to `output_path`.
 
     dtype: weight dtype "f32", "f16" or "bf16" (1-D norm weights are always f32), or a
-    block-quantized mix "q8_0", "q4_k" or "q4_k_m" (docs/quantization.md, "Converter
+    block-quantized mix "q8_0", "q4_k", "q4_k_m" or "mxfp4" (docs/quantization.md, "Converter
     mixes": each weight matrix's dtype from quants.mix_dtype, llama.cpp's reference
     quantizers, routers and norms f32, every FFN in the split form; a version 2 file).
     quantize_router: None/"none" (routers in `dtype`; f32 for a quantized mix) or "int8"
