@@ -1747,7 +1747,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output_path", required=True, help="the .colibri file to write")
     p.add_argument("--dtype", choices=list(FLOAT_DTYPES + QUANT_MIXES), default=None,
                    help="weight dtype (norm weights are always f32), or a block-quantized "
-                        "mix: q8_0, q4_k, or q4_k_m (llama.cpp's Q4_K_M); default bf16")
+                        "mix: q8_0, q4_k, q4_k_m (llama.cpp's Q4_K_M) or mxfp4 (routed experts MXFP4, the rest bf16); default bf16")
     p.add_argument("--quantize_router", choices=["none", "int8"], default=None,
                    help="store router weights as int8 with per-row scale/zero; default none")
     p.add_argument("--block_size", type=int, default=None,
