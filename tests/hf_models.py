@@ -193,3 +193,21 @@ def check_bf16_checkpoint(model, load, vocab: int, top_k: int, tmp_path, what: s
     with colibri_lab.Engine(out) as eng:
         got = eng.forward(ids)
     return compare_logits(ref, got, router_logits, top_k, what)
+
+
+def patch_metadata(path, out, old: bytes, new: bytes):
+    """Copy a .colibri file to `out` with bytes `old` replaced by `new` (same length, found
+    once) inside its metadata section, the section CRC and the header CRC fixed: a file
+    whose options say something else (the engine's refusals)."""
+    import struct
+    import zlib
+
+    buf = bytearray(Path(path).read_bytes())
+    off, size, _ = struct.unpack_from("<QQI", buf, 56)
+    meta = bytes(buf[off:off + size])
+    assert meta.count(old) == 1 and len(old) == len(new)
+    buf[off:off + size] = meta.replace(old, new)
+    struct.pack_into("<I", buf, 56 + 16, zlib.crc32(buf[off:off + size]))
+    struct.pack_into("<I", buf, 252, zlib.crc32(buf[:252]))
+    out.write_bytes(bytes(buf))
+    return out

@@ -12,7 +12,6 @@ forward, greedy generation equal token for token. Tiny odd shapes: seconds in al
 from __future__ import annotations
 
 import struct
-import zlib
 
 import numpy as np
 import pytest
@@ -25,7 +24,9 @@ from colibri_lab import ColibriError  # noqa: E402
 from colibri_lab.format import inspect  # noqa: E402
 
 from hf_families import DeepseekShape, build_deepseek_model, load_deepseek_model  # noqa: E402
-from hf_models import ModelCache, check_bf16_checkpoint, hf_logits, random_ids  # noqa: E402
+from hf_models import (  # noqa: E402
+    ModelCache, check_bf16_checkpoint, hf_logits, patch_metadata, random_ids,
+)
 
 TOL = 1e-4
 
@@ -193,34 +194,23 @@ def test_kv_cache_holds_the_latent_only(models):
                                                            128 * (192 + 128) * 4 * 61))
 
 
-def _patch_metadata(path, out, old: bytes, new: bytes):
-    buf = bytearray(path.read_bytes())
-    off, size, _ = struct.unpack_from("<QQI", buf, 56)
-    meta = bytes(buf[off:off + size])
-    assert meta.count(old) == 1 and len(old) == len(new)
-    buf[off:off + size] = meta.replace(old, new)
-    struct.pack_into("<I", buf, 56 + 16, zlib.crc32(buf[off:off + size]))
-    struct.pack_into("<I", buf, 252, zlib.crc32(buf[:252]))
-    out.write_bytes(bytes(buf))
-    return out
-
 
 def test_engine_refuses_unknown_options(models, tmp_path):
     _, path = models("v3-groups")
-    bad = _patch_metadata(path, tmp_path / "r.colibri", b"sigmoid_topk", b"sigmoid_tapk")
+    bad = patch_metadata(path, tmp_path / "r.colibri", b"sigmoid_topk", b"sigmoid_tapk")
     with pytest.raises(ColibriError, match="model.routing 'sigmoid_tapk'"):
         colibri_lab.Engine(bad)
-    bad = _patch_metadata(path, tmp_path / "a.colibri", b"\x03\x00\x00\x00\x00\x00\x00\x00mla",
+    bad = patch_metadata(path, tmp_path / "a.colibri", b"\x03\x00\x00\x00\x00\x00\x00\x00mla",
                           b"\x03\x00\x00\x00\x00\x00\x00\x00mlb")
     with pytest.raises(ColibriError, match="model.attention 'mlb'"):
         colibri_lab.Engine(bad)
     # a choice another family makes: V2's router is softmax, V3's sigmoid
     v2 = models("v2-greedy")[1]
-    bad = _patch_metadata(v2, tmp_path / "v2.colibri", b"softmax_topk", b"sigmoid_topk")
+    bad = patch_metadata(v2, tmp_path / "v2.colibri", b"softmax_topk", b"sigmoid_topk")
     with pytest.raises(ColibriError, match="model.routing 'sigmoid_topk' is not a choice of the deepseek_v2"):
         colibri_lab.Engine(bad)
     # groups that cannot hold top_k experts
-    bad = _patch_metadata(path, tmp_path / "g.colibri", b"model.topk_group" + struct.pack("<II", 0, 2),
+    bad = patch_metadata(path, tmp_path / "g.colibri", b"model.topk_group" + struct.pack("<II", 0, 2),
                           b"model.topk_group" + struct.pack("<II", 0, 0))
     with pytest.raises(ColibriError, match="model.topk_group = 0"):
         colibri_lab.Engine(bad)
@@ -351,7 +341,7 @@ def test_router_options_bite(models, tmp_path):
     for what, patches in variants.items():
         src = path
         for i, (old, new) in enumerate(patches):
-            src = _patch_metadata(src, tmp_path / f"{what}-{i}.colibri".replace(" ", "_"), old, new)
+            src = patch_metadata(src, tmp_path / f"{what}-{i}.colibri".replace(" ", "_"), old, new)
         with colibri_lab.Engine(src) as eng:
             got = eng.forward(ids)
         assert float(np.max(np.abs(got - ref))) > 1e-3, what

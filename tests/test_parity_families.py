@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 
 import numpy as np
 import pytest
@@ -27,7 +26,8 @@ from colibri_lab.format import inspect  # noqa: E402
 
 from hf_families import FamilyShape, build_family_model, load_family_model  # noqa: E402
 from hf_models import (  # noqa: E402
-    ModelCache, check_bf16_checkpoint, compare_logits, hf_logits, random_ids, save_checkpoint,
+    ModelCache, check_bf16_checkpoint, compare_logits, hf_logits, patch_metadata, random_ids,
+    save_checkpoint,
 )
 
 TOL = 1e-4
@@ -153,41 +153,29 @@ def test_converter_refuses_other_families(tmp_path, model_type):
     assert not list(tmp_path.glob("*.colibri*"))
 
 
-def _patch_metadata(path, out, old: bytes, new: bytes):
-    """Replace bytes inside the metadata section (same length) and fix the CRCs."""
-    buf = bytearray(path.read_bytes())
-    off, size, _ = struct.unpack_from("<QQI", buf, 56)
-    meta = bytes(buf[off:off + size])
-    assert meta.count(old) == 1 and len(old) == len(new)
-    buf[off:off + size] = meta.replace(old, new)
-    struct.pack_into("<I", buf, 56 + 16, zlib.crc32(buf[off:off + size]))
-    struct.pack_into("<I", buf, 252, zlib.crc32(buf[:252]))
-    out.write_bytes(bytes(buf))
-    return out
-
 
 def test_engine_refuses_other_architectures_and_options(models, tmp_path):
     _, path = models("ol-noclip")
-    bad = _patch_metadata(path, tmp_path / "llama.colibri", b"olmoe", b"llama")
+    bad = patch_metadata(path, tmp_path / "llama.colibri", b"olmoe", b"llama")
     with pytest.raises(ColibriError) as e:
         colibri_lab.Engine(bad)
     msg = str(e.value)
     assert "'llama' is not supported" in msg
     assert "mixtral, qwen2_moe, qwen3_moe, olmoe" in msg
-    bad = _patch_metadata(path, tmp_path / "norm.colibri", b"full", b"fuzz")
+    bad = patch_metadata(path, tmp_path / "norm.colibri", b"full", b"fuzz")
     with pytest.raises(ColibriError, match="attn_qk_norm 'fuzz'.*none, head, full"):
         colibri_lab.Engine(bad)
     # a choice no family has, and one the file's family does not make
-    bad = _patch_metadata(path, tmp_path / "act.colibri", b"silu_glu", b"tanh_glu")
+    bad = patch_metadata(path, tmp_path / "act.colibri", b"silu_glu", b"tanh_glu")
     with pytest.raises(ColibriError, match="model.activation 'tanh_glu' is not supported.*silu_glu"):
         colibri_lab.Engine(bad)
-    bad = _patch_metadata(path, tmp_path / "route.colibri", b"softmax_topk", b"sigmoid_topk")
+    bad = patch_metadata(path, tmp_path / "route.colibri", b"softmax_topk", b"sigmoid_topk")
     with pytest.raises(ColibriError, match="model.routing 'sigmoid_topk'"):
         colibri_lab.Engine(bad)
     # All layers dense: not an MoE, and nothing would bound n_experts (which sizes the arena).
     ffn = inspect(path).metadata["model.layer_ffn"]
     key = b"model.layer_ffn" + struct.pack("<IIQ", 8, 0, len(ffn))
-    bad = _patch_metadata(path, tmp_path / "dense.colibri",
+    bad = patch_metadata(path, tmp_path / "dense.colibri",
                           key + struct.pack(f"<{len(ffn)}I", *ffn),
                           key + bytes(4 * len(ffn)))
     with pytest.raises(ColibriError, match="all .* layers dense"):

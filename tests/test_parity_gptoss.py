@@ -13,8 +13,6 @@ full forward, greedy generation equal token for token.
 
 from __future__ import annotations
 
-import struct
-import zlib
 
 import numpy as np
 import pytest
@@ -29,7 +27,8 @@ from colibri_lab.format import inspect  # noqa: E402
 
 from hf_families import FamilyShape, build_family_model, load_family_model  # noqa: E402
 from hf_models import (  # noqa: E402
-    ModelCache, check_bf16_checkpoint, compare_logits, hf_logits, random_ids, save_checkpoint,
+    ModelCache, check_bf16_checkpoint, compare_logits, hf_logits, patch_metadata, random_ids,
+    save_checkpoint,
 )
 
 TOL = 1e-4
@@ -167,29 +166,17 @@ def test_yarn_logits_and_generation(tmp_path):
     assert gen == want
 
 
-def _patch_metadata(path, out, old: bytes, new: bytes):
-    """Replace bytes inside the metadata section (same length) and fix the CRCs."""
-    buf = bytearray(path.read_bytes())
-    off, size, _ = struct.unpack_from("<QQI", buf, 56)
-    meta = bytes(buf[off:off + size])
-    assert meta.count(old) == 1 and len(old) == len(new)
-    buf[off:off + size] = meta.replace(old, new)
-    struct.pack_into("<I", buf, 56 + 16, zlib.crc32(buf[off:off + size]))
-    struct.pack_into("<I", buf, 252, zlib.crc32(buf[:252]))
-    out.write_bytes(bytes(buf))
-    return out
-
 
 def test_engine_refuses_unknown_activation_and_routing(models, tmp_path):
     _, path = models("go-tied-top1")
-    bad = _patch_metadata(path, tmp_path / "act.colibri", b"clamped_swiglu", b"clamped_gelu__")
+    bad = patch_metadata(path, tmp_path / "act.colibri", b"clamped_swiglu", b"clamped_gelu__")
     with pytest.raises(ColibriError, match="activation 'clamped_gelu__'.*silu_glu, clamped_swiglu"):
         colibri_lab.Engine(bad)
-    bad = _patch_metadata(path, tmp_path / "route.colibri", b"topk_softmax", b"topk_sigmoid")
+    bad = patch_metadata(path, tmp_path / "route.colibri", b"topk_softmax", b"topk_sigmoid")
     with pytest.raises(ColibriError, match="routing 'topk_sigmoid'.*softmax_topk, topk_softmax"):
         colibri_lab.Engine(bad)
     # a choice the engine implements but the gpt_oss family does not make
-    bad = _patch_metadata(path, tmp_path / "fam.colibri", b"topk_softmax", b"softmax_topk")
+    bad = patch_metadata(path, tmp_path / "fam.colibri", b"topk_softmax", b"softmax_topk")
     with pytest.raises(ColibriError, match="'softmax_topk' is not a choice of the gpt_oss family"):
         colibri_lab.Engine(bad)
 
