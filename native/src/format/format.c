@@ -633,16 +633,15 @@ static colibri_status read_choices(colibri_ctx *ctx, char *err, size_t len) {
         }
         *choice[a] = v;
     }
-    /* RoPE: the rotated dims (every head dim unless the attention says otherwise) and, for
-     * YaRN, the converter's [rope_dim / 2] inverse frequencies and cos/sin factor */
-    c->rope_dim = c->head_dim;
+    /* RoPE, for YaRN: the converter's [head_dim / 2] inverse frequencies (head_dim is the
+     * rotated width, MLA's qk_rope_head_dim too) and its cos/sin factor */
     c->rope_inv_freq = NULL;
     c->rope_attention_factor = 1.0f;
     if ((st = meta_opt(ctx, "model.rope_inv_freq", CB_MT_ARRAY, CB_MT_F64, &e, err, len))) return st;
     if (e) {
-        if (e->count != c->rope_dim / 2) {
+        if (e->count != c->head_dim / 2) {
             cb_set_err(err, len, "model.rope_inv_freq has %llu entries, expected %u (rotated dims / 2); " RECONVERT,
-                       (unsigned long long)e->count, c->rope_dim / 2);
+                       (unsigned long long)e->count, c->head_dim / 2);
             return COLIBRI_E_FORMAT;
         }
         for (uint64_t i = 0; i < e->count; i++) {

@@ -463,7 +463,7 @@ static void combine_chunk(void *arg, int64_t c, int tid) {
 static void stage_embedding(colibri_ctx *ctx) {
     const cb_config *c = &ctx->cfg;
     cb_scratch *s = &ctx->s;
-    int64_t T = ctx->run.T, H = c->hidden, half = c->rope_dim / 2;
+    int64_t T = ctx->run.T, H = c->hidden, half = c->head_dim / 2;
     float af = c->rope_attention_factor; /* 1 but for YaRN: cos * af, sin * af as transformers */
     cb_mat E = ctx->w.tok_embd;
     size_t rb = (size_t)cb_row_bytes(E.dt, (uint64_t)H);

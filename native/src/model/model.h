@@ -21,7 +21,8 @@ enum { CB_QKNORM_NONE = 0, CB_QKNORM_HEAD = 1, CB_QKNORM_FULL = 2 };
 typedef struct cb_config {
     uint32_t version;
     uint64_t file_size;
-    uint32_t n_layers, hidden, inter, vocab, n_heads, n_kv_heads, head_dim;
+    uint32_t n_layers, hidden, inter, vocab, n_heads, n_kv_heads;
+    uint32_t head_dim;         /* the dims RoPE rotates per head (MLA: qk_rope_head_dim) */
     uint32_t n_experts, top_k, block_size, alignment, flags;
     uint64_t file_max_seq_len;
     uint64_t max_position_embeddings;
@@ -40,8 +41,7 @@ typedef struct cb_config {
     int routing;               /* CB_ROUTE_* */
     int activation;            /* CB_ACT_* */
     int rope_type;             /* CB_ROPE_* */
-    uint32_t rope_dim;         /* dims RoPE rotates per head (head_dim for GQA) */
-    const uint8_t *rope_inv_freq; /* [rope_dim / 2] f64 in the mapped metadata (YaRN), or NULL */
+    const uint8_t *rope_inv_freq; /* [head_dim / 2] f64 in the mapped metadata (YaRN), or NULL */
     float rope_attention_factor;  /* multiplies cos and sin (YaRN's mscale); 1 otherwise */
     /* family options (docs/format.md, "Family options"); defaults are Mixtral's */
     uint32_t dense_inter;      /* width of the dense-MLP layers; 0 when every layer is MoE */

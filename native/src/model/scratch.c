@@ -18,7 +18,7 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     uint64_t B = (uint64_t)ctx->max_batch, S = (uint64_t)ctx->max_seq_len;
     uint64_t H = c->hidden, I = c->inter, V = c->vocab, E = c->n_experts, K = c->top_k;
     uint64_t Nq = (uint64_t)c->n_heads * c->head_dim, Nkv = (uint64_t)c->n_kv_heads * c->head_dim;
-    uint64_t half = c->rope_dim / 2, L = c->n_layers; /* RoPE tables: rotated dims / 2 */
+    uint64_t half = c->head_dim / 2, L = c->n_layers; /* RoPE tables: rotated dims / 2 */
     uint64_t F = c->dense_inter > c->shared_inter ? c->dense_inter : c->shared_inter;
     uint64_t R = 0, tmp = 0, kv = 0;
     cb_kv *kc = &ss->kv;
@@ -154,7 +154,7 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
             s->inv_freq[i] = (float)f;
             continue;
         }
-        float expo = (float)(2 * i) / (float)c->rope_dim;
+        float expo = (float)(2 * i) / (float)c->head_dim;
         s->inv_freq[i] = 1.0f / powf((float)c->rope_theta, expo);
     }
     kc->n_blocks = (int64_t)n_blocks;
