@@ -40,7 +40,7 @@ from pathlib import Path
 from .errors import *  # noqa: F401,F403  (the statuses and exceptions, re-exported for the binding's callers)
 from .errors import ERRORS, OK, ColibriError
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 LIB_NAME = "libcolibri.so" if sys.platform != "darwin" else "libcolibri.dylib"
 
 
@@ -81,6 +81,9 @@ class ColibriOptions(ctypes.Structure):
         ("kv_block_tokens", c_int32),
         ("kv_tokens", c_int64),
         ("precision", c_int32),
+        ("expert_cache_policy", c_int32),
+        ("expert_cache_mb", c_int64),
+        ("expert_cache_slots", c_int32),
     ]
 
 
@@ -108,6 +111,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
         [c_char_p, POINTER(ColibriOptions), POINTER(ctx_p), c_char_p, c_size_t],
     ),
     "colibri_free": (None, [ctx_p]),
+    "colibri_expert_cache_pin": (c_int, [ctx_p, c_int32, POINTER(c_int32), c_int32]),
     "colibri_last_error": (c_char_p, [ctx_p]),
     "colibri_forward": (c_int, [ctx_p, POINTER(c_int32), c_int64, POINTER(c_float)]),
     "colibri_forward_at": (

@@ -44,6 +44,9 @@ class Token:
 
 # The numeric modes, in the order of their COLIBRI_PRECISION_* codes (colibri.h).
 PRECISIONS = ("exact", "fast")
+#: Expert-cache policies (``Engine(expert_cache_policy=)``; colibri.h ``COLIBRI_CACHE_*``), in
+#: the order of their C values.
+CACHE_POLICIES = ("lru", "lfu", "pinned", "predict")
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,10 @@ class EngineConfig:
     kv_block_tokens: int  # positions per block of the paged KV cache
     kv_blocks_total: int  # blocks in the KV cache, shared by every sequence
     kv_bytes_per_token: int  # cache bytes per position, all layers (MLA: the latent rows only)
+    expert_cache_slots: int = 0  # expert-cache slots per MoE layer (0: no cache, experts mapped)
+    expert_cache_policy: str = ""  # "lru", "lfu", "pinned" or "predict"; "" without a cache
+    expert_cache_slot_bytes: int = 0  # bytes of one slot (the largest expert, 4 KiB-aligned regions)
+    expert_cache_direct: bool = False  # the cache reads with O_DIRECT (else buffered, pages dropped)
 
 
 _CONFIG_INTS = (
@@ -94,9 +101,9 @@ _CONFIG_INTS = (
     "head_dim", "n_experts", "top_k", "max_seq_len", "file_max_seq_len", "max_batch",
     "num_threads", "threads_used", "group_pad", "sliding_window", "bos_id", "eos_id", "arena_bytes",
     "file_size", "format_version", "max_seqs", "kv_block_tokens", "kv_blocks_total",
-    "kv_bytes_per_token",
+    "kv_bytes_per_token", "expert_cache_slots", "expert_cache_slot_bytes",
 )  # fmt: skip
-_CONFIG_BOOLS = ("norm_topk_prob", "tie_word_embeddings", "router_int8")
+_CONFIG_BOOLS = ("norm_topk_prob", "tie_word_embeddings", "router_int8", "expert_cache_direct")
 _CONFIG_FLOATS = ("rope_theta", "rms_norm_eps")
 _CONFIG_STRINGS = {"family": "architecture", "name": "name",
                    "weight_dtype": "weight_dtype", "router_dtype": "router_dtype",
@@ -294,6 +301,11 @@ class Engine:
 
     Options left as ``None`` take the engine's defaults (colibri.h, ``colibri_options``).
     One Engine is used by one thread at a time; distinct Engines are independent.
+
+    ``expert_cache_mb`` (or ``expert_cache_slots`` per MoE layer) puts the routed experts in a
+    cache of that size, read from the file on a miss, for models larger than memory;
+    ``expert_cache_policy`` is one of :data:`CACHE_POLICIES` (docs/expert_cache.md). The
+    logits are bitwise those of the fully mapped run.
     """
 
     def __init__(
@@ -310,6 +322,9 @@ class Engine:
         kv_tokens: int | None = None,
         kv_block_tokens: int | None = None,
         precision: str = "exact",
+        expert_cache_mb: int = 0,
+        expert_cache_policy: str = "lru",
+        expert_cache_slots: int = 0,
     ):
         self._ctx = None
         self.path = os.fspath(path)
@@ -345,6 +360,25 @@ class Engine:
                 f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}"
             )
         opt.precision = PRECISIONS.index(precision)
+        # the expert cache (docs/expert_cache.md): routed experts in this many MiB of slots
+        if isinstance(expert_cache_mb, bool) or int(expert_cache_mb) != expert_cache_mb or expert_cache_mb < 0:
+            raise _native.ColibriInvalidArgError(
+                f"expert_cache_mb must be a whole number of MiB >= 0 (0: no cache), got {expert_cache_mb!r}"
+            )
+        if expert_cache_policy not in CACHE_POLICIES:
+            raise _native.ColibriInvalidArgError(
+                f"expert_cache_policy must be one of {', '.join(map(repr, CACHE_POLICIES))}, "
+                f"got {expert_cache_policy!r}"
+            )
+        if isinstance(expert_cache_slots, bool) or int(expert_cache_slots) != expert_cache_slots or (
+            expert_cache_slots < 0
+        ):
+            raise _native.ColibriInvalidArgError(
+                f"expert_cache_slots must be a whole number >= 0 (0: from expert_cache_mb), got {expert_cache_slots!r}"
+            )
+        opt.expert_cache_slots = int(expert_cache_slots)
+        opt.expert_cache_mb = int(expert_cache_mb)
+        opt.expert_cache_policy = CACHE_POLICIES.index(expert_cache_policy)
 
         ctx = _native.ctx_p()
         err = ctypes.create_string_buffer(1024)
@@ -429,6 +463,8 @@ class Engine:
             kw.update({k: bool(self._get_int(k)) for k in _CONFIG_BOOLS})
             kw.update({k: self._get_float(k) for k in _CONFIG_FLOATS})
             kw.update({k: self._get_string(v) for k, v in _CONFIG_STRINGS.items()})
+            pol = self._get_int("expert_cache_policy")
+            kw["expert_cache_policy"] = CACHE_POLICIES[pol] if pol >= 0 else ""
             self._config = EngineConfig(**kw)
         return self._config
 
@@ -645,6 +681,30 @@ class Engine:
             rows = dict(zip((s for s, _ in work), (r[0] for r in self.batch(work)))) if work else {}
         return out
 
+    # -- the expert cache -------------------------------------------------------------
+
+    def expert_cache_stats(self) -> dict:
+        """The expert cache's counters since load: totals (``hits``, ``misses``,
+        ``prefetches``, ``prefetch_hits``, ``wasted_prefetches``, ``bytes_read``) and per
+        layer (``layer_hits``, ... as [n_layers] int64 arrays). Zeros without a cache."""
+        names = ("hits", "misses", "prefetches", "prefetch_hits", "wasted_prefetches")
+        out: dict = {n: self._get_int("expert_cache_" + n) for n in names}
+        out["bytes_read"] = self._get_int("expert_cache_bytes_read")
+        L = self.config.n_layers
+        for n in names:
+            out["layer_" + n] = np.array([self._layer_int(i, "cache_" + n) for i in range(L)], np.int64)
+        return out
+
+    def pin_experts(self, layer: int, experts) -> None:
+        """Pin ``experts`` of MoE ``layer`` in the expert cache (replacing its pinned set; an
+        empty list unpins): read now if not resident, never evicted. They must leave one of the
+        layer's ``config.expert_cache_slots`` slots free. For the ``"pinned"`` policy, e.g.
+        from a trace's most used experts (``colibri_lab.cachesim``)."""
+        ctx = self._c()
+        ids = np.ascontiguousarray(np.asarray(list(experts), dtype=np.int32).ravel())
+        ptr = ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)) if ids.size else None
+        check(lib.colibri_expert_cache_pin(ctx, int(layer), ptr, int(ids.size)), ctx=ctx)
+
     # -- observation ----------------------------------------------------------------
 
     def trace(self, capacity: int | None = None) -> "_TraceRecorder":
@@ -808,6 +868,10 @@ class _TraceRecorder:
         tr.router_probs = a("router_probs")[:, :n].copy()
         tr.topk_ids = a("topk_ids")[:, :n].copy()
         tr.topk_weights = a("topk_weights")[:, :n].copy()
+        tr.predicted_ids = a("predicted_ids")[:, :n].copy()
+        cs = a("cache_stats").copy()
+        (tr.cache_hits, tr.cache_misses, tr.cache_prefetches, tr.cache_prefetch_hits,
+         tr.cache_wasted_prefetches) = (cs[:, i].copy() for i in range(5))  # fmt: skip
         tr.shared_gate = a("shared_gate")[:, :n].copy()
         tr.group_sizes = a("group_sizes").copy()
         tr.padded_group_sizes = a("padded_group_sizes").copy()

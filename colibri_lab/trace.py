@@ -15,6 +15,12 @@ Shapes (L layers, T traced tokens, E experts, K = top-k)::
     router_probs       [L, T, E]  float32 softmax over experts (NaN rows in dense layers)
     topk_ids           [L, T, K]  int32   chosen experts, best first (-1 in dense layers)
     topk_weights       [L, T, K]  float32 their combine weights (0 in dense layers)
+    predicted_ids      [L, T, K]  int32   the expert predictor's top-k for layer l (layer l's
+                                          router on layer l-1's FFN input; -1 at layer 0 and in
+                                          dense layers): what the cache's "predict" policy reads ahead
+    cache_hits, cache_misses, cache_prefetches, cache_prefetch_hits, cache_wasted_prefetches
+                       [L]        int64   the expert cache's counters while traced (zeros
+                                          without a cache; docs/expert_cache.md)
     shared_gate        [L, T]     float32 the shared expert's scale sigmoid(g . x), 1.0 for an
                                           ungated shared expert, NaN where a layer has none
     group_sizes        [L, E]     int64   rows routed to each expert, summed over chunks
@@ -55,6 +61,15 @@ _ARRAYS = (
     "layer_is_moe",
     "timings_ns",
 )
+# Arrays that traces saved before the expert cache lack (None there).
+_OPTIONAL_ARRAYS = (
+    "predicted_ids",
+    "cache_hits",
+    "cache_misses",
+    "cache_prefetches",
+    "cache_prefetch_hits",
+    "cache_wasted_prefetches",
+)
 _SCALARS = (
     "dropped",
     "embedding_ns",
@@ -91,6 +106,12 @@ class Trace:
     model_name: str = ""
     token_texts: list[str] = field(default_factory=list)
     seq_ids: np.ndarray | None = None  # [T]; None (traces saved before sequences): all 0
+    predicted_ids: np.ndarray | None = None  # [L, T, K]; None in traces saved before it
+    cache_hits: np.ndarray | None = None  # [L] each; None in traces saved before them
+    cache_misses: np.ndarray | None = None
+    cache_prefetches: np.ndarray | None = None
+    cache_prefetch_hits: np.ndarray | None = None
+    cache_wasted_prefetches: np.ndarray | None = None
 
     def __post_init__(self):
         if self.seq_ids is None:
@@ -170,6 +191,7 @@ class Trace:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of numpy arrays and Python scalars (``token_texts`` as a list)."""
         d: dict[str, Any] = {k: getattr(self, k) for k in _ARRAYS}
+        d.update({k: getattr(self, k) for k in _OPTIONAL_ARRAYS if getattr(self, k) is not None})
         d.update({k: getattr(self, k) for k in _SCALARS})
         d["token_texts"] = list(self.token_texts)
         return d
@@ -177,7 +199,7 @@ class Trace:
     def save(self, path: str | os.PathLike | io.IOBase) -> None:
         """Write the trace as a compressed ``.npz`` (no pickles: texts as a unicode array)."""
         d = self.to_dict()
-        arrays = {k: d[k] for k in _ARRAYS}
+        arrays = {k: d[k] for k in _ARRAYS + _OPTIONAL_ARRAYS if k in d}
         for k in _SCALARS:
             arrays[k] = np.asarray(d[k])
         arrays["token_texts"] = np.asarray(d["token_texts"], dtype=np.str_)
@@ -187,7 +209,7 @@ class Trace:
     def load(cls, path: str | os.PathLike | io.IOBase) -> "Trace":
         """Read a trace written by :meth:`save`."""
         with np.load(path, allow_pickle=False) as z:
-            kw: dict[str, Any] = {k: z[k] for k in _ARRAYS if k in z.files}
+            kw: dict[str, Any] = {k: z[k] for k in _ARRAYS + _OPTIONAL_ARRAYS if k in z.files}
             for k in _SCALARS:
                 v = z[k].item()
                 kw[k] = v

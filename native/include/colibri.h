@@ -27,7 +27,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or the meaning of an argument changes; bindings check it. */
-#define COLIBRI_ABI_VERSION 5
+#define COLIBRI_ABI_VERSION 6
 /* The newest file format version this build reads. */
 /* the newest .colibri version this build reads (and every older one, from 1) */
 #define COLIBRI_FORMAT_VERSION 2
@@ -68,7 +68,23 @@ typedef struct colibri_options {
     int64_t kv_tokens;        /* positions in the shared paged KV cache (all sequences together),
                                * rounded up to whole blocks; 0: max_seq_len × max_seqs */
     int32_t precision;        /* COLIBRI_PRECISION_EXACT (0, the default) or COLIBRI_PRECISION_FAST */
+    int32_t expert_cache_policy; /* COLIBRI_CACHE_* (with expert_cache_mb > 0); 0: LRU */
+    int64_t expert_cache_mb;  /* > 0: routed experts live in this many MiB of cache slots, read from
+                               * the file on a miss (models larger than memory; docs/expert_cache.md);
+                               * 0 (the default): every expert stays mapped */
+    int32_t expert_cache_slots; /* > 0: the cache as this many slots per MoE layer instead (at most
+                               * n_experts; not with expert_cache_mb); 0: from expert_cache_mb */
 } colibri_options;
+
+/* Expert-cache policies (colibri_options.expert_cache_policy; docs/expert_cache.md). LRU:
+ * evict the least recently used expert of the layer. LFU: the least used one (counts halve
+ * every 128 steps of the layer; ties: LRU). PINNED: LRU around a pinned set per layer
+ * (colibri_expert_cache_pin; none until pinned). PREDICT: LRU, and while layer l runs,
+ * layer l+1's router applied to layer l's FFN input picks the experts read ahead for l+1. */
+#define COLIBRI_CACHE_LRU 0
+#define COLIBRI_CACHE_LFU 1
+#define COLIBRI_CACHE_PINNED 2
+#define COLIBRI_CACHE_PREDICT 3
 
 /* Numeric modes (docs/kernels.md, "Numeric modes"). EXACT: float32 activations into every
  * matmul (parity with transformers float32). FAST: the activations entering a weight matmul
@@ -92,6 +108,12 @@ COLIBRI_API colibri_status colibri_init(const char *path, colibri_ctx **out);
 COLIBRI_API colibri_status colibri_init_ex(const char *path, const colibri_options *opt,
                                            colibri_ctx **out, char *err, size_t err_len);
 COLIBRI_API void colibri_free(colibri_ctx *ctx);
+
+/* Pin experts ids[0..n) of MoE layer `layer` in the expert cache (replacing the layer's pinned
+ * set; n = 0 unpins): read now if not resident, never evicted. n must leave one slot of the
+ * layer free (n < colibri_get_int "expert_cache_slots"). COLIBRI_E_UNSUPPORTED without a cache. */
+COLIBRI_API colibri_status colibri_expert_cache_pin(colibri_ctx *ctx, int32_t layer, const int32_t *ids,
+                                                    int32_t n);
 
 /* The message of the last failed call on this context ("" if none). */
 COLIBRI_API const char *colibri_last_error(const colibri_ctx *ctx);
@@ -296,6 +318,11 @@ COLIBRI_API colibri_status colibri_trace_get_int(const colibri_trace *tr, const 
  *   "shared_gate" F32 [L, C] (sigmoid(g . x); 1 for an ungated shared expert; NaN: none)
  *   "group_sizes" I64 [L, E]  "padded_group_sizes" I64 [L, E]  (summed over chunks)
  *   "layer_ns" U64 [L, 5] (ATTENTION..COMBINE)  "stage_ns" U64 [7] (every stage, all layers)
+ *   "predicted_ids" I32 [L, C, K]: the expert predictor's top-k for each MoE layer l >= 1 (layer
+ *   l's router applied to layer l-1's FFN input; -1 for layer 0 and dense layers), recorded
+ *   while traced whatever the cache
+ *   "cache_stats" I64 [L, 5]: the expert cache's hits, misses, prefetches, prefetch hits and
+ *   wasted prefetches per layer while attached (zeros without a cache)
  * Only the first "tokens" entries along a C axis are valid. The pointer stays valid until
  * colibri_trace_free. */
 COLIBRI_API colibri_status colibri_trace_array(const colibri_trace *tr, const char *name,

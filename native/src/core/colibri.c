@@ -35,6 +35,8 @@ void colibri_options_init(colibri_options *opt) {
     opt->max_seq_len = 0;
     opt->max_batch = 0;
     opt->populate = COLIBRI_POPULATE_AUTO;
+    opt->expert_cache_policy = COLIBRI_CACHE_LRU;
+    opt->expert_cache_mb = 0;
     opt->group_pad = 1;
     opt->verify_checksums = 0;
     opt->precision = COLIBRI_PRECISION_EXACT;
@@ -48,6 +50,7 @@ void colibri_free(colibri_ctx *ctx) {
     if (!ctx) return;
     if (ctx->trace) ctx->trace->owner = NULL; /* the trace outlives its context */
     cb_pool_free(ctx->pool);
+    cb_ecache_free(ctx->ecache); /* before the mapping and the file it reads */
     if (ctx->tok) {
         if (ctx->tok_loaded) cb_tokenizer_unload(ctx->tok);
         free(ctx->tok);
@@ -103,6 +106,52 @@ static int populate_auto(uint64_t size) {
  * with MADV_HUGEPAGE it reads uncached parts of the file in 2 MiB folios. Both requests are
  * advisory: where they fail, the mapping works with small pages. populate pre-faults the
  * whole file (after the advice, so that the faults already use huge folios). */
+/* Fault in [p, p + n) of the mapping (MADV_POPULATE_READ; older kernels: touch each page). */
+static void prefault(const void *p, size_t n) {
+    int done = 0;
+#ifdef MADV_POPULATE_READ
+    done = madvise((void *)p, n, MADV_POPULATE_READ) == 0;
+#endif
+    if (!done) {
+        volatile const uint8_t *b = (const uint8_t *)p;
+        uint8_t sink = 0;
+        for (size_t i = 0; i < n; i += 4096) sink ^= b[i];
+        (void)sink;
+    }
+}
+
+/* The file's bytes outside the expert cache's ranges (all of it without a cache). */
+static uint64_t dense_bytes(const colibri_ctx *ctx) {
+    uint64_t e = ctx->ecache ? cb_ecache_expert_bytes(ctx->ecache) : 0;
+    return ctx->map_size > e ? ctx->map_size - e : 0;
+}
+
+static int range_cmp(const void *a, const void *b) {
+    const uint64_t *x = a, *y = b;
+    return x[0] < y[0] ? -1 : x[0] > y[0];
+}
+
+/* Pre-fault the mapping but for the cached experts' ranges (whole pages strictly inside a
+ * range are left out), a range of pages at a time. */
+static void populate_dense(colibri_ctx *ctx) {
+    int n = cb_ecache_ranges(ctx->ecache, NULL, 0);
+    uint64_t (*r)[2] = malloc((size_t)(n + 1) * sizeof *r);
+    if (!r) return; /* advisory: pages then fault in on first use */
+    n = cb_ecache_ranges(ctx->ecache, r, n);
+    qsort(r, (size_t)n, sizeof *r, range_cmp);
+    long pg = sysconf(_SC_PAGESIZE);
+    uint64_t page = pg > 0 ? (uint64_t)pg : 4096, at = 0;
+    for (int i = 0; i <= n; i++) {
+        uint64_t end = i < n ? (r[i][0] + page - 1) / page * page : ctx->map_size;
+        if (end > at) prefault(ctx->map + at, (size_t)(end - at));
+        if (i < n) {
+            uint64_t next = (r[i][0] + r[i][1]) / page * page;
+            if (next > at) at = next;
+        }
+    }
+    free(r);
+}
+
 static void *map_weights(int fd, size_t size, int populate) {
     const size_t huge = (size_t)2 << 20;
     void *m = MAP_FAILED;
@@ -125,18 +174,7 @@ static void *map_weights(int fd, size_t size, int populate) {
 #ifdef MADV_HUGEPAGE
     (void)madvise(m, size, MADV_HUGEPAGE);
 #endif
-    if (populate) {
-        int done = 0;
-#ifdef MADV_POPULATE_READ
-        done = madvise(m, size, MADV_POPULATE_READ) == 0;
-#endif
-        if (!done) { /* older kernels: touch every page */
-            volatile const uint8_t *p = (const uint8_t *)m;
-            uint8_t sink = 0;
-            for (size_t i = 0; i < size; i += 4096) sink ^= p[i];
-            (void)sink;
-        }
-    }
+    if (populate) prefault(m, size);
     return m;
 }
 
@@ -228,8 +266,18 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
         cb_set_err(err, err_len, "'%s' is too large to map on this machine", path);
         return init_fail(ctx, COLIBRI_E_IO, err, err_len);
     }
-    if (opt.populate == COLIBRI_POPULATE_AUTO) opt.populate = populate_auto((uint64_t)stt.st_size);
-    void *m = map_weights(fd, (size_t)stt.st_size, opt.populate);
+    if (opt.expert_cache_mb < 0 || opt.expert_cache_slots < 0 || (opt.expert_cache_mb > 0 && opt.expert_cache_slots > 0)) {
+        cb_set_err(err, err_len, "invalid options: expert_cache_mb %lld and expert_cache_slots %d must be >= 0 and "
+                   "not both set (0 and 0: no expert cache)", (long long)opt.expert_cache_mb, opt.expert_cache_slots);
+        return init_fail(ctx, COLIBRI_E_INVALID_ARG, err, err_len);
+    }
+    int cache = opt.expert_cache_mb > 0 || opt.expert_cache_slots > 0;
+    /* with an expert cache the routed experts are read, never faulted in: the dense part is
+     * pre-faulted after the load, when the populate choice is known to be about it */
+    int populate_all = cache ? 0
+                       : opt.populate == COLIBRI_POPULATE_AUTO ? populate_auto((uint64_t)stt.st_size)
+                                                               : opt.populate;
+    void *m = map_weights(fd, (size_t)stt.st_size, populate_all);
     if (m == MAP_FAILED) {
         cb_set_err(err, err_len, "cannot map '%s' (%lld bytes): %s", path, (long long)stt.st_size,
                    strerror(errno));
@@ -268,6 +316,15 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     ctx->kv_block_tokens = opt.kv_block_tokens == 0 ? 32 : opt.kv_block_tokens;
     /* every sequence can reach max_seq_len unless the caller budgets the pool smaller */
     ctx->kv_tokens = opt.kv_tokens == 0 ? ctx->max_seq_len * ctx->max_seqs : opt.kv_tokens;
+    if (cache) {
+        st = cb_ecache_init(ctx, path, opt.expert_cache_mb, opt.expert_cache_slots, opt.expert_cache_policy,
+                            &ctx->ecache, err, err_len);
+        if (st != COLIBRI_OK) return init_fail(ctx, st, err, err_len);
+        if (opt.populate == COLIBRI_POPULATE_AUTO) opt.populate = populate_auto(dense_bytes(ctx));
+        if (opt.populate) populate_dense(ctx);
+    } else {
+        opt.populate = populate_all;
+    }
     ctx->populate = opt.populate;
     if (opt.num_threads == 0) ctx->num_threads = cb_physical_cores(); /* core/threadpool.c */
     else ctx->num_threads = opt.num_threads > 1024 ? 1024 : opt.num_threads;
@@ -314,6 +371,18 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
         }
     }
     *out = ctx;
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_expert_cache_pin(colibri_ctx *ctx, int32_t layer, const int32_t *ids, int32_t n) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (!ctx->ecache)
+        return cb_fail(ctx, COLIBRI_E_UNSUPPORTED, "colibri_expert_cache_pin: this context has no expert cache "
+                       "(open it with expert_cache_mb > 0)");
+    char err[CB_ERR_LEN];
+    colibri_status st = cb_ecache_pin(ctx->ecache, layer, ids, n, err, sizeof err);
+    if (st != COLIBRI_OK) return cb_fail(ctx, st, "colibri_expert_cache_pin: %s", err);
+    ctx->run.stage = -1; /* a stage run in progress is abandoned */
     return COLIBRI_OK;
 }
 
@@ -455,6 +524,16 @@ colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t
         {"block_size", c->block_size},
         {"unk_id", c->unk_id},
         {"pad_id", c->pad_id},
+        {"expert_cache_slots", ctx->ecache ? cb_ecache_slots(ctx->ecache) : 0},
+        {"expert_cache_policy", ctx->ecache ? cb_ecache_policy(ctx->ecache) : -1},
+        {"expert_cache_slot_bytes", ctx->ecache ? (int64_t)cb_ecache_slot_bytes(ctx->ecache) : 0},
+        {"expert_cache_direct", ctx->ecache ? cb_ecache_direct(ctx->ecache) : 0},
+        {"expert_cache_bytes_read", ctx->ecache ? (int64_t)cb_ecache_bytes_read(ctx->ecache) : 0},
+        {"expert_cache_hits", ctx->ecache ? cb_ecache_stat(ctx->ecache, -1, CB_EC_HITS) : 0},
+        {"expert_cache_misses", ctx->ecache ? cb_ecache_stat(ctx->ecache, -1, CB_EC_MISSES) : 0},
+        {"expert_cache_prefetches", ctx->ecache ? cb_ecache_stat(ctx->ecache, -1, CB_EC_PREFETCHES) : 0},
+        {"expert_cache_prefetch_hits", ctx->ecache ? cb_ecache_stat(ctx->ecache, -1, CB_EC_PREFETCH_HITS) : 0},
+        {"expert_cache_wasted_prefetches", ctx->ecache ? cb_ecache_stat(ctx->ecache, -1, CB_EC_WASTED) : 0},
     };
     for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++) {
         if (strcmp(tab[i].n, name) == 0) {
@@ -476,6 +555,14 @@ colibri_status colibri_get_layer_int(const colibri_ctx *ctx, int32_t layer, cons
     else if (strcmp(name, "window") == 0) *out = L->window;
     else if (strcmp(name, "shared_expert") == 0) *out = L->moe && L->has_shared;
     else if (strcmp(name, "shared_gate") == 0) *out = L->moe && L->shared_gate.w != NULL;
+    else if (strcmp(name, "cache_hits") == 0) *out = ctx->ecache ? cb_ecache_stat(ctx->ecache, layer, CB_EC_HITS) : 0;
+    else if (strcmp(name, "cache_misses") == 0) *out = ctx->ecache ? cb_ecache_stat(ctx->ecache, layer, CB_EC_MISSES) : 0;
+    else if (strcmp(name, "cache_prefetches") == 0)
+        *out = ctx->ecache ? cb_ecache_stat(ctx->ecache, layer, CB_EC_PREFETCHES) : 0;
+    else if (strcmp(name, "cache_prefetch_hits") == 0)
+        *out = ctx->ecache ? cb_ecache_stat(ctx->ecache, layer, CB_EC_PREFETCH_HITS) : 0;
+    else if (strcmp(name, "cache_wasted_prefetches") == 0)
+        *out = ctx->ecache ? cb_ecache_stat(ctx->ecache, layer, CB_EC_WASTED) : 0;
     else return unknown_name(ctx, "colibri_get_layer_int", name);
     return COLIBRI_OK;
 }

@@ -17,6 +17,7 @@
 #include "cpu/fast.h"
 #include "cpu/kernels.h"
 #include "format/format.h"
+#include "model/expert_cache.h"
 #include "model/forward.h"
 #include "model/model.h"
 
@@ -42,6 +43,7 @@ struct colibri_ctx {
     const cb_fast_kernels *fast; /* fast mode's table (cpu/fast.h); NULL in exact mode */
     char kernels_desc[96];   /* colibri_get_string "kernels": the table, and in fast mode its fast paths */
     cb_pool *pool;           /* num_threads threads (the caller is thread 0), heap (init-time) */
+    cb_ecache *ecache;       /* the expert cache (model/expert_cache.h), or NULL: experts mapped */
     /* arena */
     void *arena;             /* [arena_bytes], 2 MiB aligned, the one run-time allocation */
     uint64_t arena_bytes;

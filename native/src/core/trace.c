@@ -39,6 +39,8 @@ colibri_status colibri_trace_create(const colibri_ctx *ctx, int64_t capacity, co
         {(void **)&tr->router_probs, lc, 4 * E, "router_probs"},
         {(void **)&tr->topk_ids, lc, 4 * K, "topk_ids"},
         {(void **)&tr->topk_w, lc, 4 * K, "topk_weights"},
+        {(void **)&tr->pred_ids, lc, 4 * K, "predicted_ids"},
+        {(void **)&tr->cache_stats, L * CB_EC_N_STATS, 8, "cache_stats"},
         {(void **)&tr->shared_gate, lc, 4, "shared_gate"},
         {(void **)&tr->token_ids, C, 4, "token_ids"},
         {(void **)&tr->seq_ids, C, 4, "seq_ids"},
@@ -84,6 +86,7 @@ void colibri_trace_reset(colibri_trace *tr) {
     memset(tr->group_sizes, 0, LE * 8);
     memset(tr->padded_sizes, 0, LE * 8);
     memset(tr->layer_ns, 0, (uint64_t)tr->n_layers * 5 * 8);
+    memset(tr->cache_stats, 0, (uint64_t)tr->n_layers * CB_EC_N_STATS * 8);
     memset(tr->stage_ns, 0, sizeof tr->stage_ns);
     tr->n_tokens = tr->dropped = tr->n_forwards = tr->chunk_base = 0;
 }
@@ -135,6 +138,8 @@ colibri_status colibri_trace_array(const colibri_trace *tr, const char *name, co
         {"router_probs", tr->router_probs, COLIBRI_DTYPE_F32, 3, {L, C, E}},
         {"topk_ids", tr->topk_ids, COLIBRI_DTYPE_I32, 3, {L, C, K}},
         {"topk_weights", tr->topk_w, COLIBRI_DTYPE_F32, 3, {L, C, K}},
+        {"predicted_ids", tr->pred_ids, COLIBRI_DTYPE_I32, 3, {L, C, K}},
+        {"cache_stats", tr->cache_stats, COLIBRI_DTYPE_I64, 2, {L, CB_EC_N_STATS, 0}},
         {"shared_gate", tr->shared_gate, COLIBRI_DTYPE_F32, 2, {L, C, 0}},
         {"group_sizes", tr->group_sizes, COLIBRI_DTYPE_I64, 2, {L, E, 0}},
         {"padded_group_sizes", tr->padded_sizes, COLIBRI_DTYPE_I64, 2, {L, E, 0}},

@@ -26,6 +26,8 @@ struct colibri_trace {
     int64_t *group_sizes;       /* [L, E] */
     int64_t *padded_sizes;      /* [L, E] */
     uint64_t *layer_ns;         /* [L, 5] ATTENTION..COMBINE */
+    int32_t *pred_ids;          /* [L, C, K] the predictor's experts for each layer (-1: none) */
+    int64_t *cache_stats;       /* [L, CB_EC_N_STATS] the expert cache's counters while attached */
     uint64_t stage_ns[COLIBRI_N_STAGES];
     void *mem;
 };

@@ -585,6 +585,81 @@ static void stage_grouping(colibri_ctx *ctx, uint32_t l) {
     }
 }
 
+/* The job of expert e's group (its rows of ex_in / ex_h / ex_out) through the FFN f. */
+static ffn_job expert_job(const colibri_ctx *ctx, const cb_ffn *f, int64_t e) {
+    const cb_scratch *s = &ctx->s;
+    int64_t H = ctx->cfg.hidden, I = ctx->cfg.inter;
+    int64_t r0 = s->expert_offset[e], R = s->expert_offset[e + 1] - r0;
+    return (ffn_job){s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, f, e, R, I, 0, 0, 0, 0, NULL,
+                     ctx->cfg.activation == CB_ACT_CLAMPED_SWIGLU ? s->ex_up + r0 * I : NULL};
+}
+
+/* The expert predictor: layer l+1's router applied to layer l's FFN input (the residual
+ * after layer l's attention, normed with layer l+1's ffn_norm), top-k of its logits plus its
+ * choice bias (group limits ignored) into s->pred_ids, for a trace and for the cache's
+ * PREDICT policy (which reads those experts ahead). Run where layer l's FFN input is still
+ * in s->x (with a cache: after layer l's plan, so its reads go first). Nothing it computes
+ * reaches the logits. */
+static void predict_next(colibri_ctx *ctx, uint32_t l) {
+    const cb_config *c = &ctx->cfg;
+    cb_scratch *s = &ctx->s;
+    ctx->run.pred_layer = -1;
+    if (l + 1 >= c->n_layers || !ctx->w.layers[l + 1].moe) return;
+    int prefetch = ctx->ecache && cb_ecache_policy(ctx->ecache) == COLIBRI_CACHE_PREDICT;
+    if (!ctx->trace && !prefetch) return;
+    const cb_layer *N = &ctx->w.layers[l + 1];
+    int64_t T = ctx->run.T, H = c->hidden, E = c->n_experts, K = c->top_k;
+    ctx->kern->rmsnorm(s->pred_xn, s->x, N->ffn_norm, T, H, (float)c->rms_norm_eps);
+    if (c->router_int8)
+        ctx->kern->matmul_i8(s->pred_logits, s->pred_xn, (const int8_t *)N->router, N->router_scale,
+                             N->router_zero, T, E, H);
+    else
+        ctx->kern->matmul(s->pred_logits, s->pred_xn, N->router, c->router_dtype, T, E, H);
+    for (int64_t t = 0; t < T; t++) {
+        float *row = s->pred_logits + t * E;
+        for (int64_t e = 0; e < E; e++)
+            row[e] += (N->router_b ? N->router_b[e] : 0.0f) + (N->router_bias ? N->router_bias[e] : 0.0f);
+        topk_desc(row, E, K, s->pred_ids + t * K, s->pred_w + t * K);
+    }
+    ctx->run.pred_layer = (int32_t)(l + 1);
+    if (prefetch) cb_ecache_prefetch(ctx->ecache, l + 1, s->pred_ids, (int)(T * K));
+}
+
+/* The routed experts of MoE layer l through the expert cache (model/expert_cache.h): the
+ * plan starts the reads of the misses, the predictor reads ahead for layer l+1, and each
+ * batch of loaded experts runs from its slot while the other reads go on. The same jobs as
+ * without a cache, in other batches: every group's rows are its own, so the bits agree. */
+static void expert_ffn_cached(colibri_ctx *ctx, uint32_t l) {
+    cb_scratch *s = &ctx->s;
+    const cb_ffn *f = &ctx->w.layers[l].experts;
+    int32_t *order, *ready;
+    uint8_t *done;
+    cb_ecache_buffers(ctx->ecache, &order, &ready, &done);
+    cb_ffn views[CB_FFN_BATCH];
+    ffn_job jobs[CB_FFN_BATCH];
+    int n = cb_ecache_plan(ctx->ecache, l, s->expert_count, order), left = n;
+    memset(done, 0, (size_t)n);
+    predict_next(ctx, l);
+    while (left > 0) {
+        int m = cb_ecache_wait(ctx->ecache, l, order, done, n, ready);
+        for (int i0 = 0; i0 < m; i0 += CB_FFN_BATCH) {
+            int nb = m - i0 < CB_FFN_BATCH ? m - i0 : CB_FFN_BATCH;
+            for (int j = 0; j < nb; j++) {
+                int32_t e = order[ready[i0 + j]];
+                cb_ecache_view(ctx->ecache, l, e, f, ctx->cfg.hidden, &views[j]);
+                jobs[j] = expert_job(ctx, &views[j], e);
+                jobs[j].e = 0; /* the view's expert 0 is e */
+            }
+            par_ffn(ctx, jobs, nb);
+            for (int j = 0; j < nb; j++) {
+                done[ready[i0 + j]] = 1;
+                cb_ecache_ran(ctx->ecache, l, order[ready[i0 + j]]);
+            }
+        }
+        left -= m;
+    }
+}
+
 /* Each non-empty expert group as one packed FFN over its rows; the shared expert and its
  * gate (sh_gate ends as sigmoid values); or a dense layer's MLP straight into delta. */
 static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
@@ -592,25 +667,29 @@ static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
     const cb_kernels *K = ctx->kern;
     const cb_layer *L = &ctx->w.layers[l];
     cb_scratch *s = &ctx->s;
-    int64_t T = ctx->run.T, H = c->hidden, I = c->inter, E = c->n_experts;
+    int64_t T = ctx->run.T, H = c->hidden, E = c->n_experts;
     ffn_job jobs[CB_FFN_BATCH]; /* non-empty groups, run CB_FFN_BATCH at a time */
     int n_jobs = 0;
     if (!L->moe) {
+        predict_next(ctx, l);
         fast_round(ctx, s->xn, T * H, ffn_bf16(&L->dense));
         jobs[0] = (ffn_job){s->delta, s->ffn_h, s->xn, &L->dense, 0, T, c->dense_inter, 0, 0, 0, 0, NULL, NULL};
         par_ffn(ctx, jobs, 1);
         return;
     }
-    for (int64_t e = 0; e < E; e++) {
-        int64_t r0 = s->expert_offset[e], R = s->expert_offset[e + 1] - r0;
-        if (R == 0) continue;
-        jobs[n_jobs++] = (ffn_job){s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, &L->experts, e, R, I,
-                                   0, 0, 0, 0, NULL,
-                                   c->activation == CB_ACT_CLAMPED_SWIGLU ? s->ex_up + r0 * I : NULL};
-        if (n_jobs == CB_FFN_BATCH) {
-            par_ffn(ctx, jobs, n_jobs);
-            n_jobs = 0;
+    if (ctx->ecache) {
+        expert_ffn_cached(ctx, l);
+    } else {
+        for (int64_t e = 0; e < E; e++) {
+            int64_t r0 = s->expert_offset[e], R = s->expert_offset[e + 1] - r0;
+            if (R == 0) continue;
+            jobs[n_jobs++] = expert_job(ctx, &L->experts, e);
+            if (n_jobs == CB_FFN_BATCH) {
+                par_ffn(ctx, jobs, n_jobs);
+                n_jobs = 0;
+            }
         }
+        predict_next(ctx, l);
     }
     /* routed sum + sigmoid(g . x) * shared(x), as transformers' Qwen2-MoE */
     if (L->has_shared)
@@ -695,6 +774,11 @@ static void trace_record(colibri_ctx *ctx, int32_t stage, uint32_t l) {
         float *probs = tr->router_probs + ((int64_t)l * C + base) * E;
         int32_t *ids = tr->topk_ids + ((int64_t)l * C + base) * K;
         float *w = tr->topk_w + ((int64_t)l * C + base) * K;
+        int32_t *pred = tr->pred_ids + ((int64_t)l * C + base) * K;
+        if (L->moe && ctx->run.pred_layer == (int32_t)l)
+            memcpy(pred, s->pred_ids, (size_t)(keep * K) * sizeof(int32_t));
+        else
+            for (int64_t i = 0; i < keep * K; i++) pred[i] = -1;
         if (L->moe) {
             memcpy(probs, s->router_probs, (size_t)(keep * E) * sizeof(float));
             memcpy(ids, s->topk_ids, (size_t)(keep * K) * sizeof(int32_t));
@@ -735,6 +819,12 @@ static void trace_record(colibri_ctx *ctx, int32_t stage, uint32_t l) {
  * but one pointer test when none is attached. */
 static void run_stage(colibri_ctx *ctx, int32_t stage, uint32_t l, float *logits) {
     uint64_t t0 = ctx->trace ? now_ns() : 0;
+    /* the cache's counters move in layer l's expert FFN, and layer l+1's (its prefetches) */
+    int64_t before[2][CB_EC_N_STATS] = {{0}};
+    int count_cache = ctx->trace && ctx->ecache && stage == COLIBRI_STAGE_EXPERT_FFN;
+    if (count_cache)
+        for (int j = 0; j < 2; j++)
+            for (int k = 0; k < CB_EC_N_STATS; k++) before[j][k] = cb_ecache_stat(ctx->ecache, (int32_t)l + j, k);
     switch (stage) {
     case COLIBRI_STAGE_EMBEDDING: stage_embedding(ctx); break;
     case COLIBRI_STAGE_ATTENTION: stage_attention(ctx, l); break;
@@ -751,6 +841,10 @@ static void run_stage(colibri_ctx *ctx, int32_t stage, uint32_t l, float *logits
         if (stage >= COLIBRI_STAGE_ATTENTION && stage <= COLIBRI_STAGE_COMBINE)
             tr->layer_ns[(int64_t)l * 5 + (stage - COLIBRI_STAGE_ATTENTION)] += dt;
         trace_record(ctx, stage, l);
+        for (uint32_t j = 0; count_cache && j < 2 && l + j < ctx->cfg.n_layers; j++)
+            for (int k = 0; k < CB_EC_N_STATS; k++)
+                tr->cache_stats[(int64_t)(l + j) * CB_EC_N_STATS + k] +=
+                    cb_ecache_stat(ctx->ecache, (int32_t)(l + j), k) - before[j][k];
     }
 }
 
@@ -781,6 +875,7 @@ static void run_setup(colibri_ctx *ctx, const int32_t *ids, int64_t T, int32_t s
     ctx->run.layer = -1;
     ctx->run.head_rows = T;
     ctx->run.att_layer = -1;
+    ctx->run.pred_layer = -1;
     run_segments(ctx);
 }
 
@@ -943,6 +1038,8 @@ colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t 
         ctx->run.layer = -1;
         ctx->run.head_rows = R;
         ctx->run.att_layer = -1;
+        ctx->run.pred_layer = -1;
+    ctx->run.pred_layer = -1;
         run_segments(ctx);
         float *lg = R ? logits + done_logits * V : NULL;
         run_chunk(ctx, lg);

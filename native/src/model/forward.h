@@ -74,6 +74,11 @@ typedef struct cb_scratch {
     float *route_group;  /* [E] group scores (n_group <= E) */
     uint8_t *route_skip; /* [2E] expert mask, then a group/in-group mask */
     float *down_part;    /* [down_part_rows, H] per-block partial sums of few-row down projections */
+    /* the expert predictor (forward.c predict_next): layer l+1's router on layer l's FFN input */
+    float *pred_xn;      /* [B, H] */
+    float *pred_logits;  /* [B, E] */
+    int32_t *pred_ids;   /* [B, top_k] the experts expected at the next layer, best first */
+    float *pred_w;       /* [B, top_k] */
     int64_t down_part_rows;
     int64_t max_rows;    /* R */
 } cb_scratch;
@@ -86,6 +91,7 @@ typedef struct cb_run {
     int32_t layer;      /* layer of the next stage, -1 outside the layers */
     int64_t head_rows;  /* LM_HEAD computes logits for rows s->head_idx[0 .. head_rows) */
     int32_t att_layer;  /* the layer whose ATTENTION stage ran last in this chunk, -1 none */
+    int32_t pred_layer; /* the layer s->pred_ids were predicted for, -1 none */
 } cb_run;
 
 /* What lasts between calls: the sequences and their paged KV cache (model/kv.h). */
