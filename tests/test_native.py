@@ -43,6 +43,12 @@ def test_no_allocation_in_fast_forward(native_tests, model_file):
     run_ok(native_tests / "test_noalloc", model_file, "fast")
 
 
+def test_no_allocation_with_expert_cache(native_tests, model_file):
+    """Through a 1-slot expert cache with prefetch: misses wait for the I/O thread's reads,
+    and neither thread allocates."""
+    run_ok(native_tests / "test_noalloc", model_file, "cache")
+
+
 def test_file_checks(native_tests, tmp_path):
     """test_format mutates its model many times: a small one without a tokenizer keeps it
     quick (the tokenizer section has its own C and Python tests)."""

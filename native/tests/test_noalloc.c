@@ -9,7 +9,7 @@
  * the count) if anything allocated. Without argv[1] (or on a non-glibc libc) it skips
  * (prints a note and returns 77, which ctest reports as skipped: SKIP_RETURN_CODE in
  * native/CMakeLists.txt), so that ctest without a model file stays green. An argv[2] of
- * "fast" runs the fast numeric mode (colibri_options.precision).
+ * "fast" runs the fast numeric mode (colibri_options.precision), "cache" the expert cache.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -97,6 +97,12 @@ int main(int argc, char **argv) {
     opt.kv_block_tokens = 3; /* small blocks: growth crosses blocks, forks copy on write */
     /* argv[2] "fast": the fast numeric mode, whose kernels keep their tiles on the stack */
     if (argc > 2 && strcmp(argv[2], "fast") == 0) opt.precision = COLIBRI_PRECISION_FAST;
+    /* argv[2] "cache": routed experts through a 1-slot expert cache with the predictor (the
+     * I/O thread's reads, misses waiting for them, prefetches) */
+    if (argc > 2 && strcmp(argv[2], "cache") == 0) {
+        opt.expert_cache_slots = 1;
+        opt.expert_cache_policy = COLIBRI_CACHE_PREDICT;
+    }
     colibri_ctx *ctx = NULL;
     char err[512];
     colibri_status st = colibri_init_ex(argv[1], &opt, &ctx, err, sizeof err);
