@@ -72,10 +72,61 @@ static colibri_status init_fail(colibri_ctx *ctx, colibri_status st, char *err, 
     return st;
 }
 
+/* What this process's memory cgroup still lets it hold (limit - usage; v2 memory.max /
+ * memory.current, or v1 memory.limit_in_bytes / memory.usage_in_bytes), or UINT64_MAX when
+ * it sets no limit or none can be read. A container's page cache counts against its limit,
+ * so a file under half of the host's memory can still be larger than the container's. */
+static int read_u64_file(const char *dir, const char *name, uint64_t *out) {
+    char path[640];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "re");
+    if (!f) return 0;
+    unsigned long long v = 0;
+    int ok = fscanf(f, "%llu", &v) == 1;
+    fclose(f);
+    if (ok) *out = (uint64_t)v;
+    return ok;
+}
+
+static uint64_t cgroup_room(void) {
+    FILE *f = fopen("/proc/self/cgroup", "re");
+    if (!f) return UINT64_MAX;
+    char line[512], dir[600];
+    uint64_t room = UINT64_MAX;
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        char *path = NULL;
+        const char *base = NULL, *lim = NULL, *use = NULL;
+        if (strncmp(line, "0::", 3) == 0) { /* v2 */
+            path = line + 3;
+            base = "/sys/fs/cgroup";
+            lim = "memory.max";
+            use = "memory.current";
+        } else {
+            char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+            if (!c2) continue;
+            *c2 = 0;
+            if (!strstr(c1 + 1, "memory")) continue; /* v1: the memory controller's line */
+            path = c2 + 1;
+            base = "/sys/fs/cgroup/memory";
+            lim = "memory.limit_in_bytes";
+            use = "memory.usage_in_bytes";
+        }
+        uint64_t l = 0, u = 0;
+        snprintf(dir, sizeof dir, "%s%s", base, path);
+        if (read_u64_file(dir, lim, &l) && read_u64_file(dir, use, &u) && l < ((uint64_t)1 << 62)) {
+            uint64_t r = l > u ? l - u : 0;
+            if (r < room) room = r;
+        }
+    }
+    fclose(f);
+    return room;
+}
+
 /* populate = COLIBRI_POPULATE_AUTO: pre-fault a file smaller than half of the memory the
- * kernel says is available (MemAvailable in /proc/meminfo; elsewhere the free pages), so a
- * plain load takes the benchmark's path, while a model larger than that is faulted in on
- * demand (MAP_POPULATE of a file larger than RAM would only evict its own first pages). */
+ * kernel says is available (MemAvailable in /proc/meminfo; elsewhere the free pages; less
+ * when the memory cgroup leaves less), so a plain load takes the benchmark's path, while a
+ * model larger than that is faulted in on demand (MAP_POPULATE of a file larger than RAM would only evict its own first pages). */
 static int populate_auto(uint64_t size) {
     uint64_t avail = 0;
     FILE *f = fopen("/proc/meminfo", "re");
@@ -95,17 +146,11 @@ static int populate_auto(uint64_t size) {
         if (pages > 0 && psz > 0) avail = (uint64_t)pages * (uint64_t)psz;
     }
 #endif
+    uint64_t room = cgroup_room();
+    if (room < avail) avail = room;
     return size < avail / 2;
 }
 
-/* Map the whole file read-only at a 2 MiB-aligned address, and ask for transparent huge
- * pages. Decode streams about half a gigabyte of weights per token from this mapping: with
- * 4 KiB pages every 4 KiB costs a TLB miss (a two-level page walk under a hypervisor),
- * which measured 10-25 % of decode time here. The kernel maps a page-cache folio of 2 MiB
- * with one PMD entry when the virtual address is 2 MiB-aligned with its file offset, and
- * with MADV_HUGEPAGE it reads uncached parts of the file in 2 MiB folios. Both requests are
- * advisory: where they fail, the mapping works with small pages. populate pre-faults the
- * whole file (after the advice, so that the faults already use huge folios). */
 /* Fault in [p, p + n) of the mapping (MADV_POPULATE_READ; older kernels: touch each page). */
 static void prefault(const void *p, size_t n) {
     int done = 0;
@@ -152,6 +197,14 @@ static void populate_dense(colibri_ctx *ctx) {
     free(r);
 }
 
+/* Map the whole file read-only at a 2 MiB-aligned address, and ask for transparent huge
+ * pages. Decode streams about half a gigabyte of weights per token from this mapping: with
+ * 4 KiB pages every 4 KiB costs a TLB miss (a two-level page walk under a hypervisor),
+ * which measured 10-25 % of decode time here. The kernel maps a page-cache folio of 2 MiB
+ * with one PMD entry when the virtual address is 2 MiB-aligned with its file offset, and
+ * with MADV_HUGEPAGE it reads uncached parts of the file in 2 MiB folios. Both requests are
+ * advisory: where they fail, the mapping works with small pages. populate pre-faults the
+ * whole file (after the advice, so that the faults already use huge folios). */
 static void *map_weights(int fd, size_t size, int populate) {
     const size_t huge = (size_t)2 << 20;
     void *m = MAP_FAILED;
