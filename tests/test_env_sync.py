@@ -98,7 +98,8 @@ def test_extras_layout():
 # plotly class that needs it.
 _USE = {"numpy": r"^\s*import numpy", "tqdm": r"^\s*from tqdm import",
         "sentencepiece": r"^\s*import sentencepiece", "plotly": r"^\s*import plotly",
-        "ipywidgets": r"^\s*import ipywidgets", "anywidget": r"go\.FigureWidget\(", "gguf": r"^\s*import gguf"}
+        "ipywidgets": r"^\s*import ipywidgets", "anywidget": r"go\.FigureWidget\(", "gguf": r"^\s*import gguf",
+        "numba": r"^\s*import numba"}
 
 
 def test_every_runtime_dependency_is_used_by_the_package():

@@ -169,8 +169,10 @@ def test_engine_equals_simulator_at_decode(models, policy, slots):
                 eng.pin_experts(int(layer), pinned[layer])
         tok = 5
         with eng.trace() as tr:
-            for i in range(60):  # token by token: every step is one token
-                tok = int(np.argmax(eng.forward([tok], start_pos=i)[-1])) if i % 7 else (i * 37) % 1000 + 3
+            for i in range(60):  # token by token: every step is one token; greedy, with a jump now and then
+                tok = int(np.argmax(eng.forward([tok], start_pos=i)[-1]))
+                if i % 7 == 0:
+                    tok = (i * 37) % 1000 + 3
     kw = {"pinned": pinned} if pinned is not None else {}
     sim = cachesim.simulate(tr, slots, policy, **kw)
     assert np.array_equal(sim.hits[moe], tr.cache_hits[moe]), (sim.hits, tr.cache_hits)
