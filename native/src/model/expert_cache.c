@@ -1,6 +1,6 @@
 /*
  * expert_cache.c — the expert cache (expert_cache.h): slots, the policies' victim choice,
- * the per-step plan, and the I/O thread that fills slots from the file.
+ * the per-step plan, and the I/O threads that fill slots from the file.
  */
 #define _GNU_SOURCE
 #include "model/expert_cache.h"
@@ -19,6 +19,9 @@
 #define EC_ALIGN 4096u          /* O_DIRECT's alignment of buffers, offsets and lengths */
 #define EC_LFU_HALF_LIFE 128u   /* LFU counts halve every this many steps of a layer */
 #define EC_MAX_REGIONS 3        /* packed: one; split: gate, up, down */
+/* Reads in flight at once (one per I/O thread): a virtual or NVMe disk serves several
+ * large reads faster than one at a time (docs/expert_cache.md has the measurement). */
+#define EC_IO_THREADS 4
 
 typedef struct ec_slot {
     int32_t expert;     /* logical occupant, -1 empty (forward thread only) */
@@ -26,6 +29,7 @@ typedef struct ec_slot {
     uint32_t gen;       /* requests for this slot issued (mutex); a stale request is skipped */
     uint64_t last_use;  /* the layer's touch counter at the last touch */
     uint8_t pinned, prefetched;
+    uint8_t reading;    /* an I/O thread is writing mem (mutex) */
     uint8_t *mem;
 } ec_slot;
 
@@ -55,9 +59,9 @@ typedef struct ec_req {
     uint32_t gen;
 } ec_req;
 
-typedef struct ec_queue {  /* ring of requests */
+typedef struct ec_queue {  /* requests in FIFO order, at most one per slot */
     ec_req *q;
-    int64_t cap, head, n;
+    int64_t cap, n;
 } ec_queue;
 
 struct cb_ecache {
@@ -73,9 +77,9 @@ struct cb_ecache {
     int32_t *order, *ready; /* [E] the forward's step buffers */
     uint8_t *done;       /* [E] */
     uint64_t bytes_read; /* mutex */
-    /* the I/O thread */
-    pthread_t thread;
-    int thread_started, stop;
+    /* the I/O threads */
+    pthread_t threads[EC_IO_THREADS];
+    int n_threads, stop;
     pthread_mutex_t mu;
     pthread_cond_t work_cv, ready_cv;
     ec_queue demand, prefetch; /* demand reads go first */
@@ -109,19 +113,39 @@ static uint64_t read_region(cb_ecache *ec, uint8_t *dst, uint64_t off, uint64_t 
     return len;
 }
 
+/* Remove entry i of a queue, keeping the order. */
+static void queue_remove(ec_queue *qu, int64_t i) {
+    memmove(qu->q + i, qu->q + i + 1, (size_t)(qu->n - i - 1) * sizeof *qu->q);
+    qu->n--;
+}
+
+/* The first request, demand reads first, whose slot no other thread is writing; -1 none. */
+static int64_t pick(cb_ecache *ec, ec_queue **from) {
+    ec_queue *qs[2] = {&ec->demand, &ec->prefetch};
+    for (int k = 0; k < 2; k++)
+        for (int64_t i = 0; i < qs[k]->n; i++) {
+            const ec_req *r = &qs[k]->q[i];
+            if (!ec->layers[r->layer].slots[r->slot].reading) {
+                *from = qs[k];
+                return i;
+            }
+        }
+    return -1;
+}
+
 static void *io_main(void *arg) {
     cb_ecache *ec = (cb_ecache *)arg;
     pthread_mutex_lock(&ec->mu);
     for (;;) {
-        while (!ec->stop && ec->demand.n == 0 && ec->prefetch.n == 0) pthread_cond_wait(&ec->work_cv, &ec->mu);
+        ec_queue *qu = NULL;
+        int64_t i;
+        while (!ec->stop && (i = pick(ec, &qu)) < 0) pthread_cond_wait(&ec->work_cv, &ec->mu);
         if (ec->stop) break;
-        ec_queue *qu = ec->demand.n ? &ec->demand : &ec->prefetch;
-        ec_req rq = qu->q[qu->head];
-        qu->head = (qu->head + 1) % qu->cap;
-        qu->n--;
+        ec_req rq = qu->q[i];
+        queue_remove(qu, i);
         ec_layer *L = &ec->layers[rq.layer];
         ec_slot *sl = &L->slots[rq.slot];
-        if (rq.gen != sl->gen) continue; /* superseded by a later request for the slot */
+        sl->reading = 1;
         pthread_mutex_unlock(&ec->mu);
         uint64_t bytes = 0;
         for (int k = 0; k < L->n_regions; k++) {
@@ -129,27 +153,29 @@ static void *io_main(void *arg) {
             bytes += read_region(ec, sl->mem + ec->region_base[k], off, L->len[k]);
         }
         pthread_mutex_lock(&ec->mu);
+        sl->reading = 0;
         ec->bytes_read += bytes;
         if (rq.gen == sl->gen) sl->loaded = rq.expert;
         pthread_cond_broadcast(&ec->ready_cv);
+        pthread_cond_broadcast(&ec->work_cv); /* a request may wait for this slot */
     }
     pthread_mutex_unlock(&ec->mu);
     return NULL;
 }
 
-/* Issue a read of expert e into slot s of layer l (its bytes are no longer needed). */
+/* Issue a read of expert e into slot s of layer l (its bytes are no longer needed); an
+ * earlier request for the slot still queued is dropped, one being read finishes first. */
 static void start_load(cb_ecache *ec, int32_t l, int32_t s, int32_t e, int demand) {
     ec_slot *sl = &ec->layers[l].slots[s];
     pthread_mutex_lock(&ec->mu);
     sl->gen++;
     sl->loaded = -1;
+    ec_queue *qs[2] = {&ec->demand, &ec->prefetch};
+    for (int k = 0; k < 2; k++)
+        for (int64_t i = qs[k]->n - 1; i >= 0; i--)
+            if (qs[k]->q[i].layer == l && qs[k]->q[i].slot == s) queue_remove(qs[k], i);
     ec_queue *qu = demand ? &ec->demand : &ec->prefetch;
-    if (qu->n == qu->cap) { /* cannot happen (one live request per slot), but never overwrite */
-        qu->head = (qu->head + 1) % qu->cap;
-        qu->n--;
-    }
-    qu->q[(qu->head + qu->n) % qu->cap] = (ec_req){l, s, e, sl->gen};
-    qu->n++;
+    qu->q[qu->n++] = (ec_req){l, s, e, sl->gen}; /* one entry per slot: cap is enough */
     pthread_cond_signal(&ec->work_cv);
     pthread_mutex_unlock(&ec->mu);
 }
@@ -420,12 +446,12 @@ uint64_t cb_ecache_expert_bytes(const cb_ecache *ec) {
 
 void cb_ecache_free(cb_ecache *ec) {
     if (!ec) return;
-    if (ec->thread_started) {
+    if (ec->n_threads > 0) {
         pthread_mutex_lock(&ec->mu);
         ec->stop = 1;
         pthread_cond_broadcast(&ec->work_cv);
         pthread_mutex_unlock(&ec->mu);
-        pthread_join(ec->thread, NULL);
+        for (int i = 0; i < ec->n_threads; i++) pthread_join(ec->threads[i], NULL);
         pthread_cond_destroy(&ec->work_cv);
         pthread_cond_destroy(&ec->ready_cv);
         pthread_mutex_destroy(&ec->mu);
@@ -553,11 +579,11 @@ colibri_status cb_ecache_init(colibri_ctx *ctx, const char *path, int64_t budget
         }
         for (size_t e = 0; e < E; e++) L->where[e] = L->step_slot[e] = -1;
         for (int32_t s = 0; s < ec->S; s++) {
-            L->slots[s] = (ec_slot){-1, -1, 0, 0, 0, 0, p};
+            L->slots[s] = (ec_slot){-1, -1, 0, 0, 0, 0, 0, p};
             p += ec->slot_bytes;
         }
     }
-    int64_t qcap = (int64_t)n_moe * ec->S + 1;
+    int64_t qcap = (int64_t)n_moe * ec->S;
     ec->demand.q = malloc((size_t)qcap * sizeof(ec_req));
     ec->prefetch.q = malloc((size_t)qcap * sizeof(ec_req));
     if (!ec->demand.q || !ec->prefetch.q) {
@@ -578,15 +604,19 @@ colibri_status cb_ecache_init(colibri_ctx *ctx, const char *path, int64_t budget
         cb_set_err(err, err_len, "cannot create the expert cache's locks");
         return init_fail(ec, COLIBRI_E_NOMEM);
     }
-    int rc = pthread_create(&ec->thread, NULL, io_main, ec);
-    if (rc != 0) {
-        cb_set_err(err, err_len, "cannot start the expert cache's I/O thread: %s", strerror(rc));
-        pthread_cond_destroy(&ec->work_cv);
-        pthread_cond_destroy(&ec->ready_cv);
-        pthread_mutex_destroy(&ec->mu);
-        return init_fail(ec, COLIBRI_E_NOMEM);
+    for (int i = 0; i < EC_IO_THREADS; i++) {
+        int rc = pthread_create(&ec->threads[i], NULL, io_main, ec);
+        if (rc != 0) {
+            cb_set_err(err, err_len, "cannot start the expert cache's I/O threads: %s", strerror(rc));
+            if (ec->n_threads == 0) {
+                pthread_cond_destroy(&ec->work_cv);
+                pthread_cond_destroy(&ec->ready_cv);
+                pthread_mutex_destroy(&ec->mu);
+            }
+            return init_fail(ec, COLIBRI_E_NOMEM);
+        }
+        ec->n_threads++;
     }
-    ec->thread_started = 1;
     *out = ec;
     return COLIBRI_OK;
 }

@@ -1,7 +1,7 @@
 /*
  * expert_cache.h — routed experts in a fixed budget of cache slots, for models larger than
  * memory (colibri_options.expert_cache_mb; docs/expert_cache.md). The dense weights stay
- * mapped; each MoE layer owns S slots, filled by one I/O thread that reads an expert's
+ * mapped; each MoE layer owns S slots, filled by I/O threads that read an expert's
  * bytes from the file (O_DIRECT where the file system takes it, else buffered reads whose
  * pages are dropped after the copy) while the forward computes. A slot holds an expert's
  * bytes exactly as the file does (the same alignment modulo 4 KiB), so the kernels compute
@@ -16,8 +16,8 @@
  * not run yet (resident ones run first; a loaded miss runs at once). An expert used by R rows
  * of a chunk counts R uses: R hits, or 1 miss and R - 1 hits.
  *
- * Only the forward's thread (the context's caller) changes the logical state; the I/O thread
- * only reads requests and marks slots loaded, under one mutex. No allocation after init.
+ * Only the forward's thread (the context's caller) changes the logical state; the I/O threads
+ * only read requests and mark slots loaded, under one mutex. No allocation after init.
  */
 #ifndef COLIBRI_MODEL_EXPERT_CACHE_H
 #define COLIBRI_MODEL_EXPERT_CACHE_H
