@@ -129,27 +129,43 @@ def cmd_make(a) -> None:
     print(f"gguf: {g} ({g.stat().st_size / 1e9:.1f} GB)")
 
 
-def disk_bandwidth(path: Path, nbytes: int = 4 << 30, block: int = 16 << 20) -> float:
-    """GB/s of one O_DIRECT sequential read of the first `nbytes` of `path`."""
+def disk_bandwidth(path: Path, nbytes: int = 4 << 30, block: int = 64 << 20, readers: int = 1) -> float:
+    """GB/s of `readers` threads each reading its own contiguous part of the first `nbytes`
+    of `path` with O_DIRECT reads of `block` bytes (the expert cache's I/O threads read
+    whole experts, 69 MB here, four at a time)."""
     import mmap
+    import threading
 
-    buf = mmap.mmap(-1, block)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    t, got = time.perf_counter(), 0
-    try:
-        while got < nbytes:
-            n = os.preadv(fd, [buf], got)
-            if n <= 0:
-                break
-            got += n
-    finally:
-        os.close(fd)
-    return got / (time.perf_counter() - t) / 1e9
+    part = nbytes // readers // block * block
+    done = [0] * readers
+
+    def read(i):
+        buf = mmap.mmap(-1, block)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            off = i * part
+            while done[i] < part:
+                n = os.preadv(fd, [buf], off + done[i])
+                if n <= 0:
+                    break
+                done[i] += n
+        finally:
+            os.close(fd)
+
+    subprocess.run(["sync"], check=True)
+    t = time.perf_counter()
+    th = [threading.Thread(target=read, args=(i,)) for i in range(readers)]
+    for x in th:
+        x.start()
+    for x in th:
+        x.join()
+    return sum(done) / (time.perf_counter() - t) / 1e9
 
 
 def cmd_disk(a) -> None:
     f = Path(a.dir) / "model-bf16.colibri"
-    print(json.dumps({"disk_read_gbs": round(disk_bandwidth(f), 3), "file": str(f)}))
+    print(json.dumps({"disk_read_gbs_1": round(disk_bandwidth(f), 3),
+                      "disk_read_gbs_4": round(disk_bandwidth(f, readers=4), 3), "file": str(f)}))
 
 
 def cmd_one(a) -> None:
@@ -204,9 +220,11 @@ def cmd_bench(a) -> None:
     col, ck = d / "model-bf16.colibri", d / "hf"
     limit = int(a.limit_gib * (1 << 30))
     rows = []
-    disk = disk_bandwidth(col)
-    print(f"disk: {disk:.2f} GB/s sequential O_DIRECT read; file {col.stat().st_size / 1e9:.1f} GB; "
-          f"memory limit {a.limit_gib} GiB (cgroup)", flush=True)
+    disk1 = disk_bandwidth(col)
+    disk = disk_bandwidth(col, readers=4)
+    print(f"disk: {disk1:.2f} GB/s sequential O_DIRECT read by one reader, {disk:.2f} GB/s by four (the cache's "
+          f"I/O threads; the roofline uses it); file {col.stat().st_size / 1e9:.1f} GB; memory limit "
+          f"{a.limit_gib} GiB (cgroup)", flush=True)
     from colibri_lab import cachesim
     from colibri_lab.trace import Trace
 
@@ -256,31 +274,40 @@ def cmd_bench(a) -> None:
     expert_bytes = next((x["slot_bytes"] for x in rows if x.get("slot_bytes")), 0)
     base = rows[0]["decode_tok_s"] if rows else float("nan")
     print(f"memory read bandwidth {mem_bw / 1e9:.1f} GB/s; active bytes per token {active['bytes_per_token'] / 1e9:.2f} GB")
-    print("\n| run | decode tok/s | x mmap | hit rate | sim hit rate | Belady | missed MB/token | disk roofline tok/s "
-          "| sim-predicted tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| run | decode tok/s | x mmap | hit rate, all steps: engine | simulator | Belady | decode hit rate "
+          "| read MB per decode token | disk roofline tok/s | simulator-predicted tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    P = a.prompt
     for x in rows:
-        hr = sim = bel = miss_mb = roof = pred = float("nan")
+        cells = ["", "", "", "", "", "", ""]
         if x.get("slots"):
             tr = Trace.load(x["trace"])
             c = x["cache"]
-            s_all = cachesim.simulate(tr, x["slots"], x["policy"] if x["policy"] != "pinned" else "pinned",
-                                      **({"pinned": np.load(pinned)} if x["policy"] == "pinned" else {}))
-            miss_total = int(np.sum(c["layer_misses"]))
-            hits_total = int(np.sum(c["layer_hits"]))
-            hr = hits_total / max(1, hits_total + miss_total)
-            sim = s_all.hit_rate
-            bel = cachesim.simulate(tr, x["slots"], "belady").hit_rate
-            miss_mb = miss_total * expert_bytes / max(1, tr.n_tokens) / 1e6
-            roof = disk * 1e9 / max(1.0, miss_total * expert_bytes / max(1, tr.n_tokens))
-            pred = cachesim.predict_tokens_per_s(s_all, expert_bytes=expert_bytes, disk_bw=disk * 1e9,
-                                                 resident_bytes_per_token=active["bytes_per_token"], mem_bw=mem_bw)
-        print(f"| {x['label']} | {x['decode_tok_s']:.3f} | {x['decode_tok_s'] / base:.2f} | {hr:.3f} | {sim:.3f} | "
-              f"{bel:.3f} | {miss_mb:.0f} | {roof:.2f} | {pred:.2f} |")
+            kw = {"pinned": np.load(pinned)} if x["policy"] == "pinned" else {}
+            full = cachesim.simulate(tr, x["slots"], x["policy"], **kw)
+            # the prompt's steps alone (the same cache from the start): decode = full - prompt
+            pre = cachesim.simulate(tr.topk_ids[:, :P], x["slots"], x["policy"], predicted=tr.predicted_ids[:, :P],
+                                    **kw)
+            eng_hits, eng_miss = int(np.sum(c["layer_hits"])), int(np.sum(c["layer_misses"]))
+            d_hits = int(full.hits.sum() - pre.hits.sum())
+            d_miss = int(full.misses.sum() - pre.misses.sum())
+            d_reads = d_miss + int(full.prefetches.sum() - pre.prefetches.sum())
+            n_dec = tr.n_tokens - P
+            read_b = d_reads * expert_bytes / n_dec
+            t_model = read_b / (disk * 1e9) + active["bytes_per_token"] / mem_bw
+            cells = [f"{eng_hits / max(1, eng_hits + eng_miss):.3f}", f"{full.hit_rate:.3f}",
+                     f"{cachesim.simulate(tr, x['slots'], 'belady').hit_rate:.3f}",
+                     f"{d_hits / max(1, d_hits + d_miss):.3f}", f"{read_b / 1e6:.0f}",
+                     f"{disk * 1e9 / max(1.0, read_b):.2f}", f"{1.0 / t_model:.2f}"]
+        print(f"| {x['label']} | {x['decode_tok_s']:.3f} | {x['decode_tok_s'] / base:.2f} | " + " | ".join(cells) + " |")
+        x["table"] = dict(zip(("hit_rate", "sim_hit_rate", "belady", "decode_hit_rate", "read_mb_per_token",
+                               "disk_roofline_tok_s", "sim_predicted_tok_s"), cells))
     if llama:
-        print(f"| llama.cpp (mmap) | {llama:.3f} | {llama / base:.2f} | | | | | | |")
+        print(f"| llama.cpp (mmap) | {llama:.3f} | {llama / base:.2f} |" + " |" * 7)
     with open(d / "bench.json", "w") as f:
-        json.dump({"disk_gbs": disk, "limit_gib": a.limit_gib, "cache_mib": a.cache_mib, "llama_tok_s": llama,
+        json.dump({"disk_gbs": disk, "disk_gbs_one_reader": disk1, "mem_gbs": mem_bw / 1e9,
+                   "machine": __import__("colibri_lab.tuning", fromlist=["machine_info"]).machine_info(),
+                   "limit_gib": a.limit_gib, "cache_mib": a.cache_mib, "llama_tok_s": llama,
                    "rows": [{k: v for k, v in x.items() if k != "trace"} for x in rows]}, f)
 
 
