@@ -135,6 +135,22 @@ def _victim(policy, S, slot_exp, slot_rec, slot_pin, lfu, nextuse, mark, stamp, 
 
 
 @numba.njit(cache=True, nogil=True)
+def _assign(s, e, prefetched, slot_exp, slot_pf, where):
+    """Slot s takes expert e (marked prefetched or not); 1 if the expert it held was a
+    prefetch never used (a wasted prefetch), else 0."""
+    old = slot_exp[s]
+    wasted = 0
+    if old >= 0:
+        if slot_pf[s]:
+            wasted = 1
+        where[old] = -1
+    slot_exp[s] = e
+    slot_pf[s] = prefetched
+    where[e] = s
+    return wasted
+
+
+@numba.njit(cache=True, nogil=True)
 def _sort_head(a, n):
     """Sort a[:n] ascending in place (insertion sort: n is at most a step's experts)."""
     for i in range(1, n):
@@ -225,14 +241,7 @@ def _run(ids, pred, moe, slots, starts, policy, pinned, half_life, E, out):
                     s = _victim(policy, S, slot_exp, slot_rec, slot_pin, lfu, nextuse, predmark, st, True)
                     if s < 0:
                         break
-                    old = slot_exp[s]
-                    if old >= 0:
-                        if slot_pf[s]:
-                            wasted += 1
-                        where[old] = -1
-                    slot_exp[s] = e
-                    slot_pf[s] = True
-                    where[e] = s
+                    wasted += _assign(s, e, True, slot_exp, slot_pf, where)
                     touch += 1
                     slot_rec[s] = touch
                     prefetches += 1
@@ -274,14 +283,7 @@ def _run(ids, pred, moe, slots, starts, policy, pinned, half_life, E, out):
                 e = need[i]
                 if miss[i]:
                     s = _victim(policy, S, slot_exp, slot_rec, slot_pin, lfu, nextuse, predmark, -2, False)
-                    old = slot_exp[s]
-                    if old >= 0:
-                        if slot_pf[s]:
-                            wasted += 1
-                        where[old] = -1
-                    slot_exp[s] = e
-                    slot_pf[s] = False
-                    where[e] = s
+                    wasted += _assign(s, e, False, slot_exp, slot_pf, where)
                     misses += 1
                     hits += cnt[e] - 1
                     touch += 1
