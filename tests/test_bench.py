@@ -1,5 +1,5 @@
 """The measurement tools, in CI: colibri_bench (a subprocess on a tiny converted model: the
-JSON fields and their arithmetic, exit codes) and ``python -m colibri_lab.bench --smoke``
+JSON fields and their arithmetic, the expert cache's report, exit codes) and ``python -m colibri_lab.bench --smoke``
 (every engine it can run, a missing peer reported instead of crashing). Timings are not
 judged: only that they exist, are positive and add up. The helpers the benchmark takes
 from ``colibri_lab.tuning`` (roofline, bandwidth, model making) are tested in
@@ -62,6 +62,7 @@ def test_json_fields_and_arithmetic(bench_exe, model):
     assert (d["sequential_sequences"], d["seq_len"], d["max_new_tokens"],
             d["num_requests"]) == (2, 17, 5, 3)  # fmt: skip
     assert d["seed"] == 7 and d["threads_used"] >= 1 and d["load_ms"] > 0
+    assert d["expert_cache"] is None  # no --expert_cache_*
     # samples: one prefill latency per request, one decode latency per token step
     expect = {"prefill": (3, 3 * 2 * 17), "decode": (3 * 2 * 5, 3 * 2 * 5),
               "request": (3, 3 * 2 * (17 + 5))}  # fmt: skip
@@ -88,9 +89,36 @@ def test_text_report_and_prefill_only(bench_exe, model):
     assert "prefill" in lines and "decode" not in lines  # no decode steps asked for
 
 
+@pytest.mark.parametrize("policy", ["predict", "lfu"])
+def test_expert_cache_report(bench_exe, model, policy):
+    """With a 2-slot cache the JSON has an "expert_cache" object whose counters cover the
+    measured requests only: hits + misses = n_layers x top_k x the tokens they fed."""
+    r = run(bench_exe, "--model", model[1], "--seq_len", 6, "--max_new_tokens", 3, "--num_requests", 2,
+            "--warmup", 1, "--num_threads", 2, "--expert_cache_slots", 2, "--expert_cache_policy", policy,
+            "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    ec = json.loads(r.stdout)["expert_cache"]
+    assert set(ec) == {"slots_per_layer", "policy", "slot_bytes", "direct", "hits", "misses", "hit_rate",
+                       "prefetches", "prefetch_hits", "wasted_prefetches", "bytes_read"}  # fmt: skip
+    assert (ec["slots_per_layer"], ec["policy"]) == (2, policy)
+    assert ec["slot_bytes"] > 0 and isinstance(ec["direct"], bool)
+    assert ec["hits"] + ec["misses"] == 2 * 2 * 2 * (6 + 3) > 0
+    assert ec["misses"] > 0 and ec["bytes_read"] >= ec["misses"] * 4096
+    assert math.isclose(ec["hit_rate"], ec["hits"] / (ec["hits"] + ec["misses"]), rel_tol=1e-5)
+    assert ec["prefetch_hits"] + ec["wasted_prefetches"] <= ec["prefetches"]
+    assert (ec["prefetches"] > 0) == (policy == "predict")
+    t = run(bench_exe, "--model", model[1], "--seq_len", 6, "--max_new_tokens", 3, "--num_requests", 1,
+            "--warmup", 0, "--expert_cache_slots", 1)  # fmt: skip
+    assert t.returncode == 0, t.stderr
+    assert "expert cache: 1 slot(s) per MoE layer, policy lru, " in t.stdout
+    assert "expert cache (measured requests): " in t.stdout and " misses (hit rate " in t.stdout
+
+
 def test_help_exits_0(bench_exe):
     r = run(bench_exe, "--help")
     assert r.returncode == 0 and "--sequential_sequences" in r.stdout and "one after" in r.stdout
+    assert "--expert_cache_mb" in r.stdout and "--expert_cache_slots" in r.stdout
+    assert "--expert_cache_policy" in r.stdout and "lru, lfu, pinned" in r.stdout
 
 
 @pytest.mark.parametrize(
@@ -110,6 +138,11 @@ def test_help_exits_0(bench_exe):
         (["--model", "m.colibri", "--num_threads", "99999"], "--num_threads"),
         (["--model", "m.colibri", "--seed", "-3"], "--seed"),
         (["--model", "m.colibri", "--seq_len"], "needs a value"),
+        (["--model", "m.colibri", "--expert_cache_slots", "2", "--expert_cache_policy", "fifo"],
+         "--expert_cache_policy must be 'lru', 'lfu', 'pinned' or 'predict', got 'fifo'"),
+        (["--model", "m.colibri", "--expert_cache_policy", "predict"], "needs an expert cache"),
+        (["--model", "m.colibri", "--expert_cache_mb", "4", "--expert_cache_slots", "1"], "give one of them"),
+        (["--model", "m.colibri", "--expert_cache_mb", "-4"], "--expert_cache_mb"),
         (["--model", "m.colibri", "--num_requests", "16777216", "--sequential_sequences", "1048576",
           "--max_new_tokens", "64"], "2^28"),
         (["stray"], "unexpected argument"),

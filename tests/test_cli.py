@@ -1,5 +1,6 @@
 """colibri_cli, run as a subprocess: the top-5 table, streamed generation (the same
-tokens as Engine.generate), router-norm verification, and its exit codes (0 ok,
+tokens as Engine.generate), router-norm verification, the expert cache's flags (the same
+output with a 1-slot cache, its figures under --verbose), and its exit codes (0 ok,
 1 engine error with the engine's message, 2 usage error)."""
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def run(cli, *args, timeout=120):
 def test_help(cli_path):
     r = run(cli_path, "--help")
     assert r.returncode == 0 and "--max_new_tokens" in r.stdout and "--model" in r.stdout
+    for flag in ("--expert_cache_mb", "--expert_cache_slots", "--expert_cache_policy"):
+        assert flag in r.stdout, flag
+    assert "lru, lfu, pinned" in r.stdout and "predict" in r.stdout
 
 
 @pytest.mark.parametrize(
@@ -49,6 +53,13 @@ def test_help(cli_path):
          "--precision must be 'exact' or 'fast', got 'turbo'"),
         (["--model", "m.colibri", "--prompt", "hi", "--precision", ""], "--precision must be"),
         (["--model", "m.colibri", "--prompt", "hi", "--precision"], "needs a value"),
+        (["--model", "m.colibri", "--prompt", "hi", "--expert_cache_slots", "1", "--expert_cache_policy", "mru"],
+         "--expert_cache_policy must be 'lru', 'lfu', 'pinned' or 'predict', got 'mru'"),
+        (["--model", "m.colibri", "--prompt", "hi", "--expert_cache_policy", "lru"], "needs an expert cache"),
+        (["--model", "m.colibri", "--prompt", "hi", "--expert_cache_mb", "8", "--expert_cache_slots", "2"],
+         "give one of them"),
+        (["--model", "m.colibri", "--prompt", "hi", "--expert_cache_slots", "-1"], "--expert_cache_slots"),
+        (["--model", "m.colibri", "--prompt", "hi", "--expert_cache_mb", "1.5"], "--expert_cache_mb"),
         (["stray"], "unexpected argument"),
     ],
 )
@@ -106,6 +117,39 @@ def test_verbose_and_verify(cli_path, model):
     assert r.returncode == 0, r.stderr
     for needle in ("load:", "prompt:", "prefill:", "decode:", "tok/s", "verify:"):
         assert needle in r.stderr, r.stderr
+
+
+CACHE = ["--expert_cache_slots", "1", "--expert_cache_policy", "predict"]
+
+
+def test_expert_cache_same_output(cli_path, model):
+    """A 1-slot cache with read-ahead (every use evicts, reads, prefetches) gives the mapped
+    run's text and top-5 table byte for byte; --verbose names the cache, then its counters."""
+    base = ["--model", model, "--prompt", PROMPT, "--num_threads", "2"]
+    for n in ("10", "1"):
+        plain = run(cli_path, *base, "--max_new_tokens", n)
+        cached = run(cli_path, *base, "--max_new_tokens", n, *CACHE, "--verbose")
+        assert plain.returncode == 0 and cached.returncode == 0, cached.stderr
+        assert cached.stdout == plain.stdout and plain.stdout
+        lines = cached.stderr.splitlines()
+        head = next(x for x in lines if x.startswith("expert cache: 1 slot(s)"))
+        assert re.fullmatch(r"expert cache: 1 slot\(s\) per MoE layer, policy predict, \d+ bytes per slot, "
+                            r"(O_DIRECT|buffered) reads.*", head), head
+        m = re.fullmatch(r"expert cache: (\d+) hits, (\d+) misses \(hit rate [0-9.]+%\), (\d+) prefetches, "
+                         r"(\d+) prefetch hits, (\d+) wasted prefetches, (\d+) bytes read \([0-9.]+ MiB\)",
+                         lines[-1])
+        assert m, cached.stderr
+        hits, misses, pre, pre_hits, wasted, nbytes = map(int, m.groups())
+        assert misses > 0 and nbytes > 0 and pre_hits + wasted <= pre
+        # every token fed uses top_k = 2 experts in each of the 2 MoE layers; of the generated
+        # ones all but the last are fed (unless EOS ended the run)
+        n_prompt = int(next(x for x in lines if x.startswith("prompt:")).split()[1])
+        dec = [x for x in lines if x.startswith("decode:")]
+        n_gen = int(dec[0].split()[1]) if dec else 1
+        fed = n_prompt + n_gen - (n_gen == int(n))
+        assert hits + misses == 2 * 2 * fed
+    r = run(cli_path, *base, "--max_new_tokens", "4", "--verbose")
+    assert r.returncode == 0 and "expert cache" not in r.stderr  # no cache, no cache lines
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ with plain http.client: completions and chat, streaming, greedy output equal to
 Engine.generate, seeded sampling equal alone and under load, n > 1, stop strings,
 logprobs, echo, usage, every error status, the API key, a full queue, /metrics, a client
 that leaves mid-stream (its KV blocks come back), a bounded load test, a bounded fuzz of
-the request bodies, a server in fast numeric mode (--precision fast), and the command line
-(exit 0 / 1 / 2).
+the request bodies, a server in fast numeric mode (--precision fast), one with an expert cache
+(the same answers; its /metrics counters), and the command line (exit 0 / 1 / 2).
 
 Only the loopback address is used; every request loop is bounded in count and time.
 """
@@ -667,6 +667,43 @@ def test_metrics(server):
     ex = wait_idle(server)["colibri_expert_tokens_total"]
     after = sum(v for k, v in ex.items() if dict(k)["layer"] == "0")
     assert after - before == 2 * (5 + r.usage.completion_tokens - 1)  # the last token is not fed
+    assert not [k for k in m if k.startswith("colibri_expert_cache")]  # no cache, no cache metrics
+
+
+def test_expert_cache_server(server_path, model, server, tmp_path):
+    """--expert_cache_slots 2 (of 8 experts): a greedy completion is the mapped server's, and
+    /metrics counts the cache from the end of the warm-up: per layer hits + misses = top_k x
+    the tokens fed, the totals the sums of the per-layer series."""
+    srv = Server(server_path, model, tmp_path / "cache.log", "--parallel", "1", "--max_seq_len", "128",
+                 "--expert_cache_slots", "2", "--expert_cache_policy", "predict")
+    try:
+        assert "expert cache: 2 slot(s) per MoE layer, policy predict" in srv.text()
+        m = srv.metrics()
+        assert m["colibri_expert_cache_slots"] == 2 and m["colibri_expert_cache_misses_total"] == 0
+        body = {"prompt": "class Foo:\n    def", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        status, ans = post(srv.port, "/v1/completions", body)
+        assert status == 200, ans
+        status, want = post(server.port, "/v1/completions", body)
+        assert status == 200, want
+        assert ans["choices"][0]["text"] == want["choices"][0]["text"] and ans["usage"] == want["usage"]
+        m = wait_idle(srv)
+        text = get(srv.port, "/metrics")[1].decode()
+        fed = ans["usage"]["prompt_tokens"] + ans["usage"]["completion_tokens"] - 1  # the last is not fed
+        assert m["colibri_expert_cache_misses_total"] > 0 and m["colibri_expert_cache_bytes_read_total"] > 0
+        assert m["colibri_expert_cache_prefetches_total"] > 0
+        for name in ("hits", "misses", "prefetches", "prefetch_hits", "wasted_prefetches"):
+            assert f"# TYPE colibri_expert_cache_{name}_total counter" in text, name
+            assert f"# TYPE colibri_expert_cache_layer_{name}_total counter" in text, name
+            per = m[f"colibri_expert_cache_layer_{name}_total"]
+            assert sorted(int(dict(k)["layer"]) for k in per) == [0, 1, 2, 3], name
+            assert sum(per.values()) == m[f"colibri_expert_cache_{name}_total"], name
+        assert "# TYPE colibri_expert_cache_slots gauge" in text
+        assert "# TYPE colibri_expert_cache_bytes_read_total counter" in text
+        hits, misses = m["colibri_expert_cache_layer_hits_total"], m["colibri_expert_cache_layer_misses_total"]
+        for layer in hits:
+            assert hits[layer] + misses[layer] == 2 * fed, layer  # top-2
+    finally:
+        assert srv.stop() == 0, srv.text()
 
 
 # ---- load and fuzz -------------------------------------------------------------------------
@@ -803,7 +840,8 @@ def test_help(server_path):
     assert r.returncode == 0
     for flag in ["--model", "--host", "--port", "--num_threads", "--max_batch_size", "--max_seq_len",
                  "--prefetch_batches", "--gpu_memory_fraction", "--parallel", "--max_batch_tokens", "--kv_tokens",
-                 "--api-key", "--max_queue", "--timeout", "--max_body_bytes", "--precision", "--shutdown_timeout_s"]:
+                 "--api-key", "--max_queue", "--timeout", "--max_body_bytes", "--precision", "--shutdown_timeout_s",
+                 "--expert_cache_mb", "--expert_cache_slots", "--expert_cache_policy"]:
         assert flag in r.stdout, flag
     assert "has no effect on CPU" in r.stdout
 
@@ -819,6 +857,11 @@ def test_help(server_path):
     (["--model", "m.colibri", "--max_batch_tokens", "2"], "--max_batch_tokens"),
     (["--model", "m.colibri", "--precision", "half"], "--precision must be 'exact' or 'fast', got 'half'"),
     (["--model", "m.colibri", "--shutdown_timeout_s", "-1"], "--shutdown_timeout_s"),
+    (["--model", "m.colibri", "--expert_cache_slots", "2", "--expert_cache_policy", "random"],
+     "--expert_cache_policy must be 'lru', 'lfu', 'pinned' or 'predict', got 'random'"),
+    (["--model", "m.colibri", "--expert_cache_policy", "lfu"], "needs an expert cache"),
+    (["--model", "m.colibri", "--expert_cache_mb", "64", "--expert_cache_slots", "2"], "give one of them"),
+    (["--model", "m.colibri", "--expert_cache_slots", "x"], "--expert_cache_slots"),
     (["--model"], "needs a value"),
     (["stray"], "unexpected argument"),
 ])  # fmt: skip

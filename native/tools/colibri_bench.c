@@ -23,6 +23,10 @@
  *   decode   latency of one decode step (one token of one sequence): the same statistics;
  *            tokens/s = decoded tokens / decode time.
  *   request  end-to-end latency of a request (prefills + decodes): the same statistics.
+ *   expert cache (with --expert_cache_mb or --expert_cache_slots): its slots, policy, slot
+ *            bytes and read mode, and what it did over the measured requests only (the
+ *            warmup fills it): hits, misses, hit rate = hits / (hits + misses), prefetches,
+ *            prefetch hits, wasted prefetches, bytes read.
  * Percentiles interpolate linearly between order statistics (numpy's default), so with
  * fewer than 100 samples P99 lies between the two largest.
  *
@@ -55,6 +59,8 @@ typedef struct args {
     int64_t max_batch;
     uint64_t seed;
     int32_t precision;
+    int64_t expert_cache_mb, expert_cache_slots;
+    int32_t expert_cache_policy;
     int json;
     int all_logits; /* prefill computes every row's logits (default: the last row only) */
 } args;
@@ -88,6 +94,17 @@ static void usage(FILE *f) {
             "  --seed S               PRNG seed for the token ids, unsigned 64-bit (default 0)\n"
             "  --precision MODE       exact or fast (int8 / bf16 activations into the weight\n"
             "                         matmuls; docs/quantization.md) (default exact)\n"
+            "  --expert_cache_mb N    keep the routed experts in N MiB of cache slots, read from\n"
+            "                         the file on a miss (models larger than memory;\n"
+            "                         docs/expert_cache.md); 0 = every expert mapped (default 0)\n"
+            "  --expert_cache_slots N the cache as N slots per MoE layer instead (more than\n"
+            "                         n_experts: n_experts; not with --expert_cache_mb) (default 0)\n"
+            "  --expert_cache_policy P\n"
+            "                         which expert a full layer evicts: lru, lfu, pinned (LRU\n"
+            "                         around experts pinned through the API; this tool pins\n"
+            "                         none) or predict (LRU, and the next layer's experts read\n"
+            "                         ahead) (default lru; needs a cache). The report gives the\n"
+            "                         cache's counters over the measured requests\n"
             "  --json                 print one JSON object on stdout instead of the table\n"
             "  --all_logits           prefill computes the logits of every prompt token (default: the\n"
             "                         last one only, as generation and the peer engines do)\n"
@@ -106,6 +123,7 @@ static int parse_args(int argc, char **argv, args *a) {
     a->warmup = 1;
     a->max_new_tokens = 32;
     a->group_pad = 1;
+    int policy_given = 0;
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
         if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
@@ -120,7 +138,8 @@ static int parse_args(int argc, char **argv, args *a) {
         static const char *const known[] = {"--model", "--sequential_sequences", "--batch_size", "--seq_len",
                                             "--num_requests", "--warmup", "--num_threads",
                                             "--max_new_tokens", "--decode_steps", "--group_pad",
-                                            "--max_batch", "--seed", "--precision"};
+                                            "--max_batch", "--seed", "--precision", "--expert_cache_mb",
+                                            "--expert_cache_slots", "--expert_cache_policy"};
         char name[64];
         const char *val = NULL;
         int bad = split_option(argc, argv, &i, known, sizeof known / sizeof known[0], name, &val);
@@ -162,9 +181,20 @@ static int parse_args(int argc, char **argv, args *a) {
                 return usage_error("--seed must be an unsigned integer, got '%s'", val);
         } else if (!strcmp(name, "--precision")) {
             if (!parse_precision(val, &a->precision)) return usage_error(PRECISION_USAGE, val);
+        } else if (!strcmp(name, "--expert_cache_mb")) {
+            if (!parse_i64(val, 0, INT64_C(1) << 40, &a->expert_cache_mb))
+                return usage_error("--expert_cache_mb must be an integer >= 0 (MiB), got '%s'", val);
+        } else if (!strcmp(name, "--expert_cache_slots")) {
+            if (!parse_i64(val, 0, INT32_MAX, &a->expert_cache_slots))
+                return usage_error("--expert_cache_slots must be an integer >= 0, got '%s'", val);
+        } else if (!strcmp(name, "--expert_cache_policy")) {
+            if (!parse_cache_policy(val, &a->expert_cache_policy)) return usage_error(CACHE_POLICY_USAGE, val);
+            policy_given = 1;
         }
     }
     if (!a->model) return usage_error("--model is required");
+    int bad = check_cache_flags(a->expert_cache_mb, a->expert_cache_slots, policy_given);
+    if (bad >= 0) return bad;
     /* One latency sample is kept per decode step: bound their count (in double, so the
      * product of three large values cannot overflow). */
     if ((double)a->num_requests * (double)a->n_seq * (double)a->max_new_tokens >
@@ -283,6 +313,9 @@ int main(int argc, char **argv) {
     opt.max_batch = a.max_batch;
     opt.group_pad = (int32_t)a.group_pad;
     opt.precision = a.precision;
+    opt.expert_cache_mb = a.expert_cache_mb;
+    opt.expert_cache_slots = (int32_t)a.expert_cache_slots;
+    opt.expert_cache_policy = a.expert_cache_policy;
 
     double t0 = now_ms();
     colibri_ctx *ctx = NULL;
@@ -304,7 +337,8 @@ int main(int argc, char **argv) {
     rc = EXIT_ENGINE;
 
     int64_t vocab = 0, threads_req = 0, threads_used = 0, n_layers = 0, n_experts = 0, top_k = 0,
-            hidden = 0, max_batch = 0, group_pad = 0;
+            hidden = 0, max_batch = 0, group_pad = 0, ec_slots = 0, ec_policy = -1, ec_slot_bytes = 0,
+            ec_direct = 0;
     const char *arch = "", *wdtype = "", *precision = "", *kernels = "";
     if ((st = colibri_get_int(ctx, "vocab_size", &vocab)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "num_threads", &threads_req)) != COLIBRI_OK ||
@@ -315,6 +349,10 @@ int main(int argc, char **argv) {
         (st = colibri_get_int(ctx, "hidden_size", &hidden)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "max_batch", &max_batch)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "group_pad", &group_pad)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "expert_cache_slots", &ec_slots)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "expert_cache_policy", &ec_policy)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "expert_cache_slot_bytes", &ec_slot_bytes)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "expert_cache_direct", &ec_direct)) != COLIBRI_OK ||
         (st = colibri_get_string(ctx, "architecture", &arch)) != COLIBRI_OK ||
         (st = colibri_get_string(ctx, "weight_dtype", &wdtype)) != COLIBRI_OK ||
         (st = colibri_get_string(ctx, "precision", &precision)) != COLIBRI_OK ||
@@ -339,8 +377,13 @@ int main(int argc, char **argv) {
 
     uint64_t rng = a.seed;
     int64_t di = 0;
+    cache_counts ec0 = {0}, ec = {0}; /* the cache's counters before the first measured request, after the last */
     for (int64_t r = -a.warmup; r < n_req; r++) {
         int counted = r >= 0;
+        if (r == 0 && ec_slots > 0 && (st = read_cache_counts(ctx, &ec0)) != COLIBRI_OK) {
+            rc = engine_error(ctx, st, "reading the expert cache's counters");
+            goto done;
+        }
         double t_pre = 0, t_req0 = now_ms();
         for (int64_t b = 0; b < a.n_seq; b++) {
             for (int64_t t = 0; t < a.seq_len; t++) ids[t] = random_id(&rng, vocab);
@@ -363,6 +406,15 @@ int main(int argc, char **argv) {
             req[r] = now_ms() - t_req0;
         }
     }
+
+    if (ec_slots > 0) {
+        if ((st = read_cache_counts(ctx, &ec)) != COLIBRI_OK) {
+            rc = engine_error(ctx, st, "reading the expert cache's counters");
+            goto done;
+        }
+        ec = cache_counts_sub(ec, ec0);
+    }
+    int64_t ec_uses = ec.hits + ec.misses;
 
     double pre_tokens = (double)(n_req * a.n_seq * a.seq_len);
     double dec_tokens = (double)n_dec;
@@ -394,6 +446,20 @@ int main(int argc, char **argv) {
                "  \"load_ms\": %.6f,\n",
                a.n_seq, a.seq_len, a.max_new_tokens, n_req, a.warmup, threads_req,
                threads_used, group_pad, max_batch, a.seed, a.all_logits ? "all" : "last", t_load);
+        /* null without a cache; the counters cover the measured requests */
+        if (ec_slots > 0) {
+            printf("  \"expert_cache\": {\"slots_per_layer\": %" PRId64 ", \"policy\": \"%s\", \"slot_bytes\": %" PRId64
+                   ", \"direct\": %s,\n    \"hits\": %" PRId64 ", \"misses\": %" PRId64 ", \"hit_rate\": ",
+                   ec_slots, cache_policy_name(ec_policy), ec_slot_bytes, ec_direct ? "true" : "false", ec.hits,
+                   ec.misses);
+            if (ec_uses > 0) printf("%.6f", (double)ec.hits / (double)ec_uses);
+            else printf("null"); /* no expert was used: no rate */
+            printf(", \"prefetches\": %" PRId64 ", \"prefetch_hits\": %" PRId64 ", \"wasted_prefetches\": %" PRId64
+                   ", \"bytes_read\": %" PRId64 "},\n",
+                   ec.prefetches, ec.prefetch_hits, ec.wasted, ec.bytes_read);
+        } else {
+            printf("  \"expert_cache\": null,\n");
+        }
         print_stats_json("prefill", &sp, pre_tokens, (double)n_req, 0);
         print_stats_json("decode", &sd, dec_tokens, 0, 0);
         print_stats_json("request", &sr, pre_tokens + dec_tokens, (double)n_req, 1);
@@ -409,12 +475,22 @@ int main(int argc, char **argv) {
                ", max_batch %" PRId64 ", seed %" PRIu64 ", precision %s (kernels %s)\n",
                a.n_seq, a.seq_len, a.max_new_tokens, n_req, a.warmup, threads_req,
                threads_used, group_pad, max_batch, a.seed, precision, kernels);
+        if (ec_slots > 0)
+            printf("expert cache: %" PRId64 " slot(s) per MoE layer, policy %s, %" PRId64 " bytes per slot, %s\n",
+                   ec_slots, cache_policy_name(ec_policy), ec_slot_bytes,
+                   ec_direct ? "O_DIRECT reads" : "buffered reads (no O_DIRECT here)");
         printf("prefill: latency per request (%" PRId64 " x %" PRId64 " tokens); decode: latency per token step\n",
                a.n_seq, a.seq_len);
         print_stats_text("prefill", &sp, pre_tokens);
         if (n_dec > 0) print_stats_text("decode", &sd, dec_tokens);
         print_stats_text("request", &sr, pre_tokens + dec_tokens);
         printf("throughput: %.3f requests/s\n", sr.total > 0 ? (double)n_req / sr.total * 1e3 : 0.0);
+        if (ec_slots > 0)
+            printf("expert cache (measured requests): %" PRId64 " hits, %" PRId64 " misses (hit rate %.1f%%), %" PRId64
+                   " prefetches, %" PRId64 " prefetch hits, %" PRId64 " wasted prefetches, %" PRId64
+                   " bytes read (%.1f MiB)\n",
+                   ec.hits, ec.misses, ec_uses > 0 ? 100.0 * (double)ec.hits / (double)ec_uses : 0.0, ec.prefetches,
+                   ec.prefetch_hits, ec.wasted, ec.bytes_read, (double)ec.bytes_read / 1048576.0);
     }
     rc = 0;
 

@@ -39,6 +39,8 @@ typedef struct args {
     int64_t num_threads;
     int64_t max_seq_len;
     int32_t precision;
+    int64_t expert_cache_mb, expert_cache_slots;
+    int32_t expert_cache_policy;
     int verbose;
     int verify;
 } args;
@@ -63,8 +65,19 @@ static void usage(FILE *f) {
             "  --precision MODE       exact (float32 activations into every matmul) or fast\n"
             "                         (int8 / bf16 activations into the weight matmuls;\n"
             "                         docs/quantization.md, \"Fast mode accuracy\") (default exact)\n"
+            "  --expert_cache_mb N    keep the routed experts in N MiB of cache slots, read from\n"
+            "                         the file on a miss (models larger than memory;\n"
+            "                         docs/expert_cache.md); 0 = every expert mapped (default 0)\n"
+            "  --expert_cache_slots N the cache as N slots per MoE layer instead (more than\n"
+            "                         n_experts: n_experts; not with --expert_cache_mb) (default 0)\n"
+            "  --expert_cache_policy P\n"
+            "                         which expert a full layer evicts: lru, lfu, pinned (LRU\n"
+            "                         around experts pinned through the API; this tool pins\n"
+            "                         none) or predict (LRU, and the next layer's experts read\n"
+            "                         ahead) (default lru; needs a cache)\n"
             "  --verify               check every CRC-32 in the file before running\n"
-            "  --verbose              print load and timing figures to stderr\n"
+            "  --verbose              print load and timing figures (and the expert cache's\n"
+            "                         settings and counters) to stderr\n"
             "  --help                 print this help and exit\n");
 }
 
@@ -82,6 +95,7 @@ static int parse_args(int argc, char **argv, args *a) {
     memset(a, 0, sizeof *a);
     a->max_new_tokens = 24;
     a->top_p = 1.0;
+    int policy_given = 0;
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
         if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
@@ -95,7 +109,9 @@ static int parse_args(int argc, char **argv, args *a) {
         /* --name VALUE or --name=VALUE */
         static const char *const known[] = {"--model", "--prompt", "--max_new_tokens",
                                             "--temperature", "--top_k", "--top_p", "--seed",
-                                            "--num_threads", "--max_seq_len", "--precision"};
+                                            "--num_threads", "--max_seq_len", "--precision",
+                                            "--expert_cache_mb", "--expert_cache_slots",
+                                            "--expert_cache_policy"};
         char name[64];
         const char *val = NULL;
         int bad = split_option(argc, argv, &i, known, sizeof known / sizeof known[0], name, &val);
@@ -129,10 +145,21 @@ static int parse_args(int argc, char **argv, args *a) {
                 return usage_error("--max_seq_len must be an integer >= 0, got '%s'", val);
         } else if (!strcmp(name, "--precision")) {
             if (!parse_precision(val, &a->precision)) return usage_error(PRECISION_USAGE, val);
+        } else if (!strcmp(name, "--expert_cache_mb")) {
+            if (!parse_i64(val, 0, INT64_C(1) << 40, &a->expert_cache_mb))
+                return usage_error("--expert_cache_mb must be an integer >= 0 (MiB), got '%s'", val);
+        } else if (!strcmp(name, "--expert_cache_slots")) {
+            if (!parse_i64(val, 0, INT32_MAX, &a->expert_cache_slots))
+                return usage_error("--expert_cache_slots must be an integer >= 0, got '%s'", val);
+        } else if (!strcmp(name, "--expert_cache_policy")) {
+            if (!parse_cache_policy(val, &a->expert_cache_policy)) return usage_error(CACHE_POLICY_USAGE, val);
+            policy_given = 1;
         }
     }
     if (!a->model) return usage_error("--model is required");
     if (!a->prompt) return usage_error("--prompt is required");
+    int bad = check_cache_flags(a->expert_cache_mb, a->expert_cache_slots, policy_given);
+    if (bad >= 0) return bad;
     return -1;
 }
 
@@ -241,6 +268,18 @@ static colibri_status decode_all(colibri_tokenizer *tok, const int32_t *ids, int
     }
 }
 
+/* --verbose, after the run: what the expert cache did since the load. */
+static void print_cache_counts(colibri_ctx *ctx) {
+    cache_counts c;
+    if (read_cache_counts(ctx, &c) != COLIBRI_OK) return;
+    int64_t uses = c.hits + c.misses;
+    fprintf(stderr, "expert cache: %" PRId64 " hits, %" PRId64 " misses (hit rate %.1f%%), %" PRId64
+                    " prefetches, %" PRId64 " prefetch hits, %" PRId64 " wasted prefetches, %" PRId64
+                    " bytes read (%.1f MiB)\n",
+            c.hits, c.misses, uses > 0 ? 100.0 * (double)c.hits / (double)uses : 0.0, c.prefetches,
+            c.prefetch_hits, c.wasted, c.bytes_read, (double)c.bytes_read / 1048576.0);
+}
+
 int main(int argc, char **argv) {
     args a;
     int rc = parse_args(argc, argv, &a);
@@ -256,6 +295,9 @@ int main(int argc, char **argv) {
     opt.num_threads = (int32_t)a.num_threads;
     opt.max_seq_len = a.max_seq_len;
     opt.precision = a.precision;
+    opt.expert_cache_mb = a.expert_cache_mb;
+    opt.expert_cache_slots = (int32_t)a.expert_cache_slots;
+    opt.expert_cache_policy = a.expert_cache_policy;
 
     double t0 = now_ms();
     colibri_ctx *ctx = NULL;
@@ -283,11 +325,15 @@ int main(int argc, char **argv) {
     st = colibri_verify_router(ctx);
     if (st != COLIBRI_OK) { rc = engine_error(ctx, st, "router weights do not match their stored norms"); goto done; }
 
-    int64_t vocab = 0, max_seq = 0, threads = 0;
+    int64_t vocab = 0, max_seq = 0, threads = 0, ec_slots = 0, ec_policy = -1, ec_slot_bytes = 0, ec_direct = 0;
     const char *precision = "", *kernels = "";
     if ((st = colibri_get_int(ctx, "vocab_size", &vocab)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "max_seq_len", &max_seq)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "threads_used", &threads)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "expert_cache_slots", &ec_slots)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "expert_cache_policy", &ec_policy)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "expert_cache_slot_bytes", &ec_slot_bytes)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "expert_cache_direct", &ec_direct)) != COLIBRI_OK ||
         (st = colibri_get_string(ctx, "precision", &precision)) != COLIBRI_OK ||
         (st = colibri_get_string(ctx, "kernels", &kernels)) != COLIBRI_OK) {
         rc = engine_error(ctx, st, "reading the model's settings");
@@ -322,6 +368,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "load: %.1f ms (%s, vocab %" PRId64 ", max_seq_len %" PRId64
                         ", %" PRId64 " thread(s) used)\nprecision: %s (kernels %s)\nprompt: %" PRId64 " tokens\n",
                 t_load, a.model, vocab, max_seq, threads, precision, kernels, n_prompt);
+    if (a.verbose && ec_slots > 0)
+        fprintf(stderr, "expert cache: %" PRId64 " slot(s) per MoE layer, policy %s, %" PRId64 " bytes per slot, %s\n",
+                ec_slots, cache_policy_name(ec_policy), ec_slot_bytes,
+                ec_direct ? "O_DIRECT reads" : "buffered reads (no O_DIRECT here)");
 
     /* --verbose: a trace times every stage (colibri.h, "Observation") */
     if (a.verbose) {
@@ -352,6 +402,7 @@ int main(int argc, char **argv) {
 
     if (a.max_new_tokens == 1) {
         rc = print_top(ctx, tok, row, vocab, n_prompt);
+        if (a.verbose && ec_slots > 0) print_cache_counts(ctx);
         goto done;
     }
 
@@ -406,6 +457,7 @@ int main(int argc, char **argv) {
         colibri_trace_get_int(trace, "tokens", &fed);
         if (fed > 0) print_stages(trace, "decode", fed);
     }
+    if (a.verbose && ec_slots > 0) print_cache_counts(ctx);
     rc = 0;
     goto done;
 

@@ -1,6 +1,7 @@
 /*
- * tool_common.h — what colibri_cli and colibri_bench share: exit statuses, usage and
- * engine error reports, number and --precision parsing, option splitting and a monotonic clock.
+ * tool_common.h — what colibri_cli, colibri_bench and colibri_server share: exit statuses,
+ * usage and engine error reports, number, --precision and --expert_cache_policy parsing, option
+ * splitting, the expert cache's counters and a monotonic clock.
  * Header-only (static functions); define TOOL_NAME before including it.
  */
 #ifndef COLIBRI_TOOL_COMMON_H
@@ -99,6 +100,68 @@ static inline int parse_precision(const char *s, int32_t *out) {
     else if (!strcmp(s, "fast")) *out = COLIBRI_PRECISION_FAST;
     else return 0;
     return 1;
+}
+
+/* The name of expert-cache policy COLIBRI_CACHE_* `p` (as --expert_cache_policy takes it);
+ * "none" for anything else (colibri_get_int "expert_cache_policy" is -1 without a cache). */
+static inline const char *cache_policy_name(int64_t p) {
+    switch (p) {
+    case COLIBRI_CACHE_LRU: return "lru";
+    case COLIBRI_CACHE_LFU: return "lfu";
+    case COLIBRI_CACHE_PINNED: return "pinned";
+    case COLIBRI_CACHE_PREDICT: return "predict";
+    default: return "none";
+    }
+}
+
+/* The value of --expert_cache_policy: "lru", "lfu", "pinned" or "predict" (COLIBRI_CACHE_*).
+ * Returns 1 and sets *out, or 0 when `s` is none of them (the caller reports the usage error,
+ * e.g. with CACHE_POLICY_USAGE). */
+#define CACHE_POLICY_USAGE "--expert_cache_policy must be 'lru', 'lfu', 'pinned' or 'predict', got '%s'"
+static inline int parse_cache_policy(const char *s, int32_t *out) {
+    for (int32_t p = COLIBRI_CACHE_LRU; p <= COLIBRI_CACHE_PREDICT; p++)
+        if (!strcmp(s, cache_policy_name(p))) {
+            *out = p;
+            return 1;
+        }
+    return 0;
+}
+
+/* The checks every tool makes of the three --expert_cache_* values (mb and slots as parsed,
+ * 0 when absent; policy_given: the flag was on the command line). Returns -1 when they go
+ * together, else the exit status of the usage error it reported. */
+static inline int check_cache_flags(int64_t mb, int64_t slots, int policy_given) {
+    if (mb > 0 && slots > 0)
+        return usage_error("--expert_cache_mb and --expert_cache_slots are two ways to size the one "
+                           "expert cache; give one of them");
+    if (policy_given && mb == 0 && slots == 0)
+        return usage_error("--expert_cache_policy needs an expert cache: give --expert_cache_mb or "
+                           "--expert_cache_slots too");
+    return -1;
+}
+
+/* The expert cache's counters, as colibri_get_int gives them ("expert_cache_*"). */
+typedef struct cache_counts {
+    int64_t hits, misses, prefetches, prefetch_hits, wasted, bytes_read;
+} cache_counts;
+
+/* Read the counters of every layer together; COLIBRI_OK, or the failing call's status. */
+static inline colibri_status read_cache_counts(const colibri_ctx *ctx, cache_counts *c) {
+    colibri_status st;
+    if ((st = colibri_get_int(ctx, "expert_cache_hits", &c->hits)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "expert_cache_misses", &c->misses)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "expert_cache_prefetches", &c->prefetches)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "expert_cache_prefetch_hits", &c->prefetch_hits)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "expert_cache_wasted_prefetches", &c->wasted)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "expert_cache_bytes_read", &c->bytes_read)) != COLIBRI_OK)
+        return st;
+    return COLIBRI_OK;
+}
+
+/* a - b, counter by counter (what happened between two readings). */
+static inline cache_counts cache_counts_sub(cache_counts a, cache_counts b) {
+    return (cache_counts){a.hits - b.hits, a.misses - b.misses, a.prefetches - b.prefetches,
+                          a.prefetch_hits - b.prefetch_hits, a.wasted - b.wasted, a.bytes_read - b.bytes_read};
 }
 
 static inline double now_ms(void) {

@@ -1,7 +1,8 @@
 /*
  * engine.c — the scheduler's engine interface (scheduler.h, cs_engine) over a colibri_ctx,
- * and the per-layer expert load for /metrics, read from a colibri_trace after every step.
- * Everything here runs on the engine thread except cs_colibri_expert_counts.
+ * and for /metrics the per-layer expert load, read from a colibri_trace after every step, and
+ * the expert cache's counters, copied after every step. Everything here runs on the engine
+ * thread except cs_colibri_expert_counts and cs_colibri_cache_counts.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "server.h"
@@ -29,9 +30,36 @@ static int64_t e_free(void *self) {
 }
 static const char *e_error(void *self) { return colibri_last_error(((cs_colibri *)self)->ctx); }
 
-/* Count the top-k ids the last step recorded, then empty the trace. */
+static const char *const cache_names[CS_CACHE_N_STATS] = {"cache_hits", "cache_misses", "cache_prefetches",
+                                                           "cache_prefetch_hits", "cache_wasted_prefetches"};
+
+/* The engine's cache counters now, in cache_base's layout; 0, or -1 when a read failed.
+ * Engine thread: the forward writes them without a lock. */
+static int read_cache(cs_colibri *cc, int64_t *out) {
+    int64_t n = (int64_t)cc->n_layers * CS_CACHE_N_STATS;
+    for (int32_t l = 0; l < cc->n_layers; l++)
+        for (int k = 0; k < CS_CACHE_N_STATS; k++) {
+            int64_t *v = &out[(int64_t)l * CS_CACHE_N_STATS + k];
+            *v = 0;
+            if (cc->moe[l] && colibri_get_layer_int(cc->ctx, l, cache_names[k], v) != COLIBRI_OK) return -1;
+        }
+    return colibri_get_int(cc->ctx, "expert_cache_bytes_read", &out[n]) == COLIBRI_OK ? 0 : -1;
+}
+
+/* Copy the cache's counters, less the base, for /metrics. */
+static void snapshot_cache(cs_colibri *cc) {
+    int64_t n = (int64_t)cc->n_layers * CS_CACHE_N_STATS + 1;
+    if (read_cache(cc, cc->cache_now)) return; /* keeps the last copy */
+    pthread_mutex_lock(&cc->mu);
+    for (int64_t i = 0; i < n; i++) cc->cache_counts[i] = (uint64_t)(cc->cache_now[i] - cc->cache_base[i]);
+    pthread_mutex_unlock(&cc->mu);
+}
+
+/* Copy the cache's counters; count the top-k ids the last step recorded, then empty the
+ * trace. */
 static void e_after(void *self) {
     cs_colibri *cc = self;
+    if (cc->cache_slots > 0) snapshot_cache(cc);
     if (!cc->trace) return;
     int64_t tokens = 0;
     const void *data;
@@ -84,8 +112,42 @@ int cs_colibri_init(cs_colibri *cc, colibri_ctx *ctx, int64_t trace_tokens, cs_e
             return -1;
         }
     }
+    int64_t slots = 0;
+    if (colibri_get_int(ctx, "expert_cache_slots", &slots)) {
+        snprintf(err, err_len, "reading the model's settings: %s", colibri_last_error(ctx));
+        return -1;
+    }
+    if (slots > 0 && L > 0) {
+        size_t n = (size_t)L * CS_CACHE_N_STATS + 1;
+        cc->moe = calloc((size_t)L, sizeof *cc->moe);
+        cc->cache_base = calloc(n, sizeof *cc->cache_base);
+        cc->cache_now = calloc(n, sizeof *cc->cache_now);
+        cc->cache_counts = calloc(n, sizeof *cc->cache_counts);
+        if (!cc->moe || !cc->cache_base || !cc->cache_now || !cc->cache_counts) {
+            snprintf(err, err_len, "out of memory");
+            return -1;
+        }
+        for (int32_t l = 0; l < (int32_t)L; l++) {
+            int64_t moe = 0;
+            if (colibri_get_layer_int(ctx, l, "moe", &moe)) {
+                snprintf(err, err_len, "reading the model's settings: %s", colibri_last_error(ctx));
+                return -1;
+            }
+            cc->moe[l] = moe != 0;
+        }
+        cc->cache_slots = (int32_t)slots;
+    }
     *eng = (cs_engine){cc, e_batch, e_clear, e_fork, e_sample, e_free, e_total, e_error, e_after};
     return 0;
+}
+
+void cs_colibri_reset_counts(cs_colibri *cc) {
+    pthread_mutex_lock(&cc->mu);
+    if (cc->expert_tokens)
+        memset(cc->expert_tokens, 0, (size_t)cc->n_layers * (size_t)cc->n_experts * sizeof *cc->expert_tokens);
+    if (cc->cache_slots > 0 && read_cache(cc, cc->cache_base) == 0)
+        memset(cc->cache_counts, 0, ((size_t)cc->n_layers * CS_CACHE_N_STATS + 1) * sizeof *cc->cache_counts);
+    pthread_mutex_unlock(&cc->mu);
 }
 
 void cs_colibri_free(cs_colibri *cc) {
@@ -94,6 +156,10 @@ void cs_colibri_free(cs_colibri *cc) {
         colibri_trace_free(cc->trace);
     }
     free(cc->expert_tokens);
+    free(cc->moe);
+    free(cc->cache_base);
+    free(cc->cache_now);
+    free(cc->cache_counts);
     pthread_mutex_destroy(&cc->mu);
     memset(cc, 0, sizeof *cc);
 }
@@ -105,6 +171,18 @@ uint64_t *cs_colibri_expert_counts(cs_colibri *cc) {
     if (!out) return NULL;
     pthread_mutex_lock(&cc->mu);
     memcpy(out, cc->expert_tokens, n * sizeof *out);
+    pthread_mutex_unlock(&cc->mu);
+    return out;
+}
+
+uint64_t *cs_colibri_cache_counts(cs_colibri *cc, uint64_t *bytes_read) {
+    if (cc->cache_slots <= 0) return NULL;
+    size_t n = (size_t)cc->n_layers * CS_CACHE_N_STATS;
+    uint64_t *out = malloc(n * sizeof *out);
+    if (!out) return NULL;
+    pthread_mutex_lock(&cc->mu);
+    memcpy(out, cc->cache_counts, n * sizeof *out);
+    *bytes_read = cc->cache_counts[n];
     pthread_mutex_unlock(&cc->mu);
     return out;
 }

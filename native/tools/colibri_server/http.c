@@ -202,16 +202,24 @@ static enum MHD_Result handle_metrics(cs_server *srv, struct MHD_Connection *c) 
     memset(&m, 0, sizeof m);
     cs_hist_init_ttft(&m.ttft);
     cs_hist_init_tpot(&m.tpot);
-    uint64_t *ex = NULL;
+    uint64_t *ex = NULL, *cache = NULL;
     if (atomic_load(&srv->state) != CS_STATE_LOADING && srv->sched) {
         cs_sched_snapshot(srv->sched, &m);
         ex = cs_colibri_expert_counts(&srv->engine);
         m.n_layers = srv->engine.n_layers;
         m.n_experts = srv->engine.n_experts;
         m.expert_tokens = ex;
+        /* the copies the engine thread made after its last step (engine.c), never the engine's own */
+        cache = cs_colibri_cache_counts(&srv->engine, &m.cache_bytes_read);
+        if (cache) {
+            m.cache_slots = srv->engine.cache_slots;
+            m.cache_layer = cache;
+            m.cache_moe = srv->engine.moe;
+        }
     }
     size_t len = 0;
     char *t = cs_metrics_render(&m, &len);
+    free(cache);
     free(ex);
     return send_buf(c, 200, t, len, "text/plain; version=0.0.4; charset=utf-8", NULL, NULL);
 }

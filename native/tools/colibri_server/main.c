@@ -38,8 +38,9 @@ typedef struct args {
     int64_t decode_prefill_tokens;
     int64_t port, num_threads, max_batch_size, max_seq_len, prefetch_batches, parallel, max_batch_tokens, kv_tokens,
         kv_block_tokens, max_queue, timeout, max_body_bytes, default_max_tokens, shutdown_timeout_s;
+    int64_t expert_cache_mb, expert_cache_slots;
     double gpu_memory_fraction;
-    int32_t precision;
+    int32_t precision, expert_cache_policy;
 } args;
 
 static void usage(FILE *f) {
@@ -74,6 +75,16 @@ static void usage(FILE *f) {
             "  --kv_tokens N             positions of the shared paged KV cache, 0 = max_seq_len\n"
             "                            x parallel (default 0)\n"
             "  --kv_block_tokens N       positions per KV block, 0 = the engine's (32) (default 0)\n"
+            "  --expert_cache_mb N       keep the routed experts in N MiB of cache slots, read\n"
+            "                            from the file on a miss (models larger than memory;\n"
+            "                            docs/expert_cache.md); /metrics then shows its counters;\n"
+            "                            0 = every expert mapped (default 0)\n"
+            "  --expert_cache_slots N    the cache as N slots per MoE layer instead (more than\n"
+            "                            n_experts: n_experts; not with --expert_cache_mb) (default 0)\n"
+            "  --expert_cache_policy P   which expert a full layer evicts: lru, lfu, pinned (LRU\n"
+            "                            around experts pinned through the API; the server pins\n"
+            "                            none) or predict (LRU, and the next layer's experts read\n"
+            "                            ahead) (default lru; needs a cache)\n"
             "  --max_queue N             requests waiting for admission; more get 429 (default 64)\n"
             "  --timeout S               idle connection timeout in seconds (default 60)\n"
             "  --max_body_bytes N        largest request body; more gets 413 (default 1048576)\n"
@@ -106,7 +117,7 @@ static int parse_args(int argc, char **argv, args *a) {
     a->max_body_bytes = 1 << 20;
     a->default_max_tokens = 16;
     a->shutdown_timeout_s = 30;
-    int port_in_host = 0;
+    int port_in_host = 0, policy_given = 0;
     static char host_buf[256];
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
@@ -119,7 +130,8 @@ static int parse_args(int argc, char **argv, args *a) {
             "--model", "--alias", "--host", "--port", "--num_threads", "--max_batch_size", "--max_seq_len",
             "--prefetch_batches", "--gpu_memory_fraction", "--parallel", "--max_batch_tokens", "--decode_prefill_tokens", "--kv_tokens",
             "--kv_block_tokens", "--api-key", "--api_key", "--max_queue", "--timeout", "--max_body_bytes",
-            "--default_max_tokens", "--precision", "--shutdown_timeout_s"};
+            "--default_max_tokens", "--precision", "--shutdown_timeout_s", "--expert_cache_mb", "--expert_cache_slots",
+            "--expert_cache_policy"};
         char name[64];
         const char *val = NULL;
         int bad = split_option(argc, argv, &i, known, sizeof known / sizeof known[0], name, &val);
@@ -172,6 +184,9 @@ static int parse_args(int argc, char **argv, args *a) {
             a->gpu_memory_fraction = v;
         } else if (!strcmp(name, "--precision")) {
             if (!parse_precision(val, &a->precision)) return usage_error(PRECISION_USAGE, val);
+        } else if (!strcmp(name, "--expert_cache_policy")) {
+            if (!parse_cache_policy(val, &a->expert_cache_policy)) return usage_error(CACHE_POLICY_USAGE, val);
+            policy_given = 1;
         }
         INT_OPT("--num_threads", num_threads, 0, 4096)
         INT_OPT("--max_batch_size", max_batch_size, 1, 4096)
@@ -187,9 +202,13 @@ static int parse_args(int argc, char **argv, args *a) {
         INT_OPT("--max_body_bytes", max_body_bytes, 64, INT64_C(1) << 32)
         INT_OPT("--default_max_tokens", default_max_tokens, 1, INT32_MAX)
         INT_OPT("--shutdown_timeout_s", shutdown_timeout_s, 0, 86400)
+        INT_OPT("--expert_cache_mb", expert_cache_mb, 0, INT64_C(1) << 40)
+        INT_OPT("--expert_cache_slots", expert_cache_slots, 0, INT32_MAX)
 #undef INT_OPT
     }
     if (!a->model) return usage_error("--model is required");
+    int bad = check_cache_flags(a->expert_cache_mb, a->expert_cache_slots, policy_given);
+    if (bad >= 0) return bad;
     if (a->max_batch_size < 0) a->max_batch_size = a->parallel;
     if (a->max_batch_size > a->parallel)
         return usage_error("--max_batch_size %lld is more than --parallel %lld (the sequences there are)",
@@ -349,6 +368,9 @@ int main(int argc, char **argv) {
     opt.kv_block_tokens = (int32_t)a.kv_block_tokens;
     opt.kv_tokens = a.kv_tokens;
     opt.precision = a.precision;
+    opt.expert_cache_mb = a.expert_cache_mb;
+    opt.expert_cache_slots = (int32_t)a.expert_cache_slots;
+    opt.expert_cache_policy = a.expert_cache_policy;
     colibri_ctx *ctx = NULL;
     colibri_status st = colibri_init_ex(a.model, &opt, &ctx, err, sizeof err);
     if (st != COLIBRI_OK) {
@@ -361,11 +383,16 @@ int main(int argc, char **argv) {
         engine_error(ctx, st, "router weights do not match their stored norms");
         goto out;
     }
-    int64_t vocab = 0, max_seq = 0, blocks = 0, block_tokens = 0, max_seqs = 0, threads = 0;
+    int64_t vocab = 0, max_seq = 0, blocks = 0, block_tokens = 0, max_seqs = 0, threads = 0, ec_slots = 0,
+            ec_policy = -1, ec_slot_bytes = 0, ec_direct = 0;
     if ((st = colibri_get_int(ctx, "vocab_size", &vocab)) || (st = colibri_get_int(ctx, "max_seq_len", &max_seq)) ||
         (st = colibri_get_int(ctx, "kv_blocks_total", &blocks)) ||
         (st = colibri_get_int(ctx, "kv_block_tokens", &block_tokens)) ||
-        (st = colibri_get_int(ctx, "max_seqs", &max_seqs)) || (st = colibri_get_int(ctx, "threads_used", &threads))) {
+        (st = colibri_get_int(ctx, "max_seqs", &max_seqs)) || (st = colibri_get_int(ctx, "threads_used", &threads)) ||
+        (st = colibri_get_int(ctx, "expert_cache_slots", &ec_slots)) ||
+        (st = colibri_get_int(ctx, "expert_cache_policy", &ec_policy)) ||
+        (st = colibri_get_int(ctx, "expert_cache_slot_bytes", &ec_slot_bytes)) ||
+        (st = colibri_get_int(ctx, "expert_cache_direct", &ec_direct))) {
         engine_error(ctx, st, "reading the model's settings");
         goto out;
     }
@@ -409,9 +436,7 @@ int main(int argc, char **argv) {
         if (st == COLIBRI_OK) st = colibri_seq_clear(ctx, 0);
         free(lg);
         if (eng.after_step) eng.after_step(eng.self);
-        if (srv.engine.expert_tokens)
-            memset(srv.engine.expert_tokens, 0,
-                   (size_t)srv.engine.n_layers * (size_t)srv.engine.n_experts * sizeof(uint64_t));
+        cs_colibri_reset_counts(&srv.engine); /* /metrics counts the requests, not the warm-up */
         if (st != COLIBRI_OK) {
             engine_error(ctx, st, "warm-up forward");
             cs_sched_free(sched);
@@ -422,6 +447,11 @@ int main(int argc, char **argv) {
                         " thread(s), precision %s (kernels %s)\n",
                 srv.model_id, now_ms() - t0, now_ms() - tw, vocab, srv.ctx_len, max_seqs, blocks, block_tokens,
                 threads, srv.precision, srv.kernels);
+        if (ec_slots > 0)
+            fprintf(stderr, "colibri_server: expert cache: %" PRId64 " slot(s) per MoE layer, policy %s, %" PRId64
+                            " bytes per slot, %s\n",
+                    ec_slots, cache_policy_name(ec_policy), ec_slot_bytes,
+                    ec_direct ? "O_DIRECT reads" : "buffered reads (no O_DIRECT here)");
     }
 
     pthread_mutex_lock(&g_stop_mu);

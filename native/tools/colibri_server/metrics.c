@@ -85,6 +85,41 @@ static void histogram(sbuf *b, const char *name, const char *help, const cs_hist
     sb_printf(b, "%s_sum %.9g\n%s_count %" PRIu64 "\n", name, h->sum, name, h->count);
 }
 
+/* The expert cache's counters: each one's total over the MoE layers unlabelled, and per layer
+ * as a family of its own (colibri_expert_cache_layer_*_total{layer="L"}), so that no family
+ * mixes a total with its parts and a sum over a family's series counts every use once. */
+static void cache_metrics(sbuf *b, const cs_metrics *m) {
+    static const char *const names[CS_CACHE_N_STATS] = {"hits", "misses", "prefetches", "prefetch_hits",
+                                                        "wasted_prefetches"};
+    static const char *const helps[CS_CACHE_N_STATS] = {
+        "Expert-cache hits: uses of a routed expert found in its layer's slots (an expert used by R rows "
+        "of a step counts R uses)",
+        "Expert-cache misses: uses of a routed expert that was read from the model file first",
+        "Experts read ahead into the expert cache (policy predict)",
+        "Prefetched experts used before their eviction",
+        "Prefetched experts evicted before any use"};
+    gauge(b, "colibri_expert_cache_slots", "Expert-cache slots per MoE layer.", m->cache_slots);
+    for (int k = 0; k < CS_CACHE_N_STATS; k++) {
+        uint64_t total = 0;
+        for (int32_t l = 0; l < m->n_layers; l++)
+            if (m->cache_moe[l]) total += m->cache_layer[(size_t)l * CS_CACHE_N_STATS + (size_t)k];
+        sb_printf(b, "# HELP colibri_expert_cache_%s_total %s; all MoE layers.\n"
+                     "# TYPE colibri_expert_cache_%s_total counter\ncolibri_expert_cache_%s_total %" PRIu64 "\n",
+                  names[k], helps[k], names[k], names[k], total);
+    }
+    counter(b, "colibri_expert_cache_bytes_read_total", "Bytes read from the model file into expert-cache slots.",
+            m->cache_bytes_read);
+    for (int k = 0; k < CS_CACHE_N_STATS; k++) {
+        sb_printf(b, "# HELP colibri_expert_cache_layer_%s_total %s; per MoE layer.\n"
+                     "# TYPE colibri_expert_cache_layer_%s_total counter\n",
+                  names[k], helps[k], names[k]);
+        for (int32_t l = 0; l < m->n_layers; l++)
+            if (m->cache_moe[l])
+                sb_printf(b, "colibri_expert_cache_layer_%s_total{layer=\"%d\"} %" PRIu64 "\n", names[k], l,
+                          m->cache_layer[(size_t)l * CS_CACHE_N_STATS + (size_t)k]);
+    }
+}
+
 char *cs_metrics_render(const cs_metrics *m, size_t *len) {
     sbuf b = {malloc(4096), 0, 4096, 0};
     if (!b.p) return NULL;
@@ -115,6 +150,7 @@ char *cs_metrics_render(const cs_metrics *m, size_t *len) {
                 sb_printf(&b, "colibri_expert_tokens_total{layer=\"%d\",expert=\"%d\"} %" PRIu64 "\n",
                           l, e, m->expert_tokens[(size_t)l * (size_t)m->n_experts + (size_t)e]);
     }
+    if (m->cache_slots > 0 && m->cache_layer && m->cache_moe && m->n_layers > 0) cache_metrics(&b, m);
     if (b.bad) {
         free(b.p);
         return NULL;

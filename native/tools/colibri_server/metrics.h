@@ -28,6 +28,11 @@ void cs_hist_observe(cs_histogram *h, double v);
 void cs_hist_init_ttft(cs_histogram *h);
 void cs_hist_init_tpot(cs_histogram *h);
 
+/* The expert cache's per-layer counters (colibri_get_layer_int "cache_hits", "cache_misses",
+ * "cache_prefetches", "cache_prefetch_hits", "cache_wasted_prefetches"), in this order. */
+enum { CS_CACHE_HITS, CS_CACHE_MISSES, CS_CACHE_PREFETCHES, CS_CACHE_PREFETCH_HITS, CS_CACHE_WASTED,
+       CS_CACHE_N_STATS };
+
 /* Everything /metrics shows, as one snapshot. */
 typedef struct cs_metrics {
     int64_t requests_running, requests_waiting;
@@ -40,6 +45,14 @@ typedef struct cs_metrics {
      * router trace (n_layers or n_experts 0) */
     int32_t n_layers, n_experts;
     const uint64_t *expert_tokens;
+    /* the expert cache: cache_slots per MoE layer, 0 when the server runs without one (then
+     * none of its metrics is shown); cache_layer[l * CS_CACHE_N_STATS + k] counter k of layer
+     * l (n_layers rows), shown for the layers with cache_moe[l] set (a dense layer has no
+     * slots); cache_bytes_read the bytes read into the slots */
+    int32_t cache_slots;
+    const uint64_t *cache_layer;
+    const uint8_t *cache_moe;
+    uint64_t cache_bytes_read;
 } cs_metrics;
 
 /* Render `m` in the Prometheus text format into a malloc'd NUL-terminated string

@@ -1,6 +1,7 @@
 /*
  * server.h — what the parts of colibri_server share: the server state (cs_server), the
- * engine adapter (engine.c: a cs_engine over a colibri_ctx, with the expert-load trace),
+ * engine adapter (engine.c: a cs_engine over a colibri_ctx, with the expert-load trace and
+ * the expert cache's counters),
  * the request jobs (api.c: JSON in, callbacks, JSON out) and the HTTP front end (http.c).
  *
  * Threads: libmicrohttpd runs one thread per connection (parsing, tokenizing, waiting for
@@ -31,8 +32,17 @@ typedef struct cs_colibri {
     colibri_trace *trace;
     int32_t n_layers, n_experts, top_k;
     int64_t blocks_total;
-    pthread_mutex_t mu;          /* guards expert_tokens */
+    pthread_mutex_t mu;          /* guards expert_tokens and the cache_* counts */
     uint64_t *expert_tokens;     /* [n_layers * n_experts] */
+    /* the expert cache, when the context has one (cache_slots > 0): its counters are plain
+     * integers the forward writes, so the engine thread copies them here after every step and
+     * /metrics reads the copies; counted from the last cs_colibri_reset_counts */
+    int32_t cache_slots;         /* slots per MoE layer; 0: no expert cache */
+    uint8_t *moe;                /* [n_layers] 1: a MoE layer */
+    int64_t *cache_base;         /* [n_layers * CS_CACHE_N_STATS + 1] the engine's counters at the reset,
+                                  * bytes read last (engine thread only) */
+    int64_t *cache_now;          /* the same layout: the counters of the step just run (engine thread only) */
+    uint64_t *cache_counts;      /* the same layout: the counts since the reset */
 } cs_colibri;
 
 /* Fill *eng with the functions over cc->ctx; attach a trace of `trace_tokens` rows for the
@@ -42,6 +52,13 @@ int cs_colibri_init(cs_colibri *cc, colibri_ctx *ctx, int64_t trace_tokens, cs_e
 void cs_colibri_free(cs_colibri *cc);
 /* Copy the expert counts (n_layers * n_experts) into out (malloc'd; caller frees). */
 uint64_t *cs_colibri_expert_counts(cs_colibri *cc);
+/* Start the expert counts and the cache's counters from zero (after the warm-up). Engine
+ * thread only. */
+void cs_colibri_reset_counts(cs_colibri *cc);
+/* Copy the cache's counters (n_layers * CS_CACHE_N_STATS, cs_metrics.cache_layer's layout)
+ * into a malloc'd array (caller frees) and the bytes read into *bytes_read; NULL without a
+ * cache or when out of memory. */
+uint64_t *cs_colibri_cache_counts(cs_colibri *cc, uint64_t *bytes_read);
 
 /* ---- the server ---- */
 typedef struct cs_server {
