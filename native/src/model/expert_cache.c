@@ -138,7 +138,7 @@ static void *io_main(void *arg) {
     pthread_mutex_lock(&ec->mu);
     for (;;) {
         ec_queue *qu = NULL;
-        int64_t i;
+        int64_t i = -1;
         while (!ec->stop && (i = pick(ec, &qu)) < 0) pthread_cond_wait(&ec->work_cv, &ec->mu);
         if (ec->stop) break;
         ec_req rq = qu->q[i];
