@@ -40,7 +40,7 @@ from pathlib import Path
 from .errors import *  # noqa: F401,F403  (the statuses and exceptions, re-exported for the binding's callers)
 from .errors import ERRORS, OK, ColibriError
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 LIB_NAME = "libcolibri.so" if sys.platform != "darwin" else "libcolibri.dylib"
 
 
@@ -84,6 +84,9 @@ class ColibriOptions(ctypes.Structure):
         ("expert_cache_policy", c_int32),
         ("expert_cache_mb", c_int64),
         ("expert_cache_slots", c_int32),
+        ("backend", c_int32),
+        ("gpu_device", c_int32),
+        ("gpu_memory_fraction", ctypes.c_double),
     ]
 
 
@@ -155,6 +158,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "colibri_stage_begin": (c_int, [ctx_p, POINTER(c_int32), c_int64, c_int64]),
     "colibri_stage_next": (c_int, [ctx_p, POINTER(c_int32), POINTER(c_int32)]),
     "colibri_stage_run": (c_int, [ctx_p, c_int32, POINTER(c_float)]),
+    "colibri_stage_tensor_device": (c_int, [ctx_p, c_char_p, POINTER(c_void_p)]),
     "colibri_stage_tensor": (
         c_int,
         [ctx_p, c_char_p, POINTER(c_void_p), POINTER(c_int32), POINTER(c_int32), POINTER(c_int64)],

@@ -27,7 +27,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or the meaning of an argument changes; bindings check it. */
-#define COLIBRI_ABI_VERSION 6
+#define COLIBRI_ABI_VERSION 7
 /* The newest file format version this build reads. */
 /* the newest .colibri version this build reads (and every older one, from 1) */
 #define COLIBRI_FORMAT_VERSION 2
@@ -74,7 +74,19 @@ typedef struct colibri_options {
                                * 0 (the default): every expert stays mapped */
     int32_t expert_cache_slots; /* > 0: the cache as this many slots per MoE layer instead (at most
                                * n_experts; not with expert_cache_mb); 0: from expert_cache_mb */
+    int32_t backend;          /* COLIBRI_BACKEND_CPU (0, the default) or COLIBRI_BACKEND_CUDA (docs/backends.md) */
+    int32_t gpu_device;       /* CUDA: the device ordinal (0) */
+    double gpu_memory_fraction; /* CUDA: share of the device's memory the engine may take, (0, 1];
+                               * 0: 0.9. The dense weights, activations and KV cache must fit; then
+                               * as many routed experts as fit, the rest computed on the CPU */
 } colibri_options;
+
+/* Backends (colibri_options.backend; docs/backends.md). CPU: the stages on this machine's
+ * cores. CUDA: the stages on an NVIDIA GPU (a build with -DCOLIBRI_CUDA=ON and a device);
+ * otherwise colibri_init_ex returns COLIBRI_E_UNSUPPORTED saying which is missing.
+ * colibri_get_string(ctx, "backend") / "backend_device" say what runs. */
+#define COLIBRI_BACKEND_CPU 0
+#define COLIBRI_BACKEND_CUDA 1
 
 /* Expert-cache policies (colibri_options.expert_cache_policy; docs/expert_cache.md). LRU:
  * evict the least recently used expert of the layer. LFU: the least used one (counts halve
@@ -362,6 +374,11 @@ COLIBRI_API colibri_status colibri_stage_run(colibri_ctx *ctx, int32_t stage, fl
 COLIBRI_API colibri_status colibri_stage_tensor(colibri_ctx *ctx, const char *name,
                                                 const void **data, int32_t *dtype,
                                                 int32_t *ndim, int64_t shape[4]);
+/* The same tensor's address on the backend's device (a CUDA backend's device pointer, for
+ * cupy's zero-copy arrays), valid until the next stage or forward; dtype and shape are
+ * colibri_stage_tensor's. COLIBRI_E_UNSUPPORTED for a backend that keeps its stage tensors
+ * on the host (the CPU: use colibri_stage_tensor) or one that has none of that name. */
+COLIBRI_API colibri_status colibri_stage_tensor_device(colibri_ctx *ctx, const char *name, const void **data);
 
 /* ---- Tokenizer, usable with or without an engine: SentencePiece-BPE (tokenizer section
  * type 1) or byte-level BPE from a Hugging Face tokenizer.json (type 2, GPT-2 / Qwen2 /

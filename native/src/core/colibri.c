@@ -49,6 +49,7 @@ colibri_status colibri_init(const char *path, colibri_ctx **out) {
 void colibri_free(colibri_ctx *ctx) {
     if (!ctx) return;
     if (ctx->trace) ctx->trace->owner = NULL; /* the trace outlives its context */
+    if (ctx->be && ctx->be->free) ctx->be->free(ctx); /* before the arena and the mapping it reads */
     cb_pool_free(ctx->pool);
     cb_ecache_free(ctx->ecache); /* before the mapping and the file it reads */
     if (ctx->tok) {
@@ -263,6 +264,18 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
                    "COLIBRI_PRECISION_FAST (1)", opt.precision);
         return COLIBRI_E_INVALID_ARG;
     }
+    if (opt.backend != COLIBRI_BACKEND_CPU && opt.backend != COLIBRI_BACKEND_CUDA) {
+        cb_set_err(err, err_len, "invalid options: backend %d is neither COLIBRI_BACKEND_CPU (0) nor "
+                   "COLIBRI_BACKEND_CUDA (1)", opt.backend);
+        return COLIBRI_E_INVALID_ARG;
+    }
+    if (!(opt.gpu_memory_fraction >= 0.0 && opt.gpu_memory_fraction <= 1.0) || opt.gpu_device < 0) {
+        cb_set_err(err, err_len, "invalid options: gpu_memory_fraction %g must be in (0, 1] (0: the default, 0.9) "
+                   "and gpu_device %d >= 0", opt.gpu_memory_fraction, opt.gpu_device);
+        return COLIBRI_E_INVALID_ARG;
+    }
+    const cb_backend *be = cb_backend_find(opt.backend == COLIBRI_BACKEND_CUDA ? "cuda" : "cpu", err, err_len);
+    if (!be) return COLIBRI_E_UNSUPPORTED;
     if (opt.populate < COLIBRI_POPULATE_AUTO || opt.populate > 1) {
         cb_set_err(err, err_len, "invalid options: populate %d is none of COLIBRI_POPULATE_AUTO (-1, the "
                    "default), 0 (off) and 1 (on)", opt.populate);
@@ -282,6 +295,7 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
         return COLIBRI_E_NOMEM;
     }
     ctx->fd = -1;
+    ctx->be = be;
     ctx->kern = cb_kernels_best();
     ctx->precision = opt.precision;
     ctx->fast = opt.precision == COLIBRI_PRECISION_FAST ? cb_fast_best() : NULL;
@@ -392,6 +406,16 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     }
     ctx->run.stage = -1; /* no stage run active */
     ctx->run.layer = -1;
+    if (be->init) {
+        cb_backend_request req = {opt.gpu_memory_fraction > 0.0 ? opt.gpu_memory_fraction : 0.9, opt.gpu_device};
+        st = be->init(ctx, &req, err, err_len);
+        if (st != COLIBRI_OK) return init_fail(ctx, st, err, err_len);
+    }
+    {
+        cb_backend_facts f;
+        be->facts(ctx, &f);
+        snprintf(ctx->backend_device, sizeof ctx->backend_device, "%s", f.device);
+    }
 
     const cb_section *ts = &c->sections[CB_SEC_TOK];
     if (ts->size > 0) {
@@ -541,7 +565,15 @@ colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t
     if (!ctx) return COLIBRI_E_INVALID_ARG;
     if (!name || !out) return cb_fail((colibri_ctx *)ctx, COLIBRI_E_INVALID_ARG, "colibri_get_int: NULL argument");
     const cb_config *c = &ctx->cfg;
+    cb_backend_facts bf;
+    ctx->be->facts(ctx, &bf);
     struct { const char *n; int64_t v; } tab[] = {
+        {"backend_device_bytes", (int64_t)bf.device_bytes},
+        {"backend_weight_bytes", (int64_t)bf.weight_bytes},
+        {"backend_experts_resident", bf.experts_resident},
+        {"backend_experts_host", bf.experts_host},
+        {"backend_graphs_captured", bf.graphs_captured},
+        {"backend_graph_replays", bf.graph_replays},
         {"n_layers", c->n_layers},
         {"hidden_size", c->hidden},
         {"intermediate_size", c->inter},
@@ -639,6 +671,8 @@ colibri_status colibri_get_string(const colibri_ctx *ctx, const char *name, cons
     else if (strcmp(name, "kernels") == 0) *out = ctx->kernels_desc;
     else if (strcmp(name, "precision") == 0) *out = ctx->precision == COLIBRI_PRECISION_FAST ? "fast" : "exact";
     else if (strcmp(name, "chat_template") == 0) *out = ctx->chat_template;
+    else if (strcmp(name, "backend") == 0) *out = ctx->be->name;
+    else if (strcmp(name, "backend_device") == 0) *out = ctx->backend_device;
     else return unknown_name(ctx, "colibri_get_string", name);
     return COLIBRI_OK;
 }

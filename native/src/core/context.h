@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "colibri.h"
+#include "backend/backend.h"
 #include "core/error.h"
 #include "core/threadpool.h"
 #include "cpu/fast.h"
@@ -44,6 +45,9 @@ struct colibri_ctx {
     char kernels_desc[96];   /* colibri_get_string "kernels": the table, and in fast mode its fast paths */
     cb_pool *pool;           /* num_threads threads (the caller is thread 0), heap (init-time) */
     cb_ecache *ecache;       /* the expert cache (model/expert_cache.h), or NULL: experts mapped */
+    const cb_backend *be;    /* where the stages run (backend/backend.h): &cb_backend_cpu or the CUDA table */
+    void *be_state;          /* the backend's own state (NULL for the CPU) */
+    char backend_device[160]; /* colibri_get_string "backend_device", from the backend's facts at init */
     /* arena */
     void *arena;             /* [arena_bytes], 2 MiB aligned, the one run-time allocation */
     uint64_t arena_bytes;

@@ -188,3 +188,14 @@ colibri_status colibri_stage_tensor(colibri_ctx *ctx, const char *name, const vo
         return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_stage_tensor: NULL argument");
     return cb_stage_tensor(ctx, name, data, dtype, ndim, shape);
 }
+
+colibri_status colibri_stage_tensor_device(colibri_ctx *ctx, const char *name, const void **data) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (!name || !data) return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_stage_tensor_device: NULL argument");
+    const void *p = ctx->be->device_tensor ? ctx->be->device_tensor(ctx, name) : NULL;
+    if (!p)
+        return cb_fail(ctx, COLIBRI_E_UNSUPPORTED, "colibri_stage_tensor_device: the %s backend keeps '%s' on the "
+                       "host (or has no such tensor); read it with colibri_stage_tensor", ctx->be->name, name);
+    *data = p;
+    return COLIBRI_OK;
+}

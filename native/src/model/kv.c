@@ -47,9 +47,10 @@ void cb_kv_grow(cb_kv *kv, int32_t seq, int64_t new_len) {
         int32_t old = t[i];
         if (kv->ref[old] > 1) {
             int32_t b = take_block(kv);
-            memcpy(kv->k + (int64_t)b * kv->block_stride, kv->k + (int64_t)old * kv->block_stride,
+            if (kv->copy_block) kv->copy_block(kv->copy_u, b, old); /* the device's pool */
+            else memcpy(kv->k + (int64_t)b * kv->block_stride, kv->k + (int64_t)old * kv->block_stride,
                    (size_t)kv->block_stride * sizeof(float));
-            if (kv->v) /* NULL for a latent cache (model/mla.c): keys only */
+            if (kv->v && !kv->copy_block) /* NULL for a latent cache (model/mla.c): keys only */
                 memcpy(kv->v + (int64_t)b * kv->block_stride, kv->v + (int64_t)old * kv->block_stride,
                        (size_t)kv->block_stride * sizeof(float));
             drop_block(kv, old);

@@ -32,6 +32,10 @@ typedef struct cb_kv {
     int64_t layer_stride;    /* floats per layer inside a block: Hkv * block_len * D */
     int64_t head_stride;     /* floats per KV head inside a layer: block_len * D */
     int64_t head_dim;
+    /* a device backend's copy of block src into dst (its own pool; backend/backend.h
+     * kv_copy_block), or NULL: the host pool above is copied */
+    void (*copy_block)(void *u, int64_t dst, int64_t src);
+    void *copy_u;
 } cb_kv;
 
 /* Empty every sequence; every block free. */

@@ -1,0 +1,89 @@
+/*
+ * backend.h — a backend: where the seven stages of a forward chunk run and where their
+ * memory lives. The orchestration (model/forward.c: checks, chunking, the batch and stage
+ * APIs, tracing) is the same for every backend; it calls the stages of ctx->be, one
+ * described thing per device:
+ *
+ *   - the CPU backend (backend/cpu.c): the stages over the host arena and the mapped
+ *     weights, through the kernel tables (cpu/kernels.h, cpu/fast.h) on the thread pool;
+ *   - the CUDA backend (backend/cuda/, built with -DCOLIBRI_CUDA=ON): weights uploaded
+ *     once, device memory taken once by a plan (backend/plan.h), one stream, decode steps
+ *     replayed from CUDA graphs.
+ *
+ * Every stage works on the chunk in ctx->run (T rows: token s->run_ids[t] of sequence
+ * s->row_seq[t] at position s->row_pos[t]; the attention segments s->seg_row; the LM head's
+ * rows s->head_idx) and leaves its outputs in the backend's own copy of the scratch
+ * (model/forward.h, cb_scratch). A backend whose memory is not the host's copies a stage's
+ * outputs into the host scratch only when asked (to_host: a trace is attached or a stage
+ * run is active), so colibri_stage_tensor and the trace read host memory for every backend.
+ */
+#ifndef COLIBRI_BACKEND_H
+#define COLIBRI_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "colibri.h"
+
+/* What a backend says of itself (colibri_get_string "backend" / "backend_device",
+ * colibri_get_int "backend_*"). */
+typedef struct cb_backend_facts {
+    char device[160];           /* "cpu: avx512 (2 threads)", "NVIDIA H200 (sm_90, 139.8 GiB)" */
+    uint64_t device_bytes;      /* memory the backend took on its device (0: the host arena only) */
+    uint64_t weight_bytes;      /* weight bytes resident on the device (0 for the CPU: mapped) */
+    int64_t experts_resident;   /* routed experts resident on the device, all MoE layers */
+    int64_t experts_host;       /* routed experts computed by the CPU (a memory fraction) */
+    int64_t graphs_captured;    /* CUDA graphs captured / replayed so far (0 without graphs) */
+    int64_t graph_replays;
+} cb_backend_facts;
+
+/* The backend's requested settings (colibri_options.backend, .gpu_memory_fraction, .gpu_device). */
+typedef struct cb_backend_request {
+    double memory_fraction;     /* (0, 1]: share of the device's memory the plan may take */
+    int32_t device;             /* device ordinal */
+} cb_backend_request;
+
+struct colibri_ctx;
+
+typedef struct cb_backend {
+    const char *name;           /* "cpu", "cuda" */
+    /* After the arena is carved (cb_scratch_init) and the thread pool started: make the
+     * memory plan, take the device's memory and upload what it keeps there; the state goes
+     * to ctx->be_state. NULL: nothing to do (the CPU). Failure: a status and a message,
+     * nothing left taken. */
+    colibri_status (*init)(struct colibri_ctx *ctx, const cb_backend_request *req, char *err, size_t err_len);
+    void (*free)(struct colibri_ctx *ctx);
+    /* The stages (colibri.h, colibri_stage), over ctx->run's chunk. */
+    void (*embedding)(struct colibri_ctx *ctx);
+    void (*attention)(struct colibri_ctx *ctx, uint32_t l);
+    void (*router)(struct colibri_ctx *ctx, uint32_t l);
+    void (*grouping)(struct colibri_ctx *ctx, uint32_t l);
+    void (*expert_ffn)(struct colibri_ctx *ctx, uint32_t l);
+    void (*combine)(struct colibri_ctx *ctx, uint32_t l);
+    void (*lm_head)(struct colibri_ctx *ctx, float *logits); /* logits: host [head_rows, V] */
+    /* Optional (NULL: none). A chunk is set up (ctx->run and the host scratch's row arrays,
+     * the KV block tables grown): upload what the stages read. Called before EMBEDDING. */
+    void (*begin_chunk)(struct colibri_ctx *ctx);
+    /* Optional: run the whole chunk at once (a captured graph); returns 0 when it did not
+     * (the orchestration then runs the stages). Only called with no trace and no stage run. */
+    int (*run_chunk)(struct colibri_ctx *ctx, float *logits);
+    /* Optional: copy what `stage` of layer l produced into the host scratch. */
+    void (*to_host)(struct colibri_ctx *ctx, int32_t stage, uint32_t l);
+    /* Optional: the device address of a stage tensor named as colibri_stage_tensor names
+     * it (NULL: this backend keeps it on the host, or has no such tensor). */
+    const void *(*device_tensor)(struct colibri_ctx *ctx, const char *name);
+    /* Optional: copy KV block src to dst (copy-on-write of a forked sequence; model/kv.c
+     * copies the host pool itself when NULL). */
+    void (*kv_copy_block)(struct colibri_ctx *ctx, int64_t dst, int64_t src);
+    void (*facts)(const struct colibri_ctx *ctx, cb_backend_facts *out);
+} cb_backend;
+
+/* backend/cpu.c */
+extern const cb_backend cb_backend_cpu;
+/* backend/cuda/cuda_backend.cu when built with COLIBRI_CUDA, else NULL (backend/select.c). */
+const cb_backend *cb_backend_cuda(void);
+/* By name ("cpu", "cuda"): the table, or NULL with a message saying why (unknown name, or a
+ * backend this build lacks). */
+const cb_backend *cb_backend_find(const char *name, char *err, size_t err_len);
+
+#endif
