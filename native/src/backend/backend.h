@@ -80,6 +80,12 @@ typedef struct cb_backend {
 
 /* backend/cpu.c */
 extern const cb_backend cb_backend_cpu;
+/* The CPU's routed-expert FFN on `rows` host rows: y [rows, H] = expert e of MoE layer l on
+ * x [rows, H] (h [rows, I] scratch; u [rows, I] scratch for clamped_swiglu, else unused),
+ * with the CPU backend's kernels and bits (its threads, its numeric mode). For a device
+ * backend's experts that did not fit on the device. */
+void cb_cpu_expert_rows(struct colibri_ctx *ctx, uint32_t l, int64_t e, const float *x, float *h, float *u,
+                        float *y, int64_t rows);
 /* backend/cuda/cuda_backend.cu when built with COLIBRI_CUDA, else NULL (backend/select.c). */
 const cb_backend *cb_backend_cuda(void);
 /* By name ("cpu", "cuda"): the table, or NULL with a message saying why (unknown name, or a

@@ -742,6 +742,14 @@ static void stage_lm_head(colibri_ctx *ctx, float *logits) {
     par_matmul1(ctx, logits, s->xn, ctx->w.lm_head, R, c->vocab, H);
 }
 
+void cb_cpu_expert_rows(colibri_ctx *ctx, uint32_t l, int64_t e, const float *x, float *h, float *u, float *y,
+                        int64_t rows) {
+    const cb_ffn *f = &ctx->w.layers[l].experts;
+    ffn_job job = {y, h, x, f, e, rows, ctx->cfg.inter, 0, 0, 0, 0, NULL,
+                   ctx->cfg.activation == CB_ACT_CLAMPED_SWIGLU ? u : NULL};
+    if (rows > 0) par_ffn(ctx, &job, 1);
+}
+
 static void cpu_facts(const colibri_ctx *ctx, cb_backend_facts *f) {
     memset(f, 0, sizeof *f);
     snprintf(f->device, sizeof f->device, "cpu: %s (%d threads)", ctx->kernels_desc, (int)ctx->num_threads);
