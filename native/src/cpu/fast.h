@@ -23,7 +23,7 @@
  * the same order in every table, so every table gives the reference's results BIT FOR BIT,
  * whatever the number of tokens, their tiling or the thread split (native/tests/
  * test_kernels.c checks it). For BF16 weights the activations are rounded to bf16 before the
- * matmul (forward.c, cb_round_bf16); tables with native_bf16 then take BF16 weights too
+ * matmul (backend/cpu.c, cb_round_bf16); tables with native_bf16 then take BF16 weights too
  * (vdpbf16ps, float32 accumulation in their own order), the others run the exact kernels
  * on the rounded activations (bf16 x bf16 products are exact in float32).
  */

@@ -1,6 +1,6 @@
 /*
  * fast_amx.c — the fast mode's BF16 kernels on AMX (Intel AMX-TILE + AMX-BF16): BF16
- * weights times bf16-rounded activations (forward.c rounds them; the conversion here is
+ * weights times bf16-rounded activations (backend/cpu.c rounds them; the conversion here is
  * exact), float32 accumulation in the tile unit (TDPBF16PS).
  *
  * y = x W^T with W row-major [N, K] (nn.Linear) maps onto TDPBF16PS without moving the

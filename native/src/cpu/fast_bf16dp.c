@@ -2,7 +2,7 @@
  * fast_bf16dp.c — the fast mode's BF16 kernels on AVX512_BF16 (vdpbf16ps: 32 bf16
  * multiply-adds into 16 float32 lanes per instruction), for CPUs that have it without AMX
  * (AMD Zen 4/5, where it doubles the f32 FMA's multiply-add rate). The activations are
- * already rounded to bf16 (forward.c), so their conversion here is exact.
+ * already rounded to bf16 (backend/cpu.c), so their conversion here is exact.
  *
  * Lanes are outputs, as in the int8 panels (fast_simd.inc): for W [N, K] (a matmul, gate/up)
  * a panel of 16 rows is transposed once per call so that one vector holds a pair of columns

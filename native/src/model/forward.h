@@ -2,7 +2,8 @@
  * forward.h — the forward pass: its run-time buffers (cb_scratch, carved from the one arena
  * at init by scratch.c), the sequence state between calls (cb_session: the KV cache and its
  * length), the chunk being run stage by stage (cb_run), and the entry points that the
- * public API (core/colibri.c, core/trace.c) calls. forward.c runs the stages through the
+ * public API (core/colibri.c, core/trace.c) calls. forward.c orchestrates; the backend
+ * (backend/backend.h; the CPU's is backend/cpu.c) runs the stages, on the CPU through the
  * kernel table (cpu/kernels.h) on the context's thread pool (core/threadpool.h).
  */
 #ifndef COLIBRI_FORWARD_H
@@ -74,7 +75,7 @@ typedef struct cb_scratch {
     float *route_group;  /* [E] group scores (n_group <= E) */
     uint8_t *route_skip; /* [2E] expert mask, then a group/in-group mask */
     float *down_part;    /* [down_part_rows, H] per-block partial sums of few-row down projections */
-    /* the expert predictor (forward.c predict_next): layer l+1's router on layer l's FFN input */
+    /* the expert predictor (backend/cpu.c predict_next): layer l+1's router on layer l's FFN input */
     float *pred_xn;      /* [B, H] */
     float *pred_logits;  /* [B, E] */
     int32_t *pred_ids;   /* [B, top_k] the experts expected at the next layer, best first */
@@ -109,7 +110,7 @@ colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64
 colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *entries, int64_t n, float *logits);
 /* Checks shared by colibri_forward_at and colibri_stage_begin (nothing is changed). */
 colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos);
-/* y = x W^T over the context's threads (forward.c's parallel matmul). */
+/* backend/cpu.c: y = x W^T over the context's threads (the CPU backend's parallel matmul). */
 void cb_matmul_par(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t T, int64_t N, int64_t K);
 /* Two such matmuls over the same input x [T, K] in one parallel section: y1 = x W1^T
  * [T, N1] and y2 = x W2^T [T, N2] (the bits of two cb_matmul_par calls). */

@@ -32,7 +32,7 @@
 #define CB_PAR_MIN_WORK_MLA 65536
 
 /* Fast mode (cpu/fast.h): activations about to enter a BF16 weight matmul are rounded to
- * bf16 in place, as forward.c does for every other matmul. Exact mode: nothing. */
+ * bf16 in place, as the CPU backend (backend/cpu.c) does for every other matmul. Exact mode: nothing. */
 static void fast_round_for(const colibri_ctx *ctx, float *x, int64_t n, int bf16) {
     if (ctx->fast && bf16) cb_round_bf16(x, n);
 }
