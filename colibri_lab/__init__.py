@@ -33,6 +33,7 @@ from .trace import Trace
 __version__ = "0.1.0"
 
 __all__ = [
+    "BACKENDS",
     "ColibriBufferTooSmallError",
     "ColibriChecksumError",
     "ColibriClosedError",
@@ -62,7 +63,7 @@ __all__ = [
 # the engine's names load the native library (colibri_lab._native) on first use, so
 # `import colibri_lab` does not need it.
 _LAZY_MODULES = ("diagnostics", "tuning", "viz", "widgets")
-_ENGINE_NAMES = ("Engine", "EngineConfig", "Sequence", "Token", "Tokenizer")
+_ENGINE_NAMES = ("BACKENDS", "Engine", "EngineConfig", "Sequence", "Token", "Tokenizer")
 
 
 def __getattr__(name: str):

@@ -15,6 +15,7 @@ engine's own message.
 from __future__ import annotations
 
 import ctypes
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -47,6 +48,12 @@ PRECISIONS = ("exact", "fast")
 #: Expert-cache policies (``Engine(expert_cache_policy=)``; colibri.h ``COLIBRI_CACHE_*``), in
 #: the order of their C values.
 CACHE_POLICIES = ("lru", "lfu", "pinned", "predict")
+#: Backends (``Engine(backend=)``; colibri.h ``COLIBRI_BACKEND_*``, docs/backends.md), in the
+#: order of their C values: the CPU's cores, or an NVIDIA GPU (a build with -DCOLIBRI_CUDA=ON).
+BACKENDS = ("cpu", "cuda")
+
+_CUPY_HINT = ("Engine stage tensors on the device (device=True) are CuPy arrays: "
+              "pip install colibri-lab[gpu] (cupy-cuda13x, or the cupy build of your CUDA)")
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,12 @@ class EngineConfig:
     expert_cache_policy: str = ""  # "lru", "lfu", "pinned" or "predict"; "" without a cache
     expert_cache_slot_bytes: int = 0  # bytes of one slot (the largest expert, 4 KiB-aligned regions)
     expert_cache_direct: bool = False  # the cache reads with O_DIRECT (else buffered, pages dropped)
+    backend: str = "cpu"  # where the stages run: "cpu" or "cuda" (Engine(backend=); docs/backends.md)
+    backend_device: str = ""  # the backend's device, e.g. "cpu: avx512 (2 threads)", "NVIDIA H200 (sm_90, ...)"
+    backend_device_bytes: int = 0  # device memory the backend took (0: the CPU, host memory only)
+    backend_weight_bytes: int = 0  # weight bytes resident on the device (0 for the CPU: mapped)
+    backend_experts_resident: int = 0  # routed experts resident on the device, all MoE layers
+    backend_experts_host: int = 0  # routed experts a device backend computes on the CPU (did not fit)
 
 
 _CONFIG_INTS = (
@@ -102,12 +115,14 @@ _CONFIG_INTS = (
     "num_threads", "threads_used", "group_pad", "sliding_window", "bos_id", "eos_id", "arena_bytes",
     "file_size", "format_version", "max_seqs", "kv_block_tokens", "kv_blocks_total",
     "kv_bytes_per_token", "expert_cache_slots", "expert_cache_slot_bytes",
+    "backend_device_bytes", "backend_weight_bytes", "backend_experts_resident", "backend_experts_host",
 )  # fmt: skip
 _CONFIG_BOOLS = ("norm_topk_prob", "tie_word_embeddings", "router_int8", "expert_cache_direct")
 _CONFIG_FLOATS = ("rope_theta", "rms_norm_eps")
 _CONFIG_STRINGS = {"family": "architecture", "name": "name",
                    "weight_dtype": "weight_dtype", "router_dtype": "router_dtype",
-                   "kernels": "kernels", "precision": "precision"}  # fmt: skip
+                   "kernels": "kernels", "precision": "precision",
+                   "backend": "backend", "backend_device": "backend_device"}  # fmt: skip
 
 
 # colibri_batch_entry (colibri.h) as a numpy record: 24 bytes, the C layout.
@@ -306,6 +321,13 @@ class Engine:
     cache of that size, read from the file on a miss, for models larger than memory;
     ``expert_cache_policy`` is one of :data:`CACHE_POLICIES` (docs/expert_cache.md). The
     logits are bitwise those of the fully mapped run.
+
+    ``backend`` is one of :data:`BACKENDS`: ``"cpu"`` (the default) or ``"cuda"``, the stages on
+    NVIDIA GPU ``gpu_device`` (a library built with ``-DCOLIBRI_CUDA=ON``; otherwise opening
+    raises :class:`ColibriUnsupportedError` saying so). ``gpu_memory_fraction`` (``None``: 0.9)
+    is the share of the device's memory the engine may take: the dense weights, activations and
+    KV cache must fit, then as many routed experts as fit; the rest run on the CPU
+    (``config.backend_experts_host``). docs/backends.md.
     """
 
     def __init__(
@@ -325,6 +347,9 @@ class Engine:
         expert_cache_mb: int = 0,
         expert_cache_policy: str = "lru",
         expert_cache_slots: int = 0,
+        backend: str = "cpu",
+        gpu_memory_fraction: float | None = None,
+        gpu_device: int = 0,
     ):
         self._ctx = None
         self.path = os.fspath(path)
@@ -379,6 +404,32 @@ class Engine:
         opt.expert_cache_slots = int(expert_cache_slots)
         opt.expert_cache_mb = int(expert_cache_mb)
         opt.expert_cache_policy = CACHE_POLICIES.index(expert_cache_policy)
+        # the backend (docs/backends.md): checked here, before the library sees it
+        if not isinstance(backend, str) or backend not in BACKENDS:
+            raise _native.ColibriInvalidArgError(
+                f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
+            )
+        if gpu_memory_fraction is not None:
+            ok = isinstance(gpu_memory_fraction, numbers.Real) and not isinstance(gpu_memory_fraction, bool)
+            if not ok or not 0.0 < float(gpu_memory_fraction) <= 1.0:
+                raise _native.ColibriInvalidArgError(
+                    f"gpu_memory_fraction must be None (the default, 0.9) or a number in (0, 1], "
+                    f"got {gpu_memory_fraction!r}"
+                )
+        if isinstance(gpu_device, bool) or not isinstance(gpu_device, numbers.Integral) or not (
+            0 <= int(gpu_device) <= _INT32_MAX
+        ):
+            raise _native.ColibriInvalidArgError(
+                f"gpu_device must be a CUDA device ordinal, an int >= 0, got {gpu_device!r}"
+            )
+        if backend != "cuda" and (gpu_memory_fraction is not None or gpu_device != 0):
+            raise _native.ColibriInvalidArgError(
+                f"gpu_memory_fraction and gpu_device set up the CUDA backend; they need backend='cuda', "
+                f"got backend={backend!r}"
+            )
+        opt.backend = BACKENDS.index(backend)
+        opt.gpu_memory_fraction = 0.0 if gpu_memory_fraction is None else float(gpu_memory_fraction)
+        opt.gpu_device = int(gpu_device)
 
         ctx = _native.ctx_p()
         err = ctypes.create_string_buffer(1024)
@@ -695,6 +746,18 @@ class Engine:
             out["layer_" + n] = np.array([self._layer_int(i, "cache_" + n) for i in range(L)], np.int64)
         return out
 
+    def backend_stats(self) -> dict:
+        """What the backend says of itself now (colibri_get_string ``backend`` /
+        ``backend_device``, colibri_get_int ``backend_*``): ``backend``, ``device``,
+        ``device_bytes``, ``weight_bytes``, ``experts_resident``, ``experts_host``, and the
+        counters that move, ``graphs_captured`` and ``graph_replays`` (CUDA graphs of decode
+        steps; 0 on the CPU)."""
+        out: dict = {"backend": self._get_string("backend"), "device": self._get_string("backend_device")}
+        for n in ("device_bytes", "weight_bytes", "experts_resident", "experts_host", "graphs_captured",
+                  "graph_replays"):
+            out[n] = self._get_int("backend_" + n)
+        return out
+
     def pin_experts(self, layer: int, experts) -> None:
         """Pin ``experts`` of MoE ``layer`` in the expert cache (replacing its pinned set; an
         empty list unpins): read now if not resident, never evicted. They must leave one of the
@@ -794,6 +857,22 @@ def _c_array(ptr: int | None, dtype: int, ndim: int, shape) -> np.ndarray:
         return np.empty(shp, dtype=dt)
     buf = (ctypes.c_char * (n * dt.itemsize)).from_address(ptr)
     return np.frombuffer(buf, dtype=dt).reshape(shp)
+
+
+def _device_array(ptr: int | None, dtype: int, ndim: int, shape, owner):
+    """A cupy view of the backend's device memory at ``ptr`` (no copy); ``owner`` is kept
+    alive by the array."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError(_CUPY_HINT) from e
+    shp = tuple(int(shape[i]) for i in range(ndim))
+    dt = np.dtype(_NP_DTYPES[dtype])
+    n = int(np.prod(shp)) if shp else 1
+    if n == 0 or not ptr:
+        return cupy.empty(shp, dtype=dt)
+    mem = cupy.cuda.UnownedMemory(int(ptr), n * dt.itemsize, owner)
+    return cupy.ndarray(shp, dtype=dt, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
 
 class _TraceRecorder:
@@ -993,14 +1072,25 @@ class StageRun:
     def done(self) -> bool:
         return self._next()[0] < 0
 
-    def tensor(self, name: str) -> np.ndarray:
-        """An intermediate tensor by name (colibri.h, ``colibri_stage_tensor``), zero-copy."""
+    def tensor(self, name: str, device: bool = False):
+        """An intermediate tensor by name (colibri.h, ``colibri_stage_tensor``), zero-copy.
+
+        ``device=False``: a numpy view of the host copy (every backend keeps one while a stage
+        run is active). ``device=True``: a ``cupy.ndarray`` over the backend's own device
+        memory (``colibri_stage_tensor_device``), no copy, valid until the next stage or
+        forward; the CPU backend has none and raises :class:`ColibriUnsupportedError`. Needs
+        CuPy (``pip install colibri-lab[gpu]``).
+        """
         ctx = self._engine._c()
         data, dt, nd = ctypes.c_void_p(), ctypes.c_int32(), ctypes.c_int32()
         shape = (ctypes.c_int64 * 4)()
         check(lib.colibri_stage_tensor(ctx, name.encode(), ctypes.byref(data), ctypes.byref(dt),
                                        ctypes.byref(nd), shape), ctx=ctx)  # fmt: skip
-        return _c_array(data.value, dt.value, nd.value, shape)
+        if not device:
+            return _c_array(data.value, dt.value, nd.value, shape)
+        dptr = ctypes.c_void_p()
+        check(lib.colibri_stage_tensor_device(ctx, name.encode(), ctypes.byref(dptr)), ctx=ctx)
+        return _device_array(dptr.value, dt.value, nd.value, shape, owner=self)
 
     # -- running
     def run(self, stage: str | None = None) -> dict[str, np.ndarray]:

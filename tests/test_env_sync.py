@@ -21,7 +21,7 @@ yaml = pytest.importorskip("yaml")  # PyYAML comes with transformers (a test dep
 
 REPO = Path(__file__).resolve().parents[1]
 IN_ENV_EXTRAS = ("test", "lab")
-NOT_IN_ENV_EXTRAS = ("dev",)
+NOT_IN_ENV_EXTRAS = ("dev", "gpu")  # gpu: CuPy for a CUDA machine, not the CPU environment
 # conda-only entries: the interpreter, pip itself, and the native build toolchain
 CONDA_ONLY = {"python", "pip", "c-compiler", "cmake", "ninja"}
 

@@ -849,7 +849,7 @@ def test_help(server_path):
 @pytest.mark.parametrize("args, needle", [
     ([], "--model is required"),
     (["--model", "m.colibri", "--bogus", "1"], "unknown option"),
-    (["--model", "m.colibri", "--gpu_memory_fraction", "0.9"], "no GPU backend"),
+    (["--model", "m.colibri", "--gpu_memory_fraction", "0.9"], "give --backend cuda too"),
     (["--model", "m.colibri", "--parallel", "0"], "--parallel"),
     (["--model", "m.colibri", "--port", "70000"], "--port"),
     (["--model", "m.colibri", "--host", "127.0.0.1:x"], "port"),

@@ -23,6 +23,8 @@
  *   decode   latency of one decode step (one token of one sequence): the same statistics;
  *            tokens/s = decoded tokens / decode time.
  *   request  end-to-end latency of a request (prefills + decodes): the same statistics.
+ *   backend  --backend's name and device (docs/backends.md); a device backend's memory,
+ *            routed experts resident / on the host, and graphs captured / replayed.
  *   expert cache (with --expert_cache_mb or --expert_cache_slots): its slots, policy, slot
  *            bytes and read mode, and what it did over the measured requests only (the
  *            warmup fills it): hits, misses, hit rate = hits / (hits + misses), prefetches,
@@ -61,6 +63,8 @@ typedef struct args {
     int32_t precision;
     int64_t expert_cache_mb, expert_cache_slots;
     int32_t expert_cache_policy;
+    int32_t backend, gpu_device;
+    double gpu_memory_fraction; /* 0: the engine's default (0.9) */
     int json;
     int all_logits; /* prefill computes every row's logits (default: the last row only) */
 } args;
@@ -105,6 +109,13 @@ static void usage(FILE *f) {
             "                         none) or predict (LRU, and the next layer's experts read\n"
             "                         ahead) (default lru; needs a cache). The report gives the\n"
             "                         cache's counters over the measured requests\n"
+            "  --backend B            where the stages run: cpu or cuda (an NVIDIA GPU; a build\n"
+            "                         with -DCOLIBRI_CUDA=ON; docs/backends.md) (default cpu)\n"
+            "  --gpu_memory_fraction F\n"
+            "                         cuda: share of the device's memory the engine may take,\n"
+            "                         0 < F <= 1; experts that do not fit run on the CPU\n"
+            "                         (default 0.9)\n"
+            "  --gpu_device N         cuda: the device ordinal (default 0)\n"
             "  --json                 print one JSON object on stdout instead of the table\n"
             "  --all_logits           prefill computes the logits of every prompt token (default: the\n"
             "                         last one only, as generation and the peer engines do)\n"
@@ -123,7 +134,7 @@ static int parse_args(int argc, char **argv, args *a) {
     a->warmup = 1;
     a->max_new_tokens = 32;
     a->group_pad = 1;
-    int policy_given = 0;
+    int policy_given = 0, gpu_given = 0;
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
         if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
@@ -139,7 +150,8 @@ static int parse_args(int argc, char **argv, args *a) {
                                             "--num_requests", "--warmup", "--num_threads",
                                             "--max_new_tokens", "--decode_steps", "--group_pad",
                                             "--max_batch", "--seed", "--precision", "--expert_cache_mb",
-                                            "--expert_cache_slots", "--expert_cache_policy"};
+                                            "--expert_cache_slots", "--expert_cache_policy", "--backend",
+                                            "--gpu_memory_fraction", "--gpu_device"};
         char name[64];
         const char *val = NULL;
         int bad = split_option(argc, argv, &i, known, sizeof known / sizeof known[0], name, &val);
@@ -190,10 +202,20 @@ static int parse_args(int argc, char **argv, args *a) {
         } else if (!strcmp(name, "--expert_cache_policy")) {
             if (!parse_cache_policy(val, &a->expert_cache_policy)) return usage_error(CACHE_POLICY_USAGE, val);
             policy_given = 1;
+        } else if (!strcmp(name, "--backend")) {
+            if (!parse_backend(val, &a->backend)) return usage_error(BACKEND_USAGE, val);
+        } else if (!strcmp(name, "--gpu_memory_fraction")) {
+            if (!parse_gpu_fraction(val, &a->gpu_memory_fraction)) return usage_error(GPU_FRACTION_USAGE, val);
+            gpu_given = 1;
+        } else if (!strcmp(name, "--gpu_device")) {
+            if (!parse_gpu_device(val, &a->gpu_device)) return usage_error(GPU_DEVICE_USAGE, val);
+            gpu_given = 1;
         }
     }
     if (!a->model) return usage_error("--model is required");
     int bad = check_cache_flags(a->expert_cache_mb, a->expert_cache_slots, policy_given);
+    if (bad >= 0) return bad;
+    bad = check_backend_flags(a->backend, gpu_given);
     if (bad >= 0) return bad;
     /* One latency sample is kept per decode step: bound their count (in double, so the
      * product of three large values cannot overflow). */
@@ -316,6 +338,9 @@ int main(int argc, char **argv) {
     opt.expert_cache_mb = a.expert_cache_mb;
     opt.expert_cache_slots = (int32_t)a.expert_cache_slots;
     opt.expert_cache_policy = a.expert_cache_policy;
+    opt.backend = a.backend;
+    opt.gpu_device = a.gpu_device;
+    opt.gpu_memory_fraction = a.gpu_memory_fraction;
 
     double t0 = now_ms();
     colibri_ctx *ctx = NULL;
@@ -340,7 +365,9 @@ int main(int argc, char **argv) {
             hidden = 0, max_batch = 0, group_pad = 0, ec_slots = 0, ec_policy = -1, ec_slot_bytes = 0,
             ec_direct = 0;
     const char *arch = "", *wdtype = "", *precision = "", *kernels = "";
-    if ((st = colibri_get_int(ctx, "vocab_size", &vocab)) != COLIBRI_OK ||
+    backend_facts bf;
+    if ((st = read_backend_facts(ctx, &bf)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "vocab_size", &vocab)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "num_threads", &threads_req)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "threads_used", &threads_used)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "n_layers", &n_layers)) != COLIBRI_OK ||
@@ -407,6 +434,11 @@ int main(int argc, char **argv) {
         }
     }
 
+    backend_facts bf2; /* after the run: the graphs captured and replayed */
+    if ((st = read_backend_facts(ctx, &bf2)) != COLIBRI_OK) {
+        rc = engine_error(ctx, st, "reading the backend's facts");
+        goto done;
+    }
     if (ec_slots > 0) {
         if ((st = read_cache_counts(ctx, &ec)) != COLIBRI_OK) {
             rc = engine_error(ctx, st, "reading the expert cache's counters");
@@ -435,6 +467,15 @@ int main(int argc, char **argv) {
         print_json_string(precision);
         printf(",\n  \"kernels\": ");
         print_json_string(kernels);
+        printf(",\n  \"backend\": ");
+        print_json_string(bf.name);
+        printf(",\n  \"backend_device\": ");
+        print_json_string(bf.device);
+        printf(",\n  \"backend_memory\": {\"device_bytes\": %" PRId64 ", \"weight_bytes\": %" PRId64
+               ", \"experts_resident\": %" PRId64 ", \"experts_host\": %" PRId64 ", \"graphs_captured\": %" PRId64
+               ", \"graph_replays\": %" PRId64 "}",
+               bf.device_bytes, bf.weight_bytes, bf.experts_resident, bf.experts_host, bf2.graphs_captured,
+               bf2.graph_replays);
         printf(",\n  \"vocab_size\": %" PRId64 ", \"n_layers\": %" PRId64 ", \"hidden_size\": %" PRId64
                ", \"n_experts\": %" PRId64 ", \"top_k\": %" PRId64 ",\n",
                vocab, n_layers, hidden, n_experts, top_k);
@@ -475,6 +516,13 @@ int main(int argc, char **argv) {
                ", max_batch %" PRId64 ", seed %" PRIu64 ", precision %s (kernels %s)\n",
                a.n_seq, a.seq_len, a.max_new_tokens, n_req, a.warmup, threads_req,
                threads_used, group_pad, max_batch, a.seed, precision, kernels);
+        printf("backend: %s (%s)", bf.name, bf.device);
+        if (bf.device_bytes > 0)
+            printf(", %.1f MiB on the device (%.1f MiB of weights), %" PRId64 " routed experts resident, %" PRId64
+                   " on the host, %" PRId64 " graphs captured, %" PRId64 " replays",
+                   (double)bf.device_bytes / 1048576.0, (double)bf.weight_bytes / 1048576.0, bf.experts_resident,
+                   bf.experts_host, bf2.graphs_captured, bf2.graph_replays);
+        printf("\n");
         if (ec_slots > 0)
             printf("expert cache: %" PRId64 " slot(s) per MoE layer, policy %s, %" PRId64 " bytes per slot, %s\n",
                    ec_slots, cache_policy_name(ec_policy), ec_slot_bytes,

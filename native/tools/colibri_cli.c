@@ -41,6 +41,8 @@ typedef struct args {
     int32_t precision;
     int64_t expert_cache_mb, expert_cache_slots;
     int32_t expert_cache_policy;
+    int32_t backend, gpu_device;
+    double gpu_memory_fraction; /* 0: the engine's default (0.9) */
     int verbose;
     int verify;
 } args;
@@ -75,9 +77,16 @@ static void usage(FILE *f) {
             "                         around experts pinned through the API; this tool pins\n"
             "                         none) or predict (LRU, and the next layer's experts read\n"
             "                         ahead) (default lru; needs a cache)\n"
+            "  --backend B            where the stages run: cpu or cuda (an NVIDIA GPU; a build\n"
+            "                         with -DCOLIBRI_CUDA=ON; docs/backends.md) (default cpu)\n"
+            "  --gpu_memory_fraction F\n"
+            "                         cuda: share of the device's memory the engine may take,\n"
+            "                         0 < F <= 1; experts that do not fit run on the CPU\n"
+            "                         (default 0.9)\n"
+            "  --gpu_device N         cuda: the device ordinal (default 0)\n"
             "  --verify               check every CRC-32 in the file before running\n"
-            "  --verbose              print load and timing figures (and the expert cache's\n"
-            "                         settings and counters) to stderr\n"
+            "  --verbose              print load and timing figures (the backend and its device,\n"
+            "                         the expert cache's settings and counters) to stderr\n"
             "  --help                 print this help and exit\n");
 }
 
@@ -95,7 +104,7 @@ static int parse_args(int argc, char **argv, args *a) {
     memset(a, 0, sizeof *a);
     a->max_new_tokens = 24;
     a->top_p = 1.0;
-    int policy_given = 0;
+    int policy_given = 0, gpu_given = 0;
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
         if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
@@ -111,7 +120,8 @@ static int parse_args(int argc, char **argv, args *a) {
                                             "--temperature", "--top_k", "--top_p", "--seed",
                                             "--num_threads", "--max_seq_len", "--precision",
                                             "--expert_cache_mb", "--expert_cache_slots",
-                                            "--expert_cache_policy"};
+                                            "--expert_cache_policy", "--backend",
+                                            "--gpu_memory_fraction", "--gpu_device"};
         char name[64];
         const char *val = NULL;
         int bad = split_option(argc, argv, &i, known, sizeof known / sizeof known[0], name, &val);
@@ -154,11 +164,21 @@ static int parse_args(int argc, char **argv, args *a) {
         } else if (!strcmp(name, "--expert_cache_policy")) {
             if (!parse_cache_policy(val, &a->expert_cache_policy)) return usage_error(CACHE_POLICY_USAGE, val);
             policy_given = 1;
+        } else if (!strcmp(name, "--backend")) {
+            if (!parse_backend(val, &a->backend)) return usage_error(BACKEND_USAGE, val);
+        } else if (!strcmp(name, "--gpu_memory_fraction")) {
+            if (!parse_gpu_fraction(val, &a->gpu_memory_fraction)) return usage_error(GPU_FRACTION_USAGE, val);
+            gpu_given = 1;
+        } else if (!strcmp(name, "--gpu_device")) {
+            if (!parse_gpu_device(val, &a->gpu_device)) return usage_error(GPU_DEVICE_USAGE, val);
+            gpu_given = 1;
         }
     }
     if (!a->model) return usage_error("--model is required");
     if (!a->prompt) return usage_error("--prompt is required");
     int bad = check_cache_flags(a->expert_cache_mb, a->expert_cache_slots, policy_given);
+    if (bad >= 0) return bad;
+    bad = check_backend_flags(a->backend, gpu_given);
     if (bad >= 0) return bad;
     return -1;
 }
@@ -298,6 +318,9 @@ int main(int argc, char **argv) {
     opt.expert_cache_mb = a.expert_cache_mb;
     opt.expert_cache_slots = (int32_t)a.expert_cache_slots;
     opt.expert_cache_policy = a.expert_cache_policy;
+    opt.backend = a.backend;
+    opt.gpu_device = a.gpu_device;
+    opt.gpu_memory_fraction = a.gpu_memory_fraction;
 
     double t0 = now_ms();
     colibri_ctx *ctx = NULL;
@@ -327,7 +350,9 @@ int main(int argc, char **argv) {
 
     int64_t vocab = 0, max_seq = 0, threads = 0, ec_slots = 0, ec_policy = -1, ec_slot_bytes = 0, ec_direct = 0;
     const char *precision = "", *kernels = "";
-    if ((st = colibri_get_int(ctx, "vocab_size", &vocab)) != COLIBRI_OK ||
+    backend_facts bf;
+    if ((st = read_backend_facts(ctx, &bf)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "vocab_size", &vocab)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "max_seq_len", &max_seq)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "threads_used", &threads)) != COLIBRI_OK ||
         (st = colibri_get_int(ctx, "expert_cache_slots", &ec_slots)) != COLIBRI_OK ||
@@ -368,6 +393,14 @@ int main(int argc, char **argv) {
         fprintf(stderr, "load: %.1f ms (%s, vocab %" PRId64 ", max_seq_len %" PRId64
                         ", %" PRId64 " thread(s) used)\nprecision: %s (kernels %s)\nprompt: %" PRId64 " tokens\n",
                 t_load, a.model, vocab, max_seq, threads, precision, kernels, n_prompt);
+    if (a.verbose) {
+        fprintf(stderr, "backend: %s (%s)\n", bf.name, bf.device);
+        if (bf.device_bytes > 0)
+            fprintf(stderr, "backend memory: %.1f MiB on the device (%.1f MiB of weights), %" PRId64
+                            " routed experts resident, %" PRId64 " on the host\n",
+                    (double)bf.device_bytes / 1048576.0, (double)bf.weight_bytes / 1048576.0, bf.experts_resident,
+                    bf.experts_host);
+    }
     if (a.verbose && ec_slots > 0)
         fprintf(stderr, "expert cache: %" PRId64 " slot(s) per MoE layer, policy %s, %" PRId64 " bytes per slot, %s\n",
                 ec_slots, cache_policy_name(ec_policy), ec_slot_bytes,

@@ -1,7 +1,8 @@
 /*
  * tool_common.h — what colibri_cli, colibri_bench and colibri_server share: exit statuses,
- * usage and engine error reports, number, --precision and --expert_cache_policy parsing, option
- * splitting, the expert cache's counters and a monotonic clock.
+ * usage and engine error reports, number, --precision, --expert_cache_policy and --backend /
+ * --gpu_memory_fraction / --gpu_device parsing, option splitting, the expert cache's counters,
+ * the backend's facts and a monotonic clock.
  * Header-only (static functions); define TOOL_NAME before including it.
  */
 #ifndef COLIBRI_TOOL_COMMON_H
@@ -138,6 +139,72 @@ static inline int check_cache_flags(int64_t mb, int64_t slots, int policy_given)
         return usage_error("--expert_cache_policy needs an expert cache: give --expert_cache_mb or "
                            "--expert_cache_slots too");
     return -1;
+}
+
+/* The value of --backend: "cpu" (COLIBRI_BACKEND_CPU) or "cuda" (COLIBRI_BACKEND_CUDA;
+ * docs/backends.md). Returns 1 and sets *out, or 0 when `s` is neither (the caller reports the
+ * usage error, e.g. with BACKEND_USAGE). */
+#define BACKEND_USAGE "--backend must be 'cpu' or 'cuda', got '%s'"
+static inline int parse_backend(const char *s, int32_t *out) {
+    if (!strcmp(s, "cpu")) *out = COLIBRI_BACKEND_CPU;
+    else if (!strcmp(s, "cuda")) *out = COLIBRI_BACKEND_CUDA;
+    else return 0;
+    return 1;
+}
+
+/* The value of --gpu_memory_fraction: a number in (0, 1] (the share of the device's memory the
+ * CUDA backend's plan may take). Returns 1 and sets *out, or 0 (GPU_FRACTION_USAGE). */
+#define GPU_FRACTION_USAGE "--gpu_memory_fraction must be a number in (0, 1], got '%s'"
+static inline int parse_gpu_fraction(const char *s, double *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !(v > 0.0 && v <= 1.0)) return 0;
+    *out = v;
+    return 1;
+}
+
+/* The value of --gpu_device: a device ordinal, 0..1023. Returns 1 and sets *out, or 0
+ * (GPU_DEVICE_USAGE). */
+#define GPU_DEVICE_USAGE "--gpu_device must be an integer in 0..1023 (a CUDA device ordinal), got '%s'"
+static inline int parse_gpu_device(const char *s, int32_t *out) {
+    int64_t v;
+    if (!parse_i64(s, 0, 1023, &v)) return 0;
+    *out = (int32_t)v;
+    return 1;
+}
+
+/* The checks every tool makes of --backend, --gpu_memory_fraction and --gpu_device (gpu_given:
+ * either GPU flag was on the command line). Returns -1 when they go together, else the exit
+ * status of the usage error it reported. */
+static inline int check_backend_flags(int32_t backend, int gpu_given) {
+    if (gpu_given && backend != COLIBRI_BACKEND_CUDA)
+        return usage_error("--gpu_memory_fraction and --gpu_device set up the CUDA backend: give "
+                           "--backend cuda too");
+    return -1;
+}
+
+/* What the backend says of itself (colibri_get_string "backend" / "backend_device",
+ * colibri_get_int "backend_*"). */
+typedef struct backend_facts {
+    const char *name, *device;
+    int64_t device_bytes, weight_bytes, experts_resident, experts_host, graphs_captured, graph_replays;
+} backend_facts;
+
+/* Read them all; COLIBRI_OK, or the failing call's status. */
+static inline colibri_status read_backend_facts(const colibri_ctx *ctx, backend_facts *b) {
+    colibri_status st;
+    b->name = b->device = "";
+    if ((st = colibri_get_string(ctx, "backend", &b->name)) != COLIBRI_OK ||
+        (st = colibri_get_string(ctx, "backend_device", &b->device)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "backend_device_bytes", &b->device_bytes)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "backend_weight_bytes", &b->weight_bytes)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "backend_experts_resident", &b->experts_resident)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "backend_experts_host", &b->experts_host)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "backend_graphs_captured", &b->graphs_captured)) != COLIBRI_OK ||
+        (st = colibri_get_int(ctx, "backend_graph_replays", &b->graph_replays)) != COLIBRI_OK)
+        return st;
+    return COLIBRI_OK;
 }
 
 /* The expert cache's counters, as colibri_get_int gives them ("expert_cache_*"). */

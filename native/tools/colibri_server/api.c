@@ -128,11 +128,14 @@ char *cs_api_error_json(const cs_api_error *e, size_t *len) {
 }
 
 char *cs_api_models_json(const cs_server *srv, size_t *len) {
-    /* beside OpenAI's fields: the context length, and the engine's numeric mode and kernels */
-    json_t *o = json_pack("{s:s, s:[{s:s, s:s, s:I, s:s, s:I, s:s, s:s}]}", "object", "list", "data", "id",
+    /* beside OpenAI's fields: the context length, the engine's numeric mode and kernels, and the
+     * backend (docs/backends.md) and its device */
+    json_t *o = json_pack("{s:s, s:[{s:s, s:s, s:I, s:s, s:I, s:s, s:s, s:s, s:s}]}", "object", "list", "data", "id",
                           srv->model_id, "object", "model", "created", (json_int_t)srv->created,
                           "owned_by", "colibri", "max_model_len", (json_int_t)srv->ctx_len, "precision",
-                          srv->precision ? srv->precision : "", "kernels", srv->kernels ? srv->kernels : "");
+                          srv->precision ? srv->precision : "", "kernels", srv->kernels ? srv->kernels : "",
+                          "backend", srv->backend ? srv->backend : "", "backend_device",
+                          srv->backend_device ? srv->backend_device : "");
     return o ? dump(o, len) : NULL;
 }
 

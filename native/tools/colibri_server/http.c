@@ -209,6 +209,11 @@ static enum MHD_Result handle_metrics(cs_server *srv, struct MHD_Connection *c) 
         m.n_layers = srv->engine.n_layers;
         m.n_experts = srv->engine.n_experts;
         m.expert_tokens = ex;
+        m.backend = srv->backend;
+        m.backend_device = srv->backend_device;
+        m.backend_device_bytes = srv->backend_device_bytes;
+        m.backend_experts_resident = srv->backend_experts_resident;
+        m.backend_experts_host = srv->backend_experts_host;
         /* the copies the engine thread made after its last step (engine.c), never the engine's own */
         cache = cs_colibri_cache_counts(&srv->engine, &m.cache_bytes_read);
         if (cache) {

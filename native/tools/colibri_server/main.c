@@ -39,8 +39,8 @@ typedef struct args {
     int64_t port, num_threads, max_batch_size, max_seq_len, prefetch_batches, parallel, max_batch_tokens, kv_tokens,
         kv_block_tokens, max_queue, timeout, max_body_bytes, default_max_tokens, shutdown_timeout_s;
     int64_t expert_cache_mb, expert_cache_slots;
-    double gpu_memory_fraction;
-    int32_t precision, expert_cache_policy;
+    double gpu_memory_fraction; /* 0: the engine's default (0.9) */
+    int32_t precision, expert_cache_policy, backend, gpu_device;
 } args;
 
 static void usage(FILE *f) {
@@ -97,7 +97,13 @@ static void usage(FILE *f) {
             "                            (default 16, as OpenAI's)\n"
             "  --api-key KEY             require 'Authorization: Bearer KEY' on /v1/* (also --api_key)\n"
             "  --prefetch_batches N      accepted for compatibility, has no effect on CPU\n"
-            "  --gpu_memory_fraction F   accepted only as 0: this build has no GPU backend\n"
+            "  --backend B               where the stages run: cpu or cuda (an NVIDIA GPU; a build\n"
+            "                            with -DCOLIBRI_CUDA=ON; docs/backends.md); /v1/models\n"
+            "                            and /metrics say which (default cpu)\n"
+            "  --gpu_memory_fraction F   cuda: share of the device's memory the engine may take,\n"
+            "                            0 < F <= 1; experts that do not fit run on the CPU;\n"
+            "                            0 = the default (0.9)\n"
+            "  --gpu_device N            cuda: the device ordinal (default 0)\n"
             "  --help                    print this help and exit\n"
             "\n"
             "Exit status: 0 after SIGINT/SIGTERM (drained or cancelled), 1 engine or start-up\n"
@@ -117,7 +123,7 @@ static int parse_args(int argc, char **argv, args *a) {
     a->max_body_bytes = 1 << 20;
     a->default_max_tokens = 16;
     a->shutdown_timeout_s = 30;
-    int port_in_host = 0, policy_given = 0;
+    int port_in_host = 0, policy_given = 0, gpu_given = 0;
     static char host_buf[256];
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
@@ -131,7 +137,7 @@ static int parse_args(int argc, char **argv, args *a) {
             "--prefetch_batches", "--gpu_memory_fraction", "--parallel", "--max_batch_tokens", "--decode_prefill_tokens", "--kv_tokens",
             "--kv_block_tokens", "--api-key", "--api_key", "--max_queue", "--timeout", "--max_body_bytes",
             "--default_max_tokens", "--precision", "--shutdown_timeout_s", "--expert_cache_mb", "--expert_cache_slots",
-            "--expert_cache_policy"};
+            "--expert_cache_policy", "--backend", "--gpu_device"};
         char name[64];
         const char *val = NULL;
         int bad = split_option(argc, argv, &i, known, sizeof known / sizeof known[0], name, &val);
@@ -175,13 +181,20 @@ static int parse_args(int argc, char **argv, args *a) {
             if (!*val) return usage_error("%s needs a key", name);
             a->api_key = val;
         } else if (!strcmp(name, "--gpu_memory_fraction")) {
+            /* 0: the engine's default, accepted with any backend (as before the CUDA backend) */
             char *end;
             double v = strtod(val, &end);
-            if (end == val || *end || !isfinite(v)) return usage_error("--gpu_memory_fraction must be a number, got '%s'", val);
-            if (v != 0.0)
-                return usage_error("--gpu_memory_fraction %s: this build has no GPU backend (CPU only); leave it out "
-                                   "or give 0", val);
-            a->gpu_memory_fraction = v;
+            if (end != val && !*end && v == 0.0) {
+                a->gpu_memory_fraction = 0.0;
+            } else {
+                if (!parse_gpu_fraction(val, &a->gpu_memory_fraction)) return usage_error(GPU_FRACTION_USAGE, val);
+                gpu_given = 1;
+            }
+        } else if (!strcmp(name, "--backend")) {
+            if (!parse_backend(val, &a->backend)) return usage_error(BACKEND_USAGE, val);
+        } else if (!strcmp(name, "--gpu_device")) {
+            if (!parse_gpu_device(val, &a->gpu_device)) return usage_error(GPU_DEVICE_USAGE, val);
+            gpu_given = 1;
         } else if (!strcmp(name, "--precision")) {
             if (!parse_precision(val, &a->precision)) return usage_error(PRECISION_USAGE, val);
         } else if (!strcmp(name, "--expert_cache_policy")) {
@@ -208,6 +221,8 @@ static int parse_args(int argc, char **argv, args *a) {
     }
     if (!a->model) return usage_error("--model is required");
     int bad = check_cache_flags(a->expert_cache_mb, a->expert_cache_slots, policy_given);
+    if (bad >= 0) return bad;
+    bad = check_backend_flags(a->backend, gpu_given);
     if (bad >= 0) return bad;
     if (a->max_batch_size < 0) a->max_batch_size = a->parallel;
     if (a->max_batch_size > a->parallel)
@@ -371,6 +386,9 @@ int main(int argc, char **argv) {
     opt.expert_cache_mb = a.expert_cache_mb;
     opt.expert_cache_slots = (int32_t)a.expert_cache_slots;
     opt.expert_cache_policy = a.expert_cache_policy;
+    opt.backend = a.backend;
+    opt.gpu_device = a.gpu_device;
+    opt.gpu_memory_fraction = a.gpu_memory_fraction;
     colibri_ctx *ctx = NULL;
     colibri_status st = colibri_init_ex(a.model, &opt, &ctx, err, sizeof err);
     if (st != COLIBRI_OK) {
@@ -410,6 +428,18 @@ int main(int argc, char **argv) {
         srv.chat_template = "";
     if (colibri_get_string(ctx, "precision", &srv.precision) != COLIBRI_OK || !srv.precision) srv.precision = "";
     if (colibri_get_string(ctx, "kernels", &srv.kernels) != COLIBRI_OK || !srv.kernels) srv.kernels = "";
+    {
+        backend_facts bf;
+        if ((st = read_backend_facts(ctx, &bf)) != COLIBRI_OK) {
+            engine_error(ctx, st, "reading the backend's facts");
+            goto out;
+        }
+        srv.backend = bf.name ? bf.name : "";
+        srv.backend_device = bf.device ? bf.device : "";
+        srv.backend_device_bytes = bf.device_bytes;
+        srv.backend_experts_resident = bf.experts_resident;
+        srv.backend_experts_host = bf.experts_host;
+    }
 
     cs_engine eng;
     if (cs_colibri_init(&srv.engine, ctx, a.max_batch_tokens, &eng, err, sizeof err)) {
@@ -444,9 +474,9 @@ int main(int argc, char **argv) {
         }
         fprintf(stderr, "colibri_server: loaded '%s' in %.0f ms (warm-up %.1f ms): vocab %" PRId64 ", context %" PRId64
                         ", %" PRId64 " sequences, %" PRId64 " KV blocks of %" PRId64 " tokens, %" PRId64
-                        " thread(s), precision %s (kernels %s)\n",
+                        " thread(s), precision %s (kernels %s), backend %s (%s)\n",
                 srv.model_id, now_ms() - t0, now_ms() - tw, vocab, srv.ctx_len, max_seqs, blocks, block_tokens,
-                threads, srv.precision, srv.kernels);
+                threads, srv.precision, srv.kernels, srv.backend, srv.backend_device);
         if (ec_slots > 0)
             fprintf(stderr, "colibri_server: expert cache: %" PRId64 " slot(s) per MoE layer, policy %s, %" PRId64
                             " bytes per slot, %s\n",

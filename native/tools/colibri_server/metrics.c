@@ -120,6 +120,32 @@ static void cache_metrics(sbuf *b, const cs_metrics *m) {
     }
 }
 
+/* A label value, escaped as the text format wants (backslash, double quote, newline). */
+static void label_value(sbuf *b, const char *s) {
+    for (; *s; s++) {
+        if (*s == '\\' || *s == '"') sb_printf(b, "\\%c", *s);
+        else if (*s == '\n') sb_printf(b, "\\n");
+        else sb_printf(b, "%c", *s);
+    }
+}
+
+/* colibri_backend_info{backend, device} 1 and the backend's memory figures. */
+static void backend_metrics(sbuf *b, const cs_metrics *m) {
+    sb_printf(b, "# HELP colibri_backend_info The backend the stages run on (--backend) and its device; always 1.\n"
+                 "# TYPE colibri_backend_info gauge\ncolibri_backend_info{backend=\"");
+    label_value(b, m->backend);
+    sb_printf(b, "\",device=\"");
+    label_value(b, m->backend_device ? m->backend_device : "");
+    sb_printf(b, "\"} 1\n");
+    gauge(b, "colibri_backend_device_bytes", "Device memory the backend took (0: the CPU backend, host memory only).",
+          m->backend_device_bytes);
+    gauge(b, "colibri_backend_experts_resident", "Routed experts resident on the backend's device, all MoE layers.",
+          m->backend_experts_resident);
+    gauge(b, "colibri_backend_experts_host",
+          "Routed experts a device backend computes on the CPU (they did not fit --gpu_memory_fraction).",
+          m->backend_experts_host);
+}
+
 char *cs_metrics_render(const cs_metrics *m, size_t *len) {
     sbuf b = {malloc(4096), 0, 4096, 0};
     if (!b.p) return NULL;
@@ -151,6 +177,7 @@ char *cs_metrics_render(const cs_metrics *m, size_t *len) {
                           l, e, m->expert_tokens[(size_t)l * (size_t)m->n_experts + (size_t)e]);
     }
     if (m->cache_slots > 0 && m->cache_layer && m->cache_moe && m->n_layers > 0) cache_metrics(&b, m);
+    if (m->backend) backend_metrics(&b, m);
     if (b.bad) {
         free(b.p);
         return NULL;

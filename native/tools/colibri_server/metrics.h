@@ -53,6 +53,9 @@ typedef struct cs_metrics {
     const uint64_t *cache_layer;
     const uint8_t *cache_moe;
     uint64_t cache_bytes_read;
+    /* the backend (docs/backends.md): NULL while loading (then none of its metrics is shown) */
+    const char *backend, *backend_device;
+    int64_t backend_device_bytes, backend_experts_resident, backend_experts_host;
 } cs_metrics;
 
 /* Render `m` in the Prometheus text format into a malloc'd NUL-terminated string

@@ -78,6 +78,10 @@ typedef struct cs_server {
     const char *chat_template;
     const char *precision;             /* colibri_get_string "precision": "exact" / "fast" (NULL until loaded) */
     const char *kernels;               /* colibri_get_string "kernels" */
+    const char *backend;               /* colibri_get_string "backend": "cpu" / "cuda" (NULL until loaded) */
+    const char *backend_device;        /* colibri_get_string "backend_device" */
+    int64_t backend_device_bytes;      /* colibri_get_int "backend_device_bytes", "backend_experts_*" */
+    int64_t backend_experts_resident, backend_experts_host;
     cs_sched *sched;
     cs_colibri engine;
     atomic_int state;
