@@ -1,0 +1,425 @@
+"""The CUDA backend (docs/backends.md) against the CPU backend and transformers on the GPU.
+
+Runs only when COLIBRI_CUDA_LIB names a libcolibri.so built with -DCOLIBRI_CUDA=ON AND a CUDA
+device answers (a probe opens data/tiny-mixtral with backend="cuda"; "no CUDA device" and the
+like skip the module with that one line). The library is loaded from COLIBRI_CUDA_LIB: this
+module sets COLIBRI_LIB to it before colibri_lab loads its library, and skips when another
+library was loaded first (run it alone: `COLIBRI_LIB=$COLIBRI_CUDA_LIB pytest tests/test_gpu.py`;
+tools/gpu_check.sh does).
+
+Models: data/tiny-mixtral, a random Mixtral shape (8 experts top-2, GQA) and a random
+Qwen2-MoE with a gated shared expert and a dense-MLP layer; each in f32 and bf16 weights.
+
+Tolerances (docs/backends.md, "Accuracy"):
+- f32 weights: max |Δ logits| <= 1e-3 against the CPU backend and against transformers float32
+  on the GPU (TF32 off), and the same top-1 token;
+- bf16 weights: max |Δ logits| <= 2e-2 x the row's logit range (max - min of the reference
+  row), and the same top-1 token;
+- the top-1 token is compared where the reference's first and second logits are further apart
+  than the tolerance (a closer pair is a tie that rounding may decide either way), and
+  positions from the first router near-tie on (the k-th and (k+1)-th router probabilities of
+  the CPU's trace within 1e-4, f32, or 1e-3, bf16) are left out: a flipped expert changes that
+  token and, through attention, every later one.
+Bitwise on the CUDA backend: a sequence batched with others = alone; three runs (and a
+fresh engine) = each other; decode steps replayed from CUDA graphs = the eager stage-by-stage
+run = a traced run; device stage tensors = their host copies.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CUDA_LIB = os.environ.get("COLIBRI_CUDA_LIB", "")
+
+if not CUDA_LIB:
+    pytest.skip("COLIBRI_CUDA_LIB is not set (a libcolibri.so built with -DCOLIBRI_CUDA=ON)",
+                allow_module_level=True)  # fmt: skip
+if not Path(CUDA_LIB).is_file():
+    pytest.skip(f"COLIBRI_CUDA_LIB={CUDA_LIB!r} is not a file", allow_module_level=True)
+if "colibri_lab._native" in sys.modules:
+    _loaded = sys.modules["colibri_lab._native"].lib_path
+    if Path(_loaded).resolve() != Path(CUDA_LIB).resolve():
+        pytest.skip(f"colibri_lab already loaded {_loaded}; run tests/test_gpu.py alone with "
+                    f"COLIBRI_LIB=$COLIBRI_CUDA_LIB", allow_module_level=True)  # fmt: skip
+else:
+    os.environ["COLIBRI_LIB"] = CUDA_LIB
+
+import colibri_lab  # noqa: E402
+from colibri_lab import ColibriError, Engine  # noqa: E402
+
+F32_TOL = 1e-3
+BF16_REL_TOL = 2e-2
+
+
+# ---- the probe and the models ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for dt in ("f32", "bf16"):
+        out[dt] = colibri_lab.convert(REPO / "data" / "tiny-mixtral", d / f"tiny-{dt}.colibri", dtype=dt,
+                                      progress=False)
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_device(tiny_files):
+    """Skip the module unless the CUDA backend opens the tiny model here."""
+    try:
+        with Engine(tiny_files["f32"], backend="cuda", max_seq_len=64) as eng:
+            dev = eng.config.backend_device
+    except ColibriError as e:
+        pytest.skip(f"the CUDA backend does not open here: {e}")
+    print(f"CUDA backend device: {dev}")
+    return dev
+
+
+def _hf_models():
+    from hf_families import FamilyShape, build_family_model
+    from hf_models import Shape, build_model
+
+    return {
+        "mixtral": (lambda: build_model(Shape(vocab=1000, hidden=128, inter=192, layers=3, heads=8, kv_heads=2,
+                                              experts=8, top_k=2, max_pos=512, std=0.05, seed=11)), 2),
+        "qwen2_moe": (lambda: build_family_model(FamilyShape("qwen2_moe", vocab=997, hidden=96, inter=64,
+                                                             dense_inter=128, shared_inter=80, layers=3, heads=6,
+                                                             kv_heads=2, experts=8, top_k=2, mlp_only_layers=(1,),
+                                                             std=0.05, seed=12)), 2),
+    }  # fmt: skip
+
+
+class _Models:
+    """name -> (HF model in float32 on the CPU, {dtype: .colibri path}, top_k, vocab)."""
+
+    def __init__(self, tmp):
+        self.tmp, self.cache = tmp, {}
+
+    def __call__(self, name: str, dtype: str):
+        from hf_models import save_checkpoint
+
+        if name not in self.cache:
+            build, top_k = _hf_models()[name]
+            model = build()
+            folder = save_checkpoint(model, self.tmp.mktemp(name), with_tokenizer=False)
+            self.cache[name] = (model, folder, {}, top_k)
+        model, folder, files, top_k = self.cache[name]
+        if dtype not in files:
+            files[dtype] = colibri_lab.convert(folder, folder.parent / f"{name}-{dtype}.colibri", dtype=dtype,
+                                               progress=False)
+        return model, files[dtype], top_k, model.config.vocab_size
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return _Models(tmp_path_factory)
+
+
+def _path(models, tiny_files, name, dtype):
+    if name == "tiny":
+        return tiny_files[dtype]
+    return models(name, dtype)[1]
+
+
+def _ids(vocab: int, n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
+
+
+# ---- comparison --------------------------------------------------------------------------
+
+
+def _near_tie_cut(router_probs: np.ndarray, top_k: int, gap: float) -> int:
+    """First position whose k-th and (k+1)-th router probabilities (any layer) are within
+    `gap`; the number of positions when none is."""
+    L, T, E = router_probs.shape
+    cut = T
+    if top_k >= E:
+        return cut
+    for l in range(L):
+        p = np.sort(router_probs[l], axis=-1)[:, ::-1]
+        tied = np.flatnonzero(p[:, top_k - 1] - p[:, top_k] < gap)
+        if tied.size:
+            cut = min(cut, int(tied[0]))
+    return cut
+
+
+def _compare(ref: np.ndarray, got: np.ndarray, dtype: str, what: str, cut: int | None = None) -> float:
+    assert got.shape == ref.shape and got.dtype == np.float32, what
+    assert np.isfinite(got).all(), f"{what}: non-finite logits"
+    if cut is not None:
+        if cut == 0:
+            pytest.skip(f"{what}: the first token has a router near-tie")
+        ref, got = ref[:cut], got[:cut]
+    delta = np.abs(ref - got).max(axis=-1)
+    if dtype == "f32":
+        tol = np.full(len(ref), F32_TOL)
+    else:
+        tol = BF16_REL_TOL * (ref.max(axis=-1) - ref.min(axis=-1))
+    worst = int(np.argmax(delta / tol))
+    assert (delta <= tol).all(), (f"{what}: max |Δ logits| {delta[worst]:.3g} at position {worst} > "
+                                  f"tolerance {tol[worst]:.3g}")  # fmt: skip
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 2 * tol
+    same = ref.argmax(-1) == got.argmax(-1)
+    assert same[clear].all(), f"{what}: top-1 differs at positions {np.flatnonzero(clear & ~same).tolist()}"
+    print(f"{what}: max |Δ logits| {float(delta.max()):.3g} (tolerance {float(tol.min()):.3g}..{float(tol.max()):.3g}), "
+          f"top-1 equal at {int(clear.sum())}/{len(ref)} clear positions")  # fmt: skip
+    return float(delta.max())
+
+
+def _cpu_reference(path, ids, dtype, top_k):
+    with Engine(path) as eng:
+        with eng.trace() as tr:
+            logits = eng.forward(ids)
+    gap = 1e-4 if dtype == "f32" else 1e-3
+    return logits, _near_tie_cut(tr.router_probs, top_k, gap)
+
+
+def _bitwise(a: np.ndarray, b: np.ndarray, what: str):
+    assert a.shape == b.shape, what
+    bad = np.flatnonzero(a.view(np.uint32) != b.view(np.uint32))
+    assert bad.size == 0, f"{what}: {bad.size} logits differ (max |Δ| {float(np.max(np.abs(a - b))):.3g})"
+
+
+MODELS = ["tiny", "mixtral", "qwen2_moe"]
+DTYPES = ["f32", "bf16"]
+
+
+# ---- facts -------------------------------------------------------------------------------
+
+
+def test_cuda_backend_facts(tiny_files):
+    with Engine(tiny_files["f32"], backend="cuda", max_seq_len=128) as eng:
+        c = eng.config
+        assert c.backend == "cuda" and c.backend_device and not c.backend_device.startswith("cpu"), c.backend_device
+        assert c.backend_device_bytes > 0 and c.backend_weight_bytes > 0
+        n_moe = int(eng._layer_is_moe().sum())
+        assert c.backend_experts_resident == n_moe * c.n_experts and c.backend_experts_host == 0
+        st = eng.backend_stats()
+        assert st["backend"] == "cuda" and st["device_bytes"] == c.backend_device_bytes
+        print(f"tiny on {c.backend_device}: {c.backend_device_bytes / 2**20:.1f} MiB on the device "
+              f"({c.backend_weight_bytes / 2**20:.1f} MiB weights)")
+
+
+# ---- CUDA vs CPU, CUDA vs transformers ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", MODELS)
+def test_cuda_matches_cpu(models, tiny_files, name, dtype):
+    path = _path(models, tiny_files, name, dtype)
+    top_k = 2
+    with Engine(path) as eng:
+        vocab, top_k = eng.vocab_size, eng.config.top_k
+    ids = _ids(vocab, 40, seed=1)
+    ref, cut = _cpu_reference(path, ids, dtype, top_k)
+    with Engine(path, backend="cuda") as eng:
+        got = eng.forward(ids)
+        last = eng.forward(ids, last_only=True)
+    _compare(ref, got, dtype, f"{name} {dtype}: cuda vs cpu", cut)
+    _bitwise(last[0], got[-1], f"{name} {dtype}: forward_last vs the last row")
+
+
+def _hf_cuda_logits(model, ids, dtype):
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    m = model.to("cuda")
+    try:
+        with torch.no_grad():
+            out = m(torch.tensor([list(ids)], dtype=torch.long, device="cuda"))
+        return out.logits[0].float().cpu().numpy().astype(np.float32)
+    finally:
+        model.to("cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_cuda_matches_transformers_on_the_gpu(models, tiny_files, name, dtype):
+    """transformers float32 on the GPU from the same weights (for bf16: the bf16-rounded
+    weights, upcast, as tests/hf_models.check_bf16_checkpoint does on the CPU)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    import copy
+
+    model, path, top_k, vocab = models(name, dtype)
+    ref_model = model
+    if dtype == "bf16":
+        ref_model = copy.deepcopy(model).to(torch.bfloat16).to(torch.float32)
+    ids = _ids(vocab, 40, seed=2)
+    ref = _hf_cuda_logits(ref_model, ids, dtype)
+    _, cut = _cpu_reference(path, ids, dtype, top_k)
+    with Engine(path, backend="cuda") as eng:
+        got = eng.forward(ids)
+    _compare(ref, got, dtype, f"{name} {dtype}: cuda vs transformers (torch cuda)", cut)
+
+
+# ---- the CUDA backend against itself -----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", MODELS)
+def test_incremental_decode_equals_full_forward(models, tiny_files, name, dtype):
+    path = _path(models, tiny_files, name, dtype)
+    with Engine(path, backend="cuda") as eng:
+        ids = _ids(eng.vocab_size, 24, seed=3)
+        full = eng.forward(ids)
+        rows = [eng.forward(ids[:8])]
+        for p in range(8, len(ids)):
+            rows.append(eng.forward(ids[p:p + 1], p))
+        inc = np.concatenate(rows)
+        replays = eng.backend_stats()["graph_replays"]
+    _compare(full, inc, dtype, f"{name} {dtype}: incremental vs full (cuda, {replays} graph replays)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", MODELS)
+def test_batched_equals_alone_bitwise(models, tiny_files, name, dtype):
+    path = _path(models, tiny_files, name, dtype)
+    with Engine(path, backend="cuda", max_seqs=4) as eng:
+        V = eng.vocab_size
+        prompts = [_ids(V, n, seed=10 + n) for n in (5, 17, 9, 30)]
+        alone = []
+        for s, p in enumerate(prompts):
+            eng.sequence(s).clear()
+            first = eng.batch([(s, p)], logits="all")[0]
+            steps = [eng.batch([(s, [int(first[-1].argmax())])])[0]]
+            alone.append((first, steps))
+        for s in range(4):
+            eng.sequence(s).clear()
+        together = eng.batch(list(enumerate(prompts)), logits="all")
+        for s in range(4):
+            _bitwise(together[s], alone[s][0], f"{name} {dtype}: prompt {s} batched vs alone")
+        step = eng.batch([(s, [int(together[s][-1].argmax())]) for s in range(4)])
+        for s in range(4):
+            _bitwise(step[s], alone[s][1][0], f"{name} {dtype}: decode step {s} batched vs alone")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_run_to_run_determinism(models, tiny_files, name):
+    path = _path(models, tiny_files, name, "bf16")
+    runs = []
+    with Engine(path, backend="cuda") as eng:
+        ids = _ids(eng.vocab_size, 33, seed=4)
+        for _ in range(3):
+            runs.append(eng.forward(ids))
+            dec = [eng.forward([ids[i]], 33 + i) for i in range(4)]
+            runs.append(np.concatenate(dec))
+    with Engine(path, backend="cuda") as eng:
+        runs.append(eng.forward(ids))
+    for i in (2, 4, 6):
+        _bitwise(runs[i], runs[0], f"{name}: prefill run {i // 2 + 1} vs run 1")
+    for i in (3, 5):
+        _bitwise(runs[i], runs[1], f"{name}: decode run {i // 2 + 1} vs run 1")
+
+
+def _device_total() -> int:
+    import torch
+
+    return int(torch.cuda.mem_get_info()[1])
+
+
+def _partial_fraction(path, **kw) -> tuple[float, dict]:
+    """A gpu_memory_fraction under which some but not all routed experts are resident (bisection)."""
+    pytest.importorskip("torch")
+    with Engine(path, backend="cuda", **kw) as eng:
+        full = eng.config.backend_device_bytes
+        n_exp = eng.config.backend_experts_resident
+    total = _device_total()
+    lo, hi = 0.0, min(1.0, 1.5 * full / total + 0.02)
+    for _ in range(48):
+        f = (lo + hi) / 2
+        try:
+            with Engine(path, backend="cuda", gpu_memory_fraction=f, **kw) as eng:
+                c = eng.config
+        except ColibriError:
+            lo = f  # not even the dense part fits
+            continue
+        if c.backend_experts_host == 0:
+            hi = f
+        elif c.backend_experts_resident == 0:
+            lo = f
+        else:
+            assert c.backend_experts_resident + c.backend_experts_host == n_exp
+            return f, {"resident": c.backend_experts_resident, "host": c.backend_experts_host}
+    pytest.fail(f"no gpu_memory_fraction in ({lo}, {hi}) leaves some experts on the host ({full} device bytes)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_experts_on_the_host_still_match(models, dtype):
+    _, path, top_k, vocab = models("mixtral", dtype)
+    f, split = _partial_fraction(path, max_seq_len=256)
+    ids = _ids(vocab, 40, seed=5)
+    ref, cut = _cpu_reference(path, ids, dtype, top_k)
+    with Engine(path, backend="cuda", gpu_memory_fraction=f, max_seq_len=256) as eng:
+        assert eng.config.backend_experts_host > 0 and eng.config.backend_experts_resident > 0
+        got = eng.forward(ids)
+        dec = [eng.forward([i], len(ids) + k) for k, i in enumerate(_ids(vocab, 4, seed=6))]
+    with Engine(path, backend="cuda", max_seq_len=256) as eng:
+        full = eng.forward(ids)
+        dec_full = [eng.forward([i], len(ids) + k) for k, i in enumerate(_ids(vocab, 4, seed=6))]
+    _compare(ref, got, dtype, f"mixtral {dtype}: fraction {f:.3g} ({split}) vs cpu", cut)
+    _compare(full, got, dtype, f"mixtral {dtype}: fraction {f:.3g} vs all resident", cut)
+    _compare(np.concatenate(dec_full), np.concatenate(dec), dtype, f"mixtral {dtype}: decode, fraction vs resident")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_graph_replays_equal_the_eager_stage_run(models, tiny_files, name):
+    path = _path(models, tiny_files, name, "bf16")
+    with Engine(path, backend="cuda") as eng:
+        V = eng.vocab_size
+    prompt, steps = _ids(V, 12, seed=7), _ids(V, 8, seed=8)
+
+    def decode(mode):
+        with Engine(path, backend="cuda") as eng:
+            out = [eng.forward(prompt)]
+            for k, t in enumerate(steps):
+                pos = len(prompt) + k
+                if mode == "graph":
+                    out.append(eng.forward([t], pos))
+                elif mode == "stages":
+                    out.append(eng.stages([t], pos).finish())
+                else:
+                    with eng.trace():
+                        out.append(eng.forward([t], pos))
+            return np.concatenate(out), eng.backend_stats()
+
+    graph, st = decode("graph")
+    assert st["graphs_captured"] >= 1 and st["graph_replays"] > 0, st
+    staged, st2 = decode("stages")
+    traced, _ = decode("traced")
+    _bitwise(staged, graph, f"{name}: eager stage-by-stage vs graph replay ({st['graph_replays']} replays)")
+    _bitwise(traced, graph, f"{name}: traced vs graph replay")
+    print(f"{name}: {st['graphs_captured']} graph(s) captured, {st['graph_replays']} replays; stage run: {st2}")
+
+
+def test_device_stage_tensors_equal_their_host_copies(tiny_files):
+    cupy = pytest.importorskip("cupy")
+    with Engine(tiny_files["f32"], backend="cuda") as eng:
+        ids = _ids(eng.vocab_size, 7, seed=9)
+        run = eng.stages(ids)
+        checked, absent = set(), set()
+        while not run.done:
+            outs = run.run()
+            for k, host in outs.items():
+                if k == "logits":
+                    continue
+                try:
+                    dev = run.tensor(k, device=True)
+                except colibri_lab.ColibriUnsupportedError:
+                    absent.add(k)
+                    continue
+                assert isinstance(dev, cupy.ndarray) and dev.shape == host.shape and dev.dtype == host.dtype, k
+                assert np.array_equal(cupy.asnumpy(dev).view(np.uint8), np.ascontiguousarray(host).view(np.uint8)), k
+                checked.add(k)
+        assert "x" in checked, (checked, absent)
+        print(f"device tensors equal to host: {sorted(checked)}; host only: {sorted(absent)}")
