@@ -1,0 +1,334 @@
+#!/usr/bin/env python3
+"""Colibri's CUDA backend against transformers on one GPU, on a random Mixtral-8x7B shape.
+
+    python3 tools/gpu_bench.py --layers 4 --out $OUT --budget-s 200
+
+The shape is Mixtral-8x7B's (hidden 4096, intermediate 14336, 8 experts top-2, 32 query / 8 KV
+heads, vocab 32000) in bf16 with the first --layers of its 32 layers: the full model is 93 GB,
+more than the lent machine's disk and time box; 4 layers are about 12 GB. Random weights (the
+HF default init, normal(0, 0.02), made on the GPU), saved as safetensors under /dev/shm when it
+has room (else --workdir), converted with colibri_lab.convert (bf16), then measured with the
+two engines alternating, each figure the median of --reps runs after a warm-up:
+
+- decode tok/s at batch 1 (one sequence, one token a step) and batch 16 (16 sequences, one
+  step = one Engine.batch of 16 tokens / one transformers forward of [16, 1] with
+  past_key_values), after a --context token prompt;
+- prefill of --prefill tokens (tok/s, last-token logits only for Colibri);
+- transformers: eager PyTorch (no torch.compile, no CUDA graphs), its default attention and
+  experts implementation, torch.cuda.synchronize() around every timing;
+- the HBM roofline: bytes a decode step must read (the dense weights but the embedding table,
+  one embedding row, plus the routed experts the step touches: top_k per layer at batch 1,
+  min(E, top_k x batch) per layer at batch 16, the expected distinct count for uniform routing)
+  over 4.8e12 B/s, and each engine's share of it;
+- the figures scaled to 32 layers: bandwidth-bound decode time grows with the bytes read, so
+  tok/s(32) ~ tok/s(N) x bytes(N) / bytes(32). An estimate, stated as such in the JSON;
+- parity of the big shape: one prompt, the CUDA backend's last-token top-1 = transformers'
+  (bf16 on the GPU), with max |Δ| over the logit range.
+
+Everything goes to --out/gpu_bench.json (written after every phase, so a run cut short
+still leaves what it measured) and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HBM_BPS = 4.8e12  # H200 HBM3e, the datasheet figure
+SHAPE = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+             num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, head_dim=128)  # fmt: skip
+FULL_LAYERS = 32
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Report:
+    def __init__(self, out: Path):
+        self.path = out / "gpu_bench.json"
+        self.data: dict = {"tool": "tools/gpu_bench.py", "shape": dict(SHAPE), "phases": {}}
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=2, default=str))
+
+
+def bytes_per_layer(dtype_bytes: int = 2) -> dict:
+    H, I, E = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_local_experts"]
+    D, Hq, Hkv = SHAPE["head_dim"], SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]
+    attn = H * Hq * D * 2 + H * Hkv * D * 2  # q, o; k, v
+    norms_router = 2 * H + H * E
+    expert = 3 * H * I
+    return {"dense": (attn + norms_router) * dtype_bytes, "expert": expert * dtype_bytes}
+
+
+def step_bytes(layers: int, batch: int) -> float:
+    """Bytes one decode step must read: dense weights of every layer, the final norm, the LM
+    head, one embedding row per token, and the routed experts the step touches."""
+    b = bytes_per_layer()
+    H, V, E, K = SHAPE["hidden_size"], SHAPE["vocab_size"], SHAPE["num_local_experts"], SHAPE["num_experts_per_tok"]
+    # expected distinct experts per layer when batch tokens each pick K of E uniformly
+    distinct = K if batch == 1 else E * (1 - (1 - K / E) ** batch)
+    return layers * (b["dense"] + distinct * b["expert"]) + (H + V * H + batch * H) * 2
+
+
+def pick_workdir(requested: str | None, need: int) -> Path:
+    cands = [requested] if requested else ["/dev/shm", "/tmp"]
+    for c in cands:
+        try:
+            free = shutil.disk_usage(c).free
+        except OSError:
+            continue
+        if free > need:
+            d = Path(c) / "colibri_gpu_bench"
+            d.mkdir(parents=True, exist_ok=True)
+            return d
+    d = Path(cands[-1]) / "colibri_gpu_bench"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def median(xs):
+    return float(statistics.median(xs)) if xs else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4, help="layers of the 32 to build (default 4, about 12 GB)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_bench_out"))
+    ap.add_argument("--workdir", default=None, help="where the checkpoint and .colibri go (default /dev/shm)")
+    ap.add_argument("--budget-s", type=float, default=240, help="skip the phases that would start after this")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--context", type=int, default=64, help="prompt tokens before the decode steps")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per measured run")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint and .colibri file")
+    a = ap.parse_args(argv)
+    t_start = time.monotonic()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rep = Report(out)
+    rep.data["settings"] = vars(a)
+
+    def left() -> float:
+        return a.budget_s - (time.monotonic() - t_start)
+
+    import numpy as np
+    import torch
+    import transformers
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    import colibri_lab
+    from colibri_lab import Engine
+
+    rep.data["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                            "colibri_lib": str(colibri_lab._native.lib_path), "colibri": colibri_lab.native_version(),
+                            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}  # fmt: skip
+    if not torch.cuda.is_available():
+        log("torch sees no CUDA device")
+        rep.data["error"] = "no CUDA device"
+        rep.save()
+        return 1
+
+    L = a.layers
+    per_layer = bytes_per_layer()
+    size = L * (per_layer["dense"] + SHAPE["num_local_experts"] * per_layer["expert"]) + 2 * 2 * 32000 * 4096
+    work = pick_workdir(a.workdir, int(2.3 * size))
+    rep.data["workdir"] = str(work)
+    rep.data["model_bytes"] = size
+    hf_dir, cb_path = work / f"mixtral-{L}l-hf", work / f"mixtral-{L}l-bf16.colibri"
+
+    # ---- 1. the HF model, on the GPU, saved -------------------------------------------
+    t = time.monotonic()
+    cfg = MixtralConfig(**SHAPE, num_hidden_layers=L, max_position_embeddings=4096, rope_theta=1e6,
+                        initializer_range=0.02, tie_word_embeddings=False, sliding_window=None)  # fmt: skip
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = MixtralForCausalLM(cfg)
+    torch.set_default_dtype(prev)
+    model = model.to(torch.bfloat16).eval()
+    with torch.no_grad():  # RMSNorm weights away from 1, so a misplaced norm would show
+        for n, p in model.named_parameters():
+            if p.ndim == 1:
+                p.uniform_(0.5, 1.5)
+    torch.cuda.synchronize()
+    t_build = time.monotonic() - t
+    if not (cb_path.is_file() and a.keep):
+        model.save_pretrained(hf_dir, max_shard_size="4GB")
+    t_save = time.monotonic() - t - t_build
+    log(f"built {L}-layer model on the GPU in {t_build:.1f} s, saved in {t_save:.1f} s ({size / 1e9:.1f} GB) to {hf_dir}")
+
+    # ---- 2. convert ----------------------------------------------------------------------
+    t = time.monotonic()
+    if not (cb_path.is_file() and a.keep):
+        colibri_lab.convert(hf_dir, cb_path, dtype="bf16", progress=False, tokenizer="none")
+    t_conv = time.monotonic() - t
+    if not a.keep:
+        shutil.rmtree(hf_dir, ignore_errors=True)
+    log(f"converted in {t_conv:.1f} s: {cb_path} ({cb_path.stat().st_size / 1e9:.1f} GB)")
+    rep.data["phases"]["prepare"] = {"build_s": t_build, "save_s": t_save, "convert_s": t_conv}
+    rep.save()
+
+    # ---- 3. Colibri CUDA engine -----------------------------------------------------------
+    t = time.monotonic()
+    max_len = max(a.prefill, a.context + a.steps * (a.reps + 1)) + 16
+    eng = Engine(cb_path, backend="cuda", max_seqs=a.batch, max_seq_len=max_len, max_batch=max(a.prefill, a.batch))
+    c = eng.config
+    t_load = time.monotonic() - t
+    rep.data["colibri"] = {"load_s": t_load, "backend_device": c.backend_device,
+                           "device_bytes": c.backend_device_bytes, "weight_bytes": c.backend_weight_bytes,
+                           "experts_resident": c.backend_experts_resident, "experts_host": c.backend_experts_host}  # fmt: skip
+    log(f"Colibri loaded in {t_load:.1f} s on {c.backend_device}: {c.backend_device_bytes / 2**30:.1f} GiB, "
+        f"{c.backend_experts_resident} experts resident, {c.backend_experts_host} on the host")
+    rep.save()
+
+    rng = np.random.default_rng(1)
+    V = SHAPE["vocab_size"]
+
+    def ids(n):
+        return rng.integers(3, V, size=n).tolist()
+
+    # Colibri measurements
+    def cb_prefill():
+        p = ids(a.prefill)
+        t0 = time.perf_counter()
+        eng.forward(p, last_only=True)
+        return a.prefill / (time.perf_counter() - t0)
+
+    def cb_decode1():
+        eng.forward(ids(a.context), last_only=True)
+        toks = ids(a.steps)
+        t0 = time.perf_counter()
+        for k, tok in enumerate(toks):
+            eng.forward([tok], a.context + k)
+        return a.steps / (time.perf_counter() - t0)
+
+    def cb_decodeB():
+        B = a.batch
+        for s in range(B):
+            eng.sequence(s).clear()
+        eng.batch([(s, ids(a.context)) for s in range(B)])
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            eng.batch([(s, ids(1)) for s in range(B)])
+        return B * a.steps / (time.perf_counter() - t0)
+
+    # transformers measurements
+    def sync():
+        torch.cuda.synchronize()
+
+    def hf_prefill():
+        x = torch.tensor([ids(a.prefill)], device="cuda")
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model(x, use_cache=False, logits_to_keep=1)
+        sync()
+        return a.prefill / (time.perf_counter() - t0)
+
+    def hf_decode(B):
+        x = torch.tensor([ids(a.context) for _ in range(B)], device="cuda")
+        with torch.no_grad():
+            o = model(x, use_cache=True, logits_to_keep=1)
+            past = o.past_key_values
+            steps = [torch.tensor([ids(1) for _ in range(B)], device="cuda") for _ in range(a.steps)]
+            sync()
+            t0 = time.perf_counter()
+            for s in steps:
+                o = model(s, past_key_values=past, use_cache=True)
+                past = o.past_key_values
+            sync()
+        return B * a.steps / (time.perf_counter() - t0)
+
+    cases = {
+        "decode_b1": (cb_decode1, lambda: hf_decode(1)),
+        f"decode_b{a.batch}": (cb_decodeB, lambda: hf_decode(a.batch)),
+        f"prefill_{a.prefill}": (cb_prefill, hf_prefill),
+    }
+    results = rep.data.setdefault("results", {})
+    for name, (cb_fn, hf_fn) in cases.items():
+        if left() < 20:
+            log(f"budget spent: {name} skipped")
+            results[name] = {"skipped": "time budget"}
+            continue
+        r = {"colibri_tok_s": [], "transformers_tok_s": [], "colibri_errors": [], "transformers_errors": []}
+        for fn, key in ((cb_fn, "colibri"), (hf_fn, "transformers")):  # warm-up (graph capture, cuBLAS)
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - a failing engine is reported, the other still measured
+                r[key + "_errors"].append(f"warm-up: {type(e).__name__}: {e}")
+        for i in range(a.reps):
+            for fn, key in ((cb_fn, "colibri"), (hf_fn, "transformers")) if i % 2 == 0 else (
+                    (hf_fn, "transformers"), (cb_fn, "colibri")):
+                try:
+                    r[key + "_tok_s"].append(fn())
+                except Exception as e:  # noqa: BLE001
+                    r[key + "_errors"].append(f"{type(e).__name__}: {e}")
+        r["colibri_median"] = median(r["colibri_tok_s"])
+        r["transformers_median"] = median(r["transformers_tok_s"])
+        if r["colibri_median"] and r["transformers_median"]:
+            r["ratio_colibri_over_transformers"] = r["colibri_median"] / r["transformers_median"]
+        if name.startswith("decode"):
+            B = 1 if name == "decode_b1" else a.batch
+            nb = step_bytes(L, B)
+            roof = B * HBM_BPS / nb
+            r["step_bytes"] = nb
+            r["roofline_tok_s"] = roof
+            for key in ("colibri", "transformers"):
+                if r[key + "_median"]:
+                    r[key + "_roofline_share"] = r[key + "_median"] / roof
+                    r[key + "_tok_s_32_layers_est"] = r[key + "_median"] * nb / step_bytes(FULL_LAYERS, B)
+        results[name] = r
+        log(f"{name}: colibri {r['colibri_median']} tok/s, transformers {r['transformers_median']} tok/s"
+            + (f", roofline share colibri {r.get('colibri_roofline_share', 0):.2f}" if name.startswith("decode") else ""))
+        rep.data["colibri"]["backend_stats_after"] = eng.backend_stats()
+        rep.save()
+
+    # ---- 4. parity of the big shape --------------------------------------------------------
+    if left() > 10:
+        p = ids(48)
+        got = eng.forward(p)[-1]
+        with torch.no_grad():
+            ref = model(torch.tensor([p], device="cuda")).logits[0, -1].float().cpu().numpy()
+        top2 = np.sort(ref)[-2:]
+        rng_ = float(ref.max() - ref.min())
+        rep.data["parity"] = {"top1_colibri": int(got.argmax()), "top1_transformers": int(ref.argmax()),
+                              "top1_equal": bool(got.argmax() == ref.argmax()),
+                              "transformers_top1_margin": float(top2[1] - top2[0]),
+                              "max_abs_delta": float(np.abs(got - ref).max()), "logit_range": rng_,
+                              "max_abs_delta_over_range": float(np.abs(got - ref).max()) / rng_ if rng_ else None,
+                              "note": "transformers bf16 activations vs Colibri's; a top-1 margin under the "
+                                      "delta is a tie either may break"}  # fmt: skip
+        log(f"parity: {rep.data['parity']}")
+    rep.data["colibri"]["backend_stats_after"] = eng.backend_stats()
+    rep.data["elapsed_s"] = time.monotonic() - t_start
+    rep.save()
+    eng.close()
+    if not a.keep:
+        cb_path.unlink(missing_ok=True)
+
+    # the table
+    print(f"\n{'case':<14} {'colibri tok/s':>14} {'transformers':>14} {'ratio':>7} {'roof tok/s':>11} {'cb share':>9}")
+    for name, r in results.items():
+        if "skipped" in r:
+            print(f"{name:<14} skipped")
+            continue
+        f = lambda v, w=14, p=1: f"{v:>{w}.{p}f}" if isinstance(v, float) else f"{'-':>{w}}"  # noqa: E731
+        print(f"{name:<14} {f(r['colibri_median'])} {f(r['transformers_median'])} "
+              f"{f(r.get('ratio_colibri_over_transformers'), 7, 2)} {f(r.get('roofline_tok_s'), 11)} "
+              f"{f(r.get('colibri_roofline_share'), 9, 2)}")
+    print(f"({L} of {FULL_LAYERS} layers; 32-layer decode estimates in {rep.path})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

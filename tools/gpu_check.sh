@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# tools/gpu_check.sh — the one prepared check of the CUDA backend on a lent GPU machine
+# (docs/backends.md, "Running the GPU checks"). From the repository root:
+#
+#   OUT=/some/folder bash tools/gpu_check.sh        # OUT: where the logs and JSON go
+#
+# Phases, each under its own `timeout` so that a hang in one still returns the others'
+# results (about 8 minutes at most in all, on 16 cores):
+#   1. facts      nvidia-smi, nvcc, python3 and its torch / transformers / cupy   (20 s)
+#   2. build      cmake -DCOLIBRI_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -G Ninja, -j16 (170 s)
+#   3. tests      python3 -m pytest -q tests/test_gpu.py with COLIBRI_LIB=COLIBRI_CUDA_LIB (130 s)
+#   4. bench      python3 tools/gpu_bench.py --layers 4 (a random Mixtral-8x7B shape, bf16) (150 s)
+# No pip install (the machine has no network): PYTHONPATH=$PWD and the machine's python3.
+# Files under $OUT (at most 8): facts.txt, build.log, test_gpu.log, gpu_bench.log,
+# gpu_bench.json, summary.txt.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+LIB=$PWD/build/cuda/libcolibri.so
+T_BUILD=${T_BUILD:-170} T_TESTS=${T_TESTS:-130} T_BENCH=${T_BENCH:-150} BENCH_LAYERS=${BENCH_LAYERS:-4}
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+: >"$OUT/summary.txt"
+t0=$(date +%s)
+
+# ---- 1. facts ----------------------------------------------------------------------------
+{
+    echo "== date"; date -u
+    echo "== nvidia-smi"; timeout 15 nvidia-smi
+    echo "== nvidia-smi query"
+    timeout 10 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm,clocks.mem,compute_cap \
+        --format=csv
+    echo "== nvcc"; timeout 10 nvcc --version
+    echo "== cmake / ninja"; cmake --version | head -1; ninja --version
+    echo "== cpu"; nproc; free -g; df -h /dev/shm /tmp . 2>/dev/null
+    echo "== python"
+    timeout 20 python3 -c "
+import sys, torch, transformers, numpy
+print(sys.version)
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())
+print('transformers', transformers.__version__, 'numpy', numpy.__version__)
+try:
+    import cupy; print('cupy', cupy.__version__)
+except Exception as e: print('cupy missing:', e)
+import colibri_lab, colibri_lab.engine  # noqa: the package's imports need nothing else
+print('colibri_lab imports fine (library not loaded yet)')
+" 2>&1
+} >"$OUT/facts.txt" 2>&1
+summary "facts: $(grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*' "$OUT/facts.txt" | head -1 | sed 's/  */ /g') ($(($(date +%s) - t0)) s)"
+
+# ---- 2. build ----------------------------------------------------------------------------
+tb=$(date +%s)
+(
+    set -e
+    timeout "$T_BUILD" cmake -S native -B build/cuda -G Ninja -DCOLIBRI_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DCMAKE_BUILD_TYPE=Release
+    timeout "$T_BUILD" cmake --build build/cuda -j16
+) >"$OUT/build.log" 2>&1
+rc_build=$?
+summary "build: rc=$rc_build in $(($(date +%s) - tb)) s ($(ls -la "$LIB" 2>/dev/null | awk '{print $5}') bytes libcolibri.so)"
+if [ $rc_build -ne 0 ] || [ ! -f "$LIB" ]; then
+    tail -40 "$OUT/build.log"
+    summary "build failed: no tests, no bench"
+    exit 1
+fi
+export COLIBRI_LIB=$LIB COLIBRI_CUDA_LIB=$LIB
+export COLIBRI_CLI=$PWD/build/cuda/colibri_cli COLIBRI_BENCH=$PWD/build/cuda/colibri_bench
+
+# a first look: the CLI on the tiny model through the CUDA backend (converted by the tests too)
+timeout 60 python3 -c "
+import colibri_lab, tempfile, os
+p = os.path.join(tempfile.gettempdir(), 'tiny-f32.colibri')
+colibri_lab.convert('data/tiny-mixtral', p, dtype='f32', progress=False)
+" >>"$OUT/build.log" 2>&1 &&
+    timeout 60 "$COLIBRI_CLI" --model /tmp/tiny-f32.colibri --prompt "The quick brown fox" --max_new_tokens 8 \
+        --backend cuda --verbose >>"$OUT/build.log" 2>&1
+summary "cli --backend cuda: rc=$? ($(grep -m1 '^backend:' "$OUT/build.log"))"
+
+# ---- 3. tests ----------------------------------------------------------------------------
+tt=$(date +%s)
+timeout "$T_TESTS" python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py -s >"$OUT/test_gpu.log" 2>&1
+rc_tests=$?
+summary "tests: rc=$rc_tests in $(($(date +%s) - tt)) s: $(tail -1 "$OUT/test_gpu.log")"
+
+# ---- 4. bench ----------------------------------------------------------------------------
+tn=$(date +%s)
+timeout "$T_BENCH" python3 tools/gpu_bench.py --layers "$BENCH_LAYERS" --out "$OUT" --budget-s $((T_BENCH - 25)) \
+    >"$OUT/gpu_bench.log" 2>&1
+rc_bench=$?
+summary "bench: rc=$rc_bench in $(($(date +%s) - tn)) s"
+tail -8 "$OUT/gpu_bench.log" | tee -a "$OUT/summary.txt"
+rm -rf /dev/shm/colibri_gpu_bench /tmp/colibri_gpu_bench
+summary "total $(($(date +%s) - t0)) s"
+echo "== test failures / skips"; grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/test_gpu.log" | head -30
