@@ -18,6 +18,7 @@ import http.client
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -229,6 +230,9 @@ def metrics(port: int, timeout: float = 10.0) -> dict:
     return parse_metrics(text)
 
 
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
 def parse_metrics(text: str) -> dict:
     """Prometheus text format: {name: value} for plain samples and {name: {labels: value}}
     for labelled ones, labels as a tuple of (key, value) pairs."""
@@ -239,8 +243,12 @@ def parse_metrics(text: str) -> dict:
         name_labels, _, value = line.rpartition(" ")
         if "{" in name_labels:
             name, _, lab = name_labels.partition("{")
-            labels = tuple(tuple(kv.split("=", 1)) for kv in lab.rstrip("}").split(",") if kv)
-            out.setdefault(name, {})[tuple((k, v.strip('"')) for k, v in labels)] = float(value)
+            # quoted values may hold commas, spaces and escapes (\\, \", \n)
+            labels = tuple(
+                (k, re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), v))
+                for k, v in _LABEL.findall(lab.removesuffix("}"))
+            )
+            out.setdefault(name, {})[labels] = float(value)
         else:
             out[name_labels] = float(value)
     return out
