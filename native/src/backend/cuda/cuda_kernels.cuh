@@ -1,0 +1,528 @@
+/*
+ * cuda_kernels.cuh — the CUDA backend's kernels (backend/cuda/cuda_backend.cu includes it;
+ * one translation unit). f32 activations and f32 accumulation everywhere; weights are
+ * widened from bf16 / f16 (or dequantized from Q8_0) in the kernel.
+ *
+ * Determinism and batch invariance: every output element is produced by one warp (or one
+ * thread) with a reduction order fixed by the reduction length alone: in a weight dot
+ * product lane l takes the chunks l, l+32, ... of the row in ascending order (a chunk: 4
+ * f32, 8 f16/bf16 or one Q8_0 block of 32, the elements of a chunk in order) and the 32
+ * lane sums meet in a fixed xor butterfly. Row tiles of the activations (8 rows) only
+ * decide how many rows share one weight load, never the order of a sum, so a row's result
+ * is the same for any T, any batch composition and any group size. No float atomics.
+ */
+#ifndef COLIBRI_CUDA_KERNELS_CUH
+#define COLIBRI_CUDA_KERNELS_CUH
+
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define CK_WPB 8          /* warps per block of the weight kernels (one output row per warp) */
+#define CK_TILE 8         /* activation rows per pass over a weight row */
+#define CK_ATT_WARPS 4    /* warps of an attention block (one (row, head) per block) */
+#define CK_MAX_HD 256     /* head_dim bound of the attention kernel */
+#define CK_MAX_TOPK 32
+
+enum { CK_F32 = 0, CK_F16 = 1, CK_BF16 = 2, CK_Q8 = 3 };
+
+__device__ __forceinline__ float ck_bf16(uint32_t b) { return __uint_as_float(b << 16); }
+__device__ __forceinline__ float ck_f16(uint16_t b) { return __half2float(__ushort_as_half(b)); }
+
+/* elements per lane chunk */
+template <int DT> struct ck_chunk { static const int n = DT == CK_F32 ? 4 : DT == CK_Q8 ? 32 : 8; };
+
+/* One element k of a weight row (the scalar path and the embedding gather). */
+template <int DT> __device__ __forceinline__ float ck_elem(const uint8_t *row, int64_t k) {
+    if (DT == CK_F32) return ((const float *)row)[k];
+    if (DT == CK_F16) return ck_f16(((const uint16_t *)row)[k]);
+    if (DT == CK_BF16) return ck_bf16(((const uint16_t *)row)[k]);
+    const uint8_t *b = row + (k / 32) * 34;
+    float d = ck_f16((uint16_t)(b[0] | (b[1] << 8)));
+    return (float)(int8_t)b[2 + k % 32] * d;
+}
+
+/* Chunk c of a weight row widened into w[0..n). */
+template <int DT> __device__ __forceinline__ void ck_load(const uint8_t *row, int64_t c, float *w) {
+    if (DT == CK_F32) {
+        float4 v = __ldg((const float4 *)row + c);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else if (DT == CK_F16 || DT == CK_BF16) {
+        uint4 v = __ldg((const uint4 *)row + c);
+        uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if (DT == CK_BF16) {
+                w[2 * i] = ck_bf16(u[i] & 0xffffu);
+                w[2 * i + 1] = ck_bf16(u[i] >> 16);
+            } else {
+                w[2 * i] = ck_f16((uint16_t)(u[i] & 0xffffu));
+                w[2 * i + 1] = ck_f16((uint16_t)(u[i] >> 16));
+            }
+        }
+    } else { /* Q8_0: f16 d then 32 int8; blocks are 34 bytes, so 2-byte loads */
+        const uint16_t *b = (const uint16_t *)(row + c * 34);
+        float d = ck_f16(__ldg(b));
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            uint16_t q = __ldg(b + 1 + i);
+            w[2 * i] = (float)(int8_t)(q & 0xff) * d;
+            w[2 * i + 1] = (float)(int8_t)(q >> 8) * d;
+        }
+    }
+}
+
+/* acc[r][j] = dot(weight row r (NW rows), x row j) for j < nr (<= CK_TILE); rows of x at
+ * stride ldx. Every lane ends with the full sums. */
+template <int DT, int NW>
+__device__ __forceinline__ void ck_dot_tile(const uint8_t *const *rows, int64_t K, const float *x, int64_t ldx,
+                                            int nr, float (*acc)[CK_TILE], int lane) {
+    const int CH = ck_chunk<DT>::n;
+#pragma unroll
+    for (int r = 0; r < NW; r++)
+#pragma unroll
+        for (int j = 0; j < CK_TILE; j++) acc[r][j] = 0.0f;
+    if (K % CH == 0) {
+        int64_t nch = K / CH;
+        for (int64_t c = lane; c < nch; c += 32) {
+            float w[NW][CH];
+#pragma unroll
+            for (int r = 0; r < NW; r++) ck_load<DT>(rows[r], c, w[r]);
+#pragma unroll
+            for (int j = 0; j < CK_TILE; j++) {
+                if (j < nr) {
+                    const float4 *xp = (const float4 *)(x + j * ldx + c * CH);
+#pragma unroll
+                    for (int q = 0; q < CH / 4; q++) {
+                        float4 xv = xp[q];
+#pragma unroll
+                        for (int r = 0; r < NW; r++) {
+                            acc[r][j] = fmaf(w[r][4 * q], xv.x, acc[r][j]);
+                            acc[r][j] = fmaf(w[r][4 * q + 1], xv.y, acc[r][j]);
+                            acc[r][j] = fmaf(w[r][4 * q + 2], xv.z, acc[r][j]);
+                            acc[r][j] = fmaf(w[r][4 * q + 3], xv.w, acc[r][j]);
+                        }
+                    }
+                }
+            }
+        }
+    } else { /* K not a whole number of chunks (never Q8_0): element by element */
+        for (int64_t k = lane; k < K; k += 32) {
+            float w[NW];
+#pragma unroll
+            for (int r = 0; r < NW; r++) w[r] = ck_elem<DT>(rows[r], k);
+#pragma unroll
+            for (int j = 0; j < CK_TILE; j++)
+                if (j < nr) {
+                    float xv = x[j * ldx + k];
+#pragma unroll
+                    for (int r = 0; r < NW; r++) acc[r][j] = fmaf(w[r], xv, acc[r][j]);
+                }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < NW; r++)
+#pragma unroll
+        for (int j = 0; j < CK_TILE; j++)
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc[r][j] += __shfl_xor_sync(0xffffffffu, acc[r][j], o);
+}
+
+/* y[t, n] (stride ldy) = x[t, :] . W[n, :] for t < T, n < N; W rows of rb bytes. */
+template <int DT>
+__global__ void __launch_bounds__(CK_WPB * 32) k_matvec(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                                        const uint8_t *w, uint64_t rb, int64_t N, int64_t K,
+                                                        int64_t T) {
+    int lane = threadIdx.x & 31;
+    int64_t n = (int64_t)blockIdx.x * CK_WPB + (threadIdx.x >> 5);
+    if (n >= N) return;
+    const uint8_t *rows[1] = {w + (uint64_t)n * rb};
+    for (int64_t t0 = 0; t0 < T; t0 += CK_TILE) {
+        int nr = T - t0 < CK_TILE ? (int)(T - t0) : CK_TILE;
+        float acc[1][CK_TILE];
+        ck_dot_tile<DT, 1>(rows, K, x + t0 * ldx, ldx, nr, acc, lane);
+#pragma unroll
+        for (int j = 0; j < CK_TILE; j++)
+            if (j < nr && lane == j) y[(t0 + j) * ldy + n] = acc[0][j];
+    }
+}
+
+/* The FFN tables: per expert e, tab[3e] the gate (packed: the interleaved gate/up rows
+ * [2I, H]), tab[3e+1] the up (split; NULL when packed), tab[3e+2] the down [H, I]; a NULL
+ * gate: the expert is not on the device. Group e's rows: [off[e], off[e+1]), or [0, rows)
+ * when off is NULL. */
+
+/* h[r, i] = silu(x_r . gate_i) * (x_r . up_i), i < I; one warp per i, blockIdx.y the expert. */
+template <int DT>
+__global__ void __launch_bounds__(CK_WPB * 32) k_gateup(float *h, const float *x, const void *const *tab, int packed,
+                                                        int64_t B, const int64_t *off, int64_t rows, int64_t H,
+                                                        int64_t I, uint64_t rb) {
+    int lane = threadIdx.x & 31;
+    int64_t e = blockIdx.y;
+    const uint8_t *base = (const uint8_t *)tab[3 * e];
+    if (!base) return;
+    int64_t i = (int64_t)blockIdx.x * CK_WPB + (threadIdx.x >> 5);
+    if (i >= I) return;
+    int64_t r0 = off ? off[e] : 0, r1 = off ? off[e + 1] : rows;
+    const uint8_t *rw[2];
+    if (packed) { /* block b = packed rows 2bB .. 2bB + 2nb - 1: nb gate rows, then nb up rows */
+        int64_t b0 = i / B * B, j = i - b0, nb = I - b0 < B ? I - b0 : B;
+        rw[0] = base + (uint64_t)(2 * b0 + j) * rb;
+        rw[1] = base + (uint64_t)(2 * b0 + nb + j) * rb;
+    } else {
+        rw[0] = base + (uint64_t)i * rb;
+        rw[1] = (const uint8_t *)tab[3 * e + 1] + (uint64_t)i * rb;
+    }
+    for (int64_t t0 = r0; t0 < r1; t0 += CK_TILE) {
+        int nr = r1 - t0 < CK_TILE ? (int)(r1 - t0) : CK_TILE;
+        float acc[2][CK_TILE];
+        ck_dot_tile<DT, 2>(rw, H, x + t0 * H, H, nr, acc, lane);
+#pragma unroll
+        for (int j = 0; j < CK_TILE; j++)
+            if (j < nr && lane == j) {
+                float g = acc[0][j], u = acc[1][j];
+                float s = g / (1.0f + expf(-g)); /* silu, as torch */
+                h[(t0 + j) * I + i] = s * u;
+            }
+    }
+}
+
+/* y[r, c] (stride ldy) = h[r, :] . down_c, c < H; one warp per c, blockIdx.y the expert. */
+template <int DT>
+__global__ void __launch_bounds__(CK_WPB * 32) k_down(float *y, int64_t ldy, const float *h, const void *const *tab,
+                                                      const int64_t *off, int64_t rows, int64_t H, int64_t I,
+                                                      uint64_t rb) {
+    int lane = threadIdx.x & 31;
+    int64_t e = blockIdx.y;
+    if (!tab[3 * e]) return;
+    const uint8_t *base = (const uint8_t *)tab[3 * e + 2];
+    int64_t c = (int64_t)blockIdx.x * CK_WPB + (threadIdx.x >> 5);
+    if (c >= H) return;
+    int64_t r0 = off ? off[e] : 0, r1 = off ? off[e + 1] : rows;
+    const uint8_t *rw[1] = {base + (uint64_t)c * rb};
+    for (int64_t t0 = r0; t0 < r1; t0 += CK_TILE) {
+        int nr = r1 - t0 < CK_TILE ? (int)(r1 - t0) : CK_TILE;
+        float acc[1][CK_TILE];
+        ck_dot_tile<DT, 1>(rw, I, h + t0 * I, I, nr, acc, lane);
+#pragma unroll
+        for (int j = 0; j < CK_TILE; j++)
+            if (j < nr && lane == j) y[(t0 + j) * ldy + c] = acc[0][j];
+    }
+}
+
+/* ---- element-wise and small kernels --------------------------------------------------- */
+
+/* x[t, :] = embedding row ids[t] widened. */
+template <int DT> __global__ void k_embed(float *x, const int32_t *ids, const uint8_t *emb, uint64_t rb, int64_t H) {
+    int64_t t = blockIdx.x;
+    const uint8_t *row = emb + (uint64_t)ids[t] * rb;
+    for (int64_t i = threadIdx.x; i < H; i += blockDim.x) x[t * H + i] = ck_elem<DT>(row, i);
+}
+
+/* The chunk's RoPE tables: cos/sin of pos * inv_freq[i], times the attention factor. */
+__global__ void k_rope_tab(float *cs, float *sn, const int64_t *pos, const float *inv_freq, int64_t half, float af,
+                           int64_t T) {
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= T * half) return;
+    int64_t t = idx / half, i = idx % half;
+    float f = (float)pos[t] * inv_freq[i];
+    cs[idx] = cosf(f) * af;
+    sn[idx] = sinf(f) * af;
+}
+
+/* y[r] = w * (x[map ? map[r] : r] * rsqrt(mean(x^2) + eps)); the mean of squares in double,
+ * in a fixed order (thread strides, then a fixed tree). In place (y = x) is safe. */
+__global__ void __launch_bounds__(256) k_rmsnorm(float *y, const float *x, const float *w, const int32_t *map,
+                                                 int64_t H, float eps) {
+    __shared__ double red[256];
+    int64_t r = blockIdx.x;
+    const float *xr = x + (map ? (int64_t)map[r] : r) * H;
+    float *yr = y + r * H;
+    double ss = 0.0;
+    for (int64_t i = threadIdx.x; i < H; i += 256) ss += (double)xr[i] * (double)xr[i];
+    red[threadIdx.x] = ss;
+    __syncthreads();
+    for (int s = 128; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+        __syncthreads();
+    }
+    float var = (float)(red[0] / (double)H);
+    float rs = 1.0f / sqrtf(var + eps);
+    for (int64_t i = threadIdx.x; i < H; i += 256) yr[i] = w[i] * (xr[i] * rs);
+}
+
+__global__ void k_add_bias(float *x, const float *b, int64_t T, int64_t n) {
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx < T * n) x[idx] += b[idx % n];
+}
+
+__global__ void k_add(float *x, const float *d, int64_t n) {
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx < n) x[idx] = x[idx] + d[idx];
+}
+
+/* torch.clamp_: NaN stays NaN */
+__global__ void k_clamp(float *x, int64_t n, float c) {
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n) return;
+    float v = x[idx];
+    if (v < -c) v = -c;
+    else if (v > c) v = c;
+    x[idx] = v;
+}
+
+__global__ void k_sigmoid(float *x, int64_t n) {
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx < n) x[idx] = 1.0f / (1.0f + expf(-x[idx]));
+}
+
+/* RoPE of q [T, Hq, D] and k [T, Hkv, D] in place (HF: q*cos + rotate_half(q)*sin). */
+__global__ void k_rope(float *q, float *k, const float *cs, const float *sn, int64_t Hq, int64_t Hkv, int64_t D) {
+    int64_t t = blockIdx.x, half = D / 2;
+    const float *c = cs + t * half, *s = sn + t * half;
+    for (int64_t idx = threadIdx.x; idx < (Hq + Hkv) * half; idx += blockDim.x) {
+        int64_t hh = idx / half, i = idx % half;
+        float *v = hh < Hq ? q + (t * Hq + hh) * D : k + (t * Hkv + (hh - Hq)) * D;
+        float a = v[i], b = v[i + half];
+        v[i] = a * c[i] + (-b) * s[i];
+        v[i + half] = b * c[i] + a * s[i];
+    }
+}
+
+/* The geometry of the device KV pool (the host pool's: [n_blocks, L, Hkv, block_len, D]). */
+struct ck_kvgeo {
+    float *k, *v;
+    const int32_t *table;  /* [max_seqs, max_blocks] */
+    int64_t max_blocks, block_len, block_stride, layer_stride, head_stride, D;
+};
+
+__device__ __forceinline__ int64_t ck_kv_off(const ck_kvgeo &g, int32_t seq, int64_t l, int64_t h, int64_t pos) {
+    int64_t b = g.table[(int64_t)seq * g.max_blocks + pos / g.block_len];
+    return b * g.block_stride + l * g.layer_stride + h * g.head_stride + (pos % g.block_len) * g.D;
+}
+
+/* Each row's keys and values into its sequence's blocks. */
+__global__ void k_kv_store(ck_kvgeo g, const float *k, const float *v, const int32_t *seq, const int64_t *pos,
+                           int64_t l, int64_t Hkv) {
+    int64_t t = blockIdx.x, D = g.D;
+    for (int64_t idx = threadIdx.x; idx < Hkv * D; idx += blockDim.x) {
+        int64_t h = idx / D, d = idx % D;
+        int64_t o = ck_kv_off(g, seq[t], l, h, pos[t]) + d;
+        g.k[o] = k[t * Hkv * D + idx];
+        g.v[o] = v[t * Hkv * D + idx];
+    }
+}
+
+/* Attention of row t (blockIdx.x), query head h (blockIdx.y) over positions [lo, pos] of its
+ * sequence: warp w takes positions lo + w, lo + w + CK_ATT_WARPS, ... ascending; pass 1 the
+ * max score, pass 2 the exp sum and the weighted values; the warps' parts meet in warp
+ * order. The order depends only on the number of positions. */
+__global__ void __launch_bounds__(CK_ATT_WARPS * 32) k_attention(float *out, const float *q, ck_kvgeo g,
+                                                                 const int32_t *seq, const int64_t *pos, int64_t l,
+                                                                 int64_t Hq, int64_t Hkv, int64_t window,
+                                                                 float scale) {
+    __shared__ float qs[CK_MAX_HD];
+    __shared__ float wmax[CK_ATT_WARPS], wsum[CK_ATT_WARPS];
+    __shared__ float wout[CK_ATT_WARPS][CK_MAX_HD];
+    int64_t t = blockIdx.x, h = blockIdx.y, D = g.D;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int64_t p = pos[t], lo = (window > 0 && p >= window) ? p - window + 1 : 0;
+    int32_t sq = seq[t];
+    int64_t kvh = h / (Hq / Hkv);
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) qs[d] = q[(t * Hq + h) * D + d];
+    __syncthreads();
+    float m = -INFINITY;
+    for (int64_t j = lo + w; j <= p; j += CK_ATT_WARPS) {
+        const float *kr = g.k + ck_kv_off(g, sq, l, kvh, j);
+        float acc = 0.0f;
+        for (int64_t d = lane; d < D; d += 32) acc = fmaf(qs[d], kr[d], acc);
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        float s = acc * scale;
+        if (s > m) m = s;
+    }
+    if (lane == 0) wmax[w] = m;
+    __syncthreads();
+    m = wmax[0];
+    for (int i = 1; i < CK_ATT_WARPS; i++)
+        if (wmax[i] > m) m = wmax[i];
+    float sum = 0.0f, o_acc[CK_MAX_HD / 32];
+#pragma unroll
+    for (int u = 0; u < CK_MAX_HD / 32; u++) o_acc[u] = 0.0f;
+    for (int64_t j = lo + w; j <= p; j += CK_ATT_WARPS) {
+        int64_t ko = ck_kv_off(g, sq, l, kvh, j);
+        const float *kr = g.k + ko, *vr = g.v + ko;
+        float acc = 0.0f;
+        for (int64_t d = lane; d < D; d += 32) acc = fmaf(qs[d], kr[d], acc);
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        float e = expf(acc * scale - m);
+        sum += e;
+#pragma unroll
+        for (int u = 0; u < CK_MAX_HD / 32; u++) {
+            int64_t d = lane + 32 * u;
+            if (d < D) o_acc[u] = fmaf(e, vr[d], o_acc[u]);
+        }
+    }
+    if (lane == 0) wsum[w] = sum;
+#pragma unroll
+    for (int u = 0; u < CK_MAX_HD / 32; u++) {
+        int64_t d = lane + 32 * u;
+        if (d < D) wout[w][d] = o_acc[u];
+    }
+    __syncthreads();
+    float tot = wsum[0];
+    for (int i = 1; i < CK_ATT_WARPS; i++) tot += wsum[i];
+    float inv = 1.0f / tot;
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+        float o = wout[0][d];
+        for (int i = 1; i < CK_ATT_WARPS; i++) o += wout[i][d];
+        out[(t * Hq + h) * D + d] = o * inv;
+    }
+}
+
+/* softmax over x[0..n) as the CPU reference (max from x[0], exp, sum, times 1/sum). */
+__device__ void ck_softmax(float *x, int64_t n) {
+    float m = x[0];
+    for (int64_t i = 0; i < n; i++)
+        if (x[i] > m) m = x[i];
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        sum += x[i];
+    }
+    float inv = 1.0f / sum;
+    for (int64_t i = 0; i < n; i++) x[i] *= inv;
+}
+
+/* The K largest of v[0..E), highest first (strict >: the lower id wins ties; NaN never wins
+ * unless all are NaN), as backend/cpu.c's topk_desc. */
+__device__ void ck_topk(const float *v, int64_t E, int64_t K, int32_t *ids, float *w) {
+    for (int64_t k = 0; k < K; k++) {
+        int32_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t j = 0; j < k; j++) taken |= ids[j] == (int32_t)e;
+            if (taken) continue;
+            if (best < 0 || v[e] > v[best]) best = (int32_t)e;
+        }
+        ids[k] = best;
+        w[k] = best >= 0 ? v[best] : 0.0f;
+    }
+}
+
+/* Route each token (one thread per token): mode 0 softmax_topk (renormalised when norm),
+ * mode 1 topk_softmax. */
+__global__ void k_route(const float *logits, float *probs, int32_t *ids, float *tw, int64_t T, int64_t E, int64_t K,
+                        int mode, int norm) {
+    int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T) return;
+    const float *lg = logits + t * E;
+    float *p = probs + t * E;
+    int32_t *id = ids + t * K;
+    float *w = tw + t * K;
+    for (int64_t e = 0; e < E; e++) p[e] = lg[e];
+    if (mode == 0) {
+        ck_softmax(p, E);
+        ck_topk(p, E, K, id, w);
+        if (norm) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < K; k++) sum += w[k];
+            for (int64_t k = 0; k < K; k++) w[k] /= sum;
+        }
+    } else {
+        ck_topk(lg, E, K, id, w);
+        ck_softmax(w, K);
+        ck_softmax(p, E);
+    }
+}
+
+/* Group the (token, slot) pairs by expert (one block): counts, padded prefix sum, then each
+ * expert's rows in ascending (token, slot) order, as backend/cpu.c's group_tokens; tok_row
+ * [T*K] the row of each pair. Thread e owns experts e, e + blockDim, ...: no atomics. */
+__global__ void k_group(const int32_t *ids, const float *tw, int64_t *count, int64_t *off, int32_t *row_token,
+                        float *row_weight, int32_t *tok_row, int64_t T, int64_t E, int64_t K, int64_t pad) {
+    int64_t n = T * K;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) tok_row[i] = -1;
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+        int64_t c = 0;
+        for (int64_t i = 0; i < n; i++) c += ids[i] == (int32_t)e;
+        count[e] = c;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        off[0] = 0;
+        for (int64_t e = 0; e < E; e++) off[e + 1] = off[e] + (count[e] + pad - 1) / pad * pad;
+    }
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+        int64_t r = off[e];
+        for (int64_t i = 0; i < n; i++)
+            if (ids[i] == (int32_t)e) {
+                row_token[r] = (int32_t)(i / K);
+                row_weight[r] = tw[i];
+                tok_row[i] = (int32_t)r;
+                r++;
+            }
+        for (; r < off[e + 1]; r++) {
+            row_token[r] = -1;
+            row_weight[r] = 0.0f;
+        }
+    }
+}
+
+/* ex_in[r] = xn[row_token[r]] (zeros for padding), r < off[E]; one block per row. */
+__global__ void k_gather(float *ex_in, const float *xn, const int32_t *row_token, const int64_t *off_end, int64_t H) {
+    int64_t r = blockIdx.x;
+    if (r >= *off_end) return;
+    int32_t t = row_token[r];
+    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) ex_in[r * H + c] = t >= 0 ? xn[(int64_t)t * H + c] : 0.0f;
+}
+
+/* delta[t] = sum of weight * ex_out over t's rows in ascending row (= expert) order, plus
+ * g * sh_out[t] (g = sh_gate[t], or 1 without a gate); x[t] += delta[t]. */
+__global__ void k_combine(float *x, float *delta, const float *ex_out, const float *row_weight,
+                          const int32_t *tok_row, const float *sh_out, const float *sh_gate, int64_t H, int64_t K) {
+    int64_t t = blockIdx.x;
+    int32_t rr[CK_MAX_TOPK];
+    int n = 0;
+    for (int64_t k = 0; k < K && k < CK_MAX_TOPK; k++) {
+        int32_t r = tok_row[t * K + k];
+        if (r < 0) continue;
+        int j = n++;
+        while (j > 0 && rr[j - 1] > r) { /* insertion sort: ascending rows */
+            rr[j] = rr[j - 1];
+            j--;
+        }
+        rr[j] = r;
+    }
+    float g = sh_gate ? sh_gate[t] : 1.0f;
+    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int i = 0; i < n; i++) acc += ex_out[(int64_t)rr[i] * H + c] * row_weight[rr[i]];
+        if (sh_out) acc += g * sh_out[t * H + c];
+        delta[t * H + c] = acc;
+        x[t * H + c] = x[t * H + c] + acc;
+    }
+}
+
+/* dst [H, I] columns i0 .. i0+rows of src [rows, H] (a packed down projection w2^T, slab by
+ * slab, into the [H, I] layout the down kernel reads). 32x32 tiles through shared memory. */
+template <typename E>
+__global__ void k_transpose(E *dst, const E *src, int64_t rows, int64_t H, int64_t I, int64_t i0) {
+    __shared__ E tile[32][33];
+    int64_t c0 = (int64_t)blockIdx.x * 32, r0 = (int64_t)blockIdx.y * 32;
+    for (int j = threadIdx.y; j < 32; j += blockDim.y) {
+        int64_t r = r0 + j, c = c0 + threadIdx.x;
+        if (r < rows && c < H) tile[j][threadIdx.x] = src[r * H + c];
+    }
+    __syncthreads();
+    for (int j = threadIdx.y; j < 32; j += blockDim.y) {
+        int64_t c = c0 + j, r = r0 + threadIdx.x;
+        if (r < rows && c < H) dst[c * I + i0 + r] = tile[threadIdx.x][j];
+    }
+}
+
+__global__ void k_fill_nan(float *x, int64_t n) {
+    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx < n) x[idx] = __int_as_float(0x7fc00000);
+}
+
+#endif
