@@ -968,9 +968,6 @@ static colibri_status cu_init(colibri_ctx *ctx, const cb_backend_request *req, c
     walk_act(ctx, st, &ba);
     st->kvk = (float *)(st->base + st->plan.kv_off);
     st->kvv = (float *)(st->base + st->plan.kv_off + kv_half);
-    ck(st, cudaMemsetAsync(st->base + st->plan.activation_off, 0, act_bytes, st->stream));
-    ck(st, cudaMemsetAsync(st->base + st->plan.kv_off, 0, kv_bytes, st->stream));
-    h2d(st, st->inv_freq, ctx->s.inv_freq, (uint64_t)(c->head_dim / 2) * sizeof(float));
     bump bd = {st->base + st->plan.dense_off, 0, 1};
     walk_dense(ctx, st, &bd);
     uint64_t ex_stride = cb_plan_align(expert_bytes);
@@ -994,6 +991,10 @@ static colibri_status cu_init(colibri_ctx *ctx, const cb_backend_request *req, c
         else h2d(st, D->dense.tab, D->dense.htab, 3 * sizeof(void *));
         if (D->moe && D->has_shared) h2d(st, D->shared.tab, D->shared.htab, 3 * sizeof(void *));
     }
+    /* the scratch (the transposes' staging) and the KV pool start as zeros */
+    ck(st, cudaMemsetAsync(st->base + st->plan.activation_off, 0, act_bytes, st->stream));
+    ck(st, cudaMemsetAsync(st->base + st->plan.kv_off, 0, kv_bytes, st->stream));
+    h2d(st, st->inv_freq, ctx->s.inv_freq, (uint64_t)(c->head_dim / 2) * sizeof(float));
     sync(st);
     if (st->err != cudaSuccess)
         return fail(st, ctx, COLIBRI_E_NOMEM, err, err_len, "uploading the weights", st->err);

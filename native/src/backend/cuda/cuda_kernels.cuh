@@ -83,6 +83,7 @@ __device__ __forceinline__ void ck_dot_tile(const uint8_t *const *rows, int64_t 
         for (int j = 0; j < CK_TILE; j++) acc[r][j] = 0.0f;
     if (K % CH == 0) {
         int64_t nch = K / CH;
+#pragma unroll(CH == 8 ? 2 : 1)
         for (int64_t c = lane; c < nch; c += 32) {
             float w[NW][CH];
 #pragma unroll
