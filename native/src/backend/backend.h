@@ -72,9 +72,11 @@ typedef struct cb_backend {
     /* Optional: the device address of a stage tensor named as colibri_stage_tensor names
      * it (NULL: this backend keeps it on the host, or has no such tensor). */
     const void *(*device_tensor)(struct colibri_ctx *ctx, const char *name);
-    /* Optional: copy KV block src to dst (copy-on-write of a forked sequence; model/kv.c
-     * copies the host pool itself when NULL). */
-    void (*kv_copy_block)(struct colibri_ctx *ctx, int64_t dst, int64_t src);
+    /* Optional: a device error kept since it happened (the stages return nothing): OK, or
+     * a status with the message set on ctx (cb_fail). Checked after every chunk and stage,
+     * before the logits are. A backend whose KV pool is its own sets ctx->sess.kv.copy_block
+     * at init (model/kv.h), so a forked sequence's copy-on-write copies its blocks. */
+    colibri_status (*status)(struct colibri_ctx *ctx);
     void (*facts)(const struct colibri_ctx *ctx, cb_backend_facts *out);
 } cb_backend;
 

@@ -254,6 +254,7 @@ colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64
             ctx->s.head_idx[0] = (int32_t)(T - 1);
         }
         run_chunk(ctx, lg);
+        if (ctx->be->status && (st = ctx->be->status(ctx)) != COLIBRI_OK) return st;
         st = check_logits(ctx, lg, rows, c0 + T - rows);
         if (st != COLIBRI_OK) return st;
     }
@@ -324,7 +325,9 @@ colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t 
         run_segments(ctx);
         float *lg = R ? logits + done_logits * V : NULL;
         run_chunk(ctx, lg);
-        colibri_status st = check_logits(ctx, lg, R, done_logits);
+        colibri_status st = ctx->be->status ? ctx->be->status(ctx) : COLIBRI_OK;
+        if (st != COLIBRI_OK) return st;
+        st = check_logits(ctx, lg, R, done_logits);
         if (st != COLIBRI_OK) return st;
         done_logits += R;
     }
@@ -366,6 +369,13 @@ colibri_status cb_stage_run(colibri_ctx *ctx, int32_t stage, float *logits) {
     if (stage == COLIBRI_STAGE_EMBEDDING && ctx->be->begin_chunk) ctx->be->begin_chunk(ctx);
     run_stage(ctx, stage, r->layer < 0 ? 0 : (uint32_t)r->layer, logits, 1);
     run_advance(ctx);
+    if (ctx->be->status) {
+        colibri_status st = ctx->be->status(ctx);
+        if (st != COLIBRI_OK) {
+            r->stage = -1; /* the device state is lost: the stage run ends */
+            return st;
+        }
+    }
     if (stage == COLIBRI_STAGE_LM_HEAD) return check_logits(ctx, logits, r->T, 0);
     return COLIBRI_OK;
 }

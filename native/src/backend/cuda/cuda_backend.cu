@@ -572,6 +572,15 @@ static void cu_kv_copy_block(colibri_ctx *ctx, int64_t dst, int64_t src) {
 
 static void kv_copy_hook(void *u, int64_t dst, int64_t src) { cu_kv_copy_block((colibri_ctx *)u, dst, src); }
 
+/* The first CUDA error of this context, kept: the device state after it is unknown. */
+static colibri_status cu_status(colibri_ctx *ctx) {
+    cu_state *st = S(ctx);
+    if (st->err == cudaSuccess) return COLIBRI_OK;
+    return cb_fail(ctx, COLIBRI_E_INTERNAL, "the CUDA backend failed: %s (%s); the device state of this context is "
+                   "lost: free it and open a new one (or use the cpu backend)", cudaGetErrorName(st->err),
+                   cudaGetErrorString(st->err));
+}
+
 static void cu_facts(const colibri_ctx *ctx, cb_backend_facts *out) {
     memset(out, 0, sizeof *out);
     const cu_state *st = S(ctx);
@@ -1033,7 +1042,7 @@ const cb_backend cuda_table = {
     cu_run_chunk,
     cu_to_host,
     cu_device_tensor,
-    cu_kv_copy_block,
+    cu_status,
     cu_facts,
 };
 
