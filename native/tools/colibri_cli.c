@@ -39,10 +39,7 @@ typedef struct args {
     int64_t num_threads;
     int64_t max_seq_len;
     int32_t precision;
-    int64_t expert_cache_mb, expert_cache_slots;
-    int32_t expert_cache_policy;
-    int32_t backend, gpu_device;
-    double gpu_memory_fraction; /* 0: the engine's default (0.9) */
+    engine_flags ef;          /* the expert cache and the backend (tool_common.h) */
     int verbose;
     int verify;
 } args;
@@ -104,7 +101,6 @@ static int parse_args(int argc, char **argv, args *a) {
     memset(a, 0, sizeof *a);
     a->max_new_tokens = 24;
     a->top_p = 1.0;
-    int policy_given = 0, gpu_given = 0;
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
         if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
@@ -155,30 +151,14 @@ static int parse_args(int argc, char **argv, args *a) {
                 return usage_error("--max_seq_len must be an integer >= 0, got '%s'", val);
         } else if (!strcmp(name, "--precision")) {
             if (!parse_precision(val, &a->precision)) return usage_error(PRECISION_USAGE, val);
-        } else if (!strcmp(name, "--expert_cache_mb")) {
-            if (!parse_i64(val, 0, INT64_C(1) << 40, &a->expert_cache_mb))
-                return usage_error("--expert_cache_mb must be an integer >= 0 (MiB), got '%s'", val);
-        } else if (!strcmp(name, "--expert_cache_slots")) {
-            if (!parse_i64(val, 0, INT32_MAX, &a->expert_cache_slots))
-                return usage_error("--expert_cache_slots must be an integer >= 0, got '%s'", val);
-        } else if (!strcmp(name, "--expert_cache_policy")) {
-            if (!parse_cache_policy(val, &a->expert_cache_policy)) return usage_error(CACHE_POLICY_USAGE, val);
-            policy_given = 1;
-        } else if (!strcmp(name, "--backend")) {
-            if (!parse_backend(val, &a->backend)) return usage_error(BACKEND_USAGE, val);
-        } else if (!strcmp(name, "--gpu_memory_fraction")) {
-            if (!parse_gpu_fraction(val, &a->gpu_memory_fraction)) return usage_error(GPU_FRACTION_USAGE, val);
-            gpu_given = 1;
-        } else if (!strcmp(name, "--gpu_device")) {
-            if (!parse_gpu_device(val, &a->gpu_device)) return usage_error(GPU_DEVICE_USAGE, val);
-            gpu_given = 1;
+        } else {
+            int rc = parse_engine_flag(name, val, &a->ef);
+            if (rc >= 0) return rc;
         }
     }
     if (!a->model) return usage_error("--model is required");
     if (!a->prompt) return usage_error("--prompt is required");
-    int bad = check_cache_flags(a->expert_cache_mb, a->expert_cache_slots, policy_given);
-    if (bad >= 0) return bad;
-    bad = check_backend_flags(a->backend, gpu_given);
+    int bad = check_engine_flags(&a->ef);
     if (bad >= 0) return bad;
     return -1;
 }
@@ -315,12 +295,7 @@ int main(int argc, char **argv) {
     opt.num_threads = (int32_t)a.num_threads;
     opt.max_seq_len = a.max_seq_len;
     opt.precision = a.precision;
-    opt.expert_cache_mb = a.expert_cache_mb;
-    opt.expert_cache_slots = (int32_t)a.expert_cache_slots;
-    opt.expert_cache_policy = a.expert_cache_policy;
-    opt.backend = a.backend;
-    opt.gpu_device = a.gpu_device;
-    opt.gpu_memory_fraction = a.gpu_memory_fraction;
+    engine_flags_apply(&a.ef, &opt);
 
     double t0 = now_ms();
     colibri_ctx *ctx = NULL;

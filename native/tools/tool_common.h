@@ -184,6 +184,59 @@ static inline int check_backend_flags(int32_t backend, int gpu_given) {
     return -1;
 }
 
+/* The engine options colibri_cli and colibri_bench take alike: the expert cache and the
+ * backend (policy_given / gpu_given: the flag was on the command line). */
+typedef struct engine_flags {
+    int64_t expert_cache_mb, expert_cache_slots;
+    int32_t expert_cache_policy;
+    int32_t backend, gpu_device;
+    double gpu_memory_fraction; /* 0: the engine's default (0.9) */
+    int policy_given, gpu_given;
+} engine_flags;
+
+/* One of those flags: -2 when `name` is none of them, -1 when it is taken, else the exit
+ * status of the usage error it reported. */
+static inline int parse_engine_flag(const char *name, const char *val, engine_flags *f) {
+    if (!strcmp(name, "--expert_cache_mb")) {
+        if (!parse_i64(val, 0, INT64_C(1) << 40, &f->expert_cache_mb))
+            return usage_error("--expert_cache_mb must be an integer >= 0 (MiB), got '%s'", val);
+    } else if (!strcmp(name, "--expert_cache_slots")) {
+        if (!parse_i64(val, 0, INT32_MAX, &f->expert_cache_slots))
+            return usage_error("--expert_cache_slots must be an integer >= 0, got '%s'", val);
+    } else if (!strcmp(name, "--expert_cache_policy")) {
+        if (!parse_cache_policy(val, &f->expert_cache_policy)) return usage_error(CACHE_POLICY_USAGE, val);
+        f->policy_given = 1;
+    } else if (!strcmp(name, "--backend")) {
+        if (!parse_backend(val, &f->backend)) return usage_error(BACKEND_USAGE, val);
+    } else if (!strcmp(name, "--gpu_memory_fraction")) {
+        if (!parse_gpu_fraction(val, &f->gpu_memory_fraction)) return usage_error(GPU_FRACTION_USAGE, val);
+        f->gpu_given = 1;
+    } else if (!strcmp(name, "--gpu_device")) {
+        if (!parse_gpu_device(val, &f->gpu_device)) return usage_error(GPU_DEVICE_USAGE, val);
+        f->gpu_given = 1;
+    } else {
+        return -2;
+    }
+    return -1;
+}
+
+/* Whether they go together (check_cache_flags, check_backend_flags): -1, or the exit status. */
+static inline int check_engine_flags(const engine_flags *f) {
+    int bad = check_cache_flags(f->expert_cache_mb, f->expert_cache_slots, f->policy_given);
+    if (bad >= 0) return bad;
+    return check_backend_flags(f->backend, f->gpu_given);
+}
+
+/* Into the engine's options. */
+static inline void engine_flags_apply(const engine_flags *f, colibri_options *opt) {
+    opt->expert_cache_mb = f->expert_cache_mb;
+    opt->expert_cache_slots = (int32_t)f->expert_cache_slots;
+    opt->expert_cache_policy = f->expert_cache_policy;
+    opt->backend = f->backend;
+    opt->gpu_device = f->gpu_device;
+    opt->gpu_memory_fraction = f->gpu_memory_fraction;
+}
+
 /* What the backend says of itself (colibri_get_string "backend" / "backend_device",
  * colibri_get_int "backend_*"). */
 typedef struct backend_facts {
