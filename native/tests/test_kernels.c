@@ -1071,7 +1071,7 @@ static void test_fast_bf16(const cb_fast_kernels *F) {
     /* the packed expert (B = 32 and 16) and the split gate/up */
     struct { int64_t R, H, I, B; } cs[] = {{1, 64, 96, 32}, {5, 96, 64, 16}, {37, 32, 160, 32}, {17, 1024, 96, 32},
                                            {3, 160, 1056, 32}, /* I in three passes of AMX's down */
-                                           {2, 64, 8224, 32}}; /* two passes of vdpbf16ps' down */
+                                           {2, 64, 8224, 32}}; /* 33 down blocks, the last one short */
     for (size_t ci = 0; ci < 6; ci++) {
         int64_t R = cs[ci].R, H = cs[ci].H, I = cs[ci].I, B = cs[ci].B;
         wbuf w1 = make_w(BF, I * H, 0.3), w3 = make_w(BF, I * H, 0.3), w2 = make_w(BF, H * I, 0.3);
@@ -1138,6 +1138,24 @@ static void test_fast_bf16(const cb_fast_kernels *F) {
             n_check++;
             if (memcmp(y1 + c0, y + r * H + c0, (size_t)(H - c0) * 4) != 0)
                 FAIL("[fast %s] bf16 down: row %lld alone differs from the batch", F->name, (long long)r);
+        }
+        /* down_part: the blocks' parts added in order = down_packed, bit for bit (the first
+         * CB_FAST_PART_MAX_ROWS rows; the last block may be short) */
+        if (F->down_part) {
+            int64_t Rp = R < CB_FAST_PART_MAX_ROWS ? R : CB_FAST_PART_MAX_ROWS;
+            int64_t nblk = (I + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK;
+            float *part = malloc((size_t)(Rp * H) * 4), *sum = malloc((size_t)(Rp * H) * 4);
+            F->down_packed(y, h, pb, Rp, H, I, 0, H);
+            for (int64_t blk = 0; blk < nblk; blk++) {
+                F->down_part(part, h, pb, Rp, H, I, blk);
+                for (int64_t k = 0; k < Rp * H; k++) sum[k] = blk == 0 ? part[k] : sum[k] + part[k];
+            }
+            n_check++;
+            if (memcmp(sum, y, (size_t)(Rp * H) * 4) != 0)
+                FAIL("[fast %s] bf16 down_part R%lld H%lld I%lld: the parts' sum differs from down_packed", F->name,
+                     (long long)Rp, (long long)H, (long long)I);
+            free(part);
+            free(sum);
         }
         free(pk);
         free(pb);

@@ -367,12 +367,14 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
             return;
         }
         const void *ew = (const uint8_t *)w->packed + (size_t)b->e * w->stride;
-        if (cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) {
-            f->fast->down_packed(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
+        int fast = cb_fast_takes_packed(f->fast, w->dt, f->H, b->I);
+        if (b->part) { /* block c's sums (the fast table's own when it takes the expert) */
+            if (fast) f->fast->down_part(b->part + c * b->R * f->H, b->h, ew, b->R, f->H, b->I, c);
+            else f->kern->expert_down_part(b->part + c * b->R * f->H, b->h, ew, w->dt, b->R, f->H, b->I, c);
             return;
         }
-        if (b->part) {
-            f->kern->expert_down_part(b->part + c * b->R * f->H, b->h, ew, w->dt, b->R, f->H, b->I, c);
+        if (fast) {
+            f->fast->down_packed(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
             return;
         }
         f->kern->expert_down(b->y, b->h, ew, w->dt, b->R, f->H, b->I, lo, hi);
@@ -403,7 +405,7 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
         b->nch0 = (b->I + b->len0 - 1) / b->len0;
         b->part = NULL;
         if (b->f->packed && b->R <= CB_SPLIT_MAX_ROWS && nblk * b->R <= part_left &&
-            !cb_fast_takes_packed(ctx->fast, b->f->dt, H, b->I)) {
+            (!cb_fast_takes_packed(ctx->fast, b->f->dt, H, b->I) || ctx->fast->down_part)) {
             b->part = part;
             part += nblk * b->R * H;
             part_left -= nblk * b->R;

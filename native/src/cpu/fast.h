@@ -59,13 +59,22 @@ typedef struct cb_fast_kernels {
                    int64_t H, int64_t I, int64_t i0, int64_t i1);
     /* native_bf16 only (else NULL): a BF16 packed expert (docs/format.md, EXPERTS_PACKED):
      * gate/up for columns i0 <= i < i1 of h [R, I] (blocks of B rows), and the down
-     * projection for output columns c0 <= c < c1 of y [R, H], one accumulation over all of
-     * I (no CB_DOWN_BLOCK parts). */
+     * projection for output columns c0 <= c < c1 of y [R, H]: one accumulation over all of
+     * I, or by blocks where down_part is set. */
     void (*gateup_packed)(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I, int64_t B,
                           int64_t i0, int64_t i1);
     void (*down_packed)(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
                         int64_t c1);
+    /* NULL, or: down_packed's sum is by blocks of CB_DOWN_BLOCK intermediate rows, as the exact
+     * kernels' (kernels.h, expert_down), and this is block blk's part for every column,
+     * part[r, c] for r < R <= CB_FAST_PART_MAX_ROWS, c < H: adding the parts of blocks 0, 1,
+     * ... in order gives down_packed's y bit for bit (decode splits the projection this way). */
+    void (*down_part)(float *part, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
+                      int64_t blk);
 } cb_fast_kernels;
+
+/* The most rows a fast table's down_part takes. */
+#define CB_FAST_PART_MAX_ROWS 8
 
 /* The rows (K) the native BF16 kernels take: whole steps of 32, at most 4096 (their stack
  * buffers); other matrices run the exact kernels on the rounded activations. */
@@ -81,7 +90,8 @@ void cb_amx_gateup_packed(float *h, const float *x, const void *expert, int64_t 
                           int64_t B, int64_t i0, int64_t i1);
 void cb_amx_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
                         int64_t c1);
-/* fast_bf16dp.c: the same four on AVX512_BF16 (vdpbf16ps); 1 when compiled with them. */
+/* fast_bf16dp.c: the same four on AVX512_BF16 (vdpbf16ps), and down_part; 1 when compiled
+ * with them. */
 int cb_bf16dp_built(void);
 void cb_bf16dp_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int64_t T, int64_t N, int64_t K);
 void cb_bf16dp_gateup_split(float *h, const float *x, const void *gate, const void *up, int64_t R, int64_t H,
@@ -90,6 +100,8 @@ void cb_bf16dp_gateup_packed(float *h, const float *x, const void *expert, int64
                              int64_t B, int64_t i0, int64_t i1);
 void cb_bf16dp_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
                            int64_t c1);
+void cb_bf16dp_down_part(float *part, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
+                         int64_t blk);
 
 /* fast_neon_bf16.c: the same four on AArch64 BFDOT (FEAT_BF16); 1 when compiled with it. */
 int cb_neonbf16_built(void);

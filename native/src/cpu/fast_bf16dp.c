@@ -1,25 +1,44 @@
 /*
  * fast_bf16dp.c — the fast mode's BF16 kernels on AVX512_BF16 (vdpbf16ps: 32 bf16
  * multiply-adds into 16 float32 lanes per instruction), for CPUs that have it without AMX
- * (AMD Zen 4/5, where it doubles the f32 FMA's multiply-add rate). The activations are
- * already rounded to bf16 (backend/cpu.c), so their conversion here is exact.
+ * (AMD Zen 4/5: one zmm vdpbf16ps per cycle, twice the multiply-adds of a zmm FMA). The
+ * activations are already rounded to bf16 (backend/cpu.c), so their conversion here is exact.
  *
- * Lanes are outputs, as in the int8 panels (fast_simd.inc): for W [N, K] (a matmul, gate/up)
- * a panel of 16 rows is transposed once per call so that one vector holds a pair of columns
- * of every row, and each token's pair of activations is broadcast; for the packed experts'
- * down projection (w2^T [I, H]) the lanes are 16 output columns and two w2^T rows are
- * interleaved into pairs, no transpose. Every output is one chain of vdpbf16ps over the
- * pairs in ascending order: deterministic and batch-invariant (native/tests/test_kernels.c),
- * not other tables' bits (the instruction's internal rounding is the CPU's).
+ * The definition (what every path below computes, bit for bit): output (t, n) of x W^T is ONE
+ * chain of vdpbf16ps over the column pairs (2q, 2q + 1) in ascending q, starting at 0; the
+ * packed experts' down projection likewise over the pairs of intermediate rows (2i, 2i + 1).
+ * A lane's result does not depend on which lane or which vector it ran in, so the layouts
+ * below give the same bits, whatever the number of tokens, their tiling or the thread split:
+ * deterministic and batch-invariant (native/tests/test_kernels.c: a token alone = the batch,
+ * through both layouts). Not other tables' bits (the instruction's internal rounding is the
+ * CPU's: round-to-nearest-even, denormals flushed).
+ *
+ * Two layouts for W [N, K] (a matmul, a split or packed gate/up), chosen by the token count:
+ *
+ *  - prefill (T > CB_DP_ROWS_T): lanes = 16 TOKENS. The tokens' activations are converted
+ *    once per tile of up to 64 tokens to bf16 pairs and transposed (XT[q] = pair q of 16
+ *    tokens); each weight pair is broadcast straight from the row-major mapping, so the weights
+ *    are never repacked. The micro-kernel keeps RB rows x NV token vectors of accumulators
+ *    (6 x 4, 8 x 3, 12 x 2 or 16 x 1: 16 to 24 zmm): per pair, NV loads and RB broadcasts feed
+ *    RB * NV vdpbf16ps. Outputs are scattered to y at the end of the row's chain.
+ *  - decode (T <= CB_DP_ROWS_T): lanes = 16 ROWS. Each step loads 32 columns of 16 rows,
+ *    transposes them in registers (16 pair vectors, lane = row) and runs the tokens' broadcast
+ *    pairs through them: nothing is stored but the outputs, the panel streams once.
+ *
+ * The packed experts' down projection (w2^T [I, H]) has lanes = output columns in both cases:
+ * two w2^T rows are interleaved into pairs (vpunpck{l,h}wd: 32 columns per pair of 64-byte
+ * loads, the lanes in an order the stores undo) and each token's pair of h broadcast; up to 6
+ * tokens by 64 columns per step.
  *
  * Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c; entered
- * only after cb_fast_by_name("avx512bf16") has checked the CPU. Buffers on the stack
- * (about 300 KiB at most); rows up to 4096 wide (cb_fast_bf16_k_ok), other shapes take the
- * f32 path.
+ * only after cb_fast_by_name("avx512bf16") has checked the CPU. Buffers on the stack (at most
+ * about 260 KiB); rows up to 4096 wide (cb_fast_bf16_k_ok), other shapes take the f32 path.
  */
 #include "cpu/fast.h"
 
 #include <string.h>
+
+#include "cpu/kernels.h" /* CB_DOWN_BLOCK */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && !defined(COLIBRI_NO_SIMD_TABLES)
 #include <immintrin.h>
@@ -28,104 +47,413 @@
 #include "cpu/simd_math.h"
 
 #define DKMAX CB_FAST_BF16_MAX_K /* the longest rows here */
-#define DTT 16     /* tokens per activation tile */
+#define CB_DP_ROWS_T 4            /* up to this many tokens take the decode layout */
+#define XT_DWORDS 65536           /* the prefill's transposed activations: 256 KiB */
+#define DP_AI static inline __attribute__((always_inline))
 
 int cb_bf16dp_built(void) { return 1; }
 
-/* the bf16 bits of 16 floats already rounded to bf16 (exact) */
-static inline __m256i bf16_bits(vf v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)); }
+typedef __m512i vi;
 
-/* nt tokens (rows of x, stride ldx) as dword pairs: xp[t * (K/2) + r] = (x[t][2r], x[t][2r+1]) */
+/* 32 floats already rounded to bf16 as 32 bf16 (exact): dword j = the pair (p[2j], p[2j+1]) */
+DP_AI vi bf16x32(const float *p) {
+    return (vi)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
+}
+DP_AI vf dp(vf acc, vi a, vi b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+DP_AI __mmask16 lanes(int64_t n) { return (__mmask16)(n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u); }
+
+/* ---- prefill: lanes = tokens ----------------------------------------------------------- */
+
+/* Tokens [0, nt) of x (rows of stride ldx), columns k0 .. k0 + kc (kc a multiple of 32), as
+ * pairs with tokens in lanes: XT[(q * NV + v) * 16 + l] = pair q of token 16 v + l (0 past nt). */
+static void xt_pack(uint32_t *XT, const float *x, int64_t ldx, int64_t nt, int64_t k0, int64_t kc) {
+    int64_t NV = (nt + 15) / 16;
+    for (int64_t v = 0; v < NV; v++)
+        for (int64_t c = 0; c < kc; c += 32) {
+            vi r[16];
+            for (int l = 0; l < 16; l++)
+                r[l] = 16 * v + l < nt ? bf16x32(x + (16 * v + l) * ldx + k0 + c) : _mm512_setzero_si512();
+            tr16x16_epi32(r);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512(XT + ((c / 2 + j) * NV + v) * 16, r[j]);
+        }
+}
+
+/* The micro-kernels: RB rows by NV token vectors of accumulators, acc[r][v] lane l the chain
+ * of row r (dword pointer w[r], pair q at w[r][q]) and token 16 v + l. One function per shape
+ * with arrays of literal sizes, so that the compiler keeps them all in registers. */
+#define TOK_CHAIN(RB, NV)                                                                                \
+    for (int64_t q = 0; q < np; q++) {                                                                   \
+        vi xv[NV];                                                                                       \
+        for (int v = 0; v < NV; v++) xv[v] = _mm512_loadu_si512(XT + (q * NV + v) * 16);                 \
+        for (int r = 0; r < RB; r++) {                                                                   \
+            vi b = _mm512_set1_epi32((int)w[r][q]);                                                      \
+            for (int v = 0; v < NV; v++) acc[r][v] = dp(acc[r][v], xv[v], b);                            \
+        }                                                                                                \
+    }
+#define TOK_IDX(ld) \
+    _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)(ld)))
+
+/* y[t * ldy + r] (t < nt, r < nr) for rows wp[0 .. RB) (pairs [0, np) of this pass), continuing
+ * the chains stored in y when cont; rows past nr repeat a valid one and are not stored. */
+#define TOK_MM(RB, NV)                                                                                             \
+    static __attribute__((noinline)) void tok_mm_##RB##x##NV(float *y, int64_t ldy, const uint32_t *XT, const uint32_t *const *wp,          \
+                                   int64_t np, int64_t nr, int64_t nt, int cont) {                                 \
+        vf acc[RB][NV];                                                                                            \
+        const uint32_t *w[RB];                                                                                     \
+        const vi idx = TOK_IDX(ldy);                                                                               \
+        for (int r = 0; r < RB; r++) {                                                                             \
+            w[r] = wp[r];                                                                                          \
+            for (int v = 0; v < NV; v++)                                                                           \
+                acc[r][v] = cont && r < nr ? _mm512_mask_i32gather_ps(vzero(), lanes(nt - 16 * v), idx,            \
+                                                                      y + 16 * v * ldy + r, 4)                     \
+                                           : vzero();                                                              \
+        }                                                                                                          \
+        TOK_CHAIN(RB, NV)                                                                                          \
+        for (int r = 0; r < RB; r++)                                                                               \
+            if (r < nr)                                                                                            \
+                for (int v = 0; v < NV; v++)                                                                       \
+                    _mm512_mask_i32scatter_ps(y + 16 * v * ldy + r, lanes(nt - 16 * v), idx, acc[r][v], 4);        \
+    }
+TOK_MM(6, 4)
+TOK_MM(8, 3)
+TOK_MM(12, 2)
+TOK_MM(16, 1)
+
+/* h[t * ldh + r] = silu(gate_r . x_t) * (up_r . x_t) for t < nt, r < nr: RG gate rows gp[] and
+ * RG up rows up[] (dword pointers), whole rows (np pairs) in one pass. */
+#define TOK_GU(RG, NV)                                                                                             \
+    static __attribute__((noinline)) void tok_gu_##RG##x##NV(float *h, int64_t ldh, const uint32_t *XT, const uint32_t *const *gp,          \
+                                   const uint32_t *const *up, int64_t np, int64_t nr, int64_t nt) {                \
+        vf acc[2 * RG][NV];                                                                                        \
+        const uint32_t *w[2 * RG];                                                                                 \
+        for (int r = 0; r < RG; r++) w[r] = gp[r], w[RG + r] = up[r];                                              \
+        for (int r = 0; r < 2 * RG; r++)                                                                           \
+            for (int v = 0; v < NV; v++) acc[r][v] = vzero();                                                      \
+        TOK_CHAIN(2 * RG, NV)                                                                                      \
+        const vi idx = TOK_IDX(ldh);                                                                               \
+        for (int r = 0; r < RG; r++)                                                                               \
+            if (r < nr)                                                                                            \
+                for (int v = 0; v < NV; v++)                                                                       \
+                    _mm512_mask_i32scatter_ps(h + 16 * v * ldh + r, lanes(nt - 16 * v), idx,                       \
+                                              vmul(vsilu(acc[r][v]), acc[RG + r][v]), 4);                          \
+    }
+TOK_GU(3, 4)
+TOK_GU(4, 3)
+TOK_GU(6, 2)
+TOK_GU(8, 1)
+
+/* Rows per micro-kernel call for NV token vectors: 24 accumulators (16 for one vector). */
+static int64_t tok_rows(int64_t NV) { return NV == 4 ? 6 : NV == 3 ? 8 : NV == 2 ? 12 : 16; }
+
+/* rows n0 .. n0 + nr of W (bf16 [., K] from w0, row stride K) as dword pointers at column k0 */
+static void row_ptrs(const uint32_t **p, int64_t n, const uint16_t *w0, int64_t K, int64_t n0, int64_t nr,
+                     int64_t k0) {
+    for (int64_t r = 0; r < n; r++)
+        p[r] = (const uint32_t *)(w0 + (size_t)(n0 + (r < nr ? r : nr - 1)) * (size_t)K + k0);
+}
+
+/* Tokens per tile and columns per pass of the prefill matmul: 64 x 2048 (XT_DWORDS). */
+#define MM_TT 64
+#define MM_KC 2048
+
+static void tok_matmul(float *y, int64_t ldy, const float *x, const uint16_t *W, int64_t T, int64_t N, int64_t K) {
+    uint32_t XT[XT_DWORDS];
+    for (int64_t t0 = 0; t0 < T; t0 += MM_TT) {
+        int64_t nt = T - t0 < MM_TT ? T - t0 : MM_TT, NV = (nt + 15) / 16, RB = tok_rows(NV);
+        for (int64_t k0 = 0; k0 < K; k0 += MM_KC) {
+            int64_t kc = K - k0 < MM_KC ? K - k0 : MM_KC;
+            xt_pack(XT, x + t0 * K, K, nt, k0, kc);
+            for (int64_t n0 = 0; n0 < N; n0 += RB) {
+                int64_t nr = N - n0 < RB ? N - n0 : RB;
+                const uint32_t *w[16];
+                row_ptrs(w, RB, W, K, n0, nr, k0);
+                float *yt = y + t0 * ldy + n0;
+                int cont = k0 > 0;
+                if (NV == 4) tok_mm_6x4(yt, ldy, XT, w, kc / 2, nr, nt, cont);
+                else if (NV == 3) tok_mm_8x3(yt, ldy, XT, w, kc / 2, nr, nt, cont);
+                else if (NV == 2) tok_mm_12x2(yt, ldy, XT, w, kc / 2, nr, nt, cont);
+                else tok_mm_16x1(yt, ldy, XT, w, kc / 2, nr, nt, cont);
+            }
+        }
+    }
+}
+
+/* gate/up rows i of the split (B == 0: gate, up [I, H]) or packed (block b of B rows: nb gate
+ * rows then the same nb up rows) layouts */
+static void gu_rows(const uint16_t **gr, const uint16_t **ur, const uint16_t *gate, const uint16_t *up, int64_t H,
+                    int64_t I, int64_t B, int64_t i) {
+    if (B > 0) {
+        int64_t bs = i / B * B, nb = I - bs < B ? I - bs : B;
+        *gr = gate + (size_t)(2 * bs + (i - bs)) * (size_t)H;
+        *ur = *gr + (size_t)nb * (size_t)H;
+    } else {
+        *gr = gate + (size_t)i * (size_t)H;
+        *ur = up + (size_t)i * (size_t)H;
+    }
+}
+
+static void tok_gateup(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R, int64_t H,
+                       int64_t I, int64_t i0, int64_t i1, int64_t B) {
+    uint32_t XT[XT_DWORDS];
+    int64_t TT = (int64_t)XT_DWORDS / (H / 2) / 16 * 16; /* whole rows in one pass */
+    if (TT > 64) TT = 64;
+    for (int64_t t0 = 0; t0 < R; t0 += TT) {
+        int64_t nt = R - t0 < TT ? R - t0 : TT, NV = (nt + 15) / 16, RG = tok_rows(NV) / 2;
+        xt_pack(XT, x + t0 * H, H, nt, 0, H);
+        for (int64_t c = i0; c < i1; c += RG) {
+            int64_t nr = i1 - c < RG ? i1 - c : RG;
+            const uint32_t *g[8], *u[8];
+            for (int64_t r = 0; r < RG; r++) {
+                const uint16_t *gp, *up_;
+                gu_rows(&gp, &up_, gate, up, H, I, B, c + (r < nr ? r : nr - 1));
+                g[r] = (const uint32_t *)gp;
+                u[r] = (const uint32_t *)up_;
+            }
+            float *ht = h + t0 * I + c;
+            if (NV == 4) tok_gu_3x4(ht, I, XT, g, u, H / 2, nr, nt);
+            else if (NV == 3) tok_gu_4x3(ht, I, XT, g, u, H / 2, nr, nt);
+            else if (NV == 2) tok_gu_6x2(ht, I, XT, g, u, H / 2, nr, nt);
+            else tok_gu_8x1(ht, I, XT, g, u, H / 2, nr, nt);
+        }
+    }
+}
+
+/* ---- decode: lanes = rows -------------------------------------------------------------- */
+
+/* nt tokens of x (stride ldx) as pairs: xp[t * (K/2) + q] = pair q of token t */
 static void pairs_of(uint32_t *xp, const float *x, int64_t ldx, int64_t nt, int64_t K) {
     for (int64_t t = 0; t < nt; t++)
-        for (int64_t k = 0; k < K; k += 16)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)(xp + t * (K / 2)) + k), bf16_bits(_mm512_loadu_ps(x + t * ldx + k)));
+        for (int64_t k = 0; k < K; k += 32) _mm512_storeu_si512(xp + t * (K / 2) + k / 2, bf16x32(x + t * ldx + k));
 }
 
-/* 16 rows (pointers, K bf16 each) as pair vectors: P[q] lane r = row r's columns 2q, 2q + 1 */
-static void pack16(__m512i *P, const uint16_t *const *rows, int64_t K) {
-    for (int64_t c = 0; c < K; c += 32) {
-        __m512i r[16];
-        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(rows[i] + c);
-        tr16x16_epi32(r);
-        for (int j = 0; j < 16; j++) P[c / 2 + j] = r[j];
-    }
-}
-
-/* y[t * ldy + r] for r < nr, t < nt (<= 4): the panel times the tokens' pairs */
-static inline __attribute__((always_inline)) void micro(float *y, int64_t ldy, const __m512i *P, const uint32_t *xp,
-                                                        int64_t np, const int NT, int64_t nr) {
-    vf acc[4];
+/* The chains of 16 rows (pointers p[16]) by NT tokens over all K: per 32 columns, 16 loads,
+ * a transpose in registers, then pair j of every row (vector j) times each token's pair. The
+ * step consumes 16 lines; as many lines of the next panel (pf: 16 rows of K, contiguous in
+ * the split and packed layouts) are prefetched into L2 in address order, so that the whole
+ * next panel is in flight by the end of this one. */
+DP_AI void row_chain(vf *acc, const uint16_t *const *p, const uint32_t *xp, int64_t K, const int NT,
+                     const uint16_t *pf) {
+    int64_t np = K / 2;
     for (int t = 0; t < NT; t++) acc[t] = vzero();
-    for (int64_t q = 0; q < np; q++) {
-        __m512bh w = (__m512bh)P[q];
-        for (int t = 0; t < NT; t++)
-            acc[t] = _mm512_dpbf16_ps(acc[t], w, (__m512bh)_mm512_set1_epi32((int)xp[t * np + q]));
-    }
-    __mmask16 m = (__mmask16)(nr >= 16 ? 0xFFFFu : (1u << nr) - 1u);
-    for (int t = 0; t < NT; t++) _mm512_mask_storeu_ps(y + t * ldy, m, acc[t]);
-}
-
-static void silu_mul16(float *g, const float *u, int64_t n) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) vstore(g + i, vmul(vsilu(vload(g + i)), vload(u + i)));
-    if (i < n) {
-        __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
-        _mm512_mask_storeu_ps(g + i, m, vmul(vsilu(_mm512_maskz_loadu_ps(m, g + i)), _mm512_maskz_loadu_ps(m, u + i)));
+    for (int64_t c = 0; c < K; c += 32) {
+        vi r[16];
+        for (int l = 0; l < 16; l++) r[l] = _mm512_loadu_si512(p[l] + c);
+        const char *pfc = (const char *)(pf + 16 * c);
+        for (int l = 0; l < 16; l++) _mm_prefetch(pfc + 64 * l, _MM_HINT_T1);
+        tr16x16_epi32(r);
+        for (int j = 0; j < 16; j++)
+            for (int t = 0; t < NT; t++) acc[t] = dp(acc[t], r[j], _mm512_set1_epi32((int)xp[t * np + c / 2 + j]));
     }
 }
 
-#define BW 16
-#define BF(name) cb_bf16dp_##name
-#define BF_PANEL __m512i
-#define pack_panel pack16
-#define silu_mul_panel silu_mul16
-#include "cpu/fast_bf16_rows.inc"
+static void row_matmul(float *y, int64_t ldy, const float *x, const uint16_t *W, int64_t T, int64_t N, int64_t K) {
+    uint32_t xp[CB_DP_ROWS_T * DKMAX / 2];
+    pairs_of(xp, x, K, T, K);
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+        int64_t nr = N - n0 < 16 ? N - n0 : 16;
+        const uint16_t *p[16];
+        for (int l = 0; l < 16; l++) p[l] = W + (size_t)(n0 + (l < nr ? l : nr - 1)) * (size_t)K;
+        const uint16_t *pf = W + (size_t)(n0 + 16 < N ? n0 + 16 : n0) * (size_t)K;
+        vf acc[CB_DP_ROWS_T];
+        switch (T) {
+        case 1: row_chain(acc, p, xp, K, 1, pf); break;
+        case 2: row_chain(acc, p, xp, K, 2, pf); break;
+        case 3: row_chain(acc, p, xp, K, 3, pf); break;
+        default: row_chain(acc, p, xp, K, 4, pf); break;
+        }
+        for (int64_t t = 0; t < T; t++) _mm512_mask_storeu_ps(y + t * ldy + n0, lanes(nr), acc[t]);
+    }
+}
 
-/* y[r, c] = sum_i h[r, i] w2T[i, c] for c0 <= c < c1: lanes = 16 columns, four vectors (64
- * columns, two cache lines of each w2T row) per step, w2T rows i, i + 1 interleaved into
- * pairs, each token's h pair broadcast; one chain over all of I (passes of 8192 rows, the
- * chain carried in registers). h is converted to pairs once per 4 tokens and pass. */
+static void row_gateup(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R, int64_t H,
+                       int64_t I, int64_t i0, int64_t i1, int64_t B) {
+    uint32_t xp[CB_DP_ROWS_T * DKMAX / 2];
+    pairs_of(xp, x, H, R, H);
+    for (int64_t c = i0; c < i1; c += 16) {
+        int64_t nr = i1 - c < 16 ? i1 - c : 16;
+        const uint16_t *gp[16], *up_[16], *gn, *un; /* the next panels (un: not needed) */
+        for (int l = 0; l < 16; l++) gu_rows(&gp[l], &up_[l], gate, up, H, I, B, c + (l < nr ? l : nr - 1));
+        gu_rows(&gn, &un, gate, up, H, I, B, c + 16 < i1 ? c + 16 : c);
+        vf g[CB_DP_ROWS_T], u[CB_DP_ROWS_T];
+        switch (R) {
+        case 1: row_chain(g, gp, xp, H, 1, up_[0]), row_chain(u, up_, xp, H, 1, gn); break;
+        case 2: row_chain(g, gp, xp, H, 2, up_[0]), row_chain(u, up_, xp, H, 2, gn); break;
+        case 3: row_chain(g, gp, xp, H, 3, up_[0]), row_chain(u, up_, xp, H, 3, gn); break;
+        default: row_chain(g, gp, xp, H, 4, up_[0]), row_chain(u, up_, xp, H, 4, gn); break;
+        }
+        for (int64_t t = 0; t < R; t++) _mm512_mask_storeu_ps(h + t * I + c, lanes(nr), vmul(vsilu(g[t]), u[t]));
+    }
+}
+
+/* ---- the four entries -------------------------------------------------------------------- */
+
+/* y[t * ldy + n] = x[t] . W[n] (BF16 W [N, K]) */
+void cb_bf16dp_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int64_t T, int64_t N, int64_t K) {
+    if (T <= CB_DP_ROWS_T) row_matmul(y, ldy, x, (const uint16_t *)w, T, N, K);
+    else tok_matmul(y, ldy, x, (const uint16_t *)w, T, N, K);
+}
+
+static void gateup_any(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R, int64_t H,
+                       int64_t I, int64_t i0, int64_t i1, int64_t B) {
+    if (R <= CB_DP_ROWS_T) row_gateup(h, x, gate, up, R, H, I, i0, i1, B);
+    else tok_gateup(h, x, gate, up, R, H, I, i0, i1, B);
+}
+
+void cb_bf16dp_gateup_split(float *h, const float *x, const void *gate, const void *up, int64_t R, int64_t H,
+                            int64_t I, int64_t i0, int64_t i1) {
+    gateup_any(h, x, (const uint16_t *)gate, (const uint16_t *)up, R, H, I, i0, i1, 0);
+}
+
+void cb_bf16dp_gateup_packed(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I, int64_t B,
+                             int64_t i0, int64_t i1) {
+    gateup_any(h, x, (const uint16_t *)expert, NULL, R, H, I, i0, i1, B);
+}
+
+/* ---- the packed experts' down projection: lanes = columns -------------------------------- */
+
+/* The definition, as the exact kernels' (kernels.h, expert_down): the sum runs over blocks of
+ * CB_DOWN_BLOCK intermediate rows, within a block one chain of vdpbf16ps over its pairs of rows
+ * (2i, 2i + 1) in ascending order from 0, then the blocks' sums added in order (y = p0,
+ * y = y + p1, ...), so that decode can split it by blocks (cb_bf16dp_down_part: each thread
+ * streams whole w2T rows) and prefill by columns, with the same bits. */
+#define DN_NT 6   /* tokens per step */
+#define DN_CW 64  /* prefill: columns per packed block */
+#define DN_PF_BYTES 16384 /* decode's prefetch distance ahead of the rows being read */
+
+/* The pairs of w2T rows a, b (32 columns each, the first n; zeros past them) in column order:
+ * P[0] dword j = (a[j], b[j]) for j < 16, P[1] the same for j = 16 .. 31. vpermq puts 64-bit
+ * pieces j and j + 4 in 128-bit lane j, so that vpunpck{l,h}wd interleave columns in order. */
+DP_AI void pair_rows(vi P[2], const uint16_t *a, const uint16_t *b, int64_t n) {
+    __mmask32 m = (__mmask32)(n >= 32 ? 0xFFFFFFFFu : (1u << n) - 1u);
+    const vi perm = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
+    vi va = _mm512_permutexvar_epi64(perm, _mm512_maskz_loadu_epi16(m, a));
+    vi vb = _mm512_permutexvar_epi64(perm, _mm512_maskz_loadu_epi16(m, b));
+    P[0] = _mm512_unpacklo_epi16(va, vb);
+    P[1] = _mm512_unpackhi_epi16(va, vb);
+}
+
+/* One block's chains for y[t * H + 16 v ..] (t < NT, v < 4: 64 columns, the first nc stored)
+ * over pairs q < np whose vectors PAIRS(q) yields into wv[4], each token's h pair
+ * hp[t * ldp + q] broadcast; stored (first block) or added to y. */
+#define DOWN_TILE(NT, PAIRS)                                                                              \
+    do {                                                                                                  \
+        vf acc[DN_NT][4];                                                                                 \
+        for (int t = 0; t < NT; t++)                                                                      \
+            for (int v = 0; v < 4; v++) acc[t][v] = vzero();                                              \
+        for (int64_t q = 0; q < np; q++) {                                                                \
+            vi wv[4];                                                                                     \
+            PAIRS(q);                                                                                     \
+            for (int t = 0; t < NT; t++) {                                                                \
+                vi hb = _mm512_set1_epi32((int)hp[t * ldp + q]);                                          \
+                for (int v = 0; v < 4; v++) acc[t][v] = dp(acc[t][v], wv[v], hb);                        \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int t = 0; t < NT; t++)                                                                      \
+            for (int v = 0; v < 4; v++) {                                                                 \
+                float *yv = y + t * H + 16 * v;                                                           \
+                __mmask16 m = lanes(nc - 16 * v);                                                         \
+                _mm512_mask_storeu_ps(yv, m, add ? vadd(_mm512_maskz_loadu_ps(m, yv), acc[t][v]) : acc[t][v]); \
+            }                                                                                             \
+    } while (0)
+
+/* few tokens: the pairs straight from w2T (rows 2q, 2q + 1 of w, stride H), the rows 8 pairs
+ * on prefetched */
+#define PAIRS_DIRECT(q)                                                                                   \
+    do {                                                                                                  \
+        const uint16_t *ra = w + (size_t)(2 * (q)) * (size_t)H;                                           \
+        for (int a = 16; a < 18; a++)                                                                     \
+            for (int s = 0; s < 2; s++) _mm_prefetch((const char *)(ra + (size_t)a * H + 32 * s), _MM_HINT_T0); \
+        pair_rows(wv, ra, ra + H, nc);                                                                    \
+        pair_rows(wv + 2, ra + 32, ra + H + 32, nc - 32);                                                 \
+    } while (0)
+DP_AI void down_direct(float *y, int64_t H, const uint32_t *hp, int64_t ldp, const uint16_t *w, int64_t np,
+                       int64_t nc, const int NT, int add) {
+    DOWN_TILE(NT, PAIRS_DIRECT);
+}
+
+/* many tokens: the pairs from a packed block (pb[q * DN_CW + c], column c of pair q) */
+#define PAIRS_PACKED(q)                                                                                   \
+    for (int v = 0; v < 4; v++) wv[v] = _mm512_loadu_si512(pb + (q) * DN_CW + 16 * v)
+DP_AI void down_block(float *y, int64_t H, const uint32_t *hp, int64_t ldp, const uint32_t *pb, int64_t np,
+                      int64_t nc, const int NT, int add) {
+    DOWN_TILE(NT, PAIRS_PACKED);
+}
+
+/* Tokens in steps of DN_NT over the block of rows [i0, i0 + ic): their h pairs into hp, then f
+ * on y + t0 * H + c. */
+#define DOWN_STEPS(R, c, f, ...)                                                                          \
+    for (int64_t t0 = 0; t0 < (R); t0 += DN_NT) {                                                         \
+        int64_t nt = (R) - t0 < DN_NT ? (R) - t0 : DN_NT;                                                 \
+        pairs_of(hp, h + t0 * I + i0, I, nt, ic);                                                         \
+        float *yt = y + t0 * H + (c);                                                                     \
+        switch (nt) {                                                                                     \
+        case 1: f(yt, H, hp, ic / 2, __VA_ARGS__, 1, i0 > 0); break;                                      \
+        case 2: f(yt, H, hp, ic / 2, __VA_ARGS__, 2, i0 > 0); break;                                      \
+        case 3: f(yt, H, hp, ic / 2, __VA_ARGS__, 3, i0 > 0); break;                                      \
+        case 4: f(yt, H, hp, ic / 2, __VA_ARGS__, 4, i0 > 0); break;                                      \
+        case 5: f(yt, H, hp, ic / 2, __VA_ARGS__, 5, i0 > 0); break;                                      \
+        default: f(yt, H, hp, ic / 2, __VA_ARGS__, 6, i0 > 0); break;                                     \
+        }                                                                                                 \
+    }
+
+/* y[r, c] = sum_i h[r, i] w2T[i, c] for c0 <= c < c1, by blocks of CB_DOWN_BLOCK rows. Up to
+ * CB_DP_ROWS_T tokens read the pairs straight from w2T, 64 columns at a time; more pack each
+ * block by DN_CW columns into pairs once (64 KiB) and run every token through it. */
 void cb_bf16dp_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
                            int64_t c1) {
     const uint16_t *w2 = (const uint16_t *)expert + (size_t)2 * (size_t)I * (size_t)H;
-    uint32_t hp[4 * 4096]; /* 4 tokens' h pairs over a pass of 8192 rows (64 KiB) */
-    for (int64_t t0 = 0; t0 < R; t0 += 4) {
-        int64_t nt = R - t0 < 4 ? R - t0 : 4;
-        for (int64_t i0 = 0; i0 < I; i0 += 8192) {
-            int64_t ic = I - i0 < 8192 ? I - i0 : 8192;
-            for (int64_t t = 0; t < nt; t++)
-                for (int64_t k = 0; k < ic; k += 16)
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)(hp + t * 4096) + k),
-                                        bf16_bits(_mm512_loadu_ps(h + (t0 + t) * I + i0 + k)));
-            for (int64_t c = c0; c < c1; c += 64) {
-                __mmask16 m[4];
-                for (int v = 0; v < 4; v++) {
-                    int64_t n = c1 - c - 16 * v;
-                    m[v] = (__mmask16)(n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u);
-                }
-                vf acc[4][4];
-                for (int t = 0; t < 4; t++)
-                    for (int v = 0; v < 4; v++)
-                        acc[t][v] = i0 == 0 || t >= nt ? vzero() : _mm512_maskz_loadu_ps(m[v], y + (t0 + t) * H + c + 16 * v);
-                for (int64_t r = 0; r < ic / 2; r++) {
-                    const uint16_t *ra = w2 + (size_t)(i0 + 2 * r) * (size_t)H + c;
-                    _mm_prefetch((const char *)(ra + (size_t)16 * H), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(ra + (size_t)17 * H), _MM_HINT_T0);
-                    __m512bh wv[4];
-                    for (int v = 0; v < 4; v++) {
-                        __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m[v], ra + 16 * v));
-                        __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m[v], ra + H + 16 * v));
-                        wv[v] = (__m512bh)_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-                    }
-                    for (int64_t t = 0; t < nt; t++) {
-                        __m512bh hb = (__m512bh)_mm512_set1_epi32((int)hp[t * 4096 + r]);
-                        for (int v = 0; v < 4; v++) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], wv[v], hb);
-                    }
-                }
-                for (int64_t t = 0; t < nt; t++)
-                    for (int v = 0; v < 4; v++) _mm512_mask_storeu_ps(y + (t0 + t) * H + c + 16 * v, m[v], acc[t][v]);
+    uint32_t pb[CB_DOWN_BLOCK / 2 * DN_CW], hp[DN_NT * CB_DOWN_BLOCK / 2];
+    for (int64_t cs = c0; cs < c1; cs += DN_CW) {
+        int64_t ncs = c1 - cs < DN_CW ? c1 - cs : DN_CW;
+        for (int64_t i0 = 0; i0 < I; i0 += CB_DOWN_BLOCK) {
+            int64_t ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK;
+            const uint16_t *w = w2 + (size_t)i0 * (size_t)H + cs;
+            if (R <= CB_DP_ROWS_T) {
+                DOWN_STEPS(R, cs, down_direct, w, ic / 2, ncs)
+                continue;
             }
+            for (int64_t q = 0; q < ic / 2; q++)
+                for (int64_t c = 0; c < ncs; c += 32) {
+                    vi P[2];
+                    pair_rows(P, w + (size_t)(2 * q) * (size_t)H + c, w + (size_t)(2 * q + 1) * (size_t)H + c, ncs - c);
+                    _mm512_storeu_si512(pb + q * DN_CW + c, P[0]);
+                    _mm512_storeu_si512(pb + q * DN_CW + c + 16, P[1]);
+                }
+            DOWN_STEPS(R, cs, down_block, pb, ic / 2, ncs)
+        }
+    }
+}
+
+/* Block blk's sums for every column: part[r * H + c] (c < H) = block blk's chain (the rows
+ * [blk * CB_DOWN_BLOCK, ..) of w2T), for few tokens (decode). Four pairs of rows (eight whole
+ * w2T rows, one linear stream, prefetched DN_PF_BYTES ahead) per pass over the part rows,
+ * which stay in L1. */
+void cb_bf16dp_down_part(float *part, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
+                         int64_t blk) {
+    const uint16_t *w2 = (const uint16_t *)expert + (size_t)2 * (size_t)I * (size_t)H;
+    int64_t i0 = blk * CB_DOWN_BLOCK, ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK;
+    uint32_t hp[CB_FAST_PART_MAX_ROWS * CB_DOWN_BLOCK / 2];
+    int64_t np = ic / 2;
+    for (int64_t t = 0; t < R; t++) {
+        for (int64_t k = 0; k < ic; k += 32) _mm512_storeu_si512(hp + t * np + k / 2, bf16x32(h + t * I + i0 + k));
+        memset(part + t * H, 0, (size_t)H * sizeof(float));
+    }
+    for (int64_t q = 0; q < np; q += 4) {
+        int64_t nq = np - q < 4 ? np - q : 4;
+        const uint16_t *w = w2 + (size_t)(i0 + 2 * q) * (size_t)H;
+        const char *pf = (const char *)w + DN_PF_BYTES;
+        for (int64_t c = 0; c < H; c += 32, pf += 8 * 64) {
+            for (int l = 0; l < 8; l++) _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
+            vi P[4][2];
+            for (int64_t j = 0; j < nq; j++)
+                pair_rows(P[j], w + (size_t)(2 * j) * (size_t)H + c, w + (size_t)(2 * j + 1) * (size_t)H + c, 32);
+            for (int64_t t = 0; t < R; t++)
+                for (int s = 0; s < 2; s++) {
+                    float *pv = part + t * H + c + 16 * s;
+                    vf a = _mm512_loadu_ps(pv);
+                    for (int64_t j = 0; j < nq; j++) a = dp(a, P[j][s], _mm512_set1_epi32((int)hp[t * np + q + j]));
+                    _mm512_storeu_ps(pv, a);
+                }
         }
     }
 }
@@ -146,5 +474,9 @@ void cb_bf16dp_gateup_packed(float *h, const float *x, const void *expert, int64
 void cb_bf16dp_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
                            int64_t c1) {
     (void)y, (void)h, (void)expert, (void)R, (void)H, (void)I, (void)c0, (void)c1;
+}
+void cb_bf16dp_down_part(float *part, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
+                         int64_t blk) {
+    (void)part, (void)h, (void)expert, (void)R, (void)H, (void)I, (void)blk;
 }
 #endif
