@@ -903,6 +903,10 @@ static void test_round_bf16(void) {
     x[4096] = f32_bits(0x7fc00001u);
     x[4097] = f32_bits(0x3f80ffffu); /* rounds up across a mantissa carry */
     x[4098] = f32_bits(0x3f808000u); /* a tie: to even (down) */
+    /* the same cases, and infinities, signed nans and a tie up, where a vectorized loop runs */
+    const uint32_t special[] = {0x7fc00001u, 0x3f80ffffu, 0x3f808000u, 0x3f818000u,
+                                0x7f800000u, 0xff800000u, 0xffc00001u, 0x7f7fffffu};
+    for (int i = 0; i < 8; i++) x[16 + 3 * i] = f32_bits(special[i]);
     float r[4099];
     memcpy(r, x, sizeof x);
     cb_round_bf16(r, 4099);
