@@ -1036,10 +1036,10 @@ static void test_fast(const cb_fast_kernels *F) {
 static double silu_d(double g) { return g / (1.0 + exp(-g)); }
 static void test_fast_bf16(const cb_fast_kernels *F) {
     const uint32_t BF = COLIBRI_DTYPE_BF16;
-    const int64_t Ks[] = {32, 96, 1024}, Ns[] = {1, 7, 33, 67}, Ts[] = {1, 3, 17, 37};
+    const int64_t Ks[] = {32, 96, 1024}, Ns[] = {1, 7, 33, 67}, Ts[] = {1, 3, 8, 17, 37};
     for (size_t c = 0; c < 3; c++)
         for (size_t b = 0; b < 4; b++)
-            for (size_t a = 0; a < 4; a++) {
+            for (size_t a = 0; a < 5; a++) {
                 int64_t K = Ks[c], N = Ns[b], T = Ts[a], ldy = N + 2;
                 if (K > 100 && T > 3 && N > 7) continue;
                 wbuf w = make_w(BF, N * K, 0.5);
@@ -1073,10 +1073,10 @@ static void test_fast_bf16(const cb_fast_kernels *F) {
                 free_w(&w);
             }
     /* the packed expert (B = 32 and 16) and the split gate/up */
-    struct { int64_t R, H, I, B; } cs[] = {{1, 64, 96, 32}, {5, 96, 64, 16}, {37, 32, 160, 32}, {17, 1024, 96, 32},
+    struct { int64_t R, H, I, B; } cs[] = {{1, 64, 96, 32}, {5, 96, 64, 16}, {8, 64, 96, 32}, {37, 32, 160, 32}, {17, 1024, 96, 32},
                                            {3, 160, 1056, 32}, /* I in three passes of AMX's down */
                                            {2, 64, 8224, 32}}; /* 33 down blocks, the last one short */
-    for (size_t ci = 0; ci < 6; ci++) {
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
         int64_t R = cs[ci].R, H = cs[ci].H, I = cs[ci].I, B = cs[ci].B;
         wbuf w1 = make_w(BF, I * H, 0.3), w3 = make_w(BF, I * H, 0.3), w2 = make_w(BF, H * I, 0.3);
         float *pk = malloc((size_t)(3 * I * H) * 4);

@@ -6,8 +6,8 @@
  *
  * The definition (what every path below computes, bit for bit): output (t, n) of x W^T is ONE
  * chain of vdpbf16ps over the column pairs (2q, 2q + 1) in ascending q, starting at 0; the
- * packed experts' down projection likewise over the pairs of intermediate rows (2i, 2i + 1).
- * A lane's result does not depend on which lane or which vector it ran in, so the layouts
+ * packed experts' down projection likewise over the pairs of intermediate rows (2i, 2i + 1),
+ * per block of CB_DOWN_BLOCK rows, the blocks' sums then added in order. A lane's result does not depend on which lane or which vector it ran in, so the layouts
  * below give the same bits, whatever the number of tokens, their tiling or the thread split:
  * deterministic and batch-invariant (native/tests/test_kernels.c: a token alone = the batch,
  * through both layouts). Not other tables' bits (the instruction's internal rounding is the
@@ -21,14 +21,15 @@
  *    are never repacked. The micro-kernel keeps RB rows x NV token vectors of accumulators
  *    (6 x 4, 8 x 3, 12 x 2 or 16 x 1: 16 to 24 zmm): per pair, NV loads and RB broadcasts feed
  *    RB * NV vdpbf16ps. Outputs are scattered to y at the end of the row's chain.
- *  - decode (T <= CB_DP_ROWS_T): lanes = 16 ROWS. Each step loads 32 columns of 16 rows,
- *    transposes them in registers (16 pair vectors, lane = row) and runs the tokens' broadcast
- *    pairs through them: nothing is stored but the outputs, the panel streams once.
+ *  - decode and small groups (T <= CB_DP_ROWS_T = 8): lanes = 16 ROWS. Each step loads 32
+ *    columns of 16 rows, transposes them in registers (16 pair vectors, lane = row) and runs
+ *    the tokens' broadcast pairs through them: nothing is stored but the outputs, the panel
+ *    streams once, and the next panel is prefetched into L2 on the way.
  *
  * The packed experts' down projection (w2^T [I, H]) has lanes = output columns in both cases:
- * two w2^T rows are interleaved into pairs (vpunpck{l,h}wd: 32 columns per pair of 64-byte
- * loads, the lanes in an order the stores undo) and each token's pair of h broadcast; up to 6
- * tokens by 64 columns per step.
+ * two w2^T rows become pairs in column order (vpermq, vpunpck{l,h}wd) and each token's pair of
+ * h is broadcast, up to 6 tokens by 64 columns per step; its sum runs by blocks of
+ * CB_DOWN_BLOCK rows, as the exact kernels' (see below).
  *
  * Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c; entered
  * only after cb_fast_by_name("avx512bf16") has checked the CPU. Buffers on the stack (at most
@@ -47,7 +48,7 @@
 #include "cpu/simd_math.h"
 
 #define DKMAX CB_FAST_BF16_MAX_K /* the longest rows here */
-#define CB_DP_ROWS_T 4            /* up to this many tokens take the decode layout */
+#define CB_DP_ROWS_T 8            /* up to this many tokens take the decode layout */
 #define XT_DWORDS 65536           /* the prefill's transposed activations: 256 KiB */
 #define DP_AI static inline __attribute__((always_inline))
 
@@ -259,7 +260,11 @@ static void row_matmul(float *y, int64_t ldy, const float *x, const uint16_t *W,
         case 1: row_chain(acc, p, xp, K, 1, pf); break;
         case 2: row_chain(acc, p, xp, K, 2, pf); break;
         case 3: row_chain(acc, p, xp, K, 3, pf); break;
-        default: row_chain(acc, p, xp, K, 4, pf); break;
+        case 4: row_chain(acc, p, xp, K, 4, pf); break;
+        case 5: row_chain(acc, p, xp, K, 5, pf); break;
+        case 6: row_chain(acc, p, xp, K, 6, pf); break;
+        case 7: row_chain(acc, p, xp, K, 7, pf); break;
+        default: row_chain(acc, p, xp, K, 8, pf); break;
         }
         for (int64_t t = 0; t < T; t++) _mm512_mask_storeu_ps(y + t * ldy + n0, lanes(nr), acc[t]);
     }
@@ -276,10 +281,11 @@ static void row_gateup(float *h, const float *x, const uint16_t *gate, const uin
         gu_rows(&gn, &un, gate, up, H, I, B, c + 16 < i1 ? c + 16 : c);
         vf g[CB_DP_ROWS_T], u[CB_DP_ROWS_T];
         switch (R) {
-        case 1: row_chain(g, gp, xp, H, 1, up_[0]), row_chain(u, up_, xp, H, 1, gn); break;
-        case 2: row_chain(g, gp, xp, H, 2, up_[0]), row_chain(u, up_, xp, H, 2, gn); break;
-        case 3: row_chain(g, gp, xp, H, 3, up_[0]), row_chain(u, up_, xp, H, 3, gn); break;
-        default: row_chain(g, gp, xp, H, 4, up_[0]), row_chain(u, up_, xp, H, 4, gn); break;
+#define GU_CASE(n) \
+    case n: row_chain(g, gp, xp, H, n, up_[0]), row_chain(u, up_, xp, H, n, gn); break;
+        GU_CASE(1) GU_CASE(2) GU_CASE(3) GU_CASE(4) GU_CASE(5) GU_CASE(6) GU_CASE(7)
+        default: row_chain(g, gp, xp, H, 8, up_[0]), row_chain(u, up_, xp, H, 8, gn); break;
+#undef GU_CASE
         }
         for (int64_t t = 0; t < R; t++) _mm512_mask_storeu_ps(h + t * I + c, lanes(nr), vmul(vsilu(g[t]), u[t]));
     }

@@ -1,0 +1,128 @@
+/*
+ * kernel_bench.c — the weight kernels alone, one thread, on the 791 M Mixtral's shapes
+ * (hidden 1024, intermediate 3584): GFLOP/s of the prefill kernels (a packed bf16 expert's
+ * gate/up and down, a 3584 x 1024 matmul) at 1 .. 512 tokens, and GB/s of the one-token
+ * decode streaming 128 MiB (bf16) or 136 MiB (Q8_0, Q4_K) from memory, for the exact table
+ * (cb_kernels_best) beside a fast table (cb_fast_by_name, default: cb_fast_best's). Best of
+ * a few runs; the prefill's weights are reused (they sit in L2/L3), the decode's are not.
+ * Numbers for docs/kernels.md; the engine's own figures come from colibri_bench.
+ *
+ *   cmake -S native -B build/bench -DCMAKE_BUILD_TYPE=Release && cmake --build build/bench -j
+ *   gcc -O2 -Inative/src -Inative/include tools/kernel_bench.c build/bench/libcolibri.a \
+ *       -lm -lpthread -o /tmp/kernel_bench && /tmp/kernel_bench [FAST_TABLE]
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/dtype.h"
+#include "cpu/fast.h"
+#include "cpu/kernels.h"
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint32_t next(void) {
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (uint32_t)(rng >> 16);
+}
+static void *alloc(size_t n) { return aligned_alloc(1 << 21, (n + (1 << 21) - 1) >> 21 << 21); }
+/* bf16 weights in [-0.05, 0.05], activations in [-1, 1] rounded to bf16 (as fast mode's) */
+static uint16_t *bf16_weights(size_t n) {
+    uint16_t *w = alloc(n * 2);
+    for (size_t i = 0; i < n; i++) w[i] = cb_f32_to_bf16(((float)(next() % 2001) - 1000.0f) * 5e-5f);
+    return w;
+}
+static float *acts(size_t n) {
+    float *x = alloc(n * 4);
+    for (size_t i = 0; i < n; i++) x[i] = ((float)(next() % 2001) - 1000.0f) * 1e-3f;
+    cb_round_bf16(x, (int64_t)n);
+    return x;
+}
+
+#define BEST(reps, best, call)                      \
+    do {                                            \
+        best = 1e30;                                \
+        for (int r_ = 0; r_ < (reps); r_++) {       \
+            double t_ = now();                      \
+            call;                                   \
+            t_ = now() - t_;                        \
+            if (t_ < best) best = t_;               \
+        }                                           \
+    } while (0)
+
+int main(int argc, char **argv) {
+    const cb_kernels *E = cb_kernels_best();
+    const cb_fast_kernels *F = argc > 1 ? cb_fast_by_name(argv[1]) : cb_fast_best();
+    if (!F) {
+        fprintf(stderr, "kernel_bench: fast table %s not usable on this CPU\n", argv[1]);
+        return 2;
+    }
+    printf("exact table %s, fast table %s (int8) / %s (bf16)\n", E->name, F->name, F->bf16);
+    const uint32_t BF = COLIBRI_DTYPE_BF16;
+    const int64_t H = 1024, I = 3584, B = 32;
+    uint16_t *ex = bf16_weights((size_t)3 * I * H);
+    int fast_packed = cb_fast_takes_packed(F, BF, H, I);
+    printf("\nprefill, a packed bf16 expert (H %lld, I %lld), GFLOP/s (fast | exact)\n", (long long)H,
+           (long long)I);
+    const int64_t Rs[] = {1, 4, 16, 64, 128, 256};
+    for (int ri = 0; ri < 6; ri++) {
+        int64_t R = Rs[ri];
+        float *x = acts((size_t)(R * H)), *h = acts((size_t)(R * I)), *y = acts((size_t)(R * H));
+        int reps = R <= 4 ? 20 : 4;
+        double fg = 0, fd = 0, eg, ed;
+        if (fast_packed) {
+            BEST(reps, fg, F->gateup_packed(h, x, ex, R, H, I, B, 0, I));
+            BEST(reps, fd, F->down_packed(y, h, ex, R, H, I, 0, H));
+        }
+        BEST(reps, eg, E->expert_gateup(h, x, ex, NULL, BF, R, H, I, B, 0, I));
+        BEST(reps, ed, E->expert_down(y, h, ex, BF, R, H, I, 0, H));
+        double gu = 2.0 * R * H * 2 * I, dn = 2.0 * R * H * I;
+        printf("R %4lld  gate/up %6.1f | %6.1f   down %6.1f | %6.1f\n", (long long)R, fg ? gu / fg / 1e9 : 0.0,
+               gu / eg / 1e9, fd ? dn / fd / 1e9 : 0.0, dn / ed / 1e9);
+        free(x), free(h), free(y);
+    }
+    printf("\nprefill, a %lld x %lld bf16 matmul, GFLOP/s (fast | exact)\n", (long long)I, (long long)H);
+    const int64_t Ts[] = {1, 5, 16, 64, 512};
+    for (int ti = 0; ti < 5; ti++) {
+        int64_t T = Ts[ti];
+        float *x = acts((size_t)(T * H)), *y = acts((size_t)(T * I));
+        double tf = 0, te;
+        if (cb_fast_takes(F, BF, H)) BEST(T <= 16 ? 20 : 3, tf, F->matmul_ld(y, I, x, ex, BF, T, I, H));
+        BEST(T <= 16 ? 20 : 3, te, E->matmul_ld(y, I, x, ex, BF, T, I, H));
+        double fl = 2.0 * T * I * H;
+        printf("T %4lld  %6.1f | %6.1f\n", (long long)T, tf ? fl / tf / 1e9 : 0.0, fl / te / 1e9);
+        free(x), free(y);
+    }
+    /* decode: one token through matrices of 128 Ki rows (more than any cache), once per run */
+    printf("\ndecode, one token, weights streamed from memory, GB/s (fast | exact)\n");
+    const uint32_t dts[] = {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K};
+    const int64_t K = 1024, N = 131072;
+    float *x = acts((size_t)K), *y = alloc((size_t)N * 4);
+    for (int di = 0; di < 3; di++) {
+        uint32_t dt = dts[di];
+        size_t rb = (size_t)cb_row_bytes(dt, (uint64_t)K), n = (size_t)N * rb;
+        uint8_t *w = alloc(n);
+        if (dt == COLIBRI_DTYPE_BF16) {
+            for (size_t i = 0; i < n / 2; i++) ((uint16_t *)w)[i] = cb_f32_to_bf16(((float)(next() % 2001) - 1000.0f) * 5e-5f);
+        } else { /* random bytes; every block's f16 scales (d, and Q4_K's dmin) set to 2^-7 */
+            size_t bs = dt == COLIBRI_DTYPE_Q8_0 ? 34 : 144;
+            for (size_t i = 0; i < n; i++) w[i] = (uint8_t)next();
+            for (size_t b = 0; b < n; b += bs) {
+                w[b] = 0x00, w[b + 1] = 0x20;
+                if (bs == 144) w[b + 2] = 0x00, w[b + 3] = 0x20;
+            }
+        }
+        double tf = 0, te;
+        if (cb_fast_takes(F, dt, K)) BEST(4, tf, F->matmul_ld(y, N, x, w, dt, 1, N, K));
+        BEST(4, te, E->matmul_ld(y, N, x, w, dt, 1, N, K));
+        printf("%-5s %6.1f | %6.1f\n", cb_dtype_name(dt), tf ? n / tf / 1e9 : 0.0, n / te / 1e9);
+        free(w);
+    }
+    return 0;
+}
