@@ -2,7 +2,7 @@
  * kernel_bench.c — the weight kernels alone, one thread, on the 791 M Mixtral's shapes
  * (hidden 1024, intermediate 3584): GFLOP/s of the prefill kernels (a packed bf16 expert's
  * gate/up and down, a 3584 x 1024 matmul) at 1 .. 512 tokens, and GB/s of the one-token
- * decode streaming 128 MiB (bf16) or 136 MiB (Q8_0, Q4_K) from memory, for the exact table
+ * decode streaming 72 to 256 MiB of bf16, Q8_0, Q4_K and Q6_K weights from memory, for the exact table
  * (cb_kernels_best) beside a fast table (cb_fast_by_name, default: cb_fast_best's). Best of
  * a few runs; the prefill's weights are reused (they sit in L2/L3), the decode's are not.
  * Numbers for docs/kernels.md; the engine's own figures come from colibri_bench.
@@ -101,20 +101,21 @@ int main(int argc, char **argv) {
     }
     /* decode: one token through matrices of 128 Ki rows (more than any cache), once per run */
     printf("\ndecode, one token, weights streamed from memory, GB/s (fast | exact)\n");
-    const uint32_t dts[] = {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K};
+    const uint32_t dts[] = {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K, COLIBRI_DTYPE_Q6_K};
     const int64_t K = 1024, N = 131072;
     float *x = acts((size_t)K), *y = alloc((size_t)N * 4);
-    for (int di = 0; di < 3; di++) {
+    for (int di = 0; di < 4; di++) {
         uint32_t dt = dts[di];
         size_t rb = (size_t)cb_row_bytes(dt, (uint64_t)K), n = (size_t)N * rb;
         uint8_t *w = alloc(n);
         if (dt == COLIBRI_DTYPE_BF16) {
             for (size_t i = 0; i < n / 2; i++) ((uint16_t *)w)[i] = cb_f32_to_bf16(((float)(next() % 2001) - 1000.0f) * 5e-5f);
         } else { /* random bytes; every block's f16 scales (d, and Q4_K's dmin) set to 2^-7 */
-            size_t bs = dt == COLIBRI_DTYPE_Q8_0 ? 34 : 144;
+            size_t bs = dt == COLIBRI_DTYPE_Q8_0 ? 34 : dt == COLIBRI_DTYPE_Q4_K ? 144 : 210;
+            size_t d = dt == COLIBRI_DTYPE_Q6_K ? 208 : 0; /* Q6_K's d is last */
             for (size_t i = 0; i < n; i++) w[i] = (uint8_t)next();
             for (size_t b = 0; b < n; b += bs) {
-                w[b] = 0x00, w[b + 1] = 0x20;
+                w[b + d] = 0x00, w[b + d + 1] = 0x20;
                 if (bs == 144) w[b + 2] = 0x00, w[b + 3] = 0x20;
             }
         }

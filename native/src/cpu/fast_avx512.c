@@ -145,7 +145,7 @@ static int fused_decode(float *y, int64_t ldy, int first, const uint8_t *w, size
 
 #include "cpu/fast_simd.inc"
 
-/* Decode (nt <= 4 tokens), Q8_0 and Q4_K: for each 16 rows, the quads are transposed in
+/* Decode (nt <= 4 tokens), Q8_0, Q4_K and Q6_K: for each 16 rows, the quads are transposed in
  * registers and go straight into vpdpbusd, the scales into the float steps, with no panel
  * stored and reloaded: the same operations on the same values as pack + micro. */
 FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t rb, uint32_t dt, int64_t rows,
@@ -177,6 +177,60 @@ FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t r
                 const cb_fast_ablk *blk = &A->a[t][g];
                 acc[t] = vfma(vf_cvt(is), vmul(d, vset1(blk->d)), acc[t]);
                 acc[t] = vfma(wm, vset1(blk->ds32), acc[t]);
+            }
+        }
+    } else if (dt == COLIBRI_DTYPE_Q6_K) { /* the bytes and scales of pack_direct's Q6_K */
+        size_t off = (size_t)(k0 / 256) * 210;
+        rows_at(w, rb, rows, off, rp, &idx);
+        const vi m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+        for (int64_t s = 0; s < kc / 256; s++) {
+            size_t b = (size_t)s * 210;
+            const uint8_t *blk = w + off + b;
+            vf ws16[16], wm16[16];
+            vf d = f16_hi(GATHER(idx, blk + 206)); /* bytes 206..209: two scales, then d */
+            for (int q = 0; q < 4; q++) {
+                vi g4 = GATHER(idx, blk + 192 + 4 * q);
+                for (int j = 0; j < 4; j++) {
+                    vf scj = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(g4, 24 - 8 * j), 24));
+                    ws16[4 * q + j] = _mm512_mul_ps(d, scj);
+                    wm16[4 * q + j] = _mm512_mul_ps(_mm512_set1_ps(-32.0f), ws16[4 * q + j]);
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                vi l0[8], l1[8], qh[8];
+                prefetch_next16(rp, b + 64 * (size_t)h, 16 * rb);
+                prefetch_next16(rp, b + 64 * (size_t)h + 128, 16 * rb);
+                load_rows32(rp, b + 64 * (size_t)h, l0);
+                load_rows32(rp, b + 64 * (size_t)h + 32, l1);
+                load_rows32(rp, b + 128 + 32 * (size_t)h, qh);
+                for (int m = 0; m < 4; m++) { /* the four groups of 32 weights of this half */
+                    vi v[8], q[8];
+                    for (int i = 0; i < 8; i++) {
+                        vi lo = m & 1 ? l1[i] : l0[i];
+                        lo = m < 2 ? _mm512_and_si512(lo, m4) : _mm512_and_si512(_mm512_srli_epi16(lo, 4), m4);
+                        vi hb = m == 0 ? _mm512_slli_epi16(qh[i], 4)
+                                : m == 1 ? _mm512_slli_epi16(qh[i], 2)
+                                : m == 2 ? qh[i]
+                                         : _mm512_srli_epi16(qh[i], 2);
+                        v[i] = _mm512_or_si512(lo, _mm512_and_si512(hb, m30));
+                    }
+                    tr8x16(v, q);
+                    for (int sb = 0; sb < 2; sb++) { /* two sub-blocks of 16 weights */
+                        int j = 8 * h + 2 * m + sb;
+                        int64_t g = s * 16 + j;
+                        for (int t = 0; t < NT; t++) {
+                            vi is = vi_zero();
+                            for (int i = 0; i < 4; i++) {
+                                int32_t bb;
+                                memcpy(&bb, &A->q[t][g * 16 + 4 * i], 4);
+                                is = vi_dot(is, q[4 * sb + i], bb, 0);
+                            }
+                            const cb_fast_ablk *ab = &A->a[t][g / 2];
+                            acc[t] = vfma(vf_cvt(is), vmul(ws16[j], vset1(ab->d)), acc[t]);
+                            acc[t] = vfma(wm16[j], vset1(ab->ds16[g & 1]), acc[t]);
+                        }
+                    }
+                }
             }
         }
     } else { /* Q4_K */
@@ -221,7 +275,7 @@ FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t r
 
 static int fused_decode(float *y, int64_t ldy, int first, const uint8_t *w, size_t rb, uint32_t dt, int64_t N,
                         int64_t k0, int64_t kc, const struct act_tile_avx512vnni *At, int nt) {
-    if (dt != COLIBRI_DTYPE_Q8_0 && dt != COLIBRI_DTYPE_Q4_K) return 0;
+    if (dt != COLIBRI_DTYPE_Q8_0 && dt != COLIBRI_DTYPE_Q4_K && dt != COLIBRI_DTYPE_Q6_K) return 0;
     const FS(act_tile) *A = At;
     for (int64_t n0 = 0; n0 < N; n0 += 16) {
         int64_t rows = N - n0 < 16 ? N - n0 : 16;

@@ -402,22 +402,55 @@ DP_AI void down_block(float *y, int64_t H, const uint32_t *hp, int64_t ldp, cons
         }                                                                                                 \
     }
 
+/* The token steps of one packed block (rows [i0, i0 + ic) by the DN_CW columns at cs):
+ * before each step, a share of the next block's rows (pf: nr rows of pfb bytes, stride H) is
+ * prefetched, so that the next pack finds them in cache: the pack's reads are a first touch,
+ * short and strided, the rest of the block runs from L1/L2. */
+static void down_block_steps(float *y, const float *h, const uint32_t *pb, uint32_t *hp, int64_t R, int64_t H,
+                             int64_t I, int64_t i0, int64_t ic, int64_t cs, int64_t ncs, const uint16_t *pf, int64_t nr,
+                             int64_t pfb) {
+    int64_t steps = (R + DN_NT - 1) / DN_NT, per = (nr + steps - 1) / steps, r0 = 0;
+    for (int64_t t0 = 0; t0 < R; t0 += DN_NT, r0 += per) {
+        for (int64_t r = r0; r < r0 + per && r < nr; r++)
+            for (int64_t b = 0; b < pfb; b += 64) _mm_prefetch((const char *)(pf + (size_t)r * (size_t)H) + b, _MM_HINT_T0);
+        int64_t nt = R - t0 < DN_NT ? R - t0 : DN_NT;
+        pairs_of(hp, h + t0 * I + i0, I, nt, ic);
+        float *yt = y + t0 * H + cs;
+        switch (nt) {
+        case 1: down_block(yt, H, hp, ic / 2, pb, ic / 2, ncs, 1, i0 > 0); break;
+        case 2: down_block(yt, H, hp, ic / 2, pb, ic / 2, ncs, 2, i0 > 0); break;
+        case 3: down_block(yt, H, hp, ic / 2, pb, ic / 2, ncs, 3, i0 > 0); break;
+        case 4: down_block(yt, H, hp, ic / 2, pb, ic / 2, ncs, 4, i0 > 0); break;
+        case 5: down_block(yt, H, hp, ic / 2, pb, ic / 2, ncs, 5, i0 > 0); break;
+        default: down_block(yt, H, hp, ic / 2, pb, ic / 2, ncs, 6, i0 > 0); break;
+        }
+    }
+}
+
 /* y[r, c] = sum_i h[r, i] w2T[i, c] for c0 <= c < c1, by blocks of CB_DOWN_BLOCK rows. Up to
  * CB_DP_ROWS_T tokens read the pairs straight from w2T, 64 columns at a time; more pack each
- * block by DN_CW columns into pairs once (64 KiB) and run every token through it. */
+ * block by DN_CW columns into pairs once (32 KiB) and run every token through it, block by
+ * block, the column slabs of a block one after another (so a row's lines are read together). */
 void cb_bf16dp_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
                            int64_t c1) {
     const uint16_t *w2 = (const uint16_t *)expert + (size_t)2 * (size_t)I * (size_t)H;
     uint32_t pb[CB_DOWN_BLOCK / 2 * DN_CW], hp[DN_NT * CB_DOWN_BLOCK / 2];
-    for (int64_t cs = c0; cs < c1; cs += DN_CW) {
-        int64_t ncs = c1 - cs < DN_CW ? c1 - cs : DN_CW;
-        for (int64_t i0 = 0; i0 < I; i0 += CB_DOWN_BLOCK) {
-            int64_t ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK;
-            const uint16_t *w = w2 + (size_t)i0 * (size_t)H + cs;
-            if (R <= CB_DP_ROWS_T) {
+    if (R <= CB_DP_ROWS_T) {
+        for (int64_t cs = c0; cs < c1; cs += DN_CW) {
+            int64_t ncs = c1 - cs < DN_CW ? c1 - cs : DN_CW;
+            for (int64_t i0 = 0; i0 < I; i0 += CB_DOWN_BLOCK) {
+                int64_t ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK;
+                const uint16_t *w = w2 + (size_t)i0 * (size_t)H + cs;
                 DOWN_STEPS(R, cs, down_direct, w, ic / 2, ncs)
-                continue;
             }
+        }
+        return;
+    }
+    for (int64_t i0 = 0; i0 < I; i0 += CB_DOWN_BLOCK) {
+        int64_t ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK;
+        for (int64_t cs = c0; cs < c1; cs += DN_CW) {
+            int64_t ncs = c1 - cs < DN_CW ? c1 - cs : DN_CW;
+            const uint16_t *w = w2 + (size_t)i0 * (size_t)H + cs;
             for (int64_t q = 0; q < ic / 2; q++)
                 for (int64_t c = 0; c < ncs; c += 32) {
                     vi P[2];
@@ -425,7 +458,12 @@ void cb_bf16dp_down_packed(float *y, const float *h, const void *expert, int64_t
                     _mm512_storeu_si512(pb + q * DN_CW + c, P[0]);
                     _mm512_storeu_si512(pb + q * DN_CW + c + 16, P[1]);
                 }
-            DOWN_STEPS(R, cs, down_block, pb, ic / 2, ncs)
+            /* the next pack's rows: this block's next slab, or the next block's first */
+            int64_t ni0 = cs + DN_CW < c1 ? i0 : i0 + CB_DOWN_BLOCK, ncs0 = cs + DN_CW < c1 ? cs + DN_CW : c0;
+            int64_t nr = ni0 < I ? (I - ni0 < CB_DOWN_BLOCK ? I - ni0 : CB_DOWN_BLOCK) : 0;
+            int64_t nb = c1 - ncs0 < DN_CW ? c1 - ncs0 : DN_CW;
+            down_block_steps(y, h, pb, hp, R, H, I, i0, ic, cs, ncs, nr ? w2 + (size_t)ni0 * (size_t)H + ncs0 : w2, nr,
+                             2 * nb);
         }
     }
 }
