@@ -145,6 +145,23 @@ static int fused_decode(float *y, int64_t ldy, int first, const uint8_t *w, size
 
 #include "cpu/fast_simd.inc"
 
+/* The fused decode's step for sub-block g of G weights (its G/4 quads, transposed, in q):
+ * each token's exact integer sum, then the two float steps of fast.h, as FS(micro) does. */
+FAI void fused_sub(vf *acc, const vi *q, vf ws, vf wm, const FS(act_tile) *A, int64_t g, const int64_t G,
+                   const int WIDE, const int NT) {
+    for (int t = 0; t < NT; t++) {
+        vi is = vi_zero();
+        for (int i = 0; i < G / 4; i++) {
+            int32_t b;
+            memcpy(&b, &A->q[t][g * G + 4 * i], 4);
+            is = vi_dot(is, q[i], b, WIDE);
+        }
+        const cb_fast_ablk *ab = &A->a[t][g * G / 32];
+        acc[t] = vfma(vf_cvt(is), vmul(ws, vset1(ab->d)), acc[t]);
+        acc[t] = vfma(wm, vset1(G == 32 ? ab->ds32 : ab->ds16[g & 1]), acc[t]);
+    }
+}
+
 /* Decode (nt <= 4 tokens), Q8_0, Q4_K and Q6_K: for each 16 rows, the quads are transposed in
  * registers and go straight into vpdpbusd, the scales into the float steps, with no panel
  * stored and reloaded: the same operations on the same values as pack + micro. */
@@ -166,18 +183,7 @@ FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t r
             for (int i = 0; i < 8; i++) z[i] = _mm512_xor_si512(z[i], x80);
             tr8x16(z, q);
             vf d = f16_lo(GATHER(idx, w + off + (size_t)g * 34));
-            vf wm = _mm512_mul_ps(_mm512_set1_ps(-128.0f), d);
-            for (int t = 0; t < NT; t++) {
-                vi is = vi_zero();
-                for (int j = 0; j < 8; j++) {
-                    int32_t b;
-                    memcpy(&b, &A->q[t][g * 32 + 4 * j], 4);
-                    is = vi_dot(is, q[j], b, 1);
-                }
-                const cb_fast_ablk *blk = &A->a[t][g];
-                acc[t] = vfma(vf_cvt(is), vmul(d, vset1(blk->d)), acc[t]);
-                acc[t] = vfma(wm, vset1(blk->ds32), acc[t]);
-            }
+            fused_sub(acc, q, d, _mm512_mul_ps(_mm512_set1_ps(-128.0f), d), A, g, 32, 1, NT);
         }
     } else if (dt == COLIBRI_DTYPE_Q6_K) { /* the bytes and scales of pack_direct's Q6_K */
         size_t off = (size_t)(k0 / 256) * 210;
@@ -217,18 +223,7 @@ FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t r
                     tr8x16(v, q);
                     for (int sb = 0; sb < 2; sb++) { /* two sub-blocks of 16 weights */
                         int j = 8 * h + 2 * m + sb;
-                        int64_t g = s * 16 + j;
-                        for (int t = 0; t < NT; t++) {
-                            vi is = vi_zero();
-                            for (int i = 0; i < 4; i++) {
-                                int32_t bb;
-                                memcpy(&bb, &A->q[t][g * 16 + 4 * i], 4);
-                                is = vi_dot(is, q[4 * sb + i], bb, 0);
-                            }
-                            const cb_fast_ablk *ab = &A->a[t][g / 2];
-                            acc[t] = vfma(vf_cvt(is), vmul(ws16[j], vset1(ab->d)), acc[t]);
-                            acc[t] = vfma(wm16[j], vset1(ab->ds16[g & 1]), acc[t]);
-                        }
+                        fused_sub(acc, q + 4 * sb, ws16[j], wm16[j], A, s * 16 + j, 16, 0, NT);
                     }
                 }
             }
@@ -253,19 +248,7 @@ FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t r
                 tr8x16(hi, q[1]);
                 for (int h = 0; h < 2; h++) {
                     int j = 2 * p + h; /* the sub-block */
-                    vf ws = ws8[j], wm = wm8[j];
-                    int64_t g = s * 8 + j;
-                    for (int t = 0; t < NT; t++) {
-                        vi is = vi_zero();
-                        for (int i = 0; i < 8; i++) {
-                            int32_t bb;
-                            memcpy(&bb, &A->q[t][g * 32 + 4 * i], 4);
-                            is = vi_dot(is, q[h][i], bb, 0);
-                        }
-                        const cb_fast_ablk *blk = &A->a[t][g];
-                        acc[t] = vfma(vf_cvt(is), vmul(ws, vset1(blk->d)), acc[t]);
-                        acc[t] = vfma(wm, vset1(blk->ds32), acc[t]);
-                    }
+                    fused_sub(acc, q[h], ws8[j], wm8[j], A, s * 8 + j, 32, 0, NT);
                 }
             }
         }
