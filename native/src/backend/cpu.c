@@ -394,6 +394,8 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
     }
 }
 
+_Static_assert(CB_SPLIT_MAX_ROWS <= CB_FAST_PART_MAX_ROWS, "a fast table's down_part takes the split groups");
+
 static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
     int64_t H = ctx->cfg.hidden, n0 = 0, n1 = 0, n2 = 0, sum_work = 0;
     float *part = ctx->s.down_part;

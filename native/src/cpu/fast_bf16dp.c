@@ -330,7 +330,7 @@ void cb_bf16dp_gateup_packed(float *h, const float *x, const void *expert, int64
  * P[0] dword j = (a[j], b[j]) for j < 16, P[1] the same for j = 16 .. 31. vpermq puts 64-bit
  * pieces j and j + 4 in 128-bit lane j, so that vpunpck{l,h}wd interleave columns in order. */
 DP_AI void pair_rows(vi P[2], const uint16_t *a, const uint16_t *b, int64_t n) {
-    __mmask32 m = (__mmask32)(n >= 32 ? 0xFFFFFFFFu : (1u << n) - 1u);
+    __mmask32 m = (__mmask32)(n >= 32 ? 0xFFFFFFFFu : n <= 0 ? 0u : (1u << n) - 1u);
     const vi perm = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
     vi va = _mm512_permutexvar_epi64(perm, _mm512_maskz_loadu_epi16(m, a));
     vi vb = _mm512_permutexvar_epi64(perm, _mm512_maskz_loadu_epi16(m, b));

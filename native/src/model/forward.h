@@ -15,14 +15,12 @@
 #include "colibri.h"
 #include "model/kv.h"
 #include "model/model.h"
-#include "cpu/fast.h" /* CB_FAST_PART_MAX_ROWS */
 
 /* Groups of at most this many rows split their down projection by blocks of intermediate
  * rows (expert_down_part, then a sum of the parts) rather than by output columns: each
  * chunk then streams whole w2T rows, where a column range of a row is a short strided
  * read; more rows re-use each column panel enough that the column split wins. */
 #define CB_SPLIT_MAX_ROWS 5
-_Static_assert(CB_SPLIT_MAX_ROWS <= CB_FAST_PART_MAX_ROWS, "a fast table's down_part takes the split groups");
 /* Expert groups handed to one pair of parallel sections (a stack array of this size). */
 #define CB_FFN_BATCH 32
 
