@@ -180,16 +180,16 @@ static void tok_matmul(float *y, int64_t ldy, const float *x, const uint16_t *W,
 }
 
 /* gate/up rows i of the split (B == 0: gate, up [I, H]) or packed (block b of B rows: nb gate
- * rows then the same nb up rows) layouts */
+ * rows then the same nb up rows) layouts; ur may be NULL (the gate row only) */
 static void gu_rows(const uint16_t **gr, const uint16_t **ur, const uint16_t *gate, const uint16_t *up, int64_t H,
                     int64_t I, int64_t B, int64_t i) {
     if (B > 0) {
         int64_t bs = i / B * B, nb = I - bs < B ? I - bs : B;
         *gr = gate + (size_t)(2 * bs + (i - bs)) * (size_t)H;
-        *ur = *gr + (size_t)nb * (size_t)H;
+        if (ur) *ur = *gr + (size_t)nb * (size_t)H;
     } else {
         *gr = gate + (size_t)i * (size_t)H;
-        *ur = up + (size_t)i * (size_t)H;
+        if (ur) *ur = up + (size_t)i * (size_t)H;
     }
 }
 
@@ -276,9 +276,9 @@ static void row_gateup(float *h, const float *x, const uint16_t *gate, const uin
     pairs_of(xp, x, H, R, H);
     for (int64_t c = i0; c < i1; c += 16) {
         int64_t nr = i1 - c < 16 ? i1 - c : 16;
-        const uint16_t *gp[16], *up_[16], *gn, *un; /* the next panels (un: not needed) */
+        const uint16_t *gp[16], *up_[16], *gn; /* gn: the next gate panel */
         for (int l = 0; l < 16; l++) gu_rows(&gp[l], &up_[l], gate, up, H, I, B, c + (l < nr ? l : nr - 1));
-        gu_rows(&gn, &un, gate, up, H, I, B, c + 16 < i1 ? c + 16 : c);
+        gu_rows(&gn, NULL, gate, up, H, I, B, c + 16 < i1 ? c + 16 : c);
         vf g[CB_DP_ROWS_T], u[CB_DP_ROWS_T];
         switch (R) {
 #define GU_CASE(n) \
