@@ -25,6 +25,10 @@ two engines alternating, each figure the median of --reps runs after a warm-up:
 - parity of the big shape: one prompt, the CUDA backend's last-token top-1 = transformers'
   (bf16 on the GPU), with max |Δ| over the logit range.
 
+Colibri runs in each of --precisions (default exact,fast: f32 activations on CUDA cores, or
+bf16 weights on the tensor cores from bf16-rounded activations), one engine each, every
+engine and transformers alternating in each repetition.
+
 Everything goes to --out/gpu_bench.json (written after every phase, so a run cut short
 still leaves what it measured) and a table on stdout.
 """
@@ -110,6 +114,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and .colibri file")
+    ap.add_argument("--precisions", default="exact,fast", help="Colibri's numeric modes to measure")
+    ap.add_argument("--profile", action="store_true", help="write the CUDA kernels' times (torch.profiler) to "
+                    "--out/profile.txt")  # fmt: skip
     a = ap.parse_args(argv)
     t_start = time.monotonic()
     out = Path(a.out)
@@ -179,17 +186,24 @@ def main(argv=None) -> int:
     rep.save()
 
     # ---- 3. Colibri CUDA engine -----------------------------------------------------------
-    t = time.monotonic()
     max_len = max(a.prefill, a.context + a.steps * (a.reps + 1)) + 16
-    eng = Engine(cb_path, backend="cuda", max_seqs=a.batch, max_seq_len=max_len, max_batch=max(a.prefill, a.batch))
-    c = eng.config
-    t_load = time.monotonic() - t
-    rep.data["colibri"] = {"load_s": t_load, "backend_device": c.backend_device,
-                           "device_bytes": c.backend_device_bytes, "weight_bytes": c.backend_weight_bytes,
-                           "experts_resident": c.backend_experts_resident, "experts_host": c.backend_experts_host}  # fmt: skip
-    log(f"Colibri loaded in {t_load:.1f} s on {c.backend_device}: {c.backend_device_bytes / 2**30:.1f} GiB, "
-        f"{c.backend_experts_resident} experts resident, {c.backend_experts_host} on the host")
-    rep.save()
+    precisions = [p for p in a.precisions.split(",") if p]
+    engines = {}
+    rep.data["colibri"] = {}
+    for prec in precisions:
+        t = time.monotonic()
+        eng = Engine(cb_path, backend="cuda", max_seqs=a.batch, max_seq_len=max_len,
+                     max_batch=max(a.prefill, a.batch), precision=prec)  # fmt: skip
+        engines[prec] = eng
+        c = eng.config
+        t_load = time.monotonic() - t
+        rep.data["colibri"][prec] = {"load_s": t_load, "backend_device": c.backend_device,
+                                     "device_bytes": c.backend_device_bytes, "weight_bytes": c.backend_weight_bytes,
+                                     "experts_resident": c.backend_experts_resident,
+                                     "experts_host": c.backend_experts_host}  # fmt: skip
+        log(f"Colibri ({prec}) loaded in {t_load:.1f} s on {c.backend_device}: {c.backend_device_bytes / 2**30:.1f} "
+            f"GiB, {c.backend_experts_resident} experts resident, {c.backend_experts_host} on the host")
+        rep.save()
 
     rng = np.random.default_rng(1)
     V = SHAPE["vocab_size"]
@@ -197,14 +211,14 @@ def main(argv=None) -> int:
     def ids(n):
         return rng.integers(3, V, size=n).tolist()
 
-    # Colibri measurements
-    def cb_prefill():
+    # Colibri measurements (forward returns the logits on the host: every step is synchronous)
+    def cb_prefill(eng):
         p = ids(a.prefill)
         t0 = time.perf_counter()
         eng.forward(p, last_only=True)
         return a.prefill / (time.perf_counter() - t0)
 
-    def cb_decode1():
+    def cb_decode1(eng):
         eng.forward(ids(a.context), last_only=True)
         toks = ids(a.steps)
         t0 = time.perf_counter()
@@ -212,7 +226,7 @@ def main(argv=None) -> int:
             eng.forward([tok], a.context + k)
         return a.steps / (time.perf_counter() - t0)
 
-    def cb_decodeB():
+    def cb_decodeB(eng):
         B = a.batch
         for s in range(B):
             eng.sequence(s).clear()
@@ -255,77 +269,110 @@ def main(argv=None) -> int:
         f"prefill_{a.prefill}": (cb_prefill, hf_prefill),
     }
     results = rep.data.setdefault("results", {})
+    keys = [f"colibri_{p}" for p in precisions] + ["transformers"]
     for name, (cb_fn, hf_fn) in cases.items():
         if left() < 20:
             log(f"budget spent: {name} skipped")
             results[name] = {"skipped": "time budget"}
             continue
-        r = {"colibri_tok_s": [], "transformers_tok_s": [], "colibri_errors": [], "transformers_errors": []}
-        for fn, key in ((cb_fn, "colibri"), (hf_fn, "transformers")):  # warm-up (graph capture, cuBLAS)
+        fns = {f"colibri_{p}": (lambda fn=cb_fn, e=engines[p]: fn(e)) for p in precisions}
+        fns["transformers"] = hf_fn
+        r = {}
+        for key in keys:
+            r[key + "_tok_s"], r[key + "_errors"] = [], []
+        for key in keys:  # warm-up (graph capture, cuBLAS)
             try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - a failing engine is reported, the other still measured
+                fns[key]()
+            except Exception as e:  # noqa: BLE001 - a failing engine is reported, the others still measured
                 r[key + "_errors"].append(f"warm-up: {type(e).__name__}: {e}")
         for i in range(a.reps):
-            for fn, key in ((cb_fn, "colibri"), (hf_fn, "transformers")) if i % 2 == 0 else (
-                    (hf_fn, "transformers"), (cb_fn, "colibri")):
+            order = keys[i % len(keys):] + keys[:i % len(keys)]  # each engine first in turn
+            for key in order:
                 try:
-                    r[key + "_tok_s"].append(fn())
+                    r[key + "_tok_s"].append(fns[key]())
                 except Exception as e:  # noqa: BLE001
                     r[key + "_errors"].append(f"{type(e).__name__}: {e}")
-        r["colibri_median"] = median(r["colibri_tok_s"])
-        r["transformers_median"] = median(r["transformers_tok_s"])
-        if r["colibri_median"] and r["transformers_median"]:
-            r["ratio_colibri_over_transformers"] = r["colibri_median"] / r["transformers_median"]
+        for key in keys:
+            r[key + "_median"] = median(r[key + "_tok_s"])
+        for key in keys[:-1]:
+            if r[key + "_median"] and r["transformers_median"]:
+                r[f"ratio_{key}_over_transformers"] = r[key + "_median"] / r["transformers_median"]
+        if name.startswith("prefill"):  # the weight products' rate (2 x active parameters a token)
+            b = bytes_per_layer()
+            flop = 2 * L * (b["dense"] / 2 + SHAPE["num_experts_per_tok"] * b["expert"] / 2)
+            for key in keys:
+                if r[key + "_median"]:
+                    r[key + "_weight_tflop_s"] = r[key + "_median"] * flop / 1e12
         if name.startswith("decode"):
             B = 1 if name == "decode_b1" else a.batch
             nb = step_bytes(L, B)
             roof = B * HBM_BPS / nb
             r["step_bytes"] = nb
             r["roofline_tok_s"] = roof
-            for key in ("colibri", "transformers"):
+            for key in keys:
                 if r[key + "_median"]:
                     r[key + "_roofline_share"] = r[key + "_median"] / roof
                     r[key + "_tok_s_32_layers_est"] = r[key + "_median"] * nb / step_bytes(FULL_LAYERS, B)
         results[name] = r
-        log(f"{name}: colibri {r['colibri_median']} tok/s, transformers {r['transformers_median']} tok/s"
-            + (f", roofline share colibri {r.get('colibri_roofline_share', 0):.2f}" if name.startswith("decode") else ""))
-        rep.data["colibri"]["backend_stats_after"] = eng.backend_stats()
+        log(f"{name}: " + ", ".join(f"{k} {r[k + '_median']}" for k in keys)
+            + (f" tok/s; roofline {r['roofline_tok_s']:.1f} tok/s" if name.startswith("decode") else " tok/s"))
+        for p in precisions:
+            rep.data["colibri"][p]["backend_stats_after"] = engines[p].backend_stats()
         rep.save()
 
     # ---- 4. parity of the big shape --------------------------------------------------------
     if left() > 10:
         p = ids(48)
-        got = eng.forward(p)[-1]
         with torch.no_grad():
             ref = model(torch.tensor([p], device="cuda")).logits[0, -1].float().cpu().numpy()
         top2 = np.sort(ref)[-2:]
         rng_ = float(ref.max() - ref.min())
-        rep.data["parity"] = {"top1_colibri": int(got.argmax()), "top1_transformers": int(ref.argmax()),
-                              "top1_equal": bool(got.argmax() == ref.argmax()),
-                              "transformers_top1_margin": float(top2[1] - top2[0]),
-                              "max_abs_delta": float(np.abs(got - ref).max()), "logit_range": rng_,
-                              "max_abs_delta_over_range": float(np.abs(got - ref).max()) / rng_ if rng_ else None,
-                              "note": "transformers bf16 activations vs Colibri's; a top-1 margin under the "
-                                      "delta is a tie either may break"}  # fmt: skip
-        log(f"parity: {rep.data['parity']}")
-    rep.data["colibri"]["backend_stats_after"] = eng.backend_stats()
+        rep.data["parity"] = {}
+        for prec in precisions:
+            got = engines[prec].forward(p)[-1]
+            engines[prec].sequence(0).clear()
+            rep.data["parity"][prec] = {
+                "top1_colibri": int(got.argmax()), "top1_transformers": int(ref.argmax()),
+                "top1_equal": bool(got.argmax() == ref.argmax()), "transformers_top1_margin": float(top2[1] - top2[0]),
+                "max_abs_delta": float(np.abs(got - ref).max()), "logit_range": rng_,
+                "max_abs_delta_over_range": float(np.abs(got - ref).max()) / rng_ if rng_ else None,
+                "note": "transformers bf16 activations vs Colibri's; a top-1 margin under the delta is a tie "
+                        "either may break"}  # fmt: skip
+            log(f"parity ({prec}): {rep.data['parity'][prec]}")
+    # ---- 5. where the time goes: CUDA kernels of one prefill and 16 decode steps -------------
+    if a.profile and left() > 15:
+        prof_path = out / "profile.txt"
+        with prof_path.open("w") as fh:
+            for prec, eng in engines.items():
+                for what, fn in ((f"prefill {a.prefill}", lambda: eng.forward(ids(a.prefill), last_only=True)),
+                                 ("decode b1, 16 steps", lambda: [eng.forward([t], a.prefill + k)
+                                                                   for k, t in enumerate(ids(16))])):  # fmt: skip
+                    fn()
+                    torch.cuda.synchronize()
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                        fn()
+                        torch.cuda.synchronize()
+                    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
+                    fh.write(f"==== colibri {prec}: {what}\n{table}\n")
+        log(f"kernel profile in {prof_path}")
     rep.data["elapsed_s"] = time.monotonic() - t_start
     rep.save()
-    eng.close()
+    for eng in engines.values():
+        eng.close()
     if not a.keep:
         cb_path.unlink(missing_ok=True)
 
     # the table
-    print(f"\n{'case':<14} {'colibri tok/s':>14} {'transformers':>14} {'ratio':>7} {'roof tok/s':>11} {'cb share':>9}")
+    print(f"\n{'case':<14} {'engine':<16} {'tok/s':>10} {'÷ transformers':>15} {'roof tok/s':>11} {'share':>7}")
+    f = lambda v, w=10, p=1: f"{v:>{w}.{p}f}" if isinstance(v, float) else f"{'-':>{w}}"  # noqa: E731
     for name, r in results.items():
         if "skipped" in r:
             print(f"{name:<14} skipped")
             continue
-        f = lambda v, w=14, p=1: f"{v:>{w}.{p}f}" if isinstance(v, float) else f"{'-':>{w}}"  # noqa: E731
-        print(f"{name:<14} {f(r['colibri_median'])} {f(r['transformers_median'])} "
-              f"{f(r.get('ratio_colibri_over_transformers'), 7, 2)} {f(r.get('roofline_tok_s'), 11)} "
-              f"{f(r.get('colibri_roofline_share'), 9, 2)}")
+        for key in keys:
+            print(f"{name:<14} {key:<16} {f(r[key + '_median'])} "
+                  f"{f(r.get(f'ratio_{key}_over_transformers'), 15, 2)} {f(r.get('roofline_tok_s'), 11)} "
+                  f"{f(r.get(key + '_roofline_share'), 7, 2)}")
     print(f"({L} of {FULL_LAYERS} layers; 32-layer decode estimates in {rep.path})")
     return 0
 

@@ -19,7 +19,11 @@ OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-LIB=$PWD/build/cuda/libcolibri.so
+# PREBUILT=dir: a build made elsewhere with the same nvcc (static cudart), carried in; its
+# libcolibri.so, colibri_cli and colibri_bench are used when the library loads here, else
+# the sources are built as below.
+BUILD=$PWD/build/cuda
+LIB=$BUILD/libcolibri.so
 T_BUILD=${T_BUILD:-170} T_TESTS=${T_TESTS:-130} T_BENCH=${T_BENCH:-150} BENCH_LAYERS=${BENCH_LAYERS:-4}
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 : >"$OUT/summary.txt"
@@ -52,13 +56,20 @@ summary "facts: $(grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*' "$OUT/facts.txt" | head -1
 
 # ---- 2. build ----------------------------------------------------------------------------
 tb=$(date +%s)
+if [ -n "${PREBUILT:-}" ] && [ -f "$PREBUILT/libcolibri.so" ] &&
+    python3 -c "import ctypes, sys; ctypes.CDLL(sys.argv[1])" "$PWD/$PREBUILT/libcolibri.so" >"$OUT/build.log" 2>&1; then
+    BUILD=$PWD/$PREBUILT LIB=$PWD/$PREBUILT/libcolibri.so
+    echo "using the prebuilt $LIB" >>"$OUT/build.log"
+    rc_build=0
+else
 (
     set -e
     timeout "$T_BUILD" cmake -S native -B build/cuda -G Ninja -DCOLIBRI_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
         -DCMAKE_BUILD_TYPE=Release
     timeout "$T_BUILD" cmake --build build/cuda -j16
-) >"$OUT/build.log" 2>&1
+) >>"$OUT/build.log" 2>&1
 rc_build=$?
+fi
 summary "build: rc=$rc_build in $(($(date +%s) - tb)) s ($(ls -la "$LIB" 2>/dev/null | awk '{print $5}') bytes libcolibri.so)"
 if [ $rc_build -ne 0 ] || [ ! -f "$LIB" ]; then
     tail -40 "$OUT/build.log"
@@ -66,7 +77,7 @@ if [ $rc_build -ne 0 ] || [ ! -f "$LIB" ]; then
     exit 1
 fi
 export COLIBRI_LIB=$LIB COLIBRI_CUDA_LIB=$LIB
-export COLIBRI_CLI=$PWD/build/cuda/colibri_cli COLIBRI_BENCH=$PWD/build/cuda/colibri_bench
+export COLIBRI_CLI=$BUILD/colibri_cli COLIBRI_BENCH=$BUILD/colibri_bench
 
 # a first look: the CLI on the tiny model through the CUDA backend (converted by the tests too)
 timeout 60 python3 -c "
@@ -86,11 +97,11 @@ summary "tests: rc=$rc_tests in $(($(date +%s) - tt)) s: $(tail -1 "$OUT/test_gp
 
 # ---- 4. bench ----------------------------------------------------------------------------
 tn=$(date +%s)
-timeout "$T_BENCH" python3 tools/gpu_bench.py --layers "$BENCH_LAYERS" --out "$OUT" --budget-s $((T_BENCH - 25)) \
+timeout "$T_BENCH" python3 tools/gpu_bench.py --layers "$BENCH_LAYERS" --out "$OUT" --budget-s $((T_BENCH - 25)) --profile \
     >"$OUT/gpu_bench.log" 2>&1
 rc_bench=$?
 summary "bench: rc=$rc_bench in $(($(date +%s) - tn)) s"
-tail -8 "$OUT/gpu_bench.log" | tee -a "$OUT/summary.txt"
+tail -14 "$OUT/gpu_bench.log" | tee -a "$OUT/summary.txt"
 rm -rf /dev/shm/colibri_gpu_bench /tmp/colibri_gpu_bench
 summary "total $(($(date +%s) - t0)) s"
 echo "== test failures / skips"; grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/test_gpu.log" | head -30

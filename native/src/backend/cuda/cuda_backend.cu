@@ -21,7 +21,13 @@
  * Refused at init (COLIBRI_E_UNSUPPORTED, the cpu backend runs them): MLA attention, routing
  * other than softmax_topk / topk_softmax, grouped routing, routed scaling, router biases,
  * clamped SwiGLU, attention sinks, expert biases, the expert cache, int8 routers, weight
- * dtypes other than f32 / f16 / bf16 / q8_0, fast precision, head_dim > 256 or odd, top_k > 32.
+ * dtypes other than f32 / f16 / bf16 / q8_0, head_dim > 256 or odd, top_k > 32.
+ *
+ * Fast precision (colibri_options.precision FAST): every product with bf16 weights (K a
+ * multiple of 8) runs on the tensor cores from activations rounded to bf16, f32 accumulation
+ * (cuda_mma.cuh); the router and the shared-expert gate stay exact (routing decisions as the
+ * exact mode's, up to their inputs), as does everything but the products; f32 / f16 / q8_0
+ * weights take the exact kernels.
  *
  * Errors inside a step (stages return nothing): the first CUDA error is kept; every later
  * LM head gives NaN logits, which the orchestration reports as COLIBRI_E_NUMERIC.
@@ -41,6 +47,7 @@ extern "C" {
 }
 
 #include "cuda_kernels.cuh"
+#include "cuda_mma.cuh"
 
 namespace {
 
@@ -84,6 +91,9 @@ struct cu_state {
     int64_t *ecount, *eoff;
     uint8_t *tmp;
     uint64_t tmp_bytes;
+    /* fast precision (cuda_mma.cuh): bf16 copies of the products' inputs */
+    int fast;
+    __nv_bfloat16 *xb, *exb, *hb;
     /* the chunk's upload: device block d_up and its pinned host twin h_up, same offsets */
     uint8_t *d_up, *h_up;
     uint64_t up_bytes, o_ids, o_seq, o_head, o_pos, o_table, o_len;
@@ -174,6 +184,114 @@ static void ffn(cu_state *st, const dffn *f, float *y, float *h, const float *x,
     launched(st);
 }
 
+/* ---- fast precision: the tensor-core products (cuda_mma.cuh) ----------------------------- */
+
+/* The two tile shapes: a few rows a group (decode; long k tiles keep enough bytes in flight)
+ * and many (prefill). Both give the same bits (cuda_mma.cuh). */
+#define CM_SMALL 16, 64, 128, 16, 16, 4
+#define CM_SMALL_SMEM CM_SMEM(16, 64, 128, 4)
+#define CM_LARGE 128, 128, 32, 64, 32, 4
+#define CM_LARGE_SMEM CM_SMEM(128, 128, 32, 4)
+#define CM_SMALL_ROWS 32
+
+static cudaError_t mm_attributes(void) {
+    const cudaFuncAttribute at = cudaFuncAttributeMaxDynamicSharedMemorySize;
+    cudaError_t e;
+    if ((e = cudaFuncSetAttribute(k_mma<CM_SMALL, 0>, at, (int)CM_SMALL_SMEM)) != cudaSuccess) return e;
+    if ((e = cudaFuncSetAttribute(k_mma<CM_SMALL, 1>, at, (int)CM_SMALL_SMEM)) != cudaSuccess) return e;
+    if ((e = cudaFuncSetAttribute(k_mma<CM_LARGE, 0>, at, (int)CM_LARGE_SMEM)) != cudaSuccess) return e;
+    return cudaFuncSetAttribute(k_mma<CM_LARGE, 1>, at, (int)CM_LARGE_SMEM);
+}
+
+/* rows_bound: the most rows a group can have (its row tiles in grid x). */
+template <int GU> static void mm_launch(cu_state *st, const cm_args &a, int64_t rows_bound, int64_t groups) {
+    if (rows_bound <= 0 || groups <= 0 || a.N <= 0) return;
+    if (rows_bound <= CM_SMALL_ROWS) {
+        dim3 g(blocks(rows_bound, 16), blocks(a.N, GU ? 32 : 64), (unsigned)groups);
+        k_mma<CM_SMALL, GU><<<g, 128, CM_SMALL_SMEM, st->stream>>>(a);
+    } else {
+        dim3 g(blocks(rows_bound, 128), blocks(a.N, GU ? 64 : 128), (unsigned)groups);
+        k_mma<CM_LARGE, GU><<<g, 256, CM_LARGE_SMEM, st->stream>>>(a);
+    }
+    launched(st);
+}
+
+static int fast_w(const cu_state *st, uint32_t dt, int64_t K) {
+    return st->fast && dt == COLIBRI_DTYPE_BF16 && K % 8 == 0;
+}
+
+static int fast_ffn(const cu_state *st, const dffn *f, int64_t H) {
+    return fast_w(st, f->dt, H) && fast_w(st, f->down_dt, f->I);
+}
+
+/* dst [T, n] (ld ldd) = src rounded to bf16, in fast precision only. */
+static void to_bf16(cu_state *st, __nv_bfloat16 *dst, int64_t ldd, const float *src, int64_t lds, int64_t n,
+                    int64_t T) {
+    if (!st->fast || T <= 0 || n <= 0) return;
+    k_to_bf16<<<blocks(T * n, 256), 256, 0, st->stream>>>(dst, ldd, src, lds, n, T);
+    launched(st);
+}
+
+/* y [T, N] = x W^T: the tensor cores from xb (x rounded to bf16, ld K) when the weight takes
+ * them in this precision, else the exact kernel from x. */
+static void proj(cu_state *st, float *y, int64_t ldy, const float *x, int64_t ldx, const __nv_bfloat16 *xb, dmat w,
+                 int64_t N, int64_t K, int64_t T) {
+    if (!fast_w(st, w.dt, K)) {
+        mv(st, y, ldy, x, ldx, w, N, K, T);
+        return;
+    }
+    cm_args a;
+    memset(&a, 0, sizeof a);
+    a.x = xb;
+    a.ldx = K;
+    a.w = w.w;
+    a.rows = T;
+    a.N = N;
+    a.K = K;
+    a.rb = cb_row_bytes(w.dt, (uint64_t)K);
+    a.y = y;
+    a.ldy = ldy;
+    mm_launch<0>(st, a, T, 1);
+}
+
+/* The FFN f over groups on the tensor cores: h (f32) and st->hb (bf16) = silu(x G^T) * (x U^T)
+ * from xb [rows, H]; y = hb D^T. off NULL: one group of `rows` rows. */
+static void ffn_fast(cu_state *st, const dffn *f, float *y, float *h, const __nv_bfloat16 *xb, const int64_t *off,
+                     int64_t rows, int64_t rows_bound, int64_t n_groups, int64_t H) {
+    cm_args a;
+    memset(&a, 0, sizeof a);
+    a.x = xb;
+    a.ldx = H;
+    a.tab = f->tab;
+    a.which = 0;
+    a.packed = f->packed;
+    a.B = f->B;
+    a.off = off;
+    a.rows = rows;
+    a.N = f->I;
+    a.K = H;
+    a.rb = cb_row_bytes(f->dt, (uint64_t)H);
+    a.y = h;
+    a.ldy = f->I;
+    a.yb = st->hb;
+    a.ldyb = f->I;
+    mm_launch<1>(st, a, rows_bound, n_groups);
+    cm_args d;
+    memset(&d, 0, sizeof d);
+    d.x = st->hb;
+    d.ldx = f->I;
+    d.tab = f->tab;
+    d.which = 2;
+    d.off = off;
+    d.rows = rows;
+    d.N = H;
+    d.K = f->I;
+    d.rb = cb_row_bytes(f->down_dt, (uint64_t)f->I);
+    d.y = y;
+    d.ldy = H;
+    mm_launch<0>(st, d, rows_bound, n_groups);
+}
+
 static void rmsnorm(cu_state *st, float *y, const float *x, const float *w, const int32_t *map, int64_t rows,
                     int64_t H, float eps) {
     if (rows <= 0) return;
@@ -232,9 +350,10 @@ static void st_attention(colibri_ctx *ctx, uint32_t l) {
     const int32_t *seq = (const int32_t *)(st->d_up + st->o_seq);
     const int64_t *pos = (const int64_t *)(st->d_up + st->o_pos);
     rmsnorm(st, st->xn, st->x, L->attn_norm, NULL, T, H, eps);
-    mv(st, st->q, Nq, st->xn, H, L->wq, Nq, H, T);
-    mv(st, st->k, Nkv, st->xn, H, L->wk, Nkv, H, T);
-    mv(st, st->v, Nkv, st->xn, H, L->wv, Nkv, H, T);
+    to_bf16(st, st->xb, H, st->xn, H, H, T);
+    proj(st, st->q, Nq, st->xn, H, st->xb, L->wq, Nq, H, T);
+    proj(st, st->k, Nkv, st->xn, H, st->xb, L->wk, Nkv, H, T);
+    proj(st, st->v, Nkv, st->xn, H, st->xb, L->wv, Nkv, H, T);
     if (L->bq) {
         k_add_bias<<<blocks(T * Nq, 256), 256, 0, st->stream>>>(st->q, L->bq, T, Nq);
         k_add_bias<<<blocks(T * Nkv, 256), 256, 0, st->stream>>>(st->k, L->bk, T, Nkv);
@@ -260,10 +379,12 @@ static void st_attention(colibri_ctx *ctx, uint32_t l) {
     k_kv_store<<<(unsigned)T, 256, 0, st->stream>>>(g, st->k, st->v, seq, pos, l, Hkv);
     launched(st);
     float scale = (float)(1.0 / sqrt((double)hd));
-    k_attention<<<dim3((unsigned)T, (unsigned)Hq), CK_ATT_WARPS * 32, 0, st->stream>>>(st->att, st->q, g, seq, pos, l,
-                                                                                       Hq, Hkv, L->window, scale);
+    int64_t rep = Hq / Hkv, wz = rep < CK_ATT_WARPS ? rep : CK_ATT_WARPS;
+    k_attention<<<dim3((unsigned)T, (unsigned)Hkv, blocks(rep, CK_ATT_WARPS)), (unsigned)(wz * 32), CK_ATT_SMEM(hd),
+                  st->stream>>>(st->att, st->q, g, seq, pos, l, Hq, Hkv, L->window, scale);
     launched(st);
-    mv(st, st->delta, H, st->att, Nq, L->wo, H, Nq, T);
+    to_bf16(st, st->xb, Nq, st->att, Nq, Nq, T);
+    proj(st, st->delta, H, st->att, Nq, st->xb, L->wo, H, Nq, T);
     if (L->bo) {
         k_add_bias<<<blocks(T * H, 256), 256, 0, st->stream>>>(st->delta, L->bo, T, H);
         launched(st);
@@ -297,7 +418,8 @@ static void st_grouping(colibri_ctx *ctx, uint32_t l) {
     k_group<<<1, 256, 0, st->stream>>>(st->tk_ids, st->tw, st->ecount, st->eoff, st->row_token, st->row_weight,
                                        st->tok_row, T, E, c->top_k, ctx->group_pad);
     launched(st);
-    k_gather<<<(unsigned)max_rows_for(ctx, T), 256, 0, st->stream>>>(st->ex_in, st->xn, st->row_token, st->eoff + E, H);
+    k_gather<<<(unsigned)max_rows_for(ctx, T), 256, 0, st->stream>>>(st->ex_in, st->fast ? st->exb : NULL, st->xn,
+                                                                      st->row_token, st->eoff + E, H);
     launched(st);
 }
 
@@ -342,13 +464,28 @@ static void st_expert_ffn(colibri_ctx *ctx, uint32_t l) {
     int64_t T = ctx->run.T, H = c->hidden, E = c->n_experts;
     if (T <= 0) return;
     if (!L->moe) {
-        ffn(st, &L->dense, st->delta, st->ffn_h, st->xn, NULL, T, 1, H);
+        if (fast_ffn(st, &L->dense, H)) {
+            to_bf16(st, st->xb, H, st->xn, H, H, T);
+            ffn_fast(st, &L->dense, st->delta, st->ffn_h, st->xb, NULL, T, T, 1, H);
+        } else {
+            ffn(st, &L->dense, st->delta, st->ffn_h, st->xn, NULL, T, 1, H);
+        }
         return;
     }
-    ffn(st, &L->experts, st->ex_out, st->ex_h, st->ex_in, st->eoff, 0, E, H);
+    if (fast_ffn(st, &L->experts, H)) { /* a group holds at most T tokens and its padding */
+        int64_t bound = T + ctx->group_pad - 1;
+        ffn_fast(st, &L->experts, st->ex_out, st->ex_h, st->exb, st->eoff, 0, bound < st->R ? bound : st->R, E, H);
+    } else {
+        ffn(st, &L->experts, st->ex_out, st->ex_h, st->ex_in, st->eoff, 0, E, H);
+    }
     if (L->n_host > 0) host_experts(ctx, l);
     if (L->has_shared) {
-        ffn(st, &L->shared, st->sh_out, st->ffn_h, st->xn, NULL, T, 1, H);
+        if (fast_ffn(st, &L->shared, H)) {
+            to_bf16(st, st->xb, H, st->xn, H, H, T);
+            ffn_fast(st, &L->shared, st->sh_out, st->ffn_h, st->xb, NULL, T, T, 1, H);
+        } else {
+            ffn(st, &L->shared, st->sh_out, st->ffn_h, st->xn, NULL, T, 1, H);
+        }
         if (L->shared_gate.w) {
             mv(st, st->sh_gate, 1, st->xn, H, L->shared_gate, 1, H, T);
             k_sigmoid<<<blocks(T, 256), 256, 0, st->stream>>>(st->sh_gate, T);
@@ -379,7 +516,8 @@ static void enqueue_lm_head(colibri_ctx *ctx) {
     int64_t R = ctx->run.head_rows, H = c->hidden;
     if (R <= 0) return;
     rmsnorm(st, st->xn, st->x, st->out_norm, (const int32_t *)(st->d_up + st->o_head), R, H, (float)c->rms_norm_eps);
-    mv(st, st->logits, c->vocab, st->xn, H, st->lm_head, c->vocab, H, R);
+    to_bf16(st, st->xb, H, st->xn, H, H, R);
+    proj(st, st->logits, c->vocab, st->xn, H, st->xb, st->lm_head, c->vocab, H, R);
 }
 
 static void nan_fill(float *x, int64_t n) {
@@ -773,7 +911,6 @@ static const char *refusal(const colibri_ctx *ctx) {
     if (c->expert_bias) return "expert biases";
     if (ctx->ecache) return "the expert cache";
     if (c->router_int8) return "int8 routers";
-    if (ctx->precision == COLIBRI_PRECISION_FAST) return "fast precision (colibri_options.precision FAST)";
     if (c->head_dim > CK_MAX_HD || c->head_dim % 2) return "a head_dim above 256 or odd";
     if (c->top_k > CK_MAX_TOPK) return "top_k above 32";
     if (c->n_experts > 65535) return "more than 65535 experts";
@@ -846,6 +983,13 @@ static void walk_act(colibri_ctx *ctx, cu_state *st, bump *b) {
     st->sh_out = (float *)take(b, (uint64_t)(B * H) * f);
     st->sh_gate = (float *)take(b, (uint64_t)B * f);
     st->logits = (float *)take(b, (uint64_t)(B * V) * f);
+    if (st->fast) { /* bf16 inputs of the tensor-core products */
+        const uint64_t bh = 2;
+        int64_t wx = H > Nq ? H : Nq, hr = R * (I ? I : 1) > B * F ? R * (I ? I : 1) : B * F;
+        st->xb = (__nv_bfloat16 *)take(b, (uint64_t)(B * wx) * bh);
+        st->exb = (__nv_bfloat16 *)take(b, (uint64_t)(R * H) * bh);
+        st->hb = (__nv_bfloat16 *)take(b, (uint64_t)(hr > 0 ? hr : 1) * bh);
+    }
     /* the chunk's upload block */
     st->d_up = b->base + b->off;
     uint64_t u0 = b->off;
@@ -891,6 +1035,7 @@ static colibri_status cu_init(colibri_ctx *ctx, const cb_backend_request *req, c
     ctx->be_state = st;
     st->dev = req->device;
     st->B = ctx->max_batch;
+    st->fast = ctx->precision == COLIBRI_PRECISION_FAST;
     st->R = ctx->s.max_rows > 0 ? ctx->s.max_rows : 1;
     cb_graph_init(&st->g, 16);
     uint32_t nl = c->n_layers;
@@ -927,6 +1072,13 @@ static colibri_status cu_init(colibri_ctx *ctx, const cb_backend_request *req, c
         return fail(st, ctx, COLIBRI_E_UNSUPPORTED, err, err_len, "opening the device", e);
     }
     st->have_stream = 1;
+    if ((e = mm_attributes()) != cudaSuccess ||
+        (CK_ATT_SMEM(c->head_dim) > 48 * 1024 &&
+         (e = cudaFuncSetAttribute(k_attention, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)CK_ATT_SMEM(c->head_dim))) != cudaSuccess)) {
+        free(moe);
+        return fail(st, ctx, COLIBRI_E_UNSUPPORTED, err, err_len, "setting the kernels' shared memory", e);
+    }
 
     /* measure */
     bump mb = {NULL, 0, 0};
@@ -1022,8 +1174,9 @@ static colibri_status cu_init(colibri_ctx *ctx, const cb_backend_request *req, c
     if (st->plan.experts_host > 0)
         snprintf(res, sizeof res, ", %lld of %lld experts resident", (long long)st->plan.experts_resident,
                  (long long)(st->plan.experts_resident + st->plan.experts_host));
-    snprintf(st->device, sizeof st->device, "%.64s (sm_%d%d, %.1f GiB, %.16s weights resident%s)", prop.name, prop.major,
-             prop.minor, (double)dtotal / 1073741824.0, c->weight_dtype_str, res);
+    snprintf(st->device, sizeof st->device, "%.64s (sm_%d%d, %.1f GiB, %.16s weights resident%s%s)", prop.name,
+             prop.major, prop.minor, (double)dtotal / 1073741824.0, c->weight_dtype_str, res,
+             st->fast ? ", fast: bf16 tensor cores" : "");
     return COLIBRI_OK;
 }
 

@@ -14,12 +14,13 @@
 #ifndef COLIBRI_CUDA_KERNELS_CUH
 #define COLIBRI_CUDA_KERNELS_CUH
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 
 #define CK_WPB 8          /* warps per block of the weight kernels (one output row per warp) */
 #define CK_TILE 8         /* activation rows per pass over a weight row */
-#define CK_ATT_WARPS 4    /* warps of an attention block (one (row, head) per block) */
+#define CK_ATT_WARPS 8    /* warps of an attention block (one query head of a KV group each) */
 #define CK_MAX_HD 256     /* head_dim bound of the attention kernel */
 #define CK_MAX_TOPK 32
 
@@ -313,69 +314,100 @@ __global__ void k_kv_store(ck_kvgeo g, const float *k, const float *v, const int
     }
 }
 
-/* Attention of row t (blockIdx.x), query head h (blockIdx.y) over positions [lo, pos] of its
- * sequence: warp w takes positions lo + w, lo + w + CK_ATT_WARPS, ... ascending; pass 1 the
- * max score, pass 2 the exp sum and the weighted values; the warps' parts meet in warp
- * order. The order depends only on the number of positions. */
+/* Attention of row t (blockIdx.x) for the query heads of KV head g (blockIdx.y): warp w takes
+ * query head g * rep + blockIdx.z * CK_ATT_WARPS + w (blockDim: min(rep, CK_ATT_WARPS) warps),
+ * over positions [lo, pos] of the row's sequence in chunks of CK_ATT_CHUNK. A chunk's keys and
+ * values go to shared memory once for the block's heads (rows padded by 4 floats); lane j
+ * scores position c0 + j (its dot product over d ascending), and an online softmax takes the
+ * chunk: max over the warp, then m, the exp sum (lanes' terms in a fixed xor butterfly) and
+ * each lane's output dims (lane + 32u, the chunk's positions ascending) rescaled by
+ * exp(m_old - m_new). The order depends only on lo and pos: a row's result is the same in
+ * any batch and for any T. Dynamic shared memory: CK_ATT_SMEM(D) bytes. */
+#define CK_ATT_CHUNK 32
+#define CK_ATT_SMEM(D) ((size_t)(2 * CK_ATT_CHUNK * ((D) + 4) + CK_ATT_WARPS * (D)) * sizeof(float))
 __global__ void __launch_bounds__(CK_ATT_WARPS * 32) k_attention(float *out, const float *q, ck_kvgeo g,
                                                                  const int32_t *seq, const int64_t *pos, int64_t l,
                                                                  int64_t Hq, int64_t Hkv, int64_t window,
                                                                  float scale) {
-    __shared__ float qs[CK_MAX_HD];
-    __shared__ float wmax[CK_ATT_WARPS], wsum[CK_ATT_WARPS];
-    __shared__ float wout[CK_ATT_WARPS][CK_MAX_HD];
-    int64_t t = blockIdx.x, h = blockIdx.y, D = g.D;
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    int64_t p = pos[t], lo = (window > 0 && p >= window) ? p - window + 1 : 0;
-    int32_t sq = seq[t];
-    int64_t kvh = h / (Hq / Hkv);
-    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) qs[d] = q[(t * Hq + h) * D + d];
-    __syncthreads();
-    float m = -INFINITY;
-    for (int64_t j = lo + w; j <= p; j += CK_ATT_WARPS) {
-        const float *kr = g.k + ck_kv_off(g, sq, l, kvh, j);
-        float acc = 0.0f;
-        for (int64_t d = lane; d < D; d += 32) acc = fmaf(qs[d], kr[d], acc);
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        float s = acc * scale;
-        if (s > m) m = s;
-    }
-    if (lane == 0) wmax[w] = m;
-    __syncthreads();
-    m = wmax[0];
-    for (int i = 1; i < CK_ATT_WARPS; i++)
-        if (wmax[i] > m) m = wmax[i];
-    float sum = 0.0f, o_acc[CK_MAX_HD / 32];
+    extern __shared__ __align__(16) float ck_att_smem[];
+    const int64_t D = g.D, LD = D + 4;
+    float *Ks = ck_att_smem, *Vs = Ks + CK_ATT_CHUNK * LD, *qs = Vs + CK_ATT_CHUNK * LD;
+    const int64_t t = blockIdx.x, kvh = blockIdx.y, rep = Hq / Hkv;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int64_t hl = (int64_t)blockIdx.z * CK_ATT_WARPS + w, h = kvh * rep + hl;
+    const bool active = hl < rep;
+    const int64_t p = pos[t], lo = (window > 0 && p >= window) ? p - window + 1 : 0;
+    const int32_t sq = seq[t];
+    if (active)
+        for (int64_t d = lane; d < D; d += 32) qs[w * D + d] = q[(t * Hq + h) * D + d];
+    float m = -INFINITY, lsum = 0.0f, o_acc[CK_MAX_HD / 32];
 #pragma unroll
     for (int u = 0; u < CK_MAX_HD / 32; u++) o_acc[u] = 0.0f;
-    for (int64_t j = lo + w; j <= p; j += CK_ATT_WARPS) {
-        int64_t ko = ck_kv_off(g, sq, l, kvh, j);
-        const float *kr = g.k + ko, *vr = g.v + ko;
-        float acc = 0.0f;
-        for (int64_t d = lane; d < D; d += 32) acc = fmaf(qs[d], kr[d], acc);
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        float e = expf(acc * scale - m);
-        sum += e;
-#pragma unroll
-        for (int u = 0; u < CK_MAX_HD / 32; u++) {
-            int64_t d = lane + 32 * u;
-            if (d < D) o_acc[u] = fmaf(e, vr[d], o_acc[u]);
+    for (int64_t c0 = lo; c0 <= p; c0 += CK_ATT_CHUNK) {
+        const int n = p - c0 + 1 < CK_ATT_CHUNK ? (int)(p - c0 + 1) : CK_ATT_CHUNK;
+        __syncthreads(); /* the previous chunk is consumed (and qs written, the first time) */
+        if (D % 4 == 0) {
+            const int64_t D4 = D / 4;
+            for (int64_t idx = threadIdx.x; idx < (int64_t)n * D4; idx += blockDim.x) {
+                int64_t j = idx / D4, d = (idx % D4) * 4;
+                int64_t o = ck_kv_off(g, sq, l, kvh, c0 + j) + d;
+                *(float4 *)(Ks + j * LD + d) = *(const float4 *)(g.k + o);
+                *(float4 *)(Vs + j * LD + d) = *(const float4 *)(g.v + o);
+            }
+        } else {
+            for (int64_t idx = threadIdx.x; idx < (int64_t)n * D; idx += blockDim.x) {
+                int64_t j = idx / D, d = idx % D;
+                int64_t o = ck_kv_off(g, sq, l, kvh, c0 + j) + d;
+                Ks[j * LD + d] = g.k[o];
+                Vs[j * LD + d] = g.v[o];
+            }
         }
+        __syncthreads();
+        if (!active) continue;
+        float s = -INFINITY;
+        if (lane < n) {
+            const float *kr = Ks + lane * LD, *qr = qs + w * D;
+            float acc = 0.0f;
+            if (D % 4 == 0) {
+                for (int64_t d = 0; d < D; d += 4) {
+                    float4 kv4 = *(const float4 *)(kr + d), q4 = *(const float4 *)(qr + d);
+                    acc = fmaf(q4.x, kv4.x, acc);
+                    acc = fmaf(q4.y, kv4.y, acc);
+                    acc = fmaf(q4.z, kv4.z, acc);
+                    acc = fmaf(q4.w, kv4.w, acc);
+                }
+            } else {
+                for (int64_t d = 0; d < D; d++) acc = fmaf(qr[d], kr[d], acc);
+            }
+            s = acc * scale;
+        }
+        float cm = s;
+        for (int o = 16; o > 0; o >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
+        float mn = fmaxf(m, cm);
+        float alpha = expf(m - mn); /* 0 for the first chunk (m = -inf, mn finite) */
+        float pj = lane < n ? expf(s - mn) : 0.0f;
+        float ps = pj;
+        for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+        lsum = lsum * alpha + ps;
+#pragma unroll
+        for (int u = 0; u < CK_MAX_HD / 32; u++) o_acc[u] *= alpha;
+        for (int j = 0; j < n; j++) {
+            float pb = __shfl_sync(0xffffffffu, pj, j);
+            const float *vr = Vs + j * LD;
+#pragma unroll
+            for (int u = 0; u < CK_MAX_HD / 32; u++) {
+                int64_t d = lane + 32 * u;
+                if (d < D) o_acc[u] = fmaf(pb, vr[d], o_acc[u]);
+            }
+        }
+        m = mn;
     }
-    if (lane == 0) wsum[w] = sum;
+    if (!active) return;
+    float inv = 1.0f / lsum;
 #pragma unroll
     for (int u = 0; u < CK_MAX_HD / 32; u++) {
         int64_t d = lane + 32 * u;
-        if (d < D) wout[w][d] = o_acc[u];
-    }
-    __syncthreads();
-    float tot = wsum[0];
-    for (int i = 1; i < CK_ATT_WARPS; i++) tot += wsum[i];
-    float inv = 1.0f / tot;
-    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-        float o = wout[0][d];
-        for (int i = 1; i < CK_ATT_WARPS; i++) o += wout[i][d];
-        out[(t * Hq + h) * D + d] = o * inv;
+        if (d < D) out[(t * Hq + h) * D + d] = o_acc[u] * inv;
     }
 }
 
@@ -469,12 +501,18 @@ __global__ void k_group(const int32_t *ids, const float *tw, int64_t *count, int
     }
 }
 
-/* ex_in[r] = xn[row_token[r]] (zeros for padding), r < off[E]; one block per row. */
-__global__ void k_gather(float *ex_in, const float *xn, const int32_t *row_token, const int64_t *off_end, int64_t H) {
+/* ex_in[r] = xn[row_token[r]] (zeros for padding), r < off[E]; one block per row. exb (fast
+ * precision; NULL: none): the same rounded to bf16. */
+__global__ void k_gather(float *ex_in, __nv_bfloat16 *exb, const float *xn, const int32_t *row_token,
+                         const int64_t *off_end, int64_t H) {
     int64_t r = blockIdx.x;
     if (r >= *off_end) return;
     int32_t t = row_token[r];
-    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) ex_in[r * H + c] = t >= 0 ? xn[(int64_t)t * H + c] : 0.0f;
+    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+        float v = t >= 0 ? xn[(int64_t)t * H + c] : 0.0f;
+        ex_in[r * H + c] = v;
+        if (exb) exb[r * H + c] = __float2bfloat16_rn(v);
+    }
 }
 
 /* delta[t] = sum of weight * ex_out over t's rows in ascending row (= expert) order, plus
