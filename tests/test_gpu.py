@@ -24,7 +24,8 @@ Fast precision (bf16 weights on the tensor cores, activations rounded to bf16): 
 backend's exact mode, the median over positions of max |Δ logits| / range <= 1e-2 and top-1
 agreement >= 90 % (routing flips at near-ties move single tokens further; the CPU's own fast
 mode measures about the same on these models), and the same against transformers bf16 on the
-GPU. Its invariances are bitwise like the exact mode's, across the two tile shapes
+GPU within 3e-2 and 85 % (transformers bf16 also rounds the residual stream, the norms and the
+attention to bf16, so it sits further from the exact logits than the fast mode does). Its invariances are bitwise like the exact mode's, across the two tile shapes
 (cuda_mma.cuh: a prompt of 80 rows takes the large one, a decode step the small one).
 Bitwise on the CUDA backend: a sequence batched with others = alone; three runs (and a
 fresh engine) = each other; decode steps replayed from CUDA graphs = the eager stage-by-stage
@@ -63,6 +64,8 @@ F32_TOL = 1e-3
 BF16_REL_TOL = 2e-2
 FAST_MEDIAN_REL_TOL = 1e-2
 FAST_TOP1 = 0.90
+FAST_HF_BF16_MEDIAN_REL_TOL = 3e-2
+FAST_HF_BF16_TOP1 = 0.85
 
 
 # ---- the probe and the models ------------------------------------------------------------
@@ -201,15 +204,16 @@ DTYPES = ["f32", "bf16"]
 PRECISIONS = ["exact", "fast"]
 
 
-def _agreement(ref: np.ndarray, got: np.ndarray, what: str) -> None:
+def _agreement(ref: np.ndarray, got: np.ndarray, what: str, median_tol: float = FAST_MEDIAN_REL_TOL,
+               top1_min: float = FAST_TOP1) -> None:
     """Fast precision against a reference: median relative max |Δ| and top-1 agreement."""
     assert got.shape == ref.shape and np.isfinite(got).all(), what
     rel = np.abs(ref - got).max(axis=-1) / (ref.max(axis=-1) - ref.min(axis=-1))
     top1 = float((ref.argmax(-1) == got.argmax(-1)).mean())
     print(f"{what}: max |Δ|/range median {float(np.median(rel)):.3g}, max {float(rel.max()):.3g}; "
           f"top-1 agreement {top1:.3f}")  # fmt: skip
-    assert float(np.median(rel)) <= FAST_MEDIAN_REL_TOL, f"{what}: median |Δ|/range {float(np.median(rel)):.3g}"
-    assert top1 >= FAST_TOP1, f"{what}: top-1 agreement {top1:.3f}"
+    assert float(np.median(rel)) <= median_tol, f"{what}: median |Δ|/range {float(np.median(rel)):.3g}"
+    assert top1 >= top1_min, f"{what}: top-1 agreement {top1:.3f}"
 
 
 # ---- facts -------------------------------------------------------------------------------
@@ -309,7 +313,10 @@ def test_fast_precision_agrees_with_exact(models, tiny_files, name):
     with torch.no_grad():
         ref = m(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
     del m
-    _agreement(ref, got, f"{name}: cuda fast vs transformers bf16 (torch cuda)")
+    _agreement(ref, got, f"{name}: cuda fast vs transformers bf16 (torch cuda)", FAST_HF_BF16_MEDIAN_REL_TOL,
+               FAST_HF_BF16_TOP1)
+    ref_exact = _hf_cuda_logits(copy.deepcopy(model).to(torch.bfloat16).to(torch.float32), ids, "bf16")
+    _agreement(ref_exact, ref, f"{name}: (transformers bf16 vs transformers f32, for scale)", 1.0, 0.0)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -103,5 +103,11 @@ rc_bench=$?
 summary "bench: rc=$rc_bench in $(($(date +%s) - tn)) s"
 tail -14 "$OUT/gpu_bench.log" | tee -a "$OUT/summary.txt"
 rm -rf /dev/shm/colibri_gpu_bench /tmp/colibri_gpu_bench
+
+# ---- 5. the tensor-core products alone (tools/mma_bench.cu), when built ------------------
+if [ -x "$BUILD/mma_bench" ]; then
+    timeout 60 "$BUILD/mma_bench" >"$OUT/mma_bench.txt" 2>&1
+    summary "mma_bench: rc=$?"
+fi
 summary "total $(($(date +%s) - t0)) s"
 echo "== test failures / skips"; grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/test_gpu.log" | head -30

@@ -96,7 +96,7 @@ struct cu_state {
     __nv_bfloat16 *xb, *exb, *hb;
     /* the chunk's upload: device block d_up and its pinned host twin h_up, same offsets */
     uint8_t *d_up, *h_up;
-    uint64_t up_bytes, o_ids, o_seq, o_head, o_pos, o_table, o_len;
+    uint64_t up_bytes, o_ids, o_seq, o_head, o_pos, o_table, o_len, o_tiles;
     float *kvk, *kvv;
     float *h_logits;
     int64_t B, R;
@@ -150,12 +150,17 @@ static void mv(cu_state *st, float *y, int64_t ldy, const float *x, int64_t ldx,
                int64_t T) {
     if (T <= 0 || N <= 0) return;
     uint64_t rb = cb_row_bytes(w.dt, (uint64_t)K);
-    dim3 g(blocks(N, CK_WPB)), b(CK_WPB * 32);
+    /* token ranges in grid y when W's rows alone give fewer than about 2 blocks a multiprocessor */
+    int64_t bx = blocks(N, CK_WPB), tiles = blocks(T, CK_TILE), ny = bx >= 264 ? 1 : (264 + bx - 1) / bx;
+    if (ny > tiles) ny = tiles;
+    int64_t tpb = (tiles + ny - 1) / ny;
+    ny = (tiles + tpb - 1) / tpb;
+    dim3 g((unsigned)bx, (unsigned)ny), b(CK_WPB * 32);
     switch (ckdt(w.dt)) {
-    case CK_F16: k_matvec<CK_F16><<<g, b, 0, st->stream>>>(y, ldy, x, ldx, w.w, rb, N, K, T); break;
-    case CK_BF16: k_matvec<CK_BF16><<<g, b, 0, st->stream>>>(y, ldy, x, ldx, w.w, rb, N, K, T); break;
-    case CK_Q8: k_matvec<CK_Q8><<<g, b, 0, st->stream>>>(y, ldy, x, ldx, w.w, rb, N, K, T); break;
-    default: k_matvec<CK_F32><<<g, b, 0, st->stream>>>(y, ldy, x, ldx, w.w, rb, N, K, T); break;
+    case CK_F16: k_matvec<CK_F16><<<g, b, 0, st->stream>>>(y, ldy, x, ldx, w.w, rb, N, K, T, tpb); break;
+    case CK_BF16: k_matvec<CK_BF16><<<g, b, 0, st->stream>>>(y, ldy, x, ldx, w.w, rb, N, K, T, tpb); break;
+    case CK_Q8: k_matvec<CK_Q8><<<g, b, 0, st->stream>>>(y, ldy, x, ldx, w.w, rb, N, K, T, tpb); break;
+    default: k_matvec<CK_F32><<<g, b, 0, st->stream>>>(y, ldy, x, ldx, w.w, rb, N, K, T, tpb); break;
     }
     launched(st);
 }
@@ -188,8 +193,8 @@ static void ffn(cu_state *st, const dffn *f, float *y, float *h, const float *x,
 
 /* The two tile shapes: a few rows a group (decode; long k tiles keep enough bytes in flight)
  * and many (prefill). Both give the same bits (cuda_mma.cuh). */
-#define CM_SMALL 16, 64, 128, 16, 16, 4
-#define CM_SMALL_SMEM CM_SMEM(16, 64, 128, 4)
+#define CM_SMALL 16, 32, 128, 16, 16, 4
+#define CM_SMALL_SMEM CM_SMEM(16, 32, 128, 4)
 #define CM_LARGE 128, 128, 32, 64, 32, 4
 #define CM_LARGE_SMEM CM_SMEM(128, 128, 32, 4)
 #define CM_SMALL_ROWS 32
@@ -207,8 +212,8 @@ static cudaError_t mm_attributes(void) {
 template <int GU> static void mm_launch(cu_state *st, const cm_args &a, int64_t rows_bound, int64_t groups) {
     if (rows_bound <= 0 || groups <= 0 || a.N <= 0) return;
     if (rows_bound <= CM_SMALL_ROWS) {
-        dim3 g(blocks(rows_bound, 16), blocks(a.N, GU ? 32 : 64), (unsigned)groups);
-        k_mma<CM_SMALL, GU><<<g, 128, CM_SMALL_SMEM, st->stream>>>(a);
+        dim3 g(blocks(rows_bound, 16), blocks(a.N, GU ? 16 : 32), (unsigned)groups);
+        k_mma<CM_SMALL, GU><<<g, 64, CM_SMALL_SMEM, st->stream>>>(a);
     } else {
         dim3 g(blocks(rows_bound, 128), blocks(a.N, GU ? 64 : 128), (unsigned)groups);
         k_mma<CM_LARGE, GU><<<g, 256, CM_LARGE_SMEM, st->stream>>>(a);
@@ -379,9 +384,9 @@ static void st_attention(colibri_ctx *ctx, uint32_t l) {
     k_kv_store<<<(unsigned)T, 256, 0, st->stream>>>(g, st->k, st->v, seq, pos, l, Hkv);
     launched(st);
     float scale = (float)(1.0 / sqrt((double)hd));
-    int64_t rep = Hq / Hkv, wz = rep < CK_ATT_WARPS ? rep : CK_ATT_WARPS;
-    k_attention<<<dim3((unsigned)T, (unsigned)Hkv, blocks(rep, CK_ATT_WARPS)), (unsigned)(wz * 32), CK_ATT_SMEM(hd),
-                  st->stream>>>(st->att, st->q, g, seq, pos, l, Hq, Hkv, L->window, scale);
+    k_attention<<<dim3((unsigned)T, (unsigned)Hkv, blocks(Hq / Hkv, CK_ATT_WARPS)), CK_ATT_WARPS * 32, CK_ATT_SMEM(hd),
+                  st->stream>>>(st->att, st->q, g, seq, pos, (const int32_t *)(st->d_up + st->o_tiles), l, Hq, Hkv,
+                                L->window, scale);
     launched(st);
     to_bf16(st, st->xb, Nq, st->att, Nq, Nq, T);
     proj(st, st->delta, H, st->att, Nq, st->xb, L->wo, H, Nq, T);
@@ -415,7 +420,7 @@ static void st_grouping(colibri_ctx *ctx, uint32_t l) {
     const cb_config *c = &ctx->cfg;
     int64_t T = ctx->run.T, E = c->n_experts, H = c->hidden;
     if (!st->L[l].moe || T <= 0) return;
-    k_group<<<1, 256, 0, st->stream>>>(st->tk_ids, st->tw, st->ecount, st->eoff, st->row_token, st->row_weight,
+    k_group<<<1, CK_GROUP_THREADS, 0, st->stream>>>(st->tk_ids, st->tw, st->ecount, st->eoff, st->row_token, st->row_weight,
                                        st->tok_row, T, E, c->top_k, ctx->group_pad);
     launched(st);
     k_gather<<<(unsigned)max_rows_for(ctx, T), 256, 0, st->stream>>>(st->ex_in, st->fast ? st->exb : NULL, st->xn,
@@ -554,6 +559,18 @@ static void cu_begin_chunk(colibri_ctx *ctx) {
     memcpy(st->h_up + st->o_pos, s->row_pos, (size_t)T * sizeof(int64_t));
     memcpy(st->h_up + st->o_table, kv->table, (size_t)(kv->max_seqs * kv->max_blocks) * sizeof(int32_t));
     memcpy(st->h_up + st->o_len, kv->len, (size_t)kv->max_seqs * sizeof(int64_t));
+    /* the attention's tiles: runs of at most CK_ATT_PAIRS / hb rows of one sequence */
+    int64_t rep = ctx->cfg.n_heads / ctx->cfg.n_kv_heads, hb = rep < CK_ATT_WARPS ? rep : CK_ATT_WARPS;
+    int64_t tr = CK_ATT_PAIRS / hb;
+    int32_t *tl = (int32_t *)(st->h_up + st->o_tiles), nt = 0;
+    for (int64_t t = 0; t < T;) {
+        int64_t t0 = t;
+        while (t < T && s->row_seq[t] == s->row_seq[t0] && t - t0 < tr) t++;
+        tl[1 + 2 * nt] = (int32_t)t0;
+        tl[2 + 2 * nt] = (int32_t)(t - t0);
+        nt++;
+    }
+    tl[0] = nt;
     h2d(st, st->d_up, st->h_up, st->up_bytes);
 }
 
@@ -999,6 +1016,7 @@ static void walk_act(colibri_ctx *ctx, cu_state *st, bump *b) {
     st->o_pos = b->off - u0; take(b, (uint64_t)B * sizeof(int64_t));
     st->o_table = b->off - u0; take(b, (uint64_t)(kv->max_seqs * kv->max_blocks) * sizeof(int32_t));
     st->o_len = b->off - u0; take(b, (uint64_t)kv->max_seqs * sizeof(int64_t));
+    st->o_tiles = b->off - u0; take(b, (uint64_t)(2 * B + 1) * sizeof(int32_t));
     st->up_bytes = b->off - u0;
     /* room for the packed down projections' transposes at upload (the scratch is idle then) */
     uint64_t need = (uint64_t)256 * H * f;
@@ -1073,9 +1091,8 @@ static colibri_status cu_init(colibri_ctx *ctx, const cb_backend_request *req, c
     }
     st->have_stream = 1;
     if ((e = mm_attributes()) != cudaSuccess ||
-        (CK_ATT_SMEM(c->head_dim) > 48 * 1024 &&
-         (e = cudaFuncSetAttribute(k_attention, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)CK_ATT_SMEM(c->head_dim))) != cudaSuccess)) {
+        (e = cudaFuncSetAttribute(k_attention, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)CK_ATT_SMEM(c->head_dim))) != cudaSuccess) {
         free(moe);
         return fail(st, ctx, COLIBRI_E_UNSUPPORTED, err, err_len, "setting the kernels' shared memory", e);
     }

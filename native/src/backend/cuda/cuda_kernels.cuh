@@ -129,17 +129,21 @@ __device__ __forceinline__ void ck_dot_tile(const uint8_t *const *rows, int64_t 
             for (int o = 16; o > 0; o >>= 1) acc[r][j] += __shfl_xor_sync(0xffffffffu, acc[r][j], o);
 }
 
-/* y[t, n] (stride ldy) = x[t, :] . W[n, :] for t < T, n < N; W rows of rb bytes. */
+/* y[t, n] (stride ldy) = x[t, :] . W[n, :] for t < T, n < N; W rows of rb bytes. Grid: x the
+ * blocks of CK_WPB rows of W, y the token ranges (tpb tiles of CK_TILE tokens each), so a
+ * small W (the router) still fills the device; an output's sum is the same either way. */
 template <int DT>
 __global__ void __launch_bounds__(CK_WPB * 32) k_matvec(float *y, int64_t ldy, const float *x, int64_t ldx,
                                                         const uint8_t *w, uint64_t rb, int64_t N, int64_t K,
-                                                        int64_t T) {
+                                                        int64_t T, int64_t tpb) {
     int lane = threadIdx.x & 31;
     int64_t n = (int64_t)blockIdx.x * CK_WPB + (threadIdx.x >> 5);
     if (n >= N) return;
     const uint8_t *rows[1] = {w + (uint64_t)n * rb};
-    for (int64_t t0 = 0; t0 < T; t0 += CK_TILE) {
-        int nr = T - t0 < CK_TILE ? (int)(T - t0) : CK_TILE;
+    int64_t tend = ((int64_t)blockIdx.y + 1) * tpb * CK_TILE;
+    if (tend > T) tend = T;
+    for (int64_t t0 = (int64_t)blockIdx.y * tpb * CK_TILE; t0 < tend; t0 += CK_TILE) {
+        int nr = tend - t0 < CK_TILE ? (int)(tend - t0) : CK_TILE;
         float acc[1][CK_TILE];
         ck_dot_tile<DT, 1>(rows, K, x + t0 * ldx, ldx, nr, acc, lane);
 #pragma unroll
@@ -314,100 +318,143 @@ __global__ void k_kv_store(ck_kvgeo g, const float *k, const float *v, const int
     }
 }
 
-/* Attention of row t (blockIdx.x) for the query heads of KV head g (blockIdx.y): warp w takes
- * query head g * rep + blockIdx.z * CK_ATT_WARPS + w (blockDim: min(rep, CK_ATT_WARPS) warps),
- * over positions [lo, pos] of the row's sequence in chunks of CK_ATT_CHUNK. A chunk's keys and
- * values go to shared memory once for the block's heads (rows padded by 4 floats); lane j
- * scores position c0 + j (its dot product over d ascending), and an online softmax takes the
- * chunk: max over the warp, then m, the exp sum (lanes' terms in a fixed xor butterfly) and
- * each lane's output dims (lane + 32u, the chunk's positions ascending) rescaled by
- * exp(m_old - m_new). The order depends only on lo and pos: a row's result is the same in
- * any batch and for any T. Dynamic shared memory: CK_ATT_SMEM(D) bytes. */
+/* Attention over tiles of rows of one sequence (the chunk's tile list, made by the host:
+ * tiles[0] the count, then (first row, rows) pairs; at most CK_ATT_PAIRS / hb rows a tile, hb
+ * = min(rep, CK_ATT_WARPS) query heads of KV head blockIdx.y from head blockIdx.z *
+ * CK_ATT_WARPS on). Block x takes tile x (blocks past the count return). Its (row, head) pairs
+ * go to the warps round robin, CK_ATT_PW each. The positions are walked in chunks of
+ * CK_ATT_CHUNK at absolute multiples of the chunk: a chunk's keys and values go to shared
+ * memory once for every pair of the tile (rows padded by 4 floats). For each pair whose range
+ * [lo, pos] meets the chunk, lane j scores position c0 + j (dot over d ascending) and an online
+ * softmax takes the chunk: the chunk max over the warp, then the exp sum (lanes' terms in a
+ * fixed xor butterfly) and each lane's output dims (lane + 32u; the pair's positions in the
+ * chunk ascending), rescaled by exp(m_old - m_new). A pair's order depends only on its lo and
+ * pos: a row's result is the same in any tile, batch or T. Dynamic shared memory:
+ * CK_ATT_SMEM(D). */
 #define CK_ATT_CHUNK 32
-#define CK_ATT_SMEM(D) ((size_t)(2 * CK_ATT_CHUNK * ((D) + 4) + CK_ATT_WARPS * (D)) * sizeof(float))
+#define CK_ATT_PW 4
+#define CK_ATT_PAIRS (CK_ATT_WARPS * CK_ATT_PW)
+#define CK_ATT_SMEM(D) ((size_t)(2 * CK_ATT_CHUNK * ((D) + 4) + CK_ATT_PAIRS * (D)) * sizeof(float))
 __global__ void __launch_bounds__(CK_ATT_WARPS * 32) k_attention(float *out, const float *q, ck_kvgeo g,
-                                                                 const int32_t *seq, const int64_t *pos, int64_t l,
-                                                                 int64_t Hq, int64_t Hkv, int64_t window,
-                                                                 float scale) {
+                                                                 const int32_t *seq, const int64_t *pos,
+                                                                 const int32_t *tiles, int64_t l, int64_t Hq,
+                                                                 int64_t Hkv, int64_t window, float scale) {
     extern __shared__ __align__(16) float ck_att_smem[];
-    const int64_t D = g.D, LD = D + 4;
+    if ((int64_t)blockIdx.x >= tiles[0]) return;
+    const int64_t t0 = tiles[1 + 2 * blockIdx.x], nrows = tiles[2 + 2 * blockIdx.x];
+    const int64_t D = g.D, LD = D + 4, kvh = blockIdx.y, rep = Hq / Hkv;
+    const int64_t h0 = (int64_t)blockIdx.z * CK_ATT_WARPS, hb = rep - h0 < CK_ATT_WARPS ? rep - h0 : CK_ATT_WARPS;
     float *Ks = ck_att_smem, *Vs = Ks + CK_ATT_CHUNK * LD, *qs = Vs + CK_ATT_CHUNK * LD;
-    const int64_t t = blockIdx.x, kvh = blockIdx.y, rep = Hq / Hkv;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int64_t hl = (int64_t)blockIdx.z * CK_ATT_WARPS + w, h = kvh * rep + hl;
-    const bool active = hl < rep;
-    const int64_t p = pos[t], lo = (window > 0 && p >= window) ? p - window + 1 : 0;
-    const int32_t sq = seq[t];
-    if (active)
-        for (int64_t d = lane; d < D; d += 32) qs[w * D + d] = q[(t * Hq + h) * D + d];
-    float m = -INFINITY, lsum = 0.0f, o_acc[CK_MAX_HD / 32];
+    const int32_t sq = seq[t0];
+    const int64_t npairs = nrows * hb;
+    /* the tile's range, and the queries */
+    int64_t lo_min = INT64_MAX, p_max = -1;
+    for (int64_t r = 0; r < nrows; r++) {
+        int64_t p = pos[t0 + r], lo = (window > 0 && p >= window) ? p - window + 1 : 0;
+        lo_min = lo < lo_min ? lo : lo_min;
+        p_max = p > p_max ? p : p_max;
+    }
+    for (int64_t idx = threadIdx.x; idx < npairs * D; idx += blockDim.x) {
+        int64_t pr = idx / D, d = idx % D;
+        int64_t t = t0 + pr / hb, h = kvh * rep + h0 + pr % hb;
+        qs[idx] = q[(t * Hq + h) * D + d];
+    }
+    int64_t plo[CK_ATT_PW], phi[CK_ATT_PW];
+    float m[CK_ATT_PW], lsum[CK_ATT_PW], o_acc[CK_ATT_PW][CK_MAX_HD / 32];
 #pragma unroll
-    for (int u = 0; u < CK_MAX_HD / 32; u++) o_acc[u] = 0.0f;
-    for (int64_t c0 = lo; c0 <= p; c0 += CK_ATT_CHUNK) {
-        const int n = p - c0 + 1 < CK_ATT_CHUNK ? (int)(p - c0 + 1) : CK_ATT_CHUNK;
+    for (int i = 0; i < CK_ATT_PW; i++) {
+        int64_t pr = w + (int64_t)i * CK_ATT_WARPS;
+        plo[i] = 0;
+        phi[i] = -1; /* an empty range: no pair */
+        if (pr < npairs) {
+            int64_t p = pos[t0 + pr / hb];
+            phi[i] = p;
+            plo[i] = (window > 0 && p >= window) ? p - window + 1 : 0;
+        }
+        m[i] = -INFINITY;
+        lsum[i] = 0.0f;
+#pragma unroll
+        for (int u = 0; u < CK_MAX_HD / 32; u++) o_acc[i][u] = 0.0f;
+    }
+    for (int64_t c0 = lo_min / CK_ATT_CHUNK * CK_ATT_CHUNK; c0 <= p_max; c0 += CK_ATT_CHUNK) {
+        const int n = p_max - c0 + 1 < CK_ATT_CHUNK ? (int)(p_max - c0 + 1) : CK_ATT_CHUNK;
+        const int j0 = lo_min > c0 ? (int)(lo_min - c0) : 0;
         __syncthreads(); /* the previous chunk is consumed (and qs written, the first time) */
         if (D % 4 == 0) {
             const int64_t D4 = D / 4;
-            for (int64_t idx = threadIdx.x; idx < (int64_t)n * D4; idx += blockDim.x) {
-                int64_t j = idx / D4, d = (idx % D4) * 4;
+            for (int64_t idx = threadIdx.x; idx < (int64_t)(n - j0) * D4; idx += blockDim.x) {
+                int64_t j = j0 + idx / D4, d = (idx % D4) * 4;
                 int64_t o = ck_kv_off(g, sq, l, kvh, c0 + j) + d;
                 *(float4 *)(Ks + j * LD + d) = *(const float4 *)(g.k + o);
                 *(float4 *)(Vs + j * LD + d) = *(const float4 *)(g.v + o);
             }
         } else {
-            for (int64_t idx = threadIdx.x; idx < (int64_t)n * D; idx += blockDim.x) {
-                int64_t j = idx / D, d = idx % D;
+            for (int64_t idx = threadIdx.x; idx < (int64_t)(n - j0) * D; idx += blockDim.x) {
+                int64_t j = j0 + idx / D, d = idx % D;
                 int64_t o = ck_kv_off(g, sq, l, kvh, c0 + j) + d;
                 Ks[j * LD + d] = g.k[o];
                 Vs[j * LD + d] = g.v[o];
             }
         }
         __syncthreads();
-        if (!active) continue;
-        float s = -INFINITY;
-        if (lane < n) {
-            const float *kr = Ks + lane * LD, *qr = qs + w * D;
-            float acc = 0.0f;
-            if (D % 4 == 0) {
-                for (int64_t d = 0; d < D; d += 4) {
-                    float4 kv4 = *(const float4 *)(kr + d), q4 = *(const float4 *)(qr + d);
-                    acc = fmaf(q4.x, kv4.x, acc);
-                    acc = fmaf(q4.y, kv4.y, acc);
-                    acc = fmaf(q4.z, kv4.z, acc);
-                    acc = fmaf(q4.w, kv4.w, acc);
+#pragma unroll
+        for (int i = 0; i < CK_ATT_PW; i++) {
+            /* this pair's positions in the chunk: [ja, jb] */
+            int64_t ja64 = plo[i] - c0, jb64 = phi[i] - c0;
+            if (jb64 < 0 || ja64 >= n || phi[i] < plo[i]) continue;
+            const int ja = ja64 > 0 ? (int)ja64 : 0, jb = jb64 < n - 1 ? (int)jb64 : n - 1;
+            const float *qr = qs + (w + (int64_t)i * CK_ATT_WARPS) * D;
+            float s = -INFINITY;
+            if (lane >= ja && lane <= jb) {
+                const float *kr = Ks + lane * LD;
+                float acc = 0.0f;
+                if (D % 4 == 0) {
+                    for (int64_t d = 0; d < D; d += 4) {
+                        float4 k4 = *(const float4 *)(kr + d), q4 = *(const float4 *)(qr + d);
+                        acc = fmaf(q4.x, k4.x, acc);
+                        acc = fmaf(q4.y, k4.y, acc);
+                        acc = fmaf(q4.z, k4.z, acc);
+                        acc = fmaf(q4.w, k4.w, acc);
+                    }
+                } else {
+                    for (int64_t d = 0; d < D; d++) acc = fmaf(qr[d], kr[d], acc);
                 }
-            } else {
-                for (int64_t d = 0; d < D; d++) acc = fmaf(qr[d], kr[d], acc);
+                s = acc * scale;
             }
-            s = acc * scale;
-        }
-        float cm = s;
-        for (int o = 16; o > 0; o >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
-        float mn = fmaxf(m, cm);
-        float alpha = expf(m - mn); /* 0 for the first chunk (m = -inf, mn finite) */
-        float pj = lane < n ? expf(s - mn) : 0.0f;
-        float ps = pj;
-        for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-        lsum = lsum * alpha + ps;
+            float cm = s;
+            for (int o = 16; o > 0; o >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
+            const float mn = fmaxf(m[i], cm);
+            const float alpha = expf(m[i] - mn); /* 0 for the pair's first chunk */
+            const float pj = (lane >= ja && lane <= jb) ? expf(s - mn) : 0.0f;
+            float ps = pj;
+            for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+            lsum[i] = lsum[i] * alpha + ps;
 #pragma unroll
-        for (int u = 0; u < CK_MAX_HD / 32; u++) o_acc[u] *= alpha;
-        for (int j = 0; j < n; j++) {
-            float pb = __shfl_sync(0xffffffffu, pj, j);
-            const float *vr = Vs + j * LD;
+            for (int u = 0; u < CK_MAX_HD / 32; u++) o_acc[i][u] *= alpha;
+            for (int j = ja; j <= jb; j++) {
+                const float pb = __shfl_sync(0xffffffffu, pj, j);
+                const float *vr = Vs + j * LD;
 #pragma unroll
-            for (int u = 0; u < CK_MAX_HD / 32; u++) {
-                int64_t d = lane + 32 * u;
-                if (d < D) o_acc[u] = fmaf(pb, vr[d], o_acc[u]);
+                for (int u = 0; u < CK_MAX_HD / 32; u++) {
+                    int64_t d = lane + 32 * u;
+                    if (d < D) o_acc[i][u] = fmaf(pb, vr[d], o_acc[i][u]);
+                }
             }
+            m[i] = mn;
         }
-        m = mn;
     }
-    if (!active) return;
-    float inv = 1.0f / lsum;
 #pragma unroll
-    for (int u = 0; u < CK_MAX_HD / 32; u++) {
-        int64_t d = lane + 32 * u;
-        if (d < D) out[(t * Hq + h) * D + d] = o_acc[u] * inv;
+    for (int i = 0; i < CK_ATT_PW; i++) {
+        int64_t pr = w + (int64_t)i * CK_ATT_WARPS;
+        if (pr >= npairs) continue;
+        int64_t t = t0 + pr / hb, h = kvh * rep + h0 + pr % hb;
+        const float inv = 1.0f / lsum[i];
+#pragma unroll
+        for (int u = 0; u < CK_MAX_HD / 32; u++) {
+            int64_t d = lane + 32 * u;
+            if (d < D) out[(t * Hq + h) * D + d] = o_acc[i][u] * inv;
+        }
     }
 }
 
@@ -467,17 +514,26 @@ __global__ void k_route(const float *logits, float *probs, int32_t *ids, float *
     }
 }
 
-/* Group the (token, slot) pairs by expert (one block): counts, padded prefix sum, then each
- * expert's rows in ascending (token, slot) order, as backend/cpu.c's group_tokens; tok_row
- * [T*K] the row of each pair. Thread e owns experts e, e + blockDim, ...: no atomics. */
-__global__ void k_group(const int32_t *ids, const float *tw, int64_t *count, int64_t *off, int32_t *row_token,
-                        float *row_weight, int32_t *tok_row, int64_t T, int64_t E, int64_t K, int64_t pad) {
-    int64_t n = T * K;
+/* Group the (token, slot) pairs by expert (one block of CK_GROUP_THREADS): counts, padded
+ * prefix sum, then each expert's rows in ascending (token, slot) order, as backend/cpu.c's
+ * group_tokens; tok_row [T*K] the row of each pair. Warp w owns experts w, w + warps, ...: it
+ * walks the pairs 32 at a time with a ballot (a pair's rank among its expert's is the count of
+ * hits below its lane), so no atomics and the order is fixed. */
+#define CK_GROUP_THREADS 1024
+__global__ void __launch_bounds__(CK_GROUP_THREADS) k_group(const int32_t *ids, const float *tw, int64_t *count,
+                                                            int64_t *off, int32_t *row_token, float *row_weight,
+                                                            int32_t *tok_row, int64_t T, int64_t E, int64_t K,
+                                                            int64_t pad) {
+    const int64_t n = T * K;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) tok_row[i] = -1;
-    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+    for (int64_t e = w; e < E; e += nw) {
         int64_t c = 0;
-        for (int64_t i = 0; i < n; i++) c += ids[i] == (int32_t)e;
-        count[e] = c;
+        for (int64_t i0 = 0; i0 < n; i0 += 32) {
+            int64_t i = i0 + lane;
+            c += __popc(__ballot_sync(0xffffffffu, i < n && ids[i] == (int32_t)e));
+        }
+        if (lane == 0) count[e] = c;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -485,18 +541,23 @@ __global__ void k_group(const int32_t *ids, const float *tw, int64_t *count, int
         for (int64_t e = 0; e < E; e++) off[e + 1] = off[e] + (count[e] + pad - 1) / pad * pad;
     }
     __syncthreads();
-    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+    for (int64_t e = w; e < E; e += nw) {
         int64_t r = off[e];
-        for (int64_t i = 0; i < n; i++)
-            if (ids[i] == (int32_t)e) {
-                row_token[r] = (int32_t)(i / K);
-                row_weight[r] = tw[i];
-                tok_row[i] = (int32_t)r;
-                r++;
+        for (int64_t i0 = 0; i0 < n; i0 += 32) {
+            int64_t i = i0 + lane;
+            bool hit = i < n && ids[i] == (int32_t)e;
+            unsigned b = __ballot_sync(0xffffffffu, hit);
+            if (hit) {
+                int64_t rr = r + __popc(b & ((1u << lane) - 1u));
+                row_token[rr] = (int32_t)(i / K);
+                row_weight[rr] = tw[i];
+                tok_row[i] = (int32_t)rr;
             }
-        for (; r < off[e + 1]; r++) {
-            row_token[r] = -1;
-            row_weight[r] = 0.0f;
+            r += __popc(b);
+        }
+        for (int64_t rr = r + lane; rr < off[e + 1]; rr += 32) {
+            row_token[rr] = -1;
+            row_weight[rr] = 0.0f;
         }
     }
 }
