@@ -195,8 +195,13 @@ static void ffn(cu_state *st, const dffn *f, float *y, float *h, const float *x,
  * and many (prefill). Both give the same bits (cuda_mma.cuh). */
 #define CM_SMALL 16, 32, 128, 16, 16, 4
 #define CM_SMALL_SMEM CM_SMEM(16, 32, 128, 4)
-#define CM_LARGE 128, 128, 32, 64, 32, 4
-#define CM_LARGE_SMEM CM_SMEM(128, 128, 32, 4)
+/* the large shapes: the fastest of tools/mma_bench.cu on an H200 for each form (docs/backends.md) */
+#define CM_LARGE_GU 128, 128, 64, 64, 64, 3
+#define CM_LARGE_GU_SMEM CM_SMEM(128, 128, 64, 3)
+#define CM_LARGE_GU_ROWS 128
+#define CM_LARGE 64, 128, 64, 32, 64, 3
+#define CM_LARGE_SMEM CM_SMEM(64, 128, 64, 3)
+#define CM_LARGE_ROWS 64
 #define CM_SMALL_ROWS 32
 
 static cudaError_t mm_attributes(void) {
@@ -205,7 +210,7 @@ static cudaError_t mm_attributes(void) {
     if ((e = cudaFuncSetAttribute(k_mma<CM_SMALL, 0>, at, (int)CM_SMALL_SMEM)) != cudaSuccess) return e;
     if ((e = cudaFuncSetAttribute(k_mma<CM_SMALL, 1>, at, (int)CM_SMALL_SMEM)) != cudaSuccess) return e;
     if ((e = cudaFuncSetAttribute(k_mma<CM_LARGE, 0>, at, (int)CM_LARGE_SMEM)) != cudaSuccess) return e;
-    return cudaFuncSetAttribute(k_mma<CM_LARGE, 1>, at, (int)CM_LARGE_SMEM);
+    return cudaFuncSetAttribute(k_mma<CM_LARGE_GU, 1>, at, (int)CM_LARGE_GU_SMEM);
 }
 
 /* rows_bound: the most rows a group can have (its row tiles in grid x). */
@@ -214,9 +219,12 @@ template <int GU> static void mm_launch(cu_state *st, const cm_args &a, int64_t 
     if (rows_bound <= CM_SMALL_ROWS) {
         dim3 g(blocks(rows_bound, 16), blocks(a.N, GU ? 16 : 32), (unsigned)groups);
         k_mma<CM_SMALL, GU><<<g, 64, CM_SMALL_SMEM, st->stream>>>(a);
+    } else if (GU) {
+        dim3 g(blocks(rows_bound, CM_LARGE_GU_ROWS), blocks(a.N, 64), (unsigned)groups);
+        k_mma<CM_LARGE_GU, 1><<<g, 128, CM_LARGE_GU_SMEM, st->stream>>>(a);
     } else {
-        dim3 g(blocks(rows_bound, 128), blocks(a.N, GU ? 64 : 128), (unsigned)groups);
-        k_mma<CM_LARGE, GU><<<g, 256, CM_LARGE_SMEM, st->stream>>>(a);
+        dim3 g(blocks(rows_bound, CM_LARGE_ROWS), blocks(a.N, 128), (unsigned)groups);
+        k_mma<CM_LARGE, 0><<<g, 128, CM_LARGE_SMEM, st->stream>>>(a);
     }
     launched(st);
 }
@@ -257,6 +265,33 @@ static void proj(cu_state *st, float *y, int64_t ldy, const float *x, int64_t ld
     a.y = y;
     a.ldy = ldy;
     mm_launch<0>(st, a, T, 1);
+}
+
+/* q, k and v (or any three weights over the same rows) in one launch when all three take the
+ * tensor cores, else one by one. */
+static void proj3(cu_state *st, const float *x, int64_t ldx, const __nv_bfloat16 *xb, const dmat *w, float *const *y,
+                  const int64_t *N, int64_t K, int64_t T) {
+    if (!fast_w(st, w[0].dt, K) || !fast_w(st, w[1].dt, K) || !fast_w(st, w[2].dt, K)) {
+        for (int i = 0; i < 3; i++) proj(st, y[i], N[i], x, ldx, xb, w[i], N[i], K, T);
+        return;
+    }
+    cm_args a;
+    memset(&a, 0, sizeof a);
+    a.x = xb;
+    a.ldx = K;
+    a.rows = T;
+    a.K = K;
+    a.rb = cb_row_bytes(w[0].dt, (uint64_t)K);
+    a.nmat = 3;
+    a.N = 0;
+    for (int i = 0; i < 3; i++) {
+        a.wm[i] = w[i].w;
+        a.Nm[i] = N[i];
+        a.ym[i] = y[i];
+        a.ldym[i] = N[i];
+        if (N[i] > a.N) a.N = N[i]; /* the grid's columns */
+    }
+    mm_launch<0>(st, a, T, 3);
 }
 
 /* The FFN f over groups on the tensor cores: h (f32) and st->hb (bf16) = silu(x G^T) * (x U^T)
@@ -356,9 +391,10 @@ static void st_attention(colibri_ctx *ctx, uint32_t l) {
     const int64_t *pos = (const int64_t *)(st->d_up + st->o_pos);
     rmsnorm(st, st->xn, st->x, L->attn_norm, NULL, T, H, eps);
     to_bf16(st, st->xb, H, st->xn, H, H, T);
-    proj(st, st->q, Nq, st->xn, H, st->xb, L->wq, Nq, H, T);
-    proj(st, st->k, Nkv, st->xn, H, st->xb, L->wk, Nkv, H, T);
-    proj(st, st->v, Nkv, st->xn, H, st->xb, L->wv, Nkv, H, T);
+    const dmat wqkv[3] = {L->wq, L->wk, L->wv};
+    float *const yqkv[3] = {st->q, st->k, st->v};
+    const int64_t nqkv[3] = {Nq, Nkv, Nkv};
+    proj3(st, st->xn, H, st->xb, wqkv, yqkv, nqkv, H, T);
     if (L->bq) {
         k_add_bias<<<blocks(T * Nq, 256), 256, 0, st->stream>>>(st->q, L->bq, T, Nq);
         k_add_bias<<<blocks(T * Nkv, 256), 256, 0, st->stream>>>(st->k, L->bk, T, Nkv);

@@ -236,23 +236,28 @@ __global__ void k_rope_tab(float *cs, float *sn, const int64_t *pos, const float
 }
 
 /* y[r] = w * (x[map ? map[r] : r] * rsqrt(mean(x^2) + eps)); the mean of squares in double,
- * in a fixed order (thread strides, then a fixed tree). In place (y = x) is safe. */
+ * in a fixed order (thread strides, a xor butterfly in each warp, the warps' sums in warp
+ * order). In place (y = x) is safe. 256 threads. */
 __global__ void __launch_bounds__(256) k_rmsnorm(float *y, const float *x, const float *w, const int32_t *map,
                                                  int64_t H, float eps) {
-    __shared__ double red[256];
+    __shared__ double red[8];
+    __shared__ float rs_s;
     int64_t r = blockIdx.x;
     const float *xr = x + (map ? (int64_t)map[r] : r) * H;
     float *yr = y + r * H;
     double ss = 0.0;
     for (int64_t i = threadIdx.x; i < H; i += 256) ss += (double)xr[i] * (double)xr[i];
-    red[threadIdx.x] = ss;
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
     __syncthreads();
-    for (int s = 128; s > 0; s >>= 1) {
-        if ((int)threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
-        __syncthreads();
+    if (threadIdx.x == 0) {
+        double tot = red[0];
+        for (int i = 1; i < 8; i++) tot += red[i];
+        float var = (float)(tot / (double)H);
+        rs_s = 1.0f / sqrtf(var + eps);
     }
-    float var = (float)(red[0] / (double)H);
-    float rs = 1.0f / sqrtf(var + eps);
+    __syncthreads();
+    const float rs = rs_s;
     for (int64_t i = threadIdx.x; i < H; i += 256) yr[i] = w[i] * (xr[i] * rs);
 }
 
@@ -325,7 +330,8 @@ __global__ void k_kv_store(ck_kvgeo g, const float *k, const float *v, const int
  * go to the warps round robin, CK_ATT_PW each. The positions are walked in chunks of
  * CK_ATT_CHUNK at absolute multiples of the chunk: a chunk's keys and values go to shared
  * memory once for every pair of the tile (rows padded by 4 floats). For each pair whose range
- * [lo, pos] meets the chunk, lane j scores position c0 + j (dot over d ascending) and an online
+ * [lo, pos] meets the chunk, lane j scores position c0 + j (four chains over d = 0, 1, 2, 3 mod 4
+ * ascending, added as (c0 + c1) + (c2 + c3)) and an online
  * softmax takes the chunk: the chunk max over the warp, then the exp sum (lanes' terms in a
  * fixed xor butterfly) and each lane's output dims (lane + 32u; the pair's positions in the
  * chunk ascending), rescaled by exp(m_old - m_new). A pair's order depends only on its lo and
@@ -340,6 +346,7 @@ __global__ void __launch_bounds__(CK_ATT_WARPS * 32) k_attention(float *out, con
                                                                  const int32_t *tiles, int64_t l, int64_t Hq,
                                                                  int64_t Hkv, int64_t window, float scale) {
     extern __shared__ __align__(16) float ck_att_smem[];
+    __shared__ int64_t pbase[CK_ATT_CHUNK]; /* the chunk's positions' offsets in the pool */
     if ((int64_t)blockIdx.x >= tiles[0]) return;
     const int64_t t0 = tiles[1 + 2 * blockIdx.x], nrows = tiles[2 + 2 * blockIdx.x];
     const int64_t D = g.D, LD = D + 4, kvh = blockIdx.y, rep = Hq / Hkv;
@@ -355,10 +362,9 @@ __global__ void __launch_bounds__(CK_ATT_WARPS * 32) k_attention(float *out, con
         lo_min = lo < lo_min ? lo : lo_min;
         p_max = p > p_max ? p : p_max;
     }
-    for (int64_t idx = threadIdx.x; idx < npairs * D; idx += blockDim.x) {
-        int64_t pr = idx / D, d = idx % D;
+    for (int pr = w; pr < (int)npairs; pr += CK_ATT_WARPS) { /* warp w: pairs w, w + warps, ... */
         int64_t t = t0 + pr / hb, h = kvh * rep + h0 + pr % hb;
-        qs[idx] = q[(t * Hq + h) * D + d];
+        for (int d = lane; d < (int)D; d += 32) qs[pr * D + d] = q[(t * Hq + h) * D + d];
     }
     int64_t plo[CK_ATT_PW], phi[CK_ATT_PW];
     float m[CK_ATT_PW], lsum[CK_ATT_PW], o_acc[CK_ATT_PW][CK_MAX_HD / 32];
@@ -381,20 +387,23 @@ __global__ void __launch_bounds__(CK_ATT_WARPS * 32) k_attention(float *out, con
         const int n = p_max - c0 + 1 < CK_ATT_CHUNK ? (int)(p_max - c0 + 1) : CK_ATT_CHUNK;
         const int j0 = lo_min > c0 ? (int)(lo_min - c0) : 0;
         __syncthreads(); /* the previous chunk is consumed (and qs written, the first time) */
-        if (D % 4 == 0) {
-            const int64_t D4 = D / 4;
-            for (int64_t idx = threadIdx.x; idx < (int64_t)(n - j0) * D4; idx += blockDim.x) {
-                int64_t j = j0 + idx / D4, d = (idx % D4) * 4;
-                int64_t o = ck_kv_off(g, sq, l, kvh, c0 + j) + d;
-                *(float4 *)(Ks + j * LD + d) = *(const float4 *)(g.k + o);
-                *(float4 *)(Vs + j * LD + d) = *(const float4 *)(g.v + o);
-            }
-        } else {
-            for (int64_t idx = threadIdx.x; idx < (int64_t)(n - j0) * D; idx += blockDim.x) {
-                int64_t j = j0 + idx / D, d = idx % D;
-                int64_t o = ck_kv_off(g, sq, l, kvh, c0 + j) + d;
-                Ks[j * LD + d] = g.k[o];
-                Vs[j * LD + d] = g.v[o];
+        if ((int)threadIdx.x >= j0 && (int)threadIdx.x < n) pbase[threadIdx.x] = ck_kv_off(g, sq, l, kvh, c0 + threadIdx.x);
+        __syncthreads();
+        /* warp w stages positions j0 + w, j0 + w + warps, ...; lanes along d (no divisions) */
+        const int dl = (int)D, ld = (int)LD;
+        for (int j = j0 + w; j < n; j += CK_ATT_WARPS) {
+            const float *ks = g.k + pbase[j], *vs = g.v + pbase[j];
+            float *kd = Ks + j * ld, *vd = Vs + j * ld;
+            if (dl % 4 == 0) {
+                for (int d = lane * 4; d < dl; d += 128) {
+                    *(float4 *)(kd + d) = *(const float4 *)(ks + d);
+                    *(float4 *)(vd + d) = *(const float4 *)(vs + d);
+                }
+            } else {
+                for (int d = lane; d < dl; d += 32) {
+                    kd[d] = ks[d];
+                    vd[d] = vs[d];
+                }
             }
         }
         __syncthreads();
@@ -406,21 +415,32 @@ __global__ void __launch_bounds__(CK_ATT_WARPS * 32) k_attention(float *out, con
             const int ja = ja64 > 0 ? (int)ja64 : 0, jb = jb64 < n - 1 ? (int)jb64 : n - 1;
             const float *qr = qs + (w + (int64_t)i * CK_ATT_WARPS) * D;
             float s = -INFINITY;
-            if (lane >= ja && lane <= jb) {
+            if (lane >= ja && lane <= jb) { /* four chains (d mod 4), then (a0 + a1) + (a2 + a3) */
                 const float *kr = Ks + lane * LD;
-                float acc = 0.0f;
-                if (D % 4 == 0) {
-                    for (int64_t d = 0; d < D; d += 4) {
+                float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+                const int dl = (int)D;
+                if (dl % 4 == 0) {
+                    for (int d = 0; d < dl; d += 4) {
                         float4 k4 = *(const float4 *)(kr + d), q4 = *(const float4 *)(qr + d);
-                        acc = fmaf(q4.x, k4.x, acc);
-                        acc = fmaf(q4.y, k4.y, acc);
-                        acc = fmaf(q4.z, k4.z, acc);
-                        acc = fmaf(q4.w, k4.w, acc);
+                        a0 = fmaf(q4.x, k4.x, a0);
+                        a1 = fmaf(q4.y, k4.y, a1);
+                        a2 = fmaf(q4.z, k4.z, a2);
+                        a3 = fmaf(q4.w, k4.w, a3);
                     }
-                } else {
-                    for (int64_t d = 0; d < D; d++) acc = fmaf(qr[d], kr[d], acc);
+                } else { /* D even (the backend refuses odd head dims): whole fours, then a pair */
+                    int d = 0;
+                    for (; d + 3 < dl; d += 4) {
+                        a0 = fmaf(qr[d], kr[d], a0);
+                        a1 = fmaf(qr[d + 1], kr[d + 1], a1);
+                        a2 = fmaf(qr[d + 2], kr[d + 2], a2);
+                        a3 = fmaf(qr[d + 3], kr[d + 3], a3);
+                    }
+                    for (; d < dl; d += 2) {
+                        a0 = fmaf(qr[d], kr[d], a0);
+                        a1 = fmaf(qr[d + 1], kr[d + 1], a1);
+                    }
                 }
-                s = acc * scale;
+                s = ((a0 + a1) + (a2 + a3)) * scale;
             }
             float cm = s;
             for (int o = 16; o > 0; o >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
@@ -577,26 +597,35 @@ __global__ void k_gather(float *ex_in, __nv_bfloat16 *exb, const float *xn, cons
 }
 
 /* delta[t] = sum of weight * ex_out over t's rows in ascending row (= expert) order, plus
- * g * sh_out[t] (g = sh_gate[t], or 1 without a gate); x[t] += delta[t]. */
+ * g * sh_out[t] (g = sh_gate[t], or 1 without a gate); x[t] += delta[t]. Thread 0 sorts the
+ * row's expert rows into shared memory; every thread then takes columns. */
 __global__ void k_combine(float *x, float *delta, const float *ex_out, const float *row_weight,
                           const int32_t *tok_row, const float *sh_out, const float *sh_gate, int64_t H, int64_t K) {
-    int64_t t = blockIdx.x;
-    int32_t rr[CK_MAX_TOPK];
-    int n = 0;
-    for (int64_t k = 0; k < K && k < CK_MAX_TOPK; k++) {
-        int32_t r = tok_row[t * K + k];
-        if (r < 0) continue;
-        int j = n++;
-        while (j > 0 && rr[j - 1] > r) { /* insertion sort: ascending rows */
-            rr[j] = rr[j - 1];
-            j--;
+    __shared__ int32_t rr[CK_MAX_TOPK];
+    __shared__ float rw[CK_MAX_TOPK];
+    __shared__ int nrr;
+    const int64_t t = blockIdx.x;
+    if (threadIdx.x == 0) {
+        int n = 0;
+        for (int64_t k = 0; k < K && k < CK_MAX_TOPK; k++) {
+            int32_t r = tok_row[t * K + k];
+            if (r < 0) continue;
+            int j = n++;
+            while (j > 0 && rr[j - 1] > r) { /* insertion sort: ascending rows */
+                rr[j] = rr[j - 1];
+                j--;
+            }
+            rr[j] = r;
         }
-        rr[j] = r;
+        for (int i = 0; i < n; i++) rw[i] = row_weight[rr[i]];
+        nrr = n;
     }
-    float g = sh_gate ? sh_gate[t] : 1.0f;
+    __syncthreads();
+    const int n = nrr;
+    const float g = sh_gate ? sh_gate[t] : 1.0f;
     for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
         float acc = 0.0f;
-        for (int i = 0; i < n; i++) acc += ex_out[(int64_t)rr[i] * H + c] * row_weight[rr[i]];
+        for (int i = 0; i < n; i++) acc += ex_out[(int64_t)rr[i] * H + c] * rw[i];
         if (sh_out) acc += g * sh_out[t * H + c];
         delta[t * H + c] = acc;
         x[t * H + c] = x[t * H + c] + acc;

@@ -42,6 +42,13 @@ struct cm_args {
     int64_t ldy;
     __nv_bfloat16 *yb;       /* GU: h rounded to bf16 [rows, ldyb] (NULL: none) */
     int64_t ldyb;
+    /* several weights over the same rows in one launch (no groups): blockIdx.z picks weight z
+     * of nmat, its N, output and ld; w, N, y and ldy above are then unused */
+    int nmat;
+    const uint8_t *wm[3];
+    int64_t Nm[3];
+    float *ym[3];
+    int64_t ldym[3];
 };
 
 __device__ __forceinline__ void cm_cp16(void *smem, const void *g, int bytes) {
@@ -69,7 +76,7 @@ __device__ __forceinline__ void cm_mma(float *c, const uint32_t *a, uint32_t b0,
 #define CM_SMEM(BM, BN, BK, ST) ((size_t)(ST) * ((BM) + (BN)) * ((BK) + 8) * 2)
 
 /* Y = X W^T over groups. Grid: x the row tile within a group, y the column tile, z the group
- * (blocks past their group's rows return at once). */
+ * or the weight (nmat); blocks past their group's rows or their weight's columns return. */
 template <int BM, int BN, int BK, int WM, int WN, int ST, int GU>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) k_mma(cm_args a) {
     constexpr int NT = (BM / WM) * (BN / WN) * 32;
@@ -94,14 +101,22 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) k_mma(cm_args a) {
     r0 += (int64_t)blockIdx.x * BM;
     if (r0 >= r1) return;
     const uint8_t *wb, *ub = NULL;
+    int64_t N = a.N, ldy = a.ldy;
+    float *Y = a.y;
     if (a.tab) {
         if (!a.tab[3 * e]) return;
         wb = (const uint8_t *)a.tab[3 * e + a.which];
         if (GU && !a.packed) ub = (const uint8_t *)a.tab[3 * e + 1];
+    } else if (a.nmat) {
+        wb = a.wm[e];
+        N = a.Nm[e];
+        Y = a.ym[e];
+        ldy = a.ldym[e];
     } else {
         wb = a.w;
     }
     const int64_t n0 = (int64_t)blockIdx.y * (GU ? BN / 2 : BN);
+    if (n0 >= N) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
     /* each thread's chunks: source row pointers (NULL: zeros) and shared offsets */
@@ -133,15 +148,15 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) k_mma(cm_args a) {
                 int jt = b / 8;
                 int64_t col = n0 + (jt / 2) * 8 + b % 8;
                 int up = jt & 1;
-                if (col < a.N) {
+                if (col < N) {
                     if (a.packed) {
-                        int64_t b0 = col / a.B * a.B, j = col - b0, nb = a.N - b0 < a.B ? a.N - b0 : a.B;
+                        int64_t b0 = col / a.B * a.B, j = col - b0, nb = N - b0 < a.B ? N - b0 : a.B;
                         row = wb + (uint64_t)(up ? 2 * b0 + nb + j : 2 * b0 + j) * a.rb;
                     } else {
                         row = (up ? ub : wb) + (uint64_t)col * a.rb;
                     }
                 }
-            } else if (n0 + b < a.N) {
+            } else if (n0 + b < N) {
                 row = wb + (uint64_t)(n0 + b) * a.rb;
             }
             if (row) bp[i] = (const __nv_bfloat16 *)row + kc * 8;
@@ -222,10 +237,10 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) k_mma(cm_args a) {
                     for (int cc = 0; cc < 2; cc++) {
                         int b = wn * WN + nj * 8 + (lane & 3) * 2 + cc;
                         int64_t col = n0 + (b / 16) * 8 + b % 8;
-                        if (col >= a.N) continue;
+                        if (col >= N) continue;
                         float g = acc[mi][nj][2 * hr + cc], u = acc[mi][nj + 1][2 * hr + cc];
                         float hv = g / (1.0f + expf(-g)) * u;
-                        a.y[row * a.ldy + col] = hv;
+                        Y[row * ldy + col] = hv;
                         if (a.yb) a.yb[row * a.ldyb + col] = __float2bfloat16_rn(hv);
                     }
             } else {
@@ -234,7 +249,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32) k_mma(cm_args a) {
 #pragma unroll
                     for (int cc = 0; cc < 2; cc++) {
                         int64_t col = n0 + wn * WN + nj * 8 + (lane & 3) * 2 + cc;
-                        if (col < a.N) a.y[row * a.ldy + col] = acc[mi][nj][2 * hr + cc];
+                        if (col < N) Y[row * ldy + col] = acc[mi][nj][2 * hr + cc];
                     }
             }
         }
