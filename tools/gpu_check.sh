@@ -9,10 +9,12 @@
 #   1. facts      nvidia-smi, nvcc, python3 and its torch / transformers / cupy   (20 s)
 #   2. build      cmake -DCOLIBRI_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -G Ninja, -j16 (170 s)
 #   3. tests      python3 -m pytest -q tests/test_gpu.py with COLIBRI_LIB=COLIBRI_CUDA_LIB (130 s)
-#   4. bench      python3 tools/gpu_bench.py --layers 4 (a random Mixtral-8x7B shape, bf16) (150 s)
+#   4. bench      python3 tools/gpu_bench.py --layers 4 --profile (a random Mixtral-8x7B shape,
+#                 bf16, exact and fast)                                         (150 s)
+#   5. products   the PREBUILT mma_bench (tools/mma_bench.cu), when carried      (60 s)
 # No pip install (the machine has no network): PYTHONPATH=$PWD and the machine's python3.
 # Files under $OUT (at most 8): facts.txt, build.log, test_gpu.log, gpu_bench.log,
-# gpu_bench.json, summary.txt.
+# gpu_bench.json, profile.txt, mma_bench.txt, summary.txt.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
