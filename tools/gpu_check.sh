@@ -51,8 +51,8 @@ print('transformers', transformers.__version__, 'numpy', numpy.__version__)
 try:
     import cupy; print('cupy', cupy.__version__)
 except Exception as e: print('cupy missing:', e)
-import colibri_lab, colibri_lab.engine  # noqa: the package's imports need nothing else
-print('colibri_lab imports fine (library not loaded yet)')
+import importlib.util  # the package is found; its library is loaded after the build
+print('colibri_lab at', importlib.util.find_spec('colibri_lab').origin)
 " 2>&1
 } >"$OUT/facts.txt" 2>&1
 summary "facts: $(grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*' "$OUT/facts.txt" | head -1 | sed 's/  */ /g') ($(($(date +%s) - t0)) s)"
