@@ -649,9 +649,4 @@ __global__ void k_transpose(E *dst, const E *src, int64_t rows, int64_t H, int64
     }
 }
 
-__global__ void k_fill_nan(float *x, int64_t n) {
-    int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx < n) x[idx] = __int_as_float(0x7fc00000);
-}
-
 #endif
