@@ -298,6 +298,40 @@ def version() -> str:
     return lib.colibri_version_string().decode("utf-8", "replace")
 
 
+#: Native files whose change changes the library (under native/ of a source checkout).
+_NATIVE_SOURCES = ("src", "include", "CMakeLists.txt")
+
+
+def library_facts() -> dict:
+    """Which library this process loaded: ``path``, ``built_utc`` (the file's modification
+    time) and ``version``. Where the package sits in a source checkout (``native/`` beside
+    it), ``stale`` names the newest native source file when it changed after the library
+    was built, else it is None: an editable install (``pip install -e .``) is not rebuilt
+    when ``native/`` changes, so such a library is not the code of the checkout, and figures
+    measured with it are not the checkout's."""
+    import time
+
+    built = lib_path.stat().st_mtime
+    facts = {"path": str(lib_path), "built_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(built)),
+             "version": version(), "stale": None}  # fmt: skip
+    native = Path(__file__).resolve().parents[1] / "native"
+    newest, newest_t = None, built
+    for name in _NATIVE_SOURCES:
+        p = native / name
+        for f in [p] if p.is_file() else (p.rglob("*") if p.is_dir() else []):
+            try:
+                t = f.stat().st_mtime
+            except OSError:
+                continue
+            if f.is_file() and t > newest_t:
+                newest, newest_t = f, t
+    if newest is not None:
+        facts["stale"] = (f"{newest.relative_to(native.parent)} changed after {lib_path} was built "
+                          f"({facts['built_utc']}): rebuild it (pip install -e ., or point "
+                          "COLIBRI_LIB at a fresh build)")  # fmt: skip
+    return facts
+
+
 def status_string(status: int) -> str:
     s = lib.colibri_status_string(status)
     return s.decode("utf-8", "replace") if s else f"status {status}"

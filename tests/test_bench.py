@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from colibri_lab import _native
 from colibri_lab.bench import files, side_by_side
 
 REPO = Path(__file__).resolve().parents[1]
@@ -249,7 +250,8 @@ def test_side_by_side_smoke(model, tmp_path):
             ent["decode_tok_s"] / copy["roofline_tok_s"])
     # a warning exactly for each engine above the read roofline
     above = [e for e, ent in cfg["engines"].items() if ent["roofline_fraction"] > 1]
-    assert len(res["warnings"]) == len(above)
+    assert len([w for w in res["warnings"] if "the roofline is wrong" in w]) == len(above)
+    assert res["library"]["path"].endswith("libcolibri.so") and "Colibri library: " in r.stdout
     assert "read bandwidth, 2 threads:" in r.stdout and "copy bandwidth:" in r.stdout
     t = cfg["engines"]["transformers"]
     assert t["colibri_over_this_decode"] == pytest.approx(
@@ -283,6 +285,9 @@ def test_decode_above_the_roofline_is_warned(model, tmp_path, monkeypatch):
                                        "samples_gbs": [1e-3] * reps}}}  # fmt: skip
 
     monkeypatch.setattr(side_by_side, "measure_read_bandwidth", slow)
+    stale = "native/src/core/colibri.c changed after /x/libcolibri.so was built (1970-01-01T00:00:00Z)"
+    monkeypatch.setattr(_native, "library_facts", lambda: {"path": "/x/libcolibri.so", "version": "v",
+                                                           "built_utc": "1970-01-01T00:00:00Z", "stale": stale})
     args = side_by_side.build_parser().parse_args([
         "--smoke", "--engines", "colibri", "--model-dir", str(model[0]), "--cache-dir",
         str(tmp_path / "cache"), "--prefill", "8", "--decode", "4", "--reps", "1",
@@ -295,11 +300,32 @@ def test_decode_above_the_roofline_is_warned(model, tmp_path, monkeypatch):
     assert cfg["roofline"]["bandwidth_gbs"] == 1e-3
     assert ent["copy_roofline_fraction"] == pytest.approx(
         ent["decode_tok_s"] / cfg["roofline_copy"]["roofline_tok_s"])
-    (w,) = res["warnings"]
+    lw, w = res["warnings"]  # the stale library's first, then the engine above the roofline
     assert w.startswith("colibri f32 2t decodes") and "the roofline is wrong" in w
+    assert lw == f"the Colibri library is older than its sources: {stale}"
     table = side_by_side.render_table(res)
-    assert f"WARNING: {w}" in table
+    assert f"WARNING: {w}" in table and f"WARNING: {lw}" in table
+    assert "Colibri library: /x/libcolibri.so (built 1970-01-01T00:00:00Z)" in table
     assert "read bandwidth, 2 threads: 0.0 GB/s (plain;" in table
+
+
+def test_library_facts_name_a_library_older_than_its_sources(tmp_path, monkeypatch):
+    """An editable install is not rebuilt when native/ changes: library_facts() names the
+    newest native source when it is newer than the loaded library, and nothing otherwise."""
+    fake = tmp_path / "libcolibri.so"
+    fake.write_bytes(b"")
+    os.utime(fake, (0, 0))  # "built" in 1970: every source of the checkout is newer
+    monkeypatch.setattr(_native, "lib_path", fake)
+    f = _native.library_facts()
+    assert f["path"] == str(fake) and f["built_utc"] == "1970-01-01T00:00:00Z"
+    assert f["version"] == _native.version()
+    assert f["stale"].startswith("native/") and f"changed after {fake} was built" in f["stale"]
+    newest = max((p for p in (REPO / "native").rglob("*") if p.is_file() and p.parts[len(REPO.parts) + 1]
+                  in ("src", "include", "CMakeLists.txt")), key=lambda p: p.stat().st_mtime)
+    assert f["stale"].startswith(str(newest.relative_to(REPO)) + " ")
+    later = newest.stat().st_mtime + 60
+    os.utime(fake, (later, later))
+    assert _native.library_facts()["stale"] is None
 
 
 def test_missing_peer_is_reported_not_fatal(model, tmp_path):

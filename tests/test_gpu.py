@@ -8,7 +8,10 @@ library was loaded first (run it alone: `COLIBRI_LIB=$COLIBRI_CUDA_LIB pytest te
 tools/gpu_check.sh does).
 
 Models: data/tiny-mixtral, a random Mixtral shape (8 experts top-2, GQA) and a random
-Qwen2-MoE with a gated shared expert and a dense-MLP layer; each in f32 and bf16 weights.
+Qwen2-MoE with a gated shared expert and a dense-MLP layer; each in f32 and bf16 weights. Plus
+data/tiny-mixtral through a bf16 GGUF (written here with the gguf package) and
+colibri_lab.gguf_import: split-layout experts (separate gate, up and down matrices), which the
+converter never writes.
 
 Tolerances (docs/backends.md, "Accuracy"):
 - f32 weights: max |Δ logits| <= 1e-3 against the CPU backend and against transformers float32
@@ -29,7 +32,8 @@ attention to bf16, so it sits further from the exact logits than the fast mode d
 (cuda_mma.cuh: a prompt of 80 rows takes the large one, a decode step the small one).
 Bitwise on the CUDA backend: a sequence batched with others = alone; three runs (and a
 fresh engine) = each other; decode steps replayed from CUDA graphs = the eager stage-by-stage
-run = a traced run; device stage tensors = their host copies.
+run = a traced run; device stage tensors = their host copies; 520 decode steps after a
+600-token prompt (1120 positions, both precisions) = the full forward.
 """
 
 from __future__ import annotations
@@ -141,6 +145,88 @@ def _path(models, tiny_files, name, dtype):
 
 def _ids(vocab: int, n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
+
+
+def _safetensors_bf16(path: Path) -> dict[str, np.ndarray]:
+    """A BF16 safetensors file's tensors as their bits (uint16: numpy has no bfloat16)."""
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    out = {}
+    for name, t in json.loads(raw[8:8 + n]).items():
+        if name == "__metadata__":
+            continue
+        assert t["dtype"] == "BF16", (name, t["dtype"])
+        a, b = t["data_offsets"]
+        out[name] = np.frombuffer(raw, np.uint16, (b - a) // 2, 8 + n + a).reshape(t["shape"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def split_tiny(tmp_path_factory):
+    """data/tiny-mixtral (BF16) as llama.cpp's convert_hf_to_gguf.py --outtype bf16 lays it
+    out (q/k rows permuted, stacked experts ffn_{gate,up,down}_exps in BF16, norms and routers
+    F32, tied embeddings: no output.weight, no vocabulary), written with gguf.GGUFWriter and
+    imported with colibri_lab.gguf_import: a .colibri with split-layout experts (format version
+    2; cb_ffn.packed NULL), where the converter writes packed ones."""
+    import json
+
+    gguf = pytest.importorskip("gguf")
+    from colibri_lab.gguf_import import convert_gguf
+
+    src = REPO / "data" / "tiny-mixtral"
+    cfg = json.loads((src / "config.json").read_text())
+    w = _safetensors_bf16(src / "model.safetensors")
+    L, H, I = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]
+    nh, nkv, E = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_local_experts"]
+    hd = cfg.get("head_dim") or H // nh
+    theta = cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)
+    assert not cfg.get("sliding_window") and cfg.get("tie_word_embeddings"), cfg
+    BF16 = gguf.GGMLQuantizationType.BF16
+
+    def f32(bits):  # bf16 bits widened: the same values in F32
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+    def permute(m, n_head):  # llama.cpp's LlamaModel.permute (convert_hf_to_gguf.py)
+        return m.reshape(n_head, 2, m.shape[0] // n_head // 2, *m.shape[1:]).swapaxes(1, 2).reshape(m.shape)
+
+    d = tmp_path_factory.mktemp("split")
+    gpath = d / "tiny-bf16.gguf"
+    g = gguf.GGUFWriter(str(gpath), "llama")
+    for key, v in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", H),
+                   ("block_count", L), ("feed_forward_length", I), ("attention.head_count", nh),
+                   ("attention.head_count_kv", nkv), ("rope.dimension_count", hd),
+                   ("attention.key_length", hd), ("attention.value_length", hd), ("expert_count", E),
+                   ("expert_used_count", cfg["num_experts_per_tok"])):  # fmt: skip
+        g.add_uint32(f"llama.{key}", int(v))
+    g.add_float32("llama.rope.freq_base", float(theta))
+    g.add_float32("llama.attention.layer_norm_rms_epsilon", float(cfg["rms_norm_eps"]))
+    g.add_uint32("general.file_type", int(gguf.LlamaFileType.MOSTLY_BF16))
+
+    def bf16(name, bits):
+        g.add_tensor(name, np.ascontiguousarray(bits), raw_dtype=BF16)
+
+    bf16("token_embd.weight", w["model.embed_tokens.weight"])
+    for n in range(L):
+        p, b = f"model.layers.{n}", f"blk.{n}"
+        moe = f"{p}.block_sparse_moe"
+        g.add_tensor(f"{b}.attn_norm.weight", f32(w[f"{p}.input_layernorm.weight"]))
+        bf16(f"{b}.attn_q.weight", permute(w[f"{p}.self_attn.q_proj.weight"], nh))
+        bf16(f"{b}.attn_k.weight", permute(w[f"{p}.self_attn.k_proj.weight"], nkv))
+        bf16(f"{b}.attn_v.weight", w[f"{p}.self_attn.v_proj.weight"])
+        bf16(f"{b}.attn_output.weight", w[f"{p}.self_attn.o_proj.weight"])
+        g.add_tensor(f"{b}.ffn_norm.weight", f32(w[f"{p}.post_attention_layernorm.weight"]))
+        g.add_tensor(f"{b}.ffn_gate_inp.weight", f32(w[f"{moe}.gate.weight"]))
+        for x, proj in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            bf16(f"{b}.ffn_{x}_exps.weight", np.stack([w[f"{moe}.experts.{e}.{proj}.weight"] for e in range(E)]))
+    g.add_tensor("output_norm.weight", f32(w["model.norm.weight"]))
+    g.write_header_to_file()
+    g.write_kv_data_to_file()
+    g.write_tensors_to_file()
+    g.close()
+    return Path(convert_gguf(gpath, d / "tiny-bf16-split.colibri", progress=False))
 
 
 # ---- comparison --------------------------------------------------------------------------
@@ -338,6 +424,55 @@ def test_fast_decode_equals_full_forward_bitwise(models, tiny_files, name):
     _bitwise(np.concatenate(rows), full, f"{name}: fast, incremental (small tiles) vs full (large tiles)")
 
 
+def _assert_split_experts(path):
+    """Every MoE layer's experts are three row-major BF16 tensors (no packed tensor)."""
+    from colibri_lab import format as fmt
+
+    info = fmt.inspect(path)
+    names = {t.name: t for t in info.tensors}
+    packed = [t.name for t in info.tensors if t.layout == "experts_packed"]
+    assert not packed, f"packed experts in {path}: {packed}"
+    n_layers = int(info.metadata["model.n_layers"])
+    for n in range(n_layers):
+        for x in ("gate", "up", "down"):
+            t = names.get(f"blk.{n}.ffn_{x}_exps")
+            assert t is not None and t.layout == "row_major" and t.dtype == "bf16" and len(t.shape) == 3, (n, x, t)
+
+
+def test_split_layout_experts_match_cpu(split_tiny):
+    """Split-layout BF16 experts (a GGUF import) in the exact mode against the CPU backend."""
+    _assert_split_experts(split_tiny)
+    with Engine(split_tiny) as eng:
+        vocab, top_k = eng.vocab_size, eng.config.top_k
+    ids = _ids(vocab, 40, seed=36)  # no router near-tie in 40 tokens (gaps >= 1.5e-3)
+    ref, cut = _cpu_reference(split_tiny, ids, "bf16", top_k)
+    with Engine(split_tiny, backend="cuda") as eng:
+        got = eng.forward(ids)
+    _compare(ref, got, "bf16", "tiny split-layout bf16: cuda vs cpu", cut)
+
+
+def test_fast_split_layout_experts_agree(split_tiny):
+    """Split-layout BF16 experts in fast precision: the gate/up tiles read gate and up through
+    two pointers (the packed layout's one pointer elsewhere). Against the CPU's exact and fast
+    modes on the same file, and decode steps (small tiles) = the full forward (large tiles)
+    bitwise."""
+    _assert_split_experts(split_tiny)
+    with Engine(split_tiny) as eng:
+        ids = _ids(eng.vocab_size, 80, seed=32)
+        exact = eng.forward(ids)
+    with Engine(split_tiny, precision="fast") as eng:
+        cpu_fast = eng.forward(ids)
+    with Engine(split_tiny, backend="cuda", precision="fast") as eng:
+        assert "tensor cores" in eng.config.backend_device, eng.config.backend_device
+        got = eng.forward(ids)
+        rows = [eng.forward(ids[:40])]
+        for p in range(40, len(ids)):
+            rows.append(eng.forward(ids[p:p + 1], p))
+    _agreement(exact, got, "tiny split-layout: cuda fast vs cpu exact")
+    _agreement(cpu_fast, got, "tiny split-layout: cuda fast vs cpu fast")
+    _bitwise(np.concatenate(rows), got, "tiny split-layout: fast, incremental (small tiles) vs full (large tiles)")
+
+
 # ---- the CUDA backend against itself -----------------------------------------------------
 
 
@@ -354,6 +489,32 @@ def test_incremental_decode_equals_full_forward(models, tiny_files, name, dtype)
         inc = np.concatenate(rows)
         replays = eng.backend_stats()["graph_replays"]
     _compare(full, inc, dtype, f"{name} {dtype}: incremental vs full (cuda, {replays} graph replays)")
+
+
+LONG_PREFILL, LONG_DECODE = 600, 520
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_long_decode_equals_full_forward_bitwise(tiny_files, precision):
+    """1120 positions (35 attention chunks of 32 and 35 KV blocks of 32 tokens): a 600-token
+    prompt (chunks of 512 and 88 rows) then 520 decode steps replayed from one CUDA graph, bitwise
+    the full forward (chunks of 512, 512, 96); the full forward against the CPU's exact mode.
+    data/tiny-mixtral, BF16: its 4096 positions allow it (the random Mixtral's config has 512)."""
+    path, n = tiny_files["bf16"], LONG_PREFILL + LONG_DECODE
+    with Engine(path, backend="cuda", precision=precision, max_seq_len=n, max_batch=512) as eng:
+        assert eng.config.max_seq_len == n and eng.config.file_max_seq_len >= n, eng.config
+        ids = _ids(eng.vocab_size, n, seed=33)
+        full = eng.forward(ids)
+        rows = [eng.forward(ids[:LONG_PREFILL])]
+        for p in range(LONG_PREFILL, n):
+            rows.append(eng.forward(ids[p:p + 1], p))
+        st = eng.backend_stats()
+    with Engine(path, max_seq_len=n) as eng:
+        ref = eng.forward(ids)
+    print(f"tiny {precision}: {LONG_DECODE} decode steps, {st['graphs_captured']} graph(s) captured, "
+          f"{st['graph_replays']} replays")
+    _bitwise(np.concatenate(rows), full, f"tiny {precision}: {LONG_DECODE} decode steps after {LONG_PREFILL} vs full")
+    _agreement(ref, full, f"tiny {precision}: cuda full forward of {n} vs cpu exact")
 
 
 @pytest.mark.parametrize("dtype,precision", [("f32", "exact"), ("bf16", "exact"), ("bf16", "fast")])
@@ -446,6 +607,34 @@ def test_experts_on_the_host_still_match(models, dtype):
     _compare(ref, got, dtype, f"mixtral {dtype}: fraction {f:.3g} ({split}) vs cpu", cut)
     _compare(full, got, dtype, f"mixtral {dtype}: fraction {f:.3g} vs all resident", cut)
     _compare(np.concatenate(dec_full), np.concatenate(dec), dtype, f"mixtral {dtype}: decode, fraction vs resident")
+
+
+def test_fast_experts_on_the_host_still_agree(models):
+    """Fast precision with some experts on the host: the resident ones on the tensor cores, the
+    others through the CPU (cb_cpu_expert_rows, its fast mode), no graphs. An 80-token prompt
+    and 8 decode steps against the CPU's exact and fast modes and against all experts resident."""
+    _, path, _, vocab = models("mixtral", "bf16")
+    f, split = _partial_fraction(path, max_seq_len=256, precision="fast")
+    ids, steps = _ids(vocab, 80, seed=34), _ids(vocab, 8, seed=35)
+    with Engine(path) as eng:
+        exact = eng.forward(ids + steps)
+    with Engine(path, precision="fast") as eng:
+        cpu_fast = eng.forward(ids + steps)
+
+    def run(**kw):
+        with Engine(path, backend="cuda", precision="fast", max_seq_len=256, **kw) as eng:
+            c = eng.config
+            assert "tensor cores" in c.backend_device, c.backend_device
+            out = [eng.forward(ids)] + [eng.forward([t], len(ids) + k) for k, t in enumerate(steps)]
+            return np.concatenate(out), c.backend_experts_resident, c.backend_experts_host
+
+    got, resident, host = run(gpu_memory_fraction=f)
+    assert resident > 0 and host > 0, (resident, host)
+    full, _, host_full = run()
+    assert host_full == 0
+    _agreement(exact, got, f"mixtral: cuda fast, fraction {f:.3g} ({split}) vs cpu exact")
+    _agreement(cpu_fast, got, f"mixtral: cuda fast, fraction {f:.3g} vs cpu fast")
+    _agreement(full, got, f"mixtral: cuda fast, fraction {f:.3g} vs all resident")
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -417,6 +417,12 @@ def run(args) -> dict:
                                    log=_say)
     hf_cfg = read_hf_config(model_dir)
     n_pre, n_dec = args.prefill, args.decode
+    from .._native import library_facts
+
+    lib_facts = library_facts()  # the spawned Colibri workers load the same file
+    _say(f"Colibri library: {lib_facts['path']} (built {lib_facts['built_utc']})")
+    if lib_facts["stale"]:
+        _say(f"WARNING: {lib_facts['stale']}")
 
     result = {
         "tool": "colibri_lab.bench",
@@ -425,6 +431,7 @@ def run(args) -> dict:
         "machine": machine_info(),
         "loadavg_start": list(os.getloadavg()),
         "source": source_info(),
+        "library": lib_facts,
         "model_dir": str(model_dir),
         "model": hf_cfg,
         "prefill_tokens": n_pre,
@@ -453,6 +460,8 @@ def run(args) -> dict:
             _say(f"read bandwidth not measured: {read_bw[str(nt)]['error']}")
     result["read_bandwidth"] = read_bw
     result["warnings"] = []
+    if lib_facts.get("stale"):
+        result["warnings"].append(f"the Colibri library is older than its sources: {lib_facts['stale']}")
 
     llama_src, llama_err = None, None
     quant_from = getattr(args, "quant_from", "f32")
@@ -668,6 +677,8 @@ def render_table(res: dict) -> str:
         *_read_bw_lines(res),
         f"copy bandwidth: {bw['median_gbs']:.1f} GB/s median (max {bw['max_gbs']:.1f}; by the wall "
         f"clock {bw['wall_median_gbs']:.1f}; {bw['method']}; the 'copy roofline' column)",
+        *([f"Colibri library: {res['library']['path']} (built {res['library']['built_utc']})"]
+          if res.get("library") else []),
         f"model: {res['model_dir']} ({res['model']['model_type']}, {res['model']['layers']} layers, "
         f"hidden {res['model']['hidden']}, {res['model']['experts']} experts top-{res['model']['top_k']}, "
         f"vocab {res['model']['vocab']})",

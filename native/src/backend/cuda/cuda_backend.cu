@@ -44,6 +44,7 @@ extern "C" {
 #include "core/context.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "cpu/fast.h"
 }
 
 #include "cuda_kernels.cuh"
@@ -480,6 +481,9 @@ static void host_experts(colibri_ctx *ctx, uint32_t l) {
     cb_scratch *s = &ctx->s;
     const dlayer *L = &st->L[l];
     int64_t E = ctx->cfg.n_experts, H = ctx->cfg.hidden, I = L->experts.I;
+    const cb_layer *HL = &ctx->w.layers[l];
+    const int round_in = ctx->fast && (HL->experts.dt == COLIBRI_DTYPE_BF16 ||
+                                       (HL->has_shared && HL->shared.dt == COLIBRI_DTYPE_BF16));
     d2h(st, s->expert_offset, st->eoff, (uint64_t)(E + 1) * sizeof(int64_t));
     sync(st);
     if (st->err != cudaSuccess) return;
@@ -490,6 +494,8 @@ static void host_experts(colibri_ctx *ctx, uint32_t l) {
         d2h(st, s->ex_in + r0 * H, st->ex_in + r0 * H, (uint64_t)(R * H) * sizeof(float));
         sync(st);
         if (st->err != cudaSuccess) return;
+        if (round_in) /* the CPU's fast mode takes these rows rounded to bf16 (stage_grouping) */
+            cb_round_bf16(s->ex_in + r0 * H, R * H);
         cb_cpu_expert_rows(ctx, l, e, s->ex_in + r0 * H, s->ex_h + r0 * I, s->ex_up ? s->ex_up + r0 * I : NULL,
                            s->ex_out + r0 * H, R);
         h2d(st, st->ex_out + r0 * H, s->ex_out + r0 * H, (uint64_t)(R * H) * sizeof(float));
