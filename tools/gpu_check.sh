@@ -22,6 +22,8 @@ OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# pure-Python packages the machine lacks (gguf, for the split-layout tests), carried in
+[ -d build/pydeps ] && PYTHONPATH=$PYTHONPATH:$PWD/build/pydeps
 # PREBUILT=dir: a build made elsewhere with the same nvcc (static cudart), carried in; its
 # libcolibri.so, colibri_cli and colibri_bench are used when the library loads here, else
 # the sources are built as below.
