@@ -1,14 +1,17 @@
 """The sanitizer job: the engine built with ASan + UBSan (``-DCOLIBRI_SANITIZE=ON``, into
-build/asan) runs the C tests, then a slice of this suite (the bad-input, format, tokenizer
-and parity tests) runs against that library, with leak detection on.
+build/asan) runs the C tests with leak detection on; then a slice of this suite (the
+bad-input, format, tokenizer and parity tests) runs against that library; then a script that
+drives the Python binding over every entry point without torch runs with leak detection on.
 
-The Python slice runs the interpreter with the sanitizer runtimes preloaded. The
-interpreter and the libraries it loads (torch, numpy, OpenSSL, ...) never free some memory
-at exit, and LeakSanitizer reports all of it; so every report is read back and sorted: an
-ASan error or a UBSan ``runtime error`` fails the test wherever it is, and a leak fails it
-when the memory was allocated by the engine (the allocating frame, the first after the
-sanitizer's own, is in libcolibri.so or native/src). Reports go to files (``log_path``), not into the
-tests' output."""
+The Python runs put the interpreter under the sanitizer runtimes (preloaded). The slice
+imports torch, whose heap LeakSanitizer takes about two minutes to scan at exit on two
+cores, so the slice checks for ASan and UBSan errors only, and leaks are checked by the
+torch-free script (and by the C tests). The interpreter and the libraries it loads never free
+some memory at exit, and LeakSanitizer reports all of it; so every report is read back and
+sorted: an ASan error or a UBSan ``runtime error`` fails the test wherever it is, and a leak
+fails it when the memory was allocated by the engine (the allocating frame, the first after
+the sanitizer's own, is in libcolibri.so or native/src). Reports go to files (``log_path``),
+not into the tests' output."""
 
 from __future__ import annotations
 
@@ -92,15 +95,23 @@ def test_c_tests_under_asan_ubsan(asan_build, tmp_path):
     assert "tests passed" in r.stdout
 
 
-def test_python_slice_under_asan_ubsan(asan_build, tmp_path):
-    """The slice against the sanitized library: every test passes, no ASan error, no UBSan
-    runtime error, no leak allocated by the engine."""
+def _python_env(asan_build: Path, log_dir: Path, leaks: bool) -> dict:
+    """The environment of a Python child under the sanitized library, reports into log_dir."""
     env = dict(os.environ, **SAN_OPTIONS)
+    if not leaks:
+        env["ASAN_OPTIONS"] = env["ASAN_OPTIONS"].replace("detect_leaks=1", "detect_leaks=0")
     for k in ("ASAN_OPTIONS", "UBSAN_OPTIONS"):
-        env[k] += f":log_path={tmp_path / 'san'}"
+        env[k] += f":log_path={log_dir / 'san'}"
     env["COLIBRI_LIB"] = str(asan_build / "libcolibri.so")
     env["LD_PRELOAD"] = " ".join(filter(None, [_runtime("libasan.so"), _runtime("libubsan.so")]))
     env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def test_python_slice_under_asan_ubsan(asan_build, tmp_path):
+    """The slice against the sanitized library: every test passes, no ASan error, no UBSan
+    runtime error (leaks: test_binding_leaks_nothing below)."""
+    env = _python_env(asan_build, tmp_path, leaks=False)
     junit = tmp_path / "slice.xml"
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                         *SLICE], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
@@ -113,3 +124,93 @@ def test_python_slice_under_asan_ubsan(asan_build, tmp_path):
     n, fails, errs = (int(suite.get(a, 0)) for a in ("tests", "failures", "errors"))
     assert fails == 0 and errs == 0, r.stdout[-6000:]
     assert n - int(suite.get("skipped", 0)) >= 20, f"only {n} tests ran:\n{r.stdout[-3000:]}"
+
+
+# Every entry point of the binding, torch-free, on small files the test converts (f32, bf16,
+# q8_0; exact and fast; an expert cache): loads, forwards, decode, batches and forks, traces,
+# stage runs, generation, the tokenizer, and the error paths (bad ids, an over-long prompt, a
+# corrupt and a truncated file, a bad option).
+BINDING_SCRIPT = r"""
+import sys
+from pathlib import Path
+import numpy as np
+import colibri_lab
+from colibri_lab import ColibriError, Engine
+
+assert "torch" not in sys.modules
+files = [Path(p) for p in sys.argv[1:]]
+for path, kw in [(p, kw) for p in files for kw in ({}, {"precision": "fast"})] + [
+        (files[0], {"expert_cache_slots": 3, "expert_cache_policy": "predict"})]:
+    with Engine(path, num_threads=2, max_seq_len=96, max_batch=16, max_seqs=4, **kw) as eng:
+        V = eng.vocab_size
+        ids = np.random.default_rng(0).integers(3, V, size=40).tolist()
+        full = eng.forward(ids)
+        eng.forward(ids[:20])
+        for p in range(20, 24):
+            eng.forward(ids[p:p + 1], p)
+        a = eng.sequence(1)
+        a.append(ids[:10])
+        b = a.fork(2)
+        b.truncate(5)
+        eng.batch([(1, ids[10:12]), (2, ids[5:9]), (3, ids[:3])], logits="all")
+        with eng.trace() as tr:
+            eng.forward(ids[:12])
+        assert tr.topk_ids.shape[1] == 12
+        run = eng.stages(ids[:6])
+        run.run()
+        out = run.finish()
+        toks = [t.id for t in eng.generate(ids[:8], 6, temperature=0.8, top_k=20, seed=1)]
+        if eng._has_tokenizer():
+            tok = eng.tokenizer
+            tok.decode(tok.encode("The quick brown fox"))
+        for bad in ([V + 5], [-1], list(range(3, 200))):
+            try:
+                eng.forward(bad)
+            except ColibriError:
+                pass
+            else:
+                raise AssertionError(f"{bad[:3]}... was accepted")
+    eng2 = Engine(path)  # closed by the garbage collector, not by close()
+    eng2.forward(ids[:4])
+    del eng2
+raw = files[0].read_bytes()
+bad_dir = files[0].parent / "bad"
+bad_dir.mkdir(exist_ok=True)
+for name, data in (("truncated", raw[: len(raw) // 3]),
+                   ("corrupt", raw[:4096] + bytes(b ^ 0x5A for b in raw[4096:8192]) + raw[8192:])):
+    f = bad_dir / f"{name}.colibri"
+    f.write_bytes(data)
+    try:
+        Engine(f, verify_checksums=True).forward([3])
+    except ColibriError:
+        pass
+    else:
+        assert name == "corrupt", "a truncated file opened"
+try:
+    Engine(files[0], max_seq_len=-3)
+except (ColibriError, ValueError):
+    pass
+print("binding ok")
+"""
+
+
+def test_binding_leaks_nothing(asan_build, tmp_path):
+    """The Python binding over the sanitized library, leak detection on: no ASan error, no
+    UBSan runtime error, no leak allocated by the engine, through every entry point and the
+    error paths (BINDING_SCRIPT)."""
+    from colibri_lab.convert import convert
+
+    files = []
+    for dtype in ("f32", "bf16", "q8_0"):
+        out = tmp_path / f"tiny-{dtype}.colibri"
+        convert(REPO / "data" / "tiny-mixtral", out, dtype=dtype, progress=False)
+        files.append(str(out))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    r = subprocess.run([sys.executable, "-c", BINDING_SCRIPT, *files], cwd=REPO,
+                       env=_python_env(asan_build, logs, leaks=True), capture_output=True, text=True,
+                       timeout=900)  # fmt: skip
+    errors, leaks = _reports(logs)
+    assert not errors, "\n".join(errors)
+    assert not leaks, "\n".join(leaks)
+    assert r.returncode == 0 and "binding ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
