@@ -386,13 +386,8 @@ def test_fast_precision_agrees_with_exact(models, tiny_files, name):
     path = _path(models, tiny_files, name, "bf16")
     with Engine(path) as eng:
         vocab = eng.vocab_size
-        ids = _ids(vocab, 80, seed=21)
-        exact = eng.forward(ids)
-    with Engine(path, precision="fast") as eng:
-        cpu_fast = eng.forward(ids)
-    with Engine(path, backend="cuda", precision="fast") as eng:
-        assert "tensor cores" in eng.config.backend_device, eng.config.backend_device
-        got = eng.forward(ids)
+    ids = _ids(vocab, 80, seed=21)
+    exact, cpu_fast, got, _ = _exact_fast_and_cuda_fast(path, ids)
     _agreement(exact, got, f"{name}: cuda fast vs cpu exact")
     _agreement(cpu_fast, got, f"{name}: cuda fast vs cpu fast")
     if name == "tiny":
@@ -422,6 +417,20 @@ def test_fast_decode_equals_full_forward_bitwise(models, tiny_files, name):
         for p in range(40, len(ids)):
             rows.append(eng.forward(ids[p:p + 1], p))
     _bitwise(np.concatenate(rows), full, f"{name}: fast, incremental (small tiles) vs full (large tiles)")
+
+
+def _exact_fast_and_cuda_fast(path, ids, then=None):
+    """The logits of ids through the CPU's exact and fast modes and the CUDA backend's fast
+    mode (on the tensor cores), and then(cuda engine)'s result (None without then)."""
+    with Engine(path) as eng:
+        exact = eng.forward(ids)
+    with Engine(path, precision="fast") as eng:
+        cpu_fast = eng.forward(ids)
+    with Engine(path, backend="cuda", precision="fast") as eng:
+        assert "tensor cores" in eng.config.backend_device, eng.config.backend_device
+        got = eng.forward(ids)
+        more = then(eng) if then else None
+    return exact, cpu_fast, got, more
 
 
 def _assert_split_experts(path):
@@ -459,15 +468,14 @@ def test_fast_split_layout_experts_agree(split_tiny):
     _assert_split_experts(split_tiny)
     with Engine(split_tiny) as eng:
         ids = _ids(eng.vocab_size, 80, seed=32)
-        exact = eng.forward(ids)
-    with Engine(split_tiny, precision="fast") as eng:
-        cpu_fast = eng.forward(ids)
-    with Engine(split_tiny, backend="cuda", precision="fast") as eng:
-        assert "tensor cores" in eng.config.backend_device, eng.config.backend_device
-        got = eng.forward(ids)
+
+    def decode(eng):
         rows = [eng.forward(ids[:40])]
         for p in range(40, len(ids)):
             rows.append(eng.forward(ids[p:p + 1], p))
+        return rows
+
+    exact, cpu_fast, got, rows = _exact_fast_and_cuda_fast(split_tiny, ids, decode)
     _agreement(exact, got, "tiny split-layout: cuda fast vs cpu exact")
     _agreement(cpu_fast, got, "tiny split-layout: cuda fast vs cpu fast")
     _bitwise(np.concatenate(rows), got, "tiny split-layout: fast, incremental (small tiles) vs full (large tiles)")
