@@ -149,18 +149,13 @@ def _ids(vocab: int, n: int, seed: int) -> list[int]:
 
 def _safetensors_bf16(path: Path) -> dict[str, np.ndarray]:
     """A BF16 safetensors file's tensors as their bits (uint16: numpy has no bfloat16)."""
-    import json
-    import struct
+    import torch
+    from safetensors.torch import load_file
 
-    raw = path.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
     out = {}
-    for name, t in json.loads(raw[8:8 + n]).items():
-        if name == "__metadata__":
-            continue
-        assert t["dtype"] == "BF16", (name, t["dtype"])
-        a, b = t["data_offsets"]
-        out[name] = np.frombuffer(raw, np.uint16, (b - a) // 2, 8 + n + a).reshape(t["shape"])
+    for name, t in load_file(str(path)).items():
+        assert t.dtype == torch.bfloat16, (name, t.dtype)
+        out[name] = t.view(torch.int16).numpy().view(np.uint16)
     return out
 
 
@@ -175,6 +170,7 @@ def split_tiny(tmp_path_factory):
 
     gguf = pytest.importorskip("gguf")
     from colibri_lab.gguf_import import convert_gguf
+    from test_gguf_import import permute  # llama.cpp's LlamaModel.permute of q and k rows
 
     src = REPO / "data" / "tiny-mixtral"
     cfg = json.loads((src / "config.json").read_text())
@@ -188,9 +184,6 @@ def split_tiny(tmp_path_factory):
 
     def f32(bits):  # bf16 bits widened: the same values in F32
         return (bits.astype(np.uint32) << 16).view(np.float32)
-
-    def permute(m, n_head):  # llama.cpp's LlamaModel.permute (convert_hf_to_gguf.py)
-        return m.reshape(n_head, 2, m.shape[0] // n_head // 2, *m.shape[1:]).swapaxes(1, 2).reshape(m.shape)
 
     d = tmp_path_factory.mktemp("split")
     gpath = d / "tiny-bf16.gguf"

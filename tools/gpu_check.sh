@@ -103,10 +103,7 @@ summary "tests: rc=$rc_tests in $(($(date +%s) - tt)) s: $(tail -1 "$OUT/test_gp
 # ---- 4. bench (T_BENCH=0: a tests-only run, no bench and no mma_bench) ---------------------
 if [ "$T_BENCH" = 0 ]; then
     summary "bench: skipped (T_BENCH=0)"
-    summary "total $(($(date +%s) - t0)) s"
-    echo "== test failures / skips"; grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/test_gpu.log" | head -30
-    exit 0
-fi
+else
 tn=$(date +%s)
 timeout "$T_BENCH" python3 tools/gpu_bench.py --layers "$BENCH_LAYERS" --out "$OUT" --budget-s $((T_BENCH - 25)) --profile \
     >"$OUT/gpu_bench.log" 2>&1
@@ -119,6 +116,7 @@ rm -rf /dev/shm/colibri_gpu_bench /tmp/colibri_gpu_bench
 if [ -x "$BUILD/mma_bench" ]; then
     timeout 60 "$BUILD/mma_bench" >"$OUT/mma_bench.txt" 2>&1
     summary "mma_bench: rc=$?"
+fi
 fi
 summary "total $(($(date +%s) - t0)) s"
 echo "== test failures / skips"; grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/test_gpu.log" | head -30

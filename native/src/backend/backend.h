@@ -88,6 +88,10 @@ extern const cb_backend cb_backend_cpu;
  * backend's experts that did not fit on the device. */
 void cb_cpu_expert_rows(struct colibri_ctx *ctx, uint32_t l, int64_t e, const float *x, float *h, float *u,
                         float *y, int64_t rows);
+/* 1 when the CPU's fast mode rounds MoE layer l's FFN input to bf16 before its experts see
+ * it (bf16 routed or shared experts), else 0 (and always 0 in exact mode): a device backend
+ * rounds the rows it hands to cb_cpu_expert_rows the same way. */
+int cb_cpu_moe_input_bf16(const struct colibri_ctx *ctx, uint32_t l);
 /* backend/cuda/cuda_backend.cu when built with COLIBRI_CUDA, else NULL (backend/select.c). */
 const cb_backend *cb_backend_cuda(void);
 /* By name ("cpu", "cuda"): the table, or NULL with a message saying why (unknown name, or a

@@ -576,7 +576,7 @@ static void stage_grouping(colibri_ctx *ctx, uint32_t l) {
     int64_t H = ctx->cfg.hidden, E = ctx->cfg.n_experts;
     const cb_layer *L = &ctx->w.layers[l];
     if (!L->moe) return;
-    fast_round(ctx, s->xn, ctx->run.T * H, ffn_bf16(&L->experts) || (L->has_shared && ffn_bf16(&L->shared)));
+    fast_round(ctx, s->xn, ctx->run.T * H, cb_cpu_moe_input_bf16(ctx, l));
     group_tokens(ctx, ctx->run.T);
     int64_t rows = s->expert_offset[E];
     for (int64_t r = 0; r < rows; r++) {
@@ -744,6 +744,11 @@ static void stage_lm_head(colibri_ctx *ctx, float *logits) {
                            (float)c->rms_norm_eps);
     fast_round(ctx, s->xn, R * H, ctx->w.lm_head.dt == COLIBRI_DTYPE_BF16);
     par_matmul1(ctx, logits, s->xn, ctx->w.lm_head, R, c->vocab, H);
+}
+
+int cb_cpu_moe_input_bf16(const colibri_ctx *ctx, uint32_t l) {
+    const cb_layer *L = &ctx->w.layers[l];
+    return ctx->fast && (ffn_bf16(&L->experts) || (L->has_shared && ffn_bf16(&L->shared)));
 }
 
 void cb_cpu_expert_rows(colibri_ctx *ctx, uint32_t l, int64_t e, const float *x, float *h, float *u, float *y,

@@ -481,9 +481,7 @@ static void host_experts(colibri_ctx *ctx, uint32_t l) {
     cb_scratch *s = &ctx->s;
     const dlayer *L = &st->L[l];
     int64_t E = ctx->cfg.n_experts, H = ctx->cfg.hidden, I = L->experts.I;
-    const cb_layer *HL = &ctx->w.layers[l];
-    const int round_in = ctx->fast && (HL->experts.dt == COLIBRI_DTYPE_BF16 ||
-                                       (HL->has_shared && HL->shared.dt == COLIBRI_DTYPE_BF16));
+    const int round_in = cb_cpu_moe_input_bf16(ctx, l);
     d2h(st, s->expert_offset, st->eoff, (uint64_t)(E + 1) * sizeof(int64_t));
     sync(st);
     if (st->err != cudaSuccess) return;
