@@ -652,6 +652,27 @@ static void test_vs_ref(const cb_kernels *K) {
         free(table);
         free(sc);
     }
+    /* A head's output does not depend on the heads that share its call, bit for bit: the
+     * score tile's shape (nh heads by VHSUM_N / nh keys, their sums reduced together) changes
+     * no sum. Groups of 3 heads, a head size with a partial vector on every table. */
+    {
+        int64_t T = 5, start = 70, Hq = 12, Hkv = 4, D = 44, P = start + T, nq = Hq * D;
+        float *q = malloc((size_t)(T * nq) * 4), *o = malloc((size_t)(T * nq) * 4), *o1 = malloc((size_t)(T * nq) * 4);
+        float *sc = malloc((size_t)(CB_ATT_HEADS * P) * 4), *pool;
+        int32_t *table;
+        fill(q, T * nq, 1.0);
+        cb_kv_view kv = paged_cache(P, Hkv, D, 13, &pool, &table);
+        K->attention_heads(o, q, &kv, sc, T, start, Hq, Hkv, D, 0, NULL, 0, Hq);
+        for (int64_t h = 0; h < Hq; h++) K->attention_heads(o1, q, &kv, sc, T, start, Hq, Hkv, D, 0, NULL, h, h + 1);
+        if (memcmp(o, o1, (size_t)(T * nq) * 4) != 0)
+            FAIL("[%s] attention_heads: one head at a time differs from the heads together", K->name);
+        free(q);
+        free(o);
+        free(o1);
+        free(pool);
+        free(table);
+        free(sc);
+    }
     /* expert_gateup / expert_down on column ranges (odd, unaligned bounds) */
     struct { int64_t R, H, I, B, i0, i1, c0, c1; } cs[] = {
         {1, 131, 67, 32, 0, 67, 0, 131}, {1, 128, 96, 32, 31, 65, 16, 80}, {3, 67, 131, 7, 5, 100, 3, 60},
