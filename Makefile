@@ -83,7 +83,7 @@ fuzz:
 
 # The notebooks run under strict nbval: outputs of untagged cells are compared.
 pytest:
-	$(BIN)/pytest -q tests --nbval --nbval-current-env notebooks
+	$(BIN)/pytest -q --durations=30 tests --nbval --nbval-current-env notebooks
 
 clean:
 	rm -rf build $(VENV) colibri_lab/_lib
