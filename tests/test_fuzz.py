@@ -4,7 +4,7 @@ Three targets (native/tests/): fuzz_loader (the .colibri file loader, forward pa
 model's tokenizer), fuzz_tokenizer (the SentencePiece-BPE and byte-level BPE tokenizers from a
 section) and fuzz_server_api (colibri_server's request handling), built by `tools/fuzz.sh build`
 with clang, libFuzzer, ASan and UBSan into build/fuzz/bin. Each runs COLIBRI_FUZZ_SECONDS
-(default 12) from a copy of native/tests/fuzz_corpus/<target>/ (CI never writes into the
+(default 6) from a copy of native/tests/fuzz_corpus/<target>/ (CI never writes into the
 repository), and every committed seed and regression input (…/<target>/regressions/) is run
 once. A crash, a leak, an out-of-bounds access, undefined behaviour or a timeout fails the
 test with libFuzzer's report. Long runs by hand: `make fuzz` (tools/fuzz.sh, 600 s a target)."""
@@ -24,7 +24,7 @@ import colibri_lab
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build" / "fuzz"
 CORPUS = REPO / "native" / "tests" / "fuzz_corpus"
-SECONDS = int(os.environ.get("COLIBRI_FUZZ_SECONDS", "12"))
+SECONDS = int(os.environ.get("COLIBRI_FUZZ_SECONDS", "6"))
 TARGETS = {"loader": ("fuzz_loader", 70000), "tokenizer": ("fuzz_tokenizer", 32768),
            "server": ("fuzz_server_api", 4096)}
 
