@@ -40,10 +40,10 @@ static inline __attribute__((always_inline)) float vhsum(vf v) {
     return _mm_cvtss_f32(s);
 }
 /* s[i] = vhsum(v[i]) for i < n <= VHSUM_N, bit for bit: the same additions of the same pairs
- * (lanes j and j + 4, then j + 2, j + 1), the vectors reduced together (21 operations for 8
- * sums). Lanes past n: zero vectors, not stored. */
-#define VHSUM_N 8
-static inline __attribute__((always_inline)) void vhsum_n(float *s, const vf *v, const int n) {
+ * (lanes j and j + 4, then j + 2, j + 1), the vectors reduced together, 8 at a time (21
+ * operations for 8 sums). Lanes past n: zero vectors, not stored. */
+#define VHSUM_N 16
+static inline __attribute__((always_inline)) void vhsum8(float *s, const vf *v, const int n) {
     vf a[8], b[4], c[2];
     for (int i = 0; i < 8; i++) a[i] = i < n ? v[i] : _mm256_setzero_ps();
     for (int i = 0; i < 4; i++) /* [v lo | w lo] + [v hi | w hi] */
@@ -56,8 +56,12 @@ static inline __attribute__((always_inline)) void vhsum_n(float *s, const vf *v,
     vf r = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
     r = _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    if (n == 8) _mm256_storeu_ps(s, r);
+    if (n >= 8) _mm256_storeu_ps(s, r);
     else _mm256_maskstore_ps(s, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), r);
+}
+static inline __attribute__((always_inline)) void vhsum_n(float *s, const vf *v, const int n) {
+    vhsum8(s, v, n);
+    if (n > 8) vhsum8(s + 8, v + 8, n - 8);
 }
 static inline __attribute__((always_inline)) float vhmax(vf v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

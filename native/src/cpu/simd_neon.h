@@ -38,7 +38,7 @@ static inline __attribute__((always_inline)) vf vpow2i(vf n) {
 /* (v0 + v1) + (v2 + v3) (FADDP twice), and the maximum of the lanes */
 static inline __attribute__((always_inline)) float vhsum(vf v) { return vaddvq_f32(v); }
 /* s[i] = vhsum(v[i]) for i < n <= VHSUM_N (the x86 tables reduce their vectors together) */
-#define VHSUM_N 8
+#define VHSUM_N 16
 static inline __attribute__((always_inline)) void vhsum_n(float *s, const vf *v, const int n) {
     for (int i = 0; i < n; i++) s[i] = vaddvq_f32(v[i]);
 }
