@@ -115,7 +115,8 @@ def test_python_slice_under_asan_ubsan(asan_build, tmp_path):
     junit = tmp_path / "slice.xml"
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                         # the tokenizer's speed report measures nothing under ASan
-                        "-k", "not speed_report", *SLICE], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+                        "-k", "not speed_report", *SLICE],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
     errors, leaks = _reports(tmp_path)
     assert not errors, "\n".join(errors)
     assert not leaks, "\n".join(leaks)

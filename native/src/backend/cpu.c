@@ -576,7 +576,7 @@ static void stage_grouping(colibri_ctx *ctx, uint32_t l) {
     int64_t H = ctx->cfg.hidden, E = ctx->cfg.n_experts;
     const cb_layer *L = &ctx->w.layers[l];
     if (!L->moe) return;
-    fast_round(ctx, s->xn, ctx->run.T * H, cb_cpu_moe_input_bf16(ctx, l));
+    if (cb_cpu_moe_input_bf16(ctx, l)) cb_round_bf16(s->xn, ctx->run.T * H);
     group_tokens(ctx, ctx->run.T);
     int64_t rows = s->expert_offset[E];
     for (int64_t r = 0; r < rows; r++) {
