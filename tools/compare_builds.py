@@ -3,6 +3,7 @@ for byte on the same .colibri files.
 
     python tools/compare_builds.py --base 1676ff9 MODEL.colibri [MODEL ...]
     python tools/compare_builds.py --base main --threads 1,2 --kernels best,avx2,ref m.colibri
+    python tools/compare_builds.py --base main --precision exact,fast m.colibri
 
 For a change that must not change behaviour (a refactor, a file move, a new seam), this
 builds the engine of the base revision (a temporary git worktree) and of the working tree
@@ -21,6 +22,7 @@ compared with colibri_bench, alternating the two builds (docs/performance.md).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import subprocess
@@ -32,17 +34,18 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Runs inside a subprocess with argv: TREE MODEL OUT THREADS N_TOKENS.
+# Runs inside a subprocess with argv: TREE MODEL OUT THREADS N_TOKENS PRECISION.
 DUMP = r'''
 import sys
-tree, model, out, threads, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+tree, model, out, threads, n, precision = (sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]),
+                                          int(sys.argv[5]), sys.argv[6])
 sys.meta_path[:] = [f for f in sys.meta_path if not type(f).__module__.startswith("_editable")]
 sys.path.insert(0, tree)
 import numpy as np
 from colibri_lab import Engine
 
 res = {}
-with Engine(model, num_threads=threads) as eng:
+with Engine(model, num_threads=threads, precision=precision) as eng:
     ids = np.random.default_rng(0).integers(3, eng.vocab_size, size=n).astype(np.int32)
     with eng.trace() as tr:
         res["full"] = eng.forward(ids)
@@ -81,12 +84,12 @@ def build(tree: Path, out: Path) -> Path:
     return out / "libcolibri.so"
 
 
-def dump(tree: Path, lib: Path, model: Path, out: Path, threads: int, kernels: str, n: int):
+def dump(tree: Path, lib: Path, model: Path, out: Path, threads: int, kernels: str, n: int, precision: str):
     env = dict(os.environ, COLIBRI_LIB=str(lib))
     env.pop("COLIBRI_KERNELS", None)
     if kernels != "best":
         env["COLIBRI_KERNELS"] = kernels
-    r = subprocess.run([sys.executable, "-c", DUMP, str(tree), str(model), str(out), str(threads), str(n)],
+    r = subprocess.run([sys.executable, "-c", DUMP, str(tree), str(model), str(out), str(threads), str(n), precision],
                        env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{tree}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
@@ -107,6 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     ap.add_argument("--kernels", default="best",
                     help="comma-separated kernel tables: best, avx512, avx2, ref (default best)")
+    ap.add_argument("--precision", default="exact",
+                    help="comma-separated numeric modes: exact, fast (default exact)")
     ap.add_argument("--tokens", type=int, default=200, help="prompt length (default 200)")
     ap.add_argument("--work", type=Path, default=REPO / "build" / "compare",
                     help="build folders and dumps (default build/compare)")
@@ -123,12 +128,12 @@ def main(argv=None) -> int:
         trees = {"base": base_tree, "new": REPO}
         for model in args.models:
             for threads in (int(t) for t in args.threads.split(",")):
-                for kernels in args.kernels.split(","):
-                    case = f"{model.name} threads={threads} kernels={kernels}"
+                for kernels, precision in itertools.product(args.kernels.split(","), args.precision.split(",")):
+                    case = f"{model.name} threads={threads} kernels={kernels} precision={precision}"
                     outs = {side: args.work / f"{side}.npz" for side in trees}
                     try:
                         used = {side: dump(trees[side], libs[side], model, outs[side], threads,
-                                           kernels, args.tokens) for side in trees}
+                                           kernels, args.tokens, precision) for side in trees}
                         bad = differing(outs["base"], outs["new"])
                     except RuntimeError as e:
                         print(f"FAILED    {case}: {e}")

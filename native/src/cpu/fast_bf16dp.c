@@ -91,8 +91,6 @@ static void xt_pack(uint32_t *XT, const float *x, int64_t ldx, int64_t nt, int64
             for (int v = 0; v < NV; v++) acc[r][v] = dp(acc[r][v], xv[v], b);                            \
         }                                                                                                \
     }
-#define TOK_IDX(ld) \
-    _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)(ld)))
 
 /* y[t * ldy + r] (t < nt, r < nr) for rows wp[0 .. RB) (pairs [0, np) of this pass), continuing
  * the chains stored in y when cont; rows past nr repeat a valid one and are not stored. */
@@ -101,19 +99,20 @@ static void xt_pack(uint32_t *XT, const float *x, int64_t ldx, int64_t nt, int64
                                    int64_t np, int64_t nr, int64_t nt, int cont) {                                 \
         vf acc[RB][NV];                                                                                            \
         const uint32_t *w[RB];                                                                                     \
-        const vi idx = TOK_IDX(ldy);                                                                               \
+        float tile[RB][NV * 16];                                                                                   \
+        if (cont)                                                                                                  \
+            for (int64_t t = 0; t < nt; t++)                                                                       \
+                for (int64_t r = 0; r < nr; r++) tile[r][t] = y[t * ldy + r];                                      \
         for (int r = 0; r < RB; r++) {                                                                             \
             w[r] = wp[r];                                                                                          \
             for (int v = 0; v < NV; v++)                                                                           \
-                acc[r][v] = cont && r < nr ? _mm512_mask_i32gather_ps(vzero(), lanes(nt - 16 * v), idx,            \
-                                                                      y + 16 * v * ldy + r, 4)                     \
-                                           : vzero();                                                              \
+                acc[r][v] = cont && r < nr ? _mm512_maskz_loadu_ps(lanes(nt - 16 * v), tile[r] + 16 * v) : vzero(); \
         }                                                                                                          \
         TOK_CHAIN(RB, NV)                                                                                          \
         for (int r = 0; r < RB; r++)                                                                               \
-            if (r < nr)                                                                                            \
-                for (int v = 0; v < NV; v++)                                                                       \
-                    _mm512_mask_i32scatter_ps(y + 16 * v * ldy + r, lanes(nt - 16 * v), idx, acc[r][v], 4);        \
+            for (int v = 0; v < NV; v++) _mm512_storeu_ps(tile[r] + 16 * v, acc[r][v]);                            \
+        for (int64_t t = 0; t < nt; t++)                                                                           \
+            for (int64_t r = 0; r < nr; r++) y[t * ldy + r] = tile[r][t];                                          \
     }
 TOK_MM(6, 4)
 TOK_MM(8, 3)
@@ -131,12 +130,11 @@ TOK_MM(16, 1)
         for (int r = 0; r < 2 * RG; r++)                                                                           \
             for (int v = 0; v < NV; v++) acc[r][v] = vzero();                                                      \
         TOK_CHAIN(2 * RG, NV)                                                                                      \
-        const vi idx = TOK_IDX(ldh);                                                                               \
+        float out[RG][NV * 16];                                                                                    \
         for (int r = 0; r < RG; r++)                                                                               \
-            if (r < nr)                                                                                            \
-                for (int v = 0; v < NV; v++)                                                                       \
-                    _mm512_mask_i32scatter_ps(h + 16 * v * ldh + r, lanes(nt - 16 * v), idx,                       \
-                                              vmul(vsilu(acc[r][v]), acc[RG + r][v]), 4);                          \
+            for (int v = 0; v < NV; v++) _mm512_storeu_ps(out[r] + 16 * v, vmul(vsilu(acc[r][v]), acc[RG + r][v])); \
+        for (int64_t t = 0; t < nt; t++)                                                                           \
+            for (int64_t r = 0; r < nr; r++) h[t * ldh + r] = out[r][t];                                           \
     }
 TOK_GU(3, 4)
 TOK_GU(4, 3)
