@@ -70,8 +70,8 @@ int main(int argc, char **argv) {
     int fast_packed = cb_fast_takes_packed(F, BF, H, I);
     printf("\nprefill, a packed bf16 expert (H %lld, I %lld), GFLOP/s (fast | exact)\n", (long long)H,
            (long long)I);
-    const int64_t Rs[] = {1, 4, 16, 64, 128, 256};
-    for (int ri = 0; ri < 6; ri++) {
+    const int64_t Rs[] = {1, 4, 16, 64, 68, 128, 130, 136, 256}; /* and sizes that leave a partial vector */
+    for (int ri = 0; ri < (int)(sizeof Rs / sizeof Rs[0]); ri++) {
         int64_t R = Rs[ri];
         float *x = acts((size_t)(R * H)), *h = acts((size_t)(R * I)), *y = acts((size_t)(R * H));
         int reps = R <= 4 ? 20 : 4;
@@ -88,8 +88,8 @@ int main(int argc, char **argv) {
         free(x), free(h), free(y);
     }
     printf("\nprefill, a %lld x %lld bf16 matmul, GFLOP/s (fast | exact)\n", (long long)I, (long long)H);
-    const int64_t Ts[] = {1, 5, 16, 64, 512};
-    for (int ti = 0; ti < 5; ti++) {
+    const int64_t Ts[] = {1, 5, 16, 64, 130, 512};
+    for (int ti = 0; ti < (int)(sizeof Ts / sizeof Ts[0]); ti++) {
         int64_t T = Ts[ti];
         float *x = acts((size_t)(T * H)), *y = acts((size_t)(T * I));
         double tf = 0, te;

@@ -1044,10 +1044,12 @@ static void test_fast(const cb_fast_kernels *F) {
 static double silu_d(double g) { return g / (1.0 + exp(-g)); }
 static void test_fast_bf16(const cb_fast_kernels *F) {
     const uint32_t BF = COLIBRI_DTYPE_BF16;
-    const int64_t Ks[] = {32, 96, 1024}, Ns[] = {1, 7, 33, 67}, Ts[] = {1, 3, 8, 17, 37};
+    /* tokens: the decode layout (<= 8), token lanes with a partial last vector (29: 16 + 13),
+     * whole vectors then the decode layout for the rest (17, 37) */
+    const int64_t Ks[] = {32, 96, 1024}, Ns[] = {1, 7, 33, 67}, Ts[] = {1, 3, 8, 17, 29, 37};
     for (size_t c = 0; c < 3; c++)
         for (size_t b = 0; b < 4; b++)
-            for (size_t a = 0; a < 5; a++) {
+            for (size_t a = 0; a < 6; a++) {
                 int64_t K = Ks[c], N = Ns[b], T = Ts[a], ldy = N + 2;
                 if (K > 100 && T > 3 && N > 7) continue;
                 wbuf w = make_w(BF, N * K, 0.5);
@@ -1081,7 +1083,7 @@ static void test_fast_bf16(const cb_fast_kernels *F) {
                 free_w(&w);
             }
     /* the packed expert (B = 32 and 16) and the split gate/up */
-    struct { int64_t R, H, I, B; } cs[] = {{1, 64, 96, 32}, {5, 96, 64, 16}, {8, 64, 96, 32}, {37, 32, 160, 32}, {17, 1024, 96, 32},
+    struct { int64_t R, H, I, B; } cs[] = {{1, 64, 96, 32}, {5, 96, 64, 16}, {8, 64, 96, 32}, {37, 32, 160, 32}, {29, 64, 96, 32}, {17, 1024, 96, 32},
                                            {3, 160, 1056, 32}, /* I in three passes of AMX's down */
                                            {2, 64, 8224, 32}}; /* 33 down blocks, the last one short */
     for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {

@@ -20,7 +20,9 @@
  *    tokens); each weight pair is broadcast straight from the row-major mapping, so the weights
  *    are never repacked. The micro-kernel keeps RB rows x NV token vectors of accumulators
  *    (6 x 4, 8 x 3, 12 x 2 or 16 x 1: 16 to 24 zmm): per pair, NV loads and RB broadcasts feed
- *    RB * NV vdpbf16ps. Outputs are scattered to y at the end of the row's chain.
+ *    RB * NV vdpbf16ps. At the end of the chains the outputs go through a tile on the stack
+ *    (Zen 4 runs vscatterdps slowly). The tokens past the last whole vector, up to
+ *    CB_DP_ROWS_T of them, take the decode layout instead (tok_lanes).
  *  - decode and small groups (T <= CB_DP_ROWS_T = 8): lanes = 16 ROWS. Each step loads 32
  *    columns of 16 rows, transposes them in registers (16 pair vectors, lane = row) and runs
  *    the tokens' broadcast pairs through them: nothing is stored but the outputs, the panel
@@ -155,8 +157,22 @@ static void row_ptrs(const uint32_t **p, int64_t n, const uint16_t *w0, int64_t 
 #define MM_TT 64
 #define MM_KC 2048
 
-static void tok_matmul(float *y, int64_t ldy, const float *x, const uint16_t *W, int64_t T, int64_t N, int64_t K) {
+/* The decode layout's kernels (below), which also take the tokens past the last whole vector
+ * of a prefill: a vector of 16 token lanes costs one vdpbf16ps per row and pair however few of
+ * its lanes are used, the decode layout 16 loads and a transpose per 16 rows and 32 columns
+ * plus one vdpbf16ps per token, less for up to CB_DP_ROWS_T tokens. Same bits either way. */
+static void row_matmul(float *y, int64_t ldy, const float *x, const uint16_t *W, int64_t T, int64_t N, int64_t K);
+static void row_gateup(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R, int64_t H,
+                       int64_t I, int64_t i0, int64_t i1, int64_t B);
+
+/* Of T > CB_DP_ROWS_T tokens, how many the token lanes take: all, or all but a last partial
+ * vector that the decode layout takes. */
+static int64_t tok_lanes(int64_t T) { return T % 16 <= CB_DP_ROWS_T ? T - T % 16 : T; }
+
+static void tok_matmul(float *y, int64_t ldy, const float *x, const uint16_t *W, int64_t T0, int64_t N, int64_t K) {
     uint32_t XT[XT_DWORDS];
+    int64_t T = tok_lanes(T0);
+    if (T < T0) row_matmul(y + T * ldy, ldy, x + T * K, W, T0 - T, N, K);
     for (int64_t t0 = 0; t0 < T; t0 += MM_TT) {
         int64_t nt = T - t0 < MM_TT ? T - t0 : MM_TT, NV = (nt + 15) / 16, RB = tok_rows(NV);
         for (int64_t k0 = 0; k0 < K; k0 += MM_KC) {
@@ -191,9 +207,11 @@ static void gu_rows(const uint16_t **gr, const uint16_t **ur, const uint16_t *ga
     }
 }
 
-static void tok_gateup(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R, int64_t H,
+static void tok_gateup(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R0, int64_t H,
                        int64_t I, int64_t i0, int64_t i1, int64_t B) {
     uint32_t XT[XT_DWORDS];
+    int64_t R = tok_lanes(R0);
+    if (R < R0) row_gateup(h + R * I, x + R * H, gate, up, R0 - R, H, I, i0, i1, B);
     int64_t TT = (int64_t)XT_DWORDS / (H / 2) / 16 * 16; /* whole rows in one pass */
     if (TT > 64) TT = 64;
     for (int64_t t0 = 0; t0 < R; t0 += TT) {
