@@ -139,6 +139,9 @@ static void add_inplace(float *x, const float *d, int64_t n) {
 #define CB_CHUNKS_PER_THREAD 4
 /* Matmuls with fewer output rows than this run on the calling thread alone. */
 #define CB_PAR_MIN_ROWS 64
+/* A down projection over more rows than this converts their h once per block for all the
+ * columns of a chunk (the fast BF16 table), so its chunks take at least 256 columns. */
+#define CB_DOWN_FEW_ROWS 8
 /* Element-wise / attention work (multiply-adds) below which a stage stays on one thread. */
 #define CB_PAR_MIN_WORK 65536
 
@@ -416,7 +419,7 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
             n2 += b->R;
             sum_work += nblk * b->R * H;
         } else {
-            b->len1 = chunk_len(ctx, H, 32, 64);
+            b->len1 = chunk_len(ctx, H, 32, b->R > CB_DOWN_FEW_ROWS ? 256 : 64);
             b->nch1 = (H + b->len1 - 1) / b->len1;
         }
         n0 += b->nch0;

@@ -340,6 +340,7 @@ void cb_bf16dp_gateup_packed(float *h, const float *x, const void *expert, int64
  * streams whole w2T rows) and prefill by columns, with the same bits. */
 #define DN_NT 6   /* tokens per step */
 #define DN_CW 64  /* prefill: columns per packed block */
+#define DN_TCH 192 /* prefill: tokens per conversion of a block's h to pairs (96 KiB) */
 #define DN_PF_BYTES 16384 /* decode's prefetch distance ahead of the rows being read */
 
 /* The pairs of w2T rows a, b (32 columns each, the first n; zeros past them) in column order:
@@ -418,27 +419,27 @@ DP_AI void down_block(float *y, int64_t H, const uint32_t *hp, int64_t ldp, cons
         }                                                                                                 \
     }
 
-/* The token steps of one packed block (rows [i0, i0 + ic) by the DN_CW columns at cs):
- * before each step, a share of the next block's rows (pf: nr rows of pfb bytes, stride H) is
- * prefetched, so that the next pack finds them in cache: the pack's reads are a first touch,
- * short and strided, the rest of the block runs from L1/L2. */
-static void down_block_steps(float *y, const float *h, const uint32_t *pb, uint32_t *hp, int64_t R, int64_t H,
-                             int64_t I, int64_t i0, int64_t ic, int64_t cs, int64_t ncs, const uint16_t *pf, int64_t nr,
-                             int64_t pfb) {
-    int64_t steps = (R + DN_NT - 1) / DN_NT, per = (nr + steps - 1) / steps, r0 = 0;
+/* The token steps of one packed block (rows [i0, i0 + ic) by the DN_CW columns at cs), R
+ * tokens whose h pairs are hp[t * ic / 2 + q]: before each step, a share of the next block's
+ * rows (pf: nr rows of pfb bytes, stride H) is prefetched, so that the next pack finds them in
+ * cache: the pack's reads are a first touch, short and strided, the rest of the block runs
+ * from L1/L2. */
+static void down_block_steps(float *y, const uint32_t *hp, const uint32_t *pb, int64_t R, int64_t H, int64_t i0,
+                             int64_t ic, int64_t cs, int64_t ncs, const uint16_t *pf, int64_t nr, int64_t pfb) {
+    int64_t steps = (R + DN_NT - 1) / DN_NT, per = (nr + steps - 1) / steps, r0 = 0, np = ic / 2;
     for (int64_t t0 = 0; t0 < R; t0 += DN_NT, r0 += per) {
         for (int64_t r = r0; r < r0 + per && r < nr; r++)
             for (int64_t b = 0; b < pfb; b += 64) _mm_prefetch((const char *)(pf + (size_t)r * (size_t)H) + b, _MM_HINT_T0);
         int64_t nt = R - t0 < DN_NT ? R - t0 : DN_NT;
-        pairs_of(hp, h + t0 * I + i0, I, nt, ic);
+        const uint32_t *ht = hp + t0 * np;
         float *yt = y + t0 * H + cs;
         switch (nt) {
-        case 1: down_block(yt, H, hp, ic / 2, pb, ic / 2, ncs, 1, i0 > 0); break;
-        case 2: down_block(yt, H, hp, ic / 2, pb, ic / 2, ncs, 2, i0 > 0); break;
-        case 3: down_block(yt, H, hp, ic / 2, pb, ic / 2, ncs, 3, i0 > 0); break;
-        case 4: down_block(yt, H, hp, ic / 2, pb, ic / 2, ncs, 4, i0 > 0); break;
-        case 5: down_block(yt, H, hp, ic / 2, pb, ic / 2, ncs, 5, i0 > 0); break;
-        default: down_block(yt, H, hp, ic / 2, pb, ic / 2, ncs, 6, i0 > 0); break;
+        case 1: down_block(yt, H, ht, np, pb, np, ncs, 1, i0 > 0); break;
+        case 2: down_block(yt, H, ht, np, pb, np, ncs, 2, i0 > 0); break;
+        case 3: down_block(yt, H, ht, np, pb, np, ncs, 3, i0 > 0); break;
+        case 4: down_block(yt, H, ht, np, pb, np, ncs, 4, i0 > 0); break;
+        case 5: down_block(yt, H, ht, np, pb, np, ncs, 5, i0 > 0); break;
+        default: down_block(yt, H, ht, np, pb, np, ncs, 6, i0 > 0); break;
         }
     }
 }
@@ -462,24 +463,30 @@ void cb_bf16dp_down_packed(float *y, const float *h, const void *expert, int64_t
         }
         return;
     }
+    uint32_t hpb[DN_TCH * CB_DOWN_BLOCK / 2]; /* a block's h pairs, for every slab */
     for (int64_t i0 = 0; i0 < I; i0 += CB_DOWN_BLOCK) {
         int64_t ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK;
-        for (int64_t cs = c0; cs < c1; cs += DN_CW) {
-            int64_t ncs = c1 - cs < DN_CW ? c1 - cs : DN_CW;
-            const uint16_t *w = w2 + (size_t)i0 * (size_t)H + cs;
-            for (int64_t q = 0; q < ic / 2; q++)
-                for (int64_t c = 0; c < ncs; c += 32) {
-                    vi P[2];
-                    pair_rows(P, w + (size_t)(2 * q) * (size_t)H + c, w + (size_t)(2 * q + 1) * (size_t)H + c, ncs - c);
-                    _mm512_storeu_si512(pb + q * DN_CW + c, P[0]);
-                    _mm512_storeu_si512(pb + q * DN_CW + c + 16, P[1]);
-                }
-            /* the next pack's rows: this block's next slab, or the next block's first */
-            int64_t ni0 = cs + DN_CW < c1 ? i0 : i0 + CB_DOWN_BLOCK, ncs0 = cs + DN_CW < c1 ? cs + DN_CW : c0;
-            int64_t nr = ni0 < I ? (I - ni0 < CB_DOWN_BLOCK ? I - ni0 : CB_DOWN_BLOCK) : 0;
-            int64_t nb = c1 - ncs0 < DN_CW ? c1 - ncs0 : DN_CW;
-            down_block_steps(y, h, pb, hp, R, H, I, i0, ic, cs, ncs, nr ? w2 + (size_t)ni0 * (size_t)H + ncs0 : w2, nr,
-                             2 * nb);
+        for (int64_t tc = 0; tc < R; tc += DN_TCH) {
+            int64_t nt = R - tc < DN_TCH ? R - tc : DN_TCH;
+            pairs_of(hpb, h + tc * I + i0, I, nt, ic);
+            for (int64_t cs = c0; cs < c1; cs += DN_CW) {
+                int64_t ncs = c1 - cs < DN_CW ? c1 - cs : DN_CW;
+                const uint16_t *w = w2 + (size_t)i0 * (size_t)H + cs;
+                for (int64_t q = 0; q < ic / 2; q++)
+                    for (int64_t c = 0; c < ncs; c += 32) {
+                        vi P[2];
+                        pair_rows(P, w + (size_t)(2 * q) * (size_t)H + c, w + (size_t)(2 * q + 1) * (size_t)H + c,
+                                  ncs - c);
+                        _mm512_storeu_si512(pb + q * DN_CW + c, P[0]);
+                        _mm512_storeu_si512(pb + q * DN_CW + c + 16, P[1]);
+                    }
+                /* the next pack's rows: this block's next slab, or the next block's first */
+                int64_t ni0 = cs + DN_CW < c1 ? i0 : i0 + CB_DOWN_BLOCK, ncs0 = cs + DN_CW < c1 ? cs + DN_CW : c0;
+                int64_t nr = ni0 < I ? (I - ni0 < CB_DOWN_BLOCK ? I - ni0 : CB_DOWN_BLOCK) : 0;
+                int64_t nb = c1 - ncs0 < DN_CW ? c1 - ncs0 : DN_CW;
+                down_block_steps(y + tc * H, hpb, pb, nt, H, i0, ic, cs, ncs,
+                                 nr ? w2 + (size_t)ni0 * (size_t)H + ncs0 : w2, nr, 2 * nb);
+            }
         }
     }
 }
