@@ -24,6 +24,10 @@ void cb_round_bf16(float *x, int64_t n) {
     }
 }
 
+void cb_round_bf16_cols(float *h, int64_t R, int64_t I, int64_t i0, int64_t i1) {
+    for (int64_t r = 0; r < R; r++) cb_round_bf16(h + r * I + i0, i1 - i0);
+}
+
 /* One (row, token) dot over columns k0 .. k0 + kc, continuing the chain acc. */
 static float ref_chain(float acc, const uint8_t *u, const float *ws, const float *wm, const int8_t *q,
                        const cb_fast_ablk *a, int64_t kc, int64_t G) {

@@ -58,7 +58,8 @@ typedef struct cb_fast_kernels {
     void (*gateup)(float *h, const float *x, const void *gate, const void *up, uint32_t dt, int64_t R,
                    int64_t H, int64_t I, int64_t i0, int64_t i1);
     /* native_bf16 only (else NULL): a BF16 packed expert (docs/format.md, EXPERTS_PACKED):
-     * gate/up for columns i0 <= i < i1 of h [R, I] (blocks of B rows), and the down
+     * gate/up for columns i0 <= i < i1 of h [R, I] (blocks of B rows), h rounded as
+     * cb_round_bf16 rounds it (it is the input of the expert's BF16 down projection), and the down
      * projection for output columns c0 <= c < c1 of y [R, H]: one accumulation over all of
      * I, or by blocks where down_part is set. */
     void (*gateup_packed)(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I, int64_t B,
@@ -144,6 +145,8 @@ const cb_fast_kernels *cb_fast_best(void);
 
 /* x[i] <- x[i] rounded to the nearest bfloat16 (ties to even; nan stays nan). */
 void cb_round_bf16(float *x, int64_t n);
+/* The same on columns i0 .. i1 of R rows of h [R, I]. */
+void cb_round_bf16_cols(float *h, int64_t R, int64_t I, int64_t i0, int64_t i1);
 
 /* Weights per sub-block (its own scale and offset) of a block type in fast mode. */
 static inline int64_t cb_fast_group(uint32_t dt) { return dt == COLIBRI_DTYPE_Q6_K ? 16 : 32; }

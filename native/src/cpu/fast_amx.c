@@ -258,6 +258,7 @@ void cb_amx_gateup_packed(float *h, const float *x, const void *expert, int64_t 
         }
     }
     _tile_release();
+    cb_round_bf16_cols(h, R, I, i0, i1);
 }
 
 /* The packed expert's down projection, y[r, c] = sum_i h[r, i] w2T[i, c] for c0 <= c < c1

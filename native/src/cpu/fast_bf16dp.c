@@ -63,6 +63,21 @@ DP_AI vi bf16x32(const float *p) {
     return (vi)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
 }
 DP_AI vf dp(vf acc, vi a, vi b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+/* cb_round_bf16 on 16 lanes: the same integer steps (ties to even; nan stays nan) */
+DP_AI vf round_bf16(vf v) {
+    vi u = _mm512_castps_si512(v);
+    vi odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    vi r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
+                            _mm512_set1_epi32((int)0xffff0000u));
+    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, u));
+}
+/* silu(g) * u, rounded to bf16 when rnd (the packed expert's h, fast.h) */
+DP_AI vf silu_mul_out(vf g, vf u, int rnd) {
+    vf h = vmul(vsilu(g), u);
+    return rnd ? round_bf16(h) : h;
+}
 DP_AI __mmask16 lanes(int64_t n) { return (__mmask16)(n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u); }
 
 /* ---- prefill: lanes = tokens ----------------------------------------------------------- */
@@ -125,7 +140,7 @@ TOK_MM(16, 1)
  * RG up rows up[] (dword pointers), whole rows (np pairs) in one pass. */
 #define TOK_GU(RG, NV)                                                                                             \
     static __attribute__((noinline)) void tok_gu_##RG##x##NV(float *h, int64_t ldh, const uint32_t *XT, const uint32_t *const *gp,          \
-                                   const uint32_t *const *up, int64_t np, int64_t nr, int64_t nt) {                \
+                                   const uint32_t *const *up, int64_t np, int64_t nr, int64_t nt, int rnd) {       \
         vf acc[2 * RG][NV];                                                                                        \
         const uint32_t *w[2 * RG];                                                                                 \
         for (int r = 0; r < RG; r++) w[r] = gp[r], w[RG + r] = up[r];                                              \
@@ -134,7 +149,7 @@ TOK_MM(16, 1)
         TOK_CHAIN(2 * RG, NV)                                                                                      \
         float out[RG][NV * 16];                                                                                    \
         for (int r = 0; r < RG; r++)                                                                               \
-            for (int v = 0; v < NV; v++) _mm512_storeu_ps(out[r] + 16 * v, vmul(vsilu(acc[r][v]), acc[RG + r][v])); \
+            for (int v = 0; v < NV; v++) _mm512_storeu_ps(out[r] + 16 * v, silu_mul_out(acc[r][v], acc[RG + r][v], rnd)); \
         for (int64_t t = 0; t < nt; t++)                                                                           \
             for (int64_t r = 0; r < nr; r++) h[t * ldh + r] = out[r][t];                                           \
     }
@@ -163,7 +178,7 @@ static void row_ptrs(const uint32_t **p, int64_t n, const uint16_t *w0, int64_t 
  * plus one vdpbf16ps per token, less for up to CB_DP_ROWS_T tokens. Same bits either way. */
 static void row_matmul(float *y, int64_t ldy, const float *x, const uint16_t *W, int64_t T, int64_t N, int64_t K);
 static void row_gateup(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R, int64_t H,
-                       int64_t I, int64_t i0, int64_t i1, int64_t B);
+                       int64_t I, int64_t i0, int64_t i1, int64_t B, int rnd);
 
 /* Of T > CB_DP_ROWS_T tokens, how many the token lanes take: all, or all but a last partial
  * vector that the decode layout takes. */
@@ -208,10 +223,10 @@ static void gu_rows(const uint16_t **gr, const uint16_t **ur, const uint16_t *ga
 }
 
 static void tok_gateup(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R0, int64_t H,
-                       int64_t I, int64_t i0, int64_t i1, int64_t B) {
+                       int64_t I, int64_t i0, int64_t i1, int64_t B, int rnd) {
     uint32_t XT[XT_DWORDS];
     int64_t R = tok_lanes(R0);
-    if (R < R0) row_gateup(h + R * I, x + R * H, gate, up, R0 - R, H, I, i0, i1, B);
+    if (R < R0) row_gateup(h + R * I, x + R * H, gate, up, R0 - R, H, I, i0, i1, B, rnd);
     int64_t TT = (int64_t)XT_DWORDS / (H / 2) / 16 * 16; /* whole rows in one pass */
     if (TT > 64) TT = 64;
     for (int64_t t0 = 0; t0 < R; t0 += TT) {
@@ -227,10 +242,10 @@ static void tok_gateup(float *h, const float *x, const uint16_t *gate, const uin
                 u[r] = (const uint32_t *)up_;
             }
             float *ht = h + t0 * I + c;
-            if (NV == 4) tok_gu_3x4(ht, I, XT, g, u, H / 2, nr, nt);
-            else if (NV == 3) tok_gu_4x3(ht, I, XT, g, u, H / 2, nr, nt);
-            else if (NV == 2) tok_gu_6x2(ht, I, XT, g, u, H / 2, nr, nt);
-            else tok_gu_8x1(ht, I, XT, g, u, H / 2, nr, nt);
+            if (NV == 4) tok_gu_3x4(ht, I, XT, g, u, H / 2, nr, nt, rnd);
+            else if (NV == 3) tok_gu_4x3(ht, I, XT, g, u, H / 2, nr, nt, rnd);
+            else if (NV == 2) tok_gu_6x2(ht, I, XT, g, u, H / 2, nr, nt, rnd);
+            else tok_gu_8x1(ht, I, XT, g, u, H / 2, nr, nt, rnd);
         }
     }
 }
@@ -287,7 +302,7 @@ static void row_matmul(float *y, int64_t ldy, const float *x, const uint16_t *W,
 }
 
 static void row_gateup(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R, int64_t H,
-                       int64_t I, int64_t i0, int64_t i1, int64_t B) {
+                       int64_t I, int64_t i0, int64_t i1, int64_t B, int rnd) {
     uint32_t xp[CB_DP_ROWS_T * DKMAX / 2];
     pairs_of(xp, x, H, R, H);
     for (int64_t c = i0; c < i1; c += 16) {
@@ -303,7 +318,7 @@ static void row_gateup(float *h, const float *x, const uint16_t *gate, const uin
         default: row_chain(g, gp, xp, H, 8, up_[0]), row_chain(u, up_, xp, H, 8, gn); break;
 #undef GU_CASE
         }
-        for (int64_t t = 0; t < R; t++) _mm512_mask_storeu_ps(h + t * I + c, lanes(nr), vmul(vsilu(g[t]), u[t]));
+        for (int64_t t = 0; t < R; t++) _mm512_mask_storeu_ps(h + t * I + c, lanes(nr), silu_mul_out(g[t], u[t], rnd));
     }
 }
 
@@ -315,20 +330,21 @@ void cb_bf16dp_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, i
     else tok_matmul(y, ldy, x, (const uint16_t *)w, T, N, K);
 }
 
+/* rnd: h rounded to bf16 (the packed expert's, fast.h) */
 static void gateup_any(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R, int64_t H,
-                       int64_t I, int64_t i0, int64_t i1, int64_t B) {
-    if (R <= CB_DP_ROWS_T) row_gateup(h, x, gate, up, R, H, I, i0, i1, B);
-    else tok_gateup(h, x, gate, up, R, H, I, i0, i1, B);
+                       int64_t I, int64_t i0, int64_t i1, int64_t B, int rnd) {
+    if (R <= CB_DP_ROWS_T) row_gateup(h, x, gate, up, R, H, I, i0, i1, B, rnd);
+    else tok_gateup(h, x, gate, up, R, H, I, i0, i1, B, rnd);
 }
 
 void cb_bf16dp_gateup_split(float *h, const float *x, const void *gate, const void *up, int64_t R, int64_t H,
                             int64_t I, int64_t i0, int64_t i1) {
-    gateup_any(h, x, (const uint16_t *)gate, (const uint16_t *)up, R, H, I, i0, i1, 0);
+    gateup_any(h, x, (const uint16_t *)gate, (const uint16_t *)up, R, H, I, i0, i1, 0, 0);
 }
 
 void cb_bf16dp_gateup_packed(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I, int64_t B,
                              int64_t i0, int64_t i1) {
-    gateup_any(h, x, (const uint16_t *)expert, NULL, R, H, I, i0, i1, B);
+    gateup_any(h, x, (const uint16_t *)expert, NULL, R, H, I, i0, i1, B, 1);
 }
 
 /* ---- the packed experts' down projection: lanes = columns -------------------------------- */
