@@ -445,7 +445,7 @@ static void down_block_steps(float *y, const uint32_t *hp, const uint32_t *pb, i
     int64_t steps = (R + DN_NT - 1) / DN_NT, per = (nr + steps - 1) / steps, r0 = 0, np = ic / 2;
     for (int64_t t0 = 0; t0 < R; t0 += DN_NT, r0 += per) {
         for (int64_t r = r0; r < r0 + per && r < nr; r++)
-            for (int64_t b = 0; b < pfb; b += 64) _mm_prefetch((const char *)(pf + (size_t)r * (size_t)H) + b, _MM_HINT_T0);
+            for (int64_t b = 0; b < pfb; b += 64) _mm_prefetch((const char *)(pf + (size_t)r * (size_t)H) + b, _MM_HINT_T1);
         int64_t nt = R - t0 < DN_NT ? R - t0 : DN_NT;
         const uint32_t *ht = hp + t0 * np;
         float *yt = y + t0 * H + cs;
