@@ -170,6 +170,7 @@ static void row_ptrs(const uint32_t **p, int64_t n, const uint16_t *w0, int64_t 
 
 /* Tokens per tile and columns per pass of the prefill matmul: 64 x 2048 (XT_DWORDS). */
 #define MM_TT 64
+#define PF_LINES 4 /* lines of each of the next gate/up call's rows prefetched */
 #define MM_KC 2048
 
 /* The decode layout's kernels (below), which also take the tokens past the last whole vector
@@ -241,6 +242,15 @@ static void tok_gateup(float *h, const float *x, const uint16_t *gate, const uin
                 g[r] = (const uint32_t *)gp;
                 u[r] = (const uint32_t *)up_;
             }
+            if (c + RG < i1) /* the next call's rows: their first lines, the prefetchers then follow */
+                for (int64_t r = 0; r < RG && c + RG + r < i1; r++) {
+                    const uint16_t *gp, *up_;
+                    gu_rows(&gp, &up_, gate, up, H, I, B, c + RG + r);
+                    for (int l = 0; l < PF_LINES; l++) {
+                        _mm_prefetch((const char *)gp + 64 * l, _MM_HINT_T0);
+                        _mm_prefetch((const char *)up_ + 64 * l, _MM_HINT_T0);
+                    }
+                }
             float *ht = h + t0 * I + c;
             if (NV == 4) tok_gu_3x4(ht, I, XT, g, u, H / 2, nr, nt, rnd);
             else if (NV == 3) tok_gu_4x3(ht, I, XT, g, u, H / 2, nr, nt, rnd);
