@@ -117,9 +117,11 @@ static void xt_pack(uint32_t *XT, const float *x, int64_t ldx, int64_t nt, int64
         vf acc[RB][NV];                                                                                            \
         const uint32_t *w[RB];                                                                                     \
         float tile[RB][NV * 16];                                                                                   \
-        if (cont)                                                                                                  \
+        if (cont) { /* (k0 > 0) the chains so far; the rest of the tile zero, never stored */                   \
+            memset(tile, 0, sizeof tile);                                                                          \
             for (int64_t t = 0; t < nt; t++)                                                                       \
                 for (int64_t r = 0; r < nr; r++) tile[r][t] = y[t * ldy + r];                                      \
+        }                                                                                                          \
         for (int r = 0; r < RB; r++) {                                                                             \
             w[r] = wp[r];                                                                                          \
             for (int v = 0; v < NV; v++)                                                                           \
@@ -170,8 +172,8 @@ static void row_ptrs(const uint32_t **p, int64_t n, const uint16_t *w0, int64_t 
 
 /* Tokens per tile and columns per pass of the prefill matmul: 64 x 2048 (XT_DWORDS). */
 #define MM_TT 64
-#define PF_LINES 4 /* lines of each of the next gate/up call's rows prefetched */
 #define MM_KC 2048
+#define PF_LINES 4 /* lines of each of the next gate/up call's rows prefetched */
 
 /* The decode layout's kernels (below), which also take the tokens past the last whole vector
  * of a prefill: a vector of 16 token lanes costs one vdpbf16ps per row and pair however few of
