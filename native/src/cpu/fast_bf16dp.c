@@ -19,7 +19,8 @@
  *    once per tile of up to 64 tokens to bf16 pairs and transposed (XT[q] = pair q of 16
  *    tokens); each weight pair is broadcast straight from the row-major mapping, so the weights
  *    are never repacked. The micro-kernel keeps RB rows x NV token vectors of accumulators
- *    (6 x 4, 8 x 3, 12 x 2 or 16 x 1: 16 to 24 zmm): per pair, NV loads and RB broadcasts feed
+ *    (6 x 4, 8 x 3, 8 x 2 or 8 x 1: 8 to 24 zmm; never more than 8 rows below 4 vectors:
+ *    rows 2 KiB apart share two L1 sets, and 12 or 16 of them evict each other): per pair, NV loads and RB broadcasts feed
  *    RB * NV vdpbf16ps. At the end of the chains the outputs go through a tile on the stack
  *    (Zen 4 runs vscatterdps slowly). The tokens past the last whole vector, up to
  *    CB_DP_ROWS_T of them, take the decode layout instead (tok_lanes).
@@ -135,8 +136,8 @@ static void xt_pack(uint32_t *XT, const float *x, int64_t ldx, int64_t nt, int64
     }
 TOK_MM(6, 4)
 TOK_MM(8, 3)
-TOK_MM(12, 2)
-TOK_MM(16, 1)
+TOK_MM(8, 2)
+TOK_MM(8, 1)
 
 /* h[t * ldh + r] = silu(gate_r . x_t) * (up_r . x_t) for t < nt, r < nr: RG gate rows gp[] and
  * RG up rows up[] (dword pointers), whole rows (np pairs) in one pass. */
@@ -157,11 +158,11 @@ TOK_MM(16, 1)
     }
 TOK_GU(3, 4)
 TOK_GU(4, 3)
-TOK_GU(6, 2)
-TOK_GU(8, 1)
+TOK_GU(4, 2)
+TOK_GU(4, 1)
 
 /* Rows per micro-kernel call for NV token vectors: 24 accumulators (16 for one vector). */
-static int64_t tok_rows(int64_t NV) { return NV == 4 ? 6 : NV == 3 ? 8 : NV == 2 ? 12 : 16; }
+static int64_t tok_rows(int64_t NV) { return NV == 4 ? 6 : 8; }
 
 /* rows n0 .. n0 + nr of W (bf16 [., K] from w0, row stride K) as dword pointers at column k0 */
 static void row_ptrs(const uint32_t **p, int64_t n, const uint16_t *w0, int64_t K, int64_t n0, int64_t nr,
@@ -204,8 +205,8 @@ static void tok_matmul(float *y, int64_t ldy, const float *x, const uint16_t *W,
                 int cont = k0 > 0;
                 if (NV == 4) tok_mm_6x4(yt, ldy, XT, w, kc / 2, nr, nt, cont);
                 else if (NV == 3) tok_mm_8x3(yt, ldy, XT, w, kc / 2, nr, nt, cont);
-                else if (NV == 2) tok_mm_12x2(yt, ldy, XT, w, kc / 2, nr, nt, cont);
-                else tok_mm_16x1(yt, ldy, XT, w, kc / 2, nr, nt, cont);
+                else if (NV == 2) tok_mm_8x2(yt, ldy, XT, w, kc / 2, nr, nt, cont);
+                else tok_mm_8x1(yt, ldy, XT, w, kc / 2, nr, nt, cont);
             }
         }
     }
@@ -256,8 +257,8 @@ static void tok_gateup(float *h, const float *x, const uint16_t *gate, const uin
             float *ht = h + t0 * I + c;
             if (NV == 4) tok_gu_3x4(ht, I, XT, g, u, H / 2, nr, nt, rnd);
             else if (NV == 3) tok_gu_4x3(ht, I, XT, g, u, H / 2, nr, nt, rnd);
-            else if (NV == 2) tok_gu_6x2(ht, I, XT, g, u, H / 2, nr, nt, rnd);
-            else tok_gu_8x1(ht, I, XT, g, u, H / 2, nr, nt, rnd);
+            else if (NV == 2) tok_gu_4x2(ht, I, XT, g, u, H / 2, nr, nt, rnd);
+            else tok_gu_4x1(ht, I, XT, g, u, H / 2, nr, nt, rnd);
         }
     }
 }
