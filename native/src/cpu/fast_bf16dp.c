@@ -20,8 +20,8 @@
  *    tokens); each weight pair is broadcast straight from the row-major mapping, so the weights
  *    are never repacked. The micro-kernel keeps RB rows x NV token vectors of accumulators
  *    (6 x 4, 8 x 3, 8 x 2 or 8 x 1: 8 to 24 zmm; never more than 8 rows below 4 vectors:
- *    rows 2 KiB apart share two L1 sets, and 12 or 16 of them evict each other): per pair, NV loads and RB broadcasts feed
- *    RB * NV vdpbf16ps. At the end of the chains the outputs go through a tile on the stack
+ *    rows 2 KiB apart share two L1 sets, and 12 or 16 of them evict each other): per pair,
+ *    NV loads and RB broadcasts feed RB * NV vdpbf16ps. At the end of the chains the outputs go through a tile on the stack
  *    (Zen 4 runs vscatterdps slowly). The tokens past the last whole vector, up to
  *    CB_DP_ROWS_T of them, take the decode layout instead (tok_lanes).
  *  - decode and small groups (T <= CB_DP_ROWS_T = 8): lanes = 16 ROWS. Each step loads 32
