@@ -333,24 +333,25 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
         const ffn_job *b = &f->jobs[j];
         const cb_ffn *w = b->f;
         int64_t lo = c * b->len0, hi = lo + b->len0 < b->I ? lo + b->len0 : b->I;
-        if (b->u)
+        int rounded = 0; /* a fast table's packed gate/up rounds h itself (fast.h) */
+        if (b->u) {
             gateup_clamped(f, b, lo, hi);
-        else if (w->packed && cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) {
+        } else if (w->packed && cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) {
             f->fast->gateup_packed(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, b->R, f->H,
                                    b->I, f->B, lo, hi);
-            return; /* h comes out rounded (fast.h) */
-        }
-        else if (w->packed)
+            rounded = 1;
+        } else if (w->packed) {
             f->kern->expert_gateup(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, NULL, w->dt,
                                    b->R, f->H, b->I, f->B, lo, hi);
-        else if (cb_fast_takes(f->fast, w->dt, f->H))
+        } else if (cb_fast_takes(f->fast, w->dt, f->H)) {
             f->fast->gateup(b->h, b->x, (const uint8_t *)w->gate + (size_t)b->e * w->gu_stride,
                             (const uint8_t *)w->up + (size_t)b->e * w->gu_stride, w->dt, b->R, f->H, b->I, lo, hi);
-        else
+        } else {
             f->kern->expert_gateup(b->h, b->x, (const uint8_t *)w->gate + (size_t)b->e * w->gu_stride,
                                    (const uint8_t *)w->up + (size_t)b->e * w->gu_stride, w->dt, b->R, f->H, b->I,
                                    0, lo, hi);
-        if (f->fast && w->down_dt == COLIBRI_DTYPE_BF16) /* the down projection's input, rounded */
+        }
+        if (f->fast && w->down_dt == COLIBRI_DTYPE_BF16 && !rounded) /* the down projection's input */
             cb_round_bf16_cols(b->h, b->R, b->I, lo, hi);
     } else if (f->phase == 1) {
         while (c >= f->jobs[j].nch1) c -= f->jobs[j++].nch1;

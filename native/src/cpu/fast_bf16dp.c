@@ -21,9 +21,9 @@
  *    are never repacked. The micro-kernel keeps RB rows x NV token vectors of accumulators
  *    (6 x 4, 8 x 3, 8 x 2 or 8 x 1: 8 to 24 zmm; never more than 8 rows below 4 vectors:
  *    rows 2 KiB apart share two L1 sets, and 12 or 16 of them evict each other): per pair,
- *    NV loads and RB broadcasts feed RB * NV vdpbf16ps. At the end of the chains the outputs go through a tile on the stack
- *    (Zen 4 runs vscatterdps slowly). The tokens past the last whole vector, up to
- *    CB_DP_ROWS_T of them, take the decode layout instead (tok_lanes).
+ *    NV loads and RB broadcasts feed RB * NV vdpbf16ps. At the end of the chains the outputs
+ *    go through a tile on the stack (Zen 4 runs vscatterdps slowly). The tokens past the last
+ *    whole vector, up to CB_DP_ROWS_T of them, take the decode layout instead (tok_lanes).
  *  - decode and small groups (T <= CB_DP_ROWS_T = 8): lanes = 16 ROWS. Each step loads 32
  *    columns of 16 rows, transposes them in registers (16 pair vectors, lane = row) and runs
  *    the tokens' broadcast pairs through them: nothing is stored but the outputs, the panel
@@ -161,7 +161,8 @@ TOK_GU(4, 3)
 TOK_GU(4, 2)
 TOK_GU(4, 1)
 
-/* Rows per micro-kernel call for NV token vectors: 24 accumulators (16 for one vector). */
+/* Rows per micro-kernel call for NV token vectors: 24 accumulators for 4 and 3 vectors, 16 and
+ * 8 for 2 and 1 (at most 8 rows there: see the top of this file). */
 static int64_t tok_rows(int64_t NV) { return NV == 4 ? 6 : 8; }
 
 /* rows n0 .. n0 + nr of W (bf16 [., K] from w0, row stride K) as dword pointers at column k0 */
