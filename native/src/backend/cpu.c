@@ -139,8 +139,9 @@ static void add_inplace(float *x, const float *d, int64_t n) {
 #define CB_CHUNKS_PER_THREAD 4
 /* Matmuls with fewer output rows than this run on the calling thread alone. */
 #define CB_PAR_MIN_ROWS 64
-/* A down projection over more rows than this converts their h once per block for all the
- * columns of a chunk (the fast BF16 table), so its chunks take at least 256 columns. */
+/* A down projection over more rows than this takes chunks of at least 256 columns: the fast
+ * BF16 table converts the rows' h once per block for all the columns of a chunk (+3 % fast
+ * prefill; the exact and int8 kernels measured the same or faster with it). */
 #define CB_DOWN_FEW_ROWS 8
 /* Element-wise / attention work (multiply-adds) below which a stage stays on one thread. */
 #define CB_PAR_MIN_WORK 65536
