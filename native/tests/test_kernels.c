@@ -1037,6 +1037,125 @@ static void test_fast(const cb_fast_kernels *F) {
     }
 }
 
+/* A fast table's attention (fast.h attention_heads, where it has one): against a double loop
+ * (float32: 2e-5 of the weighted values' magnitude, as the exact kernels'); the paged cache
+ * = a contiguous one, each query alone (a decode step) = the batch, one head at a time = the
+ * heads together, all bit for bit; and keys and values outside a query's window or after it,
+ * NaN, change nothing. Head sizes 16 to 128, windows, sinks, odd head groups. */
+static void test_fast_attention(const cb_fast_kernels *F) {
+    struct { int64_t T, start, Hq, Hkv, D, window, blen; } cs[] = {
+        {1, 0, 1, 1, 32, 0, 1},    {7, 0, 4, 2, 64, 0, 3},    {3, 30, 6, 3, 16, 0, 16},
+        {33, 5, 4, 1, 64, 7, 5},   {1, 128, 2, 2, 96, 129, 32}, {40, 3, 8, 2, 128, 0, 7},
+        {19, 50, 12, 2, 48, 20, 32}, {2, 17, 5, 1, 80, 0, 19}, {70, 0, 4, 4, 64, 33, 32},
+        {18, 0, 24, 3, 112, 0, 32},
+    };
+    for (size_t ii = 0; ii < 2 * sizeof cs / sizeof cs[0]; ii++) {
+        size_t i = ii % (sizeof cs / sizeof cs[0]);
+        int with_sinks = ii >= sizeof cs / sizeof cs[0];
+        int64_t T = cs[i].T, start = cs[i].start, P = start + T, Hq = cs[i].Hq, Hkv = cs[i].Hkv, D = cs[i].D;
+        int64_t nq = Hq * D, group = Hq / Hkv, window = cs[i].window;
+        float *q = malloc((size_t)(T * nq) * 4), *out = malloc((size_t)(T * nq) * 4), *o1 = malloc((size_t)(T * nq) * 4);
+        void *work = malloc(F->att_work_bytes(P, D));
+        double *p = malloc((size_t)P * 8);
+        float *pool, *cpool, *sinks = NULL;
+        int32_t *table, one;
+        fill(q, T * nq, 1.5);
+        if (with_sinks) {
+            sinks = malloc((size_t)Hq * 4);
+            fill(sinks, Hq, 3.0);
+        }
+        cb_kv_view kv = paged_cache(P, Hkv, D, cs[i].blen, &pool, &table);
+        cb_kv_view ckv = contiguous_copy(&kv, P, Hkv, D, &cpool, &one);
+        const char *tag = with_sinks ? " (sinks)" : "";
+        F->attention_heads(out, q, &kv, work, T, start, Hq, Hkv, D, window, sinks, 0, Hq);
+        F->attention_heads(o1, q, &ckv, work, T, start, Hq, Hkv, D, window, sinks, 0, Hq);
+        n_check++;
+        if (memcmp(out, o1, (size_t)(T * nq) * 4) != 0)
+            FAIL("[fast %s/%s] attention case %zu%s: the paged cache differs from the contiguous one", F->name, F->bf16, i, tag);
+        for (int64_t h = 0; h < Hq; h++) /* one head at a time */
+            F->attention_heads(o1, q, &kv, work, T, start, Hq, Hkv, D, window, sinks, h, h + 1);
+        n_check++;
+        if (memcmp(out, o1, (size_t)(T * nq) * 4) != 0)
+            FAIL("[fast %s/%s] attention case %zu%s: one head at a time differs from the heads together", F->name, F->bf16, i, tag);
+        for (int64_t t = 0; t < T; t++) { /* each query alone, a decode step at its position */
+            F->attention_heads(o1 + t * nq, q + t * nq, &kv, work, 1, start + t, Hq, Hkv, D, window, sinks, 0, Hq);
+            n_check++;
+            if (memcmp(out + t * nq, o1 + t * nq, (size_t)nq * 4) != 0)
+                FAIL("[fast %s/%s] attention case %zu%s: query %lld alone differs from the batch", F->name, F->bf16, i, tag,
+                     (long long)t);
+        }
+        for (int64_t t = 0; t < T; t++) {
+            int64_t pos = start + t;
+            for (int64_t h = 0; h < Hq; h++) {
+                int64_t g = h / group;
+                const float *qb = q + t * nq + h * D;
+                double m = sinks ? (double)sinks[h] : -INFINITY, sum = 0;
+                for (int64_t j = 0; j <= pos; j++) {
+                    double sj = -INFINITY;
+                    if (window <= 0 || pos - j < window) {
+                        const float *kb = cb_kv_at(kv.k, &kv, g, j, D);
+                        sj = 0;
+                        for (int64_t d = 0; d < D; d++) sj += (double)qb[d] * kb[d];
+                        sj /= sqrt((double)D);
+                    }
+                    p[j] = sj;
+                    if (sj > m) m = sj;
+                }
+                for (int64_t j = 0; j <= pos; j++) {
+                    p[j] = isinf(p[j]) ? 0.0 : exp(p[j] - m);
+                    sum += p[j];
+                }
+                if (sinks) sum += exp((double)sinks[h] - m);
+                for (int64_t d = 0; d < D; d++) {
+                    double o = 0, mag = 0;
+                    for (int64_t j = 0; j <= pos; j++) {
+                        double vv = cb_kv_at(kv.v, &kv, g, j, D)[d];
+                        o += p[j] / sum * vv;
+                        mag += fabs(p[j] / sum * vv);
+                    }
+                    if (!close_to(out[t * nq + h * D + d], o, mag, 2e-5))
+                        FAIL("[fast %s/%s] attention case %zu%s t%lld h%lld d%lld: %.9g vs %.9g", F->name, F->bf16, i, tag,
+                             (long long)t, (long long)h, (long long)d, (double)out[t * nq + h * D + d], o);
+                }
+            }
+        }
+        if (window > 0 && start >= window) { /* the positions before the first query's window: NaN */
+            for (int64_t j = 0; j < start - window + 1; j++)
+                for (int64_t g = 0; g < Hkv; g++)
+                    for (int64_t d = 0; d < D; d++) {
+                        ((float *)cb_kv_at(kv.k, &kv, g, j, D))[d] = NAN;
+                        ((float *)cb_kv_at(kv.v, &kv, g, j, D))[d] = NAN;
+                    }
+            F->attention_heads(o1, q, &kv, work, T, start, Hq, Hkv, D, window, sinks, 0, Hq);
+            n_check++;
+            if (memcmp(out, o1, (size_t)(T * nq) * 4) != 0)
+                FAIL("[fast %s/%s] attention case %zu%s: NaN keys/values outside the window changed the result", F->name,
+                     F->bf16, i, tag);
+        }
+        if (T > 1) { /* the last position NaN: the queries before it do not see it */
+            for (int64_t g = 0; g < Hkv; g++)
+                for (int64_t d = 0; d < D; d++) {
+                    ((float *)cb_kv_at(kv.k, &kv, g, P - 1, D))[d] = NAN;
+                    ((float *)cb_kv_at(kv.v, &kv, g, P - 1, D))[d] = NAN;
+                }
+            F->attention_heads(o1, q, &kv, work, T, start, Hq, Hkv, D, window, sinks, 0, Hq);
+            n_check++;
+            if (memcmp(out, o1, (size_t)((T - 1) * nq) * 4) != 0)
+                FAIL("[fast %s/%s] attention case %zu%s: a NaN key/value after a query changed its result", F->name, F->bf16, i,
+                     tag);
+        }
+        free(q);
+        free(out);
+        free(o1);
+        free(work);
+        free(p);
+        free(pool);
+        free(cpool);
+        free(table);
+        free(sinks);
+    }
+}
+
 /* A fast table's BF16 kernels (native_bf16: AMX tiles) on bf16-rounded activations: against
  * a double loop (float32 accumulation: 2e-6 of the terms' magnitude), each token alone the
  * batch's bits, nothing written outside the rows/columns asked for: the split FFN's matmul
@@ -1280,6 +1399,7 @@ int main(void) {
             int before = n_fail;
             test_fast(F);
             if (F->native_bf16) test_fast_bf16(F);
+            if (F->attention_heads) test_fast_attention(F);
             printf("test_kernels: fast table %s checked (%s)\n", fast_names[i], n_fail == before ? "ok" : "FAILED");
         } else {
             printf("test_kernels: fast table %s skipped (not built, or this CPU lacks it)\n", fast_names[i]);

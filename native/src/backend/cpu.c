@@ -254,10 +254,16 @@ static void att_chunk(void *arg, int64_t ch, int tid) {
     int64_t h1 = h0 + CB_ATT_HEADS < (ch / per + 1) * group ? h0 + CB_ATT_HEADS : (ch / per + 1) * group;
     int64_t r0 = s->seg_row[seg], T = s->seg_row[seg + 1] - r0, Nq = (int64_t)c->n_heads * c->head_dim;
     cb_kv_view kv = cb_kv_layer_view(&ctx->sess.kv, s->row_seq[r0], a->layer);
-    ctx->kern->attention_heads(s->att + r0 * Nq, s->q + r0 * Nq, &kv,
-                               s->att_scores + (int64_t)tid * ctx->max_seq_len * CB_ATT_HEADS, T,
-                               s->row_pos[r0], c->n_heads, c->n_kv_heads, c->head_dim, a->window,
-                               ctx->w.layers[a->layer].sinks, h0, h1);
+    const float *sinks = ctx->w.layers[a->layer].sinks;
+    if (s->att_work_bytes) /* fast mode's (cpu/fast.h) */
+        ctx->fast->attention_heads(s->att + r0 * Nq, s->q + r0 * Nq, &kv, s->att_work + (size_t)tid * s->att_work_bytes,
+                                   T, s->row_pos[r0], c->n_heads, c->n_kv_heads, c->head_dim, a->window, sinks, h0,
+                                   h1);
+    else
+        ctx->kern->attention_heads(s->att + r0 * Nq, s->q + r0 * Nq, &kv,
+                                   s->att_scores + (int64_t)tid * ctx->max_seq_len * CB_ATT_HEADS, T,
+                                   s->row_pos[r0], c->n_heads, c->n_kv_heads, c->head_dim, a->window, sinks, h0,
+                                   h1);
 }
 
 /* One FFN job: a group of rows through one expert's weights (cb_ffn, packed or split). */

@@ -172,7 +172,7 @@ static int cb_fast_cpu_bf16(void) {
  * vdpbf16ps (fast_bf16dp.c); the neon-i8mm table with "neon-bf16" on BFDOT
  * (fast_neon_bf16.c). One definition of the table and its two dispatching entries per BF16
  * back end. */
-#define CB_FAST_BF16_TABLE(TAB, INT8, NAME, BF16NAME, P, PART)                                                        \
+#define CB_FAST_BF16_TABLE(TAB, INT8, NAME, BF16NAME, P, PART, ATT, ATT_BYTES)                                                        \
     static void TAB##_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T,   \
                                 int64_t N, int64_t K) {                                                         \
         if (dt == COLIBRI_DTYPE_BF16) P##_matmul_ld(y, ldy, x, w, T, N, K);                                     \
@@ -190,10 +190,14 @@ static int cb_fast_cpu_bf16(void) {
                                         .gateup = TAB##_gateup,                                                 \
                                         .gateup_packed = P##_gateup_packed,                                     \
                                         .down_packed = P##_down_packed,                                         \
-                                        .down_part = PART}
-CB_FAST_BF16_TABLE(fast_amx, cb_fast_avx512vnni, "avx512vnni", "amx", cb_amx, NULL);
-CB_FAST_BF16_TABLE(fast_bf16dp, cb_fast_avx512vnni, "avx512vnni", "avx512bf16", cb_bf16dp, cb_bf16dp_down_part);
-CB_FAST_BF16_TABLE(fast_neonbf16, cb_fast_neon_i8mm, "neon-i8mm", "bfdot", cb_neonbf16, NULL);
+                                        .down_part = PART,                                                      \
+                                        .attention_heads = ATT,                                                 \
+                                        .att_work_bytes = ATT_BYTES}
+CB_FAST_BF16_TABLE(fast_amx, cb_fast_avx512vnni, "avx512vnni", "amx", cb_amx, NULL, cb_fast_att_avx512,
+                   cb_fast_att_avx512_bytes);
+CB_FAST_BF16_TABLE(fast_bf16dp, cb_fast_avx512vnni, "avx512vnni", "avx512bf16", cb_bf16dp, cb_bf16dp_down_part,
+                   cb_fast_att_avx512, cb_fast_att_avx512_bytes);
+CB_FAST_BF16_TABLE(fast_neonbf16, cb_fast_neon_i8mm, "neon-i8mm", "bfdot", cb_neonbf16, NULL, NULL, NULL);
 
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 static int amx_ok;

@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "core/dtype.h"
+#include "cpu/kernels.h" /* cb_kv_view, CB_ATT_HEADS */
 
 /* One activation block of 32: its scale and its sums of q (times d), for the offsets. */
 typedef struct cb_fast_ablk {
@@ -72,6 +73,15 @@ typedef struct cb_fast_kernels {
      * ... in order gives down_packed's y bit for bit (decode splits the projection this way). */
     void (*down_part)(float *part, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
                       int64_t blk);
+    /* NULL (the exact kernels' attention runs), or fast mode's: kernels.h's attention_heads
+     * contract (causal, windows, sinks; each query's result independent of the call), in
+     * float32 but in its own order (fast_attention_avx512.c has the definition), for head
+     * sizes cb_fast_takes_att accepts; work: the running thread's own area of
+     * att_work_bytes(start_pos + T, D) bytes. */
+    void (*attention_heads)(float *out, const float *q, const cb_kv_view *kv, void *work, int64_t T,
+                            int64_t start_pos, int64_t Hq, int64_t Hkv, int64_t D, int64_t window,
+                            const float *sinks, int64_t h0, int64_t h1);
+    size_t (*att_work_bytes)(int64_t S, int64_t D);
 } cb_fast_kernels;
 
 /* The most rows a fast table's down_part takes. */
@@ -104,6 +114,11 @@ void cb_bf16dp_down_packed(float *y, const float *h, const void *expert, int64_t
 void cb_bf16dp_down_part(float *part, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
                          int64_t blk);
 
+/* fast_attention_avx512.c: fast mode's attention on AVX-512 (float32, keys in lanes), and
+ * the bytes of its work area for S positions of head size D. */
+void cb_fast_att_avx512(float *out, const float *q, const cb_kv_view *kv, void *work, int64_t T, int64_t start_pos,
+                        int64_t Hq, int64_t Hkv, int64_t D, int64_t window, const float *sinks, int64_t h0, int64_t h1);
+size_t cb_fast_att_avx512_bytes(int64_t S, int64_t D);
 /* fast_neon_bf16.c: the same four on AArch64 BFDOT (FEAT_BF16); 1 when compiled with it. */
 int cb_neonbf16_built(void);
 void cb_neonbf16_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int64_t T, int64_t N, int64_t K);
@@ -121,6 +136,11 @@ void cb_neonbf16_down_packed(float *y, const float *h, const void *expert, int64
 static inline int cb_fast_takes(const cb_fast_kernels *f, uint32_t dt, int64_t K) {
     return f && ((cb_dtype_is_quant(dt) && dt != COLIBRI_DTYPE_MXFP4) ||
                  (dt == COLIBRI_DTYPE_BF16 && f->native_bf16 && cb_fast_bf16_k_ok(K)));
+}
+/* 1 when the fast table runs the attention of head size D (whole 16-lane vectors; else the
+ * exact kernels' runs). */
+static inline int cb_fast_takes_att(const cb_fast_kernels *f, int64_t D) {
+    return f && f->attention_heads && D > 0 && D % 16 == 0;
 }
 /* 1 when it computes a packed BF16 expert of hidden H and intermediate I. */
 static inline int cb_fast_takes_packed(const cb_fast_kernels *f, uint32_t dt, int64_t H, int64_t I) {

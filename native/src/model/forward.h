@@ -36,6 +36,9 @@ typedef struct cb_scratch {
     float *att;          /* [B, Nq] attention output (before o_proj) */
     float *delta;        /* [B, H] sub-block output added to x */
     float *att_scores;   /* [num_threads, CB_ATT_HEADS, S]: each thread's score rows, one per query head it runs at once */
+    uint8_t *att_work;   /* [num_threads, att_work_bytes]: each thread's work area of fast mode's attention
+                          * (cpu/fast.h attention_heads), or NULL where the exact kernels' runs */
+    size_t att_work_bytes;
     float *rope_cos;     /* [B, head_dim/2] */
     float *rope_sin;     /* [B, head_dim/2] */
     float *inv_freq;     /* [head_dim/2] computed at init */
