@@ -64,7 +64,7 @@ FVI void load_rows32(const uint8_t *const *rp, size_t off, vi z[8]) {
                                   _mm256_loadu_si256((const __m256i *)(rp[i + 8] + off)), 1);
 }
 
-/* The packs of fast_simd.inc for Q8_0, Q4_K and Q6_K straight from the blocks, 16 rows at a
+/* The packs of fast_simd.inc for Q8_0, Q4_K, Q5_K and Q6_K straight from the blocks, 16 rows at a
  * time (the same bytes, scales and offsets as cb_fast_unpack + the transpose, which the
  * other types take): rows past `rows` read the last row (lanes never stored). idx: the
  * rows' byte offsets from row 0, for the gathers of the scales. */
@@ -135,6 +135,34 @@ FVI void k4_scales16(const uint8_t *blk, __m512i idx, vf ws[8], vf wm[8]) {
     }
 }
 
+/* Q5_K's fifth bit of each weight: bit k of the qh bytes, moved to bit 4 */
+FVI vi q5_bit(vi h, int k) {
+    vi s = k < 4 ? _mm512_slli_epi16(h, 4 - k) : k > 4 ? _mm512_srli_epi16(h, k - 4) : h;
+    return _mm512_and_si512(s, _mm512_set1_epi8(0x10));
+}
+/* The weights u of group p (0..3) of the Q4_K or Q5_K super-blocks at b of the rows (16 rows,
+ * the 8 vectors tr8x16 takes): lo = sub-block 2p, hi = 2p + 1 (cb_fast_unpack's bytes; qh: the
+ * rows' 32 high-bit bytes, Q5_K only). Also prefetches the next 16 rows' lines of this group. */
+FVI void k45_group(const uint8_t *const *rp, size_t b, int p, int q5, const vi *qh, size_t ahead, vi lo[8], vi hi[8]) {
+    vi z[8];
+    if (q5) { /* 176 bytes: the lines at 0, 44, 88, 132 and 175 */
+        prefetch_next16(rp, b + 44 * (size_t)p, ahead);
+        if (p == 3) prefetch_next16(rp, b + 175, ahead);
+    } else {
+        prefetch_next16(rp, b + 32 * (size_t)p, ahead);
+    }
+    load_rows32(rp, b + (q5 ? 48 : 16) + 32 * (size_t)p, z);
+    const vi m4 = _mm512_set1_epi8(0x0F);
+    for (int i = 0; i < 8; i++) {
+        lo[i] = _mm512_and_si512(z[i], m4);
+        hi[i] = _mm512_and_si512(_mm512_srli_epi16(z[i], 4), m4);
+        if (q5) {
+            lo[i] = _mm512_or_si512(lo[i], q5_bit(qh[i], 2 * p));
+            hi[i] = _mm512_or_si512(hi[i], q5_bit(qh[i], 2 * p + 1));
+        }
+    }
+}
+
 #define FS_DIRECT_PACK 1
 static int pack_direct(void *panel, const uint8_t *w, size_t rb, uint32_t dt, int64_t rows, int64_t k0, int64_t kc);
 
@@ -162,7 +190,7 @@ FAI void fused_sub(vf *acc, const vi *q, vf ws, vf wm, const FS(act_tile) *A, in
     }
 }
 
-/* Decode (nt <= 4 tokens), Q8_0, Q4_K and Q6_K: for each 16 rows, the quads are transposed in
+/* Decode (nt <= 4 tokens), Q8_0, Q4_K, Q5_K and Q6_K: for each 16 rows, the quads are transposed in
  * registers and go straight into vpdpbusd, the scales into the float steps, with no panel
  * stored and reloaded: the same operations on the same values as pack + micro. */
 FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t rb, uint32_t dt, int64_t rows,
@@ -228,22 +256,20 @@ FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t r
                 }
             }
         }
-    } else { /* Q4_K */
-        size_t off = (size_t)(k0 / 256) * 144;
+    } else { /* Q4_K, Q5_K */
+        const int q5 = dt == COLIBRI_DTYPE_Q5_K;
+        const size_t bb = q5 ? 176 : 144;
+        size_t off = (size_t)(k0 / 256) * bb;
         rows_at(w, rb, rows, off, rp, &idx);
-        const vi m4 = _mm512_set1_epi8(0x0F);
         for (int64_t s = 0; s < kc / 256; s++) {
-            size_t b = (size_t)s * 144;
+            size_t b = (size_t)s * bb;
             vf ws8[8], wm8[8];
+            vi qh[8];
             k4_scales16(w + off + b, idx, ws8, wm8);
+            if (q5) load_rows32(rp, b + 16, qh);
             for (int p = 0; p < 4; p++) {
-                vi z[8], lo[8], hi[8], q[2][8];
-                prefetch_next16(rp, b + 32 * (size_t)p, 16 * rb);
-                load_rows32(rp, b + 16 + 32 * (size_t)p, z);
-                for (int i = 0; i < 8; i++) {
-                    lo[i] = _mm512_and_si512(z[i], m4);
-                    hi[i] = _mm512_and_si512(_mm512_srli_epi16(z[i], 4), m4);
-                }
+                vi lo[8], hi[8], q[2][8];
+                k45_group(rp, b, p, q5, qh, 16 * rb, lo, hi);
                 tr8x16(lo, q[0]);
                 tr8x16(hi, q[1]);
                 for (int h = 0; h < 2; h++) {
@@ -258,7 +284,8 @@ FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t r
 
 static int fused_decode(float *y, int64_t ldy, int first, const uint8_t *w, size_t rb, uint32_t dt, int64_t N,
                         int64_t k0, int64_t kc, const struct act_tile_avx512vnni *At, int nt) {
-    if (dt != COLIBRI_DTYPE_Q8_0 && dt != COLIBRI_DTYPE_Q4_K && dt != COLIBRI_DTYPE_Q6_K) return 0;
+    if (dt != COLIBRI_DTYPE_Q8_0 && dt != COLIBRI_DTYPE_Q4_K && dt != COLIBRI_DTYPE_Q5_K && dt != COLIBRI_DTYPE_Q6_K)
+        return 0;
     const FS(act_tile) *A = At;
     for (int64_t n0 = 0; n0 < N; n0 += 16) {
         int64_t rows = N - n0 < 16 ? N - n0 : 16;
@@ -291,20 +318,18 @@ static int pack_direct(void *panel, const uint8_t *w, size_t rb, uint32_t dt, in
         }
         return 1;
     }
-    if (dt == COLIBRI_DTYPE_Q4_K) {
-        size_t off = (size_t)(k0 / 256) * 144;
+    if (dt == COLIBRI_DTYPE_Q4_K || dt == COLIBRI_DTYPE_Q5_K) {
+        const int q5 = dt == COLIBRI_DTYPE_Q5_K;
+        const size_t bb = q5 ? 176 : 144;
+        size_t off = (size_t)(k0 / 256) * bb;
         rows_at(w, rb, rows, off, rp, &idx);
-        const vi m4 = _mm512_set1_epi8(0x0F);
         for (int64_t s = 0; s < kc / 256; s++) {
-            size_t b = (size_t)s * 144;
+            size_t b = (size_t)s * bb;
+            vi qh[8];
+            if (q5) load_rows32(rp, b + 16, qh);
             for (int p = 0; p < 4; p++) {
-                vi z[8], lo[8], hi[8];
-                prefetch_next16(rp, b + 32 * (size_t)p, 16 * rb);
-                load_rows32(rp, b + 16 + 32 * (size_t)p, z);
-                for (int i = 0; i < 8; i++) {
-                    lo[i] = _mm512_and_si512(z[i], m4);
-                    hi[i] = _mm512_and_si512(_mm512_srli_epi16(z[i], 4), m4);
-                }
+                vi lo[8], hi[8];
+                k45_group(rp, b, p, q5, qh, 16 * rb, lo, hi);
                 tr8x16(lo, &P->u[s * 64 + 16 * p]);
                 tr8x16(hi, &P->u[s * 64 + 16 * p + 8]);
             }
