@@ -39,6 +39,13 @@ def files(tmp_path_factory, make_model):
                                    progress=False) for dt in ("f32", "bf16", "q8_0")}
     out["q4_k_m"] = make_model(vocab=1024, hidden=256, inter=256, experts=8, top_k=2, heads=4, kv_heads=2,
                                seed=3, dtype="q4_k_m")[1]
+    # gpt-oss (attention sinks, windows of 6 under prompts of up to 48) with heads of 16: the
+    # attention of the fast tables that have their own (", attention " in config.kernels)
+    from hf_families import FamilyShape, build_family_model
+    go = d / "hf-gpt-oss"
+    build_family_model(FamilyShape("gpt_oss", vocab=301, hidden=64, inter=32, layers=2, heads=4, kv_heads=2,
+                                   head_dim=16, experts=4, top_k=2, sliding_window=6, seed=31)).save_pretrained(go)
+    out["gptoss_bf16"] = colibri_lab.convert(go, d / "gpt-oss-bf16.colibri", dtype="bf16", progress=False)
     return out
 
 
@@ -73,6 +80,19 @@ def test_the_engine_reports_its_mode(files):
         assert fa.config.kernels.startswith(ex.config.kernels + " fast(int8 "), fa.config.kernels
 
 
+def test_fast_attention_is_reported(files):
+    """The fast tables with an attention of their own (x86, native BF16 kernels) say so in
+    config.kernels and run it where the head size is a multiple of 16: the gpt-oss model here
+    (16), not the tiny model (24), never in exact mode."""
+    with (Engine(files["gptoss_bf16"], precision="fast") as go, Engine(files["bf16"], precision="fast") as tiny,
+          Engine(files["gptoss_bf16"]) as ex):
+        assert ", attention " not in tiny.config.kernels and ", attention " not in ex.config.kernels
+        if "bf16 avx512bf16" in go.config.kernels or "bf16 amx" in go.config.kernels:
+            assert go.config.kernels.endswith(", attention avx512)"), go.config.kernels
+        else:
+            assert ", attention " not in go.config.kernels, go.config.kernels
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "q8_0", "q4_k_m"])
 def test_fast_is_another_computation_close_to_exact(files, dtype):
     """Fast mode changes the bits of a BF16 or block-type file (it is not silently the exact
@@ -93,7 +113,7 @@ def test_fast_is_another_computation_close_to_exact(files, dtype):
         assert np.array_equal(ex.forward(ids), fa.forward(ids))
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "q8_0", "q4_k_m"])
+@pytest.mark.parametrize("dtype", ["bf16", "q8_0", "q4_k_m", "gptoss_bf16"])
 def test_fast_is_deterministic_at_any_thread_count(files, dtype):
     ids = _ids(files[dtype], 48, seed=1)
     runs = []
@@ -105,7 +125,7 @@ def test_fast_is_deterministic_at_any_thread_count(files, dtype):
         assert np.array_equal(r, runs[0])
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "q8_0", "q4_k_m"])
+@pytest.mark.parametrize("dtype", ["bf16", "q8_0", "q4_k_m", "gptoss_bf16"])
 def test_fast_incremental_equals_full(files, dtype):
     """Decoding token by token, and a prefill cut into chunks, give the rows of one forward
     over the whole prompt, bit for bit (each token's activations are quantized on their
@@ -122,7 +142,7 @@ def test_fast_incremental_equals_full(files, dtype):
     assert np.array_equal(last[0], full[-1])
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "q8_0", "q4_k_m"])
+@pytest.mark.parametrize("dtype", ["bf16", "q8_0", "q4_k_m", "gptoss_bf16"])
 def test_fast_batch_invariance(files, dtype):
     """As tests/test_batch.py's test_batch_invariance, in fast mode: 4 sequences run
     together, cut at different places, in another order each call, through small internal

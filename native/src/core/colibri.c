@@ -398,6 +398,9 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
 
     st = cb_scratch_init(ctx, err, err_len);
     if (st != COLIBRI_OK) return init_fail(ctx, st, err, err_len);
+    if (ctx->s.att_work_bytes) /* the fast table runs this model's attention (cpu/fast.h) */
+        snprintf(ctx->kernels_desc, sizeof ctx->kernels_desc, "%s fast(int8 %s, bf16 %s, attention avx512)",
+                 ctx->kern->name, ctx->fast->name, ctx->fast->bf16);
     int prc = cb_pool_create(&ctx->pool, ctx->num_threads);
     if (prc != 0) {
         cb_set_err(err, err_len, "cannot start %d threads: %s; pass a smaller num_threads",
