@@ -19,7 +19,8 @@
  *
  * A call transposes the keys it reads once (the KV head's positions from the first query's
  * lo, aligned down to 32, up to start_pos + T) into vectors of 16 keys by dimension (KT, in
- * the thread's work area); a query's scores then take 4 key vectors by up to 4 heads per
+ * the thread's work area; up to FA_FEW_T queries, a decode step, transpose each 4 vectors as
+ * they go instead, into a tile that stays in L1); a query's scores then take 4 key vectors by up to 4 heads per
  * pass over d (16 accumulators: a load per key vector and a broadcast per head feed 16 FMAs),
  * and its output 64 dimensions by up to 4 heads per pass over the keys, each value row read
  * straight from the cache once for all the heads. Per (head, key) that is 2 x D / 16 FMAs
@@ -49,15 +50,15 @@ FA_AI __mmask16 key_lanes(int64_t k0, int64_t lo, int64_t pos) {
     return b <= a ? 0 : (__mmask16)(((1u << b) - 1u) & ~((1u << a) - 1u));
 }
 
-/* Scores of NH heads (query rows qh[i]) against the key vectors v0 .. v0 + NV of KT: scaled,
+/* Scores of NH heads (query rows qh[i]) against the key vectors v0 .. v0 + NV (kt: their
+ * keys, transposed as att_keys stores them): scaled,
  * lanes outside lo .. pos set to -inf, stored to the heads' score rows (SC + i * S16) and
  * maxed into mx[i]. */
-FA_AI void att_qk(float *SC, int64_t S16, vf *mx, const float *const *qh, const float *KT, int64_t D, int64_t v0,
+FA_AI void att_qk(float *SC, int64_t S16, vf *mx, const float *const *qh, const float *kt, int64_t D, int64_t v0,
                   int64_t base, int64_t lo, int64_t pos, float scale, const int NH, const int NV) {
     vf acc[FA_NH][4];
     for (int i = 0; i < NH; i++)
         for (int k = 0; k < NV; k++) acc[i][k] = vzero();
-    const float *kt = KT + v0 * D * 16;
     for (int64_t d = 0; d < D; d++) {
         vf kv[4];
         for (int k = 0; k < NV; k++) kv[k] = vload(kt + (k * D + d) * 16);
@@ -104,14 +105,13 @@ FA_AI void att_pv(float *const *o, const cb_kv_view *kv, int64_t g, const float 
         for (int k = 0; k < ND; k++) vstore(o[i] + d0 + 16 * k, vmul(acc[i][k], vset1(inv[i])));
 }
 
-/* KT = the keys of KV head g at positions base .. kend (S16 of them, zeros past kend) as
- * vectors of 16 keys by dimension: KT[(v * D + d) * 16 + l] = key base + 16 v + l, dim d. */
-static void att_keys(float *KT, const cb_kv_view *kv, int64_t g, int64_t base, int64_t kend, int64_t S16,
-                     int64_t D) {
-    for (int64_t v = 0; v < S16 / 16; v++) {
+/* KT = the keys of KV head g at positions k0 .. k0 + n (n a multiple of 16, zeros from kend
+ * on) as vectors of 16 keys by dimension: KT[(v * D + d) * 16 + l] = key k0 + 16 v + l, dim d. */
+static void att_keys(float *KT, const cb_kv_view *kv, int64_t g, int64_t k0, int64_t kend, int64_t n, int64_t D) {
+    for (int64_t v = 0; v < n / 16; v++) {
         const float *kr[16];
         for (int l = 0; l < 16; l++) {
-            int64_t j = base + 16 * v + l;
+            int64_t j = k0 + 16 * v + l;
             kr[l] = j < kend ? cb_kv_at(kv->k, kv, g, j, D) : NULL;
         }
         for (int64_t d0 = 0; d0 < D; d0 += 16) {
@@ -123,11 +123,17 @@ static void att_keys(float *KT, const cb_kv_view *kv, int64_t g, int64_t base, i
     }
 }
 
-/* The work area: KT [S16 / 16][D][16], then the score rows [FA_NH][S16]; S16 covers the keys
- * from the first query's lo aligned down to 32, rounded up to 16. */
+/* Up to this many queries transpose each 4 vectors of keys as their scores need them (into a
+ * tile that stays in L1) instead of all the call's keys once: a decode step reads its keys
+ * once, as the exact kernels do. The same operations on the same values either way. */
+#define FA_FEW_T 4
+
+/* The work area: KT [S16 / 16][D][16], then the score rows [FA_NH][S16] (S16 covers the keys
+ * from the first query's lo aligned down to 32, rounded up to 16), then the few queries' tile
+ * of 4 key vectors [4][D][16]. */
 size_t cb_fast_att_avx512_bytes(int64_t S, int64_t D) {
     uint64_t S16 = (uint64_t)S + 48;
-    return (size_t)(S16 * (uint64_t)D * 4 + S16 * FA_NH * 4 + 64);
+    return (size_t)(S16 * (uint64_t)D * 4 + S16 * FA_NH * 4 + 64 * (uint64_t)D * 4 + 64);
 }
 
 void cb_fast_att_avx512(float *out, const float *q, const cb_kv_view *kv, void *work, int64_t T, int64_t start_pos,
@@ -137,9 +143,11 @@ void cb_fast_att_avx512(float *out, const float *q, const cb_kv_view *kv, void *
     const int64_t lo0 = (window > 0 && start_pos >= window) ? start_pos - window + 1 : 0;
     const int64_t base = lo0 & ~(int64_t)31, S16 = (kend - base + 15) & ~(int64_t)15;
     float *KT = (float *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
-    float *SC = KT + S16 * D; /* scores, then their exps */
+    float *SC = KT + S16 * D;         /* scores, then their exps */
+    float *tile = SC + FA_NH * S16;   /* few queries: 4 key vectors at a time */
+    const int few = T <= FA_FEW_T;
     for (int64_t g = h0 / group; g * group < h1; g++) {
-        att_keys(KT, kv, g, base, kend, S16, D);
+        if (!few) att_keys(KT, kv, g, base, kend, S16, D);
         const int64_t ha = g * group > h0 ? g * group : h0, hb = (g + 1) * group < h1 ? (g + 1) * group : h1;
         for (int64_t t = 0; t < T; t++) {
             const int64_t pos = start_pos + t, lo = (window > 0 && pos >= window) ? pos - window + 1 : 0;
@@ -156,12 +164,17 @@ void cb_fast_att_avx512(float *out, const float *q, const cb_kv_view *kv, void *
                 }
                 for (int64_t v = v_lo; v <= v_hi; v += 4) {
                     const int nv = (int)(v_hi - v + 1 < 4 ? v_hi - v + 1 : 4);
+                    const float *kt = KT + v * D * 16;
+                    if (few) {
+                        att_keys(tile, kv, g, base + 16 * v, kend, 16 * nv, D);
+                        kt = tile;
+                    }
 #define FA_QK(NH)                                                                                           \
     switch (nv) {                                                                                           \
-    case 1: att_qk(SC, S16, mx, qh, KT, D, v, base, lo, pos, scale, NH, 1); break;                          \
-    case 2: att_qk(SC, S16, mx, qh, KT, D, v, base, lo, pos, scale, NH, 2); break;                          \
-    case 3: att_qk(SC, S16, mx, qh, KT, D, v, base, lo, pos, scale, NH, 3); break;                          \
-    default: att_qk(SC, S16, mx, qh, KT, D, v, base, lo, pos, scale, NH, 4); break;                         \
+    case 1: att_qk(SC, S16, mx, qh, kt, D, v, base, lo, pos, scale, NH, 1); break;                          \
+    case 2: att_qk(SC, S16, mx, qh, kt, D, v, base, lo, pos, scale, NH, 2); break;                          \
+    case 3: att_qk(SC, S16, mx, qh, kt, D, v, base, lo, pos, scale, NH, 3); break;                          \
+    default: att_qk(SC, S16, mx, qh, kt, D, v, base, lo, pos, scale, NH, 4); break;                         \
     }
                     switch (nh) {
                     case 1: FA_QK(1) break;
