@@ -172,7 +172,7 @@ static int cb_fast_cpu_bf16(void) {
  * vdpbf16ps (fast_bf16dp.c); the neon-i8mm table with "neon-bf16" on BFDOT
  * (fast_neon_bf16.c). One definition of the table and its two dispatching entries per BF16
  * back end. */
-#define CB_FAST_BF16_TABLE(TAB, INT8, NAME, BF16NAME, P, PART, ATT, ATT_BYTES)                                                        \
+#define CB_FAST_BF16_TABLE(TAB, INT8, NAME, BF16NAME, P, PART, ATT, ATT_BYTES)                                  \
     static void TAB##_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T,   \
                                 int64_t N, int64_t K) {                                                         \
         if (dt == COLIBRI_DTYPE_BF16) P##_matmul_ld(y, ldy, x, w, T, N, K);                                     \

@@ -39,10 +39,11 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
         Natt_buf = (uint64_t)c->n_heads * c->v_head_dim;
     }
     uint64_t NH = mla ? c->n_heads : 0, NT = (uint64_t)ctx->num_threads;
-    /* fast mode's attention (cpu/fast.h): a work area per thread for the keys and values it
-     * converts (the exact kernels' attention, and MLA's, need none) */
+    /* fast mode's attention (cpu/fast.h): a work area per thread for the keys it transposes
+     * and its score rows (the exact kernels' attention, and MLA's, need none) */
     s->att_work_bytes = !mla && cb_fast_takes_att(ctx->fast, c->head_dim)
                             ? ctx->fast->att_work_bytes((int64_t)S, c->head_dim) : 0;
+    uint64_t att_work = 0;
     /* R = B*K + E*(group_pad-1): each non-empty group gains at most group_pad-1 zero rows */
     ok &= cb_mul_u64(B, K, &R);
     ok &= cb_mul_u64(E, (uint64_t)(ctx->group_pad - 1), &tmp);
@@ -52,6 +53,7 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     ok &= cb_mul_u64(kv, L, &kv);
     ok &= cb_mul_u64(kv, Hkv * Dkv, &kv);
     ok &= cb_mul_u64(NS, max_blocks, &tables);
+    ok &= cb_mul_u64(NT, (uint64_t)s->att_work_bytes, &att_work);
     uint64_t qlat = 0, olat = 0; /* MLA: B * NH * Dc and B * NH * r (format.c bounds the widths) */
     ok &= cb_mul_u64(B, NH, &qlat);
     ok &= cb_mul_u64(qlat, r * (uint64_t)mla, &olat);
@@ -92,7 +94,7 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&s->route_skip, 2 * E, 1, "route_skip"},
         {(void **)&s->delta, BH, 4, "delta"},
         {(void **)&s->att_scores, S * (uint64_t)ctx->num_threads * CB_ATT_HEADS, 4, "att_scores"},
-        {(void **)&s->att_work, NT * (uint64_t)s->att_work_bytes, 1, "att_work"},
+        {(void **)&s->att_work, att_work, 1, "att_work"},
         {(void **)&s->rope_cos, B * half, 4, "rope_cos"},
         {(void **)&s->rope_sin, B * half, 4, "rope_sin"},
         {(void **)&s->inv_freq, half, 4, "inv_freq"},
