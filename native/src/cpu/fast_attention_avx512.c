@@ -19,12 +19,13 @@
  *
  * A call transposes the keys it reads once (the KV head's positions from the first query's
  * lo, aligned down to 32, up to start_pos + T) into vectors of 16 keys by dimension (KT, in
- * the thread's work area; up to FA_FEW_T queries, a decode step, transpose each 4 vectors as
- * they go instead, into a tile that stays in L1); a query's scores then take 4 key vectors by up to 4 heads per
- * pass over d (16 accumulators: a load per key vector and a broadcast per head feed 16 FMAs),
- * and its output 64 dimensions by up to 4 heads per pass over the keys, each value row read
- * straight from the cache once for all the heads. Per (head, key) that is 2 x D / 16 FMAs
- * and little else; the exact kernels' scores also pay a horizontal sum.
+ * the thread's work area; up to FA_FEW_T queries, a decode step, transpose each 4 vectors
+ * as they go instead, into a tile that stays in L1). A query's scores then take 4 key
+ * vectors by up to 4 heads per pass over d (16 accumulators: a load per key vector and a
+ * broadcast per head feed 16 FMAs), and its output 64 dimensions by up to 4 heads per pass
+ * over the keys, each value row read straight from the cache once for all the heads. Per
+ * (head, key) that is 2 x D / 16 FMAs and little else; the exact kernels' scores also pay a
+ * horizontal sum.
  *
  * The tables with native BF16 kernels on x86 (avx512bf16, AMX: cpu/fast.c) run it; they
  * already sum in their own order. The int8 tables keep the exact kernels' attention, so that
@@ -51,9 +52,8 @@ FA_AI __mmask16 key_lanes(int64_t k0, int64_t lo, int64_t pos) {
 }
 
 /* Scores of NH heads (query rows qh[i]) against the key vectors v0 .. v0 + NV (kt: their
- * keys, transposed as att_keys stores them): scaled,
- * lanes outside lo .. pos set to -inf, stored to the heads' score rows (SC + i * S16) and
- * maxed into mx[i]. */
+ * keys, transposed as att_keys stores them): scaled, lanes outside lo .. pos set to -inf,
+ * stored to the heads' score rows (SC + i * S16) and maxed into mx[i]. */
 FA_AI void att_qk(float *SC, int64_t S16, vf *mx, const float *const *qh, const float *kt, int64_t D, int64_t v0,
                   int64_t base, int64_t lo, int64_t pos, float scale, const int NH, const int NV) {
     vf acc[FA_NH][4];
