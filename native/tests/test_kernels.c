@@ -436,6 +436,40 @@ static cb_kv_view contiguous_copy(const cb_kv_view *src, int64_t npos, int64_t H
     return c;
 }
 
+/* The double reference of one query head's attention (kernels.h): o[d] and mag[d] (the sum
+ * of |weight * value|, the scale of a float32 result's error) for query row qr at position
+ * pos of KV head g, keys in the window; sink: NULL or the head's sink (its exp joins the
+ * denominator); p: [pos + 1] scratch. */
+static void ref_attention(double *o, double *mag, double *p, const float *qr, const cb_kv_view *kv, int64_t g,
+                          int64_t pos, int64_t D, int64_t window, const float *sink) {
+    double m = sink ? (double)*sink : -INFINITY, sum = 0;
+    for (int64_t j = 0; j <= pos; j++) {
+        double s = -INFINITY;
+        if (window <= 0 || pos - j < window) {
+            const float *kr = cb_kv_at(kv->k, kv, g, j, D);
+            s = 0;
+            for (int64_t d = 0; d < D; d++) s += (double)qr[d] * kr[d];
+            s /= sqrt((double)D);
+        }
+        p[j] = s;
+        if (s > m) m = s;
+    }
+    for (int64_t j = 0; j <= pos; j++) {
+        p[j] = isinf(p[j]) ? 0.0 : exp(p[j] - m);
+        sum += p[j];
+    }
+    if (sink) sum += exp((double)*sink - m);
+    for (int64_t d = 0; d < D; d++) {
+        o[d] = mag[d] = 0;
+        for (int64_t j = 0; j <= pos; j++) {
+            double vv = cb_kv_at(kv->v, kv, g, j, D)[d];
+            o[d] += p[j] / sum * vv;
+            mag[d] += fabs(p[j] / sum * vv);
+        }
+    }
+}
+#define REF_ATT_MAX_D 128 /* the tests' largest head */
+
 /* Every case with and without attention sinks (gpt-oss): with sinks, each query head's
  * denominator gains exp(sink_h - m), m the max over its scores and sink_h. */
 static void test_attention(const cb_kernels *K) {
@@ -471,36 +505,12 @@ static void test_attention(const cb_kernels *K) {
         for (int64_t t = 0; t < T; t++) {
             int64_t pos = cs[i].start + t;
             for (int64_t h = 0; h < cs[i].Hq; h++) {
-                int64_t kvh = h / group;
-                double m = sinks ? (double)sinks[h] : -INFINITY, sum = 0;
-                for (int64_t j = 0; j <= pos; j++) {
-                    int vis = cs[i].window <= 0 || pos - j < cs[i].window;
-                    double s = -INFINITY;
-                    if (vis) {
-                        const float *kr = cb_kv_at(kv.k, &kv, kvh, j, D);
-                        s = 0;
-                        for (int64_t d = 0; d < D; d++) s += (double)q[t * nq + h * D + d] * kr[d];
-                        s /= sqrt((double)D);
-                    }
-                    p[j] = s;
-                    if (s > m) m = s;
-                }
-                for (int64_t j = 0; j <= pos; j++) {
-                    p[j] = isinf(p[j]) ? 0.0 : exp(p[j] - m);
-                    sum += p[j];
-                }
-                if (sinks) sum += exp((double)sinks[h] - m);
-                for (int64_t d = 0; d < D; d++) {
-                    double o = 0, mag = 0;
-                    for (int64_t j = 0; j <= pos; j++) {
-                        double vv = cb_kv_at(kv.v, &kv, kvh, j, D)[d];
-                        o += p[j] / sum * vv;
-                        mag += fabs(p[j] / sum * vv);
-                    }
-                    if (!close_to(out[t * nq + h * D + d], o, mag, 2e-5))
-                        FAIL("[%s] attention case %zu%s t%lld h%lld d%lld: %.9g vs %.9g", K->name, i, sinks ? " (sinks)" : "", (long long)t,
-                             (long long)h, (long long)d, (double)out[t * nq + h * D + d], o);
-                }
+                double o[REF_ATT_MAX_D], mag[REF_ATT_MAX_D];
+                ref_attention(o, mag, p, q + t * nq + h * D, &kv, h / group, pos, D, cs[i].window, sinks ? &sinks[h] : NULL);
+                for (int64_t d = 0; d < D; d++)
+                    if (!close_to(out[t * nq + h * D + d], o[d], mag[d], 2e-5))
+                        FAIL("[%s] attention case %zu%s t%lld h%lld d%lld: %.9g vs %.9g", K->name, i, sinks ? " (sinks)" : "",
+                             (long long)t, (long long)h, (long long)d, (double)out[t * nq + h * D + d], o[d]);
             }
         }
         free(q);
@@ -1087,36 +1097,12 @@ static void test_fast_attention(const cb_fast_kernels *F) {
         for (int64_t t = 0; t < T; t++) {
             int64_t pos = start + t;
             for (int64_t h = 0; h < Hq; h++) {
-                int64_t g = h / group;
-                const float *qb = q + t * nq + h * D;
-                double m = sinks ? (double)sinks[h] : -INFINITY, sum = 0;
-                for (int64_t j = 0; j <= pos; j++) {
-                    double sj = -INFINITY;
-                    if (window <= 0 || pos - j < window) {
-                        const float *kb = cb_kv_at(kv.k, &kv, g, j, D);
-                        sj = 0;
-                        for (int64_t d = 0; d < D; d++) sj += (double)qb[d] * kb[d];
-                        sj /= sqrt((double)D);
-                    }
-                    p[j] = sj;
-                    if (sj > m) m = sj;
-                }
-                for (int64_t j = 0; j <= pos; j++) {
-                    p[j] = isinf(p[j]) ? 0.0 : exp(p[j] - m);
-                    sum += p[j];
-                }
-                if (sinks) sum += exp((double)sinks[h] - m);
-                for (int64_t d = 0; d < D; d++) {
-                    double o = 0, mag = 0;
-                    for (int64_t j = 0; j <= pos; j++) {
-                        double vv = cb_kv_at(kv.v, &kv, g, j, D)[d];
-                        o += p[j] / sum * vv;
-                        mag += fabs(p[j] / sum * vv);
-                    }
-                    if (!close_to(out[t * nq + h * D + d], o, mag, 2e-5))
+                double o[REF_ATT_MAX_D], mag[REF_ATT_MAX_D];
+                ref_attention(o, mag, p, q + t * nq + h * D, &kv, h / group, pos, D, window, sinks ? &sinks[h] : NULL);
+                for (int64_t d = 0; d < D; d++)
+                    if (!close_to(out[t * nq + h * D + d], o[d], mag[d], 2e-5))
                         FAIL("[fast %s/%s] attention case %zu%s t%lld h%lld d%lld: %.9g vs %.9g", F->name, F->bf16, i, tag,
-                             (long long)t, (long long)h, (long long)d, (double)out[t * nq + h * D + d], o);
-                }
+                             (long long)t, (long long)h, (long long)d, (double)out[t * nq + h * D + d], o[d]);
             }
         }
         if (window > 0 && start >= window) { /* the positions before the first query's window: NaN */

@@ -45,6 +45,23 @@
 #define FA_AI static inline __attribute__((always_inline))
 #define FA_NH CB_ATT_HEADS /* query heads per pass */
 
+/* CALL(NH, N) with the run-time nh and n (1 .. 4 each) as compile-time constants, so that
+ * the tiles' accumulators stay in registers */
+#define FA_CASES(NH, n, CALL)                                                                           \
+    switch (n) {                                                                                        \
+    case 1: CALL(NH, 1); break;                                                                         \
+    case 2: CALL(NH, 2); break;                                                                         \
+    case 3: CALL(NH, 3); break;                                                                         \
+    default: CALL(NH, 4); break;                                                                        \
+    }
+#define FA_DISPATCH(nh, n, CALL)                                                                        \
+    switch (nh) {                                                                                       \
+    case 1: FA_CASES(1, n, CALL) break;                                                                 \
+    case 2: FA_CASES(2, n, CALL) break;                                                                 \
+    case 3: FA_CASES(3, n, CALL) break;                                                                 \
+    default: FA_CASES(4, n, CALL) break;                                                                \
+    }
+
 /* the lanes of keys k0 .. k0 + 15 that lie in lo .. pos */
 FA_AI __mmask16 key_lanes(int64_t k0, int64_t lo, int64_t pos) {
     int64_t a = lo - k0 > 0 ? lo - k0 : 0, b = pos - k0 + 1 < 16 ? pos - k0 + 1 : 16;
@@ -169,19 +186,8 @@ void cb_fast_att_avx512(float *out, const float *q, const cb_kv_view *kv, void *
                         att_keys(tile, kv, g, base + 16 * v, kend, 16 * nv, D);
                         kt = tile;
                     }
-#define FA_QK(NH)                                                                                           \
-    switch (nv) {                                                                                           \
-    case 1: att_qk(SC, S16, mx, qh, kt, D, v, base, lo, pos, scale, NH, 1); break;                          \
-    case 2: att_qk(SC, S16, mx, qh, kt, D, v, base, lo, pos, scale, NH, 2); break;                          \
-    case 3: att_qk(SC, S16, mx, qh, kt, D, v, base, lo, pos, scale, NH, 3); break;                          \
-    default: att_qk(SC, S16, mx, qh, kt, D, v, base, lo, pos, scale, NH, 4); break;                         \
-    }
-                    switch (nh) {
-                    case 1: FA_QK(1) break;
-                    case 2: FA_QK(2) break;
-                    case 3: FA_QK(3) break;
-                    default: FA_QK(4) break;
-                    }
+#define FA_QK(NH, NV) att_qk(SC, S16, mx, qh, kt, D, v, base, lo, pos, scale, NH, NV)
+                    FA_DISPATCH(nh, nv, FA_QK);
 #undef FA_QK
                 }
                 for (int i = 0; i < nh; i++) { /* the exps in place of the scores, and their sum */
@@ -200,19 +206,8 @@ void cb_fast_att_avx512(float *out, const float *q, const cb_kv_view *kv, void *
                 }
                 for (int64_t d0 = 0; d0 < D; d0 += 64) {
                     const int nd = (int)(D - d0 < 64 ? (D - d0) / 16 : 4);
-#define FA_PV(NH)                                                                                           \
-    switch (nd) {                                                                                           \
-    case 1: att_pv(o, kv, g, SC, S16, base, D, d0, lo, pos, inv, NH, 1); break;                             \
-    case 2: att_pv(o, kv, g, SC, S16, base, D, d0, lo, pos, inv, NH, 2); break;                             \
-    case 3: att_pv(o, kv, g, SC, S16, base, D, d0, lo, pos, inv, NH, 3); break;                             \
-    default: att_pv(o, kv, g, SC, S16, base, D, d0, lo, pos, inv, NH, 4); break;                            \
-    }
-                    switch (nh) {
-                    case 1: FA_PV(1) break;
-                    case 2: FA_PV(2) break;
-                    case 3: FA_PV(3) break;
-                    default: FA_PV(4) break;
-                    }
+#define FA_PV(NH, ND) att_pv(o, kv, g, SC, S16, base, D, d0, lo, pos, inv, NH, ND)
+                    FA_DISPATCH(nh, nd, FA_PV);
 #undef FA_PV
                 }
             }
