@@ -112,11 +112,29 @@ static void quant_act(const float *x, int64_t n, int8_t *q, cb_fast_ablk *a) {
     }
 }
 
-/* A Q4_K super-block's eight sub-blocks for 16 rows (blk: row 0's block, idx: the rows'
- * byte offsets): ws[j] = d * sc[j], wm[j] = -(dmin * m[j]) lane-wise, the 6-bit scales
- * unpacked as cb_k4_unpack does. */
-FVI void k4_scales16(const uint8_t *blk, __m512i idx, vf ws[8], vf wm[8]) {
-    vi dd = GATHER(idx, blk), u0 = GATHER(idx, blk + 4), u1 = GATHER(idx, blk + 8), u2 = GATHER(idx, blk + 12);
+/* The 16 bytes at off of the 16 rows as 4 vectors: h[c] lane r = dword c of row r. Four
+ * loads into each of 4 vectors (rows k, k + 4, k + 8, k + 12 in its 128-bit lanes), then a
+ * 4 x 4 transpose in every 128-bit lane: cheaper than 4 gathers on Zen 4. */
+FVI void head16(const uint8_t *const *rp, size_t off, vi h[4]) {
+    vi z[4], t[4];
+    for (int k = 0; k < 4; k++) {
+        z[k] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[k] + off)));
+        for (int l = 1; l < 4; l++)
+            z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128((const __m128i *)(rp[4 * l + k] + off)), l);
+    }
+    t[0] = _mm512_unpacklo_epi32(z[0], z[1]), t[1] = _mm512_unpackhi_epi32(z[0], z[1]);
+    t[2] = _mm512_unpacklo_epi32(z[2], z[3]), t[3] = _mm512_unpackhi_epi32(z[2], z[3]);
+    h[0] = _mm512_unpacklo_epi64(t[0], t[2]), h[1] = _mm512_unpackhi_epi64(t[0], t[2]);
+    h[2] = _mm512_unpacklo_epi64(t[1], t[3]), h[3] = _mm512_unpackhi_epi64(t[1], t[3]);
+}
+
+/* A Q4_K (or Q5_K) super-block's eight sub-blocks for 16 rows (its bytes at off of each row):
+ * ws[j] = d * sc[j], wm[j] = -(dmin * m[j]) lane-wise, the 6-bit scales unpacked as
+ * cb_k4_unpack does. */
+FVI void k4_scales16(const uint8_t *const *rp, size_t off, vf ws[8], vf wm[8]) {
+    vi hd[4];
+    head16(rp, off, hd);
+    vi dd = hd[0], u0 = hd[1], u1 = hd[2], u2 = hd[3];
     vf d = f16_lo(dd), dmin = f16_hi(dd);
     const vi m6 = _mm512_set1_epi32(0x3f3f3f3f), m4w = _mm512_set1_epi32(0x0f0f0f0f),
              m2 = _mm512_set1_epi32(0x03030303), ff = _mm512_set1_epi32(0xFF);
@@ -222,8 +240,10 @@ FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t r
             const uint8_t *blk = w + off + b;
             vf ws16[16], wm16[16];
             vf d = f16_hi(GATHER(idx, blk + 206)); /* bytes 206..209: two scales, then d */
+            vi sc16[4]; /* the 16 scales, bytes 192..207 */
+            head16(rp, b + 192, sc16);
             for (int q = 0; q < 4; q++) {
-                vi g4 = GATHER(idx, blk + 192 + 4 * q);
+                vi g4 = sc16[q];
                 for (int j = 0; j < 4; j++) {
                     vf scj = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(g4, 24 - 8 * j), 24));
                     ws16[4 * q + j] = _mm512_mul_ps(d, scj);
@@ -265,7 +285,7 @@ FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t r
             size_t b = (size_t)s * bb;
             vf ws8[8], wm8[8];
             vi qh[8];
-            k4_scales16(w + off + b, idx, ws8, wm8);
+            k4_scales16(rp, b, ws8, wm8);
             if (q5) load_rows32(rp, b + 16, qh);
             for (int p = 0; p < 4; p++) {
                 vi lo[8], hi[8], q[2][8];
@@ -334,7 +354,7 @@ static int pack_direct(void *panel, const uint8_t *w, size_t rb, uint32_t dt, in
                 tr8x16(hi, &P->u[s * 64 + 16 * p + 8]);
             }
             vf ws[8], wm[8];
-            k4_scales16(w + off + b, idx, ws, wm);
+            k4_scales16(rp, b, ws, wm);
             for (int j = 0; j < 8; j++) {
                 P->ws[s * 8 + j] = ws[j];
                 P->wm[s * 8 + j] = wm[j];
@@ -372,8 +392,10 @@ static int pack_direct(void *panel, const uint8_t *w, size_t rb, uint32_t dt, in
             }
             const uint8_t *blk = w + off + b;
             vf d = f16_hi(GATHER(idx, blk + 206)); /* bytes 206..209: two scales, then d */
+            vi sc16[4]; /* the 16 scales, bytes 192..207 */
+            head16(rp, b + 192, sc16);
             for (int q = 0; q < 4; q++) {
-                vi g4 = GATHER(idx, blk + 192 + 4 * q);
+                vi g4 = sc16[q];
                 for (int j = 0; j < 4; j++) {
                     vf scj = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(g4, 24 - 8 * j), 24));
                     vf ws = _mm512_mul_ps(d, scj);
