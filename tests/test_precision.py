@@ -46,6 +46,7 @@ def files(tmp_path_factory, make_model):
     build_family_model(FamilyShape("gpt_oss", vocab=301, hidden=64, inter=32, layers=2, heads=4, kv_heads=2,
                                    head_dim=16, experts=4, top_k=2, sliding_window=6, seed=31)).save_pretrained(go)
     out["gptoss_bf16"] = colibri_lab.convert(go, d / "gpt-oss-bf16.colibri", dtype="bf16", progress=False)
+    out["gptoss_f32"] = colibri_lab.convert(go, d / "gpt-oss-f32.colibri", dtype="f32", progress=False)
     return out
 
 
@@ -82,15 +83,22 @@ def test_the_engine_reports_its_mode(files):
 
 def test_fast_attention_is_reported(files):
     """The fast tables with an attention of their own (x86, native BF16 kernels) say so in
-    config.kernels and run it where the head size is a multiple of 16: the gpt-oss model here
-    (16), not the tiny model (24), never in exact mode."""
+    config.kernels and run it where the head size is a multiple of 16 and the attention's
+    projections are a type fast mode computes: the gpt-oss model here in bf16 (heads of 16),
+    not the tiny model (24), not the same gpt-oss model in f32 (which computes the same bits
+    in both modes), never in exact mode."""
     with (Engine(files["gptoss_bf16"], precision="fast") as go, Engine(files["bf16"], precision="fast") as tiny,
-          Engine(files["gptoss_bf16"]) as ex):
-        assert ", attention " not in tiny.config.kernels and ", attention " not in ex.config.kernels
+          Engine(files["gptoss_bf16"]) as ex, Engine(files["gptoss_f32"], precision="fast") as f32):
+        for e in (tiny, ex, f32):
+            assert ", attention " not in e.config.kernels, e.config.kernels
         if "bf16 avx512bf16" in go.config.kernels or "bf16 amx" in go.config.kernels:
             assert go.config.kernels.endswith(", attention avx512)"), go.config.kernels
         else:
             assert ", attention " not in go.config.kernels, go.config.kernels
+        ids = _ids(files["gptoss_f32"], 40, seed=5)
+    with (Engine(files["gptoss_f32"], precision="exact") as ex32,
+          Engine(files["gptoss_f32"], precision="fast") as fa32):
+        assert np.array_equal(ex32.forward(ids), fa32.forward(ids))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "q8_0", "q4_k_m"])

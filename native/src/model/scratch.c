@@ -11,6 +11,19 @@
 #include "core/checked.h"
 #include "core/context.h"
 
+/* 1 when fast mode's own attention runs for this model: the fast table has one for its
+ * head size, and every layer's q projection is a matrix fast mode computes (BF16 or a block
+ * type), so that F32 and F16 files still give the same bits in both modes. */
+static int fast_attention(const colibri_ctx *ctx) {
+    const cb_config *c = &ctx->cfg;
+    if (c->attention == CB_ATTN_MLA || !cb_fast_takes_att(ctx->fast, c->head_dim)) return 0;
+    for (uint32_t l = 0; l < c->n_layers; l++) {
+        uint32_t dt = ctx->w.layers[l].wq.dt;
+        if (dt == COLIBRI_DTYPE_F32 || dt == COLIBRI_DTYPE_F16) return 0;
+    }
+    return 1;
+}
+
 colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     const cb_config *c = &ctx->cfg;
     cb_scratch *s = &ctx->s;
@@ -41,8 +54,7 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     uint64_t NH = mla ? c->n_heads : 0, NT = (uint64_t)ctx->num_threads;
     /* fast mode's attention (cpu/fast.h): a work area per thread for the keys it transposes
      * and its score rows (the exact kernels' attention, and MLA's, need none) */
-    s->att_work_bytes = !mla && cb_fast_takes_att(ctx->fast, c->head_dim)
-                            ? ctx->fast->att_work_bytes((int64_t)S, c->head_dim) : 0;
+    s->att_work_bytes = fast_attention(ctx) ? ctx->fast->att_work_bytes((int64_t)S, c->head_dim) : 0;
     uint64_t att_work = 0;
     /* R = B*K + E*(group_pad-1): each non-empty group gains at most group_pad-1 zero rows */
     ok &= cb_mul_u64(B, K, &R);
