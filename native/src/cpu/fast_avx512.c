@@ -128,6 +128,17 @@ FVI void head16(const uint8_t *const *rp, size_t off, vi h[4]) {
     h[2] = _mm512_unpacklo_epi64(t[1], t[3]), h[3] = _mm512_unpackhi_epi64(t[1], t[3]);
 }
 
+/* dword 0 of the 16 bytes at off of the 16 rows (head16's h[0] alone) */
+FVI vi head4(const uint8_t *const *rp, size_t off) {
+    vi z[4];
+    for (int k = 0; k < 4; k++) {
+        z[k] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[k] + off)));
+        for (int l = 1; l < 4; l++)
+            z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128((const __m128i *)(rp[4 * l + k] + off)), l);
+    }
+    return _mm512_unpacklo_epi64(_mm512_unpacklo_epi32(z[0], z[1]), _mm512_unpacklo_epi32(z[2], z[3]));
+}
+
 /* A Q4_K (or Q5_K) super-block's eight sub-blocks for 16 rows (its bytes at off of each row):
  * ws[j] = d * sc[j], wm[j] = -(dmin * m[j]) lane-wise, the 6-bit scales unpacked as
  * cb_k4_unpack does. */
@@ -228,7 +239,7 @@ FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t r
             load_rows32(rp, (size_t)g * 34 + 2, z);
             for (int i = 0; i < 8; i++) z[i] = _mm512_xor_si512(z[i], x80);
             tr8x16(z, q);
-            vf d = f16_lo(GATHER(idx, w + off + (size_t)g * 34));
+            vf d = f16_lo(head4(rp, (size_t)g * 34));
             fused_sub(acc, q, d, _mm512_mul_ps(_mm512_set1_ps(-128.0f), d), A, g, 32, 1, NT);
         }
     } else if (dt == COLIBRI_DTYPE_Q6_K) { /* the bytes and scales of pack_direct's Q6_K */
@@ -332,7 +343,7 @@ static int pack_direct(void *panel, const uint8_t *w, size_t rb, uint32_t dt, in
             load_rows32(rp, (size_t)g * 34 + 2, z);
             for (int i = 0; i < 8; i++) z[i] = _mm512_xor_si512(z[i], x80);
             tr8x16(z, &P->u[8 * g]);
-            vf d = f16_lo(GATHER(idx, w + off + (size_t)g * 34));
+            vf d = f16_lo(head4(rp, (size_t)g * 34));
             P->ws[g] = d;
             P->wm[g] = _mm512_mul_ps(_mm512_set1_ps(-128.0f), d);
         }
