@@ -112,16 +112,20 @@ static void quant_act(const float *x, int64_t n, int8_t *q, cb_fast_ablk *a) {
     }
 }
 
+/* The 16 bytes at off of rows k, k + 4, k + 8, k + 12 in the four 128-bit lanes (the inserts'
+ * lanes spelled out: they must be immediates, also in unoptimized builds) */
+FVI vi rows4x16(const uint8_t *const *rp, size_t off, int k) {
+    vi z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[k] + off)));
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(rp[4 + k] + off)), 1);
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(rp[8 + k] + off)), 2);
+    return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(rp[12 + k] + off)), 3);
+}
 /* The 16 bytes at off of the 16 rows as 4 vectors: h[c] lane r = dword c of row r. Four
  * loads into each of 4 vectors (rows k, k + 4, k + 8, k + 12 in its 128-bit lanes), then a
  * 4 x 4 transpose in every 128-bit lane: cheaper than 4 gathers on Zen 4. */
 FVI void head16(const uint8_t *const *rp, size_t off, vi h[4]) {
     vi z[4], t[4];
-    for (int k = 0; k < 4; k++) {
-        z[k] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[k] + off)));
-        for (int l = 1; l < 4; l++)
-            z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128((const __m128i *)(rp[4 * l + k] + off)), l);
-    }
+    for (int k = 0; k < 4; k++) z[k] = rows4x16(rp, off, k);
     t[0] = _mm512_unpacklo_epi32(z[0], z[1]), t[1] = _mm512_unpackhi_epi32(z[0], z[1]);
     t[2] = _mm512_unpacklo_epi32(z[2], z[3]), t[3] = _mm512_unpackhi_epi32(z[2], z[3]);
     h[0] = _mm512_unpacklo_epi64(t[0], t[2]), h[1] = _mm512_unpackhi_epi64(t[0], t[2]);
@@ -131,11 +135,7 @@ FVI void head16(const uint8_t *const *rp, size_t off, vi h[4]) {
 /* dword 0 of the 16 bytes at off of the 16 rows (head16's h[0] alone) */
 FVI vi head4(const uint8_t *const *rp, size_t off) {
     vi z[4];
-    for (int k = 0; k < 4; k++) {
-        z[k] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[k] + off)));
-        for (int l = 1; l < 4; l++)
-            z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128((const __m128i *)(rp[4 * l + k] + off)), l);
-    }
+    for (int k = 0; k < 4; k++) z[k] = rows4x16(rp, off, k);
     return _mm512_unpacklo_epi64(_mm512_unpacklo_epi32(z[0], z[1]), _mm512_unpacklo_epi32(z[2], z[3]));
 }
 
