@@ -67,7 +67,8 @@ FVI void load_rows32(const uint8_t *const *rp, size_t off, vi z[8]) {
 /* The packs of fast_simd.inc for Q8_0, Q4_K, Q5_K and Q6_K straight from the blocks, 16 rows at a
  * time (the same bytes, scales and offsets as cb_fast_unpack + the transpose, which the
  * other types take): rows past `rows` read the last row (lanes never stored). idx: the
- * rows' byte offsets from row 0, for the gathers of the scales. */
+ * rows' byte offsets from row 0, for the gather of Q6_K's d (the other scales come by
+ * head16's loads). */
 FVI void rows_at(const uint8_t *w, size_t rb, int64_t rows, size_t off, const uint8_t **rp, __m512i *idx) {
     int32_t o[16];
     for (int r = 0; r < 16; r++) {
@@ -130,13 +131,6 @@ FVI void head16(const uint8_t *const *rp, size_t off, vi h[4]) {
     t[2] = _mm512_unpacklo_epi32(z[2], z[3]), t[3] = _mm512_unpackhi_epi32(z[2], z[3]);
     h[0] = _mm512_unpacklo_epi64(t[0], t[2]), h[1] = _mm512_unpackhi_epi64(t[0], t[2]);
     h[2] = _mm512_unpacklo_epi64(t[1], t[3]), h[3] = _mm512_unpackhi_epi64(t[1], t[3]);
-}
-
-/* dword 0 of the 16 bytes at off of the 16 rows (head16's h[0] alone) */
-FVI vi head4(const uint8_t *const *rp, size_t off) {
-    vi z[4];
-    for (int k = 0; k < 4; k++) z[k] = rows4x16(rp, off, k);
-    return _mm512_unpacklo_epi64(_mm512_unpacklo_epi32(z[0], z[1]), _mm512_unpacklo_epi32(z[2], z[3]));
 }
 
 /* A Q4_K (or Q5_K) super-block's eight sub-blocks for 16 rows (its bytes at off of each row):
@@ -239,7 +233,9 @@ FAI void fused_rows(float *y, int64_t ldy, int first, const uint8_t *w, size_t r
             load_rows32(rp, (size_t)g * 34 + 2, z);
             for (int i = 0; i < 8; i++) z[i] = _mm512_xor_si512(z[i], x80);
             tr8x16(z, q);
-            vf d = f16_lo(head4(rp, (size_t)g * 34));
+            vi hd[4]; /* dword 0: the block's d (the compiler drops the rest) */
+            head16(rp, (size_t)g * 34, hd);
+            vf d = f16_lo(hd[0]);
             fused_sub(acc, q, d, _mm512_mul_ps(_mm512_set1_ps(-128.0f), d), A, g, 32, 1, NT);
         }
     } else if (dt == COLIBRI_DTYPE_Q6_K) { /* the bytes and scales of pack_direct's Q6_K */
@@ -343,7 +339,9 @@ static int pack_direct(void *panel, const uint8_t *w, size_t rb, uint32_t dt, in
             load_rows32(rp, (size_t)g * 34 + 2, z);
             for (int i = 0; i < 8; i++) z[i] = _mm512_xor_si512(z[i], x80);
             tr8x16(z, &P->u[8 * g]);
-            vf d = f16_lo(head4(rp, (size_t)g * 34));
+            vi hd[4]; /* dword 0: the block's d (the compiler drops the rest) */
+            head16(rp, (size_t)g * 34, hd);
+            vf d = f16_lo(hd[0]);
             P->ws[g] = d;
             P->wm[g] = _mm512_mul_ps(_mm512_set1_ps(-128.0f), d);
         }
