@@ -179,6 +179,30 @@ def test_fast_batch_invariance(files, dtype):
             assert np.array_equal(out[s][0], eng.forward([nxt[s]], start_pos=lengths[s])[0]), s
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "gptoss_bf16"])
+def test_panel_copies_give_the_same_bits(files, dtype):
+    """A fast table that reads the panel layout (cpu/fast.h) gets a copy of the BF16 weights
+    in it at load when the weights are populated ("panels" in config.kernels), and computes
+    the row-major kernels' bits with it: prefill, decode steps and a batch, on 1 and 2
+    threads, equal an engine that maps the file lazily (populate=False: no copy)."""
+    ids = _ids(files[dtype], 37, seed=6)
+    out = {}
+    for populate in (True, False):
+        for threads in (1, 2):
+            with Engine(files[dtype], num_threads=threads, precision="fast", populate=populate) as eng:
+                if not populate or "bf16 avx512bf16" not in eng.config.kernels:
+                    assert " panels" not in eng.config.kernels, eng.config.kernels
+                else:
+                    assert "bf16 avx512bf16 panels" in eng.config.kernels, eng.config.kernels
+                full = eng.forward(ids)
+                steps = np.concatenate([eng.forward(ids[i:i + 1], start_pos=i) for i in range(20, len(ids))])
+                out[populate, threads] = (full, steps)
+    for k, (full, steps) in out.items():
+        assert np.array_equal(full, out[False, 1][0]), k
+        assert np.array_equal(steps, out[False, 1][1]), k
+        assert np.array_equal(steps, full[20:]), k
+
+
 _TABLE_SCRIPT = """
 import json, sys
 import numpy as np

@@ -1292,6 +1292,112 @@ static void test_fast_bf16(const cb_fast_kernels *F) {
     }
 }
 
+/* The panel layout (fast.h): cb_panel_pack's placement checked against the definition, and
+ * the kernels that read it give the row-major kernels' bits, for any token count, shape
+ * (groups cut short) and range of rows or units. */
+static uint32_t pair_at(const uint16_t *row, int64_t q) { return (uint32_t)row[2 * q] | (uint32_t)row[2 * q + 1] << 16; }
+
+static void test_fast_panels(const cb_fast_kernels *F) {
+    const uint32_t BF = COLIBRI_DTYPE_BF16;
+    const int64_t Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 29, 37, 77};
+    /* matrices: N with short last groups (16, 48, 80, 208 rows), K across MM_KC passes (2112) */
+    const int64_t Ns[] = {16, 48, 80, 208}, Ks[] = {32, 96, 2112};
+    for (size_t b = 0; b < 4; b++)
+        for (size_t c = 0; c < 3; c++) {
+            int64_t N = Ns[b], K = Ks[c];
+            wbuf w = make_w(BF, N * K, 0.5);
+            uint32_t *P = malloc((size_t)(N * K) * 2);
+            cb_panel_pack_matrix(P, w.raw, N, K);
+            for (int64_t n = 0; n < N; n++) { /* the placement, by the definition */
+                int64_t g0 = n / CB_PANEL_ROWS * CB_PANEL_ROWS, nv = (N - g0 < CB_PANEL_ROWS ? N - g0 : CB_PANEL_ROWS) / 16;
+                int64_t v = (n - g0) / 16, l = (n - g0) % 16;
+                for (int64_t q = 0; q < K / 2; q++)
+                    if (P[(size_t)g0 * (size_t)(K / 2) + (size_t)((q * nv + v) * 16 + l)] != pair_at((const uint16_t *)w.raw + n * K, q))
+                        FAIL("cb_panel_pack_matrix N%lld K%lld: row %lld pair %lld misplaced", (long long)N, (long long)K,
+                             (long long)n, (long long)q);
+            }
+            n_check++;
+            for (size_t a = 0; a < sizeof Ts / sizeof Ts[0]; a++) {
+                int64_t T = Ts[a], ldy = N + 3;
+                if (K > 100 && T > 9 && T != 37) continue;
+                float *x = malloc((size_t)(T * K) * 4), *y = malloc((size_t)(T * ldy) * 4), *yp = malloc((size_t)(T * ldy) * 4);
+                fill(x, T * K, 2.0);
+                cb_round_bf16(x, T * K);
+                F->matmul_ld(y, ldy, x, w.raw, BF, T, N, K);
+                int64_t n0 = N > 16 ? 16 : 0; /* a thread's range: rows [n0, N) */
+                for (int64_t i = 0; i < T * ldy; i++) yp[i] = SENTINEL;
+                F->matmul_panels(yp + n0, ldy, x, P, T, N, K, n0, N);
+                for (int64_t t = 0; t < T; t++) {
+                    n_check++;
+                    if (memcmp(yp + t * ldy + n0, y + t * ldy + n0, (size_t)(N - n0) * 4) != 0)
+                        FAIL("[fast %s] matmul_panels T%lld N%lld K%lld: token %lld differs from matmul_ld", F->name,
+                             (long long)T, (long long)N, (long long)K, (long long)t);
+                    for (int64_t n = 0; n < ldy; n++)
+                        if ((n < n0 || n >= N) && yp[t * ldy + n] != SENTINEL)
+                            FAIL("[fast %s] matmul_panels wrote outside rows [%lld, %lld)", F->name, (long long)n0,
+                                 (long long)N);
+                }
+                free(x);
+                free(y);
+                free(yp);
+            }
+            free(P);
+            free_w(&w);
+        }
+    /* packed experts: I with a short last group (96, 160, 224), block sizes 16 and 32 */
+    struct { int64_t H, I, B; } cs[] = {{32, 96, 32}, {96, 160, 16}, {1024, 224, 32}, {64, 64, 32}};
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        int64_t H = cs[ci].H, I = cs[ci].I, B = cs[ci].B;
+        wbuf w1 = make_w(BF, I * H, 0.3), w3 = make_w(BF, I * H, 0.3), w2 = make_w(BF, H * I, 0.3);
+        float *pk = malloc((size_t)(3 * I * H) * 4);
+        pack_expert(pk, w1.val, w3.val, w2.val, I, H, B);
+        uint16_t *pb = malloc((size_t)(3 * I * H) * 2), *pp = malloc((size_t)(3 * I * H) * 2);
+        for (int64_t i = 0; i < 3 * I * H; i++) pb[i] = cb_f32_to_bf16(pk[i]);
+        cb_panel_pack_expert(pp, pb, H, I, B);
+        n_check++;
+        if (memcmp(pp + 2 * I * H, pb + 2 * I * H, (size_t)(I * H) * 2) != 0)
+            FAIL("cb_panel_pack_expert H%lld I%lld: w2^T not copied as it is", (long long)H, (long long)I);
+        for (int64_t i = 0; i < I; i++) { /* unit i's gate and up rows, by the definition */
+            int64_t u0 = i / CB_PANEL_ROWS * CB_PANEL_ROWS, nu = I - u0 < CB_PANEL_ROWS ? I - u0 : CB_PANEL_ROWS;
+            int64_t nv = 2 * nu / 16;
+            const uint32_t *g = (const uint32_t *)pp + (size_t)u0 * (size_t)H;
+            for (int s = 0; s < 2; s++) {
+                int64_t r = s * nu + (i - u0), v = r / 16, l = r % 16;
+                const uint16_t *src = (const uint16_t *)(s ? w3.raw : w1.raw) + i * H;
+                for (int64_t q = 0; q < H / 2; q++)
+                    if (g[(q * nv + v) * 16 + l] != pair_at(src, q))
+                        FAIL("cb_panel_pack_expert H%lld I%lld B%lld: unit %lld's %s pair %lld misplaced", (long long)H,
+                             (long long)I, (long long)B, (long long)i, s ? "up" : "gate", (long long)q);
+            }
+        }
+        n_check++;
+        for (size_t a = 0; a < sizeof Ts / sizeof Ts[0]; a++) {
+            int64_t R = Ts[a];
+            if (H > 100 && R > 9 && R != 37) continue;
+            float *x = malloc((size_t)(R * H) * 4), *h = malloc((size_t)(R * I) * 4), *hp = malloc((size_t)(R * I) * 4);
+            fill(x, R * H, 1.0);
+            cb_round_bf16(x, R * H);
+            int64_t i0 = I > 32 ? 16 : 0, i1 = I > 64 ? I - 32 : I; /* a thread's range of units */
+            for (int64_t k = 0; k < R * I; k++) h[k] = hp[k] = SENTINEL;
+            F->gateup_packed(h, x, pb, R, H, I, B, i0, i1);
+            F->gateup_panels(hp, x, pp, R, H, I, i0, i1);
+            n_check++;
+            if (memcmp(h, hp, (size_t)(R * I) * 4) != 0)
+                FAIL("[fast %s] gateup_panels R%lld H%lld I%lld B%lld [%lld, %lld): differs from gateup_packed", F->name,
+                     (long long)R, (long long)H, (long long)I, (long long)B, (long long)i0, (long long)i1);
+            free(x);
+            free(h);
+            free(hp);
+        }
+        free(pk);
+        free(pb);
+        free(pp);
+        free_w(&w1);
+        free_w(&w3);
+        free_w(&w2);
+    }
+}
+
 /* e2m1 value of a code, independently of core/dtype.h */
 static double e2m1_value(unsigned c) {
     static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
@@ -1385,6 +1491,7 @@ int main(void) {
             int before = n_fail;
             test_fast(F);
             if (F->native_bf16) test_fast_bf16(F);
+            if (F->matmul_panels) test_fast_panels(F);
             if (F->attention_heads) test_fast_attention(F);
             printf("test_kernels: fast table %s checked (%s)\n", fast_names[i], n_fail == before ? "ok" : "FAILED");
         } else {

@@ -158,8 +158,7 @@ static int64_t chunk_len(const colibri_ctx *ctx, int64_t n, int64_t align, int64
 typedef struct mm_job {
     float *y;          /* [T, N] */
     const float *x;    /* [T, K] */
-    const void *w;     /* [N, K] in dt */
-    uint32_t dt;
+    cb_mat w;          /* [N, K] in w.dt, and its panel copy in fast mode */
     int64_t N, K;
     int64_t len, nch;  /* rows per chunk, chunks */
 } mm_job;
@@ -179,13 +178,14 @@ static void mm_chunk(void *arg, int64_t c, int tid) {
     while (c >= m->jobs[j].nch) c -= m->jobs[j++].nch;
     const mm_job *b = &m->jobs[j];
     int64_t n0 = c * b->len, n1 = n0 + b->len < b->N ? n0 + b->len : b->N;
-    size_t row = (size_t)cb_row_bytes(b->dt, (uint64_t)b->K);
-    if (cb_fast_takes(m->fast, b->dt, b->K))
-        m->fast->matmul_ld(b->y + n0, b->N, b->x, (const uint8_t *)b->w + (size_t)n0 * row, b->dt, m->T, n1 - n0,
-                           b->K);
+    size_t row = (size_t)cb_row_bytes(b->w.dt, (uint64_t)b->K);
+    const void *w = (const uint8_t *)b->w.w + (size_t)n0 * row;
+    if (b->w.pan) /* the panel copy (model/panels.c): chunks of whole groups */
+        m->fast->matmul_panels(b->y + n0, b->N, b->x, b->w.pan, m->T, b->N, b->K, n0, n1);
+    else if (cb_fast_takes(m->fast, b->w.dt, b->K))
+        m->fast->matmul_ld(b->y + n0, b->N, b->x, w, b->w.dt, m->T, n1 - n0, b->K);
     else
-        m->kern->matmul_ld(b->y + n0, b->N, b->x, (const uint8_t *)b->w + (size_t)n0 * row, b->dt, m->T,
-                           n1 - n0, b->K);
+        m->kern->matmul_ld(b->y + n0, b->N, b->x, w, b->w.dt, m->T, n1 - n0, b->K);
 }
 
 /* y = x W^T for up to three matmuls over the same T tokens, in one parallel section. */
@@ -194,7 +194,7 @@ static void par_matmul(colibri_ctx *ctx, mm_task *m) {
     for (int j = 0; j < m->n_jobs; j++) rows += m->jobs[j].N;
     for (int j = 0; j < m->n_jobs; j++) {
         mm_job *b = &m->jobs[j];
-        b->len = rows < CB_PAR_MIN_ROWS ? b->N : chunk_len(ctx, b->N, 8, 16);
+        b->len = rows < CB_PAR_MIN_ROWS ? b->N : chunk_len(ctx, b->N, b->w.pan ? CB_PANEL_ROWS : 8, 16);
         b->nch = (b->N + b->len - 1) / b->len;
         total += b->nch;
     }
@@ -204,7 +204,7 @@ static void par_matmul(colibri_ctx *ctx, mm_task *m) {
 
 static void par_matmul1(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t T, int64_t N,
                         int64_t K) {
-    mm_task m = {ctx->kern, ctx->fast, T, 1, {{y, x, w.w, w.dt, N, K, 0, 0}}};
+    mm_task m = {ctx->kern, ctx->fast, T, 1, {{y, x, w, N, K, 0, 0}}};
     par_matmul(ctx, &m);
 }
 
@@ -214,7 +214,7 @@ void cb_matmul_par(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t
 
 void cb_matmul_par2(colibri_ctx *ctx, const float *x, int64_t T, int64_t K, float *y1, cb_mat w1, int64_t N1,
                     float *y2, cb_mat w2, int64_t N2) {
-    mm_task m = {ctx->kern, ctx->fast, T, 2, {{y1, x, w1.w, w1.dt, N1, K, 0, 0}, {y2, x, w2.w, w2.dt, N2, K, 0, 0}}};
+    mm_task m = {ctx->kern, ctx->fast, T, 2, {{y1, x, w1, N1, K, 0, 0}, {y2, x, w2, N2, K, 0, 0}}};
     par_matmul(ctx, &m);
 }
 
@@ -343,6 +343,10 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
         int rounded = 0; /* a fast table's packed gate/up rounds h itself (fast.h) */
         if (b->u) {
             gateup_clamped(f, b, lo, hi);
+        } else if (w->pan) { /* the panel copy (model/panels.c) */
+            f->fast->gateup_panels(b->h, b->x, (const uint8_t *)w->pan + (size_t)b->e * w->stride, b->R, f->H, b->I,
+                                   lo, hi);
+            rounded = 1;
         } else if (w->packed && cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) {
             f->fast->gateup_packed(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, b->R, f->H,
                                    b->I, f->B, lo, hi);
@@ -379,7 +383,7 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
             }
             return;
         }
-        const void *ew = (const uint8_t *)w->packed + (size_t)b->e * w->stride;
+        const void *ew = (const uint8_t *)(w->pan ? w->pan : w->packed) + (size_t)b->e * w->stride;
         int fast = cb_fast_takes_packed(f->fast, w->dt, f->H, b->I);
         if (b->part) { /* block c's sums (the fast table's own when it takes the expert) */
             if (fast) f->fast->down_part(b->part + c * b->R * f->H, b->h, ew, b->R, f->H, b->I, c);
@@ -416,7 +420,7 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
     for (int j = 0; j < n_jobs; j++) {
         ffn_job *b = &jobs[j];
         int64_t nblk = (b->I + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK;
-        b->len0 = chunk_len(ctx, b->I, 8, 64);
+        b->len0 = chunk_len(ctx, b->I, b->f->pan ? CB_PANEL_ROWS : 8, 64);
         b->nch0 = (b->I + b->len0 - 1) / b->len0;
         b->part = NULL;
         if (b->f->packed && b->R <= CB_SPLIT_MAX_ROWS && nblk * b->R <= part_left &&
@@ -514,9 +518,9 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
     {
         fast_round(ctx, s->xn, T * H, L->wq.dt == COLIBRI_DTYPE_BF16 || L->wk.dt == COLIBRI_DTYPE_BF16 ||
                                           L->wv.dt == COLIBRI_DTYPE_BF16);
-        mm_task m = {K, ctx->fast, T, 3, {{s->q, s->xn, L->wq.w, L->wq.dt, Nq, H, 0, 0},
-                               {s->k, s->xn, L->wk.w, L->wk.dt, Nkv, H, 0, 0},
-                               {s->v, s->xn, L->wv.w, L->wv.dt, Nkv, H, 0, 0}}};
+        mm_task m = {K, ctx->fast, T, 3, {{s->q, s->xn, L->wq, Nq, H, 0, 0},
+                               {s->k, s->xn, L->wk, Nkv, H, 0, 0},
+                               {s->v, s->xn, L->wv, Nkv, H, 0, 0}}};
         par_matmul(ctx, &m);
     }
     if (L->bq) {

@@ -61,6 +61,7 @@ void colibri_free(colibri_ctx *ctx) {
     free(ctx->w.layers);
     free(ctx->tensors);
     free(ctx->meta);
+    if (ctx->panels) munmap(ctx->panels, ctx->panels_size);
     if (ctx->map) munmap((void *)ctx->map, (size_t)ctx->map_size);
     if (ctx->fd >= 0) close(ctx->fd);
     free(ctx);
@@ -299,11 +300,6 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     ctx->kern = cb_kernels_best();
     ctx->precision = opt.precision;
     ctx->fast = opt.precision == COLIBRI_PRECISION_FAST ? cb_fast_best() : NULL;
-    if (ctx->fast)
-        snprintf(ctx->kernels_desc, sizeof ctx->kernels_desc, "%s fast(int8 %s, bf16 %s)", ctx->kern->name,
-                 ctx->fast->name, ctx->fast->bf16);
-    else
-        snprintf(ctx->kernels_desc, sizeof ctx->kernels_desc, "%s", ctx->kern->name);
 
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
@@ -398,15 +394,22 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
 
     st = cb_scratch_init(ctx, err, err_len);
     if (st != COLIBRI_OK) return init_fail(ctx, st, err, err_len);
-    if (ctx->s.att_work_bytes) /* the fast table runs this model's attention (cpu/fast.h) */
-        snprintf(ctx->kernels_desc, sizeof ctx->kernels_desc, "%s fast(int8 %s, bf16 %s, attention avx512)",
-                 ctx->kern->name, ctx->fast->name, ctx->fast->bf16);
     int prc = cb_pool_create(&ctx->pool, ctx->num_threads);
     if (prc != 0) {
         cb_set_err(err, err_len, "cannot start %d threads: %s; pass a smaller num_threads",
                    (int)ctx->num_threads, strerror(prc));
         return init_fail(ctx, COLIBRI_E_NOMEM, err, err_len);
     }
+    if (be == &cb_backend_cpu && ctx->populate) { /* read at load anyway: the panel copies (model/panels.c) */
+        uint64_t pb = cb_panels_bytes(ctx);
+        if (pb > 0 && populate_auto(pb)) cb_panels_make(ctx, pb);
+    }
+    if (!ctx->fast) /* the tables, and in fast mode which of its paths run */
+        snprintf(ctx->kernels_desc, sizeof ctx->kernels_desc, "%s", ctx->kern->name);
+    else
+        snprintf(ctx->kernels_desc, sizeof ctx->kernels_desc, "%s fast(int8 %s, bf16 %s%s%s)", ctx->kern->name,
+                 ctx->fast->name, ctx->fast->bf16, ctx->panels ? " panels" : "",
+                 ctx->s.att_work_bytes ? ", attention avx512" : "");
     ctx->run.stage = -1; /* no stage run active */
     ctx->run.layer = -1;
     if (be->init) {

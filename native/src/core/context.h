@@ -27,6 +27,8 @@ struct colibri_ctx {
     int fd;
     const uint8_t *map;      /* [file_size] read-only mapping */
     uint64_t map_size;
+    void *panels;            /* fast mode's panel copies of the BF16 weights (model/panels.c), or NULL */
+    size_t panels_size;      /* the whole anonymous mapping holding them */
     /* parsed */
     cb_config cfg;
     cb_meta_entry *meta;     /* [n_meta], heap (init-time) */

@@ -98,14 +98,15 @@ static void xt_pack(uint32_t *XT, const float *x, int64_t ldx, int64_t nt, int64
 }
 
 /* The micro-kernels: RB rows by NV token vectors of accumulators, acc[r][v] lane l the chain
- * of row r (dword pointer w[r], pair q at w[r][q]) and token 16 v + l. One function per shape
+ * of row r (dword pointer w[r], pair q at w[r][q * S]: S = 1 row-major, else the panel
+ * layout's stride) and token 16 v + l. One function per shape
  * with arrays of literal sizes, so that the compiler keeps them all in registers. */
 #define TOK_CHAIN(RB, NV)                                                                                \
     for (int64_t q = 0; q < np; q++) {                                                                   \
         vi xv[NV];                                                                                       \
         for (int v = 0; v < NV; v++) xv[v] = _mm512_loadu_si512(XT + (q * NV + v) * 16);                 \
         for (int r = 0; r < RB; r++) {                                                                   \
-            vi b = _mm512_set1_epi32((int)w[r][q]);                                                      \
+            vi b = _mm512_set1_epi32((int)w[r][q * S]);                                                      \
             for (int v = 0; v < NV; v++) acc[r][v] = dp(acc[r][v], xv[v], b);                            \
         }                                                                                                \
     }
@@ -114,7 +115,7 @@ static void xt_pack(uint32_t *XT, const float *x, int64_t ldx, int64_t nt, int64
  * the chains stored in y when cont; rows past nr repeat a valid one and are not stored. */
 #define TOK_MM(RB, NV)                                                                                             \
     static __attribute__((noinline)) void tok_mm_##RB##x##NV(float *y, int64_t ldy, const uint32_t *XT, const uint32_t *const *wp,          \
-                                   int64_t np, int64_t nr, int64_t nt, int cont) {                                 \
+                                   int64_t S, int64_t np, int64_t nr, int64_t nt, int cont) {                                 \
         vf acc[RB][NV];                                                                                            \
         const uint32_t *w[RB];                                                                                     \
         float tile[RB][NV * 16];                                                                                   \
@@ -143,7 +144,7 @@ TOK_MM(8, 1)
  * RG up rows up[] (dword pointers), whole rows (np pairs) in one pass. */
 #define TOK_GU(RG, NV)                                                                                             \
     static __attribute__((noinline)) void tok_gu_##RG##x##NV(float *h, int64_t ldh, const uint32_t *XT, const uint32_t *const *gp,          \
-                                   const uint32_t *const *up, int64_t np, int64_t nr, int64_t nt, int rnd) {       \
+                                   const uint32_t *const *up, int64_t S, int64_t np, int64_t nr, int64_t nt, int rnd) {       \
         vf acc[2 * RG][NV];                                                                                        \
         const uint32_t *w[2 * RG];                                                                                 \
         for (int r = 0; r < RG; r++) w[r] = gp[r], w[RG + r] = up[r];                                              \
@@ -165,101 +166,130 @@ TOK_GU(4, 1)
  * 8 for 2 and 1 (at most 8 rows there: see the top of this file). */
 static int64_t tok_rows(int64_t NV) { return NV == 4 ? 6 : 8; }
 
-/* rows n0 .. n0 + nr of W (bf16 [., K] from w0, row stride K) as dword pointers at column k0 */
-static void row_ptrs(const uint32_t **p, int64_t n, const uint16_t *w0, int64_t K, int64_t n0, int64_t nr,
-                     int64_t k0) {
-    for (int64_t r = 0; r < n; r++)
-        p[r] = (const uint32_t *)(w0 + (size_t)(n0 + (r < nr ? r : nr - 1)) * (size_t)K + k0);
+/* A matrix's rows: row-major (G == 0: row n at w + n K) or the panel layout of N rows by
+ * groups of G (fast.h). */
+typedef struct wmat {
+    const uint16_t *w;
+    int64_t K, N, G;
+} wmat;
+
+/* Row n's dword pointer at pair 0, and its stride in dwords per pair (*S). */
+DP_AI const uint32_t *wrow(const wmat *m, int64_t n, int64_t *S) {
+    if (!m->G) {
+        *S = 1;
+        return (const uint32_t *)(m->w + (size_t)n * (size_t)m->K);
+    }
+    int64_t g0 = n / m->G * m->G, r = n - g0;
+    *S = (m->N - g0 < m->G ? m->N - g0 : m->G);
+    return (const uint32_t *)m->w + (size_t)g0 * (size_t)(m->K / 2) + r;
+}
+/* The end of row n's group (the rows that share its stride). */
+DP_AI int64_t wgroup_end(const wmat *m, int64_t n) { return m->G ? (n / m->G + 1) * m->G : INT64_MAX; }
+
+/* A SwiGLU FFN's gate/up rows: split (B = 0, G = 0: gate and up [I, H]), packed (B > 0: the
+ * expert, blocks of B rows) or the expert's panel copy (G = 2 CB_PANEL_ROWS, gate NULL... up
+ * unused). */
+typedef struct wgu {
+    const uint16_t *gate, *up;
+    int64_t H, I, B, G;
+} wgu;
+
+/* Unit i's gate and up rows (dword pointers at pair 0; ur may be NULL) and their stride. */
+DP_AI void gu_row(const wgu *m, int64_t i, const uint32_t **gr, const uint32_t **ur, int64_t *S) {
+    int64_t H = m->H, I = m->I;
+    if (m->G) {
+        int64_t u0 = i / CB_PANEL_ROWS * CB_PANEL_ROWS, nu = I - u0 < CB_PANEL_ROWS ? I - u0 : CB_PANEL_ROWS;
+        wmat p = {m->gate, H, 2 * I, m->G};
+        *gr = wrow(&p, 2 * u0 + (i - u0), S);
+        if (ur) *ur = *gr + nu; /* the up vectors follow the gate ones in each pair's run */
+        return;
+    }
+    *S = 1;
+    if (m->B > 0) {
+        int64_t bs = i / m->B * m->B, nb = I - bs < m->B ? I - bs : m->B;
+        *gr = (const uint32_t *)(m->gate + (size_t)(2 * bs + (i - bs)) * (size_t)H);
+        if (ur) *ur = *gr + (size_t)nb * (size_t)(H / 2);
+    } else {
+        *gr = (const uint32_t *)(m->gate + (size_t)i * (size_t)H);
+        if (ur) *ur = (const uint32_t *)(m->up + (size_t)i * (size_t)H);
+    }
+}
+DP_AI int64_t gu_group_end(const wgu *m, int64_t i) {
+    return m->G ? (i / CB_PANEL_ROWS + 1) * CB_PANEL_ROWS : INT64_MAX;
 }
 
 /* Tokens per tile and columns per pass of the prefill matmul: 64 x 2048 (XT_DWORDS). */
 #define MM_TT 64
 #define MM_KC 2048
-#define PF_LINES 4 /* lines of each of the next gate/up call's rows prefetched */
+#define PF_LINES 4 /* lines of each of the next gate/up call's rows prefetched (row-major) */
 
 /* The decode layout's kernels (below), which also take the tokens past the last whole vector
  * of a prefill: a vector of 16 token lanes costs one vdpbf16ps per row and pair however few of
  * its lanes are used, the decode layout 16 loads and a transpose per 16 rows and 32 columns
- * plus one vdpbf16ps per token, less for up to CB_DP_ROWS_T tokens. Same bits either way. */
-static void row_matmul(float *y, int64_t ldy, const float *x, const uint16_t *W, int64_t T, int64_t N, int64_t K);
-static void row_gateup(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R, int64_t H,
-                       int64_t I, int64_t i0, int64_t i1, int64_t B, int rnd);
+ * plus one vdpbf16ps per token, less for up to CB_DP_ROWS_T tokens. Same bits either way.
+ * Rows [n0, n1) of W into y + (n - n0); units [i0, i1) of h. */
+static void few_matmul(float *y, int64_t ldy, const float *x, const wmat *W, int64_t T, int64_t n0, int64_t n1);
+static void few_gateup(float *h, const float *x, const wgu *W, int64_t R, int64_t i0, int64_t i1, int rnd);
 
 /* Of T > CB_DP_ROWS_T tokens, how many the token lanes take: all, or all but a last partial
  * vector that the decode layout takes. */
 static int64_t tok_lanes(int64_t T) { return T % 16 <= CB_DP_ROWS_T ? T - T % 16 : T; }
 
-static void tok_matmul(float *y, int64_t ldy, const float *x, const uint16_t *W, int64_t T0, int64_t N, int64_t K) {
+static void tok_matmul(float *y, int64_t ldy, const float *x, const wmat *W, int64_t T0, int64_t n0, int64_t n1) {
     uint32_t XT[XT_DWORDS];
-    int64_t T = tok_lanes(T0);
-    if (T < T0) row_matmul(y + T * ldy, ldy, x + T * K, W, T0 - T, N, K);
+    int64_t T = tok_lanes(T0), K = W->K;
+    if (T < T0) few_matmul(y + T * ldy, ldy, x + T * K, W, T0 - T, n0, n1);
     for (int64_t t0 = 0; t0 < T; t0 += MM_TT) {
         int64_t nt = T - t0 < MM_TT ? T - t0 : MM_TT, NV = (nt + 15) / 16, RB = tok_rows(NV);
         for (int64_t k0 = 0; k0 < K; k0 += MM_KC) {
             int64_t kc = K - k0 < MM_KC ? K - k0 : MM_KC;
             xt_pack(XT, x + t0 * K, K, nt, k0, kc);
-            for (int64_t n0 = 0; n0 < N; n0 += RB) {
-                int64_t nr = N - n0 < RB ? N - n0 : RB;
+            for (int64_t n = n0, nr; n < n1; n += nr) {
+                int64_t e = wgroup_end(W, n) < n1 ? wgroup_end(W, n) : n1, S = 1;
+                nr = e - n < RB ? e - n : RB;
                 const uint32_t *w[16];
-                row_ptrs(w, RB, W, K, n0, nr, k0);
-                float *yt = y + t0 * ldy + n0;
+                for (int64_t r = 0; r < RB; r++) w[r] = wrow(W, n + (r < nr ? r : nr - 1), &S);
+                for (int64_t r = 0; r < RB; r++) w[r] += k0 / 2 * S;
+                float *yt = y + t0 * ldy + (n - n0);
                 int cont = k0 > 0;
-                if (NV == 4) tok_mm_6x4(yt, ldy, XT, w, kc / 2, nr, nt, cont);
-                else if (NV == 3) tok_mm_8x3(yt, ldy, XT, w, kc / 2, nr, nt, cont);
-                else if (NV == 2) tok_mm_8x2(yt, ldy, XT, w, kc / 2, nr, nt, cont);
-                else tok_mm_8x1(yt, ldy, XT, w, kc / 2, nr, nt, cont);
+                if (NV == 4) tok_mm_6x4(yt, ldy, XT, w, S, kc / 2, nr, nt, cont);
+                else if (NV == 3) tok_mm_8x3(yt, ldy, XT, w, S, kc / 2, nr, nt, cont);
+                else if (NV == 2) tok_mm_8x2(yt, ldy, XT, w, S, kc / 2, nr, nt, cont);
+                else tok_mm_8x1(yt, ldy, XT, w, S, kc / 2, nr, nt, cont);
             }
         }
     }
 }
 
-/* gate/up rows i of the split (B == 0: gate, up [I, H]) or packed (block b of B rows: nb gate
- * rows then the same nb up rows) layouts; ur may be NULL (the gate row only) */
-static void gu_rows(const uint16_t **gr, const uint16_t **ur, const uint16_t *gate, const uint16_t *up, int64_t H,
-                    int64_t I, int64_t B, int64_t i) {
-    if (B > 0) {
-        int64_t bs = i / B * B, nb = I - bs < B ? I - bs : B;
-        *gr = gate + (size_t)(2 * bs + (i - bs)) * (size_t)H;
-        if (ur) *ur = *gr + (size_t)nb * (size_t)H;
-    } else {
-        *gr = gate + (size_t)i * (size_t)H;
-        if (ur) *ur = up + (size_t)i * (size_t)H;
-    }
-}
-
-static void tok_gateup(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R0, int64_t H,
-                       int64_t I, int64_t i0, int64_t i1, int64_t B, int rnd) {
+static void tok_gateup(float *h, const float *x, const wgu *W, int64_t R0, int64_t i0, int64_t i1, int rnd) {
     uint32_t XT[XT_DWORDS];
-    int64_t R = tok_lanes(R0);
-    if (R < R0) row_gateup(h + R * I, x + R * H, gate, up, R0 - R, H, I, i0, i1, B, rnd);
+    int64_t R = tok_lanes(R0), H = W->H, I = W->I;
+    if (R < R0) few_gateup(h + R * I, x + R * H, W, R0 - R, i0, i1, rnd);
     int64_t TT = (int64_t)XT_DWORDS / (H / 2) / 16 * 16; /* whole rows in one pass */
     if (TT > 64) TT = 64;
     for (int64_t t0 = 0; t0 < R; t0 += TT) {
         int64_t nt = R - t0 < TT ? R - t0 : TT, NV = (nt + 15) / 16, RG = tok_rows(NV) / 2;
         xt_pack(XT, x + t0 * H, H, nt, 0, H);
-        for (int64_t c = i0; c < i1; c += RG) {
-            int64_t nr = i1 - c < RG ? i1 - c : RG;
+        for (int64_t c = i0, nr; c < i1; c += nr) {
+            int64_t e = gu_group_end(W, c) < i1 ? gu_group_end(W, c) : i1, S = 1;
+            nr = e - c < RG ? e - c : RG;
             const uint32_t *g[8], *u[8];
-            for (int64_t r = 0; r < RG; r++) {
-                const uint16_t *gp, *up_;
-                gu_rows(&gp, &up_, gate, up, H, I, B, c + (r < nr ? r : nr - 1));
-                g[r] = (const uint32_t *)gp;
-                u[r] = (const uint32_t *)up_;
-            }
-            if (c + RG < i1) /* the next call's rows: their first lines, the prefetchers then follow */
+            for (int64_t r = 0; r < RG; r++) gu_row(W, c + (r < nr ? r : nr - 1), &g[r], &u[r], &S);
+            if (!W->G && c + RG < i1) /* the next call's rows: their first lines, the prefetchers then follow */
                 for (int64_t r = 0; r < RG && c + RG + r < i1; r++) {
-                    const uint16_t *gp, *up_;
-                    gu_rows(&gp, &up_, gate, up, H, I, B, c + RG + r);
+                    const uint32_t *gp, *up_;
+                    int64_t S1;
+                    gu_row(W, c + RG + r, &gp, &up_, &S1);
                     for (int l = 0; l < PF_LINES; l++) {
                         _mm_prefetch((const char *)gp + 64 * l, _MM_HINT_T0);
                         _mm_prefetch((const char *)up_ + 64 * l, _MM_HINT_T0);
                     }
                 }
             float *ht = h + t0 * I + c;
-            if (NV == 4) tok_gu_3x4(ht, I, XT, g, u, H / 2, nr, nt, rnd);
-            else if (NV == 3) tok_gu_4x3(ht, I, XT, g, u, H / 2, nr, nt, rnd);
-            else if (NV == 2) tok_gu_4x2(ht, I, XT, g, u, H / 2, nr, nt, rnd);
-            else tok_gu_4x1(ht, I, XT, g, u, H / 2, nr, nt, rnd);
+            if (NV == 4) tok_gu_3x4(ht, I, XT, g, u, S, H / 2, nr, nt, rnd);
+            else if (NV == 3) tok_gu_4x3(ht, I, XT, g, u, S, H / 2, nr, nt, rnd);
+            else if (NV == 2) tok_gu_4x2(ht, I, XT, g, u, S, H / 2, nr, nt, rnd);
+            else tok_gu_4x1(ht, I, XT, g, u, S, H / 2, nr, nt, rnd);
         }
     }
 }
@@ -315,50 +345,156 @@ static void row_matmul(float *y, int64_t ldy, const float *x, const uint16_t *W,
     }
 }
 
-static void row_gateup(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R, int64_t H,
-                       int64_t I, int64_t i0, int64_t i1, int64_t B, int rnd) {
+static void row_gateup(float *h, const float *x, const wgu *W, int64_t R, int64_t i0, int64_t i1, int rnd) {
+    int64_t H = W->H, I = W->I;
     uint32_t xp[CB_DP_ROWS_T * DKMAX / 2];
     pairs_of(xp, x, H, R, H);
     for (int64_t c = i0; c < i1; c += 16) {
-        int64_t nr = i1 - c < 16 ? i1 - c : 16;
-        const uint16_t *gp[16], *up_[16], *gn; /* gn: the next gate panel */
-        for (int l = 0; l < 16; l++) gu_rows(&gp[l], &up_[l], gate, up, H, I, B, c + (l < nr ? l : nr - 1));
-        gu_rows(&gn, NULL, gate, up, H, I, B, c + 16 < i1 ? c + 16 : c);
+        int64_t nr = i1 - c < 16 ? i1 - c : 16, S;
+        const uint16_t *gp[16], *up_[16];
+        const uint32_t *g32, *u32, *gn; /* gn: the next gate panel */
+        for (int l = 0; l < 16; l++) {
+            gu_row(W, c + (l < nr ? l : nr - 1), &g32, &u32, &S);
+            gp[l] = (const uint16_t *)g32, up_[l] = (const uint16_t *)u32;
+        }
+        gu_row(W, c + 16 < i1 ? c + 16 : c, &gn, NULL, &S);
         vf g[CB_DP_ROWS_T], u[CB_DP_ROWS_T];
         switch (R) {
 #define GU_CASE(n) \
-    case n: row_chain(g, gp, xp, H, n, up_[0]), row_chain(u, up_, xp, H, n, gn); break;
+    case n: row_chain(g, gp, xp, H, n, up_[0]), row_chain(u, up_, xp, H, n, (const uint16_t *)gn); break;
         GU_CASE(1) GU_CASE(2) GU_CASE(3) GU_CASE(4) GU_CASE(5) GU_CASE(6) GU_CASE(7)
-        default: row_chain(g, gp, xp, H, 8, up_[0]), row_chain(u, up_, xp, H, 8, gn); break;
+        default: row_chain(g, gp, xp, H, 8, up_[0]), row_chain(u, up_, xp, H, 8, (const uint16_t *)gn); break;
 #undef GU_CASE
         }
         for (int64_t t = 0; t < R; t++) _mm512_mask_storeu_ps(h + t * I + c, lanes(nr), silu_mul_out(g[t], u[t], rnd));
     }
 }
 
-/* ---- the four entries -------------------------------------------------------------------- */
+/* ---- decode on the panel layout: lanes = rows, no transpose ----------------------------- */
+
+/* NV vectors of 16 rows (dword pointers vp[v] at pair 0, S dwords per pair) by NT tokens:
+ * acc[v * NT + t], each lane one chain over the pairs from 0 (row_chain's chains: same bits). */
+DP_AI void pan_chain(vf *acc, const uint32_t *const *vp, int64_t S, const uint32_t *xp, int64_t np, const int NV,
+                     const int NT) {
+    for (int i = 0; i < NV * NT; i++) acc[i] = vzero();
+    for (int64_t q = 0; q < np; q++) {
+        vi xb[CB_DP_ROWS_T];
+        for (int t = 0; t < NT; t++) xb[t] = _mm512_set1_epi32((int)xp[t * np + q]);
+        for (int v = 0; v < NV; v++) {
+            vi w = _mm512_loadu_si512(vp[v] + q * S);
+            for (int t = 0; t < NT; t++) acc[v * NT + t] = dp(acc[v * NT + t], w, xb[t]);
+        }
+    }
+}
+
+/* Rows [n0, n1) (multiples of 16) of a panel matrix, up to 4 vectors of one group per pass
+ * (at most 24 accumulators). */
+static void pan_matmul(float *y, int64_t ldy, const float *x, const wmat *W, int64_t T, int64_t n0, int64_t n1) {
+    int64_t K = W->K, np = K / 2;
+    uint32_t xp[CB_DP_ROWS_T * DKMAX / 2];
+    pairs_of(xp, x, K, T, K);
+    const int64_t per = T <= 6 ? 4 : 3;
+    for (int64_t n = n0, nv; n < n1; n += 16 * nv) {
+        int64_t e = wgroup_end(W, n) < n1 ? wgroup_end(W, n) : n1, S = 0;
+        nv = (e - n) / 16 < per ? (e - n) / 16 : per;
+        const uint32_t *vp[4];
+        for (int64_t v = 0; v < 4; v++) vp[v] = wrow(W, n + 16 * (v < nv ? v : nv - 1), &S);
+        vf acc[24];
+        switch (T) {
+        case 1: pan_chain(acc, vp, S, xp, np, 4, 1); break;
+        case 2: pan_chain(acc, vp, S, xp, np, 4, 2); break;
+        case 3: pan_chain(acc, vp, S, xp, np, 4, 3); break;
+        case 4: pan_chain(acc, vp, S, xp, np, 4, 4); break;
+        case 5: pan_chain(acc, vp, S, xp, np, 4, 5); break;
+        case 6: pan_chain(acc, vp, S, xp, np, 4, 6); break;
+        case 7: pan_chain(acc, vp, S, xp, np, 3, 7); break;
+        default: pan_chain(acc, vp, S, xp, np, 3, 8); break;
+        }
+        for (int64_t v = 0; v < nv; v++)
+            for (int64_t t = 0; t < T; t++) _mm512_storeu_ps(y + t * ldy + (n - n0) + 16 * v, acc[v * T + t]);
+    }
+}
+
+/* Units [i0, i1) (multiples of 16) of a packed expert's panel copy: KG vectors of units (their
+ * gate and up vectors, 2 KG chains per token) of one group per pass, KG * 2 * T <= 24. */
+static void pan_gateup(float *h, const float *x, const wgu *W, int64_t R, int64_t i0, int64_t i1, int rnd) {
+    int64_t H = W->H, I = W->I, np = H / 2;
+    uint32_t xp[CB_DP_ROWS_T * DKMAX / 2];
+    pairs_of(xp, x, H, R, H);
+    const int64_t per = R <= 3 ? 4 : R == 4 ? 3 : R <= 6 ? 2 : 1;
+    for (int64_t i = i0, nv; i < i1; i += 16 * nv) {
+        int64_t e = gu_group_end(W, i) < i1 ? gu_group_end(W, i) : i1, S = 0;
+        nv = (e - i) / 16 < per ? (e - i) / 16 : per;
+        const uint32_t *vp[8];
+        for (int64_t v = 0; v < per; v++) gu_row(W, i + 16 * (v < nv ? v : nv - 1), &vp[v], &vp[per + v], &S);
+        vf acc[24];
+        switch (R) {
+        case 1: pan_chain(acc, vp, S, xp, np, 8, 1); break;
+        case 2: pan_chain(acc, vp, S, xp, np, 8, 2); break;
+        case 3: pan_chain(acc, vp, S, xp, np, 8, 3); break;
+        case 4: pan_chain(acc, vp, S, xp, np, 6, 4); break;
+        case 5: pan_chain(acc, vp, S, xp, np, 4, 5); break;
+        case 6: pan_chain(acc, vp, S, xp, np, 4, 6); break;
+        case 7: pan_chain(acc, vp, S, xp, np, 2, 7); break;
+        default: pan_chain(acc, vp, S, xp, np, 2, 8); break;
+        }
+        for (int64_t v = 0; v < nv; v++)
+            for (int64_t t = 0; t < R; t++)
+                _mm512_storeu_ps(h + t * I + i + 16 * v, silu_mul_out(acc[v * R + t], acc[(per + v) * R + t], rnd));
+    }
+}
+
+static void few_matmul(float *y, int64_t ldy, const float *x, const wmat *W, int64_t T, int64_t n0, int64_t n1) {
+    if (W->G) pan_matmul(y, ldy, x, W, T, n0, n1);
+    else row_matmul(y, ldy, x, W->w + (size_t)n0 * (size_t)W->K, T, n1 - n0, W->K);
+}
+
+static void few_gateup(float *h, const float *x, const wgu *W, int64_t R, int64_t i0, int64_t i1, int rnd) {
+    if (W->G) pan_gateup(h, x, W, R, i0, i1, rnd);
+    else row_gateup(h, x, W, R, i0, i1, rnd);
+}
+
+/* ---- the entries -------------------------------------------------------------------------- */
+
+static void matmul_any(float *y, int64_t ldy, const float *x, const wmat *W, int64_t T, int64_t n0, int64_t n1) {
+    if (T <= CB_DP_ROWS_T) few_matmul(y, ldy, x, W, T, n0, n1);
+    else tok_matmul(y, ldy, x, W, T, n0, n1);
+}
 
 /* y[t * ldy + n] = x[t] . W[n] (BF16 W [N, K]) */
 void cb_bf16dp_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int64_t T, int64_t N, int64_t K) {
-    if (T <= CB_DP_ROWS_T) row_matmul(y, ldy, x, (const uint16_t *)w, T, N, K);
-    else tok_matmul(y, ldy, x, (const uint16_t *)w, T, N, K);
+    wmat W = {(const uint16_t *)w, K, N, 0};
+    matmul_any(y, ldy, x, &W, T, 0, N);
+}
+
+void cb_bf16dp_matmul_panels(float *y, int64_t ldy, const float *x, const void *P, int64_t T, int64_t N, int64_t K,
+                             int64_t n0, int64_t n1) {
+    wmat W = {(const uint16_t *)P, K, N, CB_PANEL_ROWS};
+    matmul_any(y, ldy, x, &W, T, n0, n1);
 }
 
 /* rnd: h rounded to bf16 (the packed expert's, fast.h) */
-static void gateup_any(float *h, const float *x, const uint16_t *gate, const uint16_t *up, int64_t R, int64_t H,
-                       int64_t I, int64_t i0, int64_t i1, int64_t B, int rnd) {
-    if (R <= CB_DP_ROWS_T) row_gateup(h, x, gate, up, R, H, I, i0, i1, B, rnd);
-    else tok_gateup(h, x, gate, up, R, H, I, i0, i1, B, rnd);
+static void gateup_any(float *h, const float *x, const wgu *W, int64_t R, int64_t i0, int64_t i1, int rnd) {
+    if (R <= CB_DP_ROWS_T) few_gateup(h, x, W, R, i0, i1, rnd);
+    else tok_gateup(h, x, W, R, i0, i1, rnd);
 }
 
 void cb_bf16dp_gateup_split(float *h, const float *x, const void *gate, const void *up, int64_t R, int64_t H,
                             int64_t I, int64_t i0, int64_t i1) {
-    gateup_any(h, x, (const uint16_t *)gate, (const uint16_t *)up, R, H, I, i0, i1, 0, 0);
+    wgu W = {(const uint16_t *)gate, (const uint16_t *)up, H, I, 0, 0};
+    gateup_any(h, x, &W, R, i0, i1, 0);
 }
 
 void cb_bf16dp_gateup_packed(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I, int64_t B,
                              int64_t i0, int64_t i1) {
-    gateup_any(h, x, (const uint16_t *)expert, NULL, R, H, I, i0, i1, B, 1);
+    wgu W = {(const uint16_t *)expert, NULL, H, I, B, 0};
+    gateup_any(h, x, &W, R, i0, i1, 1);
+}
+
+void cb_bf16dp_gateup_panels(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I,
+                             int64_t i0, int64_t i1) {
+    wgu W = {(const uint16_t *)expert, NULL, H, I, 0, 2 * CB_PANEL_ROWS};
+    gateup_any(h, x, &W, R, i0, i1, 1);
 }
 
 /* ---- the packed experts' down projection: lanes = columns -------------------------------- */
@@ -575,5 +711,13 @@ void cb_bf16dp_down_packed(float *y, const float *h, const void *expert, int64_t
 void cb_bf16dp_down_part(float *part, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
                          int64_t blk) {
     (void)part, (void)h, (void)expert, (void)R, (void)H, (void)I, (void)blk;
+}
+void cb_bf16dp_matmul_panels(float *y, int64_t ldy, const float *x, const void *P, int64_t T, int64_t N, int64_t K,
+                             int64_t n0, int64_t n1) {
+    (void)y, (void)ldy, (void)x, (void)P, (void)T, (void)N, (void)K, (void)n0, (void)n1;
+}
+void cb_bf16dp_gateup_panels(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I,
+                             int64_t i0, int64_t i1) {
+    (void)h, (void)x, (void)expert, (void)R, (void)H, (void)I, (void)i0, (void)i1;
 }
 #endif

@@ -1,0 +1,145 @@
+/*
+ * panels.c — fast mode's panel copies of the BF16 weights (cpu/fast.h, "The panel layout").
+ *
+ * A fast table whose BF16 kernels read the panel layout (matmul_panels) gets, at load, a copy
+ * of every BF16 matrix and packed expert it runs in that layout: the attention projections
+ * (not MLA's), the LM head and the packed FFNs (routed experts, dense MLPs, shared experts).
+ * Decode then loads 16 rows' pair of columns as one vector and streams each matrix once,
+ * where the row-major kernels transpose 16 x 16 in registers per 16 rows and 32 columns (the
+ * limit of a Zen 4 core's decode, about 38 GB/s from L2; docs/kernels.md). Same bits as the
+ * row-major kernels (test_kernels), so fast mode's results do not depend on whether the copy
+ * was made.
+ *
+ * The copy is one anonymous mapping (2 MiB-aligned, transparent huge pages asked for), made by
+ * the thread pool; the mapping's pages of what was copied are then dropped (MADV_DONTNEED:
+ * they stay in the page cache, reclaimable, and fault back in if read). Like populate it reads
+ * the whole file at load, so colibri.c makes it only when the weights are populated, and
+ * never with an expert cache (a model larger than memory) or off the CPU. Everything here is
+ * advisory: where the memory is refused, the engine runs the row-major kernels.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "core/context.h"
+#include "core/threadpool.h"
+#include "cpu/fast.h"
+#include "model/family.h"
+
+typedef struct pan_job {
+    const void *src;
+    uint8_t *dst;
+    int64_t N, K;  /* a matrix [N, K]; N == 0: one packed expert of hidden K, intermediate I */
+    int64_t I, B;
+} pan_job;
+
+typedef struct pan_plan {
+    colibri_ctx *ctx;
+    pan_job *jobs;   /* NULL: count only */
+    int64_t n_jobs;
+    uint64_t bytes;
+} pan_plan;
+
+#define PAN_ALIGN 4096u
+
+/* Reserve a matrix's copy: its bytes (and, when the plan has a destination, its job). */
+static void plan_mat(pan_plan *p, cb_mat *m, int64_t N, int64_t K, uint8_t *base) {
+    if (!m->w || m->dt != COLIBRI_DTYPE_BF16 || !cb_fast_takes(p->ctx->fast, m->dt, K) || !cb_panel_takes(N, K))
+        return;
+    uint64_t n = (uint64_t)N * (uint64_t)K * 2u;
+    if (base) {
+        p->jobs[p->n_jobs] = (pan_job){m->w, base + p->bytes, N, K, 0, 0};
+        m->pan = base + p->bytes;
+    }
+    p->n_jobs++;
+    p->bytes += (n + PAN_ALIGN - 1) / PAN_ALIGN * PAN_ALIGN;
+}
+
+/* A packed BF16 FFN of E experts: one job per expert, the copy's experts at the same stride. */
+static void plan_ffn(pan_plan *p, cb_ffn *f, int64_t E, uint8_t *base) {
+    int64_t H = p->ctx->cfg.hidden, I = f->inter;
+    if (!f->packed || !cb_fast_takes_packed(p->ctx->fast, f->dt, H, I) || f->stride != (uint64_t)(3 * I * H * 2))
+        return;
+    if (base) {
+        for (int64_t e = 0; e < E; e++)
+            p->jobs[p->n_jobs + e] = (pan_job){(const uint8_t *)f->packed + (size_t)e * f->stride,
+                                               base + p->bytes + (size_t)e * f->stride, 0, H, I,
+                                               p->ctx->cfg.block_size};
+        f->pan = base + p->bytes;
+    }
+    p->n_jobs += E;
+    p->bytes += ((uint64_t)E * f->stride + PAN_ALIGN - 1) / PAN_ALIGN * PAN_ALIGN;
+}
+
+/* Every copy, in one order for the count (base NULL) and the assignment. */
+static void plan_all(pan_plan *p, uint8_t *base) {
+    colibri_ctx *ctx = p->ctx;
+    const cb_config *c = &ctx->cfg;
+    int64_t H = c->hidden, Nq = (int64_t)c->n_heads * c->head_dim, Nkv = (int64_t)c->n_kv_heads * c->head_dim;
+    for (uint32_t l = 0; l < c->n_layers; l++) {
+        cb_layer *L = &ctx->w.layers[l];
+        if (c->attention != CB_ATTN_MLA) {
+            plan_mat(p, &L->wq, Nq, H, base);
+            plan_mat(p, &L->wk, Nkv, H, base);
+            plan_mat(p, &L->wv, Nkv, H, base);
+            plan_mat(p, &L->wo, H, Nq, base);
+        }
+        if (L->moe) plan_ffn(p, &L->experts, c->n_experts, base);
+        else plan_ffn(p, &L->dense, 1, base);
+        if (L->has_shared) plan_ffn(p, &L->shared, 1, base);
+    }
+    plan_mat(p, &ctx->w.lm_head, c->vocab, H, base);
+}
+
+uint64_t cb_panels_bytes(colibri_ctx *ctx) {
+    if (!ctx->fast || !ctx->fast->matmul_panels || ctx->ecache) return 0;
+    pan_plan p = {ctx, NULL, 0, 0};
+    plan_all(&p, NULL);
+    return p.bytes;
+}
+
+static void pack_chunk(void *arg, int64_t c, int tid) {
+    (void)tid;
+    const pan_job *j = &((const pan_job *)arg)[c];
+    if (j->N) cb_panel_pack_matrix(j->dst, j->src, j->N, j->K);
+    else cb_panel_pack_expert(j->dst, j->src, j->K, j->I, j->B);
+}
+
+/* The mapping's whole pages inside [p, p + n): no longer read (the copy is). */
+static void drop_pages(const void *p, uint64_t n) {
+    long pg = sysconf(_SC_PAGESIZE);
+    uintptr_t page = pg > 0 ? (uintptr_t)pg : 4096u;
+    uintptr_t a = ((uintptr_t)p + page - 1) & ~(page - 1), e = ((uintptr_t)p + n) & ~(page - 1);
+    if (e > a) (void)madvise((void *)a, e - a, MADV_DONTNEED);
+}
+
+void cb_panels_make(colibri_ctx *ctx, uint64_t bytes) {
+    const size_t huge = (size_t)2 << 20;
+    size_t size = (size_t)bytes + huge;
+    uint8_t *r = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (r == MAP_FAILED) return;
+    uint8_t *base = (uint8_t *)(((uintptr_t)r + huge - 1) & ~(uintptr_t)(huge - 1));
+#ifdef MADV_HUGEPAGE
+    (void)madvise(base, (size_t)bytes, MADV_HUGEPAGE);
+#endif
+    pan_plan count = {ctx, NULL, 0, 0};
+    plan_all(&count, NULL);
+    pan_job *jobs = malloc((size_t)count.n_jobs * sizeof *jobs);
+    if (!jobs) {
+        munmap(r, size);
+        return;
+    }
+    pan_plan p = {ctx, jobs, 0, 0};
+    plan_all(&p, base); /* sets the pointers: the copies are made before any forward runs */
+    cb_pool_run(ctx->pool, pack_chunk, jobs, p.n_jobs);
+    for (int64_t i = 0; i < p.n_jobs; i++) {
+        const pan_job *j = &jobs[i];
+        if (j->src == ctx->w.tok_embd.w) continue; /* a tied LM head: the embedding lookups read it */
+        drop_pages(j->src, j->N ? (uint64_t)j->N * (uint64_t)j->K * 2u : (uint64_t)3 * (uint64_t)j->I * (uint64_t)j->K * 2u);
+    }
+    free(jobs);
+    (void)mprotect(base, (size_t)bytes, PROT_READ);
+    ctx->panels = r;
+    ctx->panels_size = size;
+}
