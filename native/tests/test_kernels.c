@@ -1358,7 +1358,7 @@ static void test_fast_panels(const cb_fast_kernels *F) {
         if (memcmp(pp + 2 * I * H, pb + 2 * I * H, (size_t)(I * H) * 2) != 0)
             FAIL("cb_panel_pack_expert H%lld I%lld: w2^T not copied as it is", (long long)H, (long long)I);
         for (int64_t i = 0; i < I; i++) { /* unit i's gate and up rows, by the definition */
-            int64_t u0 = i / CB_PANEL_ROWS * CB_PANEL_ROWS, nu = I - u0 < CB_PANEL_ROWS ? I - u0 : CB_PANEL_ROWS;
+            int64_t u0 = i / CB_PANEL_UNITS * CB_PANEL_UNITS, nu = I - u0 < CB_PANEL_UNITS ? I - u0 : CB_PANEL_UNITS;
             int64_t nv = 2 * nu / 16;
             const uint32_t *g = (const uint32_t *)pp + (size_t)u0 * (size_t)H;
             for (int s = 0; s < 2; s++) {

@@ -420,7 +420,7 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
     for (int j = 0; j < n_jobs; j++) {
         ffn_job *b = &jobs[j];
         int64_t nblk = (b->I + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK;
-        b->len0 = chunk_len(ctx, b->I, b->f->pan ? CB_PANEL_ROWS : 8, 64);
+        b->len0 = chunk_len(ctx, b->I, b->f->pan ? CB_PANEL_UNITS : 8, 64);
         b->nch0 = (b->I + b->len0 - 1) / b->len0;
         b->part = NULL;
         if (b->f->packed && b->R <= CB_SPLIT_MAX_ROWS && nblk * b->R <= part_left &&

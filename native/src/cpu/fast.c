@@ -49,7 +49,7 @@ void cb_panel_pack(uint32_t *dst, const uint16_t *const *rows, int64_t N, int64_
 }
 
 void cb_panel_pack_matrix(void *dst, const void *src, int64_t N, int64_t K) {
-    const uint16_t *rows[2 * CB_PANEL_ROWS];
+    const uint16_t *rows[CB_PANEL_ROWS];
     for (int64_t g0 = 0; g0 < N; g0 += CB_PANEL_ROWS) {
         int64_t n = N - g0 < CB_PANEL_ROWS ? N - g0 : CB_PANEL_ROWS;
         for (int64_t r = 0; r < n; r++) rows[r] = (const uint16_t *)src + (size_t)(g0 + r) * (size_t)K;
@@ -58,15 +58,15 @@ void cb_panel_pack_matrix(void *dst, const void *src, int64_t N, int64_t K) {
 }
 
 void cb_panel_pack_expert(void *dst, const void *src, int64_t H, int64_t I, int64_t B) {
-    const uint16_t *rows[2 * CB_PANEL_ROWS], *w = (const uint16_t *)src;
-    for (int64_t u0 = 0; u0 < I; u0 += CB_PANEL_ROWS) {
-        int64_t nu = I - u0 < CB_PANEL_ROWS ? I - u0 : CB_PANEL_ROWS;
+    const uint16_t *rows[2 * CB_PANEL_UNITS], *w = (const uint16_t *)src;
+    for (int64_t u0 = 0; u0 < I; u0 += CB_PANEL_UNITS) {
+        int64_t nu = I - u0 < CB_PANEL_UNITS ? I - u0 : CB_PANEL_UNITS;
         for (int64_t k = 0; k < nu; k++) { /* unit i's gate row in the file: block i / B, nb rows of gate then up */
             int64_t i = u0 + k, bs = i / B * B, nb = I - bs < B ? I - bs : B;
             rows[k] = w + (size_t)(2 * bs + (i - bs)) * (size_t)H;
             rows[nu + k] = rows[k] + (size_t)nb * (size_t)H;
         }
-        cb_panel_pack((uint32_t *)dst + (size_t)u0 * (size_t)H, rows, 2 * nu, H, 2 * CB_PANEL_ROWS);
+        cb_panel_pack((uint32_t *)dst + (size_t)u0 * (size_t)H, rows, 2 * nu, H, 2 * CB_PANEL_UNITS);
     }
     memcpy((uint16_t *)dst + (size_t)2 * (size_t)I * (size_t)H, w + (size_t)2 * (size_t)I * (size_t)H,
            (size_t)I * (size_t)H * sizeof(uint16_t)); /* w2^T as it is */

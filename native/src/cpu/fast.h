@@ -109,9 +109,12 @@ static inline int cb_fast_bf16_k_ok(int64_t K) { return K % 32 == 0 && K <= CB_F
  * step then loads 16 rows' pair q as one vector (no transpose), and a group's pairs are one
  * stream. Matrices take G = CB_PANEL_ROWS; a packed expert's panel copy (cb_panel_pack_expert)
  * has the same bytes as the expert: its 2I gate/up rows as the panel matrix, G = 2 *
- * CB_PANEL_ROWS, of the row sequence whose group g holds the gate rows of units
- * [g * CB_PANEL_ROWS, ..) then the up rows of the same units; then w2^T as in the file. */
+ * CB_PANEL_UNITS, of the row sequence whose group g holds the gate rows of units
+ * [g * CB_PANEL_UNITS, ..) then the up rows of the same units; then w2^T as in the file. */
 #define CB_PANEL_ROWS 64
+#ifndef CB_PANEL_UNITS
+#define CB_PANEL_UNITS 32
+#endif
 static inline int cb_panel_takes(int64_t N, int64_t K) { return N > 0 && N % 16 == 0 && cb_fast_bf16_k_ok(K); }
 /* dst [N, K] (N * K / 2 dwords) = the panel layout of rows[n] (n < N, each K bf16) */
 void cb_panel_pack(uint32_t *dst, const uint16_t *const *rows, int64_t N, int64_t K, int64_t G);

@@ -187,8 +187,7 @@ DP_AI const uint32_t *wrow(const wmat *m, int64_t n, int64_t *S) {
 DP_AI int64_t wgroup_end(const wmat *m, int64_t n) { return m->G ? (n / m->G + 1) * m->G : INT64_MAX; }
 
 /* A SwiGLU FFN's gate/up rows: split (B = 0, G = 0: gate and up [I, H]), packed (B > 0: the
- * expert, blocks of B rows) or the expert's panel copy (G = 2 CB_PANEL_ROWS, gate NULL... up
- * unused). */
+ * expert, blocks of B rows) or the expert's panel copy (G = 2 CB_PANEL_UNITS; up unused). */
 typedef struct wgu {
     const uint16_t *gate, *up;
     int64_t H, I, B, G;
@@ -198,7 +197,7 @@ typedef struct wgu {
 DP_AI void gu_row(const wgu *m, int64_t i, const uint32_t **gr, const uint32_t **ur, int64_t *S) {
     int64_t H = m->H, I = m->I;
     if (m->G) {
-        int64_t u0 = i / CB_PANEL_ROWS * CB_PANEL_ROWS, nu = I - u0 < CB_PANEL_ROWS ? I - u0 : CB_PANEL_ROWS;
+        int64_t u0 = i / CB_PANEL_UNITS * CB_PANEL_UNITS, nu = I - u0 < CB_PANEL_UNITS ? I - u0 : CB_PANEL_UNITS;
         wmat p = {m->gate, H, 2 * I, m->G};
         *gr = wrow(&p, 2 * u0 + (i - u0), S);
         if (ur) *ur = *gr + nu; /* the up vectors follow the gate ones in each pair's run */
@@ -215,7 +214,7 @@ DP_AI void gu_row(const wgu *m, int64_t i, const uint32_t **gr, const uint32_t *
     }
 }
 DP_AI int64_t gu_group_end(const wgu *m, int64_t i) {
-    return m->G ? (i / CB_PANEL_ROWS + 1) * CB_PANEL_ROWS : INT64_MAX;
+    return m->G ? (i / CB_PANEL_UNITS + 1) * CB_PANEL_UNITS : INT64_MAX;
 }
 
 /* Tokens per tile and columns per pass of the prefill matmul: 64 x 2048 (XT_DWORDS). */
@@ -415,13 +414,16 @@ static void pan_matmul(float *y, int64_t ldy, const float *x, const wmat *W, int
     }
 }
 
-/* Units [i0, i1) (multiples of 16) of a packed expert's panel copy: KG vectors of units (their
- * gate and up vectors, 2 KG chains per token) of one group per pass, KG * 2 * T <= 24. */
+/* Units [i0, i1) (multiples of 16) of a packed expert's panel copy: GU_PER(R) vectors of
+ * units (their gate and up vectors, 2 GU_PER chains per token) of one group per pass, at most
+ * 24 accumulators. */
+#define GU_PER0(R) ((R) <= 3 ? 4 : (R) == 4 ? 3 : (R) <= 6 ? 2 : 1)
+#define GU_PER(R) (GU_PER0(R) < CB_PANEL_UNITS / 16 ? GU_PER0(R) : CB_PANEL_UNITS / 16)
 static void pan_gateup(float *h, const float *x, const wgu *W, int64_t R, int64_t i0, int64_t i1, int rnd) {
     int64_t H = W->H, I = W->I, np = H / 2;
     uint32_t xp[CB_DP_ROWS_T * DKMAX / 2];
     pairs_of(xp, x, H, R, H);
-    const int64_t per = R <= 3 ? 4 : R == 4 ? 3 : R <= 6 ? 2 : 1;
+    const int64_t per = GU_PER(R);
     for (int64_t i = i0, nv; i < i1; i += 16 * nv) {
         int64_t e = gu_group_end(W, i) < i1 ? gu_group_end(W, i) : i1, S = 0;
         nv = (e - i) / 16 < per ? (e - i) / 16 : per;
@@ -429,14 +431,14 @@ static void pan_gateup(float *h, const float *x, const wgu *W, int64_t R, int64_
         for (int64_t v = 0; v < per; v++) gu_row(W, i + 16 * (v < nv ? v : nv - 1), &vp[v], &vp[per + v], &S);
         vf acc[24];
         switch (R) {
-        case 1: pan_chain(acc, vp, S, xp, np, 8, 1); break;
-        case 2: pan_chain(acc, vp, S, xp, np, 8, 2); break;
-        case 3: pan_chain(acc, vp, S, xp, np, 8, 3); break;
-        case 4: pan_chain(acc, vp, S, xp, np, 6, 4); break;
-        case 5: pan_chain(acc, vp, S, xp, np, 4, 5); break;
-        case 6: pan_chain(acc, vp, S, xp, np, 4, 6); break;
-        case 7: pan_chain(acc, vp, S, xp, np, 2, 7); break;
-        default: pan_chain(acc, vp, S, xp, np, 2, 8); break;
+        case 1: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(1), 1); break;
+        case 2: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(2), 2); break;
+        case 3: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(3), 3); break;
+        case 4: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(4), 4); break;
+        case 5: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(5), 5); break;
+        case 6: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(6), 6); break;
+        case 7: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(7), 7); break;
+        default: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(8), 8); break;
         }
         for (int64_t v = 0; v < nv; v++)
             for (int64_t t = 0; t < R; t++)
@@ -493,7 +495,7 @@ void cb_bf16dp_gateup_packed(float *h, const float *x, const void *expert, int64
 
 void cb_bf16dp_gateup_panels(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I,
                              int64_t i0, int64_t i1) {
-    wgu W = {(const uint16_t *)expert, NULL, H, I, 0, 2 * CB_PANEL_ROWS};
+    wgu W = {(const uint16_t *)expert, NULL, H, I, 0, 2 * CB_PANEL_UNITS};
     gateup_any(h, x, &W, R, i0, i1, 1);
 }
 
