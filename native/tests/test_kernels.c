@@ -1345,7 +1345,7 @@ static void test_fast_panels(const cb_fast_kernels *F) {
             free_w(&w);
         }
     /* packed experts: I with a short last group (96, 160, 224), block sizes 16 and 32 */
-    struct { int64_t H, I, B; } cs[] = {{32, 96, 32}, {96, 160, 16}, {1024, 224, 32}, {64, 64, 32}};
+    struct { int64_t H, I, B; } cs[] = {{32, 96, 32}, {96, 160, 16}, {1024, 224, 32}, {64, 64, 32}, {160, 288, 32}};
     for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
         int64_t H = cs[ci].H, I = cs[ci].I, B = cs[ci].B;
         wbuf w1 = make_w(BF, I * H, 0.3), w3 = make_w(BF, I * H, 0.3), w2 = make_w(BF, H * I, 0.3);
@@ -1354,9 +1354,18 @@ static void test_fast_panels(const cb_fast_kernels *F) {
         uint16_t *pb = malloc((size_t)(3 * I * H) * 2), *pp = malloc((size_t)(3 * I * H) * 2);
         for (int64_t i = 0; i < 3 * I * H; i++) pb[i] = cb_f32_to_bf16(pk[i]);
         cb_panel_pack_expert(pp, pb, H, I, B);
+        for (int64_t i = 0; i < I; i += 2) /* w2^T's pairs of rows, by the definition */
+            for (int64_t c = 0; c < H; c++) {
+                int64_t i0 = i / CB_DOWN_BLOCK * CB_DOWN_BLOCK, ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK;
+                int64_t c0 = c / CB_PANEL_DOWN_COLS * CB_PANEL_DOWN_COLS;
+                int64_t nc = H - c0 < CB_PANEL_DOWN_COLS ? H - c0 : CB_PANEL_DOWN_COLS;
+                const uint32_t *d = (const uint32_t *)(pp + 2 * I * H) + i0 / 2 * H + ic / 2 * c0;
+                const uint16_t *a = pb + (2 * I + i) * H + c;
+                if (d[(i - i0) / 2 * nc + (c - c0)] != ((uint32_t)a[0] | (uint32_t)a[H] << 16))
+                    FAIL("cb_panel_pack_expert H%lld I%lld: w2^T pair (%lld, %lld) misplaced", (long long)H, (long long)I,
+                         (long long)i, (long long)c);
+            }
         n_check++;
-        if (memcmp(pp + 2 * I * H, pb + 2 * I * H, (size_t)(I * H) * 2) != 0)
-            FAIL("cb_panel_pack_expert H%lld I%lld: w2^T not copied as it is", (long long)H, (long long)I);
         for (int64_t i = 0; i < I; i++) { /* unit i's gate and up rows, by the definition */
             int64_t u0 = i / CB_PANEL_UNITS * CB_PANEL_UNITS, nu = I - u0 < CB_PANEL_UNITS ? I - u0 : CB_PANEL_UNITS;
             int64_t nv = 2 * nu / 16;
@@ -1385,6 +1394,30 @@ static void test_fast_panels(const cb_fast_kernels *F) {
             if (memcmp(h, hp, (size_t)(R * I) * 4) != 0)
                 FAIL("[fast %s] gateup_panels R%lld H%lld I%lld B%lld [%lld, %lld): differs from gateup_packed", F->name,
                      (long long)R, (long long)H, (long long)I, (long long)B, (long long)i0, (long long)i1);
+            /* the down projection: whole and from the first slab on; by blocks for few tokens */
+            for (int64_t k = 0; k < R * I; k++) h[k] = (float)(urand() * 0.5);
+            cb_round_bf16(h, R * I);
+            float *y = malloc((size_t)(R * H) * 4), *yp = malloc((size_t)(R * H) * 4);
+            for (int64_t c0 = 0; c0 < H; c0 += CB_PANEL_DOWN_COLS) {
+                for (int64_t k = 0; k < R * H; k++) y[k] = yp[k] = SENTINEL;
+                F->down_packed(y, h, pb, R, H, I, c0, H);
+                F->down_panels(yp, h, pp, R, H, I, c0, H);
+                n_check++;
+                if (memcmp(y, yp, (size_t)(R * H) * 4) != 0)
+                    FAIL("[fast %s] down_panels R%lld H%lld I%lld from column %lld: differs from down_packed", F->name,
+                         (long long)R, (long long)H, (long long)I, (long long)c0);
+            }
+            if (R <= CB_FAST_PART_MAX_ROWS && F->down_part)
+                for (int64_t blk = 0; blk * CB_DOWN_BLOCK < I; blk++) {
+                    F->down_part(y, h, pb, R, H, I, blk);
+                    F->down_part_panels(yp, h, pp, R, H, I, blk);
+                    n_check++;
+                    if (memcmp(y, yp, (size_t)(R * H) * 4) != 0)
+                        FAIL("[fast %s] down_part_panels R%lld H%lld I%lld block %lld: differs from down_part", F->name,
+                             (long long)R, (long long)H, (long long)I, (long long)blk);
+                }
+            free(y);
+            free(yp);
             free(x);
             free(h);
             free(hp);

@@ -383,7 +383,13 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
             }
             return;
         }
-        const void *ew = (const uint8_t *)(w->pan ? w->pan : w->packed) + (size_t)b->e * w->stride;
+        if (w->pan) { /* the panel copy (model/panels.c) */
+            const void *ep = (const uint8_t *)w->pan + (size_t)b->e * w->stride;
+            if (b->part) f->fast->down_part_panels(b->part + c * b->R * f->H, b->h, ep, b->R, f->H, b->I, c);
+            else f->fast->down_panels(b->y, b->h, ep, b->R, f->H, b->I, lo, hi);
+            return;
+        }
+        const void *ew = (const uint8_t *)w->packed + (size_t)b->e * w->stride;
         int fast = cb_fast_takes_packed(f->fast, w->dt, f->H, b->I);
         if (b->part) { /* block c's sums (the fast table's own when it takes the expert) */
             if (fast) f->fast->down_part(b->part + c * b->R * f->H, b->h, ew, b->R, f->H, b->I, c);
@@ -433,7 +439,7 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
             n2 += b->R;
             sum_work += nblk * b->R * H;
         } else {
-            b->len1 = chunk_len(ctx, H, 32, b->R > CB_DOWN_FEW_ROWS ? 256 : 64);
+            b->len1 = chunk_len(ctx, H, b->f->pan ? CB_PANEL_DOWN_COLS : 32, b->R > CB_DOWN_FEW_ROWS ? 256 : 64);
             b->nch1 = (H + b->len1 - 1) / b->len1;
         }
         n0 += b->nch0;

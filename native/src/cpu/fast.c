@@ -68,8 +68,19 @@ void cb_panel_pack_expert(void *dst, const void *src, int64_t H, int64_t I, int6
         }
         cb_panel_pack((uint32_t *)dst + (size_t)u0 * (size_t)H, rows, 2 * nu, H, 2 * CB_PANEL_UNITS);
     }
-    memcpy((uint16_t *)dst + (size_t)2 * (size_t)I * (size_t)H, w + (size_t)2 * (size_t)I * (size_t)H,
-           (size_t)I * (size_t)H * sizeof(uint16_t)); /* w2^T as it is */
+    const uint16_t *w2 = w + (size_t)2 * (size_t)I * (size_t)H;
+    uint32_t *d2 = (uint32_t *)((uint16_t *)dst + (size_t)2 * (size_t)I * (size_t)H);
+    for (int64_t i0 = 0; i0 < I; i0 += CB_DOWN_BLOCK) { /* w2^T's pairs of rows, by blocks and slabs */
+        int64_t ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK;
+        for (int64_t c0 = 0; c0 < H; c0 += CB_PANEL_DOWN_COLS) {
+            int64_t nc = H - c0 < CB_PANEL_DOWN_COLS ? H - c0 : CB_PANEL_DOWN_COLS;
+            uint32_t *d = d2 + (size_t)(i0 / 2) * (size_t)H + (size_t)(ic / 2) * (size_t)c0;
+            for (int64_t q = 0; q < ic / 2; q++) {
+                const uint16_t *a = w2 + (size_t)(i0 + 2 * q) * (size_t)H + c0, *b = a + H;
+                for (int64_t c = 0; c < nc; c++) d[q * nc + c] = (uint32_t)a[c] | (uint32_t)b[c] << 16;
+            }
+        }
+    }
 }
 
 /* One (row, token) dot over columns k0 .. k0 + kc, continuing the chain acc. */
@@ -216,7 +227,7 @@ static int cb_fast_cpu_bf16(void) {
  * vdpbf16ps (fast_bf16dp.c); the neon-i8mm table with "neon-bf16" on BFDOT
  * (fast_neon_bf16.c). One definition of the table and its two dispatching entries per BF16
  * back end. */
-#define CB_FAST_BF16_TABLE(TAB, INT8, NAME, BF16NAME, P, PART, ATT, ATT_BYTES, PANM, PANG)                                \
+#define CB_FAST_BF16_TABLE(TAB, INT8, NAME, BF16NAME, P, PART, ATT, ATT_BYTES, PANM, PANG, PAND, PANP)                                \
     static void TAB##_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T,   \
                                 int64_t N, int64_t K) {                                                         \
         if (dt == COLIBRI_DTYPE_BF16) P##_matmul_ld(y, ldy, x, w, T, N, K);                                     \
@@ -238,12 +249,16 @@ static int cb_fast_cpu_bf16(void) {
                                         .attention_heads = ATT,                                                 \
                                         .att_work_bytes = ATT_BYTES,                                            \
                                         .matmul_panels = PANM,                                                  \
-                                        .gateup_panels = PANG}
+                                        .gateup_panels = PANG,                                                  \
+                                        .down_panels = PAND,                                                    \
+                                        .down_part_panels = PANP}
 CB_FAST_BF16_TABLE(fast_amx, cb_fast_avx512vnni, "avx512vnni", "amx", cb_amx, NULL, cb_fast_att_avx512,
-                   cb_fast_att_avx512_bytes, NULL, NULL);
+                   cb_fast_att_avx512_bytes, NULL, NULL, NULL, NULL);
 CB_FAST_BF16_TABLE(fast_bf16dp, cb_fast_avx512vnni, "avx512vnni", "avx512bf16", cb_bf16dp, cb_bf16dp_down_part,
-                   cb_fast_att_avx512, cb_fast_att_avx512_bytes, cb_bf16dp_matmul_panels, cb_bf16dp_gateup_panels);
-CB_FAST_BF16_TABLE(fast_neonbf16, cb_fast_neon_i8mm, "neon-i8mm", "bfdot", cb_neonbf16, NULL, NULL, NULL, NULL, NULL);
+                   cb_fast_att_avx512, cb_fast_att_avx512_bytes, cb_bf16dp_matmul_panels, cb_bf16dp_gateup_panels,
+                   cb_bf16dp_down_panels, cb_bf16dp_down_part_panels);
+CB_FAST_BF16_TABLE(fast_neonbf16, cb_fast_neon_i8mm, "neon-i8mm", "bfdot", cb_neonbf16, NULL, NULL, NULL, NULL, NULL,
+                   NULL, NULL);
 
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 static int amx_ok;

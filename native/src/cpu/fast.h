@@ -92,6 +92,12 @@ typedef struct cb_fast_kernels {
                           int64_t n0, int64_t n1);
     void (*gateup_panels)(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I, int64_t i0,
                           int64_t i1);
+    /* down_packed and down_part for a packed expert's panel copy (columns c0, c1 of
+     * down_panels multiples of CB_PANEL_DOWN_COLS, or H): the same bits. */
+    void (*down_panels)(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
+                        int64_t c1);
+    void (*down_part_panels)(float *part, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
+                             int64_t blk);
 } cb_fast_kernels;
 
 /* The most rows a fast table's down_part takes. */
@@ -110,8 +116,13 @@ static inline int cb_fast_bf16_k_ok(int64_t K) { return K % 32 == 0 && K <= CB_F
  * stream. Matrices take G = CB_PANEL_ROWS; a packed expert's panel copy (cb_panel_pack_expert)
  * has the same bytes as the expert: its 2I gate/up rows as the panel matrix, G = 2 *
  * CB_PANEL_UNITS, of the row sequence whose group g holds the gate rows of units
- * [g * CB_PANEL_UNITS, ..) then the up rows of the same units; then w2^T as in the file. */
+ * [g * CB_PANEL_UNITS, ..) then the up rows of the same units; then w2^T [I, H] by blocks of
+ * CB_DOWN_BLOCK rows (block [i0, i0 + ic) at dword i0 / 2 * H of that region), each block by
+ * slabs of CB_PANEL_DOWN_COLS columns (the last one H mod that; slab [c0, c0 + nc) at dword
+ * ic / 2 * c0 of the block), each slab's pairs of rows in column order: dword q * nc + c =
+ * (w2^T[i0 + 2q, c0 + c], w2^T[i0 + 2q + 1, c0 + c]), the first in the low half. */
 #define CB_PANEL_ROWS 64
+#define CB_PANEL_DOWN_COLS 64
 #ifndef CB_PANEL_UNITS
 #define CB_PANEL_UNITS 32
 #endif
@@ -148,6 +159,10 @@ void cb_bf16dp_matmul_panels(float *y, int64_t ldy, const float *x, const void *
                              int64_t n0, int64_t n1);
 void cb_bf16dp_gateup_panels(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I,
                              int64_t i0, int64_t i1);
+void cb_bf16dp_down_panels(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
+                           int64_t c1);
+void cb_bf16dp_down_part_panels(float *part, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
+                                int64_t blk);
 
 /* fast_attention_avx512.c: fast mode's attention on AVX-512 (float32, keys in lanes), and
  * the bytes of its work area for S positions of head size D. */

@@ -693,6 +693,97 @@ void cb_bf16dp_down_part(float *part, const float *h, const void *expert, int64_
     }
 }
 
+/* ---- the packed down projection from a panel copy (fast.h): the pairs already made ------ */
+
+_Static_assert(CB_PANEL_DOWN_COLS == DN_CW, "a panel copy's whole slab is a packed block");
+
+/* The slab of columns [c0, c0 + nc) of block [i0, i0 + ic) in a panel copy's w2^T region. */
+DP_AI const uint32_t *dn_slab(const void *expert, int64_t H, int64_t I, int64_t i0, int64_t ic, int64_t c0) {
+    const uint32_t *w2 = (const uint32_t *)((const uint16_t *)expert + (size_t)2 * (size_t)I * (size_t)H);
+    return w2 + (size_t)(i0 / 2) * (size_t)H + (size_t)(ic / 2) * (size_t)c0;
+}
+
+/* pb[q * ld + c], c < nc: the slab's vectors past nc not read (masked loads; the last slab of
+ * an H that is not a multiple of DN_CW) */
+#define PAIRS_PANEL(q)                                                                                    \
+    for (int v = 0; v < 4; v++) wv[v] = _mm512_maskz_loadu_epi32(lanes(nc - 16 * v), pb + (q) * ld + 16 * v)
+DP_AI void down_slab(float *y, int64_t H, const uint32_t *hp, int64_t ldp, const uint32_t *pb, int64_t ld,
+                     int64_t np, int64_t nc, const int NT, int add) {
+    DOWN_TILE(NT, PAIRS_PANEL);
+}
+
+/* down_packed's y from a panel copy (columns c0, c1: multiples of CB_PANEL_DOWN_COLS or H):
+ * the same chains, block by block, each slab read as it lies (no pack). */
+void cb_bf16dp_down_panels(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
+                           int64_t c1) {
+    uint32_t hpb[DN_TCH * CB_DOWN_BLOCK / 2];
+    for (int64_t i0 = 0; i0 < I; i0 += CB_DOWN_BLOCK) {
+        int64_t ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK, np = ic / 2;
+        for (int64_t tc = 0; tc < R; tc += DN_TCH) {
+            int64_t nt0 = R - tc < DN_TCH ? R - tc : DN_TCH;
+            pairs_of(hpb, h + tc * I + i0, I, nt0, ic);
+            for (int64_t cs = c0; cs < c1; cs += CB_PANEL_DOWN_COLS) {
+                int64_t nc = H - cs < CB_PANEL_DOWN_COLS ? H - cs : CB_PANEL_DOWN_COLS;
+                const uint32_t *pb = dn_slab(expert, H, I, i0, ic, cs);
+                for (int64_t t0 = 0; t0 < nt0; t0 += DN_NT) {
+                    int64_t nt = nt0 - t0 < DN_NT ? nt0 - t0 : DN_NT;
+                    const uint32_t *ht = hpb + t0 * np;
+                    float *yt = y + (tc + t0) * H + cs;
+                    if (nc == DN_CW) /* a whole slab is a packed block, pb[q * DN_CW + c] */
+                        switch (nt) {
+                        case 1: down_block(yt, H, ht, np, pb, np, nc, 1, i0 > 0); break;
+                        case 2: down_block(yt, H, ht, np, pb, np, nc, 2, i0 > 0); break;
+                        case 3: down_block(yt, H, ht, np, pb, np, nc, 3, i0 > 0); break;
+                        case 4: down_block(yt, H, ht, np, pb, np, nc, 4, i0 > 0); break;
+                        case 5: down_block(yt, H, ht, np, pb, np, nc, 5, i0 > 0); break;
+                        default: down_block(yt, H, ht, np, pb, np, nc, 6, i0 > 0); break;
+                        }
+                    else
+                        switch (nt) {
+                        case 1: down_slab(yt, H, ht, np, pb, nc, np, nc, 1, i0 > 0); break;
+                        case 2: down_slab(yt, H, ht, np, pb, nc, np, nc, 2, i0 > 0); break;
+                        case 3: down_slab(yt, H, ht, np, pb, nc, np, nc, 3, i0 > 0); break;
+                        case 4: down_slab(yt, H, ht, np, pb, nc, np, nc, 4, i0 > 0); break;
+                        case 5: down_slab(yt, H, ht, np, pb, nc, np, nc, 5, i0 > 0); break;
+                        default: down_slab(yt, H, ht, np, pb, nc, np, nc, 6, i0 > 0); break;
+                        }
+                }
+            }
+        }
+    }
+}
+
+/* down_part's block blk from a panel copy: each slab one stream, its 16-column vectors' chains
+ * (pan_chain over the block's pairs, a token's h pairs broadcast) stored once. */
+void cb_bf16dp_down_part_panels(float *part, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
+                                int64_t blk) {
+    int64_t i0 = blk * CB_DOWN_BLOCK, ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK, np = ic / 2;
+    uint32_t hp[CB_FAST_PART_MAX_ROWS * CB_DOWN_BLOCK / 2];
+    pairs_of(hp, h + i0, I, R, ic);
+    const int64_t per = R <= 6 ? 4 : 2;
+    for (int64_t cs = 0; cs < H; cs += CB_PANEL_DOWN_COLS) {
+        int64_t nc = H - cs < CB_PANEL_DOWN_COLS ? H - cs : CB_PANEL_DOWN_COLS, nv = nc / 16;
+        const uint32_t *pb = dn_slab(expert, H, I, i0, ic, cs);
+        for (int64_t v0 = 0; v0 < nv; v0 += per) {
+            const uint32_t *vp[4];
+            for (int64_t v = 0; v < 4; v++) vp[v] = pb + 16 * (v0 + v < nv ? v0 + v : nv - 1);
+            vf acc[24];
+            switch (R) {
+            case 1: pan_chain(acc, vp, nc, hp, np, 4, 1); break;
+            case 2: pan_chain(acc, vp, nc, hp, np, 4, 2); break;
+            case 3: pan_chain(acc, vp, nc, hp, np, 4, 3); break;
+            case 4: pan_chain(acc, vp, nc, hp, np, 4, 4); break;
+            case 5: pan_chain(acc, vp, nc, hp, np, 4, 5); break;
+            case 6: pan_chain(acc, vp, nc, hp, np, 4, 6); break;
+            case 7: pan_chain(acc, vp, nc, hp, np, 2, 7); break;
+            default: pan_chain(acc, vp, nc, hp, np, 2, 8); break;
+            }
+            for (int64_t v = 0; v < per && v0 + v < nv; v++)
+                for (int64_t t = 0; t < R; t++) _mm512_storeu_ps(part + t * H + cs + 16 * (v0 + v), acc[v * R + t]);
+        }
+    }
+}
+
 #else /* no AVX512_BF16 in this build, or the fuzzers' build */
 int cb_bf16dp_built(void) { return 0; }
 void cb_bf16dp_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int64_t T, int64_t N, int64_t K) {
@@ -721,5 +812,13 @@ void cb_bf16dp_matmul_panels(float *y, int64_t ldy, const float *x, const void *
 void cb_bf16dp_gateup_panels(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I,
                              int64_t i0, int64_t i1) {
     (void)h, (void)x, (void)expert, (void)R, (void)H, (void)I, (void)i0, (void)i1;
+}
+void cb_bf16dp_down_panels(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
+                           int64_t c1) {
+    (void)y, (void)h, (void)expert, (void)R, (void)H, (void)I, (void)c0, (void)c1;
+}
+void cb_bf16dp_down_part_panels(float *part, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
+                                int64_t blk) {
+    (void)part, (void)h, (void)expert, (void)R, (void)H, (void)I, (void)blk;
 }
 #endif
