@@ -25,7 +25,8 @@
  * test_kernels.c checks it). For BF16 weights the activations are rounded to bf16 before the
  * matmul (backend/cpu.c, cb_round_bf16); tables with native_bf16 then take BF16 weights too
  * (vdpbf16ps, float32 accumulation in their own order), the others run the exact kernels
- * on the rounded activations (bf16 x bf16 products are exact in float32). The x86 tables
+ * on the rounded activations (bf16 x bf16 products are exact in float32); the avx512bf16
+ * table also reads the engine's panel copies of them (below), with the same bits. The x86 tables
  * with native BF16 kernels also run attention their own way (float32, keys in lanes:
  * fast_attention_avx512.c); the int8 tables keep the exact kernels' attention.
  */

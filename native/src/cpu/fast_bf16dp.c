@@ -34,6 +34,11 @@
  * h is broadcast, up to 6 tokens by 64 columns per step; its sum runs by blocks of
  * CB_DOWN_BLOCK rows, as the exact kernels' (see below).
  *
+ * The *_panels entries read the engine's panel copies (fast.h, model/panels.c) instead: the
+ * same chains (same bits), but the decode layout loads 16 rows' pair q as one vector (no
+ * transpose; pan_chain), the token lanes broadcast from the panel rows (stride S instead of
+ * 1), and the down projection finds its pairs already made, one slab after another.
+ *
  * Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c; entered
  * only after cb_fast_by_name("avx512bf16") has checked the CPU. Buffers on the stack (at most
  * about 260 KiB); rows up to 4096 wide (cb_fast_bf16_k_ok), other shapes take the f32 path.
@@ -106,7 +111,7 @@ static void xt_pack(uint32_t *XT, const float *x, int64_t ldx, int64_t nt, int64
         vi xv[NV];                                                                                       \
         for (int v = 0; v < NV; v++) xv[v] = _mm512_loadu_si512(XT + (q * NV + v) * 16);                 \
         for (int r = 0; r < RB; r++) {                                                                   \
-            vi b = _mm512_set1_epi32((int)w[r][q * S]);                                                      \
+            vi b = _mm512_set1_epi32((int)w[r][q * S]);                                                  \
             for (int v = 0; v < NV; v++) acc[r][v] = dp(acc[r][v], xv[v], b);                            \
         }                                                                                                \
     }
