@@ -248,6 +248,12 @@ def test_side_by_side_smoke(model, tmp_path):
         assert ent["roofline_fraction"] == pytest.approx(ent["decode_tok_s"] / roof["roofline_tok_s"])
         assert ent["copy_roofline_fraction"] == pytest.approx(
             ent["decode_tok_s"] / copy["roofline_tok_s"])
+        # the bandwidth again just before the repetition, and the decode against it
+        (rep,) = ent["reps"]
+        assert rep["read_gbs_before"] > 0
+        assert ent["roofline_fraction_adjacent"] == pytest.approx(
+            rep["decode_tok_s"] / (roof["roofline_tok_s"] * rep["read_gbs_before"] / rd["gbs"]))
+    assert "adjacent)" in r.stdout
     # a warning exactly for each engine above the read roofline
     above = [e for e, ent in cfg["engines"].items() if ent["roofline_fraction"] > 1]
     assert len([w for w in res["warnings"] if "the roofline is wrong" in w]) == len(above)

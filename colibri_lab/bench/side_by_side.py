@@ -27,7 +27,11 @@ implies: the weight bytes one decode token must read (attention + router + top-k
 lm_head + one embedding row + norms, at the run's dtype) divided by that bandwidth; each
 engine's decode is reported as a fraction of it. A decode above the roofline means the
 roofline is wrong (the bandwidth was measured low, or weights stayed in cache), and the
-table says so in a warning line. The numpy copy figure of earlier runs (read + write bytes
+table says so in a warning line. The bandwidth is measured again just before each engine's
+repetition (its best variant, once), and each repetition's decode is also divided by the
+roofline at that figure (``roofline_fraction_adjacent``, the median of them; "adjacent" in
+the table): on machines whose bandwidth moves within a run this is the fraction that means
+something. The numpy copy figure of earlier runs (read + write bytes
 per second, one thread) is still measured and reported, with its roofline beside the
 read one (``roofline_copy``, ``copy_roofline_fraction``), for comparison: a copy is not a
 ceiling for a stream that only reads.
@@ -365,6 +369,20 @@ def _roofline(hf_cfg: dict, dtype: str, bandwidth_gbs: float, files: dict) -> di
             "error": why}  # fmt: skip
 
 
+def _adjacent_read_gbs(start: dict | None, threads: int, mib: int) -> float | None:
+    """The read bandwidth just before an engine's repetition: the start's best variant,
+    once. These machines' memory bandwidth moves with their neighbours within seconds (one
+    Zen 4 host alternates between about 37 and 65 GB/s), so a roofline from the start alone
+    can sit far from what a repetition had; ``roofline_fraction_adjacent`` divides each
+    repetition's decode by the roofline at this figure (median over the repetitions)."""
+    if not start or not start.get("gbs") or not start.get("variant"):
+        return None
+    try:
+        return measure_read_bandwidth(threads, mib << 20, reps=1, variants=(start["variant"],))["gbs"] or None
+    except Exception:  # advisory: the start's roofline stands
+        return None
+
+
 def colibri_key(precision: str) -> str:
     """The engine name of Colibri in one numeric mode: "colibri" (exact), "colibri fast"."""
     return "colibri" if precision == "exact" else f"colibri {precision}"
@@ -543,6 +561,7 @@ def run(args) -> dict:
                     ent = cfg.engines[e]
                     if "error" in ent or ent.get("not_applicable"):
                         continue
+                    bw_now = _adjacent_read_gbs(read_bw.get(str(nt)), nt, args.read_bandwidth_mib)
                     try:
                         if e == "llama.cpp":
                             r = _llama_rep(ent, llama_src, files["llama.cpp"], nt, n_pre, n_dec)
@@ -551,6 +570,10 @@ def run(args) -> dict:
                     except Exception as ex:
                         ent["error"] = str(ex)
                         continue
+                    if bw_now and roof.get("roofline_tok_s") and r.get("decode_tok_s"):
+                        r["read_gbs_before"] = bw_now
+                        r["roofline_fraction_adjacent"] = r["decode_tok_s"] / (
+                            roof["roofline_tok_s"] * bw_now / roof["bandwidth_gbs"])
                     ent["reps"].append(r)
                     _say(f"{dtype} {nt}t rep {rep + 1}/{args.reps} {e}: "
                          f"prefill {r.get('prefill_tok_s', float('nan')):.1f} tok/s, "
@@ -585,6 +608,8 @@ def run(args) -> dict:
                              "served from cache)")  # fmt: skip
                         result["warnings"].append(w)
                         _say(f"warning: {w}")
+                if _median(ent["reps"], "roofline_fraction_adjacent") is not None:
+                    ent["roofline_fraction_adjacent"] = _median(ent["reps"], "roofline_fraction_adjacent")
                 if ent["decode_tok_s"] and roof_copy.get("roofline_tok_s"):
                     ent["copy_roofline_fraction"] = ent["decode_tok_s"] / roof_copy["roofline_tok_s"]
                 if "error" in ent and not ent["reps"]:
@@ -721,6 +746,9 @@ def render_table(res: dict) -> str:
                 name += f" ({' '.join(ent['llama_bench_args'])})"
             if e == "transformers" and ent.get("experts_implementation") == "eager":
                 name += " (eager experts)"
+            adj = ""
+            if ent.get("roofline_fraction_adjacent") is not None:
+                adj = f" ({ent['roofline_fraction_adjacent']:.0%} adjacent)"
             ratio = "—"
             if not e.startswith("colibri"):
                 ratio = "; ".join(
@@ -731,7 +759,7 @@ def render_table(res: dict) -> str:
             lines.append(
                 f"| {c['dtype']} | {c['threads']} | {name} | {_fmt(ent.get('prefill_tok_s'))} "
                 f"| {_fmt(ent.get('decode_tok_s'))} | {_fmt(ent.get('decode_p99_over_p50'), '.2f')} "
-                f"| {mb} | {_fmt(roof)} | {_fmt(ent.get('roofline_fraction'), '.0%')} "
+                f"| {mb} | {_fmt(roof)} | {_fmt(ent.get('roofline_fraction'), '.0%')}{adj} "
                 f"| {_fmt(roof_copy)} | {ratio} "
                 f"| {_fmt(ent.get('prefill_cpu_ms_per_tok'), '.1f')}, "
                 f"{_fmt(ent.get('decode_cpu_ms_per_tok'), '.1f')} "
