@@ -124,9 +124,7 @@ static inline int cb_fast_bf16_k_ok(int64_t K) { return K % 32 == 0 && K <= CB_F
  * (w2^T[i0 + 2q, c0 + c], w2^T[i0 + 2q + 1, c0 + c]), the first in the low half. */
 #define CB_PANEL_ROWS 64
 #define CB_PANEL_DOWN_COLS 64
-#ifndef CB_PANEL_UNITS
 #define CB_PANEL_UNITS 32
-#endif
 static inline int cb_panel_takes(int64_t N, int64_t K) { return N > 0 && N % 16 == 0 && cb_fast_bf16_k_ok(K); }
 /* dst [N, K] (N * K / 2 dwords) = the panel layout of rows[n] (n < N, each K bf16) */
 void cb_panel_pack(uint32_t *dst, const uint16_t *const *rows, int64_t N, int64_t K, int64_t G);

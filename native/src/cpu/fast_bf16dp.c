@@ -391,29 +391,35 @@ DP_AI void pan_chain(vf *acc, const uint32_t *const *vp, int64_t S, const uint32
     }
 }
 
-/* Rows [n0, n1) (multiples of 16) of a panel matrix, up to 4 vectors of one group per pass
- * (at most 24 accumulators). */
+/* pan_chain on PAN4_PER(T) vectors by T <= CB_DP_ROWS_T tokens (at most 24 accumulators). */
+#define PAN4_PER(T) ((T) <= 6 ? 4 : 3)
+DP_AI void pan_chain4(vf *acc, const uint32_t *const *vp, int64_t S, const uint32_t *xp, int64_t np, int64_t T) {
+    switch (T) {
+    case 1: pan_chain(acc, vp, S, xp, np, 4, 1); break;
+    case 2: pan_chain(acc, vp, S, xp, np, 4, 2); break;
+    case 3: pan_chain(acc, vp, S, xp, np, 4, 3); break;
+    case 4: pan_chain(acc, vp, S, xp, np, 4, 4); break;
+    case 5: pan_chain(acc, vp, S, xp, np, 4, 5); break;
+    case 6: pan_chain(acc, vp, S, xp, np, 4, 6); break;
+    case 7: pan_chain(acc, vp, S, xp, np, 3, 7); break;
+    default: pan_chain(acc, vp, S, xp, np, 3, 8); break;
+    }
+}
+
+/* Rows [n0, n1) (multiples of 16) of a panel matrix, up to PAN4_PER(T) vectors of one group
+ * per pass. */
 static void pan_matmul(float *y, int64_t ldy, const float *x, const wmat *W, int64_t T, int64_t n0, int64_t n1) {
     int64_t K = W->K, np = K / 2;
     uint32_t xp[CB_DP_ROWS_T * DKMAX / 2];
     pairs_of(xp, x, K, T, K);
-    const int64_t per = T <= 6 ? 4 : 3;
+    const int64_t per = PAN4_PER(T);
     for (int64_t n = n0, nv; n < n1; n += 16 * nv) {
         int64_t e = wgroup_end(W, n) < n1 ? wgroup_end(W, n) : n1, S = 0;
         nv = (e - n) / 16 < per ? (e - n) / 16 : per;
         const uint32_t *vp[4];
         for (int64_t v = 0; v < 4; v++) vp[v] = wrow(W, n + 16 * (v < nv ? v : nv - 1), &S);
         vf acc[24];
-        switch (T) {
-        case 1: pan_chain(acc, vp, S, xp, np, 4, 1); break;
-        case 2: pan_chain(acc, vp, S, xp, np, 4, 2); break;
-        case 3: pan_chain(acc, vp, S, xp, np, 4, 3); break;
-        case 4: pan_chain(acc, vp, S, xp, np, 4, 4); break;
-        case 5: pan_chain(acc, vp, S, xp, np, 4, 5); break;
-        case 6: pan_chain(acc, vp, S, xp, np, 4, 6); break;
-        case 7: pan_chain(acc, vp, S, xp, np, 3, 7); break;
-        default: pan_chain(acc, vp, S, xp, np, 3, 8); break;
-        }
+        pan_chain4(acc, vp, S, xp, np, T);
         for (int64_t v = 0; v < nv; v++)
             for (int64_t t = 0; t < T; t++) _mm512_storeu_ps(y + t * ldy + (n - n0) + 16 * v, acc[v * T + t]);
     }
@@ -597,8 +603,22 @@ DP_AI void down_block(float *y, int64_t H, const uint32_t *hp, int64_t ldp, cons
  * rows (pf: nr rows of pfb bytes, stride H) is prefetched, so that the next pack finds them in
  * cache: the pack's reads are a first touch, short and strided, the rest of the block runs
  * from L1/L2. */
-static void down_block_steps(float *y, const uint32_t *hp, const uint32_t *pb, int64_t R, int64_t H, int64_t i0,
-                             int64_t ic, int64_t cs, int64_t ncs, const uint16_t *pf, int64_t nr, int64_t pfb) {
+#define DN_CASES(f, ...)                                                                                  \
+    switch (nt) {                                                                                         \
+    case 1: f(__VA_ARGS__, 1, i0 > 0); break;                                                             \
+    case 2: f(__VA_ARGS__, 2, i0 > 0); break;                                                             \
+    case 3: f(__VA_ARGS__, 3, i0 > 0); break;                                                             \
+    case 4: f(__VA_ARGS__, 4, i0 > 0); break;                                                             \
+    case 5: f(__VA_ARGS__, 5, i0 > 0); break;                                                             \
+    default: f(__VA_ARGS__, 6, i0 > 0); break;                                                            \
+    }
+/* A packed block's pairs at pb[q * ld + c] (ld = DN_CW: a whole block; else a panel copy's
+ * narrow last slab, down_slab below). */
+DP_AI void down_slab(float *y, int64_t H, const uint32_t *hp, int64_t ldp, const uint32_t *pb, int64_t ld,
+                     int64_t np, int64_t nc, const int NT, int add);
+static void down_block_steps(float *y, const uint32_t *hp, const uint32_t *pb, int64_t ld, int64_t R, int64_t H,
+                             int64_t i0, int64_t ic, int64_t cs, int64_t ncs, const uint16_t *pf, int64_t nr,
+                             int64_t pfb) {
     int64_t steps = (R + DN_NT - 1) / DN_NT, per = (nr + steps - 1) / steps, r0 = 0, np = ic / 2;
     for (int64_t t0 = 0; t0 < R; t0 += DN_NT, r0 += per) {
         for (int64_t r = r0; r < r0 + per && r < nr; r++)
@@ -606,14 +626,8 @@ static void down_block_steps(float *y, const uint32_t *hp, const uint32_t *pb, i
         int64_t nt = R - t0 < DN_NT ? R - t0 : DN_NT;
         const uint32_t *ht = hp + t0 * np;
         float *yt = y + t0 * H + cs;
-        switch (nt) {
-        case 1: down_block(yt, H, ht, np, pb, np, ncs, 1, i0 > 0); break;
-        case 2: down_block(yt, H, ht, np, pb, np, ncs, 2, i0 > 0); break;
-        case 3: down_block(yt, H, ht, np, pb, np, ncs, 3, i0 > 0); break;
-        case 4: down_block(yt, H, ht, np, pb, np, ncs, 4, i0 > 0); break;
-        case 5: down_block(yt, H, ht, np, pb, np, ncs, 5, i0 > 0); break;
-        default: down_block(yt, H, ht, np, pb, np, ncs, 6, i0 > 0); break;
-        }
+        if (ld == DN_CW) DN_CASES(down_block, yt, H, ht, np, pb, np, ncs)
+        else DN_CASES(down_slab, yt, H, ht, np, pb, ld, np, ncs)
     }
 }
 
@@ -657,7 +671,7 @@ void cb_bf16dp_down_packed(float *y, const float *h, const void *expert, int64_t
                 int64_t ni0 = cs + DN_CW < c1 ? i0 : i0 + CB_DOWN_BLOCK, ncs0 = cs + DN_CW < c1 ? cs + DN_CW : c0;
                 int64_t nr = ni0 < I ? (I - ni0 < CB_DOWN_BLOCK ? I - ni0 : CB_DOWN_BLOCK) : 0;
                 int64_t nb = c1 - ncs0 < DN_CW ? c1 - ncs0 : DN_CW;
-                down_block_steps(y + tc * H, hpb, pb, nt, H, i0, ic, cs, ncs,
+                down_block_steps(y + tc * H, hpb, pb, DN_CW, nt, H, i0, ic, cs, ncs,
                                  nr ? w2 + (size_t)ni0 * (size_t)H + ncs0 : w2, nr, 2 * nb);
             }
         }
@@ -723,36 +737,14 @@ void cb_bf16dp_down_panels(float *y, const float *h, const void *expert, int64_t
                            int64_t c1) {
     uint32_t hpb[DN_TCH * CB_DOWN_BLOCK / 2];
     for (int64_t i0 = 0; i0 < I; i0 += CB_DOWN_BLOCK) {
-        int64_t ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK, np = ic / 2;
+        int64_t ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK;
         for (int64_t tc = 0; tc < R; tc += DN_TCH) {
             int64_t nt0 = R - tc < DN_TCH ? R - tc : DN_TCH;
             pairs_of(hpb, h + tc * I + i0, I, nt0, ic);
-            for (int64_t cs = c0; cs < c1; cs += CB_PANEL_DOWN_COLS) {
+            for (int64_t cs = c0; cs < c1; cs += CB_PANEL_DOWN_COLS) { /* a whole slab is a packed block */
                 int64_t nc = H - cs < CB_PANEL_DOWN_COLS ? H - cs : CB_PANEL_DOWN_COLS;
-                const uint32_t *pb = dn_slab(expert, H, I, i0, ic, cs);
-                for (int64_t t0 = 0; t0 < nt0; t0 += DN_NT) {
-                    int64_t nt = nt0 - t0 < DN_NT ? nt0 - t0 : DN_NT;
-                    const uint32_t *ht = hpb + t0 * np;
-                    float *yt = y + (tc + t0) * H + cs;
-                    if (nc == DN_CW) /* a whole slab is a packed block, pb[q * DN_CW + c] */
-                        switch (nt) {
-                        case 1: down_block(yt, H, ht, np, pb, np, nc, 1, i0 > 0); break;
-                        case 2: down_block(yt, H, ht, np, pb, np, nc, 2, i0 > 0); break;
-                        case 3: down_block(yt, H, ht, np, pb, np, nc, 3, i0 > 0); break;
-                        case 4: down_block(yt, H, ht, np, pb, np, nc, 4, i0 > 0); break;
-                        case 5: down_block(yt, H, ht, np, pb, np, nc, 5, i0 > 0); break;
-                        default: down_block(yt, H, ht, np, pb, np, nc, 6, i0 > 0); break;
-                        }
-                    else
-                        switch (nt) {
-                        case 1: down_slab(yt, H, ht, np, pb, nc, np, nc, 1, i0 > 0); break;
-                        case 2: down_slab(yt, H, ht, np, pb, nc, np, nc, 2, i0 > 0); break;
-                        case 3: down_slab(yt, H, ht, np, pb, nc, np, nc, 3, i0 > 0); break;
-                        case 4: down_slab(yt, H, ht, np, pb, nc, np, nc, 4, i0 > 0); break;
-                        case 5: down_slab(yt, H, ht, np, pb, nc, np, nc, 5, i0 > 0); break;
-                        default: down_slab(yt, H, ht, np, pb, nc, np, nc, 6, i0 > 0); break;
-                        }
-                }
+                down_block_steps(y + tc * H, hpb, dn_slab(expert, H, I, i0, ic, cs), nc, nt0, H, i0, ic, cs, nc, NULL, 0,
+                                 0);
             }
         }
     }
@@ -765,7 +757,7 @@ void cb_bf16dp_down_part_panels(float *part, const float *h, const void *expert,
     int64_t i0 = blk * CB_DOWN_BLOCK, ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK, np = ic / 2;
     uint32_t hp[CB_FAST_PART_MAX_ROWS * CB_DOWN_BLOCK / 2];
     pairs_of(hp, h + i0, I, R, ic);
-    const int64_t per = R <= 6 ? 4 : 2;
+    const int64_t per = PAN4_PER(R);
     for (int64_t cs = 0; cs < H; cs += CB_PANEL_DOWN_COLS) {
         int64_t nc = H - cs < CB_PANEL_DOWN_COLS ? H - cs : CB_PANEL_DOWN_COLS, nv = nc / 16;
         const uint32_t *pb = dn_slab(expert, H, I, i0, ic, cs);
@@ -773,16 +765,7 @@ void cb_bf16dp_down_part_panels(float *part, const float *h, const void *expert,
             const uint32_t *vp[4];
             for (int64_t v = 0; v < 4; v++) vp[v] = pb + 16 * (v0 + v < nv ? v0 + v : nv - 1);
             vf acc[24];
-            switch (R) {
-            case 1: pan_chain(acc, vp, nc, hp, np, 4, 1); break;
-            case 2: pan_chain(acc, vp, nc, hp, np, 4, 2); break;
-            case 3: pan_chain(acc, vp, nc, hp, np, 4, 3); break;
-            case 4: pan_chain(acc, vp, nc, hp, np, 4, 4); break;
-            case 5: pan_chain(acc, vp, nc, hp, np, 4, 5); break;
-            case 6: pan_chain(acc, vp, nc, hp, np, 4, 6); break;
-            case 7: pan_chain(acc, vp, nc, hp, np, 2, 7); break;
-            default: pan_chain(acc, vp, nc, hp, np, 2, 8); break;
-            }
+            pan_chain4(acc, vp, nc, hp, np, R);
             for (int64_t v = 0; v < per && v0 + v < nv; v++)
                 for (int64_t t = 0; t < R; t++) _mm512_storeu_ps(part + t * H + cs + 16 * (v0 + v), acc[v * R + t]);
         }
