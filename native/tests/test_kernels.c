@@ -1299,7 +1299,9 @@ static uint32_t pair_at(const uint16_t *row, int64_t q) { return (uint32_t)row[2
 
 static void test_fast_panels(const cb_fast_kernels *F) {
     const uint32_t BF = COLIBRI_DTYPE_BF16;
-    const int64_t Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 29, 37, 77};
+    /* token counts: the decode layout's, then prefill's steps of 6 with every tail, and (77, 133:
+     * at K 2112 or H 1024) more than one tile of tokens */
+    const int64_t Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 29, 37, 77, 133};
     /* matrices: N with short last groups (16, 48, 80, 208 rows), K across MM_KC passes (2112) */
     const int64_t Ns[] = {16, 48, 80, 208}, Ks[] = {32, 96, 2112};
     for (size_t b = 0; b < 4; b++)
@@ -1319,7 +1321,7 @@ static void test_fast_panels(const cb_fast_kernels *F) {
             n_check++;
             for (size_t a = 0; a < sizeof Ts / sizeof Ts[0]; a++) {
                 int64_t T = Ts[a], ldy = N + 3;
-                if (K > 100 && T > 9 && T != 37) continue;
+                if (K > 100 && T > 9 && T != 37 && T != 77 && T != 133) continue;
                 float *x = malloc((size_t)(T * K) * 4), *y = malloc((size_t)(T * ldy) * 4), *yp = malloc((size_t)(T * ldy) * 4);
                 fill(x, T * K, 2.0);
                 cb_round_bf16(x, T * K);
@@ -1382,7 +1384,7 @@ static void test_fast_panels(const cb_fast_kernels *F) {
         n_check++;
         for (size_t a = 0; a < sizeof Ts / sizeof Ts[0]; a++) {
             int64_t R = Ts[a];
-            if (H > 100 && R > 9 && R != 37) continue;
+            if (H > 100 && R > 9 && R != 37 && R != 133) continue;
             float *x = malloc((size_t)(R * H) * 4), *h = malloc((size_t)(R * I) * 4), *hp = malloc((size_t)(R * I) * 4);
             fill(x, R * H, 1.0);
             cb_round_bf16(x, R * H);

@@ -406,54 +406,100 @@ DP_AI void pan_chain4(vf *acc, const uint32_t *const *vp, int64_t S, const uint3
     }
 }
 
-/* Rows [n0, n1) (multiples of 16) of a panel matrix, up to PAN4_PER(T) vectors of one group
- * per pass. */
-static void pan_matmul(float *y, int64_t ldy, const float *x, const wmat *W, int64_t T, int64_t n0, int64_t n1) {
+/* Prefill on the panel copies: the tokens by tiles whose pairs fit XT_DWORDS, and in a tile,
+ * pass by pass (a group's vectors), steps of PAN_STEP tokens: each step reads the pass's lines
+ * whole (from L2 after the first step), one vector per load, the tokens' pairs broadcast, as
+ * decode does. Measured against the lanes-are-tokens kernels (tok_*) on these copies, one
+ * 791 M expert's gate/up: 175-205 -> 214-223 GFLOP/s a core at 16-256 tokens (peak 226).
+ * Decode (T <= CB_DP_ROWS_T: one tile, one step) keeps a small stack buffer. */
+#define PAN_STEP 6
+_Static_assert(XT_DWORDS / (DKMAX / 2) >= PAN_STEP, "a tile holds a step");
+/* A tile of pairs for steps of PAN_STEP tokens of rows of K: whole steps */
+static int64_t pan_tile(int64_t K) { return XT_DWORDS / (K / 2) / PAN_STEP * PAN_STEP; }
+
+/* Rows [n0, n1) (multiples of 16) of a panel matrix, PAN4_PER(step) vectors of one group per
+ * pass, tiles of TT tokens, steps of `step` tokens. */
+DP_AI void pan_matmul_in(float *y, int64_t ldy, const float *x, const wmat *W, int64_t T, int64_t n0, int64_t n1,
+                         uint32_t *xp, int64_t TT, const int64_t step) {
     int64_t K = W->K, np = K / 2;
-    uint32_t xp[CB_DP_ROWS_T * DKMAX / 2];
-    pairs_of(xp, x, K, T, K);
-    const int64_t per = PAN4_PER(T);
-    for (int64_t n = n0, nv; n < n1; n += 16 * nv) {
-        int64_t e = wgroup_end(W, n) < n1 ? wgroup_end(W, n) : n1, S = 0;
-        nv = (e - n) / 16 < per ? (e - n) / 16 : per;
-        const uint32_t *vp[4];
-        for (int64_t v = 0; v < 4; v++) vp[v] = wrow(W, n + 16 * (v < nv ? v : nv - 1), &S);
-        vf acc[24];
-        pan_chain4(acc, vp, S, xp, np, T);
-        for (int64_t v = 0; v < nv; v++)
-            for (int64_t t = 0; t < T; t++) _mm512_storeu_ps(y + t * ldy + (n - n0) + 16 * v, acc[v * T + t]);
+    const int64_t per = PAN4_PER(step);
+    for (int64_t t0 = 0; t0 < T; t0 += TT) {
+        int64_t nt = T - t0 < TT ? T - t0 : TT;
+        pairs_of(xp, x + t0 * K, K, nt, K);
+        for (int64_t n = n0, nv; n < n1; n += 16 * nv) {
+            int64_t e = wgroup_end(W, n) < n1 ? wgroup_end(W, n) : n1, S = 0;
+            nv = (e - n) / 16 < per ? (e - n) / 16 : per;
+            const uint32_t *vp[4];
+            for (int64_t v = 0; v < 4; v++) vp[v] = wrow(W, n + 16 * (v < nv ? v : nv - 1), &S);
+            for (int64_t s = 0; s < nt; s += step) {
+                int64_t ns = nt - s < step ? nt - s : step;
+                vf acc[24];
+                pan_chain4(acc, vp, S, xp + s * np, np, ns);
+                float *ys = y + (t0 + s) * ldy + (n - n0);
+                for (int64_t v = 0; v < nv; v++)
+                    for (int64_t t = 0; t < ns; t++) _mm512_storeu_ps(ys + t * ldy + 16 * v, acc[v * ns + t]);
+            }
+        }
+    }
+}
+static void pan_matmul(float *y, int64_t ldy, const float *x, const wmat *W, int64_t T, int64_t n0, int64_t n1) {
+    if (T <= CB_DP_ROWS_T) {
+        uint32_t xp[CB_DP_ROWS_T * DKMAX / 2];
+        pan_matmul_in(y, ldy, x, W, T, n0, n1, xp, T, T);
+    } else {
+        uint32_t xp[XT_DWORDS];
+        pan_matmul_in(y, ldy, x, W, T, n0, n1, xp, pan_tile(W->K), PAN_STEP);
     }
 }
 
-/* Units [i0, i1) (multiples of 16) of a packed expert's panel copy: GU_PER(R) vectors of
+/* Units [i0, i1) (multiples of 16) of a packed expert's panel copy: GU_PER(step) vectors of
  * units (their gate and up vectors, 2 GU_PER chains per token) of one group per pass, at most
- * 24 accumulators. */
+ * 24 accumulators, tiles of TT tokens, steps of `step` tokens. */
 #define GU_PER0(R) ((R) <= 3 ? 4 : (R) == 4 ? 3 : (R) <= 6 ? 2 : 1)
 #define GU_PER(R) (GU_PER0(R) < CB_PANEL_UNITS / 16 ? GU_PER0(R) : CB_PANEL_UNITS / 16)
-static void pan_gateup(float *h, const float *x, const wgu *W, int64_t R, int64_t i0, int64_t i1, int rnd) {
+#define GU_CHAIN(n) pan_chain(acc, vp, S, xs, np, 2 * GU_PER(step == PAN_STEP ? PAN_STEP : (n)), n)
+DP_AI void pan_gateup_in(float *h, const float *x, const wgu *W, int64_t T, int64_t i0, int64_t i1, int rnd,
+                         uint32_t *xp, int64_t TT, const int64_t step) {
     int64_t H = W->H, I = W->I, np = H / 2;
-    uint32_t xp[CB_DP_ROWS_T * DKMAX / 2];
-    pairs_of(xp, x, H, R, H);
-    const int64_t per = GU_PER(R);
-    for (int64_t i = i0, nv; i < i1; i += 16 * nv) {
-        int64_t e = gu_group_end(W, i) < i1 ? gu_group_end(W, i) : i1, S = 0;
-        nv = (e - i) / 16 < per ? (e - i) / 16 : per;
-        const uint32_t *vp[8];
-        for (int64_t v = 0; v < per; v++) gu_row(W, i + 16 * (v < nv ? v : nv - 1), &vp[v], &vp[per + v], &S);
-        vf acc[24];
-        switch (R) {
-        case 1: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(1), 1); break;
-        case 2: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(2), 2); break;
-        case 3: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(3), 3); break;
-        case 4: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(4), 4); break;
-        case 5: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(5), 5); break;
-        case 6: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(6), 6); break;
-        case 7: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(7), 7); break;
-        default: pan_chain(acc, vp, S, xp, np, 2 * GU_PER(8), 8); break;
+    const int64_t per = GU_PER(step);
+    for (int64_t t0 = 0; t0 < T; t0 += TT) {
+        int64_t nt = T - t0 < TT ? T - t0 : TT;
+        pairs_of(xp, x + t0 * H, H, nt, H);
+        for (int64_t i = i0, nv; i < i1; i += 16 * nv) {
+            int64_t e = gu_group_end(W, i) < i1 ? gu_group_end(W, i) : i1, S = 0;
+            nv = (e - i) / 16 < per ? (e - i) / 16 : per;
+            const uint32_t *vp[8];
+            for (int64_t v = 0; v < per; v++) gu_row(W, i + 16 * (v < nv ? v : nv - 1), &vp[v], &vp[per + v], &S);
+            for (int64_t s = 0; s < nt; s += step) {
+                int64_t ns = nt - s < step ? nt - s : step;
+                const uint32_t *xs = xp + s * np;
+                vf acc[24];
+                switch (ns) {
+                case 1: GU_CHAIN(1); break;
+                case 2: GU_CHAIN(2); break;
+                case 3: GU_CHAIN(3); break;
+                case 4: GU_CHAIN(4); break;
+                case 5: GU_CHAIN(5); break;
+                case 6: GU_CHAIN(6); break;
+                case 7: GU_CHAIN(7); break;
+                default: GU_CHAIN(8); break;
+                }
+                float *hs = h + (t0 + s) * I + i;
+                for (int64_t v = 0; v < nv; v++)
+                    for (int64_t t = 0; t < ns; t++)
+                        _mm512_storeu_ps(hs + t * I + 16 * v, silu_mul_out(acc[v * ns + t], acc[(per + v) * ns + t], rnd));
+            }
         }
-        for (int64_t v = 0; v < nv; v++)
-            for (int64_t t = 0; t < R; t++)
-                _mm512_storeu_ps(h + t * I + i + 16 * v, silu_mul_out(acc[v * R + t], acc[(per + v) * R + t], rnd));
+    }
+}
+#undef GU_CHAIN
+static void pan_gateup(float *h, const float *x, const wgu *W, int64_t T, int64_t i0, int64_t i1, int rnd) {
+    if (T <= CB_DP_ROWS_T) {
+        uint32_t xp[CB_DP_ROWS_T * DKMAX / 2];
+        pan_gateup_in(h, x, W, T, i0, i1, rnd, xp, T, T);
+    } else {
+        uint32_t xp[XT_DWORDS];
+        pan_gateup_in(h, x, W, T, i0, i1, rnd, xp, pan_tile(W->H), PAN_STEP);
     }
 }
 
@@ -470,7 +516,7 @@ static void few_gateup(float *h, const float *x, const wgu *W, int64_t R, int64_
 /* ---- the entries -------------------------------------------------------------------------- */
 
 static void matmul_any(float *y, int64_t ldy, const float *x, const wmat *W, int64_t T, int64_t n0, int64_t n1) {
-    if (T <= CB_DP_ROWS_T) few_matmul(y, ldy, x, W, T, n0, n1);
+    if (T <= CB_DP_ROWS_T || W->G) few_matmul(y, ldy, x, W, T, n0, n1);
     else tok_matmul(y, ldy, x, W, T, n0, n1);
 }
 
@@ -488,7 +534,7 @@ void cb_bf16dp_matmul_panels(float *y, int64_t ldy, const float *x, const void *
 
 /* rnd: h rounded to bf16 (the packed expert's, fast.h) */
 static void gateup_any(float *h, const float *x, const wgu *W, int64_t R, int64_t i0, int64_t i1, int rnd) {
-    if (R <= CB_DP_ROWS_T) few_gateup(h, x, W, R, i0, i1, rnd);
+    if (R <= CB_DP_ROWS_T || W->G) few_gateup(h, x, W, R, i0, i1, rnd);
     else tok_gateup(h, x, W, R, i0, i1, rnd);
 }
 
