@@ -1,7 +1,7 @@
 /*
  * kernel_bench.c — the weight kernels alone, one thread, on the 791 M Mixtral's shapes
  * (hidden 1024, intermediate 3584): GFLOP/s of the prefill kernels (a packed bf16 expert's
- * gate/up and down, a 3584 x 1024 matmul) at 1 .. 512 tokens, and GB/s of the one-token
+ * gate/up and down, row-major and as fast mode's panel copy; a 3584 x 1024 matmul) at 1 .. 512 tokens, and GB/s of the one-token
  * decode streaming 72 to 256 MiB of bf16, Q8_0, Q4_K and Q6_K weights from memory, for the exact table
  * (cb_kernels_best) beside a fast table (cb_fast_by_name, default: cb_fast_best's). Best of
  * a few runs; the prefill's weights are reused (they sit in L2/L3), the decode's are not.
@@ -68,8 +68,13 @@ int main(int argc, char **argv) {
     const int64_t H = 1024, I = 3584, B = 32;
     uint16_t *ex = bf16_weights((size_t)3 * I * H);
     int fast_packed = cb_fast_takes_packed(F, BF, H, I);
-    printf("\nprefill, a packed bf16 expert (H %lld, I %lld), GFLOP/s (fast | exact)\n", (long long)H,
-           (long long)I);
+    void *pan = NULL; /* the expert's panel copy (fast.h), where the fast table reads one */
+    if (F->gateup_panels) {
+        pan = alloc((size_t)3 * I * H * 2);
+        cb_panel_pack_expert(pan, ex, H, I, B);
+    }
+    printf("\nprefill, a packed bf16 expert (H %lld, I %lld), GFLOP/s (fast | exact; fast on its panel copy)\n",
+           (long long)H, (long long)I);
     const int64_t Rs[] = {1, 4, 16, 64, 68, 128, 130, 136, 256}; /* and sizes that leave a partial vector */
     for (int ri = 0; ri < (int)(sizeof Rs / sizeof Rs[0]); ri++) {
         int64_t R = Rs[ri];
@@ -80,11 +85,17 @@ int main(int argc, char **argv) {
             BEST(reps, fg, F->gateup_packed(h, x, ex, R, H, I, B, 0, I));
             BEST(reps, fd, F->down_packed(y, h, ex, R, H, I, 0, H));
         }
+        double pg = 0, pd = 0;
+        if (pan) {
+            BEST(reps, pg, F->gateup_panels(h, x, pan, R, H, I, 0, I));
+            BEST(reps, pd, F->down_panels(y, h, pan, R, H, I, 0, H));
+        }
         BEST(reps, eg, E->expert_gateup(h, x, ex, NULL, BF, R, H, I, B, 0, I));
         BEST(reps, ed, E->expert_down(y, h, ex, BF, R, H, I, 0, H));
         double gu = 2.0 * R * H * 2 * I, dn = 2.0 * R * H * I;
-        printf("R %4lld  gate/up %6.1f | %6.1f   down %6.1f | %6.1f\n", (long long)R, fg ? gu / fg / 1e9 : 0.0,
-               gu / eg / 1e9, fd ? dn / fd / 1e9 : 0.0, dn / ed / 1e9);
+        printf("R %4lld  gate/up %6.1f | %6.1f; %6.1f   down %6.1f | %6.1f; %6.1f\n", (long long)R,
+               fg ? gu / fg / 1e9 : 0.0, gu / eg / 1e9, pg ? gu / pg / 1e9 : 0.0, fd ? dn / fd / 1e9 : 0.0,
+               dn / ed / 1e9, pd ? dn / pd / 1e9 : 0.0);
         free(x), free(h), free(y);
     }
     printf("\nprefill, a %lld x %lld bf16 matmul, GFLOP/s (fast | exact)\n", (long long)I, (long long)H);
