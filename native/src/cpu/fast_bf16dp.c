@@ -457,6 +457,8 @@ static void pan_matmul(float *y, int64_t ldy, const float *x, const wmat *W, int
  * 24 accumulators, tiles of TT tokens, steps of `step` tokens. */
 #define GU_PER0(R) ((R) <= 3 ? 4 : (R) == 4 ? 3 : (R) <= 6 ? 2 : 1)
 #define GU_PER(R) (GU_PER0(R) < CB_PANEL_UNITS / 16 ? GU_PER0(R) : CB_PANEL_UNITS / 16)
+/* n tokens on the pass's vectors: GU_PER(n) of them for a lone step (decode), GU_PER(PAN_STEP)
+ * for every step of a prefill tile, its last and shorter one too */
 #define GU_CHAIN(n) pan_chain(acc, vp, S, xs, np, 2 * GU_PER(step == PAN_STEP ? PAN_STEP : (n)), n)
 DP_AI void pan_gateup_in(float *h, const float *x, const wgu *W, int64_t T, int64_t i0, int64_t i1, int rnd,
                          uint32_t *xp, int64_t TT, const int64_t step) {
