@@ -276,6 +276,26 @@ def test_side_by_side_smoke(model, tmp_path):
     assert "fast vs exact, f32" in r.stdout and "| colibri fast [" in r.stdout
 
 
+def test_prefill_rounds_tool(model, tmp_path):
+    """tools/prefill_rounds.py: both engines' prefills alternate, one ratio a round, their
+    median printed and written."""
+    out = tmp_path / "rounds.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "prefill_rounds.py"), "--model", model[1],
+                        "--hf-dir", model[0], "--rounds", "3", "--tokens", "24", "--dtype", "f32",
+                        "--precision", "exact", "--json", out],
+                       capture_output=True, text=True, timeout=240, cwd=REPO, env=env, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert len(res["rounds"]) == 3
+    for x in res["rounds"]:
+        assert x["colibri"] > 0 and x["transformers"] > 0
+        assert math.isclose(x["ratio"], x["colibri"] / x["transformers"])
+    assert math.isclose(res["medians"]["ratio"], sorted(x["ratio"] for x in res["rounds"])[1])
+    assert "median of 3 rounds" in r.stdout and r.stdout.count("round ") >= 3
+
+
 def test_precision_is_checked(tmp_path):
     r = _run_module("--smoke", "--precision", "exact,turbo", "--cache-dir", tmp_path)
     assert r.returncode == 2 and "--precision takes exact, fast" in r.stderr
