@@ -105,15 +105,14 @@ static void xt_pack(uint32_t *XT, const float *x, int64_t ldx, int64_t nt, int64
 }
 
 /* The micro-kernels: RB rows by NV token vectors of accumulators, acc[r][v] lane l the chain
- * of row r (dword pointer w[r], pair q at w[r][q * S]: S = 1 row-major, else the panel
- * layout's stride) and token 16 v + l. One function per shape
+ * of row r (row-major: dword pointer w[r], pair q at w[r][q]) and token 16 v + l. One function per shape
  * with arrays of literal sizes, so that the compiler keeps them all in registers. */
 #define TOK_CHAIN(RB, NV)                                                                                \
     for (int64_t q = 0; q < np; q++) {                                                                   \
         vi xv[NV];                                                                                       \
         for (int v = 0; v < NV; v++) xv[v] = _mm512_loadu_si512(XT + (q * NV + v) * 16);                 \
         for (int r = 0; r < RB; r++) {                                                                   \
-            vi b = _mm512_set1_epi32((int)w[r][q * S]);                                                  \
+            vi b = _mm512_set1_epi32((int)w[r][q]);                                                  \
             for (int v = 0; v < NV; v++) acc[r][v] = dp(acc[r][v], xv[v], b);                            \
         }                                                                                                \
     }
@@ -122,7 +121,7 @@ static void xt_pack(uint32_t *XT, const float *x, int64_t ldx, int64_t nt, int64
  * the chains stored in y when cont; rows past nr repeat a valid one and are not stored. */
 #define TOK_MM(RB, NV)                                                                                             \
     static __attribute__((noinline)) void tok_mm_##RB##x##NV(float *y, int64_t ldy, const uint32_t *XT, const uint32_t *const *wp,          \
-                                   int64_t S, int64_t np, int64_t nr, int64_t nt, int cont) {                                 \
+                                   int64_t np, int64_t nr, int64_t nt, int cont) {                                 \
         vf acc[RB][NV];                                                                                            \
         const uint32_t *w[RB];                                                                                     \
         float tile[RB][NV * 16];                                                                                   \
@@ -151,7 +150,7 @@ TOK_MM(8, 1)
  * RG up rows up[] (dword pointers), whole rows (np pairs) in one pass. */
 #define TOK_GU(RG, NV)                                                                                             \
     static __attribute__((noinline)) void tok_gu_##RG##x##NV(float *h, int64_t ldh, const uint32_t *XT, const uint32_t *const *gp,          \
-                                   const uint32_t *const *up, int64_t S, int64_t np, int64_t nr, int64_t nt, int rnd) {       \
+                                   const uint32_t *const *up, int64_t np, int64_t nr, int64_t nt, int rnd) {       \
         vf acc[2 * RG][NV];                                                                                        \
         const uint32_t *w[2 * RG];                                                                                 \
         for (int r = 0; r < RG; r++) w[r] = gp[r], w[RG + r] = up[r];                                              \
@@ -234,8 +233,8 @@ DP_AI int64_t gu_group_end(const wgu *m, int64_t i) {
  * its lanes are used, the decode layout 16 loads and a transpose per 16 rows and 32 columns
  * plus one vdpbf16ps per token, less for up to CB_DP_ROWS_T tokens. Same bits either way.
  * Rows [n0, n1) of W into y + (n - n0); units [i0, i1) of h. */
-static void few_matmul(float *y, int64_t ldy, const float *x, const wmat *W, int64_t T, int64_t n0, int64_t n1);
-static void few_gateup(float *h, const float *x, const wgu *W, int64_t R, int64_t i0, int64_t i1, int rnd);
+static void row_matmul(float *y, int64_t ldy, const float *x, const uint16_t *W, int64_t T, int64_t N, int64_t K);
+static void row_gateup(float *h, const float *x, const wgu *W, int64_t R, int64_t i0, int64_t i1, int rnd);
 
 /* Of T > CB_DP_ROWS_T tokens, how many the token lanes take: all, or all but a last partial
  * vector that the decode layout takes. */
@@ -244,24 +243,23 @@ static int64_t tok_lanes(int64_t T) { return T % 16 <= CB_DP_ROWS_T ? T - T % 16
 static void tok_matmul(float *y, int64_t ldy, const float *x, const wmat *W, int64_t T0, int64_t n0, int64_t n1) {
     uint32_t XT[XT_DWORDS];
     int64_t T = tok_lanes(T0), K = W->K;
-    if (T < T0) few_matmul(y + T * ldy, ldy, x + T * K, W, T0 - T, n0, n1);
+    if (T < T0) row_matmul(y + T * ldy, ldy, x + T * K, W->w + (size_t)n0 * (size_t)K, T0 - T, n1 - n0, K);
     for (int64_t t0 = 0; t0 < T; t0 += MM_TT) {
         int64_t nt = T - t0 < MM_TT ? T - t0 : MM_TT, NV = (nt + 15) / 16, RB = tok_rows(NV);
         for (int64_t k0 = 0; k0 < K; k0 += MM_KC) {
             int64_t kc = K - k0 < MM_KC ? K - k0 : MM_KC;
             xt_pack(XT, x + t0 * K, K, nt, k0, kc);
             for (int64_t n = n0, nr; n < n1; n += nr) {
-                int64_t e = wgroup_end(W, n) < n1 ? wgroup_end(W, n) : n1, S = 1;
-                nr = e - n < RB ? e - n : RB;
+                nr = n1 - n < RB ? n1 - n : RB;
                 const uint32_t *w[16];
-                for (int64_t r = 0; r < RB; r++) w[r] = wrow(W, n + (r < nr ? r : nr - 1), &S);
-                for (int64_t r = 0; r < RB; r++) w[r] += k0 / 2 * S;
+                for (int64_t r = 0; r < RB; r++)
+                    w[r] = (const uint32_t *)(W->w + (size_t)(n + (r < nr ? r : nr - 1)) * (size_t)K) + k0 / 2;
                 float *yt = y + t0 * ldy + (n - n0);
                 int cont = k0 > 0;
-                if (NV == 4) tok_mm_6x4(yt, ldy, XT, w, S, kc / 2, nr, nt, cont);
-                else if (NV == 3) tok_mm_8x3(yt, ldy, XT, w, S, kc / 2, nr, nt, cont);
-                else if (NV == 2) tok_mm_8x2(yt, ldy, XT, w, S, kc / 2, nr, nt, cont);
-                else tok_mm_8x1(yt, ldy, XT, w, S, kc / 2, nr, nt, cont);
+                if (NV == 4) tok_mm_6x4(yt, ldy, XT, w, kc / 2, nr, nt, cont);
+                else if (NV == 3) tok_mm_8x3(yt, ldy, XT, w, kc / 2, nr, nt, cont);
+                else if (NV == 2) tok_mm_8x2(yt, ldy, XT, w, kc / 2, nr, nt, cont);
+                else tok_mm_8x1(yt, ldy, XT, w, kc / 2, nr, nt, cont);
             }
         }
     }
@@ -270,18 +268,18 @@ static void tok_matmul(float *y, int64_t ldy, const float *x, const wmat *W, int
 static void tok_gateup(float *h, const float *x, const wgu *W, int64_t R0, int64_t i0, int64_t i1, int rnd) {
     uint32_t XT[XT_DWORDS];
     int64_t R = tok_lanes(R0), H = W->H, I = W->I;
-    if (R < R0) few_gateup(h + R * I, x + R * H, W, R0 - R, i0, i1, rnd);
+    if (R < R0) row_gateup(h + R * I, x + R * H, W, R0 - R, i0, i1, rnd);
     int64_t TT = (int64_t)XT_DWORDS / (H / 2) / 16 * 16; /* whole rows in one pass */
     if (TT > 64) TT = 64;
     for (int64_t t0 = 0; t0 < R; t0 += TT) {
         int64_t nt = R - t0 < TT ? R - t0 : TT, NV = (nt + 15) / 16, RG = tok_rows(NV) / 2;
         xt_pack(XT, x + t0 * H, H, nt, 0, H);
         for (int64_t c = i0, nr; c < i1; c += nr) {
-            int64_t e = gu_group_end(W, c) < i1 ? gu_group_end(W, c) : i1, S = 1;
-            nr = e - c < RG ? e - c : RG;
+            int64_t S; /* 1: row-major rows */
+            nr = i1 - c < RG ? i1 - c : RG;
             const uint32_t *g[8], *u[8];
             for (int64_t r = 0; r < RG; r++) gu_row(W, c + (r < nr ? r : nr - 1), &g[r], &u[r], &S);
-            if (!W->G && c + RG < i1) /* the next call's rows: their first lines, the prefetchers then follow */
+            if (c + RG < i1) /* the next call's rows: their first lines, the prefetchers then follow */
                 for (int64_t r = 0; r < RG && c + RG + r < i1; r++) {
                     const uint32_t *gp, *up_;
                     int64_t S1;
@@ -292,10 +290,10 @@ static void tok_gateup(float *h, const float *x, const wgu *W, int64_t R0, int64
                     }
                 }
             float *ht = h + t0 * I + c;
-            if (NV == 4) tok_gu_3x4(ht, I, XT, g, u, S, H / 2, nr, nt, rnd);
-            else if (NV == 3) tok_gu_4x3(ht, I, XT, g, u, S, H / 2, nr, nt, rnd);
-            else if (NV == 2) tok_gu_4x2(ht, I, XT, g, u, S, H / 2, nr, nt, rnd);
-            else tok_gu_4x1(ht, I, XT, g, u, S, H / 2, nr, nt, rnd);
+            if (NV == 4) tok_gu_3x4(ht, I, XT, g, u, H / 2, nr, nt, rnd);
+            else if (NV == 3) tok_gu_4x3(ht, I, XT, g, u, H / 2, nr, nt, rnd);
+            else if (NV == 2) tok_gu_4x2(ht, I, XT, g, u, H / 2, nr, nt, rnd);
+            else tok_gu_4x1(ht, I, XT, g, u, H / 2, nr, nt, rnd);
         }
     }
 }
@@ -507,20 +505,11 @@ static void pan_gateup(float *h, const float *x, const wgu *W, int64_t T, int64_
     }
 }
 
-static void few_matmul(float *y, int64_t ldy, const float *x, const wmat *W, int64_t T, int64_t n0, int64_t n1) {
-    if (W->G) pan_matmul(y, ldy, x, W, T, n0, n1);
-    else row_matmul(y, ldy, x, W->w + (size_t)n0 * (size_t)W->K, T, n1 - n0, W->K);
-}
-
-static void few_gateup(float *h, const float *x, const wgu *W, int64_t R, int64_t i0, int64_t i1, int rnd) {
-    if (W->G) pan_gateup(h, x, W, R, i0, i1, rnd);
-    else row_gateup(h, x, W, R, i0, i1, rnd);
-}
-
 /* ---- the entries -------------------------------------------------------------------------- */
 
 static void matmul_any(float *y, int64_t ldy, const float *x, const wmat *W, int64_t T, int64_t n0, int64_t n1) {
-    if (T <= CB_DP_ROWS_T || W->G) few_matmul(y, ldy, x, W, T, n0, n1);
+    if (W->G) pan_matmul(y, ldy, x, W, T, n0, n1); /* a panel copy: every token count */
+    else if (T <= CB_DP_ROWS_T) row_matmul(y, ldy, x, W->w + (size_t)n0 * (size_t)W->K, T, n1 - n0, W->K);
     else tok_matmul(y, ldy, x, W, T, n0, n1);
 }
 
@@ -538,7 +527,8 @@ void cb_bf16dp_matmul_panels(float *y, int64_t ldy, const float *x, const void *
 
 /* rnd: h rounded to bf16 (the packed expert's, fast.h) */
 static void gateup_any(float *h, const float *x, const wgu *W, int64_t R, int64_t i0, int64_t i1, int rnd) {
-    if (R <= CB_DP_ROWS_T || W->G) few_gateup(h, x, W, R, i0, i1, rnd);
+    if (W->G) pan_gateup(h, x, W, R, i0, i1, rnd); /* a panel copy: every token count */
+    else if (R <= CB_DP_ROWS_T) row_gateup(h, x, W, R, i0, i1, rnd);
     else tok_gateup(h, x, W, R, i0, i1, rnd);
 }
 
