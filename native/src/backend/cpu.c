@@ -143,6 +143,10 @@ static void add_inplace(float *x, const float *d, int64_t n) {
  * BF16 table converts the rows' h once per block for all the columns of a chunk (+3 % fast
  * prefill; the exact and int8 kernels measured the same or faster with it). */
 #define CB_DOWN_FEW_ROWS 8
+/* A matmul chunk streams at most about this many weight bytes: the LM head of a 32000-word
+ * vocabulary would otherwise take chunks of 8 MB, and the thread that finishes first waits
+ * for the other's last one (a decode step's LM head is one such section). */
+#define CB_CHUNK_MAX_BYTES (1 << 20)
 /* Element-wise / attention work (multiply-adds) below which a stage stays on one thread. */
 #define CB_PAR_MIN_WORK 65536
 
@@ -194,7 +198,10 @@ static void par_matmul(colibri_ctx *ctx, mm_task *m) {
     for (int j = 0; j < m->n_jobs; j++) rows += m->jobs[j].N;
     for (int j = 0; j < m->n_jobs; j++) {
         mm_job *b = &m->jobs[j];
-        b->len = rows < CB_PAR_MIN_ROWS ? b->N : chunk_len(ctx, b->N, b->w.pan ? CB_PANEL_ROWS : 8, 16);
+        int64_t align = b->w.pan ? CB_PANEL_ROWS : 8;
+        b->len = rows < CB_PAR_MIN_ROWS ? b->N : chunk_len(ctx, b->N, align, 16);
+        int64_t cap = CB_CHUNK_MAX_BYTES / cb_row_bytes(b->w.dt, (uint64_t)b->K) / align * align;
+        if (b->len > cap && cap > 0) b->len = cap;
         b->nch = (b->N + b->len - 1) / b->len;
         total += b->nch;
     }
@@ -331,6 +338,47 @@ static void gateup_clamped(const ffn_task *f, const ffn_job *b, int64_t lo, int6
     }
 }
 
+/* h[:, lo..hi) of job b: gate/up, the activation, and in fast mode h rounded to bf16 when
+ * the down projection takes bf16 (a fast table's packed gate/up rounds h itself). */
+static void gateup_cols(const ffn_task *f, const ffn_job *b, int64_t lo, int64_t hi) {
+    const cb_ffn *w = b->f;
+    int rounded = 0;
+    if (b->u) {
+        gateup_clamped(f, b, lo, hi);
+    } else if (w->pan) { /* the panel copy (model/panels.c) */
+        f->fast->gateup_panels(b->h, b->x, (const uint8_t *)w->pan + (size_t)b->e * w->stride, b->R, f->H, b->I, lo,
+                               hi);
+        rounded = 1;
+    } else if (w->packed && cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) {
+        f->fast->gateup_packed(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, b->R, f->H, b->I,
+                               f->B, lo, hi);
+        rounded = 1;
+    } else if (w->packed) {
+        f->kern->expert_gateup(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, NULL, w->dt, b->R,
+                               f->H, b->I, f->B, lo, hi);
+    } else if (cb_fast_takes(f->fast, w->dt, f->H)) {
+        f->fast->gateup(b->h, b->x, (const uint8_t *)w->gate + (size_t)b->e * w->gu_stride,
+                        (const uint8_t *)w->up + (size_t)b->e * w->gu_stride, w->dt, b->R, f->H, b->I, lo, hi);
+    } else {
+        f->kern->expert_gateup(b->h, b->x, (const uint8_t *)w->gate + (size_t)b->e * w->gu_stride,
+                               (const uint8_t *)w->up + (size_t)b->e * w->gu_stride, w->dt, b->R, f->H, b->I, 0, lo,
+                               hi);
+    }
+    if (f->fast && w->down_dt == COLIBRI_DTYPE_BF16 && !rounded) /* the down projection's input */
+        cb_round_bf16_cols(b->h, b->R, b->I, lo, hi);
+}
+
+/* Block blk's sums of a split job's down projection: part[blk] = h[:, block] W2[:, block]^T
+ * (the fast table's own when it takes the expert). */
+static void down_block(const ffn_task *f, const ffn_job *b, int64_t blk) {
+    const cb_ffn *w = b->f;
+    float *part = b->part + blk * b->R * f->H;
+    const void *ew = (const uint8_t *)(w->pan ? w->pan : w->packed) + (size_t)b->e * w->stride;
+    if (w->pan) f->fast->down_part_panels(part, b->h, ew, b->R, f->H, b->I, blk);
+    else if (cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) f->fast->down_part(part, b->h, ew, b->R, f->H, b->I, blk);
+    else f->kern->expert_down_part(part, b->h, ew, w->dt, b->R, f->H, b->I, blk);
+}
+
 static void ffn_chunk(void *arg, int64_t c, int tid) {
     (void)tid;
     const ffn_task *f = (const ffn_task *)arg;
@@ -338,33 +386,10 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
     if (f->phase == 0) {
         while (c >= f->jobs[j].nch0) c -= f->jobs[j++].nch0;
         const ffn_job *b = &f->jobs[j];
-        const cb_ffn *w = b->f;
         int64_t lo = c * b->len0, hi = lo + b->len0 < b->I ? lo + b->len0 : b->I;
-        int rounded = 0; /* a fast table's packed gate/up rounds h itself (fast.h) */
-        if (b->u) {
-            gateup_clamped(f, b, lo, hi);
-        } else if (w->pan) { /* the panel copy (model/panels.c) */
-            f->fast->gateup_panels(b->h, b->x, (const uint8_t *)w->pan + (size_t)b->e * w->stride, b->R, f->H, b->I,
-                                   lo, hi);
-            rounded = 1;
-        } else if (w->packed && cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) {
-            f->fast->gateup_packed(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, b->R, f->H,
-                                   b->I, f->B, lo, hi);
-            rounded = 1;
-        } else if (w->packed) {
-            f->kern->expert_gateup(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, NULL, w->dt,
-                                   b->R, f->H, b->I, f->B, lo, hi);
-        } else if (cb_fast_takes(f->fast, w->dt, f->H)) {
-            f->fast->gateup(b->h, b->x, (const uint8_t *)w->gate + (size_t)b->e * w->gu_stride,
-                            (const uint8_t *)w->up + (size_t)b->e * w->gu_stride, w->dt, b->R, f->H, b->I, lo, hi);
-        } else {
-            f->kern->expert_gateup(b->h, b->x, (const uint8_t *)w->gate + (size_t)b->e * w->gu_stride,
-                                   (const uint8_t *)w->up + (size_t)b->e * w->gu_stride, w->dt, b->R, f->H, b->I,
-                                   0, lo, hi);
-        }
-        if (f->fast && w->down_dt == COLIBRI_DTYPE_BF16 && !rounded) /* the down projection's input */
-            cb_round_bf16_cols(b->h, b->R, b->I, lo, hi);
-    } else if (f->phase == 1) {
+        gateup_cols(f, b, lo, hi);
+        if (b->part) down_block(f, b, c); /* a split job's chunk c is its block c */
+    } else if (f->phase == 1) { /* the down projections of the jobs not split */
         while (c >= f->jobs[j].nch1) c -= f->jobs[j++].nch1;
         const ffn_job *b = &f->jobs[j];
         const cb_ffn *w = b->f;
@@ -383,24 +408,10 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
             }
             return;
         }
-        if (w->pan) { /* the panel copy (model/panels.c) */
-            const void *ep = (const uint8_t *)w->pan + (size_t)b->e * w->stride;
-            if (b->part) f->fast->down_part_panels(b->part + c * b->R * f->H, b->h, ep, b->R, f->H, b->I, c);
-            else f->fast->down_panels(b->y, b->h, ep, b->R, f->H, b->I, lo, hi);
-            return;
-        }
-        const void *ew = (const uint8_t *)w->packed + (size_t)b->e * w->stride;
-        int fast = cb_fast_takes_packed(f->fast, w->dt, f->H, b->I);
-        if (b->part) { /* block c's sums (the fast table's own when it takes the expert) */
-            if (fast) f->fast->down_part(b->part + c * b->R * f->H, b->h, ew, b->R, f->H, b->I, c);
-            else f->kern->expert_down_part(b->part + c * b->R * f->H, b->h, ew, w->dt, b->R, f->H, b->I, c);
-            return;
-        }
-        if (fast) {
-            f->fast->down_packed(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
-            return;
-        }
-        f->kern->expert_down(b->y, b->h, ew, w->dt, b->R, f->H, b->I, lo, hi);
+        const void *ew = (const uint8_t *)(w->pan ? w->pan : w->packed) + (size_t)b->e * w->stride;
+        if (w->pan) f->fast->down_panels(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
+        else if (cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) f->fast->down_packed(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
+        else f->kern->expert_down(b->y, b->h, ew, w->dt, b->R, f->H, b->I, lo, hi);
     } else { /* y = p0 + p1 + ... in block order, the order expert_down adds them */
         for (;; j++) { /* chunk c is row c of the split groups, in job order */
             if (!f->jobs[j].part) continue;
@@ -412,12 +423,14 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
         float *y = b->y + c * H;
         const float *p = b->part + c * H;
         for (int64_t k = 0; k < H; k++) y[k] = p[k];
-        for (int64_t blk = 1; blk < b->nch1; blk++)
+        for (int64_t blk = 1; blk < b->nch0; blk++)
             for (int64_t k = 0; k < H; k++) y[k] = y[k] + p[blk * n + k];
     }
 }
 
 _Static_assert(CB_SPLIT_MAX_ROWS <= CB_FAST_PART_MAX_ROWS, "a fast table's down_part takes the split groups");
+_Static_assert(CB_DOWN_BLOCK % CB_PANEL_UNITS == 0 && CB_DOWN_BLOCK % 8 == 0,
+               "a split job's gate/up chunks (one down block each) keep the gate/up kernels' alignment");
 
 static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
     int64_t H = ctx->cfg.hidden, n0 = 0, n1 = 0, n2 = 0, sum_work = 0;
@@ -426,19 +439,23 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
     for (int j = 0; j < n_jobs; j++) {
         ffn_job *b = &jobs[j];
         int64_t nblk = (b->I + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK;
-        b->len0 = chunk_len(ctx, b->I, b->f->pan ? CB_PANEL_UNITS : 8, 64);
-        b->nch0 = (b->I + b->len0 - 1) / b->len0;
         b->part = NULL;
         if (b->f->packed && b->R <= CB_SPLIT_MAX_ROWS && nblk * b->R <= part_left &&
             (!cb_fast_takes_packed(ctx->fast, b->f->dt, H, b->I) || ctx->fast->down_part)) {
+            /* split: chunk c computes h's columns of down block c and that block's sums, so
+             * gate/up and down need no barrier between them */
             b->part = part;
             part += nblk * b->R * H;
             part_left -= nblk * b->R;
+            b->len0 = CB_DOWN_BLOCK;
+            b->nch0 = nblk;
             b->len1 = 0;
-            b->nch1 = nblk;
+            b->nch1 = 0;
             n2 += b->R;
             sum_work += nblk * b->R * H;
         } else {
+            b->len0 = chunk_len(ctx, b->I, b->f->pan ? CB_PANEL_UNITS : 8, 64);
+            b->nch0 = (b->I + b->len0 - 1) / b->len0;
             b->len1 = chunk_len(ctx, H, b->f->pan ? CB_PANEL_DOWN_COLS : 32, b->R > CB_DOWN_FEW_ROWS ? 256 : 64);
             b->nch1 = (H + b->len1 - 1) / b->len1;
         }
@@ -448,8 +465,10 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
     ffn_task f = {ctx->kern, ctx->fast, H, ctx->cfg.block_size, n_jobs, 0, jobs, ctx->cfg.swiglu_limit,
                   ctx->cfg.swiglu_alpha};
     cb_pool_run(ctx->pool, ffn_chunk, &f, n0);
-    f.phase = 1;
-    cb_pool_run(ctx->pool, ffn_chunk, &f, n1);
+    if (n1 > 0) {
+        f.phase = 1;
+        cb_pool_run(ctx->pool, ffn_chunk, &f, n1);
+    }
     if (n2 > 0) {
         f.phase = 2; /* one chunk per row of the split groups */
         cb_pool_run(sum_work < CB_PAR_MIN_WORK ? NULL : ctx->pool, ffn_chunk, &f, n2);
