@@ -2,7 +2,9 @@
  * test_threadpool.c — the thread pool runs every chunk of every section exactly once and
  * returns only when all are done, for many short sections in a row (the decode pattern),
  * with 1 to 4 threads, including sections of one chunk and sections with more chunks
- * than threads; plus cb_physical_cores() >= 1. Exit 0 when every check passes.
+ * than threads; chunks that wait for lower chunks of their section (cb_pool_await) see what
+ * those wrote and never deadlock; plus cb_physical_cores() >= 1. Exit 0 when every check
+ * passes.
  */
 #include <stdatomic.h>
 #include <stdint.h>
@@ -31,6 +33,32 @@ static void chunk_fn(void *arg, int64_t c, int tid) {
     atomic_fetch_add(&t->sum, t->seq);
 }
 
+/* Chunk c > 0 waits for chunk (c - 1) / 2 (a lower index), reads its plain (non-atomic)
+ * depth, writes its own, then flags it: a tree of hand-offs across threads. */
+typedef struct handoff {
+    uint32_t flag[MAX_CHUNKS];
+    int depth[MAX_CHUNKS];
+    uint32_t stamp;
+} handoff;
+
+static void handoff_fn(void *arg, int64_t c, int tid) {
+    (void)tid;
+    handoff *h = (handoff *)arg;
+    int d = 0;
+    if (c > 0) {
+        cb_pool_await(&h->flag[(c - 1) / 2], h->stamp);
+        d = h->depth[(c - 1) / 2] + 1;
+    }
+    h->depth[c] = d;
+    cb_pool_signal(&h->flag[c], h->stamp);
+}
+
+static int tree_depth(int64_t c) {
+    int d = 0;
+    for (; c > 0; c = (c - 1) / 2) d++;
+    return d;
+}
+
 int main(void) {
     int fails = 0;
     long checks = 0;
@@ -55,6 +83,18 @@ int main(void) {
             for (int64_t c = 0; c < MAX_CHUNKS; c++) ok &= atomic_load(&t.hits[c]) == (c < nc ? 1 : 0);
             if (!ok && fails++ < 10) printf("FAIL: %d threads, section %llu of %lld chunks: a chunk ran 0 or 2+ times\n",
                                            n, (unsigned long long)s, (long long)nc);
+        }
+        static handoff h; /* flags start at 0; stamps count from 1 */
+        for (uint32_t s = 1; s <= 5000; s++) {
+            int64_t nc = (int64_t)(s * 7919u % MAX_CHUNKS) + 1;
+            h.stamp = s + (uint32_t)n * 5000u;
+            for (int64_t c = 0; c < MAX_CHUNKS; c++) h.depth[c] = -1;
+            cb_pool_run(p, handoff_fn, &h, nc);
+            checks++;
+            int ok = 1;
+            for (int64_t c = 0; c < nc; c++) ok &= h.depth[c] == tree_depth(c);
+            if (!ok && fails++ < 10) printf("FAIL: %d threads, hand-off section %u of %lld chunks: a chunk read "
+                                            "a depth before its writer flagged it\n", n, s, (long long)nc);
         }
         cb_pool_free(p);
     }

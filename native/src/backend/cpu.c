@@ -281,23 +281,35 @@ typedef struct ffn_job {
     const cb_ffn *f;
     int64_t e;         /* the expert */
     int64_t R, I;
-    int64_t len0, nch0; /* gate/up: intermediate columns per chunk, chunks */
-    int64_t len1, nch1; /* down: output columns per chunk, chunks; or one block per chunk */
-    float *part;        /* NULL, or the split down projection's [nch1, R, H] block sums */
     float *u;           /* NULL: silu_glu; else clamped_swiglu (split FFN) with this [R, I]
                          * scratch for the up projection */
+    /* set by par_ffn */
+    int64_t len0, nch0; /* gate/up: intermediate columns per chunk, chunks (split: blocks) */
+    int64_t len1, nch1; /* down, jobs not split: output columns per chunk, chunks */
+    float *part;        /* NULL, or the split down projection's [nch0, R, H] block sums */
+    uint32_t *ready;    /* split: [2, nch0] flags, block b's h ready, its sums ready */
 } ffn_job;
 
+static ffn_job ffn_job_of(float *y, float *h, const float *x, const cb_ffn *f, int64_t e, int64_t R, int64_t I,
+                          float *u) {
+    return (ffn_job){.y = y, .h = h, .x = x, .f = f, .e = e, .R = R, .I = I, .u = u};
+}
 
-/* Every non-empty expert group of a layer (or one dense/shared FFN), in two sections:
- * gate/up split by intermediate columns, then down split by output columns (or by blocks
- * of intermediate rows, and a third section adds the blocks up). */
+
+/* Every non-empty expert group of a layer (or one dense/shared FFN). Section 0: every
+ * job's gate/up chunks (by intermediate columns), then the split jobs' down blocks, then
+ * their sums, row by row; section 1: the down projections of the jobs not split (by output
+ * columns). A split job's gate/up chunk c computes the h columns of its down block c, and
+ * flags (core/threadpool.h cb_pool_await) hand h to the block's down chunk and the blocks'
+ * sums to the row sums, so a decode step's FFN is one section that ends on short chunks. */
 typedef struct ffn_task {
     const cb_kernels *kern;
     const cb_fast_kernels *fast; /* fast mode's table, or NULL */
     int64_t H, B;
     int n_jobs;
-    int phase;         /* 0: gate/up, 1: down, 2: sum of the block parts */
+    int phase;         /* section 0 or 1 */
+    int64_t n_gateup, n_blocks; /* section 0's gate/up chunks, then its down-block chunks */
+    uint32_t stamp;    /* this call's value of the split jobs' ready flags */
     const ffn_job *jobs;
     float limit, alpha; /* clamped_swiglu's (jobs with u) */
 } ffn_task;
@@ -379,52 +391,74 @@ static void down_block(const ffn_task *f, const ffn_job *b, int64_t blk) {
     else f->kern->expert_down_part(part, b->h, ew, w->dt, b->R, f->H, b->I, blk);
 }
 
+/* The down projection of a job not split, output columns lo..hi. */
+static void down_cols(const ffn_task *f, const ffn_job *b, int64_t lo, int64_t hi) {
+    const cb_ffn *w = b->f;
+    if (!w->packed) { /* split FFN: output rows lo..hi of the down matrix [H, I] */
+        size_t rb = (size_t)cb_row_bytes(w->down_dt, (uint64_t)b->I);
+        const uint8_t *wd = (const uint8_t *)w->down + (size_t)b->e * w->down_stride + (size_t)lo * rb;
+        if (cb_fast_takes(f->fast, w->down_dt, b->I))
+            f->fast->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
+        else
+            f->kern->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
+        if (w->down_bias) {
+            const float *db = w->down_bias + b->e * f->H;
+            for (int64_t r = 0; r < b->R; r++)
+                for (int64_t k = lo; k < hi; k++) b->y[r * f->H + k] += db[k];
+        }
+        return;
+    }
+    const void *ew = (const uint8_t *)(w->pan ? w->pan : w->packed) + (size_t)b->e * w->stride;
+    if (w->pan) f->fast->down_panels(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
+    else if (cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) f->fast->down_packed(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
+    else f->kern->expert_down(b->y, b->h, ew, w->dt, b->R, f->H, b->I, lo, hi);
+}
+
+/* Row r of a split job: y = p0 + p1 + ... in block order, the order expert_down adds them. */
+static void sum_row(const ffn_task *f, const ffn_job *b, int64_t r) {
+    int64_t H = f->H, n = b->R * H;
+    float *y = b->y + r * H;
+    const float *p = b->part + r * H;
+    for (int64_t k = 0; k < H; k++) y[k] = p[k];
+    for (int64_t blk = 1; blk < b->nch0; blk++)
+        for (int64_t k = 0; k < H; k++) y[k] = y[k] + p[blk * n + k];
+}
+
 static void ffn_chunk(void *arg, int64_t c, int tid) {
     (void)tid;
     const ffn_task *f = (const ffn_task *)arg;
     int j = 0;
-    if (f->phase == 0) {
+    if (f->phase == 1) { /* the down projections of the jobs not split */
+        while (c >= f->jobs[j].nch1) c -= f->jobs[j++].nch1;
+        const ffn_job *b = &f->jobs[j];
+        int64_t lo = c * b->len1, hi = lo + b->len1 < f->H ? lo + b->len1 : f->H;
+        down_cols(f, b, lo, hi);
+    } else if (c < f->n_gateup) {
         while (c >= f->jobs[j].nch0) c -= f->jobs[j++].nch0;
         const ffn_job *b = &f->jobs[j];
         int64_t lo = c * b->len0, hi = lo + b->len0 < b->I ? lo + b->len0 : b->I;
         gateup_cols(f, b, lo, hi);
-        if (b->part) down_block(f, b, c); /* a split job's chunk c is its block c */
-    } else if (f->phase == 1) { /* the down projections of the jobs not split */
-        while (c >= f->jobs[j].nch1) c -= f->jobs[j++].nch1;
-        const ffn_job *b = &f->jobs[j];
-        const cb_ffn *w = b->f;
-        int64_t lo = c * b->len1, hi = lo + b->len1 < f->H ? lo + b->len1 : f->H;
-        if (!w->packed) { /* split: output rows lo..hi of the down matrix [H, I] */
-            size_t rb = (size_t)cb_row_bytes(w->down_dt, (uint64_t)b->I);
-            const uint8_t *wd = (const uint8_t *)w->down + (size_t)b->e * w->down_stride + (size_t)lo * rb;
-            if (cb_fast_takes(f->fast, w->down_dt, b->I))
-                f->fast->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
-            else
-                f->kern->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
-            if (w->down_bias) {
-                const float *db = w->down_bias + b->e * f->H;
-                for (int64_t r = 0; r < b->R; r++)
-                    for (int64_t k = lo; k < hi; k++) b->y[r * f->H + k] += db[k];
-            }
-            return;
+        if (b->part) cb_pool_signal(&b->ready[c], f->stamp); /* block c's h */
+    } else if ((c -= f->n_gateup) < f->n_blocks) { /* a split job's down block */
+        for (;; j++) { /* the split jobs' blocks, in job order */
+            if (!f->jobs[j].part) continue;
+            if (c < f->jobs[j].nch0) break;
+            c -= f->jobs[j].nch0;
         }
-        const void *ew = (const uint8_t *)(w->pan ? w->pan : w->packed) + (size_t)b->e * w->stride;
-        if (w->pan) f->fast->down_panels(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
-        else if (cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) f->fast->down_packed(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
-        else f->kern->expert_down(b->y, b->h, ew, w->dt, b->R, f->H, b->I, lo, hi);
-    } else { /* y = p0 + p1 + ... in block order, the order expert_down adds them */
-        for (;; j++) { /* chunk c is row c of the split groups, in job order */
+        const ffn_job *b = &f->jobs[j];
+        cb_pool_await(&b->ready[c], f->stamp);
+        down_block(f, b, c);
+        cb_pool_signal(&b->ready[b->nch0 + c], f->stamp);
+    } else { /* a row of a split job: the sum of its blocks */
+        c -= f->n_blocks;
+        for (;; j++) { /* the split jobs' rows, in job order */
             if (!f->jobs[j].part) continue;
             if (c < f->jobs[j].R) break;
             c -= f->jobs[j].R;
         }
         const ffn_job *b = &f->jobs[j];
-        int64_t H = f->H, n = b->R * H;
-        float *y = b->y + c * H;
-        const float *p = b->part + c * H;
-        for (int64_t k = 0; k < H; k++) y[k] = p[k];
-        for (int64_t blk = 1; blk < b->nch0; blk++)
-            for (int64_t k = 0; k < H; k++) y[k] = y[k] + p[blk * n + k];
+        for (int64_t blk = 0; blk < b->nch0; blk++) cb_pool_await(&b->ready[b->nch0 + blk], f->stamp);
+        sum_row(f, b, c);
     }
 }
 
@@ -433,45 +467,49 @@ _Static_assert(CB_DOWN_BLOCK % CB_PANEL_UNITS == 0 && CB_DOWN_BLOCK % 8 == 0,
                "a split job's gate/up chunks (one down block each) keep the gate/up kernels' alignment");
 
 static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
-    int64_t H = ctx->cfg.hidden, n0 = 0, n1 = 0, n2 = 0, sum_work = 0;
-    float *part = ctx->s.down_part;
-    int64_t part_left = ctx->s.down_part_rows;
+    cb_scratch *s = &ctx->s;
+    int64_t H = ctx->cfg.hidden, n_gateup = 0, n_blocks = 0, n_rows = 0, n1 = 0;
+    float *part = s->down_part;
+    uint32_t *ready = s->split_ready;
+    int64_t part_left = s->down_part_rows;
+    if (++s->split_stamp <= 1) { /* first use, or the stamp wrapped: no flag may hold it */
+        memset(s->split_ready, 0, 2 * (size_t)s->down_part_rows * sizeof *s->split_ready);
+        s->split_stamp = 1;
+    }
     for (int j = 0; j < n_jobs; j++) {
         ffn_job *b = &jobs[j];
         int64_t nblk = (b->I + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK;
         b->part = NULL;
+        b->ready = NULL;
         if (b->f->packed && b->R <= CB_SPLIT_MAX_ROWS && nblk * b->R <= part_left &&
             (!cb_fast_takes_packed(ctx->fast, b->f->dt, H, b->I) || ctx->fast->down_part)) {
-            /* split: chunk c computes h's columns of down block c and that block's sums, so
-             * gate/up and down need no barrier between them */
+            /* split: gate/up chunk c = the h columns of down block c */
             b->part = part;
+            b->ready = ready;
             part += nblk * b->R * H;
+            ready += 2 * nblk; /* nblk <= nblk * R: within 2 * down_part_rows */
             part_left -= nblk * b->R;
             b->len0 = CB_DOWN_BLOCK;
             b->nch0 = nblk;
             b->len1 = 0;
             b->nch1 = 0;
-            n2 += b->R;
-            sum_work += nblk * b->R * H;
+            n_blocks += nblk;
+            n_rows += b->R;
         } else {
             b->len0 = chunk_len(ctx, b->I, b->f->pan ? CB_PANEL_UNITS : 8, 64);
             b->nch0 = (b->I + b->len0 - 1) / b->len0;
             b->len1 = chunk_len(ctx, H, b->f->pan ? CB_PANEL_DOWN_COLS : 32, b->R > CB_DOWN_FEW_ROWS ? 256 : 64);
             b->nch1 = (H + b->len1 - 1) / b->len1;
         }
-        n0 += b->nch0;
+        n_gateup += b->nch0;
         n1 += b->nch1;
     }
-    ffn_task f = {ctx->kern, ctx->fast, H, ctx->cfg.block_size, n_jobs, 0, jobs, ctx->cfg.swiglu_limit,
-                  ctx->cfg.swiglu_alpha};
-    cb_pool_run(ctx->pool, ffn_chunk, &f, n0);
+    ffn_task f = {ctx->kern, ctx->fast, H, ctx->cfg.block_size, n_jobs, 0, n_gateup, n_blocks, s->split_stamp, jobs,
+                  ctx->cfg.swiglu_limit, ctx->cfg.swiglu_alpha};
+    cb_pool_run(ctx->pool, ffn_chunk, &f, n_gateup + n_blocks + n_rows);
     if (n1 > 0) {
         f.phase = 1;
         cb_pool_run(ctx->pool, ffn_chunk, &f, n1);
-    }
-    if (n2 > 0) {
-        f.phase = 2; /* one chunk per row of the split groups */
-        cb_pool_run(sum_work < CB_PAR_MIN_WORK ? NULL : ctx->pool, ffn_chunk, &f, n2);
     }
 }
 
@@ -633,8 +671,8 @@ static ffn_job expert_job(const colibri_ctx *ctx, const cb_ffn *f, int64_t e) {
     const cb_scratch *s = &ctx->s;
     int64_t H = ctx->cfg.hidden, I = ctx->cfg.inter;
     int64_t r0 = s->expert_offset[e], R = s->expert_offset[e + 1] - r0;
-    return (ffn_job){s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, f, e, R, I, 0, 0, 0, 0, NULL,
-                     ctx->cfg.activation == CB_ACT_CLAMPED_SWIGLU ? s->ex_up + r0 * I : NULL};
+    return ffn_job_of(s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, f, e, R, I,
+                      ctx->cfg.activation == CB_ACT_CLAMPED_SWIGLU ? s->ex_up + r0 * I : NULL);
 }
 
 /* The expert predictor: layer l+1's router applied to layer l's FFN input (the residual
@@ -716,7 +754,7 @@ static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
     if (!L->moe) {
         predict_next(ctx, l);
         fast_round(ctx, s->xn, T * H, ffn_bf16(&L->dense));
-        jobs[0] = (ffn_job){s->delta, s->ffn_h, s->xn, &L->dense, 0, T, c->dense_inter, 0, 0, 0, 0, NULL, NULL};
+        jobs[0] = ffn_job_of(s->delta, s->ffn_h, s->xn, &L->dense, 0, T, c->dense_inter, NULL);
         par_ffn(ctx, jobs, 1);
         return;
     }
@@ -736,7 +774,7 @@ static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
     }
     /* routed sum + sigmoid(g . x) * shared(x), as transformers' Qwen2-MoE */
     if (L->has_shared)
-        jobs[n_jobs++] = (ffn_job){s->sh_out, s->ffn_h, s->xn, &L->shared, 0, T, c->shared_inter, 0, 0, 0, 0, NULL, NULL};
+        jobs[n_jobs++] = ffn_job_of(s->sh_out, s->ffn_h, s->xn, &L->shared, 0, T, c->shared_inter, NULL);
     if (n_jobs > 0) par_ffn(ctx, jobs, n_jobs);
     if (L->has_shared) {
         if (L->shared_gate.w) {
@@ -796,8 +834,7 @@ int cb_cpu_moe_input_bf16(const colibri_ctx *ctx, uint32_t l) {
 void cb_cpu_expert_rows(colibri_ctx *ctx, uint32_t l, int64_t e, const float *x, float *h, float *u, float *y,
                         int64_t rows) {
     const cb_ffn *f = &ctx->w.layers[l].experts;
-    ffn_job job = {y, h, x, f, e, rows, ctx->cfg.inter, 0, 0, 0, 0, NULL,
-                   ctx->cfg.activation == CB_ACT_CLAMPED_SWIGLU ? u : NULL};
+    ffn_job job = ffn_job_of(y, h, x, f, e, rows, ctx->cfg.inter, ctx->cfg.activation == CB_ACT_CLAMPED_SWIGLU ? u : NULL);
     if (rows > 0) par_ffn(ctx, &job, 1);
 }
 

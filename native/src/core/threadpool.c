@@ -207,6 +207,14 @@ void cb_pool_run(cb_pool *p, cb_pool_fn fn, void *arg, int64_t n_chunks) {
     atomic_thread_fence(memory_order_acquire);
 }
 
+/* GCC/Clang atomic builtins on plain uint32_t: the flags live in the arena's scratch
+ * (model/forward.h), which C++ (the CUDA backend) includes too. */
+void cb_pool_signal(uint32_t *flag, uint32_t stamp) { __atomic_store_n(flag, stamp, __ATOMIC_RELEASE); }
+
+void cb_pool_await(const uint32_t *flag, uint32_t stamp) {
+    while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) != stamp) cpu_relax();
+}
+
 int cb_pool_threads(const cb_pool *p) { return p ? p->n : 1; }
 
 void cb_pool_free(cb_pool *p) {

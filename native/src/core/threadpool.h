@@ -32,6 +32,16 @@ int cb_pool_create(cb_pool **out, int n_threads);
  * caller. Not reentrant: fn must not call cb_pool_run on the same pool. */
 void cb_pool_run(cb_pool *p, cb_pool_fn fn, void *arg, int64_t n_chunks);
 
+/* Chunks that hand results to later chunks of the same section. Chunks are claimed in
+ * ascending order, so a chunk that waits only for chunks of LOWER index waits for work that
+ * a running thread has already claimed: it cannot deadlock, and with one thread (chunks run
+ * in order) it never waits. A flag holds a section's stamp once the work it stands for is
+ * done: cb_pool_signal publishes everything the chunk wrote before it (release),
+ * cb_pool_await spins until *flag == stamp and then sees those writes (acquire). Stamps
+ * change from section to section, so flags need no reset while a stamp is not reused. */
+void cb_pool_signal(uint32_t *flag, uint32_t stamp);
+void cb_pool_await(const uint32_t *flag, uint32_t stamp);
+
 /* Threads of the pool (1 for NULL). */
 int cb_pool_threads(const cb_pool *p);
 

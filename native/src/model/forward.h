@@ -78,6 +78,9 @@ typedef struct cb_scratch {
     float *route_group;  /* [E] group scores (n_group <= E) */
     uint8_t *route_skip; /* [2E] expert mask, then a group/in-group mask */
     float *down_part;    /* [down_part_rows, H] per-block partial sums of few-row down projections */
+    uint32_t *split_ready; /* [2 * down_part_rows] those blocks' h-ready and sums-ready flags
+                            * (backend/cpu.c par_ffn; core/threadpool.h cb_pool_await) */
+    uint32_t split_stamp;  /* par_ffn's last stamp in split_ready */
     /* the expert predictor (backend/cpu.c predict_next): layer l+1's router on layer l's FFN input */
     float *pred_xn;      /* [B, H] */
     float *pred_logits;  /* [B, E] */

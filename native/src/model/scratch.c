@@ -136,6 +136,7 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&s->seg_row, B + 1, 8, "seg_row"},
         {(void **)&s->seq_next, NS, 8, "seq_next"},
         {(void **)&s->down_part, (uint64_t)s->down_part_rows * H, 4, "down_part"},
+        {(void **)&s->split_ready, 2 * (uint64_t)s->down_part_rows, 4, "split_ready"},
         {(void **)&s->pred_xn, BH, 4, "pred_xn"},
         {(void **)&s->pred_logits, B * E, 4, "pred_logits"},
         {(void **)&s->pred_ids, B * K, 4, "pred_ids"},
