@@ -212,7 +212,12 @@ void cb_pool_run(cb_pool *p, cb_pool_fn fn, void *arg, int64_t n_chunks) {
 void cb_pool_signal(uint32_t *flag, uint32_t stamp) { __atomic_store_n(flag, stamp, __ATOMIC_RELEASE); }
 
 void cb_pool_await(const uint32_t *flag, uint32_t stamp) {
-    while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) != stamp) cpu_relax();
+    /* the awaited chunk is short, but its thread may be descheduled (a machine with more
+     * runnable threads than CPUs): spin, then yield the CPU to it */
+    for (int i = 0; __atomic_load_n(flag, __ATOMIC_ACQUIRE) != stamp; i++) {
+        if (i < CB_SPIN) cpu_relax();
+        else sched_yield();
+    }
 }
 
 int cb_pool_threads(const cb_pool *p) { return p ? p->n : 1; }

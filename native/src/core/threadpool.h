@@ -37,8 +37,9 @@ void cb_pool_run(cb_pool *p, cb_pool_fn fn, void *arg, int64_t n_chunks);
  * a running thread has already claimed: it cannot deadlock, and with one thread (chunks run
  * in order) it never waits. A flag holds a section's stamp once the work it stands for is
  * done: cb_pool_signal publishes everything the chunk wrote before it (release),
- * cb_pool_await spins until *flag == stamp and then sees those writes (acquire). Stamps
- * change from section to section, so flags need no reset while a stamp is not reused. */
+ * cb_pool_await waits (spins, then yields) until *flag == stamp and then sees those writes
+ * (acquire). Stamps change from section to section, so flags need no reset while a stamp
+ * is not reused. */
 void cb_pool_signal(uint32_t *flag, uint32_t stamp);
 void cb_pool_await(const uint32_t *flag, uint32_t stamp);
 
