@@ -37,7 +37,10 @@ def main() -> None:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f32"), help="transformers' dtype")
     p.add_argument("--json", help="write the rounds here")
     a = p.parse_args()
-    vocab = json.load(open(f"{a.hf_dir}/config.json"))["vocab_size"]
+    if a.rounds < 1 or a.tokens < 1 or a.threads < 1:
+        p.error("--rounds, --tokens and --threads must be >= 1")
+    with open(f"{a.hf_dir}/config.json") as f:
+        vocab = json.load(f)["vocab_size"]
     engines = {"colibri": Worker("colibri", a.model, a.threads, a.tokens + 8, a.precision),
                "transformers": Worker("transformers", a.hf_dir, a.dtype, a.threads)}
     rng = np.random.default_rng(0)
@@ -58,10 +61,9 @@ def main() -> None:
         for w in engines.values():
             w.close()
     med = {k: statistics.median(x[k] for x in rounds) for k in ("colibri", "transformers", "ratio")}
+    q1, q3 = np.percentile([x["ratio"] for x in rounds], [25, 75])
     print(f"median of {len(rounds)} rounds: colibri {med['colibri']:.1f} tok/s, transformers "
-          f"{med['transformers']:.1f} tok/s; median ratio {med['ratio']:.3f} "
-          f"(quartiles {np.percentile([x['ratio'] for x in rounds], 25):.3f}-"
-          f"{np.percentile([x['ratio'] for x in rounds], 75):.3f})")  # fmt: skip
+          f"{med['transformers']:.1f} tok/s; median ratio {med['ratio']:.3f} (quartiles {q1:.3f}-{q3:.3f})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "rounds": rounds, "medians": med}, f, indent=1)
