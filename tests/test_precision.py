@@ -179,21 +179,28 @@ def test_fast_batch_invariance(files, dtype):
             assert np.array_equal(out[s][0], eng.forward([nxt[s]], start_pos=lengths[s])[0]), s
 
 
+@pytest.mark.parametrize("precision", ["exact", "fast"])
 @pytest.mark.parametrize("dtype", ["bf16", "gptoss_bf16"])
-def test_panel_copies_give_the_same_bits(files, dtype):
-    """A fast table that reads the panel layout (cpu/fast.h) gets a copy of the BF16 weights
-    in it at load when the weights are populated ("panels" in config.kernels), and computes
-    the row-major kernels' bits with it: prefill, decode steps and a batch, on 1 and 2
-    threads, equal an engine that maps the file lazily (populate=False: no copy)."""
+def test_panel_copies_give_the_same_bits(files, dtype, precision):
+    """A table that reads a panel layout (cpu/panel.h: fast mode's avx512bf16 table, exact
+    mode's avx512 table) gets a copy of the BF16 weights in it at load when the weights are
+    populated ("panels" in config.kernels), and computes the row-major kernels' bits with it:
+    prefill, decode steps and a batch, on 1 and 2 threads, equal an engine that maps the file
+    lazily (populate=False: no copy)."""
     ids = _ids(files[dtype], 37, seed=6)
     out = {}
     for populate in (True, False):
         for threads in (1, 2):
-            with Engine(files[dtype], num_threads=threads, precision="fast", populate=populate) as eng:
-                if not populate or "bf16 avx512bf16" not in eng.config.kernels:
-                    assert " panels" not in eng.config.kernels, eng.config.kernels
+            with Engine(files[dtype], num_threads=threads, precision=precision, populate=populate) as eng:
+                kernels = eng.config.kernels
+                if precision == "fast":
+                    reads = "bf16 avx512bf16" in kernels
+                    assert (" panels" in kernels) == (populate and reads), kernels
+                    if populate and reads:
+                        assert "bf16 avx512bf16 panels" in kernels, kernels
                 else:
-                    assert "bf16 avx512bf16 panels" in eng.config.kernels, eng.config.kernels
+                    reads = kernels.split()[0] == "avx512"
+                    assert kernels == ("avx512 panels" if populate and reads else kernels.split()[0]), kernels
                 full = eng.forward(ids)
                 steps = np.concatenate([eng.forward(ids[i:i + 1], start_pos=i) for i in range(20, len(ids))])
                 out[populate, threads] = (full, steps)

@@ -74,7 +74,8 @@ def test_forced_reference_table_agrees(models, key, monkeypatch):
     with colibri_lab.Engine(path, num_threads=2) as eng:
         assert eng._get_string("kernels") == "reference"
         ref = eng.forward(ids)
-    assert default_name in ("reference", "avx2", "avx512", "neon")
+    # the table, and " panels" where it reads panel copies of BF16 weights (cpu/panel.h)
+    assert default_name.split()[0] in ("reference", "avx2", "avx512", "neon")
     assert float(np.max(np.abs(fast - ref))) <= 1e-4
     # an unknown name falls back to the best table instead of failing
     monkeypatch.setenv("COLIBRI_KERNELS", "no-such-table")

@@ -1292,13 +1292,26 @@ static void test_fast_bf16(const cb_fast_kernels *F) {
     }
 }
 
-/* The panel layout (fast.h): cb_panel_pack's placement checked against the definition, and
+/* A panel layout (cpu/panel.h): cb_panel_pack's placement checked against the definition, and
  * the kernels that read it give the row-major kernels' bits, for any token count, shape
- * (groups cut short) and range of rows or units. */
+ * (groups cut short) and range of rows or units. The row-major kernels: the fast table F's
+ * (on activations rounded to bf16), or with F NULL the exact table E's. */
 static uint32_t pair_at(const uint16_t *row, int64_t q) { return (uint32_t)row[2 * q] | (uint32_t)row[2 * q + 1] << 16; }
 
-static void test_fast_panels(const cb_fast_kernels *F) {
+static void pan_gateup_ref(const cb_fast_kernels *F, const cb_kernels *E, float *h, const float *x, const void *w,
+                           int64_t R, int64_t H, int64_t I, int64_t B, int64_t i0, int64_t i1) {
+    if (F) F->gateup_packed(h, x, w, R, H, I, B, i0, i1);
+    else E->expert_gateup(h, x, w, NULL, COLIBRI_DTYPE_BF16, R, H, I, B, i0, i1);
+}
+static void pan_down_ref(const cb_fast_kernels *F, const cb_kernels *E, float *y, const float *h, const void *w,
+                         int64_t R, int64_t H, int64_t I, int64_t c0, int64_t c1) {
+    if (F) F->down_packed(y, h, w, R, H, I, c0, c1);
+    else E->expert_down(y, h, w, COLIBRI_DTYPE_BF16, R, H, I, c0, c1);
+}
+
+static void test_panels(const cb_panel_kernels *pl, const cb_fast_kernels *F, const cb_kernels *E) {
     const uint32_t BF = COLIBRI_DTYPE_BF16;
+    const char *name = F ? F->name : E->name;
     /* token counts: the decode layout's, then prefill's steps of 6 with every tail, and (77, 133:
      * at K 2112 or H 1024) more than one tile of tokens */
     const int64_t Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 29, 37, 77, 133};
@@ -1309,9 +1322,9 @@ static void test_fast_panels(const cb_fast_kernels *F) {
             int64_t N = Ns[b], K = Ks[c];
             wbuf w = make_w(BF, N * K, 0.5);
             uint32_t *P = malloc((size_t)(N * K) * 2);
-            cb_panel_pack_matrix(P, w.raw, N, K);
+            cb_panel_pack_matrix(pl, P, w.raw, N, K);
             for (int64_t n = 0; n < N; n++) { /* the placement, by the definition */
-                int64_t g0 = n / CB_PANEL_ROWS * CB_PANEL_ROWS, nv = (N - g0 < CB_PANEL_ROWS ? N - g0 : CB_PANEL_ROWS) / 16;
+                int64_t G = pl->rows, g0 = n / G * G, nv = (N - g0 < G ? N - g0 : G) / 16;
                 int64_t v = (n - g0) / 16, l = (n - g0) % 16;
                 for (int64_t q = 0; q < K / 2; q++)
                     if (P[(size_t)g0 * (size_t)(K / 2) + (size_t)((q * nv + v) * 16 + l)] != pair_at((const uint16_t *)w.raw + n * K, q))
@@ -1324,19 +1337,23 @@ static void test_fast_panels(const cb_fast_kernels *F) {
                 if (K > 100 && T > 9 && T != 37 && T != 77 && T != 133) continue;
                 float *x = malloc((size_t)(T * K) * 4), *y = malloc((size_t)(T * ldy) * 4), *yp = malloc((size_t)(T * ldy) * 4);
                 fill(x, T * K, 2.0);
-                cb_round_bf16(x, T * K);
-                F->matmul_ld(y, ldy, x, w.raw, BF, T, N, K);
-                int64_t n0 = N > 16 ? 16 : 0; /* a thread's range: rows [n0, N) */
+                if (F) {
+                    cb_round_bf16(x, T * K);
+                    F->matmul_ld(y, ldy, x, w.raw, BF, T, N, K);
+                } else {
+                    E->matmul_ld(y, ldy, x, w.raw, BF, T, N, K);
+                }
+                int64_t n0 = N > pl->rows ? pl->rows : 0; /* a thread's range: rows [n0, N) */
                 for (int64_t i = 0; i < T * ldy; i++) yp[i] = SENTINEL;
-                F->matmul_panels(yp + n0, ldy, x, P, T, N, K, n0, N);
+                pl->matmul_panels(yp + n0, ldy, x, P, T, N, K, n0, N);
                 for (int64_t t = 0; t < T; t++) {
                     n_check++;
                     if (memcmp(yp + t * ldy + n0, y + t * ldy + n0, (size_t)(N - n0) * 4) != 0)
-                        FAIL("[fast %s] matmul_panels T%lld N%lld K%lld: token %lld differs from matmul_ld", F->name,
+                        FAIL("[%s] matmul_panels T%lld N%lld K%lld: token %lld differs from matmul_ld", name,
                              (long long)T, (long long)N, (long long)K, (long long)t);
                     for (int64_t n = 0; n < ldy; n++)
                         if ((n < n0 || n >= N) && yp[t * ldy + n] != SENTINEL)
-                            FAIL("[fast %s] matmul_panels wrote outside rows [%lld, %lld)", F->name, (long long)n0,
+                            FAIL("[%s] matmul_panels wrote outside rows [%lld, %lld)", name, (long long)n0,
                                  (long long)N);
                 }
                 free(x);
@@ -1351,12 +1368,14 @@ static void test_fast_panels(const cb_fast_kernels *F) {
     for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
         int64_t H = cs[ci].H, I = cs[ci].I, B = cs[ci].B;
         wbuf w1 = make_w(BF, I * H, 0.3), w3 = make_w(BF, I * H, 0.3), w2 = make_w(BF, H * I, 0.3);
-        float *pk = malloc((size_t)(3 * I * H) * 4);
-        pack_expert(pk, w1.val, w3.val, w2.val, I, H, B);
+        float *pf = malloc((size_t)(3 * I * H) * 4);
+        pack_expert(pf, w1.val, w3.val, w2.val, I, H, B);
         uint16_t *pb = malloc((size_t)(3 * I * H) * 2), *pp = malloc((size_t)(3 * I * H) * 2);
-        for (int64_t i = 0; i < 3 * I * H; i++) pb[i] = cb_f32_to_bf16(pk[i]);
-        cb_panel_pack_expert(pp, pb, H, I, B);
-        for (int64_t i = 0; i < I; i += 2) /* w2^T's pairs of rows, by the definition */
+        for (int64_t i = 0; i < 3 * I * H; i++) pb[i] = cb_f32_to_bf16(pf[i]);
+        cb_panel_pack_expert(pl, pp, pb, H, I, B);
+        if (!pl->down_slabs && memcmp(pp + 2 * I * H, pb + 2 * I * H, (size_t)(I * H) * 2) != 0)
+            FAIL("cb_panel_pack_expert H%lld I%lld: w2^T not as in the expert", (long long)H, (long long)I);
+        for (int64_t i = 0; i < I && pl->down_slabs; i += 2) /* w2^T's pairs of rows, by the definition */
             for (int64_t c = 0; c < H; c++) {
                 int64_t i0 = i / CB_DOWN_BLOCK * CB_DOWN_BLOCK, ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK;
                 int64_t c0 = c / CB_PANEL_DOWN_COLS * CB_PANEL_DOWN_COLS;
@@ -1369,11 +1388,11 @@ static void test_fast_panels(const cb_fast_kernels *F) {
             }
         n_check++;
         for (int64_t i = 0; i < I; i++) { /* unit i's gate and up rows, by the definition */
-            int64_t u0 = i / CB_PANEL_UNITS * CB_PANEL_UNITS, nu = I - u0 < CB_PANEL_UNITS ? I - u0 : CB_PANEL_UNITS;
-            int64_t nv = 2 * nu / 16;
-            const uint32_t *g = (const uint32_t *)pp + (size_t)u0 * (size_t)H;
-            for (int s = 0; s < 2; s++) {
-                int64_t r = s * nu + (i - u0), v = r / 16, l = r % 16;
+            int64_t U = pl->units, u0 = i / U * U, nu = I - u0 < U ? I - u0 : U;
+            for (int s = 0; s < 2; s++) { /* row r of the run's 2 nu, in groups of gu_rows */
+                int64_t r = s * nu + (i - u0), g0 = r / pl->gu_rows * pl->gu_rows;
+                int64_t nv = (2 * nu - g0 < pl->gu_rows ? 2 * nu - g0 : pl->gu_rows) / 16, v = (r - g0) / 16, l = r % 16;
+                const uint32_t *g = (const uint32_t *)pp + (size_t)u0 * (size_t)H + (size_t)g0 * (size_t)(H / 2);
                 const uint16_t *src = (const uint16_t *)(s ? w3.raw : w1.raw) + i * H;
                 for (int64_t q = 0; q < H / 2; q++)
                     if (g[(q * nv + v) * 16 + l] != pair_at(src, q))
@@ -1387,35 +1406,36 @@ static void test_fast_panels(const cb_fast_kernels *F) {
             if (H > 100 && R > 9 && R != 37 && R != 133) continue;
             float *x = malloc((size_t)(R * H) * 4), *h = malloc((size_t)(R * I) * 4), *hp = malloc((size_t)(R * I) * 4);
             fill(x, R * H, 1.0);
-            cb_round_bf16(x, R * H);
+            if (F) cb_round_bf16(x, R * H);
             int64_t i0 = I > 32 ? 16 : 0, i1 = I > 64 ? I - 32 : I; /* a thread's range of units */
             for (int64_t k = 0; k < R * I; k++) h[k] = hp[k] = SENTINEL;
-            F->gateup_packed(h, x, pb, R, H, I, B, i0, i1);
-            F->gateup_panels(hp, x, pp, R, H, I, i0, i1);
+            pan_gateup_ref(F, E, h, x, pb, R, H, I, B, i0, i1);
+            pl->gateup_panels(hp, x, pp, R, H, I, i0, i1);
             n_check++;
             if (memcmp(h, hp, (size_t)(R * I) * 4) != 0)
-                FAIL("[fast %s] gateup_panels R%lld H%lld I%lld B%lld [%lld, %lld): differs from gateup_packed", F->name,
+                FAIL("[%s] gateup_panels R%lld H%lld I%lld B%lld [%lld, %lld): differs from gateup_packed", name,
                      (long long)R, (long long)H, (long long)I, (long long)B, (long long)i0, (long long)i1);
             /* the down projection: whole and from the first slab on; by blocks for few tokens */
             for (int64_t k = 0; k < R * I; k++) h[k] = (float)(urand() * 0.5);
-            cb_round_bf16(h, R * I);
+            if (F) cb_round_bf16(h, R * I);
             float *y = malloc((size_t)(R * H) * 4), *yp = malloc((size_t)(R * H) * 4);
-            for (int64_t c0 = 0; c0 < H; c0 += CB_PANEL_DOWN_COLS) {
+            for (int64_t c0 = 0; c0 < H; c0 += pl->down_cols) {
                 for (int64_t k = 0; k < R * H; k++) y[k] = yp[k] = SENTINEL;
-                F->down_packed(y, h, pb, R, H, I, c0, H);
-                F->down_panels(yp, h, pp, R, H, I, c0, H);
+                pan_down_ref(F, E, y, h, pb, R, H, I, c0, H);
+                pl->down_panels(yp, h, pp, R, H, I, c0, H);
                 n_check++;
                 if (memcmp(y, yp, (size_t)(R * H) * 4) != 0)
-                    FAIL("[fast %s] down_panels R%lld H%lld I%lld from column %lld: differs from down_packed", F->name,
+                    FAIL("[%s] down_panels R%lld H%lld I%lld from column %lld: differs from down_packed", name,
                          (long long)R, (long long)H, (long long)I, (long long)c0);
             }
-            if (R <= CB_FAST_PART_MAX_ROWS && F->down_part)
+            if (R <= CB_FAST_PART_MAX_ROWS && (!F || F->down_part))
                 for (int64_t blk = 0; blk * CB_DOWN_BLOCK < I; blk++) {
-                    F->down_part(y, h, pb, R, H, I, blk);
-                    F->down_part_panels(yp, h, pp, R, H, I, blk);
+                    if (F) F->down_part(y, h, pb, R, H, I, blk);
+                    else E->expert_down_part(y, h, pb, BF, R, H, I, blk);
+                    pl->down_part_panels(yp, h, pp, R, H, I, blk);
                     n_check++;
                     if (memcmp(y, yp, (size_t)(R * H) * 4) != 0)
-                        FAIL("[fast %s] down_part_panels R%lld H%lld I%lld block %lld: differs from down_part", F->name,
+                        FAIL("[%s] down_part_panels R%lld H%lld I%lld block %lld: differs from down_part", name,
                              (long long)R, (long long)H, (long long)I, (long long)blk);
                 }
             free(y);
@@ -1424,7 +1444,7 @@ static void test_fast_panels(const cb_fast_kernels *F) {
             free(h);
             free(hp);
         }
-        free(pk);
+        free(pf);
         free(pb);
         free(pp);
         free_w(&w1);
@@ -1501,6 +1521,7 @@ static void test_table(const cb_kernels *K) {
     test_quant(K);
     test_mxfp4_extremes(K);
     if (K != cb_kernels_ref()) test_vs_ref(K);
+    if (K->panels) test_panels(K->panels, NULL, K);
 }
 
 int main(void) {
@@ -1526,7 +1547,7 @@ int main(void) {
             int before = n_fail;
             test_fast(F);
             if (F->native_bf16) test_fast_bf16(F);
-            if (F->matmul_panels) test_fast_panels(F);
+            if (F->panels) test_panels(F->panels, F, NULL);
             if (F->attention_heads) test_fast_attention(F);
             printf("test_kernels: fast table %s checked (%s)\n", fast_names[i], n_fail == before ? "ok" : "FAILED");
         } else {

@@ -170,6 +170,7 @@ typedef struct mm_job {
 typedef struct mm_task {
     const cb_kernels *kern;
     const cb_fast_kernels *fast; /* fast mode's table, or NULL */
+    const cb_panel_kernels *pan; /* the panel copies' kernels (w.pan set), or NULL */
     int64_t T;
     int n_jobs;
     mm_job jobs[3];
@@ -185,7 +186,7 @@ static void mm_chunk(void *arg, int64_t c, int tid) {
     size_t row = (size_t)cb_row_bytes(b->w.dt, (uint64_t)b->K);
     const void *w = (const uint8_t *)b->w.w + (size_t)n0 * row;
     if (b->w.pan) /* the panel copy (model/panels.c): chunks of whole groups */
-        m->fast->matmul_panels(b->y + n0, b->N, b->x, b->w.pan, m->T, b->N, b->K, n0, n1);
+        m->pan->matmul_panels(b->y + n0, b->N, b->x, b->w.pan, m->T, b->N, b->K, n0, n1);
     else if (cb_fast_takes(m->fast, b->w.dt, b->K))
         m->fast->matmul_ld(b->y + n0, b->N, b->x, w, b->w.dt, m->T, n1 - n0, b->K);
     else
@@ -198,7 +199,7 @@ static void par_matmul(colibri_ctx *ctx, mm_task *m) {
     for (int j = 0; j < m->n_jobs; j++) rows += m->jobs[j].N;
     for (int j = 0; j < m->n_jobs; j++) {
         mm_job *b = &m->jobs[j];
-        int64_t align = b->w.pan ? CB_PANEL_ROWS : 8;
+        int64_t align = b->w.pan ? m->pan->rows : 8;
         b->len = rows < CB_PAR_MIN_ROWS ? b->N : chunk_len(ctx, b->N, align, 16);
         int64_t cap = CB_CHUNK_MAX_BYTES / cb_row_bytes(b->w.dt, (uint64_t)b->K) / align * align;
         if (b->len > cap && cap > 0) b->len = cap;
@@ -211,7 +212,7 @@ static void par_matmul(colibri_ctx *ctx, mm_task *m) {
 
 static void par_matmul1(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t T, int64_t N,
                         int64_t K) {
-    mm_task m = {ctx->kern, ctx->fast, T, 1, {{y, x, w, N, K, 0, 0}}};
+    mm_task m = {ctx->kern, ctx->fast, ctx->pan, T, 1, {{y, x, w, N, K, 0, 0}}};
     par_matmul(ctx, &m);
 }
 
@@ -221,7 +222,7 @@ void cb_matmul_par(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t
 
 void cb_matmul_par2(colibri_ctx *ctx, const float *x, int64_t T, int64_t K, float *y1, cb_mat w1, int64_t N1,
                     float *y2, cb_mat w2, int64_t N2) {
-    mm_task m = {ctx->kern, ctx->fast, T, 2, {{y1, x, w1, N1, K, 0, 0}, {y2, x, w2, N2, K, 0, 0}}};
+    mm_task m = {ctx->kern, ctx->fast, ctx->pan, T, 2, {{y1, x, w1, N1, K, 0, 0}, {y2, x, w2, N2, K, 0, 0}}};
     par_matmul(ctx, &m);
 }
 
@@ -305,6 +306,7 @@ static ffn_job ffn_job_of(float *y, float *h, const float *x, const cb_ffn *f, i
 typedef struct ffn_task {
     const cb_kernels *kern;
     const cb_fast_kernels *fast; /* fast mode's table, or NULL */
+    const cb_panel_kernels *pan; /* the panel copies' kernels (f->pan set), or NULL */
     int64_t H, B;
     int n_jobs;
     int phase;         /* section 0 or 1 */
@@ -358,9 +360,9 @@ static void gateup_cols(const ffn_task *f, const ffn_job *b, int64_t lo, int64_t
     if (b->u) {
         gateup_clamped(f, b, lo, hi);
     } else if (w->pan) { /* the panel copy (model/panels.c) */
-        f->fast->gateup_panels(b->h, b->x, (const uint8_t *)w->pan + (size_t)b->e * w->stride, b->R, f->H, b->I, lo,
-                               hi);
-        rounded = 1;
+        f->pan->gateup_panels(b->h, b->x, (const uint8_t *)w->pan + (size_t)b->e * w->stride, b->R, f->H, b->I, lo,
+                              hi);
+        rounded = 1; /* a fast table's rounds h itself */
     } else if (w->packed && cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) {
         f->fast->gateup_packed(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, b->R, f->H, b->I,
                                f->B, lo, hi);
@@ -386,7 +388,7 @@ static void down_block(const ffn_task *f, const ffn_job *b, int64_t blk) {
     const cb_ffn *w = b->f;
     float *part = b->part + blk * b->R * f->H;
     const void *ew = (const uint8_t *)(w->pan ? w->pan : w->packed) + (size_t)b->e * w->stride;
-    if (w->pan) f->fast->down_part_panels(part, b->h, ew, b->R, f->H, b->I, blk);
+    if (w->pan) f->pan->down_part_panels(part, b->h, ew, b->R, f->H, b->I, blk);
     else if (cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) f->fast->down_part(part, b->h, ew, b->R, f->H, b->I, blk);
     else f->kern->expert_down_part(part, b->h, ew, w->dt, b->R, f->H, b->I, blk);
 }
@@ -409,7 +411,7 @@ static void down_cols(const ffn_task *f, const ffn_job *b, int64_t lo, int64_t h
         return;
     }
     const void *ew = (const uint8_t *)(w->pan ? w->pan : w->packed) + (size_t)b->e * w->stride;
-    if (w->pan) f->fast->down_panels(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
+    if (w->pan) f->pan->down_panels(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
     else if (cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) f->fast->down_packed(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
     else f->kern->expert_down(b->y, b->h, ew, w->dt, b->R, f->H, b->I, lo, hi);
 }
@@ -496,15 +498,15 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
             n_blocks += nblk;
             n_rows += b->R;
         } else {
-            b->len0 = chunk_len(ctx, b->I, b->f->pan ? CB_PANEL_UNITS : 8, 64);
+            b->len0 = chunk_len(ctx, b->I, b->f->pan ? ctx->pan->units : 8, 64);
             b->nch0 = (b->I + b->len0 - 1) / b->len0;
-            b->len1 = chunk_len(ctx, H, b->f->pan ? CB_PANEL_DOWN_COLS : 32, b->R > CB_DOWN_FEW_ROWS ? 256 : 64);
+            b->len1 = chunk_len(ctx, H, b->f->pan ? ctx->pan->down_cols : 32, b->R > CB_DOWN_FEW_ROWS ? 256 : 64);
             b->nch1 = (H + b->len1 - 1) / b->len1;
         }
         n_gateup += b->nch0;
         n1 += b->nch1;
     }
-    ffn_task f = {ctx->kern, ctx->fast, H, ctx->cfg.block_size, n_jobs, 0, n_gateup, n_blocks, s->split_stamp, jobs,
+    ffn_task f = {ctx->kern, ctx->fast, ctx->pan, H, ctx->cfg.block_size, n_jobs, 0, n_gateup, n_blocks, s->split_stamp, jobs,
                   ctx->cfg.swiglu_limit, ctx->cfg.swiglu_alpha};
     cb_pool_run(ctx->pool, ffn_chunk, &f, n_gateup + n_blocks + n_rows);
     if (n1 > 0) {
@@ -581,7 +583,7 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
     {
         fast_round(ctx, s->xn, T * H, L->wq.dt == COLIBRI_DTYPE_BF16 || L->wk.dt == COLIBRI_DTYPE_BF16 ||
                                           L->wv.dt == COLIBRI_DTYPE_BF16);
-        mm_task m = {K, ctx->fast, T, 3, {{s->q, s->xn, L->wq, Nq, H, 0, 0},
+        mm_task m = {K, ctx->fast, ctx->pan, T, 3, {{s->q, s->xn, L->wq, Nq, H, 0, 0},
                                {s->k, s->xn, L->wk, Nkv, H, 0, 0},
                                {s->v, s->xn, L->wv, Nkv, H, 0, 0}}};
         par_matmul(ctx, &m);

@@ -300,6 +300,7 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     ctx->kern = cb_kernels_best();
     ctx->precision = opt.precision;
     ctx->fast = opt.precision == COLIBRI_PRECISION_FAST ? cb_fast_best() : NULL;
+    ctx->pan = ctx->fast ? ctx->fast->panels : ctx->kern->panels;
 
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
@@ -405,7 +406,7 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
         if (pb > 0 && populate_auto(pb)) cb_panels_make(ctx, pb);
     }
     if (!ctx->fast) /* the tables, and in fast mode which of its paths run */
-        snprintf(ctx->kernels_desc, sizeof ctx->kernels_desc, "%s", ctx->kern->name);
+        snprintf(ctx->kernels_desc, sizeof ctx->kernels_desc, "%s%s", ctx->kern->name, ctx->panels ? " panels" : "");
     else
         snprintf(ctx->kernels_desc, sizeof ctx->kernels_desc, "%s fast(int8 %s, bf16 %s%s%s)", ctx->kern->name,
                  ctx->fast->name, ctx->fast->bf16, ctx->panels ? " panels" : "",

@@ -27,7 +27,7 @@ struct colibri_ctx {
     int fd;
     const uint8_t *map;      /* [file_size] read-only mapping */
     uint64_t map_size;
-    void *panels;            /* fast mode's panel copies of the BF16 weights (model/panels.c), or NULL */
+    void *panels;            /* the panel copies of the BF16 weights (model/panels.c), or NULL */
     size_t panels_size;      /* the whole anonymous mapping holding them */
     /* parsed */
     cb_config cfg;
@@ -44,6 +44,7 @@ struct colibri_ctx {
     const cb_kernels *kern;
     int32_t precision;       /* COLIBRI_PRECISION_EXACT / _FAST */
     const cb_fast_kernels *fast; /* fast mode's table (cpu/fast.h); NULL in exact mode */
+    const cb_panel_kernels *pan; /* the running table's panel kernels (cpu/panel.h), or NULL */
     char kernels_desc[96];   /* colibri_get_string "kernels": the table, and in fast mode its fast paths */
     cb_pool *pool;           /* num_threads threads (the caller is thread 0), heap (init-time) */
     cb_ecache *ecache;       /* the expert cache (model/expert_cache.h), or NULL: experts mapped */

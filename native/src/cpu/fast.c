@@ -28,61 +28,6 @@ void cb_round_bf16_cols(float *h, int64_t R, int64_t I, int64_t i0, int64_t i1) 
     for (int64_t r = 0; r < R; r++) cb_round_bf16(h + r * I + i0, i1 - i0);
 }
 
-/* ---- the panel layout (fast.h) ---- */
-
-void cb_panel_pack(uint32_t *dst, const uint16_t *const *rows, int64_t N, int64_t K, int64_t G) {
-    int64_t np = K / 2;
-    for (int64_t g0 = 0; g0 < N; g0 += G) {
-        int64_t nv = (N - g0 < G ? N - g0 : G) / 16;
-        uint32_t *d = dst + (size_t)g0 * (size_t)np;
-        for (int64_t q0 = 0; q0 < np; q0 += 16) /* 16 pairs (a line) of each row at a time */
-            for (int64_t v = 0; v < nv; v++)
-                for (int64_t l = 0; l < 16; l++) {
-                    const uint16_t *r = rows[g0 + 16 * v + l];
-                    for (int64_t q = q0; q < q0 + 16 && q < np; q++) {
-                        uint32_t p;
-                        memcpy(&p, r + 2 * q, 4);
-                        d[(q * nv + v) * 16 + l] = p;
-                    }
-                }
-    }
-}
-
-void cb_panel_pack_matrix(void *dst, const void *src, int64_t N, int64_t K) {
-    const uint16_t *rows[CB_PANEL_ROWS];
-    for (int64_t g0 = 0; g0 < N; g0 += CB_PANEL_ROWS) {
-        int64_t n = N - g0 < CB_PANEL_ROWS ? N - g0 : CB_PANEL_ROWS;
-        for (int64_t r = 0; r < n; r++) rows[r] = (const uint16_t *)src + (size_t)(g0 + r) * (size_t)K;
-        cb_panel_pack((uint32_t *)dst + (size_t)g0 * (size_t)(K / 2), rows, n, K, CB_PANEL_ROWS);
-    }
-}
-
-void cb_panel_pack_expert(void *dst, const void *src, int64_t H, int64_t I, int64_t B) {
-    const uint16_t *rows[2 * CB_PANEL_UNITS], *w = (const uint16_t *)src;
-    for (int64_t u0 = 0; u0 < I; u0 += CB_PANEL_UNITS) {
-        int64_t nu = I - u0 < CB_PANEL_UNITS ? I - u0 : CB_PANEL_UNITS;
-        for (int64_t k = 0; k < nu; k++) { /* unit i's gate row in the file: block i / B, nb rows of gate then up */
-            int64_t i = u0 + k, bs = i / B * B, nb = I - bs < B ? I - bs : B;
-            rows[k] = w + (size_t)(2 * bs + (i - bs)) * (size_t)H;
-            rows[nu + k] = rows[k] + (size_t)nb * (size_t)H;
-        }
-        cb_panel_pack((uint32_t *)dst + (size_t)u0 * (size_t)H, rows, 2 * nu, H, 2 * CB_PANEL_UNITS);
-    }
-    const uint16_t *w2 = w + (size_t)2 * (size_t)I * (size_t)H;
-    uint32_t *d2 = (uint32_t *)((uint16_t *)dst + (size_t)2 * (size_t)I * (size_t)H);
-    for (int64_t i0 = 0; i0 < I; i0 += CB_DOWN_BLOCK) { /* w2^T's pairs of rows, by blocks and slabs */
-        int64_t ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK;
-        for (int64_t c0 = 0; c0 < H; c0 += CB_PANEL_DOWN_COLS) {
-            int64_t nc = H - c0 < CB_PANEL_DOWN_COLS ? H - c0 : CB_PANEL_DOWN_COLS;
-            uint32_t *d = d2 + (size_t)(i0 / 2) * (size_t)H + (size_t)(ic / 2) * (size_t)c0;
-            for (int64_t q = 0; q < ic / 2; q++) {
-                const uint16_t *a = w2 + (size_t)(i0 + 2 * q) * (size_t)H + c0, *b = a + H;
-                for (int64_t c = 0; c < nc; c++) d[q * nc + c] = (uint32_t)a[c] | (uint32_t)b[c] << 16;
-            }
-        }
-    }
-}
-
 /* One (row, token) dot over columns k0 .. k0 + kc, continuing the chain acc. */
 static float ref_chain(float acc, const uint8_t *u, const float *ws, const float *wm, const int8_t *q,
                        const cb_fast_ablk *a, int64_t kc, int64_t G) {
@@ -227,7 +172,7 @@ static int cb_fast_cpu_bf16(void) {
  * vdpbf16ps (fast_bf16dp.c); the neon-i8mm table with "neon-bf16" on BFDOT
  * (fast_neon_bf16.c). One definition of the table and its two dispatching entries per BF16
  * back end. */
-#define CB_FAST_BF16_TABLE(TAB, INT8, NAME, BF16NAME, P, PART, ATT, ATT_BYTES, PANM, PANG, PAND, PANP)                                \
+#define CB_FAST_BF16_TABLE(TAB, INT8, NAME, BF16NAME, P, PART, ATT, ATT_BYTES, PANELS)                                \
     static void TAB##_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T,   \
                                 int64_t N, int64_t K) {                                                         \
         if (dt == COLIBRI_DTYPE_BF16) P##_matmul_ld(y, ldy, x, w, T, N, K);                                     \
@@ -248,17 +193,22 @@ static int cb_fast_cpu_bf16(void) {
                                         .down_part = PART,                                                      \
                                         .attention_heads = ATT,                                                 \
                                         .att_work_bytes = ATT_BYTES,                                            \
-                                        .matmul_panels = PANM,                                                  \
-                                        .gateup_panels = PANG,                                                  \
-                                        .down_panels = PAND,                                                    \
-                                        .down_part_panels = PANP}
+                                        .panels = PANELS}
+const cb_panel_kernels cb_bf16dp_panels = {.name = "avx512bf16",
+                                          .rows = CB_PANEL_ROWS,
+                                          .units = CB_PANEL_UNITS,
+                                          .gu_rows = 2 * CB_PANEL_UNITS,
+                                          .down_cols = CB_PANEL_DOWN_COLS,
+                                          .down_slabs = 1,
+                                          .matmul_panels = cb_bf16dp_matmul_panels,
+                                          .gateup_panels = cb_bf16dp_gateup_panels,
+                                          .down_panels = cb_bf16dp_down_panels,
+                                          .down_part_panels = cb_bf16dp_down_part_panels};
 CB_FAST_BF16_TABLE(fast_amx, cb_fast_avx512vnni, "avx512vnni", "amx", cb_amx, NULL, cb_fast_att_avx512,
-                   cb_fast_att_avx512_bytes, NULL, NULL, NULL, NULL);
+                   cb_fast_att_avx512_bytes, NULL);
 CB_FAST_BF16_TABLE(fast_bf16dp, cb_fast_avx512vnni, "avx512vnni", "avx512bf16", cb_bf16dp, cb_bf16dp_down_part,
-                   cb_fast_att_avx512, cb_fast_att_avx512_bytes, cb_bf16dp_matmul_panels, cb_bf16dp_gateup_panels,
-                   cb_bf16dp_down_panels, cb_bf16dp_down_part_panels);
-CB_FAST_BF16_TABLE(fast_neonbf16, cb_fast_neon_i8mm, "neon-i8mm", "bfdot", cb_neonbf16, NULL, NULL, NULL, NULL, NULL,
-                   NULL, NULL);
+                   cb_fast_att_avx512, cb_fast_att_avx512_bytes, &cb_bf16dp_panels);
+CB_FAST_BF16_TABLE(fast_neonbf16, cb_fast_neon_i8mm, "neon-i8mm", "bfdot", cb_neonbf16, NULL, NULL, NULL, NULL);
 
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 static int amx_ok;

@@ -26,7 +26,7 @@
  * matmul (backend/cpu.c, cb_round_bf16); tables with native_bf16 then take BF16 weights too
  * (vdpbf16ps, float32 accumulation in their own order), the others run the exact kernels
  * on the rounded activations (bf16 x bf16 products are exact in float32); the avx512bf16
- * table also reads the engine's panel copies of them (below), with the same bits. The x86 tables
+ * table also reads the engine's panel copies of them (cpu/panel.h), with the same bits. The x86 tables
  * with native BF16 kernels also run attention their own way (float32, keys in lanes:
  * fast_attention_avx512.c); the int8 tables keep the exact kernels' attention.
  */
@@ -40,6 +40,7 @@
 
 #include "core/dtype.h"
 #include "cpu/kernels.h" /* cb_kv_view, CB_ATT_HEADS */
+#include "cpu/panel.h"
 
 /* One activation block of 32: its scale and its sums of q (times d), for the offsets. */
 typedef struct cb_fast_ablk {
@@ -85,20 +86,10 @@ typedef struct cb_fast_kernels {
                             int64_t start_pos, int64_t Hq, int64_t Hkv, int64_t D, int64_t window,
                             const float *sinks, int64_t h0, int64_t h1);
     size_t (*att_work_bytes)(int64_t S, int64_t D);
-    /* NULL, or: the BF16 kernels also read the panel layout (below), a copy the engine makes
-     * at load (model/panels.c), with the same bits as matmul_ld and gateup_packed on the
-     * row-major weights. matmul_panels: rows n0 <= n < n1 of the panel matrix P [N, K] into
-     * y[t * ldy + n - n0]; gateup_panels: gateup_packed's h for a packed expert's panel copy. */
-    void (*matmul_panels)(float *y, int64_t ldy, const float *x, const void *P, int64_t T, int64_t N, int64_t K,
-                          int64_t n0, int64_t n1);
-    void (*gateup_panels)(float *h, const float *x, const void *expert, int64_t R, int64_t H, int64_t I, int64_t i0,
-                          int64_t i1);
-    /* down_packed and down_part for a packed expert's panel copy (columns c0, c1 of
-     * down_panels multiples of CB_PANEL_DOWN_COLS, or H): the same bits. */
-    void (*down_panels)(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I, int64_t c0,
-                        int64_t c1);
-    void (*down_part_panels)(float *part, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
-                             int64_t blk);
+    /* NULL, or: the BF16 kernels also read a panel copy (cpu/panel.h) in this layout, with
+     * the bits of matmul_ld, gateup_packed, down_packed and down_part on the row-major
+     * weights. */
+    const cb_panel_kernels *panels;
 } cb_fast_kernels;
 
 /* The most rows a fast table's down_part takes. */
@@ -109,29 +100,12 @@ typedef struct cb_fast_kernels {
 #define CB_FAST_BF16_MAX_K 4096
 static inline int cb_fast_bf16_k_ok(int64_t K) { return K % 32 == 0 && K <= CB_FAST_BF16_MAX_K; }
 
-/* The panel layout of a BF16 matrix [N, K] (N a multiple of 16, K of 32; group size G a
- * multiple of 16): groups of G rows (the last one N mod G), group g at dword g * G * K / 2
- * (where its first row starts in the row-major matrix); in a group of nv = rows / 16 vectors,
- * the pair q (columns 2q, 2q + 1) of its row 16 v + l at dword (q * nv + v) * 16 + l. A decode
- * step then loads 16 rows' pair q as one vector (no transpose), and a group's pairs are one
- * stream. Matrices take G = CB_PANEL_ROWS; a packed expert's panel copy (cb_panel_pack_expert)
- * has the same bytes as the expert: its 2I gate/up rows as the panel matrix, G = 2 *
- * CB_PANEL_UNITS, of the row sequence whose group g holds the gate rows of units
- * [g * CB_PANEL_UNITS, ..) then the up rows of the same units; then w2^T [I, H] by blocks of
- * CB_DOWN_BLOCK rows (block [i0, i0 + ic) at dword i0 / 2 * H of that region), each block by
- * slabs of CB_PANEL_DOWN_COLS columns (the last one H mod that; slab [c0, c0 + nc) at dword
- * ic / 2 * c0 of the block), each slab's pairs of rows in column order: dword q * nc + c =
- * (w2^T[i0 + 2q, c0 + c], w2^T[i0 + 2q + 1, c0 + c]), the first in the low half. */
+/* The panel layout of the avx512bf16 table (cpu/panel.h): matrices by groups of CB_PANEL_ROWS
+ * rows, experts by runs of CB_PANEL_UNITS units (gate/up groups of 2 * CB_PANEL_UNITS rows),
+ * w2^T by slabs. */
 #define CB_PANEL_ROWS 64
-#define CB_PANEL_DOWN_COLS 64
 #define CB_PANEL_UNITS 32
-static inline int cb_panel_takes(int64_t N, int64_t K) { return N > 0 && N % 16 == 0 && cb_fast_bf16_k_ok(K); }
-/* dst [N, K] (N * K / 2 dwords) = the panel layout of rows[n] (n < N, each K bf16) */
-void cb_panel_pack(uint32_t *dst, const uint16_t *const *rows, int64_t N, int64_t K, int64_t G);
-/* the panel copy of a matrix [N, K] (cb_panel_takes) */
-void cb_panel_pack_matrix(void *dst, const void *src, int64_t N, int64_t K);
-/* the panel copy of one packed BF16 expert (docs/format.md, EXPERTS_PACKED, block size B) */
-void cb_panel_pack_expert(void *dst, const void *src, int64_t H, int64_t I, int64_t B);
+extern const cb_panel_kernels cb_bf16dp_panels;
 
 /* fast_amx.c: the BF16 kernels on AMX tiles. */
 int cb_amx_usable(void);

@@ -155,6 +155,10 @@ typedef struct cb_kernels {
      * cached latent rows (model/mla.c). */
     void (*rows_combine)(float *o, int64_t ldo, const float *p, int64_t ldp, const float *rows, int64_t ldr,
                          int64_t nh, int64_t n, int64_t D);
+
+    /* NULL, or: these kernels also read panel copies of BF16 weights (cpu/panel.h) in this
+     * layout, with the bits of matmul_ld, expert_gateup, expert_down and expert_down_part. */
+    const struct cb_panel_kernels *panels;
 } cb_kernels;
 
 /* The plain reference kernels (always available). */

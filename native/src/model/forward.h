@@ -109,7 +109,7 @@ typedef struct cb_session {
 /* scratch.c: size the arena from the context's options, allocate it once and carve every
  * buffer above from it (and compute the RoPE inverse frequencies). */
 colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len);
-/* model/panels.c: the bytes of fast mode's panel copies for this context (0: none to make),
+/* model/panels.c: the bytes of the panel copies for this context (0: none to make),
  * and making them (advisory: on failure the weights stay as mapped). */
 uint64_t cb_panels_bytes(colibri_ctx *ctx);
 void cb_panels_make(colibri_ctx *ctx, uint64_t bytes);

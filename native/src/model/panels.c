@@ -1,14 +1,15 @@
 /*
- * panels.c — fast mode's panel copies of the BF16 weights (cpu/fast.h, "The panel layout").
+ * panels.c — the panel copies of the BF16 weights (cpu/panel.h).
  *
- * A fast table whose BF16 kernels read the panel layout (matmul_panels) gets, at load, a copy
- * of every BF16 matrix and packed expert it runs in that layout: the attention projections
- * (not MLA's), the LM head and the packed FFNs (routed experts, dense MLPs, shared experts).
- * Decode then loads 16 rows' pair of columns as one vector and streams each matrix once,
- * where the row-major kernels transpose 16 x 16 in registers per 16 rows and 32 columns (the
- * limit of a Zen 4 core's decode, about 38 GB/s from L2; docs/kernels.md). Same bits as the
- * row-major kernels (test_kernels), so fast mode's results do not depend on whether the copy
- * was made.
+ * A table whose kernels read a panel layout (its cb_panel_kernels: fast mode's avx512bf16
+ * table, exact mode's avx512 table) gets, at load, a copy of every BF16 matrix and packed
+ * expert it runs in that layout: the attention projections (not MLA's), the LM head and the
+ * packed FFNs (routed experts, dense MLPs, shared experts). Decode then loads 16 rows' pair of
+ * columns as one vector and streams each matrix once, where the row-major kernels transpose
+ * 16 x 16 in registers per 16 rows and 32 columns (fast mode; the limit of a Zen 4 core's
+ * decode, about 38 GB/s from L2; docs/kernels.md) or read 8 rows' streams at once (exact
+ * mode; about 20 GB/s from memory against 23-25). Same bits as the row-major kernels
+ * (test_kernels), so results do not depend on whether the copy was made.
  *
  * The copy is one anonymous mapping (2 MiB-aligned, transparent huge pages asked for), made by
  * the thread pool; the mapping's pages of what was copied are then dropped (MADV_DONTNEED:
@@ -28,6 +29,7 @@
 #include "model/family.h"
 
 typedef struct pan_job {
+    const cb_panel_kernels *pk;
     const void *src;
     uint8_t *dst;
     int64_t N, K;  /* a matrix [N, K]; N == 0: one packed expert of hidden K, intermediate I */
@@ -45,11 +47,10 @@ typedef struct pan_plan {
 
 /* Reserve a matrix's copy: its bytes (and, when the plan has a destination, its job). */
 static void plan_mat(pan_plan *p, cb_mat *m, int64_t N, int64_t K, uint8_t *base) {
-    if (!m->w || m->dt != COLIBRI_DTYPE_BF16 || !cb_fast_takes(p->ctx->fast, m->dt, K) || !cb_panel_takes(N, K))
-        return;
+    if (!m->w || m->dt != COLIBRI_DTYPE_BF16 || !cb_panel_takes(N, K)) return;
     uint64_t n = (uint64_t)N * (uint64_t)K * 2u;
     if (base) {
-        p->jobs[p->n_jobs] = (pan_job){m->w, base + p->bytes, N, K, 0, 0};
+        p->jobs[p->n_jobs] = (pan_job){p->ctx->pan, m->w, base + p->bytes, N, K, 0, 0};
         m->pan = base + p->bytes;
     }
     p->n_jobs++;
@@ -59,11 +60,12 @@ static void plan_mat(pan_plan *p, cb_mat *m, int64_t N, int64_t K, uint8_t *base
 /* A packed BF16 FFN of E experts: one job per expert, the copy's experts at the same stride. */
 static void plan_ffn(pan_plan *p, cb_ffn *f, int64_t E, uint8_t *base) {
     int64_t H = p->ctx->cfg.hidden, I = f->inter;
-    if (!f->packed || !cb_fast_takes_packed(p->ctx->fast, f->dt, H, I) || f->stride != (uint64_t)(3 * I * H * 2))
+    if (!f->packed || f->dt != COLIBRI_DTYPE_BF16 || !cb_panel_takes_expert(p->ctx->pan, H, I) ||
+        f->stride != (uint64_t)(3 * I * H * 2))
         return;
     if (base) {
         for (int64_t e = 0; e < E; e++)
-            p->jobs[p->n_jobs + e] = (pan_job){(const uint8_t *)f->packed + (size_t)e * f->stride,
+            p->jobs[p->n_jobs + e] = (pan_job){p->ctx->pan, (const uint8_t *)f->packed + (size_t)e * f->stride,
                                                base + p->bytes + (size_t)e * f->stride, 0, H, I,
                                                p->ctx->cfg.block_size};
         f->pan = base + p->bytes;
@@ -93,7 +95,7 @@ static void plan_all(pan_plan *p, uint8_t *base) {
 }
 
 uint64_t cb_panels_bytes(colibri_ctx *ctx) {
-    if (!ctx->fast || !ctx->fast->matmul_panels || ctx->ecache) return 0;
+    if (!ctx->pan || ctx->ecache) return 0;
     pan_plan p = {ctx, NULL, 0, 0};
     plan_all(&p, NULL);
     return p.bytes;
@@ -102,8 +104,8 @@ uint64_t cb_panels_bytes(colibri_ctx *ctx) {
 static void pack_chunk(void *arg, int64_t c, int tid) {
     (void)tid;
     const pan_job *j = &((const pan_job *)arg)[c];
-    if (j->N) cb_panel_pack_matrix(j->dst, j->src, j->N, j->K);
-    else cb_panel_pack_expert(j->dst, j->src, j->K, j->I, j->B);
+    if (j->N) cb_panel_pack_matrix(j->pk, j->dst, j->src, j->N, j->K);
+    else cb_panel_pack_expert(j->pk, j->dst, j->src, j->K, j->I, j->B);
 }
 
 /* The mapping's whole pages inside [p, p + n): no longer read (the copy is). */
