@@ -68,12 +68,12 @@ int main(int argc, char **argv) {
     const int64_t H = 1024, I = 3584, B = 32;
     uint16_t *ex = bf16_weights((size_t)3 * I * H);
     int fast_packed = cb_fast_takes_packed(F, BF, H, I);
-    void *pan = NULL; /* the expert's panel copy (fast.h), where the fast table reads one */
-    if (F->gateup_panels) {
-        pan = alloc((size_t)3 * I * H * 2);
-        cb_panel_pack_expert(pan, ex, H, I, B);
-    }
-    printf("\nprefill, a packed bf16 expert (H %lld, I %lld), GFLOP/s (fast | exact; fast on its panel copy)\n",
+    /* the expert's panel copies (cpu/panel.h), where a table reads one */
+    const cb_panel_kernels *FP = F->panels, *EP = E->panels;
+    void *fpan = NULL, *epan = NULL;
+    if (FP) cb_panel_pack_expert(FP, fpan = alloc((size_t)3 * I * H * 2), ex, H, I, B);
+    if (EP) cb_panel_pack_expert(EP, epan = alloc((size_t)3 * I * H * 2), ex, H, I, B);
+    printf("\nprefill, a packed bf16 expert (H %lld, I %lld), GFLOP/s (fast | exact; each on its panel copy)\n",
            (long long)H, (long long)I);
     const int64_t Rs[] = {1, 4, 16, 64, 68, 128, 130, 136, 256}; /* and sizes that leave a partial vector */
     for (int ri = 0; ri < (int)(sizeof Rs / sizeof Rs[0]); ri++) {
@@ -85,33 +85,39 @@ int main(int argc, char **argv) {
             BEST(reps, fg, F->gateup_packed(h, x, ex, R, H, I, B, 0, I));
             BEST(reps, fd, F->down_packed(y, h, ex, R, H, I, 0, H));
         }
-        double pg = 0, pd = 0;
-        if (pan) {
-            BEST(reps, pg, F->gateup_panels(h, x, pan, R, H, I, 0, I));
-            BEST(reps, pd, F->down_panels(y, h, pan, R, H, I, 0, H));
+        double pg = 0, pd = 0, qg = 0;
+        if (fpan) {
+            BEST(reps, pg, FP->gateup_panels(h, x, fpan, R, H, I, 0, I));
+            BEST(reps, pd, FP->down_panels(y, h, fpan, R, H, I, 0, H));
         }
+        if (epan) BEST(reps, qg, EP->gateup_panels(h, x, epan, R, H, I, 0, I));
         BEST(reps, eg, E->expert_gateup(h, x, ex, NULL, BF, R, H, I, B, 0, I));
         BEST(reps, ed, E->expert_down(y, h, ex, BF, R, H, I, 0, H));
         double gu = 2.0 * R * H * 2 * I, dn = 2.0 * R * H * I;
-        printf("R %4lld  gate/up %6.1f | %6.1f; %6.1f   down %6.1f | %6.1f; %6.1f\n", (long long)R,
-               fg ? gu / fg / 1e9 : 0.0, gu / eg / 1e9, pg ? gu / pg / 1e9 : 0.0, fd ? dn / fd / 1e9 : 0.0,
-               dn / ed / 1e9, pd ? dn / pd / 1e9 : 0.0);
+        printf("R %4lld  gate/up %6.1f | %6.1f; %6.1f | %6.1f   down %6.1f | %6.1f; %6.1f\n", (long long)R,
+               fg ? gu / fg / 1e9 : 0.0, gu / eg / 1e9, pg ? gu / pg / 1e9 : 0.0, qg ? gu / qg / 1e9 : 0.0,
+               fd ? dn / fd / 1e9 : 0.0, dn / ed / 1e9, pd ? dn / pd / 1e9 : 0.0);
         free(x), free(h), free(y);
     }
-    printf("\nprefill, a %lld x %lld bf16 matmul, GFLOP/s (fast | exact)\n", (long long)I, (long long)H);
-    const int64_t Ts[] = {1, 5, 16, 64, 130, 512};
+    printf("\nprefill, a %lld x %lld bf16 matmul, GFLOP/s (fast | exact; exact on its panel copy)\n", (long long)I,
+           (long long)H);
+    void *mpan = EP ? alloc((size_t)I * H * 2) : NULL;
+    if (mpan) cb_panel_pack_matrix(EP, mpan, ex, I, H);
+    const int64_t Ts[] = {1, 4, 5, 16, 64, 130, 512};
     for (int ti = 0; ti < (int)(sizeof Ts / sizeof Ts[0]); ti++) {
         int64_t T = Ts[ti];
         float *x = acts((size_t)(T * H)), *y = acts((size_t)(T * I));
-        double tf = 0, te;
+        double tf = 0, te, tp = 0;
         if (cb_fast_takes(F, BF, H)) BEST(T <= 16 ? 20 : 3, tf, F->matmul_ld(y, I, x, ex, BF, T, I, H));
         BEST(T <= 16 ? 20 : 3, te, E->matmul_ld(y, I, x, ex, BF, T, I, H));
+        if (mpan) BEST(T <= 16 ? 20 : 3, tp, EP->matmul_panels(y, I, x, mpan, T, I, H, 0, I));
         double fl = 2.0 * T * I * H;
-        printf("T %4lld  %6.1f | %6.1f\n", (long long)T, tf ? fl / tf / 1e9 : 0.0, fl / te / 1e9);
+        printf("T %4lld  %6.1f | %6.1f; %6.1f\n", (long long)T, tf ? fl / tf / 1e9 : 0.0, fl / te / 1e9,
+               tp ? fl / tp / 1e9 : 0.0);
         free(x), free(y);
     }
     /* decode: one token through matrices of 128 Ki rows (more than any cache), once per run */
-    printf("\ndecode, one token, weights streamed from memory, GB/s (fast | exact)\n");
+    printf("\ndecode, one token, weights streamed from memory, GB/s (fast | exact; bf16: each on its panel copy)\n");
     const uint32_t dts[] = {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K, COLIBRI_DTYPE_Q6_K};
     const int64_t K = 1024, N = 131072;
     float *x = acts((size_t)K), *y = alloc((size_t)N * 4);
@@ -130,10 +136,20 @@ int main(int argc, char **argv) {
                 if (bs == 144) w[b + 2] = 0x00, w[b + 3] = 0x20;
             }
         }
-        double tf = 0, te;
+        double tf = 0, te, pf = 0, pe = 0;
         if (cb_fast_takes(F, dt, K)) BEST(4, tf, F->matmul_ld(y, N, x, w, dt, 1, N, K));
         BEST(4, te, E->matmul_ld(y, N, x, w, dt, 1, N, K));
-        printf("%-5s %6.1f | %6.1f\n", cb_dtype_name(dt), tf ? n / tf / 1e9 : 0.0, n / te / 1e9);
+        printf("%-5s %6.1f | %6.1f", cb_dtype_name(dt), tf ? n / tf / 1e9 : 0.0, n / te / 1e9);
+        if (dt == COLIBRI_DTYPE_BF16 && (FP || EP)) {
+            void *p = alloc(n);
+            if (FP) cb_panel_pack_matrix(FP, p, w, N, K);
+            if (FP) BEST(4, pf, FP->matmul_panels(y, N, x, p, 1, N, K, 0, N));
+            if (EP) cb_panel_pack_matrix(EP, p, w, N, K);
+            if (EP) BEST(4, pe, EP->matmul_panels(y, N, x, p, 1, N, K, 0, N));
+            printf("; %6.1f | %6.1f", pf ? n / pf / 1e9 : 0.0, pe ? n / pe / 1e9 : 0.0);
+            free(p);
+        }
+        printf("\n");
         free(w);
     }
     return 0;
