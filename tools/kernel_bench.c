@@ -85,18 +85,21 @@ int main(int argc, char **argv) {
             BEST(reps, fg, F->gateup_packed(h, x, ex, R, H, I, B, 0, I));
             BEST(reps, fd, F->down_packed(y, h, ex, R, H, I, 0, H));
         }
-        double pg = 0, pd = 0, qg = 0;
+        double pg = 0, pd = 0, qg = 0, qd = 0;
         if (fpan) {
             BEST(reps, pg, FP->gateup_panels(h, x, fpan, R, H, I, 0, I));
             BEST(reps, pd, FP->down_panels(y, h, fpan, R, H, I, 0, H));
         }
-        if (epan) BEST(reps, qg, EP->gateup_panels(h, x, epan, R, H, I, 0, I));
+        if (epan) {
+            BEST(reps, qg, EP->gateup_panels(h, x, epan, R, H, I, 0, I));
+            BEST(reps, qd, EP->down_panels(y, h, epan, R, H, I, 0, H));
+        }
         BEST(reps, eg, E->expert_gateup(h, x, ex, NULL, BF, R, H, I, B, 0, I));
         BEST(reps, ed, E->expert_down(y, h, ex, BF, R, H, I, 0, H));
         double gu = 2.0 * R * H * 2 * I, dn = 2.0 * R * H * I;
-        printf("R %4lld  gate/up %6.1f | %6.1f; %6.1f | %6.1f   down %6.1f | %6.1f; %6.1f\n", (long long)R,
+        printf("R %4lld  gate/up %6.1f | %6.1f; %6.1f | %6.1f   down %6.1f | %6.1f; %6.1f | %6.1f\n", (long long)R,
                fg ? gu / fg / 1e9 : 0.0, gu / eg / 1e9, pg ? gu / pg / 1e9 : 0.0, qg ? gu / qg / 1e9 : 0.0,
-               fd ? dn / fd / 1e9 : 0.0, dn / ed / 1e9, pd ? dn / pd / 1e9 : 0.0);
+               fd ? dn / fd / 1e9 : 0.0, dn / ed / 1e9, pd ? dn / pd / 1e9 : 0.0, qd ? dn / qd / 1e9 : 0.0);
         free(x), free(h), free(y);
     }
     printf("\nprefill, a %lld x %lld bf16 matmul, GFLOP/s (fast | exact; exact on its panel copy)\n", (long long)I,

@@ -1373,17 +1373,17 @@ static void test_panels(const cb_panel_kernels *pl, const cb_fast_kernels *F, co
         uint16_t *pb = malloc((size_t)(3 * I * H) * 2), *pp = malloc((size_t)(3 * I * H) * 2);
         for (int64_t i = 0; i < 3 * I * H; i++) pb[i] = cb_f32_to_bf16(pf[i]);
         cb_panel_pack_expert(pl, pp, pb, H, I, B);
-        if (!pl->down_slabs && memcmp(pp + 2 * I * H, pb + 2 * I * H, (size_t)(I * H) * 2) != 0)
+        if (pl->down_layout == CB_PANEL_DOWN_FILE && memcmp(pp + 2 * I * H, pb + 2 * I * H, (size_t)(I * H) * 2) != 0)
             FAIL("cb_panel_pack_expert H%lld I%lld: w2^T not as in the expert", (long long)H, (long long)I);
-        for (int64_t i = 0; i < I && pl->down_slabs; i += 2) /* w2^T's pairs of rows, by the definition */
+        for (int64_t i = 0; i < I && pl->down_layout != CB_PANEL_DOWN_FILE; i++) /* w2^T's slabs, by the definition */
             for (int64_t c = 0; c < H; c++) {
                 int64_t i0 = i / CB_DOWN_BLOCK * CB_DOWN_BLOCK, ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK;
-                int64_t c0 = c / CB_PANEL_DOWN_COLS * CB_PANEL_DOWN_COLS;
-                int64_t nc = H - c0 < CB_PANEL_DOWN_COLS ? H - c0 : CB_PANEL_DOWN_COLS;
-                const uint32_t *d = (const uint32_t *)(pp + 2 * I * H) + i0 / 2 * H + ic / 2 * c0;
-                const uint16_t *a = pb + (2 * I + i) * H + c;
-                if (d[(i - i0) / 2 * nc + (c - c0)] != ((uint32_t)a[0] | (uint32_t)a[H] << 16))
-                    FAIL("cb_panel_pack_expert H%lld I%lld: w2^T pair (%lld, %lld) misplaced", (long long)H, (long long)I,
+                int64_t c0 = c / pl->down_cols * pl->down_cols, nc = H - c0 < pl->down_cols ? H - c0 : pl->down_cols;
+                const uint16_t *d = pp + 2 * I * H + i0 * H + ic * c0, *a = pb + (2 * I + i) * H + c;
+                uint16_t got = pl->down_layout == CB_PANEL_DOWN_ROWS ? d[(i - i0) * nc + (c - c0)]
+                                                                     : d[2 * ((i - i0) / 2 * nc + (c - c0)) + (i - i0) % 2];
+                if (got != a[0])
+                    FAIL("cb_panel_pack_expert H%lld I%lld: w2^T (%lld, %lld) misplaced", (long long)H, (long long)I,
                          (long long)i, (long long)c);
             }
         n_check++;

@@ -53,18 +53,24 @@ void cb_panel_pack_expert(const cb_panel_kernels *pk, void *dst, const void *src
     }
     const uint16_t *w2 = w + (size_t)2 * (size_t)I * (size_t)H;
     uint16_t *d2 = (uint16_t *)dst + (size_t)2 * (size_t)I * (size_t)H;
-    if (!pk->down_slabs) {
+    if (pk->down_layout == CB_PANEL_DOWN_FILE) {
         memcpy(d2, w2, (size_t)I * (size_t)H * 2u);
         return;
     }
-    for (int64_t i0 = 0; i0 < I; i0 += CB_DOWN_BLOCK) { /* w2^T's pairs of rows, by blocks and slabs */
+    for (int64_t i0 = 0; i0 < I; i0 += CB_DOWN_BLOCK) { /* w2^T by blocks and slabs */
         int64_t ic = I - i0 < CB_DOWN_BLOCK ? I - i0 : CB_DOWN_BLOCK;
-        for (int64_t c0 = 0; c0 < H; c0 += CB_PANEL_DOWN_COLS) {
-            int64_t nc = H - c0 < CB_PANEL_DOWN_COLS ? H - c0 : CB_PANEL_DOWN_COLS;
-            uint32_t *d = (uint32_t *)d2 + (size_t)(i0 / 2) * (size_t)H + (size_t)(ic / 2) * (size_t)c0;
+        for (int64_t c0 = 0; c0 < H; c0 += pk->down_cols) {
+            int64_t nc = H - c0 < pk->down_cols ? H - c0 : pk->down_cols;
+            uint16_t *d = d2 + (size_t)i0 * (size_t)H + (size_t)ic * (size_t)c0;
+            if (pk->down_layout == CB_PANEL_DOWN_ROWS) { /* its rows in order */
+                for (int64_t i = 0; i < ic; i++)
+                    memcpy(d + i * nc, w2 + (size_t)(i0 + i) * (size_t)H + c0, (size_t)nc * 2u);
+                continue;
+            }
+            uint32_t *dp = (uint32_t *)d; /* its pairs of rows, in column order */
             for (int64_t q = 0; q < ic / 2; q++) {
                 const uint16_t *a = w2 + (size_t)(i0 + 2 * q) * (size_t)H + c0, *b = a + H;
-                for (int64_t c = 0; c < nc; c++) d[q * nc + c] = (uint32_t)a[c] | (uint32_t)b[c] << 16;
+                for (int64_t c = 0; c < nc; c++) dp[q * nc + c] = (uint32_t)a[c] | (uint32_t)b[c] << 16;
             }
         }
     }

@@ -16,23 +16,29 @@
  * (cb_panel_pack_expert) has the same bytes as the expert (docs/format.md, EXPERTS_PACKED):
  * its 2I gate/up rows in that layout with G = gu_rows, of the row sequence holding, for each
  * run of `units` units, their gate rows then their up rows (run [u0, u0 + units) at dword
- * u0 * K); then w2^T [I, H], either as it is in the file (down_slabs 0) or (down_slabs 1) by
- * blocks of CB_DOWN_BLOCK rows (block [i0, i0 + ic) at dword i0 / 2 * H of that region),
- * each block by slabs of CB_PANEL_DOWN_COLS columns (the last one H mod that; slab [c0, c0 +
- * nc) at dword ic / 2 * c0 of the block), each slab's pairs of rows in column order: dword
- * q * nc + c = (w2^T[i0 + 2q, c0 + c], w2^T[i0 + 2q + 1, c0 + c]), the first in the low half.
+ * u0 * K); then w2^T [I, H], as it is in the file (CB_PANEL_DOWN_FILE) or by blocks of
+ * CB_DOWN_BLOCK rows (block [i0, i0 + ic) at element i0 * H of that region), each block by
+ * slabs of down_cols columns (the last one H mod that; slab [c0, c0 + nc) at element ic * c0
+ * of the block), a slab either its rows in order, nc elements each (CB_PANEL_DOWN_ROWS), or
+ * its pairs of rows in column order (CB_PANEL_DOWN_PAIRS): dword q * nc + c =
+ * (w2^T[i0 + 2q, c0 + c], w2^T[i0 + 2q + 1, c0 + c]), the first in the low half.
  *
- * Two layouts exist: fast mode's on AVX512_BF16 (G 64, units 32, down slabs: vdpbf16ps takes
- * a row's pair of columns per lane; fast_bf16dp.c) and the exact avx512 table's (G 16, units
- * 16, w2^T as in the file: one group is one row per lane, the f32 chains of the row-major
- * kernels by lanes; kernels_simd.inc, "Panels").
+ * Two layouts exist: fast mode's on AVX512_BF16 (G 64, units 32, w2^T by slabs of 64 columns
+ * and pairs of rows: vdpbf16ps takes a row's pair of columns per lane; fast_bf16dp.c) and the
+ * exact avx512 table's (G 16, units 16, w2^T by slabs of 32 columns and rows: a group is one
+ * row per lane, the f32 chains of the row-major kernels by lanes, and a slab one stream of
+ * the down projection's rows; kernels_panels_avx512.inc).
  */
 #ifndef COLIBRI_CPU_PANEL_H
 #define COLIBRI_CPU_PANEL_H
 
 #include <stdint.h>
 
-#define CB_PANEL_DOWN_COLS 64
+#define CB_PANEL_DOWN_COLS 64 /* fast mode's slab columns */
+/* How a copy lays out w2^T (above). */
+#define CB_PANEL_DOWN_FILE 0
+#define CB_PANEL_DOWN_PAIRS 1
+#define CB_PANEL_DOWN_ROWS 2
 /* The widest rows (K) a panel copy takes: the kernels' stack buffers hold 16 of them. */
 #define CB_PANEL_MAX_K 4096
 
@@ -41,8 +47,8 @@ typedef struct cb_panel_kernels {
     int64_t rows;      /* a matrix's group rows G; a thread's rows start at multiples of it */
     int64_t units;     /* a packed expert's units per run (I a multiple of it); ranges of units start at multiples of it */
     int64_t gu_rows;   /* the expert's gate/up group rows: 2 * units, or 16 */
-    int64_t down_cols; /* down_panels' columns start at multiples of it */
-    int down_slabs;    /* w2^T by slabs (1) or as in the file (0) */
+    int64_t down_cols; /* w2^T's slab columns; down_panels' columns start at multiples of it */
+    int down_layout;   /* CB_PANEL_DOWN_FILE, _PAIRS or _ROWS */
     /* rows n0 <= n < n1 of the panel matrix P [N, K] into y[t * ldy + n - n0], t < T (n0 a
      * multiple of rows) */
     void (*matmul_panels)(float *y, int64_t ldy, const float *x, const void *P, int64_t T, int64_t N, int64_t K,
@@ -64,7 +70,8 @@ static inline int cb_panel_takes(int64_t N, int64_t K) {
 }
 /* 1 when a packed BF16 expert of hidden H, intermediate I has one in pk's layout */
 static inline int cb_panel_takes_expert(const cb_panel_kernels *pk, int64_t H, int64_t I) {
-    return pk && cb_panel_takes(16, H) && I > 0 && I % pk->units == 0;
+    return pk && cb_panel_takes(16, H) && I > 0 && I % pk->units == 0 &&
+           (pk->down_layout != CB_PANEL_DOWN_ROWS || H % pk->down_cols == 0);
 }
 /* dst [N, K] (N * K / 2 dwords) = the panel layout of rows[n] (n < N, each K bf16), groups of G */
 void cb_panel_pack(uint32_t *dst, const uint16_t *const *rows, int64_t N, int64_t K, int64_t G);
