@@ -34,7 +34,7 @@
  * h is broadcast, up to 6 tokens by 64 columns per step; its sum runs by blocks of
  * CB_DOWN_BLOCK rows, as the exact kernels' (see below).
  *
- * The *_panels entries read the engine's panel copies (fast.h, model/panels.c) instead: the
+ * The *_panels entries read the engine's panel copies (cpu/panel.h, model/panels.c) instead: the
  * same chains (same bits), but the decode layout loads 16 rows' pair q as one vector (no
  * transpose; pan_chain), prefill runs the same pan_chain by steps of 6 tokens over each
  * group's vectors (the token lanes, broadcasting weight pairs 256 bytes apart, ran gate/up
@@ -752,7 +752,7 @@ void cb_bf16dp_down_part(float *part, const float *h, const void *expert, int64_
     }
 }
 
-/* ---- the packed down projection from a panel copy (fast.h): the pairs already made ------ */
+/* ---- the packed down projection from a panel copy (cpu/panel.h): the pairs already made ------ */
 
 _Static_assert(CB_PANEL_DOWN_COLS == DN_CW, "a panel copy's whole slab is a packed block");
 
