@@ -15,8 +15,6 @@
 #define CB_SIMD_NAME "avx2"
 #define CB_SIMD(name) name##_avx2
 #define VL 8
-/* BF16 weights also from panel copies (cpu/panel.h) */
-#define CB_SIMD_PANELS "cpu/kernels_panels.inc"
 
 #include "cpu/simd_avx2.h"
 

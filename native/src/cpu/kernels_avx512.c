@@ -22,7 +22,7 @@
  * 22.5 GB/s); block types keep 4 rows (Q8_0 -17 % with 8). docs/kernels.md, "Decode". */
 #define MR_DEC_F 8
 /* and BF16 weights also from panel copies (cpu/panel.h) */
-#define CB_SIMD_PANELS "cpu/kernels_panels.inc"
+#define CB_SIMD_PANELS "cpu/kernels_panels_avx512.inc"
 
 #include "cpu/simd_avx512.h"
 

@@ -25,9 +25,9 @@
  *
  * Two layouts exist: fast mode's on AVX512_BF16 (G 64, units 32, w2^T by slabs of 64 columns
  * and pairs of rows: vdpbf16ps takes a row's pair of columns per lane; fast_bf16dp.c) and the
- * exact avx512 and avx2 tables' (G 16, units 16, w2^T by slabs of 32 columns and rows: a row
- * per lane, the f32 chains of the row-major kernels by lanes, and a slab one stream of the
- * down projection's rows; kernels_panels.inc).
+ * exact avx512 table's (G 16, units 16, w2^T by slabs of 32 columns and rows: a group is one
+ * row per lane, the f32 chains of the row-major kernels by lanes, and a slab one stream of
+ * the down projection's rows; kernels_panels_avx512.inc).
  */
 #ifndef COLIBRI_CPU_PANEL_H
 #define COLIBRI_CPU_PANEL_H

@@ -76,16 +76,6 @@ static inline __attribute__((always_inline)) vf vload_w(const void *p, int64_t k
     if (DT == COLIBRI_DTYPE_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     return _mm256_cvtph_ps(h);
 }
-/* A panel copy's vector of VL pairs (cpu/panel.h: VL rows' two bf16 columns each, the first
- * in the low half), and its two columns widened to float: a shift, a mask (exact). */
-typedef __m256i vpair;
-static inline __attribute__((always_inline)) vpair vpair_load(const uint32_t *p) {
-    return _mm256_loadu_si256((const __m256i *)p);
-}
-static inline __attribute__((always_inline)) vf vpair_lo(vpair v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
-static inline __attribute__((always_inline)) vf vpair_hi(vpair v) {
-    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
 static inline __attribute__((always_inline)) void vprefetch(const void *p) {
     _mm_prefetch((const char *)p, _MM_HINT_T0);
 }

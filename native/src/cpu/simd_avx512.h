@@ -73,14 +73,6 @@ static inline __attribute__((always_inline)) vf vload_w(const void *p, int64_t k
     if (DT == COLIBRI_DTYPE_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
 }
-/* A panel copy's vector of VL pairs (cpu/panel.h: VL rows' two bf16 columns each, the first
- * in the low half), and its two columns widened to float: a shift, a mask (exact). */
-typedef __m512i vpair;
-static inline __attribute__((always_inline)) vpair vpair_load(const uint32_t *p) { return _mm512_loadu_si512(p); }
-static inline __attribute__((always_inline)) vf vpair_lo(vpair v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
-static inline __attribute__((always_inline)) vf vpair_hi(vpair v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
 static inline __attribute__((always_inline)) void vprefetch(const void *p) {
     _mm_prefetch((const char *)p, _MM_HINT_T0);
 }
