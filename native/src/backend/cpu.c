@@ -412,7 +412,8 @@ static void down_cols(const ffn_task *f, const ffn_job *b, int64_t lo, int64_t h
     }
     const void *ew = (const uint8_t *)(w->pan ? w->pan : w->packed) + (size_t)b->e * w->stride;
     if (w->pan) f->pan->down_panels(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
-    else if (cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) f->fast->down_packed(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
+    else if (cb_fast_takes_packed(f->fast, w->dt, f->H, b->I))
+        f->fast->down_packed(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
     else f->kern->expert_down(b->y, b->h, ew, w->dt, b->R, f->H, b->I, lo, hi);
 }
 
@@ -506,8 +507,8 @@ static void par_ffn(colibri_ctx *ctx, ffn_job *jobs, int n_jobs) {
         n_gateup += b->nch0;
         n1 += b->nch1;
     }
-    ffn_task f = {ctx->kern, ctx->fast, ctx->pan, H, ctx->cfg.block_size, n_jobs, 0, n_gateup, n_blocks, s->split_stamp, jobs,
-                  ctx->cfg.swiglu_limit, ctx->cfg.swiglu_alpha};
+    ffn_task f = {ctx->kern, ctx->fast, ctx->pan, H, ctx->cfg.block_size, n_jobs, 0, n_gateup, n_blocks,
+                  s->split_stamp, jobs, ctx->cfg.swiglu_limit, ctx->cfg.swiglu_alpha};
     cb_pool_run(ctx->pool, ffn_chunk, &f, n_gateup + n_blocks + n_rows);
     if (n1 > 0) {
         f.phase = 1;

@@ -26,11 +26,8 @@ void cb_panel_pack(uint32_t *dst, const uint16_t *const *rows, int64_t N, int64_
     }
 }
 
-/* The most rows of one group or run (pointers on the stack). */
-#define PACK_MAX_ROWS 128
-
 void cb_panel_pack_matrix(const cb_panel_kernels *pk, void *dst, const void *src, int64_t N, int64_t K) {
-    const uint16_t *rows[PACK_MAX_ROWS];
+    const uint16_t *rows[CB_PANEL_MAX_ROWS];
     int64_t G = pk->rows;
     for (int64_t g0 = 0; g0 < N; g0 += G) {
         int64_t n = N - g0 < G ? N - g0 : G;
@@ -40,7 +37,7 @@ void cb_panel_pack_matrix(const cb_panel_kernels *pk, void *dst, const void *src
 }
 
 void cb_panel_pack_expert(const cb_panel_kernels *pk, void *dst, const void *src, int64_t H, int64_t I, int64_t B) {
-    const uint16_t *rows[PACK_MAX_ROWS], *w = (const uint16_t *)src;
+    const uint16_t *rows[CB_PANEL_MAX_ROWS], *w = (const uint16_t *)src;
     int64_t U = pk->units;
     for (int64_t u0 = 0; u0 < I; u0 += U) {
         int64_t nu = I - u0 < U ? I - u0 : U;

@@ -41,11 +41,15 @@
 #define CB_PANEL_DOWN_ROWS 2
 /* The widest rows (K) a panel copy takes: the kernels' stack buffers hold 16 of them. */
 #define CB_PANEL_MAX_K 4096
+/* The most rows of a group (rows, gu_rows) or of a run's gate and up rows (2 units): the
+ * packers keep their row pointers on the stack. */
+#define CB_PANEL_MAX_ROWS 128
 
 typedef struct cb_panel_kernels {
     const char *name;
     int64_t rows;      /* a matrix's group rows G; a thread's rows start at multiples of it */
-    int64_t units;     /* a packed expert's units per run (I a multiple of it); ranges of units start at multiples of it */
+    int64_t units;     /* a packed expert's units per run (I a multiple of it); ranges of units
+                        * start at multiples of it */
     int64_t gu_rows;   /* the expert's gate/up group rows: 2 * units, or 16 */
     int64_t down_cols; /* w2^T's slab columns; down_panels' columns start at multiples of it */
     int down_layout;   /* CB_PANEL_DOWN_FILE, _PAIRS or _ROWS */
