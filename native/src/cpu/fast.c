@@ -194,6 +194,7 @@ static int cb_fast_cpu_bf16(void) {
                                         .attention_heads = ATT,                                                 \
                                         .att_work_bytes = ATT_BYTES,                                            \
                                         .panels = PANELS}
+_Static_assert(CB_PANEL_ROWS <= CB_PANEL_MAX_ROWS && 2 * CB_PANEL_UNITS <= CB_PANEL_MAX_ROWS, "the packers' row pointers");
 const cb_panel_kernels cb_bf16dp_panels = {.name = "avx512bf16",
                                           .rows = CB_PANEL_ROWS,
                                           .units = CB_PANEL_UNITS,

@@ -105,7 +105,6 @@ static inline int cb_fast_bf16_k_ok(int64_t K) { return K % 32 == 0 && K <= CB_F
  * w2^T by slabs. */
 #define CB_PANEL_ROWS 64
 #define CB_PANEL_UNITS 32
-_Static_assert(CB_PANEL_ROWS <= CB_PANEL_MAX_ROWS && 2 * CB_PANEL_UNITS <= CB_PANEL_MAX_ROWS, "the packers' row pointers");
 extern const cb_panel_kernels cb_bf16dp_panels;
 
 /* fast_amx.c: the BF16 kernels on AMX tiles. */
