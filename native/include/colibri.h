@@ -2,7 +2,8 @@
  * colibri.h — public C API of the Colibri MoE inference engine.
  *
  * The engine memory-maps one `.colibri` file (docs/format.md), carves every buffer it
- * will ever need from one arena at init, and then runs `colibri_forward` with no heap
+ * will ever need from one arena at init (some CPU kernel tables also copy the BF16 weights
+ * into a panel layout there: docs/kernels.md), and then runs `colibri_forward` with no heap
  * allocation. The library never prints, exits or aborts: every function returns a
  * `colibri_status`, and a context keeps a message saying what went wrong and what to do.
  *
@@ -28,8 +29,7 @@ extern "C" {
 
 /* Bumped whenever a signature or the meaning of an argument changes; bindings check it. */
 #define COLIBRI_ABI_VERSION 7
-/* The newest file format version this build reads. */
-/* the newest .colibri version this build reads (and every older one, from 1) */
+/* The newest .colibri format version this build reads (it reads every older one too, from 1). */
 #define COLIBRI_FORMAT_VERSION 2
 
 typedef enum colibri_status {

@@ -140,8 +140,8 @@ static void add_inplace(float *x, const float *d, int64_t n) {
 /* Matmuls with fewer output rows than this run on the calling thread alone. */
 #define CB_PAR_MIN_ROWS 64
 /* A down projection over more rows than this takes chunks of at least 256 columns: the fast
- * BF16 table converts the rows' h once per block for all the columns of a chunk (+3 % fast
- * prefill; the exact and int8 kernels measured the same or faster with it). */
+ * BF16 table converts the rows' h once per block for all the columns of a chunk (measured by
+ * alternating colibri_bench runs: no kernel table is slower with it). */
 #define CB_DOWN_FEW_ROWS 8
 /* A matmul chunk streams at most about this many weight bytes: the LM head of a 32000-word
  * vocabulary would otherwise take chunks of 8 MB, and the thread that finishes first waits

@@ -22,7 +22,9 @@ typedef struct cb_plan_input {
     uint64_t device_total;     /* the device's memory (cudaMemGetInfo's total) */
     uint64_t device_free;      /* free now (cudaMemGetInfo's free) */
     double fraction;           /* (0, 1]: share of device_total the plan may take */
-    uint64_t reserve;          /* left free for the runtime (graphs, cuBLAS workspace, context) */
+    uint64_t reserve;          /* left free for the CUDA runtime: its context, the loaded kernels,
+                                * the captured graphs (the CUDA backend: 512 MiB, at most 1/8 of
+                                * the device) */
     uint64_t dense_bytes;      /* every weight but the routed experts: embeddings, attention,
                                 * norms, routers, dense and shared FFNs, the LM head */
     uint64_t activation_bytes; /* the device scratch (cb_scratch's widths at max_batch) */

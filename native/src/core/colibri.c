@@ -21,7 +21,11 @@
 #include "core/trace.h"
 #include "tokenizer/tokenizer.h"
 
-#define COLIBRI_VERSION_STRING "colibri 0.1.0 (format 2, abi 5)"
+/* "colibri 0.1.0 (format F, abi A)", F and A taken from colibri.h */
+#define CB_STR_(x) #x
+#define CB_STR(x) CB_STR_(x)
+#define COLIBRI_VERSION_STRING \
+    "colibri 0.1.0 (format " CB_STR(COLIBRI_FORMAT_VERSION) ", abi " CB_STR(COLIBRI_ABI_VERSION) ")"
 
 int colibri_abi_version(void) { return COLIBRI_ABI_VERSION; }
 
@@ -201,12 +205,13 @@ static void populate_dense(colibri_ctx *ctx) {
 
 /* Map the whole file read-only at a 2 MiB-aligned address, and ask for transparent huge
  * pages. Decode streams about half a gigabyte of weights per token from this mapping: with
- * 4 KiB pages every 4 KiB costs a TLB miss (a two-level page walk under a hypervisor),
- * which measured 10-25 % of decode time here. The kernel maps a page-cache folio of 2 MiB
- * with one PMD entry when the virtual address is 2 MiB-aligned with its file offset, and
- * with MADV_HUGEPAGE it reads uncached parts of the file in 2 MiB folios. Both requests are
- * advisory: where they fail, the mapping works with small pages. populate pre-faults the
- * whole file (after the advice, so that the faults already use huge folios). */
+ * 4 KiB pages every 4 KiB costs a TLB miss (a two-level page walk under a hypervisor), a
+ * measurable share of decode time (docs/performance.md, "Load path and knobs"). The kernel
+ * maps a page-cache folio of 2 MiB with one PMD entry when the virtual address is 2 MiB-aligned
+ * with its file offset, and with MADV_HUGEPAGE it reads uncached parts of the file in 2 MiB
+ * folios. Both requests are advisory: where they fail, the mapping works with small pages.
+ * populate pre-faults the whole file (after the advice, so that the faults already use huge
+ * folios). */
 static void *map_weights(int fd, size_t size, int populate) {
     const size_t huge = (size_t)2 << 20;
     void *m = MAP_FAILED;

@@ -19,9 +19,9 @@
  * COLIBRI_MEMBW_PORTABLE / COLIBRI_MEMBW_AVX2 cap the instruction set. The SIMD loops are
  * compiled with target attributes and entered only after __builtin_cpu_supports, so the
  * library stays a baseline x86-64 build. Which variant reads fastest depends on the machine
- * (on the Xeon VM of docs/performance.md the portable loop, 16-byte SSE2 loads, beats the
- * 64-byte ones by ~15 % per core, and the non-temporal ones read less), so the benchmark
- * measures each and keeps the best. This is a measurement call, not the forward pass:
+ * (on some, the portable loop's 16-byte SSE2 loads beat the 64-byte ones, and the
+ * non-temporal variants read less; docs/performance.md), so the benchmark measures each and
+ * keeps the best. This is a measurement call, not the forward pass:
  * it allocates (and frees) its buffer and a pool of its own.
  */
 #define _GNU_SOURCE

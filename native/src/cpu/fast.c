@@ -237,12 +237,12 @@ const cb_fast_kernels *cb_fast_by_name(const char *name) {
 const cb_fast_kernels *cb_fast_best(void) {
     const cb_fast_kernels *f = cb_fast_by_name(getenv("COLIBRI_FAST_KERNELS"));
     if (f) return f;
-    /* avx512vnni-amx first: its BF16 prefill is 3x the f32 kernels' (its decode 0.73x,
-     * docs/kernels.md "Numeric modes"; COLIBRI_FAST_KERNELS=avx512vnni keeps BF16 on them) */
+    /* avx512vnni-amx first: its BF16 prefill is several times the f32 kernels', its decode
+     * slower (docs/performance.md, the Xeon figures; COLIBRI_FAST_KERNELS=avx512vnni keeps BF16
+     * on the f32 kernels) */
     if ((f = cb_fast_by_name("avx512vnni-amx")) != NULL) return f;
     /* then avx512bf16 (AVX512_BF16 without AMX: AMD Zen 4/5): vdpbf16ps does twice the
-     * multiply-adds of an f32 FMA there; measured on a Zen 4 EPYC, the 791 M Mixtral's bf16
-     * prefill 2.0x the f32 kernels' and its decode the same (docs/kernels.md) */
+     * multiply-adds of an f32 FMA there (the Zen 4 figures: docs/performance.md) */
     if ((f = cb_fast_by_name("avx512bf16")) != NULL) return f;
     if ((f = cb_fast_by_name("avx512vnni")) != NULL) return f;
     if ((f = cb_fast_by_name("avxvnni")) != NULL) return f;

@@ -171,7 +171,8 @@ static inline int cb_fast_takes_packed(const cb_fast_kernels *f, uint32_t dt, in
 }
 
 const cb_fast_kernels *cb_fast_ref(void);
-/* NULL when not compiled in (kernels_vnni.c, kernels_avx2.c). */
+/* x86 (fast_avx2.c, fast_avxvnni.c, fast_avx512.c): NULL when not compiled in (another
+ * architecture, or a compiler without the instruction set). */
 const cb_fast_kernels *cb_fast_avx2(void);
 const cb_fast_kernels *cb_fast_avxvnni(void);
 const cb_fast_kernels *cb_fast_avx512vnni(void);

@@ -79,9 +79,9 @@ FVI void rows_at(const uint8_t *w, size_t rb, int64_t rows, size_t off, const ui
 }
 /* The same bytes (off) of the next 16 rows (ahead: 16 row strides) into L2, so that the next
  * panel streams in while this one is read: a decode reads each weight once, and sixteen short
- * row streams are more than the hardware prefetchers follow (into L2, not L1: on a Zen 4
- * EPYC, T1 streams a Q8_0 decode at 18 GB/s a core, T0 at 10, the old 768 bytes ahead along
- * each row at 6). */
+ * row streams are more than the hardware prefetchers follow (into L2, not L1, and by panel
+ * rather than along each row: the fastest of the three on a Zen 4 EPYC, measured by
+ * tools/kernel_bench.c). */
 FVI void prefetch_next16(const uint8_t *const *rp, size_t off, size_t ahead) {
     for (int r = 0; r < 16; r++) _mm_prefetch((const char *)(rp[r] + off + ahead), _MM_HINT_T1);
 }

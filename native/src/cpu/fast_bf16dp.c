@@ -38,8 +38,8 @@
  * same chains (same bits), but the decode layout loads 16 rows' pair q as one vector (no
  * transpose; pan_chain), prefill runs the same pan_chain by steps of 6 tokens over each
  * group's vectors (the token lanes, broadcasting weight pairs 256 bytes apart, ran gate/up
- * 10-15 % slower there than on row-major rows), and the down projection finds its pairs
- * already made, one slab after another.
+ * slower there than on row-major rows: tools/kernel_bench.c), and the down projection finds
+ * its pairs already made, one slab after another.
  *
  * Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c; entered
  * only after cb_fast_by_name("avx512bf16") has checked the CPU. Buffers on the stack (at most
@@ -409,8 +409,8 @@ DP_AI void pan_chain4(vf *acc, const uint32_t *const *vp, int64_t S, const uint3
 /* Prefill on the panel copies: the tokens by tiles whose pairs fit XT_DWORDS, and in a tile,
  * pass by pass (a group's vectors), steps of PAN_STEP tokens: each step reads the pass's lines
  * whole (from L2 after the first step), one vector per load, the tokens' pairs broadcast, as
- * decode does. Measured against the lanes-are-tokens kernels (tok_*) on these copies, one
- * 791 M expert's gate/up: 175-205 -> 214-223 GFLOP/s a core at 16-256 tokens (peak 226).
+ * decode does. Faster than the lanes-are-tokens kernels (tok_*) on these copies and near the
+ * vdpbf16ps peak (tools/kernel_bench.c; figures in docs/kernels.md, "Panel copies").
  * Decode (T <= CB_DP_ROWS_T: one tile, one step) keeps a small stack buffer. */
 #define PAN_STEP 6
 _Static_assert(XT_DWORDS / (DKMAX / 2) >= PAN_STEP, "a tile holds a step");

@@ -17,9 +17,9 @@
 #define CB_SIMD_NAME "avx512"
 #define CB_SIMD(name) name##_avx512
 #define VL 16
-/* Float weights decode by 8-row tiles here: measured on a Zen 4 EPYC (exact bf16 decode of the
- * 791 M Mixtral, 2 threads, fast memory state: +7 %; one core streaming bf16 rows 19.7 ->
- * 22.5 GB/s); block types keep 4 rows (Q8_0 -17 % with 8). docs/kernels.md, "Decode". */
+/* Float weights decode by 8-row tiles here, block types by 4 rows: on a Zen 4 EPYC each is
+ * the faster of the two for its weights (tools/kernel_bench.c and colibri_bench; figures in
+ * docs/kernels.md, "Decode"). */
 #define MR_DEC_F 8
 /* and BF16 weights also from panel copies (cpu/panel.h) */
 #define CB_SIMD_PANELS "cpu/kernels_panels_avx512.inc"

@@ -1,5 +1,6 @@
 /*
- * format.c — reads and validates a mapped .colibri file (docs/format.md, version 1).
+ * format.c — reads and validates a mapped .colibri file (docs/format.md: format versions 1
+ * and 2, both read).
  *
  * Nothing in the file is trusted: every read is bounds-checked with overflow-safe 64-bit
  * arithmetic before it happens, in this order: header (magic, version, header_size, CRC,
@@ -1311,7 +1312,7 @@ colibri_status cb_format_load(colibri_ctx *ctx, const char *path, char *err, siz
     }
     uint32_t hs = rd_u32(m + 12);
     if (hs != CB_HEADER_SIZE) {
-        cb_set_err(err, len, "'%s' has header_size %u; version 1 headers are %u bytes; " RECONVERT,
+        cb_set_err(err, len, "'%s' has header_size %u; headers are %u bytes in every version; " RECONVERT,
                    path, hs, CB_HEADER_SIZE);
         return COLIBRI_E_FORMAT;
     }

@@ -1,5 +1,5 @@
 /*
- * format.h — the .colibri file reader (docs/format.md, version 1): the file's sections,
+ * format.h — the .colibri file reader (docs/format.md; versions 1 and 2): the file's sections,
  * its metadata records and tensor directory as the engine sees them once validated, and
  * the calls that validate a mapped file and bind the model's weights to it.
  *

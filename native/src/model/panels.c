@@ -6,9 +6,10 @@
  * expert it runs in that layout: the attention projections (not MLA's), the LM head and the
  * packed FFNs (routed experts, dense MLPs, shared experts). Decode then loads 16 rows' pair of
  * columns as one vector and streams each matrix once, where the row-major kernels transpose
- * 16 x 16 in registers per 16 rows and 32 columns (fast mode; the limit of a Zen 4 core's
- * decode, about 38 GB/s from L2; docs/kernels.md) or read 8 rows' streams at once (exact
- * mode; about 20 GB/s from memory against 23-25). Same bits as the row-major kernels
+ * 16 x 16 in registers per 16 rows and 32 columns (fast mode: the transposes, not memory,
+ * bound a core's decode) or read 8 rows' streams at once (exact mode: slower than one
+ * sequential stream of the same bytes). Measured by tools/kernel_bench.c; figures in
+ * docs/kernels.md, "Panel copies" and "Exact panel copies". Same bits as the row-major kernels
  * (test_kernels), so results do not depend on whether the copy was made.
  *
  * The copy is one anonymous mapping (2 MiB-aligned, transparent huge pages asked for), made by
