@@ -5,13 +5,17 @@
 #   OUT=/some/folder bash tools/gpu_check.sh        # OUT: where the logs and JSON go
 #
 # Phases, each under its own `timeout` so that a hang in one still returns the others'
-# results (10 minutes at most in all; 168 s measured on an H200 with PREBUILT, about a
-# minute more when it builds on its 16 cores; T_BENCH=0 stops after the tests):
-#   1. facts      nvidia-smi, nvcc, python3 and its torch / transformers / cupy   (20 s)
-#   2. build      cmake -DCOLIBRI_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -G Ninja, -j16 (170 s)
-#   3. tests      python3 -m pytest -q tests/test_gpu.py with COLIBRI_LIB=COLIBRI_CUDA_LIB (150 s)
+# results. The limits add up to 925 s (about 15.5 minutes) when it builds, 585 s with
+# PREBUILT (T_BENCH=0 stops after the tests: 325 s); 168 s measured on an H200 with
+# PREBUILT, about a minute more when it builds on its 16 cores:
+#   1. facts      nvidia-smi, nvcc, python3 and its torch / transformers / cupy   (55 s)
+#   2. build      cmake -DCOLIBRI_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -G Ninja, -j16
+#                 (T_BUILD, 170 s for the configure and 170 s for the compile; none with
+#                 PREBUILT), then the CLI on the tiny model with --backend cuda  (60 s + 60 s)
+#   3. tests      python3 -m pytest -q tests/test_gpu.py with COLIBRI_LIB=COLIBRI_CUDA_LIB
+#                 (T_TESTS, 150 s)
 #   4. bench      python3 tools/gpu_bench.py --layers 4 --profile (a random Mixtral-8x7B shape,
-#                 bf16, exact and fast)                                         (200 s)
+#                 bf16, exact and fast)                                  (T_BENCH, 200 s)
 #   5. products   the PREBUILT mma_bench (tools/mma_bench.cu), when carried      (60 s)
 # No pip install (the machine has no network): PYTHONPATH=$PWD and the machine's python3.
 # Files under $OUT (at most 8): facts.txt, build.log, test_gpu.log, gpu_bench.log,
