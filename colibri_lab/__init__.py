@@ -10,8 +10,8 @@ Errors from the engine are :class:`ColibriError` subclasses carrying the C messa
 # Pure Python: none of these needs the compiled library, so converting and inspecting
 # files works before (or without) it is built. The engine, its tokenizer and the native
 # version load the library on first use (below).
-from .convert import convert
-from .errors import (
+from .conversion.hf import convert
+from .runtime.errors import (
     ColibriBufferTooSmallError,
     ColibriChecksumError,
     ColibriClosedError,
@@ -27,8 +27,8 @@ from .errors import (
     ColibriUnsupportedError,
     ColibriVersionError,
 )
-from .format import inspect
-from .trace import Trace
+from .format.reader import inspect
+from .runtime.trace import Trace
 
 __version__ = "0.1.0"
 
@@ -59,10 +59,19 @@ __all__ = [
     "native_version",
 ]
 
-# The workbench modules load on first use, so `import colibri_lab` does not import plotly;
-# the engine's names load the native library (colibri_lab._native) on first use, so
-# `import colibri_lab` does not need it.
-_LAZY_MODULES = ("diagnostics", "tuning", "viz", "widgets")
+# The workbench modules load on first use, so `import colibri_lab` does not import plotly:
+# `from colibri_lab import viz` is `colibri_lab.analysis.viz`, and so on (the short names a
+# notebook uses). The engine's names load the native library (runtime/_native.py) on first
+# use, so `import colibri_lab` does not need it.
+_LAZY_MODULES = {
+    "cachesim": "analysis.cachesim",
+    "diagnostics": "analysis.diagnostics",
+    "quality": "analysis.quality",
+    "serving": "runtime.serving",
+    "tuning": "bench.tuning",
+    "viz": "analysis.viz",
+    "widgets": "analysis.widgets",
+}
 _ENGINE_NAMES = ("BACKENDS", "Engine", "EngineConfig", "Sequence", "Token", "Tokenizer")
 
 
@@ -70,11 +79,11 @@ def __getattr__(name: str):
     import importlib
 
     if name in _LAZY_MODULES:
-        return importlib.import_module(f".{name}", __name__)
+        return importlib.import_module(f".{_LAZY_MODULES[name]}", __name__)
     if name in _ENGINE_NAMES:
-        return getattr(importlib.import_module(".engine", __name__), name)
+        return getattr(importlib.import_module(".runtime.engine", __name__), name)
     if name == "native_version":
-        return importlib.import_module("._native", __name__).version
+        return importlib.import_module(".runtime._native", __name__).version
     raise AttributeError(f"module 'colibri_lab' has no attribute {name!r}")
 
 

@@ -1,6 +1,6 @@
 """`python -m colibri_lab inspect FILE [--verify] [--all]`,
 `python -m colibri_lab convert --model_name_or_path DIR --output_path OUT [...]` and
-`python -m colibri_lab quality ...` (the same as `python -m colibri_lab.quality ...`)."""
+`python -m colibri_lab quality ...`."""
 
 import sys
 
@@ -23,13 +23,13 @@ def main(argv=None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "inspect":
-        from .format import main as inspect_main
+        from .format.reader import main as inspect_main
         return inspect_main(rest)
     if cmd == "convert":
-        from .convert import main as convert_main
+        from .conversion.cli import main as convert_main
         return convert_main(rest)
     if cmd == "quality":
-        from .quality import main as quality_main
+        from .analysis.quality_cli import main as quality_main
         return quality_main(rest)
     print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2

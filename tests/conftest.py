@@ -5,7 +5,7 @@ random Mixtral checkpoints converted to .colibri.
         hf_dir, path = make_model()                       # the default small model
         hf_dir, path = make_model(vocab=1003, dtype="bf16")
 
-``make_model(**shape)`` takes the fields of ``hf_models.Shape`` (vocab, hidden, inter,
+``make_model(**shape)`` takes the fields of ``hf_models.MixtralShape`` (vocab, hidden, inter,
 layers, heads, kv_heads, head_dim, experts, top_k, sliding_window, tie, max_pos, std,
 seed) plus ``dtype`` ("f32", "f16", "bf16") for the converter. The Hugging Face folder is
 built once per shape and the .colibri file once per (shape, dtype), for the whole session.
@@ -78,14 +78,14 @@ def make_model(tmp_path_factory, tokenizer_model):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import colibri_lab
-    from hf_models import Shape, build_model
+    from colibri_lab.bench.models import MixtralShape, build_model
 
     folders: dict[tuple, Path] = {}
     files: dict[tuple, Path] = {}
 
     def make(**kw) -> tuple[Path, Path]:
         dtype = kw.pop("dtype", "f32")
-        shape = Shape(**{**DEFAULT_SHAPE, **kw})
+        shape = MixtralShape(**{**DEFAULT_SHAPE, **kw})
         key = tuple(sorted((k, repr(v)) for k, v in vars(shape).items()))
         if key not in folders:
             d = tmp_path_factory.mktemp("hf")

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 import colibri_lab
-from colibri_lab.serving import free_port, wait_healthy
+from colibri_lab.runtime.serving import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build" / "aarch64"
@@ -114,9 +114,9 @@ def test_noalloc_under_qemu(a64, tiny, args):
 
 def test_file_checks_under_qemu(a64, tmp_path):
     pytest.importorskip("torch")
-    from hf_models import Shape, build_model, save_checkpoint
+    from colibri_lab.bench.models import MixtralShape, build_model, save_checkpoint
 
-    folder = save_checkpoint(build_model(Shape(vocab=300, hidden=32, inter=24, layers=2, heads=4, kv_heads=2,
+    folder = save_checkpoint(build_model(MixtralShape(vocab=300, hidden=32, inter=24, layers=2, heads=4, kv_heads=2,
                                                experts=4, top_k=2)), tmp_path / "hf")
     out = tmp_path / "small.colibri"
     colibri_lab.convert(folder, out, dtype="bf16", quantize_router="int8", progress=False)

@@ -36,7 +36,7 @@ import pytest
 
 import colibri_lab
 from colibri_lab import ColibriInvalidArgError, ColibriUnsupportedError, Engine
-from colibri_lab import engine as engine_mod
+from colibri_lab.runtime import engine as engine_mod
 
 CUDA_FLAG = "-DCOLIBRI_CUDA=ON"
 
@@ -85,7 +85,7 @@ def test_cuda_backend_without_it_is_a_clear_error(tiny):
             assert "device" in msg.lower() or "cuda" in msg.lower(), msg
             pytest.skip(f"this library has the CUDA backend but no device here: {msg}")
         assert CUDA_FLAG in msg and "\n" not in msg, msg
-        assert e.status == colibri_lab.errors.E_UNSUPPORTED
+        assert e.status == colibri_lab.runtime.errors.E_UNSUPPORTED
         return
     eng.close()
     pytest.skip("this library has the CUDA backend and a device: tests/test_gpu.py covers it")
@@ -131,7 +131,7 @@ def test_good_backend_arguments_reach_the_options(tiny, monkeypatch):
     real = engine_mod.lib.colibri_init_ex
 
     def spy(path, opt, out, err, n):
-        o = ctypes.cast(opt, ctypes.POINTER(colibri_lab._native.ColibriOptions)).contents
+        o = ctypes.cast(opt, ctypes.POINTER(colibri_lab.runtime._native.ColibriOptions)).contents
         seen.update(backend=o.backend, frac=o.gpu_memory_fraction, dev=o.gpu_device)
         return real(path, opt, out, err, n)
 
@@ -148,12 +148,12 @@ def test_good_backend_arguments_reach_the_options(tiny, monkeypatch):
 
 
 def _raw_init(path, **fields) -> tuple[int, str]:
-    lib = colibri_lab._native.lib
-    opt = colibri_lab._native.ColibriOptions()
+    lib = colibri_lab.runtime._native.lib
+    opt = colibri_lab.runtime._native.ColibriOptions()
     lib.colibri_options_init(ctypes.byref(opt))
     for k, v in fields.items():
         setattr(opt, k, v)
-    ctx = colibri_lab._native.ctx_p()
+    ctx = colibri_lab.runtime._native.ctx_p()
     err = ctypes.create_string_buffer(1024)
     st = lib.colibri_init_ex(os.fsencode(path), ctypes.byref(opt), ctypes.byref(ctx), err, len(err))
     if ctx:
@@ -162,8 +162,8 @@ def _raw_init(path, **fields) -> tuple[int, str]:
 
 
 def test_options_init_defaults(tiny):
-    opt = colibri_lab._native.ColibriOptions()
-    colibri_lab._native.lib.colibri_options_init(ctypes.byref(opt))
+    opt = colibri_lab.runtime._native.ColibriOptions()
+    colibri_lab.runtime._native.lib.colibri_options_init(ctypes.byref(opt))
     assert (opt.backend, opt.gpu_device, opt.gpu_memory_fraction) == (0, 0, 0.0)
 
 
@@ -175,7 +175,7 @@ def test_options_init_defaults(tiny):
 ])  # fmt: skip
 def test_bad_raw_options_are_invalid_arg(tiny, fields):
     st, msg = _raw_init(tiny, **fields)
-    assert st == colibri_lab.errors.E_INVALID_ARG, (st, msg)
+    assert st == colibri_lab.runtime.errors.E_INVALID_ARG, (st, msg)
     assert msg.startswith("invalid options:"), msg
 
 
@@ -198,8 +198,8 @@ def test_stage_tensor_device_on_cpu_raises(tiny):
             run.tensor("x", device=True)
         # the raw call: E_UNSUPPORTED, nothing written
         p = ctypes.c_void_p(1234)
-        st = colibri_lab._native.lib.colibri_stage_tensor_device(eng._c(), b"x", ctypes.byref(p))
-        assert st == colibri_lab.errors.E_UNSUPPORTED and p.value == 1234
+        st = colibri_lab.runtime._native.lib.colibri_stage_tensor_device(eng._c(), b"x", ctypes.byref(p))
+        assert st == colibri_lab.runtime.errors.E_UNSUPPORTED and p.value == 1234
         # the run goes on as if nothing happened
         logits = run.finish()
         assert np.array_equal(logits, eng.forward([1, 2, 3, 4]))
@@ -285,12 +285,11 @@ def qwen2_moe(tmp_path_factory):
     """A Qwen2-MoE with a gated shared expert and a dense-MLP layer (layer 1)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from hf_families import FamilyShape, build_family_model
-    from hf_models import save_checkpoint
+    from colibri_lab.bench.models import FamilyShape, build_model, save_checkpoint
 
     shape = FamilyShape("qwen2_moe", vocab=301, hidden=48, inter=20, dense_inter=30, shared_inter=24, layers=3,
                         heads=4, kv_heads=2, experts=6, top_k=2, mlp_only_layers=(1,))
-    folder = save_checkpoint(build_family_model(shape), tmp_path_factory.mktemp("qwen2moe"))
+    folder = save_checkpoint(build_model(shape), tmp_path_factory.mktemp("qwen2moe"))
     out = folder.parent / "qwen2moe-f32.colibri"
     colibri_lab.convert(folder, out, dtype="f32", progress=False)
     return out
@@ -433,7 +432,7 @@ def test_help_texts_name_the_flags(cli_path, bench_path, server_path):
 
 
 def test_server_reports_the_backend(server_path, tiny, tmp_path):
-    from colibri_lab.serving import free_port, parse_metrics, wait_healthy
+    from colibri_lab.runtime.serving import free_port, parse_metrics, wait_healthy
 
     port = free_port()
     log = open(tmp_path / "server.log", "wb")

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 import colibri_lab  # noqa: E402
 from colibri_lab import ColibriError  # noqa: E402
 
-from hf_models import Shape, build_model, save_checkpoint  # noqa: E402
+from colibri_lab.bench.models import MixtralShape, build_model, save_checkpoint  # noqa: E402
 
 SECTION_NAMES = ["metadata", "tensor_dir", "tokenizer", "dense", "router", "experts"]
 
@@ -33,7 +33,7 @@ SECTION_NAMES = ["metadata", "tensor_dir", "tokenizer", "dense", "router", "expe
 def good(tmp_path_factory) -> Path:
     """A small valid model with the real tokenizer (so the tokenizer section is parsed)."""
     d = tmp_path_factory.mktemp("bad")
-    shape = Shape(vocab=32000, hidden=24, inter=20, layers=2, heads=2, kv_heads=1,
+    shape = MixtralShape(vocab=32000, hidden=24, inter=20, layers=2, heads=2, kv_heads=1,
                   experts=4, top_k=2, max_pos=64, seed=5)
     folder = save_checkpoint(build_model(shape), d / "hf")
     out = d / "good.colibri"

@@ -28,12 +28,11 @@ def models(tmp_path_factory):
     files = {dt: colibri_lab.convert(REPO / "data" / "tiny-mixtral", out / f"tiny-{dt}.colibri", dtype=dt,
                                      progress=False) for dt in ("f32", "bf16")}
     pytest.importorskip("torch")
-    from hf_families import FamilyShape, build_family_model
-    from hf_models import save_checkpoint
+    from colibri_lab.bench.models import FamilyShape, build_model, save_checkpoint
 
     shape = FamilyShape("qwen2_moe", layers=3, mlp_only_layers=(1,), sliding_window=6, max_window_layers=1,
                         seed=5)
-    files["qwen2"] = colibri_lab.convert(save_checkpoint(build_family_model(shape), out / "hf-q2"),
+    files["qwen2"] = colibri_lab.convert(save_checkpoint(build_model(shape), out / "hf-q2"),
                                          out / "q2.colibri", dtype="f32", progress=False)
     return files
 
@@ -182,8 +181,8 @@ def test_positions_must_continue_the_sequence(models):
     """The raw entries: a position that does not continue its sequence is refused."""
     import ctypes
 
-    from colibri_lab import _native
-    from colibri_lab.engine import _ENTRY_DTYPE
+    from colibri_lab.runtime import _native
+    from colibri_lab.runtime.engine import _ENTRY_DTYPE
 
     with Engine(models["f32"], max_seqs=2) as eng:
         eng.batch([(0, [5, 6, 7])], logits="none")

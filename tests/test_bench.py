@@ -2,7 +2,7 @@
 JSON fields and their arithmetic, the expert cache's report, exit codes) and ``python -m colibri_lab.bench --smoke``
 (every engine it can run, a missing peer reported instead of crashing). Timings are not
 judged: only that they exist, are positive and add up. The helpers the benchmark takes
-from ``colibri_lab.tuning`` (roofline, bandwidth, model making) are tested in
+from ``colibri_lab.bench.tuning`` (roofline, bandwidth, model making) are tested in
 tests/test_tuning.py."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from colibri_lab import _native
+from colibri_lab.runtime import _native
 from colibri_lab.bench import files, side_by_side
 
 REPO = Path(__file__).resolve().parents[1]
@@ -395,7 +395,7 @@ def test_serving_benchmark_smoke(model, tmp_path):
 
 def _stored_nbytes(dtype: str, shape) -> int:
     """Bytes of a tensor as stored, from the format's block table (by hand, not the reader)."""
-    from colibri_lab import format as fmt
+    from colibri_lab.format import spec as fmt
 
     elems, block_bytes = fmt.DTYPE_BLOCKS[fmt.DTYPE_IDS[dtype]]
     assert shape[-1] % elems == 0
@@ -405,13 +405,13 @@ def _stored_nbytes(dtype: str, shape) -> int:
 def test_file_roofline_counts_each_tensor_as_stored(make_model):
     """A Q4_K_M file (hidden 256: real Q4_K and Q6_K tensors, f32 norms and routers): the
     bytes per decode token are the sum, tensor by tensor, of what one token reads."""
-    from colibri_lab import format as fmt
+    from colibri_lab.format import reader as fmt_reader
     from colibri_lab import tuning
 
     L, H, I, E, K, V = 2, 256, 256, 4, 2, 512
     hf, path = make_model(dtype="q4_k_m", vocab=V, hidden=H, inter=I, layers=L, heads=4,
                           kv_heads=2, experts=E, top_k=K)  # fmt: skip
-    info = fmt.inspect(path)
+    info = fmt_reader.inspect(path)
     t = {x.name: x for x in info.tensors}
     for x in info.tensors:  # the directory's nbytes are the block table's
         assert x.nbytes == _stored_nbytes(x.dtype, x.shape), x.name

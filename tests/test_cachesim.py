@@ -1,4 +1,4 @@
-"""The expert-cache simulator (colibri_lab.cachesim): the compiled kernel against the
+"""The expert-cache simulator (colibri_lab.analysis.cachesim): the compiled kernel against the
 plain-Python reference on random traces (every policy, every cache size, exact counts), hand
 cases with known answers, Belady's bound, prediction bookkeeping, the argument checks, and
 traces of the real engine on the embedded tiny Mixtral (and the engine's own cache counters

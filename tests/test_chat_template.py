@@ -37,9 +37,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import colibri_lab  # noqa: E402
-from colibri_lab._bpe import QWEN2_PATTERN, build_bpe_tokenizer_section  # noqa: E402
-from colibri_lab._spm import build_tokenizer_section  # noqa: E402
-from colibri_lab.convert import read_chat_template  # noqa: E402
+from colibri_lab.conversion.bpe import QWEN2_PATTERN, build_bpe_tokenizer_section  # noqa: E402
+from colibri_lab.conversion.spm import build_tokenizer_section  # noqa: E402
+from colibri_lab.conversion.tokenizer import read_chat_template  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build" / "native-tests"   # the folder `make test` builds the C tests in

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from colibri_lab import Engine
-from colibri_lab.format import SECTION_ROUTER, inspect
+from colibri_lab.format.spec import SECTION_ROUTER
+from colibri_lab.format.reader import inspect
 
 PROMPT = "The quick brown fox"
 TOP_LINE = re.compile(r'^\s*(\d+)\s+id=(\d+)\s+p=([0-9.]+)\s+piece=(".*"|\(none\))$')

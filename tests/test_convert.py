@@ -18,8 +18,10 @@ pytest.importorskip("transformers")
 
 from test_format import load_source, make_hf  # noqa: E402
 
-from colibri_lab.convert import ConversionError, convert, main  # noqa: E402
-from colibri_lab.format import inspect  # noqa: E402
+from colibri_lab.conversion.spec import ConversionError
+from colibri_lab.conversion.hf import convert
+from colibri_lab.conversion.cli import main  # noqa: E402
+from colibri_lab.format.reader import inspect  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -399,8 +401,8 @@ def test_unused_checkpoint_tensors_are_reported(hf5, tmp_path):
 
 # ------------------------------------------------------------------------ quantized mixes
 
-from colibri_lab import quants  # noqa: E402
-from colibri_lab.format import (DTYPE_F32, DTYPE_Q4_K, DTYPE_Q5_K,  # noqa: E402
+from colibri_lab.format import blocks as quants  # noqa: E402
+from colibri_lab.format.spec import (DTYPE_F32, DTYPE_Q4_K, DTYPE_Q5_K,  # noqa: E402
                                 DTYPE_Q6_K, DTYPE_Q8_0, QUANT_DTYPES)
 
 # rows that 256 divides, 8 experts (llama.cpp's Mixtral-8x rules), 4 layers (use_more_bits:
@@ -548,13 +550,12 @@ def test_quantized_mix_row_fallbacks(tmp_path):
 
 
 def test_quantized_qwen2_moe_dense_and_shared_expert(tmp_path):
-    from hf_families import FamilyShape, build_family_model
-    from hf_models import save_checkpoint
+    from colibri_lab.bench.models import FamilyShape, build_model, save_checkpoint
 
     shp = FamilyShape("qwen2_moe", vocab=300, hidden=256, inter=256, dense_inter=512,
                       shared_inter=256, layers=3, heads=4, kv_heads=2, experts=4, top_k=2,
                       mlp_only_layers=(1,))
-    hf = save_checkpoint(build_family_model(shp), tmp_path / "hf")
+    hf = save_checkpoint(build_model(shp), tmp_path / "hf")
     out = tmp_path / "m.colibri"
     convert(hf, out, dtype="q4_k_m", progress=False)
     info = inspect(out, verify=True)

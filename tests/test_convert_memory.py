@@ -85,7 +85,7 @@ def write_synthetic_mixtral(folder: Path, vocab, hidden, inter, layers, experts,
 # spawned by a pytest process that has torch loaded starts with the parent's ~160 MB.
 CHILD = textwrap.dedent("""
     import sys
-    from colibri_lab.convert import convert
+    from colibri_lab.conversion.hf import convert
     if sys.argv[1] != "-":
         convert(sys.argv[1], sys.argv[2], dtype=sys.argv[3], progress=False)
     with open("/proc/self/status") as f:
@@ -117,7 +117,7 @@ def measure(tmp_path: Path, shape: dict, dtype: str):
 
 
 def check_output(out: Path, shape: dict, dtype: str):
-    from colibri_lab.format import inspect
+    from colibri_lab.format.reader import inspect
 
     info = inspect(out)
     assert info.header["vocab_size"] == shape["vocab"]

@@ -84,7 +84,7 @@ def tiny_bf16(tmp_path_factory) -> Path:
 CHILD = r"""
 import ctypes, json, sys
 import numpy as np
-from colibri_lab import _native as N
+from colibri_lab.runtime import _native as N
 path, backend = sys.argv[1], int(sys.argv[2])
 lib = N.lib
 opt = N.ColibriOptions()
@@ -131,7 +131,7 @@ def _ref_lib() -> Path:
     env = _env()
     env.pop("COLIBRI_LIB", None)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", "from colibri_lab import _native; print(_native.lib_path)"],
+    r = subprocess.run([sys.executable, "-c", "from colibri_lab.runtime import _native; print(_native.lib_path)"],
                        capture_output=True, text=True, env=env)
     if r.returncode == 0 and r.stdout.strip() and Path(r.stdout.strip().splitlines()[-1]).is_file():
         return Path(r.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""Routing diagnostics (colibri_lab.diagnostics) on hand-computed small cases, on uniform
+"""Routing diagnostics (colibri_lab.analysis.diagnostics) on hand-computed small cases, on uniform
 random routing (measures at their chance level), and on real int8-vs-float router traces
 (against a plain per-token loop)."""
 

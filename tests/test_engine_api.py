@@ -222,7 +222,8 @@ def test_tokenizer_matches_sentencepiece(engine, tokenizer_model):
 
 
 def test_tokenizer_from_section_bytes(engine, model):
-    from colibri_lab.format import SECTION_TOKENIZER, inspect
+    from colibri_lab.format.spec import SECTION_TOKENIZER
+    from colibri_lab.format.reader import inspect
 
     info = inspect(model[1])
     sec = info.sections[SECTION_TOKENIZER]
@@ -302,7 +303,7 @@ def _import_native(env_extra):
     import sys
 
     env = {**os.environ, **env_extra}
-    code = "import colibri_lab._native as n; print(n.lib_path)"
+    code = "import colibri_lab.runtime._native as n; print(n.lib_path)"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
 
 
@@ -320,7 +321,7 @@ def test_library_search_order(tmp_path):
 
 def test_text_deltas_hold_back_split_characters(engine):
     """A character whose UTF-8 bytes come as byte-fallback tokens appears once complete."""
-    from colibri_lab.engine import _TextStream
+    from colibri_lab.runtime.engine import _TextStream
 
     tok = engine.tokenizer
     parrot = [3 + b for b in "🦜".encode()]  # <0xF0> <0x9F> <0xA6> <0x9C>

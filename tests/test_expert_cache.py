@@ -5,7 +5,7 @@ I/O thread, with the LRU, LFU, pinned and predict policies.
 What must hold: with any budget (1 slot, a few, all) and any policy, every logit is bitwise
 the fully mapped run's, for prefill chunks, decode steps, batches of sequences and
 stage-by-stage runs; the counters add up (hits + misses = uses, prefetch hits <= prefetches);
-and the engine's measured hits and misses at decode equal colibri_lab.cachesim's simulation
+and the engine's measured hits and misses at decode equal colibri_lab.analysis.cachesim's simulation
 of the same routing trace, exactly.
 """
 
@@ -32,27 +32,26 @@ def models(tmp_path_factory):
     files = {dt: colibri_lab.convert(REPO / "data" / "tiny-mixtral", out / f"tiny-{dt}.colibri", dtype=dt,
                                      progress=False) for dt in ("bf16", "q4_k_m")}
     pytest.importorskip("torch")
-    from hf_families import FamilyShape, build_family_model
-    from hf_models import save_checkpoint
+    from colibri_lab.bench.models import FamilyShape, build_model, save_checkpoint
 
     shape = FamilyShape("qwen2_moe", layers=3, mlp_only_layers=(1,), seed=7)
-    files["qwen2"] = colibri_lab.convert(save_checkpoint(build_family_model(shape), out / "hf-q2"),
+    files["qwen2"] = colibri_lab.convert(save_checkpoint(build_model(shape), out / "hf-q2"),
                                          out / "q2.colibri", dtype="f32", progress=False)
     # gpt-oss: MXFP4 experts with biases through the clamped SwiGLU; DeepSeek-V3: grouped
     # sigmoid routing with a correction bias, a dense first layer, a shared expert
     gpt = FamilyShape("gpt_oss", vocab=301, hidden=64, inter=32, layers=2, heads=4, kv_heads=2, head_dim=16,
                       experts=4, top_k=2, sliding_window=5, swiglu_limit=1.0, seed=5)
-    files["gptoss"] = colibri_lab.convert(save_checkpoint(build_family_model(gpt), out / "hf-gpt"),
+    files["gptoss"] = colibri_lab.convert(save_checkpoint(build_model(gpt), out / "hf-gpt"),
                                           out / "gpt.colibri", dtype="mxfp4", progress=False)
-    from hf_families import DeepseekShape, build_deepseek_model
+    from colibri_lab.bench.models import DeepseekShape, build_model
 
     ds = DeepseekShape("deepseek_v3", n_group=4, topk_group=2, topk_method="noaux_tc", seed=3)
-    files["deepseek"] = colibri_lab.convert(save_checkpoint(build_deepseek_model(ds), out / "hf-ds"),
+    files["deepseek"] = colibri_lab.convert(save_checkpoint(build_model(ds), out / "hf-ds"),
                                             out / "ds.colibri", dtype="bf16", progress=False)
-    from hf_models import Shape, build_model
+    from colibri_lab.bench.models import MixtralShape, build_model
 
     # experts of 1.5 MiB (f32, 128 x 1024): a 1 MiB budget holds none
-    wide = build_model(Shape(hidden=128, inter=1024, layers=2, experts=4, top_k=2, heads=4, kv_heads=4))
+    wide = build_model(MixtralShape(hidden=128, inter=1024, layers=2, experts=4, top_k=2, heads=4, kv_heads=4))
     files["wide"] = colibri_lab.convert(save_checkpoint(wide, out / "hf-wide"), out / "wide.colibri",
                                         dtype="f32", progress=False)
     return files
@@ -157,7 +156,7 @@ def test_predicted_ids_are_the_next_routers_choice(models):
 def test_engine_equals_simulator_at_decode(models, policy, slots):
     """Decode with one sequence is one step per token: the engine's hits and misses per layer
     equal the simulator's on the engine's own routing trace, exactly."""
-    cachesim = pytest.importorskip("colibri_lab.cachesim")
+    cachesim = pytest.importorskip("colibri_lab.analysis.cachesim")
     path = models["bf16"]
     with Engine(path, expert_cache_slots=slots, expert_cache_policy=policy) as eng:
         moe = np.flatnonzero(eng._layer_is_moe())

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 import colibri_lab
-from colibri_lab.serving import parse_metrics, wait_healthy
+from colibri_lab.runtime.serving import parse_metrics, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 REQ_TIMEOUT = 20.0  # seconds, every request through the proxy

@@ -16,8 +16,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 import colibri_lab  # noqa: E402
 
-from hf_families import FamilyShape, build_family_model  # noqa: E402
-from hf_models import save_checkpoint  # noqa: E402
+from colibri_lab.bench.models import FamilyShape, build_model, save_checkpoint  # noqa: E402
 
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -60,8 +59,8 @@ def qwen_folder(tmp_path_factory):
     shape = FamilyShape(family="qwen2_moe", vocab=vocab, hidden=48, inter=30, dense_inter=70,
                         shared_inter=40, layers=2, heads=4, kv_heads=2, experts=4, top_k=2,
                         mlp_only_layers=(1,), seed=11)
-    model = build_family_model(shape)
-    folder = save_checkpoint(model, tmp_path_factory.mktemp("qwen-tok"), with_tokenizer=False)
+    model = build_model(shape)
+    folder = save_checkpoint(model, tmp_path_factory.mktemp("qwen-tok"), tokenizer="none")
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
@@ -114,7 +113,7 @@ def test_unsupported_tokenizer_json_is_refused_or_skipped(qwen_folder, tmp_path)
     with pytest.raises(ValueError, match="no_tokenizer"):
         colibri_lab.convert(d, tmp_path / "x.colibri", dtype="f32", progress=False)
     assert not (tmp_path / "x.colibri").exists()
-    from colibri_lab.convert import main
+    from colibri_lab.conversion.cli import main
 
     assert main(["--model_name_or_path", str(d), "--output_path", str(tmp_path / "y.colibri"),
                  "--dtype", "f32", "--no_tokenizer", "--quiet"]) == 0
@@ -135,11 +134,11 @@ def test_tekken_json_is_picked_up(tmp_path):
     files = sorted((Path(mistral_common.__file__).parent / "data").glob("tekken_*.json"))
     if not files:
         pytest.skip("no tekken_*.json in this mistral-common")
-    from hf_models import Shape, build_model
+    from colibri_lab.bench.models import MixtralShape, build_model
 
-    folder = save_checkpoint(build_model(Shape(vocab=300, hidden=24, inter=20, layers=1, heads=2,
+    folder = save_checkpoint(build_model(MixtralShape(vocab=300, hidden=24, inter=20, layers=1, heads=2,
                                                kv_heads=1, experts=4, top_k=2)),
-                             tmp_path / "hf", with_tokenizer=False)
+                             tmp_path / "hf", tokenizer="none")
     shutil.copy(files[-1], folder / "tekken.json")
     out = tmp_path / "m.colibri"
     colibri_lab.convert(folder, out, dtype="f32", progress=False)

@@ -19,9 +19,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from colibri_lab import format as fmt  # noqa: E402
-from colibri_lab.convert import convert  # noqa: E402
-from colibri_lab.format import FormatError, inspect  # noqa: E402
+from colibri_lab.format import reader as fmt_reader, spec as fmt  # noqa: E402
+from colibri_lab.conversion.hf import convert  # noqa: E402
+from colibri_lab.format.spec import FormatError  # noqa: E402
+from colibri_lab.format.reader import inspect  # noqa: E402
 
 ODD = dict(vocab_size=37, hidden_size=20, intermediate_size=13, num_hidden_layers=2,
            num_attention_heads=5, num_key_value_heads=1, head_dim=4, num_local_experts=3,
@@ -466,7 +467,7 @@ def test_metadata_codec_round_trip():
                ("a.str", M(fmt.MT_STRING, "héllo")), ("a.u64", M(fmt.MT_U64, 2**40)),
                ("a.i64", M(fmt.MT_I64, -2**40)), ("a.f64", M(fmt.MT_F64, 1e-300)),
                ("a.arr", M(fmt.MT_ARRAY, [1, 2, 3], fmt.MT_U32))]
-    meta, types = fmt._parse_metadata(fmt.encode_metadata(entries))
+    meta, types = fmt_reader._parse_metadata(fmt.encode_metadata(entries))
     assert meta == {"a.u32": 7, "a.i32": -3, "a.f32": 0.5, "a.bool": True, "a.str": "héllo",
                     "a.u64": 2**40, "a.i64": -2**40, "a.f64": 1e-300, "a.arr": [1, 2, 3]}
     assert types["a.arr"] == "array[u32]"

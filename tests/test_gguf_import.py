@@ -1,4 +1,4 @@
-"""GGUF import (colibri_lab.gguf_import): real GGUFs made by llama.cpp's own
+"""GGUF import (colibri_lab.conversion.gguf): real GGUFs made by llama.cpp's own
 convert_hf_to_gguf.py from tiny Hugging Face checkpoints of each family, imported and
 compared with the checkpoint itself and with the Hugging Face converter's file.
 
@@ -38,13 +38,12 @@ tokenizers = pytest.importorskip("tokenizers")
 gguf = pytest.importorskip("gguf")
 
 import colibri_lab  # noqa: E402
-from colibri_lab import format as fmt  # noqa: E402
-from colibri_lab.convert import ConversionError  # noqa: E402
-from colibri_lab.gguf_import import convert_gguf  # noqa: E402
+from colibri_lab.format import reader as fmt_reader, spec as fmt  # noqa: E402
+from colibri_lab.conversion.spec import ConversionError  # noqa: E402
+from colibri_lab.conversion.gguf import convert_gguf  # noqa: E402
 from colibri_lab.bench.llama_cpp import _find_llama_src  # noqa: E402
 
-from hf_families import FamilyShape, build_family_model  # noqa: E402
-from hf_models import Shape, build_model, save_checkpoint  # noqa: E402
+from colibri_lab.bench.models import FamilyShape, MixtralShape, build_model, save_checkpoint  # noqa: E402
 
 SPECIALS = {"qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
             "olmo": ["<|endoftext|>", "<|padding|>"]}
@@ -152,7 +151,7 @@ def _bpe_tokenizer(kind: str, vocab_size: int):
     (GPT-NeoX: ByteLevel with the GPT-2 regex, no normalizer), trained on Python's stdlib."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    from colibri_lab._bpe import QWEN2_PATTERN
+    from colibri_lab.conversion.bpe import QWEN2_PATTERN
 
     tok = Tokenizer(models.BPE())
     if kind == "qwen":
@@ -197,8 +196,8 @@ PRE = {"mixtral": None, "qwen2_moe": "qwen2", "qwen3_moe": "qwen2", "olmoe": "ol
 def _make_checkpoint(family: str, folder: Path):
     """(folder, reference tokenizer) of a tiny random checkpoint with its tokenizer."""
     if family == "mixtral":
-        model = build_model(Shape(**MIXTRAL_SHAPE))
-        save_checkpoint(model, folder, with_tokenizer=True)
+        model = build_model(MixtralShape(**MIXTRAL_SHAPE))
+        save_checkpoint(model, folder, tokenizer="spm")
         (folder / "tokenizer_config.json").write_text(json.dumps(
             {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
              "chat_template": MIXTRAL_TEMPLATE,
@@ -222,8 +221,8 @@ def _make_checkpoint(family: str, folder: Path):
     # the embedding is padded past the tokenizer (as real checkpoints): llama.cpp's
     # converter fills the GGUF vocabulary up with [PAD{i}] tokens, which the importer drops
     shape = FamilyShape(vocab=tok.get_vocab_size() + 9, **FAMILY_SHAPES[family])
-    model = build_family_model(shape)
-    save_checkpoint(model, folder, with_tokenizer=False)
+    model = build_model(shape)
+    save_checkpoint(model, folder, tokenizer="none")
     tok.save(str(folder / "tokenizer.json"))
     cfg = ({"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
             "chat_template": CHATML} if kind == "qwen" else
@@ -256,8 +255,8 @@ def build_models(work: Path) -> dict:
         out[fam] = dict(folder=folder, tok=tok, hf=hf, gguf=files)
     folder = work / "kquant"
     tok = _bpe_tokenizer("qwen", 400)
-    save_checkpoint(build_family_model(FamilyShape(vocab=tok.get_vocab_size(), **KQUANT_SHAPE)),
-                    folder, with_tokenizer=False)
+    save_checkpoint(build_model(FamilyShape(vocab=tok.get_vocab_size(), **KQUANT_SHAPE)),
+                    folder, tokenizer="none")
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": None, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
@@ -400,7 +399,7 @@ def section_bytes(info, name: str) -> bytes:
 
 def _native_or_fail():
     """The engine's library; an error (not a skip) when it cannot be loaded."""
-    from colibri_lab import _native  # noqa: F401  (raises ImportError with its reason)
+    from colibri_lab.runtime import _native  # noqa: F401  (raises ImportError with its reason)
 
     return _native
 
@@ -411,7 +410,7 @@ def _native_or_fail():
 def test_f32_values_equal_the_checkpoint(models, imported, fam):
     """Every tensor of an f32 GGUF's import holds the checkpoint's values, in the
     checkpoint's row order (llama: q/k un-permuted), with the split FFN."""
-    info = fmt.inspect(imported(fam, "f32"), verify=True)
+    info = fmt_reader.inspect(imported(fam, "f32"), verify=True)
     assert info.version == 2
     E = info.metadata["model.n_experts"]
     names = {t.name for t in info.tensors}
@@ -432,8 +431,8 @@ def test_f32_values_equal_the_checkpoint(models, imported, fam):
 def test_metadata_equals_the_hf_converter(models, imported, fam):
     """Header, hyper-parameters, family options and tokenizer keys equal the Hugging Face
     converter's for the same checkpoint; only provenance and the dtype names differ."""
-    hf = fmt.inspect(models[fam]["hf"])
-    got = fmt.inspect(imported(fam, "f32"))
+    hf = fmt_reader.inspect(models[fam]["hf"])
+    got = fmt_reader.inspect(imported(fam, "f32"))
     assert {k: got.header[k] for k in fmt.HEADER_FIELDS} == \
         {k: hf.header[k] for k in fmt.HEADER_FIELDS}
     assert got.family_options == hf.family_options
@@ -454,11 +453,11 @@ def test_metadata_equals_the_hf_converter(models, imported, fam):
 def test_tokenizer_equals_the_hf_converter_and_the_reference(models, imported, fam):
     """The tokenizer section rebuilt from the GGUF's vocabulary is the Hugging Face
     converter's byte for byte, and tokenizes as sentencepiece / tokenizers do."""
-    hf = fmt.inspect(models[fam]["hf"])
-    got = fmt.inspect(imported(fam, "f32"))
+    hf = fmt_reader.inspect(models[fam]["hf"])
+    got = fmt_reader.inspect(imported(fam, "f32"))
     assert section_bytes(got, "tokenizer") == section_bytes(hf, "tokenizer")
     _native_or_fail()
-    from colibri_lab.engine import Tokenizer
+    from colibri_lab.runtime.engine import Tokenizer
 
     ref = models[fam]["tok"]
     with Tokenizer.from_section_bytes(section_bytes(got, "tokenizer")) as tk:
@@ -500,7 +499,7 @@ def test_quantized_bytes_equal_the_gguf(models, imported, fam, outtype):
     """bf16 / q8_0: each tensor's bytes are the GGUF's (whole rows moved, nothing
     requantized), in the GGUF's dtype; L2 norms are those of the dequantized values."""
     path = imported(fam, outtype)
-    info = fmt.inspect(path, verify=True)
+    info = fmt_reader.inspect(path, verify=True)
     assert info.metadata["model.weight_dtype"] == f"gguf_{outtype}"
     assert info.metadata["model.router_dtype"] == "f32"
     routers = ("ffn_gate_inp.weight", "ffn_shared_gate.weight")   # f32 in llama.cpp's GGUFs
@@ -516,8 +515,8 @@ def test_fused_qkv_imports_as_separate(models, imported, fam, tmp_path):
     r = gguf.GGUFReader(models[fam]["gguf"]["fused"])
     assert any(t.name == "blk.0.attn_qkv.weight" for t in r.tensors)
     out = convert_gguf(models[fam]["gguf"]["fused"], tmp_path / "fused.colibri", progress=False)
-    a = fmt.inspect(out, verify=True)
-    b = fmt.inspect(imported(fam, FUSED[fam]), verify=True)
+    a = fmt_reader.inspect(out, verify=True)
+    b = fmt_reader.inspect(imported(fam, FUSED[fam]), verify=True)
     assert [(t.name, t.dtype, t.shape, t.crc32) for t in a.tensors] == \
         [(t.name, t.dtype, t.shape, t.crc32) for t in b.tensors]
 
@@ -531,9 +530,9 @@ def _hf_model(fam: str, folder: Path):
         m = MixtralForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         m.set_experts_implementation("eager")
         return m
-    from hf_families import load_family_model
+    from colibri_lab.bench.models import load_model
 
-    return load_family_model(fam, folder)
+    return load_model(fam, folder)
 
 
 def _engine(path: Path):
@@ -555,9 +554,9 @@ def _engine(path: Path):
 def test_engine_logits_equal_transformers(models, imported, fam):
     """The engine on the f32 import gives transformers' logits, and the Hugging Face
     converter's file's (packed FFN) within float rounding."""
-    from hf_models import compare_logits, hf_logits, random_ids
+    from helpers import compare_logits, hf_logits, random_ids
 
-    info = fmt.inspect(imported(fam, "f32"))
+    info = fmt_reader.inspect(imported(fam, "f32"))
     ids = random_ids(info.metadata["model.vocab_size"], 24, seed=9)
     ref, router_logits = hf_logits(_hf_model(fam, models[fam]["folder"]), ids)
     with _engine(imported(fam, "f32")) as eng:
@@ -573,11 +572,11 @@ def test_engine_logits_equal_transformers(models, imported, fam):
 def test_engine_runs_quantized_as_its_values(models, imported, fam, outtype, tmp_path):
     """The engine on a bf16 / q8_0 import gives the logits of the f32 file of the same
     (dequantized) values: the copied blocks mean what the GGUF meant."""
-    from hf_models import random_ids
+    from helpers import random_ids
 
     deq = rewrite_gguf(models[fam]["gguf"][outtype], tmp_path / "deq.gguf", tensors=dequantized, fields=no_vocab)
     ref_path = convert_gguf(deq, tmp_path / "deq.colibri", progress=False)
-    info = fmt.inspect(imported(fam, outtype))
+    info = fmt_reader.inspect(imported(fam, outtype))
     ids = random_ids(info.metadata["model.vocab_size"], 24, seed=10)
     with _engine(imported(fam, outtype)) as eng:
         got = eng.forward(ids)
@@ -592,7 +591,7 @@ def test_mxfp4_experts_import_and_run_as_their_values(models, tmp_path):
     quantize_row_mxfp4_ref): the import copies their bytes (no requantization), and the
     engine's logits on it are those of the f32 file of the same dequantized values, in the
     exact and the fast mode (which runs MXFP4 on the exact kernels)."""
-    from hf_models import random_ids
+    from helpers import random_ids
     MX, F32 = gguf.GGMLQuantizationType.MXFP4, gguf.GGMLQuantizationType.F32
     if not hasattr(gguf.GGMLQuantizationType, "MXFP4"):
         pytest.skip("this gguf package has no MXFP4")
@@ -616,7 +615,7 @@ def test_mxfp4_experts_import_and_run_as_their_values(models, tmp_path):
     gv = rewrite_gguf(src, tmp_path / "mxv.gguf", tensors=mx_values, fields=no_vocab)
     out = convert_gguf(g, tmp_path / "mx.colibri", progress=False)
     ref = convert_gguf(gv, tmp_path / "mxv.colibri", progress=False)
-    info = fmt.inspect(out, verify=True)
+    info = fmt_reader.inspect(out, verify=True)
     for name in ("blk.0.ffn_gate_exps", "blk.0.ffn_up_exps", "blk.0.ffn_down_exps"):
         assert info.tensor(name).dtype == "mxfp4", name
         assert info.read_tensor(name).tobytes() == blocks[gguf_name(name)].tobytes(), name
@@ -656,12 +655,12 @@ def test_k_quant_mixes(models, qtype, tmp_path):
     want = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K"}[qtype]
     assert want in types, types
     out = convert_gguf(q, tmp_path / "k.colibri", progress=False)
-    info = fmt.inspect(out, verify=True)
+    info = fmt_reader.inspect(out, verify=True)
     assert info.metadata["model.weight_dtype"] == f"gguf_{qtype.lower()}"
     _check_bytes_as_stored(info, q, permuted=False)
     deq = rewrite_gguf(q, tmp_path / "deq.gguf", tensors=dequantized, fields=no_vocab)
     ref_path = convert_gguf(deq, tmp_path / "deq.colibri", progress=False)
-    from hf_models import random_ids
+    from helpers import random_ids
 
     ids = random_ids(info.metadata["model.vocab_size"], 16, seed=11)
     with _engine(out) as eng:
@@ -696,10 +695,10 @@ def test_fused_gate_up_and_per_expert_tensors(models, imported, tmp_path):
             return [(f"{base}.{e}.weight", ttype, np.ascontiguousarray(data[e])) for e in range(E)]
         return [(name, ttype, data)]
 
-    want = fmt.inspect(imported("mixtral", "q8_0"))
+    want = fmt_reader.inspect(imported("mixtral", "q8_0"))
     for how in (fuse, split):
         g = rewrite_gguf(src, tmp_path / f"{how.__name__}.gguf", tensors=how, fields=no_vocab)
-        info = fmt.inspect(convert_gguf(g, tmp_path / f"{how.__name__}.colibri", progress=False,
+        info = fmt_reader.inspect(convert_gguf(g, tmp_path / f"{how.__name__}.colibri", progress=False,
                                         tokenizer="none"), verify=True)
         assert [(t.name, t.dtype, t.shape, t.crc32) for t in info.tensors] == \
             [(t.name, t.dtype, t.shape, t.crc32) for t in want.tensors], how.__name__
@@ -719,7 +718,7 @@ def test_dense_layer(models, tmp_path):
         return [(name, ttype, data)]
 
     g = rewrite_gguf(src, tmp_path / "dense.gguf", tensors=densify)
-    info = fmt.inspect(convert_gguf(g, tmp_path / "dense.colibri", progress=False), verify=True)
+    info = fmt_reader.inspect(convert_gguf(g, tmp_path / "dense.colibri", progress=False), verify=True)
     assert info.metadata["model.layer_ffn"] == [1, 0]
     assert info.metadata["model.dense_intermediate_size"] == 64
     assert info.tensor("blk.1.ffn_gate").shape == (64, 64)
@@ -737,7 +736,7 @@ def test_metadata_options_from_the_gguf(models, tmp_path):
     g = rewrite_gguf(models["olmoe"]["gguf"]["f32"], tmp_path / "clip.gguf",
                      add_fields={"olmoe.attention.clamp_kqv": (2.5, GT.FLOAT32),
                                  "olmoe.expert_weights_norm": (True, GT.BOOL)})
-    info = fmt.inspect(convert_gguf(g, tmp_path / "clip.colibri", progress=False))
+    info = fmt_reader.inspect(convert_gguf(g, tmp_path / "clip.colibri", progress=False))
     assert info.metadata["model.clip_qkv"] == 2.5
     assert info.metadata["model.norm_topk_prob"] is True
     assert info.metadata["model.rms_norm_eps"] == 1e-5     # f32 in the GGUF, 1e-5 here
@@ -780,7 +779,7 @@ def test_gate_and_up_of_different_dtypes_are_refused(models, tmp_path):
                                               r"F16.*same|one dtype"):
         convert_gguf(g, tmp_path / "x.colibri", progress=False)
     g = rewrite_gguf(src, tmp_path / "down16.gguf", tensors=to_f16("down"))
-    info = fmt.inspect(convert_gguf(g, tmp_path / "y.colibri", progress=False), verify=True)
+    info = fmt_reader.inspect(convert_gguf(g, tmp_path / "y.colibri", progress=False), verify=True)
     assert info.tensor("blk.0.ffn_down_exps").dtype == "f16"
     assert info.tensor("blk.0.ffn_gate_exps").dtype == "f32"
 
@@ -819,17 +818,17 @@ def test_unsupported_architectures_are_refused(models, tmp_path):
 
 def test_cli(models, tmp_path, capsys):
     """colibri-convert --model_name_or_path X.gguf imports; it refuses the HF-only options."""
-    from colibri_lab.convert import main
+    from colibri_lab.conversion.cli import main
 
     g = str(models["olmoe"]["gguf"]["bf16"])
     out = tmp_path / "m.colibri"
     assert main(["--model_name_or_path", g, "--output_path", str(out), "--max_seq_len", "128",
                  "--quiet"]) == 0
-    info = fmt.inspect(out)
+    info = fmt_reader.inspect(out)
     assert info.header["max_seq_len"] == 128 and info.metadata["model.weight_dtype"] == "gguf_bf16"
     assert main(["--model_name_or_path", g, "--output_path", str(tmp_path / "n.colibri"), "--quiet",
                  "--no_tokenizer"]) == 0
-    assert fmt.inspect(tmp_path / "n.colibri").metadata["tokenizer.type"] == "none"
+    assert fmt_reader.inspect(tmp_path / "n.colibri").metadata["tokenizer.type"] == "none"
     assert main(["--model_name_or_path", g, "--output_path", str(tmp_path / "d.colibri"), "--quiet",
                  "--dtype", "q8_0"]) == 1
     assert "do not apply" in capsys.readouterr().err

@@ -10,7 +10,7 @@ tools/gpu_check.sh does).
 Models: data/tiny-mixtral, a random Mixtral shape (8 experts top-2, GQA) and a random
 Qwen2-MoE with a gated shared expert and a dense-MLP layer; each in f32 and bf16 weights. Plus
 data/tiny-mixtral through a bf16 GGUF (written here with the gguf package) and
-colibri_lab.gguf_import: split-layout experts (separate gate, up and down matrices), which the
+colibri_lab.conversion.gguf: split-layout experts (separate gate, up and down matrices), which the
 converter never writes.
 
 Tolerances (docs/backends.md, "Accuracy"):
@@ -53,8 +53,8 @@ if not CUDA_LIB:
                 allow_module_level=True)  # fmt: skip
 if not Path(CUDA_LIB).is_file():
     pytest.skip(f"COLIBRI_CUDA_LIB={CUDA_LIB!r} is not a file", allow_module_level=True)
-if "colibri_lab._native" in sys.modules:
-    _loaded = sys.modules["colibri_lab._native"].lib_path
+if "colibri_lab.runtime._native" in sys.modules:
+    _loaded = sys.modules["colibri_lab.runtime._native"].lib_path
     if Path(_loaded).resolve() != Path(CUDA_LIB).resolve():
         pytest.skip(f"colibri_lab already loaded {_loaded}; run tests/test_gpu.py alone with "
                     f"COLIBRI_LIB=$COLIBRI_CUDA_LIB", allow_module_level=True)  # fmt: skip
@@ -98,13 +98,12 @@ def cuda_device(tiny_files):
 
 
 def _hf_models():
-    from hf_families import FamilyShape, build_family_model
-    from hf_models import Shape, build_model
+    from colibri_lab.bench.models import FamilyShape, MixtralShape, build_model
 
     return {
-        "mixtral": (lambda: build_model(Shape(vocab=1000, hidden=128, inter=192, layers=3, heads=8, kv_heads=2,
+        "mixtral": (lambda: build_model(MixtralShape(vocab=1000, hidden=128, inter=192, layers=3, heads=8, kv_heads=2,
                                               experts=8, top_k=2, max_pos=512, std=0.05, seed=11)), 2),
-        "qwen2_moe": (lambda: build_family_model(FamilyShape("qwen2_moe", vocab=997, hidden=96, inter=64,
+        "qwen2_moe": (lambda: build_model(FamilyShape("qwen2_moe", vocab=997, hidden=96, inter=64,
                                                              dense_inter=128, shared_inter=80, layers=3, heads=6,
                                                              kv_heads=2, experts=8, top_k=2, mlp_only_layers=(1,),
                                                              std=0.05, seed=12)), 2),
@@ -118,12 +117,12 @@ class _Models:
         self.tmp, self.cache = tmp, {}
 
     def __call__(self, name: str, dtype: str):
-        from hf_models import save_checkpoint
+        from colibri_lab.bench.models import save_checkpoint
 
         if name not in self.cache:
             build, top_k = _hf_models()[name]
             model = build()
-            folder = save_checkpoint(model, self.tmp.mktemp(name), with_tokenizer=False)
+            folder = save_checkpoint(model, self.tmp.mktemp(name), tokenizer="none")
             self.cache[name] = (model, folder, {}, top_k)
         model, folder, files, top_k = self.cache[name]
         if dtype not in files:
@@ -164,12 +163,12 @@ def split_tiny(tmp_path_factory):
     """data/tiny-mixtral (BF16) as llama.cpp's convert_hf_to_gguf.py --outtype bf16 lays it
     out (q/k rows permuted, stacked experts ffn_{gate,up,down}_exps in BF16, norms and routers
     F32, tied embeddings: no output.weight, no vocabulary), written with gguf.GGUFWriter and
-    imported with colibri_lab.gguf_import: a .colibri with split-layout experts (format version
+    imported with colibri_lab.conversion.gguf: a .colibri with split-layout experts (format version
     2; cb_ffn.packed NULL), where the converter writes packed ones."""
     import json
 
     gguf = pytest.importorskip("gguf")
-    from colibri_lab.gguf_import import convert_gguf
+    from colibri_lab.conversion.gguf import convert_gguf
     from test_gguf_import import permute  # llama.cpp's LlamaModel.permute of q and k rows
 
     src = REPO / "data" / "tiny-mixtral"
@@ -428,9 +427,9 @@ def _exact_fast_and_cuda_fast(path, ids, then=None):
 
 def _assert_split_experts(path):
     """Every MoE layer's experts are three row-major BF16 tensors (no packed tensor)."""
-    from colibri_lab import format as fmt
+    from colibri_lab.format import reader as fmt_reader
 
-    info = fmt.inspect(path)
+    info = fmt_reader.inspect(path)
     names = {t.name: t for t in info.tensors}
     packed = [t.name for t in info.tensors if t.layout == "experts_packed"]
     assert not packed, f"packed experts in {path}: {packed}"

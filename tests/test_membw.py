@@ -1,4 +1,4 @@
-"""colibri_read_bandwidth (native/src/core/membw.c) through colibri_lab.tuning.measure_read_bandwidth,
+"""colibri_read_bandwidth (native/src/core/membw.c) through colibri_lab.bench.tuning.measure_read_bandwidth,
 and the load path it sits beside: colibri_options.populate (auto by default, on, off).
 
 Timings are not judged, only that they exist and are physically possible: a kernel whose
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from colibri_lab import Engine, tuning
-from colibri_lab._native import lib
-from colibri_lab.errors import E_INVALID_ARG, E_UNSUPPORTED, ColibriInvalidArgError
+from colibri_lab.runtime._native import lib
+from colibri_lab.runtime.errors import E_INVALID_ARG, E_UNSUPPORTED, ColibriInvalidArgError
 
 MIB = 1 << 20
 
@@ -143,7 +143,7 @@ def test_populate_default_is_auto_and_prefaults_a_small_file(bigger_model):
 
 
 def test_populate_values():
-    from colibri_lab import _native
+    from colibri_lab.runtime import _native
 
     opt = _native.ColibriOptions()
     lib.colibri_options_init(ctypes.byref(opt))
@@ -153,7 +153,7 @@ def test_populate_values():
 
 
 def test_populate_out_of_range_is_refused_by_the_engine(bigger_model):
-    from colibri_lab import _native
+    from colibri_lab.runtime import _native
 
     opt = _native.ColibriOptions()
     lib.colibri_options_init(ctypes.byref(opt))

@@ -1,7 +1,7 @@
 """MXFP4 (COLIBRI_DTYPE_MXFP4, ggml's block_mxfp4; docs/format.md, docs/quantization.md):
 
 * the engine's reference dequantizer (colibri_dequantize, core/quant.c) equals the numpy one
-  (colibri_lab.quants) and gguf-py's bit for bit, on random blocks with every code and every
+  (colibri_lab.format.blocks) and gguf-py's bit for bit, on random blocks with every code and every
   scale byte 0..255;
 * mxfp4_from_hf + our dequantizer equals transformers' convert_moe_packed_tensors (the
   gpt-oss checkpoint reader) value for value, on random blocks and scales;
@@ -15,8 +15,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from colibri_lab import format as fmt
-from colibri_lab import quants
+from colibri_lab.format import reader as fmt_reader, spec as fmt
+from colibri_lab.format import blocks as quants
 
 gguf = pytest.importorskip("gguf")
 QT = gguf.GGMLQuantizationType
@@ -26,7 +26,7 @@ E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -
 
 
 def _engine_dequant(raw: np.ndarray, n: int) -> np.ndarray:
-    from colibri_lab import _native
+    from colibri_lab.runtime import _native
     out = np.empty(n, dtype=np.float32)
     src = np.ascontiguousarray(raw)
     st = _native.lib.colibri_dequantize(fmt.DTYPE_MXFP4, src.ctypes.data_as(ctypes.c_void_p), n,
@@ -90,7 +90,7 @@ def test_engine_dequantizer_equals_numpy_bit_for_bit():
         diff = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
         assert diff.size == 0, f"{diff.size} values differ, first at {diff[0]}: {got[diff[0]]!r} vs {want[diff[0]]!r}"
     # a length that is not whole blocks is refused
-    from colibri_lab import _native
+    from colibri_lab.runtime import _native
     out = np.empty(64, np.float32)
     src = np.ascontiguousarray(raw)
     assert _native.lib.colibri_dequantize(fmt.DTYPE_MXFP4, src.ctypes.data_as(ctypes.c_void_p), 33,
@@ -181,7 +181,7 @@ def test_gguf_tensor_round_trip(tmp_path):
     """An MXFP4 tensor written by gguf.GGUFWriter reads back through the importer's reader
     (gguf_import.GgufFile) as DTYPE_MXFP4, its bytes those we quantized, and the engine
     dequantizes them to gguf-py's values."""
-    from colibri_lab import gguf_import
+    from colibri_lab.conversion import gguf as gguf_import
     rng = np.random.default_rng(5)
     x = (rng.standard_normal((6, 3, 96)) * 0.1).astype(np.float32)     # [experts, rows, K]
     q = quants.quantize_mxfp4(x.reshape(-1, 96)).reshape(6, 3, 51)
@@ -209,12 +209,12 @@ def test_converter_mix_mxfp4(tmp_path):
     from pathlib import Path
 
     import colibri_lab
-    from colibri_lab.convert import Checkpoint
+    from colibri_lab.conversion.checkpoint import Checkpoint
 
     src = Path(__file__).resolve().parents[1] / "data" / "tiny-mixtral"
     path = colibri_lab.convert(src, tmp_path / "mx.colibri", dtype="mxfp4", progress=False)
     ref = colibri_lab.convert(src, tmp_path / "f32.colibri", dtype="f32", progress=False)
-    info = fmt.inspect(path)
+    info = fmt_reader.inspect(path)
     dts = {t.name: t.dtype for t in info.tensors}
     assert dts["blk.0.ffn_gate_exps"] == dts["blk.0.ffn_down_exps"] == "mxfp4"
     assert dts["blk.0.attn_q.weight"] == "bf16" and dts["blk.0.ffn_gate_inp.weight"] == "f32"

@@ -53,9 +53,9 @@ def test_file_checks(native_tests, tmp_path):
     """test_format mutates its model many times: a small one without a tokenizer keeps it
     quick (the tokenizer section has its own C and Python tests)."""
     pytest.importorskip("torch")
-    from hf_models import Shape, build_model, save_checkpoint
+    from colibri_lab.bench.models import MixtralShape, build_model, save_checkpoint
 
-    folder = save_checkpoint(build_model(Shape(vocab=300, hidden=32, inter=24, layers=2,
+    folder = save_checkpoint(build_model(MixtralShape(vocab=300, hidden=32, inter=24, layers=2,
                                                 heads=4, kv_heads=2, experts=4, top_k=2)),
                              tmp_path / "hf")
     out = tmp_path / "small.colibri"

@@ -21,14 +21,14 @@ pytest.importorskip("transformers")
 
 import colibri_lab  # noqa: E402
 from colibri_lab import ColibriInvalidArgError  # noqa: E402
-from colibri_lab.trace import ALL_STAGES, STAGES, Trace  # noqa: E402
+from colibri_lab.runtime.trace import ALL_STAGES, STAGES, Trace  # noqa: E402
 
-from hf_families import FamilyShape, build_family_model  # noqa: E402
-from hf_models import ModelCache, Shape, build_model, first_near_tie, random_ids  # noqa: E402
+from colibri_lab.bench.models import FamilyShape, MixtralShape, build_model  # noqa: E402
+from helpers import ModelCache, first_near_tie, random_ids  # noqa: E402
 
 TOL = 1e-4
 
-MIXTRAL = Shape(vocab=1003, hidden=67, inter=45, layers=3, heads=4, kv_heads=2, head_dim=10,
+MIXTRAL = MixtralShape(vocab=1003, hidden=67, inter=45, layers=3, heads=4, kv_heads=2, head_dim=10,
                 experts=6, top_k=2, seed=21)  # fmt: skip
 QWEN2 = FamilyShape("qwen2_moe", vocab=1001, hidden=70, inter=38, dense_inter=90, shared_inter=54,
                     layers=4, heads=5, kv_heads=1, experts=6, top_k=2, norm_topk=True,
@@ -36,7 +36,7 @@ QWEN2 = FamilyShape("qwen2_moe", vocab=1001, hidden=70, inter=38, dense_inter=90
 
 
 def _build(shape):
-    return build_model(shape) if isinstance(shape, Shape) else build_family_model(shape)
+    return build_model(shape) if isinstance(shape, MixtralShape) else build_model(shape)
 
 
 @pytest.fixture(scope="module")

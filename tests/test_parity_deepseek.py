@@ -21,10 +21,10 @@ pytest.importorskip("transformers")
 
 import colibri_lab  # noqa: E402
 from colibri_lab import ColibriError  # noqa: E402
-from colibri_lab.format import inspect  # noqa: E402
+from colibri_lab.format.reader import inspect  # noqa: E402
 
-from hf_families import DeepseekShape, build_deepseek_model, load_deepseek_model  # noqa: E402
-from hf_models import (  # noqa: E402
+from colibri_lab.bench.models import DeepseekShape, build_model, load_model  # noqa: E402
+from helpers import (  # noqa: E402
     ModelCache, check_bf16_checkpoint, hf_logits, patch_metadata, random_ids,
 )
 
@@ -70,7 +70,7 @@ MEASURED: dict[str, float] = {}
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return ModelCache(tmp_path_factory, SHAPES, build_deepseek_model)
+    return ModelCache(tmp_path_factory, SHAPES, build_model)
 
 
 def _deepseek_choice_ties(model, ids, gap=1e-5):
@@ -236,7 +236,7 @@ def test_yarn_bites(models):
     from dataclasses import replace
 
     model, _ = models("v3-1group-yarn")
-    plain = build_deepseek_model(replace(SHAPES["v3-1group-yarn"], yarn=None))
+    plain = build_model(replace(SHAPES["v3-1group-yarn"], yarn=None))
     ids = random_ids(SHAPES["v3-1group-yarn"].vocab, 40, seed=3)
     a, _ = hf_logits(model, ids)
     b, _ = hf_logits(plain, ids)
@@ -247,7 +247,7 @@ def test_logits_bf16_checkpoint(models, tmp_path):
     key = "v3-groups"
     model, _ = models(key)
     shape = SHAPES[key]
-    delta = check_bf16_checkpoint(model, lambda f: load_deepseek_model(shape.family, f),
+    delta = check_bf16_checkpoint(model, lambda f: load_model(shape.family, f),
                                   shape.vocab, 1, tmp_path, f"{key} bf16")
     MEASURED[f"{key} bf16"] = delta
 
@@ -312,12 +312,12 @@ def test_no_allocation_in_forward_deepseek(native_tests, tmp_path):
     dense layer, shared expert): the latent cache and the MLA buffers are the arena's."""
     from test_native import run_ok
 
-    from hf_models import save_checkpoint
+    from colibri_lab.bench.models import save_checkpoint
 
     shape = DeepseekShape("deepseek_v3", vocab=300, hidden=36, inter=20, dense_inter=30,
                           layers=2, heads=3, q_lora=10, kv_lora=12, nope=6, rope=4, v_dim=5,
                           experts=4, top_k=2, n_group=2, topk_group=1, seed=3)
-    folder = save_checkpoint(build_deepseek_model(shape), tmp_path / "hf")
+    folder = save_checkpoint(build_model(shape), tmp_path / "hf")
     out = tmp_path / "ds.colibri"
     colibri_lab.convert(folder, out, dtype="bf16", progress=False)
     run_ok(native_tests / "test_noalloc", out)
@@ -350,12 +350,12 @@ def test_router_options_bite(models, tmp_path):
 def test_quantized_mix_runs(tmp_path):
     """A q8_0 mix quantizes the MLA matrices too (kv_b's W_UK rows go through dequant_row,
     W_UV through matmul): the logits stay close to transformers' f32 ones."""
-    from hf_models import save_checkpoint
+    from colibri_lab.bench.models import save_checkpoint
 
     shape = DeepseekShape("deepseek_v3", vocab=300, hidden=64, inter=32, dense_inter=64,
                           layers=2, heads=2, q_lora=32, kv_lora=32, nope=16, rope=16, v_dim=16,
                           experts=8, top_k=2, n_group=2, topk_group=1, seed=5)
-    model = build_deepseek_model(shape)
+    model = build_model(shape)
     folder = save_checkpoint(model, tmp_path / "hf")
     out = tmp_path / "q8.colibri"
     colibri_lab.convert(folder, out, dtype="q8_0", progress=False)
@@ -389,12 +389,11 @@ def test_stage_run_equals_forward(models):
 
 def test_kv_bytes_per_token_gqa(tmp_path):
     """The same fact for a grouped-query file: keys and values of every KV head."""
-    from hf_families import FamilyShape, build_family_model
-    from hf_models import save_checkpoint
+    from colibri_lab.bench.models import FamilyShape, build_model, save_checkpoint
 
     shape = FamilyShape("qwen3_moe", vocab=300, hidden=32, inter=16, layers=2, heads=4,
                         kv_heads=2, head_dim=8, experts=4, top_k=2, seed=1)
-    folder = save_checkpoint(build_family_model(shape), tmp_path / "hf")
+    folder = save_checkpoint(build_model(shape), tmp_path / "hf")
     out = tmp_path / "q3.colibri"
     colibri_lab.convert(folder, out, dtype="f32", progress=False)
     with colibri_lab.Engine(out) as eng:

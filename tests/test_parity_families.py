@@ -21,13 +21,12 @@ pytest.importorskip("transformers")
 
 import colibri_lab  # noqa: E402
 from colibri_lab import ColibriError  # noqa: E402
-from colibri_lab.convert import ConversionError  # noqa: E402
-from colibri_lab.format import inspect  # noqa: E402
+from colibri_lab.conversion.spec import ConversionError  # noqa: E402
+from colibri_lab.format.reader import inspect  # noqa: E402
 
-from hf_families import FamilyShape, build_family_model, load_family_model  # noqa: E402
-from hf_models import (  # noqa: E402
+from colibri_lab.bench.models import FamilyShape, build_model, load_model, save_checkpoint  # noqa: E402
+from helpers import (  # noqa: E402
     ModelCache, check_bf16_checkpoint, compare_logits, hf_logits, patch_metadata, random_ids,
-    save_checkpoint,
 )
 
 TOL = 1e-4
@@ -79,7 +78,7 @@ MEASURED: dict[str, float] = {}
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return ModelCache(tmp_path_factory, SHAPES, build_family_model)
+    return ModelCache(tmp_path_factory, SHAPES, build_model)
 
 
 def compare(ref, got, router_logits, top_k, what):
@@ -203,7 +202,7 @@ def test_logits_bf16_checkpoint(models, key, tmp_path):
     model, _ = models(key)
     shape = SHAPES[key]
     what = f"{key} bf16"
-    delta = check_bf16_checkpoint(model, lambda f: load_family_model(shape.family, f),
+    delta = check_bf16_checkpoint(model, lambda f: load_model(shape.family, f),
                                   shape.vocab, shape.top_k, tmp_path, what)
     MEASURED[what] = max(MEASURED.get(what, 0.0), delta)
 
@@ -281,7 +280,7 @@ def test_no_allocation_in_forward_qwen2_moe(native_tests, tmp_path):
     shape = FamilyShape("qwen2_moe", vocab=300, hidden=36, inter=20, dense_inter=30,
                         shared_inter=26, layers=3, heads=3, kv_heads=1, experts=4, top_k=2,
                         mlp_only_layers=(1,), sliding_window=5, max_window_layers=1, seed=3)
-    folder = save_checkpoint(build_family_model(shape), tmp_path / "hf")
+    folder = save_checkpoint(build_model(shape), tmp_path / "hf")
     out = tmp_path / "q2.colibri"
     colibri_lab.convert(folder, out, dtype="bf16", quantize_router="int8", progress=False)
     run_ok(native_tests / "test_noalloc", out)

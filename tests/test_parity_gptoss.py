@@ -22,13 +22,12 @@ pytest.importorskip("transformers")
 
 import colibri_lab  # noqa: E402
 from colibri_lab import ColibriError  # noqa: E402
-from colibri_lab.convert import ConversionError  # noqa: E402
-from colibri_lab.format import inspect  # noqa: E402
+from colibri_lab.conversion.spec import ConversionError  # noqa: E402
+from colibri_lab.format.reader import inspect  # noqa: E402
 
-from hf_families import FamilyShape, build_family_model, load_family_model  # noqa: E402
-from hf_models import (  # noqa: E402
+from colibri_lab.bench.models import FamilyShape, build_model, load_model, save_checkpoint  # noqa: E402
+from helpers import (  # noqa: E402
     ModelCache, check_bf16_checkpoint, compare_logits, hf_logits, patch_metadata, random_ids,
-    save_checkpoint,
 )
 
 TOL = 1e-4
@@ -66,7 +65,7 @@ MEASURED: dict[str, float] = {}
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return ModelCache(tmp_path_factory, SHAPES, build_family_model)
+    return ModelCache(tmp_path_factory, SHAPES, build_model)
 
 
 def compare(ref, got, router_logits, top_k, what):
@@ -144,7 +143,7 @@ def test_converter_refuses_malformed_mxfp4_checkpoints(models, tmp_path):
 def test_yarn_logits_and_generation(tmp_path):
     """YaRN RoPE (rope_type yarn) against transformers at positions past
     original_max_position_embeddings."""
-    model = build_family_model(YARN)
+    model = build_model(YARN)
     folder = save_checkpoint(model, tmp_path / "hf")
     out = tmp_path / "yarn.colibri"
     try:
@@ -201,7 +200,7 @@ def test_logits_bf16_checkpoint(models, tmp_path):
     model, _ = models(key)
     shape = SHAPES[key]
     what = f"{key} bf16"
-    delta = check_bf16_checkpoint(model, lambda f: load_family_model(shape.family, f),
+    delta = check_bf16_checkpoint(model, lambda f: load_model(shape.family, f),
                                   shape.vocab, shape.top_k, tmp_path, what)
     MEASURED[what] = max(MEASURED.get(what, 0.0), delta)
 
@@ -289,12 +288,12 @@ def test_no_allocation_in_forward_gptoss(native_tests, tmp_path):
     """test_noalloc on a small gpt-oss (sinks, clamped experts with biases, windows)."""
     from test_native import run_ok
 
-    from hf_models import save_checkpoint
+    from colibri_lab.bench.models import save_checkpoint
 
     shape = FamilyShape("gpt_oss", vocab=300, hidden=36, inter=20, layers=2, heads=4,
                         kv_heads=2, head_dim=8, experts=4, top_k=2, sliding_window=5,
                         swiglu_limit=1.0, seed=3)
-    folder = save_checkpoint(build_family_model(shape), tmp_path / "hf")
+    folder = save_checkpoint(build_model(shape), tmp_path / "hf")
     out = tmp_path / "go.colibri"
     colibri_lab.convert(folder, out, dtype="bf16", quantize_router="int8", progress=False)
     run_ok(native_tests / "test_noalloc", out)
@@ -351,7 +350,7 @@ def test_mxfp4_experts_parity(tmp_path):
     shape = FamilyShape("gpt_oss", vocab=301, hidden=64, inter=32, layers=2, heads=4,
                         kv_heads=2, head_dim=16, experts=4, top_k=2, sliding_window=5,
                         swiglu_limit=1.0, seed=5)
-    model = build_family_model(shape)
+    model = build_model(shape)
     folder = save_checkpoint(model, tmp_path / "hf")
     out = tmp_path / "mx.colibri"
     colibri_lab.convert(folder, out, dtype="mxfp4", progress=False)
@@ -401,13 +400,13 @@ def test_hub_mxfp4_checkpoint(tmp_path, dtype):
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from colibri_lab import quants
-    from colibri_lab.format import DTYPE_MXFP4
+    from colibri_lab.format import blocks as quants
+    from colibri_lab.format.spec import DTYPE_MXFP4
 
     shape = FamilyShape("gpt_oss", vocab=301, hidden=64, inter=32, layers=2, heads=4,
                         kv_heads=2, head_dim=16, experts=3, top_k=2, sliding_window=4,
                         swiglu_limit=1.0, seed=6)
-    model = build_family_model(shape)
+    model = build_model(shape)
     folder = save_checkpoint(model, tmp_path / "hf")
     sd = load_file(str(folder / "model.safetensors"))
     ours = {}

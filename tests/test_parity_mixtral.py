@@ -15,24 +15,25 @@ pytest.importorskip("transformers")
 
 import colibri_lab  # noqa: E402
 
-from hf_models import (  # noqa: E402
-    ModelCache, Shape, check_bf16_checkpoint, compare_logits, hf_logits, random_ids,
+from colibri_lab.bench.models import MixtralShape  # noqa: E402
+from helpers import (  # noqa: E402
+    ModelCache, check_bf16_checkpoint, compare_logits, hf_logits, random_ids,
 )
 
 TOL = 1e-4
 
 SHAPES = {
     # GQA ratio 1, 4 experts top-1, odd vocab/intermediate, hidden not a multiple of 8.
-    "gqa1-e4k1": Shape(vocab=1003, hidden=90, inter=100, layers=2, heads=6, kv_heads=6, head_dim=16,
+    "gqa1-e4k1": MixtralShape(vocab=1003, hidden=90, inter=100, layers=2, heads=6, kv_heads=6, head_dim=16,
                        experts=4, top_k=1, seed=1),
     # GQA ratio 2, 16 experts top-3, explicit head_dim unrelated to hidden, all sizes odd.
-    "gqa2-e16k3": Shape(vocab=777, hidden=67, inter=45, layers=3, heads=4, kv_heads=2,
+    "gqa2-e16k3": MixtralShape(vocab=777, hidden=67, inter=45, layers=3, heads=4, kv_heads=2,
                         head_dim=10, experts=16, top_k=3, seed=2),
     # GQA ratio 4, 8 experts top-2, the real Mixtral vocabulary, odd intermediate.
-    "gqa4-e8k2-v32000": Shape(vocab=32000, hidden=96, inter=131, layers=2, heads=8,
+    "gqa4-e8k2-v32000": MixtralShape(vocab=32000, hidden=96, inter=131, layers=2, heads=8,
                               kv_heads=2, head_dim=12, experts=8, top_k=2, seed=3),
     # Sliding-window attention shorter than the test sequences; tied embeddings.
-    "window-tied": Shape(vocab=515, hidden=48, inter=33, layers=2, heads=4, kv_heads=1,
+    "window-tied": MixtralShape(vocab=515, hidden=48, inter=33, layers=2, heads=4, kv_heads=1,
                          experts=5, top_k=2, sliding_window=9, tie=True, seed=4),
 }
 

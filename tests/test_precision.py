@@ -23,8 +23,8 @@ import pytest
 
 import colibri_lab
 from colibri_lab import ColibriInvalidArgError, Engine
-from colibri_lab import format as fmt
-from colibri_lab.engine import PRECISIONS
+from colibri_lab.format import reader as fmt_reader
+from colibri_lab.runtime.engine import PRECISIONS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,9 +41,9 @@ def files(tmp_path_factory, make_model):
                                seed=3, dtype="q4_k_m")[1]
     # gpt-oss (attention sinks, windows of 6 under prompts of up to 48) with heads of 16: the
     # attention of the fast tables that have their own (", attention " in config.kernels)
-    from hf_families import FamilyShape, build_family_model
+    from colibri_lab.bench.models import FamilyShape, build_model
     go = d / "hf-gpt-oss"
-    build_family_model(FamilyShape("gpt_oss", vocab=301, hidden=64, inter=32, layers=2, heads=4, kv_heads=2,
+    build_model(FamilyShape("gpt_oss", vocab=301, hidden=64, inter=32, layers=2, heads=4, kv_heads=2,
                                    head_dim=16, experts=4, top_k=2, sliding_window=6, seed=31)).save_pretrained(go)
     out["gptoss_bf16"] = colibri_lab.convert(go, d / "gpt-oss-bf16.colibri", dtype="bf16", progress=False)
     out["gptoss_f32"] = colibri_lab.convert(go, d / "gpt-oss-f32.colibri", dtype="f32", progress=False)
@@ -63,7 +63,7 @@ def _ids(path, n, seed=0):
 
 def test_the_q4_k_m_file_holds_k_quants(files):
     """Otherwise the K-quant fast path would go untested."""
-    dtypes = {t.dtype for t in fmt.inspect(files["q4_k_m"]).tensors}
+    dtypes = {t.dtype for t in fmt_reader.inspect(files["q4_k_m"]).tensors}
     assert {"q4_k", "q5_k", "q6_k", "q8_0"} <= dtypes, dtypes
 
 

@@ -1,4 +1,4 @@
-"""colibri_lab.quality: the statistics against hand-computed values, routing flips on
+"""colibri_lab.analysis.quality: the statistics against hand-computed values, routing flips on
 synthetic top-k arrays, the llama-perplexity output parser on a captured run, the
 engine comparison on real files (a model against itself, bf16, q8_0 once the converter
 has it), and the fast numeric mode against the exact one (precision_agreement)."""
@@ -20,6 +20,7 @@ import pytest
 
 import colibri_lab
 from colibri_lab import quality as q
+from colibri_lab.bench import llama_quality
 from conftest import REPO_ROOT
 
 TINY = REPO_ROOT / "data" / "tiny-mixtral"
@@ -207,7 +208,7 @@ Same top p: 98.958 ± 0.112 %
 
 
 def test_parse_llama_perplexity_output():
-    r = q.parse_llama_perplexity(LLAMA_KLD_OUTPUT, ref="f32.gguf", test="Q8_0.gguf")
+    r = llama_quality.parse_llama_perplexity(LLAMA_KLD_OUTPUT, ref="f32.gguf", test="Q8_0.gguf")
     assert r.source == "llama.cpp" and r.routing is None
     assert (r.ctx, r.n_chunks, r.n_tokens, r.n_scored) == (512, 32, 32 * 512, 32 * 255)
     assert (r.ppl_test, r.ppl_test_err) == (104.353816, 4.091609)
@@ -230,8 +231,8 @@ def test_parse_llama_perplexity_output():
     assert set(r.dp_quantiles) == {k for k, _ in q.DP_QUANTILES}
     # a run with too few positions prints no statistics
     head = LLAMA_KLD_OUTPUT.split("====== Perplexity")[0]
-    with pytest.raises(q.LlamaOutputError, match="ppl_test.*kld_mean"):
-        q.parse_llama_perplexity(head)
+    with pytest.raises(llama_quality.LlamaOutputError, match="ppl_test.*kld_mean"):
+        llama_quality.parse_llama_perplexity(head)
 
 
 def test_read_llama_logits_file(tmp_path):
@@ -249,9 +250,9 @@ def test_read_llama_logits_file(tmp_path):
             body[c, r, :4] = np.frombuffer(struct.pack("<ff", 0.5, -10.0), "<u2")
     p = tmp_path / "base.kld"
     p.write_bytes(b"_logits_" + struct.pack("<Iii", n_ctx, V, n_chunk) + ids.tobytes() + body.tobytes())
-    got = q.read_llama_logits_header(p)
+    got = llama_quality.read_llama_logits_header(p)
     assert got[:3] == (n_ctx, V, n_chunk) and np.array_equal(got[3], ids)
-    lps = list(q.read_llama_log_probs(p))
+    lps = list(llama_quality.read_llama_log_probs(p))
     assert len(lps) == n_chunk and lps[0].shape == (rows, V)
     assert np.array_equal(lps[1], 0.5 * steps[1] - 10.0)
 
@@ -388,14 +389,14 @@ def test_llama_perplexity_on_the_same_text(tiny, tmp_path, capsys):
     """llama.cpp's own run through the CLI, when llama-perplexity is built (the bench's
     llama.cpp tree, or $LLAMA_PERPLEXITY): it scores our token ids and its report parses."""
     try:
-        q.find_llama_perplexity()
+        llama_quality.find_llama_perplexity()
     except FileNotFoundError as e:
         pytest.skip(f"llama-perplexity not built: {e}")
     src = (Path(sysconfig.get_paths()["stdlib"]) / "heapq.py").read_text(encoding="utf-8")
     text = tmp_path / "heapq.txt"
     text.write_text(src)
-    base = q.llama_gguf(TINY, "f32", cache=tmp_path)
-    q8 = q.llama_gguf(TINY, "Q8_0", cache=tmp_path)
+    base = llama_quality.llama_gguf(TINY, "f32", cache=tmp_path)
+    q8 = llama_quality.llama_gguf(TINY, "Q8_0", cache=tmp_path)
     out = tmp_path / "both.json"
     rc = q.main(["--ref", str(tiny["f32"]), "--test", str(tiny["bf16"]), "--text", str(text),
                  "--ctx", "128", "--chunks", "4", "--threads", "2", "--quiet", "--json", str(out),

@@ -8,7 +8,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from colibri_lab import _native, format as fmt
+from colibri_lab.format import spec as fmt
+from colibri_lab.runtime import _native
 
 QT = gguf.GGMLQuantizationType
 TYPES = {fmt.DTYPE_Q8_0: QT.Q8_0, fmt.DTYPE_Q4_K: QT.Q4_K, fmt.DTYPE_Q5_K: QT.Q5_K,

@@ -11,13 +11,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hf_families import FamilyShape, build_family_model  # noqa: E402
-from hf_models import Shape, build_model, compare_logits, hf_logits, random_ids, save_checkpoint  # noqa: E402
+from colibri_lab.bench.models import FamilyShape, MixtralShape, build_model, save_checkpoint  # noqa: E402
+from helpers import compare_logits, hf_logits, random_ids  # noqa: E402
 
 import colibri_lab  # noqa: E402
-from colibri_lab import format as fmt  # noqa: E402
+from colibri_lab.format import reader as fmt_reader, spec as fmt  # noqa: E402
 
-MIXTRAL = Shape(vocab=1003, hidden=256, inter=512, heads=4, kv_heads=2, experts=4, top_k=2, layers=2, seed=3)
+MIXTRAL = MixtralShape(vocab=1003, hidden=256, inter=512, heads=4, kv_heads=2, experts=4, top_k=2, layers=2, seed=3)
 QWEN2 = FamilyShape("qwen2_moe", vocab=1003, hidden=256, inter=256, dense_inter=512, shared_inter=256,
                     layers=2, heads=4, kv_heads=4, experts=4, top_k=2, mlp_only_layers=(1,), seed=4)
 
@@ -70,7 +70,7 @@ def _dequantized_state(info, state: dict) -> tuple[dict, dict]:
 def checkpoints(tmp_path_factory):
     torch.manual_seed(0)
     mix = build_model(MIXTRAL)
-    qwen = build_family_model(QWEN2)
+    qwen = build_model(QWEN2)
     return {"mixtral": (mix, save_checkpoint(mix, tmp_path_factory.mktemp("mixtral"))),
             "qwen2_moe": (qwen, save_checkpoint(qwen, tmp_path_factory.mktemp("qwen2")))}
 
@@ -81,7 +81,7 @@ def test_quantized_logits_equal_transformers_on_dequantized_weights(checkpoints,
     model, folder = checkpoints[family]
     out = tmp_path / f"{family}-{mix}.colibri"
     colibri_lab.convert(folder, out, dtype=mix, progress=False)
-    info = fmt.inspect(out, verify=True)
+    info = fmt_reader.inspect(out, verify=True)
     assert info.version == 2
     deq_state, used = _dequantized_state(info, model.state_dict())
     kinds = set(used.values())

@@ -1,4 +1,4 @@
-"""colibri_lab.quants: the block quantizers (Q8_0, Q4_K, Q5_K, Q6_K) and their dequantizer.
+"""colibri_lab.format.blocks: the block quantizers (Q8_0, Q4_K, Q5_K, Q6_K) and their dequantizer.
 
 - `dequantize` is bit for bit the `gguf` package's `gguf.quants.dequantize` (the
   reference for what a block means), on random blocks, odd row counts.
@@ -17,9 +17,10 @@ import hashlib
 import numpy as np
 import pytest
 
-from colibri_lab import format as fmt
-from colibri_lab import quants as Q
-from colibri_lab.format import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_MXFP4, DTYPE_Q4_K,
+from colibri_lab.format import spec as fmt
+from colibri_lab.conversion import mixes
+from colibri_lab.format import blocks as Q
+from colibri_lab.format.spec import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_MXFP4, DTYPE_Q4_K,
                                 DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_Q8_0, QUANT_DTYPES)
 
 gguf = pytest.importorskip("gguf")
@@ -260,13 +261,13 @@ def test_float_pass_through():
 # --------------------------------------------------------------------------- mixes
 
 def test_use_more_bits():
-    assert [i for i in range(32) if Q.use_more_bits(i, 32)] == \
+    assert [i for i in range(32) if mixes.use_more_bits(i, 32)] == \
         [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
-    assert [Q.use_more_bits(i, 4) for i in range(4)] == [False, False, True, True]
+    assert [mixes.use_more_bits(i, 4) for i in range(4)] == [False, False, True, True]
 
 
 def _mix(mix, name, shape, n_layers=32, n_experts=8, layer=None, **kw):
-    return Q.mix_dtype(mix, name, shape, layer=layer, n_layers=n_layers, n_experts=n_experts,
+    return mixes.mix_dtype(mix, name, shape, layer=layer, n_layers=n_layers, n_experts=n_experts,
                        **kw)
 
 
@@ -337,9 +338,9 @@ def test_fallbacks():
     assert _mix("q4_k_m", "blk.0.ffn_down_exps", (8, 96, 20)) == DTYPE_F16
     assert _mix("q8_0", "blk.0.attn_q.weight", (20, 20)) == DTYPE_F16
     assert _mix("q8_0", "blk.0.attn_q.weight", (20, 64)) == DTYPE_Q8_0   # rows only count
-    assert Q.fallback_dtype(DTYPE_Q6_K, 512) == DTYPE_Q6_K
-    assert Q.fallback_dtype(DTYPE_Q6_K, 480) == DTYPE_Q8_0
-    assert Q.fallback_dtype(DTYPE_Q5_K, 40) == DTYPE_F16
-    assert Q.fallback_dtype(DTYPE_BF16, 7) == DTYPE_BF16
+    assert mixes.fallback_dtype(DTYPE_Q6_K, 512) == DTYPE_Q6_K
+    assert mixes.fallback_dtype(DTYPE_Q6_K, 480) == DTYPE_Q8_0
+    assert mixes.fallback_dtype(DTYPE_Q5_K, 40) == DTYPE_F16
+    assert mixes.fallback_dtype(DTYPE_BF16, 7) == DTYPE_BF16
     with pytest.raises(ValueError, match="mix 'q3_k'"):
         _mix("q3_k", "output.weight", (10, 256))

@@ -200,7 +200,7 @@ def test_binding_leaks_nothing(asan_build, tmp_path):
     """The Python binding over the sanitized library, leak detection on: no ASan error, no
     UBSan runtime error, no leak allocated by the engine, through every entry point and the
     error paths (BINDING_SCRIPT)."""
-    from colibri_lab.convert import convert
+    from colibri_lab.conversion.hf import convert
 
     files = []
     for dtype in ("f32", "bf16", "q8_0"):

@@ -29,7 +29,7 @@ import pytest
 
 import colibri_lab
 from colibri_lab import Engine
-from colibri_lab.serving import wait_healthy
+from colibri_lab.runtime.serving import wait_healthy
 
 openai = pytest.importorskip("openai")
 
@@ -185,7 +185,7 @@ def post(port: int, path: str, body, headers: dict | None = None, method: str = 
         c.close()
 
 
-from colibri_lab.serving import parse_metrics  # noqa: E402  (the one parser of /metrics)
+from colibri_lab.runtime.serving import parse_metrics  # noqa: E402  (the one parser of /metrics)
 
 
 def wait_idle(srv: Server, timeout: float = 10) -> dict:

@@ -18,14 +18,15 @@ pytest.importorskip("transformers")
 
 import colibri_lab  # noqa: E402
 
-from hf_models import ModelCache, Shape, random_ids  # noqa: E402
+from colibri_lab.bench.models import MixtralShape  # noqa: E402
+from helpers import ModelCache, random_ids  # noqa: E402
 
 SHAPES = {
     # Odd sizes everywhere (tails in every kernel), GQA 2, 6 experts top-2.
-    "odd": Shape(vocab=531, hidden=67, inter=45, layers=2, heads=4, kv_heads=2, head_dim=10,
+    "odd": MixtralShape(vocab=531, hidden=67, inter=45, layers=2, heads=4, kv_heads=2, head_dim=10,
                  experts=6, top_k=2, seed=21),
     # Sizes that split evenly into vector panels, so the full-panel paths run too.
-    "even": Shape(vocab=640, hidden=128, inter=96, layers=2, heads=4, kv_heads=1, experts=4,
+    "even": MixtralShape(vocab=640, hidden=128, inter=96, layers=2, heads=4, kv_heads=1, experts=4,
                   top_k=2, seed=22),
 }
 

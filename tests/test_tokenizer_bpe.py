@@ -2,7 +2,7 @@
 `tokenizers`.
 
 Tokenizers are trained here with the `tokenizers` library (seconds), saved as tokenizer.json,
-turned into a tokenizer section by colibri_lab._bpe and loaded by the C library; ids and
+turned into a tokenizer section by colibri_lab.conversion.bpe and loaded by the C library; ids and
 decoded text are compared with `tokenizers` on more than 1 MB of seeded, varied text per
 tokenizer: Python source, prose with contractions in every case ("DON'T", "we'Re", "it'ſ"),
 CJK, Hangul (precomposed and as jamo), emoji (ZWJ sequences, flags, skin tones), whitespace
@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 
 import colibri_lab
-from colibri_lab._bpe import (DEEPSEEK_V3_SPLITS, LLAMA3_PATTERN, O200K_PATTERN, QWEN2_PATTERN,
+from colibri_lab.conversion.bpe import (DEEPSEEK_V3_SPLITS, LLAMA3_PATTERN, O200K_PATTERN, QWEN2_PATTERN,
                               build_bpe_tokenizer_section)
 
 REPO = Path(__file__).resolve().parents[1]

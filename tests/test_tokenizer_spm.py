@@ -1,7 +1,7 @@
 """Parity of Colibri's C tokenizer (native/src/tokenizer/tokenizer.c) with the `sentencepiece` library.
 
 Uses the real Mistral / Mixtral tokenizer (data/tokenizer.model.v1, else the copy in the
-mistral-common wheel), turned into a tokenizer section by colibri_lab._spm, and compares
+mistral-common wheel), turned into a tokenizer section by colibri_lab.conversion.spm, and compares
 ids and decoded text with sentencepiece on more than 1 MB of seeded, varied text: Python
 source, prose, CJK, emoji (ZWJ sequences, flags, skin tones), whitespace runs, digits,
 control characters, many scripts, combining marks, and raw malformed UTF-8 bytes (the
@@ -30,7 +30,7 @@ from colibri_lab import (
     ColibriUnsupportedError,
     Tokenizer,
 )
-from colibri_lab._spm import build_tokenizer_section, read_model_specs
+from colibri_lab.conversion.spm import build_tokenizer_section, read_model_specs
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""colibri_lab.tuning: the roofline arithmetic on a known shape, the bandwidth and timing
+"""colibri_lab.bench.tuning: the roofline arithmetic on a known shape, the bandwidth and timing
 helpers on the machine at hand (positive, finite figures; the median logic), the sweeps
 on a tiny model, colibri_bench through its runner, and make_model's checkpoints loading
 in transformers and in Colibri. Timings are not judged, only that they exist and add up."""
@@ -14,6 +14,7 @@ import pytest
 
 import colibri_lab
 from colibri_lab import tuning
+from colibri_lab.bench import models
 
 NAN = float("nan")
 
@@ -29,12 +30,12 @@ def model(make_model):
 
 def test_roofline_of_the_791m_shape():
     """The figures docs/performance.md quotes for the reference model, element by element."""
-    w = tuning.active_weights(tuning.MIXTRAL_791M)
+    w = tuning.active_weights(models.MIXTRAL_791M)
     assert w["parts"] == {"attention": 20_971_520, "router": 65_536, "experts": 176_160_768,
                           "lm_head": 32_768_000, "embedding_row": 1_024}  # fmt: skip
     assert w["matrices"] == 229_966_848 and w["norms_f32"] == 17_408
-    f32 = tuning.decode_roofline(tuning.MIXTRAL_791M, "f32", 30.0)
-    bf16 = tuning.decode_roofline(tuning.MIXTRAL_791M, "bf16", 30.0)
+    f32 = tuning.decode_roofline(models.MIXTRAL_791M, "f32", 30.0)
+    bf16 = tuning.decode_roofline(models.MIXTRAL_791M, "bf16", 30.0)
     assert f32["active_params"] == bf16["active_params"] == 229_984_256
     assert f32["bytes_per_token"] == 919_937_024
     assert bf16["bytes_per_token"] == 229_966_848 * 2 + 17_408 * 4 == 460_003_328  # norms stay f32
@@ -42,11 +43,11 @@ def test_roofline_of_the_791m_shape():
     assert f32["roofline_tok_s"] == pytest.approx(32.611, abs=1e-3)
     assert bf16["roofline_tok_s"] == pytest.approx(65.217, abs=1e-3)
     # a read_hf_config result (explicit head_dim) gives the same as the make_model shape
-    cfg = dict(tuning.MIXTRAL_791M, head_dim=64, model_type="mixtral", tie=False)
+    cfg = dict(models.MIXTRAL_791M, head_dim=64, model_type="mixtral", tie=False)
     assert tuning.decode_roofline(cfg, "f32", 30.0) == f32
     json.dumps(f32)  # a plain dict to JSON
 
-    table = tuning.roofline_table(tuning.MIXTRAL_791M, 30.0)
+    table = tuning.roofline_table(models.MIXTRAL_791M, 30.0)
     assert table.column("dtype") == ["f32", "bf16"]
     assert table.column("MB_per_token") == [919.937024, 460.003328]
     text = str(table)
@@ -234,7 +235,7 @@ def test_make_model_loads_in_transformers_and_colibri(tmp_path):
     shape = dict(vocab=300, hidden=32, inter=48, layers=2, heads=4, kv_heads=2, experts=4,
                  top_k=2, max_pos=128)  # fmt: skip
     said = []
-    out = tuning.make_model(tmp_path / "m", shape, seed=1, log=said.append)
+    out = models.make_model(tmp_path / "m", shape, seed=1, log=said.append)
     assert out == tmp_path / "m" and len(said) == 1 and "random Mixtral" in said[0]
     assert not (out / "tokenizer.model").exists()  # only a 32000 vocabulary gets the real one
     hf = AutoConfig.from_pretrained(out)
@@ -245,7 +246,7 @@ def test_make_model_loads_in_transformers_and_colibri(tmp_path):
     assert cfg["head_dim"] == 8 and cfg["tie"] is False
     # the same shape and seed again: the folder is reused, not rewritten
     stamp = (out / "config.json").stat().st_mtime_ns
-    assert tuning.make_model(out, shape, seed=1, log=said.append) == out
+    assert models.make_model(out, shape, seed=1, log=said.append) == out
     assert len(said) == 1 and (out / "config.json").stat().st_mtime_ns == stamp
 
     path = colibri_lab.convert(out, tmp_path / "m.colibri", dtype="f32", progress=False)
@@ -271,14 +272,14 @@ def test_make_family_model_any_family(tmp_path):
                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=12,
                num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
     said = []
-    out = tuning.make_family_model(tmp_path / "q3", "qwen3_moe", cfg, seed=3, log=said.append)
+    out = models.make_family_model(tmp_path / "q3", "qwen3_moe", cfg, seed=3, log=said.append)
     assert len(said) == 1 and "qwen3_moe" in said[0]
     sd = load_file(out / "model.safetensors")
     norms = [v for k, v in sd.items() if k.endswith("norm.weight")]
     assert norms and all(float(v.min()) >= 0.5 and not torch.all(v == 1) for v in norms)
-    again = tuning.make_family_model(tmp_path / "q3", "qwen3_moe", cfg, seed=3, log=said.append)
+    again = models.make_family_model(tmp_path / "q3", "qwen3_moe", cfg, seed=3, log=said.append)
     assert again == out and len(said) == 1
-    tuning.make_family_model(tmp_path / "q3", "qwen3_moe", cfg, seed=4, log=said.append)
+    models.make_family_model(tmp_path / "q3", "qwen3_moe", cfg, seed=4, log=said.append)
     assert len(said) == 2
     path = colibri_lab.convert(out, tmp_path / "q3.colibri", dtype="f32", progress=False)
     with colibri_lab.Engine(path, num_threads=1) as eng:

@@ -1,4 +1,4 @@
-"""Figures of colibri_lab.viz: each builds from synthetic traces (fast, exact) and from real
+"""Figures of colibri_lab.analysis.viz: each builds from synthetic traces (fast, exact) and from real
 engine traces (a Mixtral with the real tokenizer, a Qwen2-MoE with a dense layer and a
 gated shared expert); hover texts carry the token pieces; dense layers are marked; the
 padding waste shown equals a hand count; the header hex view equals the file's bytes and
@@ -13,9 +13,9 @@ import plotly.graph_objects as go
 import pytest
 
 from colibri_lab import diagnostics as D
-from colibri_lab import format as fmt
+from colibri_lab.format import spec as fmt
 from colibri_lab import viz
-from colibri_lab.trace import STAGES
+from colibri_lab.runtime.trace import STAGES
 
 TEXTS = ["<s>", "▁def", "▁foo", "(", "x", "):", "<0x0A>", "▁▁▁", "▁return", "▁x"]
 
@@ -353,8 +353,7 @@ def real_traces(make_model, tmp_path_factory):
     and a gated shared expert."""
     pytest.importorskip("torch")
     import colibri_lab
-    from hf_families import FamilyShape, build_family_model
-    from hf_models import save_checkpoint
+    from colibri_lab.bench.models import FamilyShape, build_model, save_checkpoint
 
     _, mix = make_model()
     with colibri_lab.Engine(mix) as eng:
@@ -363,7 +362,7 @@ def real_traces(make_model, tmp_path_factory):
     shape = FamilyShape("qwen2_moe", vocab=1001, hidden=40, inter=24, dense_inter=48,
                         shared_inter=32, layers=3, heads=4, kv_heads=2, experts=6, top_k=2,
                         mlp_only_layers=(1,), seed=5)
-    folder = save_checkpoint(build_family_model(shape), tmp_path_factory.mktemp("qwen2viz"))
+    folder = save_checkpoint(build_model(shape), tmp_path_factory.mktemp("qwen2viz"))
     qpath = folder.parent / "qwen2viz.colibri"
     colibri_lab.convert(folder, qpath, dtype="f32", progress=False)
     with colibri_lab.Engine(qpath, group_pad=4) as eng:
@@ -402,7 +401,7 @@ def test_package_import_does_not_load_plotly():
     import sys
 
     code = ("import sys, colibri_lab; assert 'plotly' not in sys.modules; "
-            "colibri_lab.viz.routing_heatmap; assert 'plotly' in sys.modules; print('ok')")
+            "colibri_lab.analysis.viz.routing_heatmap; assert 'plotly' in sys.modules; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 

@@ -1,4 +1,4 @@
-"""The routing explorer (colibri_lab.widgets) headless: built on a real engine, its
+"""The routing explorer (colibri_lab.analysis.widgets) headless: built on a real engine, its
 controls set from Python change the figures' data, Run re-traces the new prompt, and an
 error lands in the status line instead of raising."""
 

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     from colibri_lab import Engine
 
     rep.data["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
-                            "colibri_lib": str(colibri_lab._native.lib_path), "colibri": colibri_lab.native_version(),
+                            "colibri_lib": str(colibri_lab.runtime._native.lib_path), "colibri": colibri_lab.native_version(),
                             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}  # fmt: skip
     if not torch.cuda.is_available():
         log("torch sees no CUDA device")

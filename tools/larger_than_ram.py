@@ -14,7 +14,7 @@ cache dropped (``/proc/sys/vm/drop_caches``).
 
 ``bench`` prints one table: decode tok/s and hit rates for each policy, plain mmap, and
 llama.cpp's llama-bench on the same weights, plus the simulator's hit rate on the cached
-runs' own routing traces (colibri_lab.cachesim) and the disk roofline (missed expert bytes
+runs' own routing traces (colibri_lab.analysis.cachesim) and the disk roofline (missed expert bytes
 per token / the disk's read bandwidth).
 """
 
@@ -226,7 +226,7 @@ def cmd_bench(a) -> None:
           f"I/O threads; the roofline uses it); file {col.stat().st_size / 1e9:.1f} GB; memory limit "
           f"{a.limit_gib} GiB (cgroup)", flush=True)
     from colibri_lab import cachesim
-    from colibri_lab.trace import Trace
+    from colibri_lab.runtime.trace import Trace
 
     def one(label, extra):
         trace = d / f"trace-{label}.npz"
@@ -267,7 +267,7 @@ def cmd_bench(a) -> None:
     print(f"llama.cpp mmap: {llama} tok/s" if llama else f"llama.cpp failed: {r.stderr[-300:]}", flush=True)
 
     # the table; memory bandwidth for the simulator's tok/s model: the C streaming read
-    from colibri_lab.tuning import file_active_bytes, measure_read_bandwidth
+    from colibri_lab.bench.tuning import file_active_bytes, measure_read_bandwidth
 
     mem_bw = float(measure_read_bandwidth(threads=a.threads, nbytes=1 << 30, reps=3, variants=("plain",))["gbs"]) * 1e9
     active = file_active_bytes(col)
@@ -306,7 +306,7 @@ def cmd_bench(a) -> None:
         print(f"| llama.cpp (mmap) | {llama:.3f} | {llama / base:.2f} |" + " |" * 7)
     with open(d / "bench.json", "w") as f:
         json.dump({"disk_gbs": disk, "disk_gbs_one_reader": disk1, "mem_gbs": mem_bw / 1e9,
-                   "machine": __import__("colibri_lab.tuning", fromlist=["machine_info"]).machine_info(),
+                   "machine": __import__("colibri_lab.bench.tuning", fromlist=["machine_info"]).machine_info(),
                    "limit_gib": a.limit_gib, "cache_mib": a.cache_mib, "llama_tok_s": llama,
                    "rows": [{k: v for k, v in x.items() if k != "trace"} for x in rows]}, f)
 

@@ -21,11 +21,11 @@ import numpy as np
 
 def _make_model(folder: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from hf_models import Shape, build_model  # noqa: E402
+    from colibri_lab.bench.models import MixtralShape, build_model  # noqa: E402
 
     import colibri_lab
 
-    shape = Shape(vocab=32000, hidden=256, inter=512, layers=4, heads=8, kv_heads=2, experts=8,
+    shape = MixtralShape(vocab=32000, hidden=256, inter=512, layers=4, heads=8, kv_heads=2, experts=8,
                   top_k=2, seed=1)  # fmt: skip
     build_model(shape).save_pretrained(folder / "hf")
     out = folder / "m.colibri"

@@ -19,7 +19,7 @@ it, and this ``__init__`` imports none of its modules:
 - ``common``: engine and dtype names, the smoke model's shape, the cache folder.
 
 The model making, machine facts, memory bandwidth and roofline it reports come from
-:mod:`colibri_lab.tuning`.
+:mod:`colibri_lab.bench.tuning`.
 """
 
 from __future__ import annotations

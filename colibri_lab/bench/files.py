@@ -25,7 +25,7 @@ def _model_key(model_dir: Path) -> str:
 
 def colibri_file(model_dir: Path, dtype: str, cache: Path) -> Path:
     """The model converted to .colibri at `dtype`, cached under cache/converted."""
-    from ..convert import convert
+    from ..conversion.hf import convert
 
     out = cache / "converted" / f"{_model_key(model_dir)}-{dtype}.colibri"
     if not out.is_file():
@@ -36,10 +36,10 @@ def colibri_file(model_dir: Path, dtype: str, cache: Path) -> Path:
 
 
 def colibri_from_gguf(gguf: Path, cache: Path) -> Path:
-    """The GGUF imported into .colibri by :func:`colibri_lab.gguf_import.convert_gguf`
+    """The GGUF imported into .colibri by :func:`colibri_lab.conversion.gguf.convert_gguf`
     (the GGUF's bytes copied, not requantized: both engines run the same weights), cached
     under cache/converted by the GGUF's name, size and modification time."""
-    from ..gguf_import import convert_gguf
+    from ..conversion.gguf import convert_gguf
 
     gguf = Path(gguf)
     st = gguf.stat()

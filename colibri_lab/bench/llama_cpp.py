@@ -114,7 +114,7 @@ def ensure_llama_cpp(root: Path, build: bool) -> Path:
 
 # llama.cpp's DeepSeek converter writes GPT-2 BPE vocabularies only and names the
 # pre-tokenizer by hashing its output on a probe text; the random models of the bench
-# (tuning.make_family_model) carry a byte-level BPE trained on this package's source, whose
+# (models.make_family_model) carry a byte-level BPE trained on this package's source, whose
 # hash it does not know. For them (a colibri_bench_shape.json beside the weights) the
 # converter is run with the pre-tokenizer named "default": the prefill and decode speed
 # of random ids does not depend on it.

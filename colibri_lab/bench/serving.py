@@ -4,7 +4,7 @@
         --dtype bf16 --threads 2 --concurrency 1,4,8,16 --reps 2
     python -m colibri_lab.bench.serving --smoke            # tiny model, colibri only, seconds
 
-The workload (``colibri_lab.serving.load``): C concurrent clients (threads), each sending requests one after another
+The workload (``colibri_lab.runtime.serving.load``): C concurrent clients (threads), each sending requests one after another
 (closed loop) to ``POST /v1/completions`` with ``stream: true``, for ``--duration`` seconds
 or ``--requests`` requests per client, whichever ends first. Prompts are words drawn from a
 fixed list by a seeded PRNG, of varied lengths (``--prompt-words``, uniform), the same
@@ -30,7 +30,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..serving import Server, free_port, load, prompts as make_prompts, server_exe
+from ..runtime.serving import Server, free_port, load, prompts as make_prompts, server_exe
 from .common import _say, default_cache_dir
 
 def start_colibri(path: Path, threads: int, concurrency: int, ctx_per_seq: int, log: Path) -> Server:
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .. import tuning
+    from . import models, tuning
     from .files import colibri_file
 
     cache = args.cache_dir or default_cache_dir()
@@ -94,11 +94,11 @@ def main(argv=None) -> int:
     if args.smoke:
         from .common import SMOKE_SHAPE
 
-        model_dir = args.model_dir or tuning.make_model(cache / "models" / "smoke-mixtral", SMOKE_SHAPE)
+        model_dir = args.model_dir or models.make_model(cache / "models" / "smoke-mixtral", SMOKE_SHAPE)
         engines, levels, args.duration, args.reps, args.max_tokens = ["colibri"], [1, 4], 3.0, 1, 16
         args.prompt_words = "4,40"  # a context of 160 positions fits small test models
     elif args.make_model:
-        model_dir = tuning.make_model(cache / "models" / "mixtral-791m")
+        model_dir = models.make_model(cache / "models" / "mixtral-791m")
     elif args.model_dir:
         model_dir = args.model_dir
     else:

@@ -20,7 +20,7 @@ with ``std::rand() % n_vocab`` (older versions repeated one token in ``tg``); it
 is timed at depth ``--prefill`` (``-d``) so that it, too, attends over the prompt.
 
 Also measured in the same run: the streaming-READ bandwidth, on each thread count the
-engines run with, by the engine's own C kernel (:func:`colibri_lab.tuning.
+engines run with, by the engine's own C kernel (:func:`colibri_lab.bench.tuning.
 measure_read_bandwidth`: every thread streams its slice of a large buffer with vector
 loads, plain and non-temporal, the best variant counts), and the decode roofline it
 implies: the weight bytes one decode token must read (attention + router + top-k experts +
@@ -47,15 +47,15 @@ run says why in its column ("not available: ...") instead of stopping the benchm
 Quantized dtypes (``q8_0``, ``q4_k_m``; mixable with f32 and bf16): llama.cpp's GGUF is
 ``llama-quantize``'s Q8_0 / Q4_K_M of the ``--quant-from`` GGUF (f32 by default, the
 lossless one, so every weight is rounded once), and Colibri runs that same GGUF imported
-by :func:`colibri_lab.gguf_import.convert_gguf` (bytes copied, not requantized), so both
+by :func:`colibri_lab.conversion.gguf.convert_gguf` (bytes copied, not requantized), so both
 engines stream the very same weights. Only where no GGUF can be made (llama.cpp not
 built, as in CI's smoke run) does Colibri fall back to its own converter (``convert
 --dtype q8_0``), and the table says so. transformers has no such weights: its rows say
 "not applicable". The roofline of a quantized run counts the bytes as stored, summed
-over the file's tensor directory (:func:`colibri_lab.tuning.file_decode_roofline`: each
+over the file's tensor directory (:func:`colibri_lab.bench.tuning.file_decode_roofline`: each
 tensor's own type, top-k experts of each MoE layer, one embedding row), so mixed files
 (Q4_K_M holds Q4_K, Q5_K, Q6_K and Q8_0 tensors) are counted right; the f32 and bf16
-rooflines stay :func:`colibri_lab.tuning.decode_roofline`'s, from the config.
+rooflines stay :func:`colibri_lab.bench.tuning.decode_roofline`'s, from the config.
 
 Timings are printed, never judged: no result of this tool passes or fails.
 """
@@ -75,8 +75,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..tuning import (DEEPSEEK_V3_800M, MIXTRAL_791M, decode_roofline, file_decode_roofline, machine_info,
-                      make_family_model, make_model, measure_bandwidth, measure_read_bandwidth, read_hf_config)
+from .models import DEEPSEEK_V3_800M, MIXTRAL_791M, make_family_model, make_model
+from .tuning import (decode_roofline, file_decode_roofline, machine_info, measure_bandwidth, measure_read_bandwidth,
+                     read_hf_config)
 from .common import DTYPES, ENGINES, SMOKE_SHAPE, _say, default_cache_dir
 from .files import (colibri_file, colibri_from_gguf, drop_from_page_cache, hugepage_fraction,
                     source_info)
@@ -111,8 +112,8 @@ def _ids_for(seed: int, rep: int, n: int, vocab: int, bos: int | None) -> np.nda
 
 
 def _colibri_worker(conn, path: str, threads: int, max_seq_len: int, precision: str = "exact"):
-    from .._native import version
-    from ..engine import Engine
+    from ..runtime._native import version
+    from ..runtime.engine import Engine
 
     # the default load path, a user's: populate "auto" faults the whole file in at load
     # when it fits in half of the available memory, as llama.cpp's loader does (a MoE
@@ -395,7 +396,7 @@ def key_precision(key: str) -> str:
 def _fast_vs_exact(path: Path, args, hf_cfg: dict, threads: int) -> dict:
     """The fast mode's accuracy against the exact one on this file (not timed): KL, top-1 and
     routing flips over the first repetition's prompt ids (quality.precision_agreement)."""
-    from ..quality import precision_agreement
+    from ..analysis.quality import precision_agreement
 
     _say(f"fast vs exact on {Path(path).name}")
     ids = _ids_for(args.seed, 0, args.prefill, hf_cfg["vocab"], 1)
@@ -435,7 +436,7 @@ def run(args) -> dict:
                                    log=_say)
     hf_cfg = read_hf_config(model_dir)
     n_pre, n_dec = args.prefill, args.decode
-    from .._native import library_facts
+    from ..runtime._native import library_facts
 
     lib_facts = library_facts()  # the spawned Colibri workers load the same file
     _say(f"Colibri library: {lib_facts['path']} (built {lib_facts['built_utc']})")
@@ -779,7 +780,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--make-model", nargs="?", const="mixtral", default=None,
                      choices=["mixtral", *FAMILY_MODELS],
                      help="generate a random model (seeded) into the cache and use it: the 791 M "
-                          "Mixtral (no value), or deepseek_v3 (about 800 M, tuning.DEEPSEEK_V3_800M)")
+                          "Mixtral (no value), or deepseek_v3 (about 800 M, models.DEEPSEEK_V3_800M)")
     p.add_argument("--dtype", default="f32",
                    help="comma-separated f32, bf16, q8_0, q4_k_m (llama.cpp's quantized types; "
                         "Colibri runs the same GGUF, imported), e.g. f32,bf16 (default f32)")
@@ -838,7 +839,7 @@ def main(argv=None) -> int:
     for e in args.engines:
         if e not in ENGINES:
             p.error(f"unknown engine {e!r}; choose from {', '.join(ENGINES)}")
-    from ..engine import PRECISIONS
+    from ..runtime.engine import PRECISIONS
 
     args.precision = [x.strip() for x in args.precision.split(",") if x.strip()]
     if not args.precision or any(x not in PRECISIONS for x in args.precision):

@@ -7,7 +7,7 @@
  * bytes exactly as the file does (the same alignment modulo 4 KiB), so the kernels compute
  * the same bits as on the mapping.
  *
- * The accounting, which colibri_lab.cachesim simulates exactly, per layer and step (one
+ * The accounting, which colibri_lab.analysis.cachesim simulates exactly, per layer and step (one
  * forward chunk): (1) policy PREDICT only, while the layer before computes: the predicted
  * experts not resident are loaded, victims by LRU among slots holding no other predicted
  * expert of the step; (2) every needed expert that is resident (or being read) is a hit,

@@ -5,7 +5,7 @@
  * as metadata (docs/format.md, "Family options"); format/format.c parses each choice by the
  * axis's name table and checks it against the family's entry, so the forward pass switches
  * on the choice, never on a family's name, and a new family is mostly a new row here (and
- * one in the converter's FAMILY_TABLE, colibri_lab/convert.py).
+ * one in the converter's FAMILY_TABLE, colibri_lab/conversion/families.py).
  */
 #ifndef COLIBRI_MODEL_FAMILY_H
 #define COLIBRI_MODEL_FAMILY_H

@@ -28,8 +28,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 import colibri_lab  # noqa: E402
-from colibri_lab._bpe import build_bpe_tokenizer_section, bytes_to_unicode  # noqa: E402
-from colibri_lab._spm import build_tokenizer_section  # noqa: E402
+from colibri_lab.conversion.bpe import build_bpe_tokenizer_section, bytes_to_unicode  # noqa: E402
+from colibri_lab.conversion.spm import build_tokenizer_section  # noqa: E402
 
 N_SPM = 400  # pieces kept of the Mistral v1 vocabulary: <unk> <s> </s>, 256 bytes, the first merges
 
@@ -104,8 +104,8 @@ def tokenizer_seed(text: bytes, section: bytes) -> bytes:
 
 
 def main() -> None:
-    from colibri_lab._bpe import LLAMA3_PATTERN, QWEN2_PATTERN
-    from hf_models import Shape, build_model, save_checkpoint
+    from colibri_lab.conversion.bpe import LLAMA3_PATTERN, QWEN2_PATTERN
+    from colibri_lab.bench.models import MixtralShape, build_model, save_checkpoint
 
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
@@ -125,7 +125,7 @@ def main() -> None:
 
         # ---- model files
         def model(shape, name, dtype, tok=None, **kw):
-            folder = save_checkpoint(build_model(shape), tmp / f"hf-{name}", with_tokenizer=False)
+            folder = save_checkpoint(build_model(shape), tmp / f"hf-{name}", tokenizer="none")
             if tok == "spm":
                 shutil.copy(spm_model, folder / "tokenizer.model")
             elif tok == "bpe":
@@ -134,13 +134,13 @@ def main() -> None:
             out = colibri_lab.convert(folder, tmp / f"{name}.colibri", dtype=dtype, progress=False, **kw)
             write(HERE / "loader" / f"{name}.colibri", Path(out).read_bytes())
 
-        model(Shape(vocab=300, hidden=16, inter=8, layers=2, heads=2, kv_heads=1, experts=4, top_k=2),
+        model(MixtralShape(vocab=300, hidden=16, inter=8, layers=2, heads=2, kv_heads=1, experts=4, top_k=2),
               "bf16-int8router", "bf16", quantize_router="int8")
-        model(Shape(vocab=300, hidden=32, inter=32, layers=2, heads=2, kv_heads=1, experts=4, top_k=2, seed=1),
+        model(MixtralShape(vocab=300, hidden=32, inter=32, layers=2, heads=2, kv_heads=1, experts=4, top_k=2, seed=1),
               "q8_0", "q8_0")
-        model(Shape(vocab=N_SPM, hidden=16, inter=8, layers=1, heads=2, kv_heads=1, experts=2, top_k=1, seed=2),
+        model(MixtralShape(vocab=N_SPM, hidden=16, inter=8, layers=1, heads=2, kv_heads=1, experts=2, top_k=1, seed=2),
               "spm", "bf16", tok="spm")
-        model(Shape(vocab=300, hidden=16, inter=8, layers=1, heads=2, kv_heads=1, experts=2, top_k=1, seed=3),
+        model(MixtralShape(vocab=300, hidden=16, inter=8, layers=1, heads=2, kv_heads=1, experts=2, top_k=1, seed=3),
               "bpe", "bf16", tok="bpe")
 
     # ---- server request bodies

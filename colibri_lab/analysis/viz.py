@@ -1,8 +1,8 @@
-"""Plotly figures of what the engine did (a :class:`~colibri_lab.trace.Trace`) and of what a
-``.colibri`` file holds (a :class:`~colibri_lab.format.ColibriInfo`).
+"""Plotly figures of what the engine did (a :class:`~colibri_lab.runtime.trace.Trace`) and of what a
+``.colibri`` file holds (a :class:`~colibri_lab.format.reader.ColibriInfo`).
 
 Every function returns a ``plotly.graph_objects.Figure``; wrap it in ``go.FigureWidget``
-for live updates (see :mod:`colibri_lab.widgets`).
+for live updates (see :mod:`colibri_lab.analysis.widgets`).
 
 - :func:`routing_heatmap`       layer × token grid coloured by the chosen expert, or one
                                 layer's token × expert router probabilities
@@ -32,8 +32,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from . import diagnostics as _diag
-from . import format as _fmt
-from .trace import ALL_STAGES, STAGES, Trace
+from ..format import reader as _fmt
+from ..runtime.trace import ALL_STAGES, STAGES, Trace
 
 DENSE_COLOUR = "#b8b8b8"
 _BASE_PALETTE = (
@@ -568,7 +568,7 @@ def _human_bytes(n: int) -> str:
 def header_fields(info: _fmt.ColibriInfo) -> list[dict[str, Any]]:
     """Every header field of ``info``'s file, read from its first 256 bytes: a list of
     dicts (offset, size, name, hex, value), value decoded for reading. The layout is
-    :data:`colibri_lab.format.HEADER_LAYOUT`."""
+    :data:`colibri_lab.format.spec.HEADER_LAYOUT`."""
     with open(info.path, "rb") as f:
         hdr = f.read(_fmt.HEADER_SIZE)
     if len(hdr) != _fmt.HEADER_SIZE:
@@ -651,7 +651,7 @@ __all__ = ["expert_colours", "expert_load", "format_map", "group_size_histogram"
 
 
 # --------------------------------------------------------------------------- quantization quality
-# Figures of colibri_lab.quality reports (QualityReport / RoutingReport), one per weight type.
+# Figures of colibri_lab.analysis.quality reports (QualityReport / RoutingReport), one per weight type.
 
 import math  # noqa: E402  (the quality figures' log axis)
 

@@ -2,7 +2,7 @@
 engine's expert cache (``Engine(expert_cache_mb=, expert_cache_policy=)``), fast enough to
 sweep cache sizes and policies over long traces.
 
-    from colibri_lab import cachesim
+    from colibri_lab.analysis import cachesim
     res = cachesim.simulate(trace, 4, "lru")        # 4 slots per MoE layer
     res.hit_rate, res.layer_hit_rate, res.misses_per_token
     rows = cachesim.sweep(trace, [2, 3, 4, 6], ("lru", "lfu", "belady"))
@@ -11,7 +11,7 @@ sweep cache sizes and policies over long traces.
 For models larger than memory the engine keeps the dense weights mapped and gives every
 MoE layer ``S`` slots for its routed experts; an expert that is not in a slot when a token
 needs it is read from the file into one (a miss). The simulator replays a
-:class:`~colibri_lab.trace.Trace` (or a plain ``[L, T, K]`` array of expert ids) through
+:class:`~colibri_lab.runtime.trace.Trace` (or a plain ``[L, T, K]`` array of expert ids) through
 that cache with the engine's accounting: on the routing trace of a run with the engine's
 cache, its five counters per layer equal the engine's (``trace.cache_hits``,
 ``trace.cache_misses``, ...; tests/test_cachesim.py checks decode and prefill).
@@ -558,7 +558,7 @@ def simulate(trace, slots, policy: str = "lru", *, predicted=None, pinned=None, 
     """Replay ``trace`` through an expert cache of ``slots`` slots per MoE layer (an int, or
     [L] per-layer counts) under ``policy`` (:data:`POLICIES`); see the module docstring.
 
-    ``trace``: a :class:`~colibri_lab.trace.Trace`, or an ``[L, T, K]`` int array of expert
+    ``trace``: a :class:`~colibri_lab.runtime.trace.Trace`, or an ``[L, T, K]`` int array of expert
     ids (-1: none; then ``n_experts`` defaults to the largest id + 1 of it, ``predicted``
     and ``pinned``, and every layer counts as MoE unless ``layer_is_moe`` says otherwise).
     ``predicted`` ``[L, T, k]`` overrides ``trace.predicted_ids`` for ``"predict"``; ``pinned`` ``[L, P]`` the pinned sets for

@@ -28,14 +28,13 @@ What lives here:
 from __future__ import annotations
 
 import os
-import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import format as fmt
-from .format import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_MXFP4, DTYPE_Q4_K, DTYPE_Q5_K,
+from . import spec as fmt
+from .spec import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_MXFP4, DTYPE_Q4_K, DTYPE_Q5_K,
                      DTYPE_Q6_K, DTYPE_Q8_0, QUANT_DTYPES)
 
 try:  # the GGUF type ids; the quantizers themselves do not need the package
@@ -571,93 +570,3 @@ def from_stored(raw: np.ndarray, dtype: int, n: int) -> np.ndarray:
     if raw.dtype != st:
         raw = raw.view(np.uint8).reshape(-1).view(st)
     return fmt.stored_to_f32(raw.reshape(-1, n), dtype)
-
-
-# --------------------------------------------------------------------------- mixes
-
-MIXES = ("q8_0", "q4_k", "q4_k_m", "mxfp4")
-_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
-
-
-def use_more_bits(i_layer: int, n_layers: int) -> bool:
-    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third
-    layer between get more bits."""
-    return (i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8
-            or (i_layer - n_layers // 8) % 3 == 2)
-
-
-def fallback_dtype(dtype: int, ncols: int) -> int:
-    """The dtype a tensor with rows of `ncols` gets when `dtype`'s block does not divide
-    them. llama.cpp's tensor_type_fallback goes Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0
-    (32-element blocks) and then to F16 when 32 does not divide the row either; the format
-    has no Q5_0 / Q5_1, so every K type falls back to Q8_0 here, then to F16."""
-    if dtype not in QUANT_DTYPES or ncols % fmt.DTYPE_BLOCKS[dtype][0] == 0:
-        return dtype
-    return DTYPE_Q8_0 if ncols % QK8_0 == 0 else DTYPE_F16
-
-
-def mix_dtype(mix: str, name: str, shape, *, layer: int | None, n_layers: int,
-              n_experts: int, tied: bool = False) -> int:
-    """The dtype the converter mix `mix` gives tensor `name` (colibri / GGUF tensor names,
-    with or without the ".weight" suffix) of colibri shape `shape` (rows last).
-
-    - 1-D tensors (norm weights, biases), routers (`ffn_gate_inp`), the shared expert's
-      gate (`ffn_shared_gate`, GGUF's `ffn_gate_inp_shexp`) and norm weights stay F32.
-    - "q8_0": every other weight matrix Q8_0.   "q4_k": every one Q4_K.
-    - "q4_k_m": llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M (llama_tensor_get_type): output
-      Q6_K (Q8_0 when 256 does not divide its rows); token_embd Q4_K, or the output's
-      type when the embeddings are tied (`tied`: the file has no output.weight); attn_v
-      Q6_K on use_more_bits(layer) layers; attn_k and attn_v Q8_0 and attn_output Q5_K
-      when n_experts == 8; every ffn_down (routed, dense, shared) Q6_K on
-      use_more_bits(layer) layers; everything else Q4_K. (llama.cpp counts attn_v tensors
-      in file order and parses the layer from an MoE model's ffn_down name; with one
-      attn_v per layer both are the layer index.)
-    - "mxfp4": the routed experts (`ffn_{gate,up,down}_exps`) MXFP4, every other weight
-      matrix BF16 — the way gpt-oss ships (its experts in MXFP4, the rest bf16).
-    - then `fallback_dtype` for a row the type's block does not divide.
-    """
-    if mix not in MIXES:
-        raise ValueError(f"mix {mix!r}: choose one of {', '.join(MIXES)}")
-    shape = tuple(int(d) for d in shape)
-    base = name[:-len(".weight")] if name.endswith(".weight") else name
-    m = _BLK.match(base)
-    if m:
-        base = m.group(2)
-        if layer is None:
-            layer = int(m.group(1))
-    if (len(shape) < 2 or name.endswith(".bias") or "norm" in base
-            or base.startswith("ffn_gate_inp") or base == "ffn_shared_gate"
-            or base.endswith((".scale", ".zero"))):
-        return DTYPE_F32
-    ncols = shape[-1]
-    if mix == "mxfp4":
-        if base in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") and ncols % QK_MXFP4 == 0:
-            return DTYPE_MXFP4
-        return DTYPE_BF16
-    if mix == "q8_0":
-        return fallback_dtype(DTYPE_Q8_0, ncols)
-    if mix == "q4_k":
-        return fallback_dtype(DTYPE_Q4_K, ncols)
-    # q4_k_m
-    t = DTYPE_Q4_K
-    if base == "output" or (base == "token_embd" and tied):
-        t = DTYPE_Q8_0 if ncols % QK_K else DTYPE_Q6_K
-    elif base == "token_embd":
-        t = DTYPE_Q4_K
-    elif base in ("attn_v", "attn_qkv"):
-        if layer is not None and use_more_bits(layer, n_layers):
-            t = DTYPE_Q6_K
-        if n_experts == 8:
-            t = DTYPE_Q8_0
-    elif base == "attn_k":
-        if n_experts == 8:
-            t = DTYPE_Q8_0
-    elif base == "attn_output":
-        if n_experts == 8:
-            t = DTYPE_Q5_K
-    elif base.startswith("ffn_down"):
-        if layer is None:
-            raise ValueError(f"{name}: the q4_k_m mix needs the layer of an ffn_down tensor")
-        if use_more_bits(layer, n_layers):
-            t = DTYPE_Q6_K
-    return fallback_dtype(t, ncols)

@@ -1,4 +1,4 @@
-"""Routing-quality measures over a :class:`~colibri_lab.trace.Trace`: numbers that help
+"""Routing-quality measures over a :class:`~colibri_lab.runtime.trace.Trace`: numbers that help
 decide things (is an int8 router good enough? is the load balanced enough for the group
 padding we use? do experts specialise on kinds of tokens? how often could a decode step
 reuse the experts of the previous token or layer?).
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .trace import STAGES, Trace
+from ..runtime.trace import STAGES, Trace
 
 #: The token classes of :func:`token_classes`, in a fixed order.
 CLASSES = ("whitespace", "newline", "keyword", "name", "number", "punctuation", "other")

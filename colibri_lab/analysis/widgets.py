@@ -1,7 +1,7 @@
 """An interactive routing explorer for notebooks: type a prompt, run the engine under
 ``engine.trace()``, and look at the routing layer by layer and token by token.
 
-    from colibri_lab.widgets import explorer
+    from colibri_lab.analysis.widgets import explorer
     ex = explorer(eng, prompt="def add(a, b):\\n    return a + b\\n")
     ex                      # shows the controls and three live plotly figures
 
@@ -19,8 +19,8 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from . import viz
-from .errors import ColibriError
-from .trace import Trace
+from ..runtime.errors import ColibriError
+from ..runtime.trace import Trace
 
 ALL_LAYERS = -1
 

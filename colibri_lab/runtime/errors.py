@@ -2,7 +2,7 @@
 module does not load the native library).
 
 Every ``colibri_status`` of ``native/include/colibri.h`` has a :class:`ColibriError`
-subclass here; ``colibri_lab._native.check`` is the one place that raises them, with the
+subclass here; ``colibri_lab.runtime._native.check`` is the one place that raises them, with the
 engine's own message.
 """
 

@@ -1,6 +1,6 @@
 """The Python face of the Colibri engine: Engine, Tokenizer, Token, EngineConfig.
 
-Handle classes over :mod:`colibri_lab._native`: each owns one C object, frees it in
+Handle classes over :mod:`colibri_lab.runtime._native`: each owns one C object, frees it in
 ``close()`` (idempotent, also run by ``__del__`` and by ``with``), and raises
 :class:`ColibriClosedError` when used afterwards. Every C status goes through
 ``_native.check``, so failures surface as :class:`ColibriError` subclasses carrying the
@@ -762,7 +762,7 @@ class Engine:
         """Pin ``experts`` of MoE ``layer`` in the expert cache (replacing its pinned set; an
         empty list unpins): read now if not resident, never evicted. They must leave one of the
         layer's ``config.expert_cache_slots`` slots free. For the ``"pinned"`` policy, e.g.
-        from a trace's most used experts (``colibri_lab.cachesim``)."""
+        from a trace's most used experts (``colibri_lab.analysis.cachesim``)."""
         ctx = self._c()
         ids = np.ascontiguousarray(np.asarray(list(experts), dtype=np.int32).ravel())
         ptr = ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)) if ids.size else None

@@ -24,7 +24,7 @@ GGUF has it quantized (said on the progress output).
 The hyper-parameters and the family options come from the GGUF metadata and from which
 tensors exist (biases, q/k norms and their shapes, dense layers, shared experts); the
 tokenizer section is rebuilt from the GGUF vocabulary (`tokenizer.ggml.*`) with the same
-builders the Hugging Face converter uses (`_spm`, `_bpe`), fed with a faithful
+builders the Hugging Face converter uses (`spm`, `bpe`), fed with a faithful
 reconstruction of the `tokenizer.model` / `tokenizer.json` the GGUF was made from.
 
 Streaming: the GGUF is memory-mapped (`gguf.GGUFReader`) and each tensor is copied in
@@ -47,16 +47,16 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import format as fmt
-from . import quants
-from .convert import (CHUNK_ELEMS, ConversionError, ModelSpec, PlannedTensor, _Say,
-                      _no_tokenizer, _tokenizer_meta_entries, _version, family_metadata, spec_metadata,
-                      write_colibri)
-from .format import DTYPE_F32, DTYPE_NUMPY, LAYOUT_ROW_MAJOR, MetaValue
+from ..format import blocks as quants
+from ..format import spec as fmt
+from ..format.spec import DTYPE_F32, DTYPE_NUMPY, LAYOUT_ROW_MAJOR, MetaValue
+from .spec import CHUNK_ELEMS, ConversionError, ModelSpec, PlannedTensor, _version
+from .tokenizer import _no_tokenizer, _tokenizer_meta_entries
+from .writer import _Say, family_metadata, spec_metadata, write_colibri
 
 __all__ = ["convert_gguf", "GGUF_ARCHITECTURES", "SUPPORTED_GGML_TYPES"]
 
-IMPORTER_NAME = "colibri_lab.gguf_import"
+IMPORTER_NAME = "colibri_lab.conversion.gguf"
 
 # GGUF general.architecture -> colibri family
 GGUF_ARCHITECTURES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
@@ -68,13 +68,13 @@ GGUF_ARCHITECTURES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "
 DEFAULT_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
 # ggml type name (GGMLQuantizationType) -> colibri dtype id: the block bytes are the same
-# (docs/format.md, "Version 2"); from colibri_lab.quants.GGML_TYPES, the one table
+# (docs/format.md, "Version 2"); from colibri_lab.format.blocks.GGML_TYPES, the one table
 SUPPORTED_GGML_TYPES = {t.name: d for d, t in quants.GGML_TYPES.items()}
 _SUPPORTED_LIST = ", ".join(SUPPORTED_GGML_TYPES)
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # tokenizer.ggml.pre -> (pre-tokenizer pattern name, NFC normalizer, ignore_merges).
-# The pattern names are colibri_lab._bpe's; NFC: every Qwen tokenizer.json normalises with
+# The pattern names are colibri_lab.conversion.bpe's; NFC: every Qwen tokenizer.json normalises with
 # NFC, which the GGUF does not record; ignore_merges: Llama-3's tokenizer.json sets it, and
 # llama.cpp sets it for these pre-tokenizers.
 BPE_PRE_TOKENIZERS = {
@@ -674,7 +674,7 @@ def _sentencepiece_proto(tokens: list[str], scores: list[float], types: list[int
                          unk: int, bos: int, eos: int, pad: int, add_dummy_prefix: bool,
                          remove_extra_whitespaces: bool, byte_fallback: bool) -> bytes:
     """A serialized sentencepiece ModelProto (BPE, identity normalizer) of the pieces: what
-    colibri_lab._spm reads from a tokenizer.model. Special pieces are named by the trainer
+    colibri_lab.conversion.spm reads from a tokenizer.model. Special pieces are named by the trainer
     spec's *_piece fields, as sentencepiece's bos_id() & co. look them up."""
     out = bytearray()
     for s, sc, t in zip(tokens, scores, types):
@@ -758,7 +758,7 @@ def _special(g: GgufFile, name: str, n: int) -> int | None:
 
 def _spm_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
     """SentencePiece BPE (tokenizer.ggml.model 'llama'): a tokenizer.model rebuilt from the
-    pieces, scores and types, for colibri_lab._spm.
+    pieces, scores and types, for colibri_lab.conversion.spm.
 
     Reconstruction (llama.cpp's converter writes sentencepiece's pieces, scores and types,
     then marks the tokens of tokenizer_config.json's added_tokens_decoder CONTROL or
@@ -769,7 +769,7 @@ def _spm_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
     prefix unless tokenizer.ggml.add_space_prefix is false, extra whitespace kept unless
     tokenizer.ggml.remove_extra_whitespaces (llama.cpp's defaults); byte fallback when the
     vocabulary has byte pieces."""
-    from ._spm import build_tokenizer_section
+    from .spm import build_tokenizer_section
 
     if g.get("tokenizer.ggml.precompiled_charsmap"):
         raise ConversionError(f"{g.path}: the SentencePiece normalizer has a precompiled "
@@ -815,7 +815,7 @@ def _spm_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
 
 def _bpe_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
     """Byte-level BPE (tokenizer.ggml.model 'gpt2'): a tokenizer.json rebuilt from the tokens,
-    merges, token types and tokenizer.ggml.pre, for colibri_lab._bpe.
+    merges, token types and tokenizer.ggml.pre, for colibri_lab.conversion.bpe.
 
     Reconstruction: CONTROL tokens are special added tokens, USER_DEFINED ones non-special
     added tokens, both matched in the raw text (normalized false: llama.cpp splits them off
@@ -828,7 +828,7 @@ def _bpe_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
     only when llama.cpp would add it (tokenizer.ggml.add_bos_token, else the pre-tokenizer's
     default), as colibri adds bos_id on request; UNK is none (byte-level BPE never produces
     one)."""
-    from ._bpe import SUPPORTED_PATTERNS, build_bpe_tokenizer_section, bytes_to_unicode
+    from .bpe import SUPPORTED_PATTERNS, build_bpe_tokenizer_section, bytes_to_unicode
 
     pre = g.get("tokenizer.ggml.pre")
     if pre not in BPE_PRE_TOKENIZERS:

@@ -34,7 +34,7 @@ import numpy as np
 
 __all__ = ["build_bpe_tokenizer_section", "SUPPORTED_PATTERNS", "bytes_to_unicode"]
 
-from ._spm import HEADER_SIZE, SECTION_MAGIC, SECTION_VERSION  # the sub-header both types share
+from .spm import HEADER_SIZE, SECTION_MAGIC, SECTION_VERSION  # the sub-header both types share
 
 TYPE_BYTE_LEVEL_BPE = 2
 TOKEN_RECORD_SIZE = 16
@@ -411,7 +411,7 @@ def _build_tekken(path: str, tj: dict) -> tuple[bytes, dict]:
 def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
     """Read a Hugging Face `tokenizer.json` (or a tekken_*.json) and return (section bytes, metadata dict).
 
-    The metadata has the keys of colibri_lab._spm.build_tokenizer_section's
+    The metadata has the keys of colibri_lab.conversion.spm.build_tokenizer_section's
     (tokenizer.type = "byte_level_bpe", tokenizer.bos_id / eos_id / unk_id / pad_id,
     n_pieces) plus "tokenizer.pattern" (gpt2 / qwen2 / llama3 / o200k / deepseek_v3), "tokenizer.normalizer"
     (none / NFC) and "tokenizer.special_source" (where bos/eos came from). For a tekken file

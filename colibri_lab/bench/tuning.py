@@ -3,10 +3,11 @@
 The plumbing behind ``notebooks/03_tuning.ipynb`` and the side-by-side benchmark
 (``python -m colibri_lab.bench``), each piece one call::
 
-    from colibri_lab import convert, tuning
+    from colibri_lab import convert
+    from colibri_lab.bench import models, tuning
 
-    shape = dict(tuning.MIXTRAL_791M, hidden=256, inter=512, layers=4, heads=4, kv_heads=2)
-    hf = tuning.make_model("small-mixtral", shape)         # a random Mixtral, ~30 M weights
+    shape = dict(models.MIXTRAL_791M, hidden=256, inter=512, layers=4, heads=4, kv_heads=2)
+    hf = models.make_model("small-mixtral", shape)         # a random Mixtral, ~30 M weights
     path = convert(hf, "small.colibri", dtype="f32", progress=False)
     tuning.machine_info()                                  # CPU, SIMD flags, usable CPUs
     bw = tuning.measure_bandwidth()                        # GB/s of a numpy copy
@@ -15,9 +16,7 @@ The plumbing behind ``notebooks/03_tuning.ipynb`` and the side-by-side benchmark
     tuning.sweep_threads(path, [1, 2])                     # prefill and decode tokens/s
     tuning.run_colibri_bench(path, seq_len=64)             # colibri_bench's JSON, parsed
 
-- **Models**: :func:`make_model` writes a seeded random-init Mixtral of a given shape
-  (:data:`MIXTRAL_791M` is the reference model of ``docs/performance.md``);
-  :func:`read_hf_config` reads the shape back from a Hugging Face ``config.json``.
+- **Models**: :func:`read_hf_config` reads the shape back from a Hugging Face ``config.json``.
 - **Machine**: :func:`machine_info`, :func:`measure_bandwidth` (a numpy copy),
   :func:`measure_read_bandwidth` (the engine's streaming-read kernel); the decode roofline
   (:func:`active_weights`, :func:`decode_roofline`, :func:`roofline_table`; for a
@@ -46,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +53,6 @@ import numpy as np
 
 __all__ = [
     "DTYPE_BYTES",
-    "MIXTRAL_791M",
     "Facts",
     "Rows",
     "active_weights",
@@ -63,7 +61,6 @@ __all__ = [
     "file_decode_roofline",
     "find_colibri_bench",
     "machine_info",
-    "make_model",
     "measure_bandwidth",
     "measure_read_bandwidth",
     "median_rates",
@@ -84,10 +81,6 @@ __all__ = [
 #: Bytes per weight element of each weight dtype.
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
 
-#: The reference model of ``docs/performance.md``: a random-init Mixtral of 791 M
-#: parameters, about 230 M of them active per token (the shape :func:`make_model` takes).
-MIXTRAL_791M = dict(vocab=32000, hidden=1024, inter=3584, layers=8, heads=16, kv_heads=4,
-                    experts=8, top_k=2, max_pos=4096)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -185,221 +178,8 @@ class Rows(list):
 
 
 # ---------------------------------------------------------------------------------------
-# Models: generate, describe
+# Models: describe (the random-model factory is colibri_lab.bench.models)
 # ---------------------------------------------------------------------------------------
-
-
-def _tokenizer_model_file() -> Path | None:
-    """The Mixtral SentencePiece model: data/tokenizer.model.v1 in a checkout, else the
-    copy inside the mistral-common wheel; None when neither exists."""
-    p = Path(__file__).resolve().parents[1] / "data" / "tokenizer.model.v1"
-    if p.is_file():
-        return p
-    try:
-        import mistral_common
-    except ImportError:
-        return None
-    p = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
-    return p if p.is_file() else None
-
-
-def make_model(out_dir: str | os.PathLike, shape: dict | None = None, seed: int = 0,
-               log: Callable[[str], None] | None = None) -> Path:  # fmt: skip
-    """Write a seeded random-init ``MixtralForCausalLM`` to ``out_dir`` and return the folder.
-
-    ``shape`` has the keys of :data:`MIXTRAL_791M` (the default): vocab, hidden, inter,
-    layers, heads, kv_heads, experts, top_k, max_pos. The weights are f32 safetensors,
-    written with transformers (needs torch); norm weights are drawn from [0.5, 1.5] so
-    they are not all ones. With a 32000-entry vocabulary the real Mixtral tokenizer
-    (``tokenizer.model``) is copied beside them. A folder that already holds the same
-    shape and seed (``colibri_bench_shape.json``) is reused as it is. ``log`` gets a line
-    when a model is generated. Sizes that are multiples of 4 keep transformers' CPU
-    ``grouped_mm`` experts usable on the result.
-    """
-    out = Path(out_dir)
-    shape = dict(MIXTRAL_791M if shape is None else shape)
-    stamp = out / "colibri_bench_shape.json"
-    want = json.dumps({**shape, "seed": seed}, sort_keys=True)
-    if stamp.is_file() and stamp.read_text() == want and (out / "config.json").is_file():
-        return out
-    import torch
-    from transformers import MixtralConfig, MixtralForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    if log is not None:
-        log(f"generating a random Mixtral {shape} (seed {seed}) in {out}")
-    cfg = MixtralConfig(
-        vocab_size=shape["vocab"], hidden_size=shape["hidden"],
-        intermediate_size=shape["inter"], num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-        num_local_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
-        max_position_embeddings=shape["max_pos"], rms_norm_eps=1e-5,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:  # norm weights: not all ones
-                p.uniform_(0.5, 1.5)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # "Writing model shards" says nothing here
-    try:
-        model.save_pretrained(tmp)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    tok = _tokenizer_model_file()
-    if shape["vocab"] == 32000 and tok is not None:
-        shutil.copy(tok, tmp / "tokenizer.model")
-    (tmp / "colibri_bench_shape.json").write_text(want)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
-#: Random models of about 800 M parameters for other families (transformers config keys);
-#: ``make_family_model(dir, "deepseek_v3", DEEPSEEK_V3_800M)``: MLA with a q LoRA, a dense
-#: first layer, 32 routed experts in 4 groups (top-2 groups, top-4 experts) plus one shared
-#: expert, sigmoid routing with the score-correction bias — the DeepSeek-V3 recipe, scaled.
-DEEPSEEK_V3_800M = dict(
-    vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
-    num_hidden_layers=14, num_attention_heads=16, num_key_value_heads=16,
-    q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
-    v_head_dim=64, n_routed_experts=32, n_shared_experts=1, num_experts_per_tok=4,
-    n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
-    norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
-    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-
-
-#: A tiny random model of every family the converter knows (transformers config keys, for
-#: :func:`make_family_model`): sizes that are not multiples of 8, the family's own choices
-#: switched on (Qwen2-MoE's gated shared expert, OLMoE's q/k norms, DeepSeek's latent
-#: attention and group-limited routing, gpt-oss's sinks, windows and clamped SwiGLU).
-_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-TINY_FAMILY_CONFIGS = {
-    "mixtral": dict(vocab_size=512, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
-                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=6,
-                    num_experts_per_tok=2, max_position_embeddings=256, **_IDS),
-    "qwen2_moe": dict(vocab_size=512, hidden_size=48, intermediate_size=56, moe_intermediate_size=24,
-                      shared_expert_intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
-                      max_position_embeddings=256, **_IDS),
-    "qwen3_moe": dict(vocab_size=512, hidden_size=48, moe_intermediate_size=24, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=8,
-                      num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256, **_IDS),
-    "olmoe": dict(vocab_size=512, hidden_size=48, intermediate_size=24, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
-                  max_position_embeddings=256, **_IDS),
-    "deepseek_v2": dict(vocab_size=512, hidden_size=48, intermediate_size=64, moe_intermediate_size=20,
-                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-                        q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
-                        v_head_dim=12, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-                        n_group=4, topk_group=2, topk_method="group_limited_greedy",
-                        first_k_dense_replace=1, routed_scaling_factor=1.5,
-                        max_position_embeddings=256, **_IDS),
-    "deepseek_v3": dict(vocab_size=512, hidden_size=48, intermediate_size=64, moe_intermediate_size=20,
-                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-                        q_lora_rank=20, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
-                        v_head_dim=12, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
-                        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
-                        norm_topk_prob=True, max_position_embeddings=256, **_IDS),
-    "gpt_oss": dict(vocab_size=512, hidden_size=48, intermediate_size=24, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=6,
-                    num_experts_per_tok=2, sliding_window=6, swiglu_limit=1.5,
-                    layer_types=["sliding_attention", "full_attention"] * 2,
-                    max_position_embeddings=256,
-                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                                     "original_max_position_embeddings": 64}, **_IDS),
-}
-
-
-def _write_bpe_tokenizer(folder: Path, n_tokens: int) -> None:
-    """A byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json) of n_tokens
-    entries, trained with the `tokenizers` library on this package's own source: a GPT-2
-    style vocabulary with merges, for converters that take nothing else (llama.cpp's
-    DeepSeek converter). Ids 0, 1, 2 are <unk>, <s>, </s>; when the source gives fewer
-    merges than n_tokens, the remaining ids are added tokens ``<unused_i>``, so that every id
-    of the model has a piece."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=n_tokens, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train(sorted(str(p) for p in Path(__file__).parent.rglob("*.py")), trainer)
-    n = tok.get_vocab_size()
-    if n < n_tokens:   # the source has fewer merges: the rest are placeholder tokens
-        tok.add_tokens([f"<unused_{i}>" for i in range(n, n_tokens)])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "model_max_length": 1 << 20}))
-
-
-def make_family_model(out_dir: str | os.PathLike, family: str, config: dict, seed: int = 0,
-                      log: Callable[[str], None] | None = None, tokenizer: str = "auto") -> Path:
-    """Write a seeded random-init model of any MoE family transformers knows —
-    ``AutoConfig.for_model(family, **config)`` — to ``out_dir`` (f32 safetensors) and return
-    the folder; reused when it already holds the same family, config and seed. 1-D
-    parameters are randomised so that none is a no-op: norm weights in [0.5, 1.5], biases,
-    sinks and score-correction biases in [-0.5, 0.5]. Experts are saved as transformers
-    writes them. ``tokenizer``: "spm" copies the Mixtral tokenizer.model beside the weights
-    (a 32000-entry vocabulary only, as :func:`make_model`), "bpe" writes a byte-level BPE
-    tokenizer.json of the vocabulary's size trained on this package's source (ids past its
-    merges are placeholder added tokens), "none" neither; "auto": "bpe" for the DeepSeek families (whose
-    llama.cpp converter reads BPE only), else "spm"."""
-    out = Path(out_dir)
-    stamp = out / "colibri_bench_shape.json"
-    want = json.dumps({"family": family, **config, "seed": seed, "tokenizer": tokenizer},
-                      sort_keys=True, default=str)
-    if stamp.is_file() and stamp.read_text() == want and (out / "config.json").is_file():
-        return out
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    if log is not None:
-        log(f"generating a random {family} {config} (seed {seed}) in {out}")
-    cfg = AutoConfig.for_model(family, **config)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-                    p.uniform_(0.5, 1.5)
-                else:
-                    p.uniform_(-0.5, 0.5)
-        for name, b in model.named_buffers():   # e.g. DeepSeek-V3's e_score_correction_bias
-            if name.endswith("e_score_correction_bias"):
-                b.uniform_(-0.5, 0.5)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(tmp)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    if tokenizer == "auto":
-        tokenizer = "bpe" if family.startswith("deepseek") else "spm"
-    if tokenizer == "bpe":
-        _write_bpe_tokenizer(tmp, int(config.get("vocab_size", 32000)))
-    elif tokenizer == "spm":
-        tok = _tokenizer_model_file()
-        if config.get("vocab_size") == 32000 and tok is not None:
-            shutil.copy(tok, tmp / "tokenizer.model")
-    (tmp / "colibri_bench_shape.json").write_text(want)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
 
 
 def read_hf_config(model_dir: str | os.PathLike) -> Facts:
@@ -516,8 +296,8 @@ def measure_read_bandwidth(threads: int = 0, nbytes: int = 1 << 30, reps: int = 
     its ``error`` instead."""
     import ctypes
 
-    from . import _native
-    from .errors import E_UNSUPPORTED
+    from ..runtime import _native
+    from ..runtime.errors import E_UNSUPPORTED
 
     res = Facts({"method": f"C streaming read (colibri_read_bandwidth) of {nbytes >> 20} MiB, "
                            f"{threads or 'physical-core'} thread(s), best of {reps} by the "
@@ -552,7 +332,7 @@ def active_weights(c: dict) -> dict:
     stay f32 in every engine). A MoE layer: q/k/v/o, the router and top_k experts of
     3 matrices each; plus the lm_head and one embedding row.
 
-    ``c`` is a :func:`read_hf_config` result or a :func:`make_model` shape (head_dim
+    ``c`` is a :func:`read_hf_config` result or a :func:`colibri_lab.bench.models.make_model` shape (head_dim
     defaults to hidden / heads)."""
     H = c["hidden"]
     D = c.get("head_dim") or H // c["heads"]
@@ -622,7 +402,7 @@ def _tensor_directory(path: str | os.PathLike) -> tuple[list[tuple], int, str]:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
-        from .gguf_import import GgufFile  # the gguf package, memory-mapped
+        from ..conversion.gguf import GgufFile  # the gguf package, memory-mapped
 
         g = GgufFile(path)
         arch = g.get("general.architecture")
@@ -637,9 +417,9 @@ def _tensor_directory(path: str | os.PathLike) -> tuple[list[tuple], int, str]:
         rows = [(t.name, t.type_name.lower(), t.shape, int(t.raw.nbytes))
                 for t in g.tensors.values()]  # fmt: skip
         return rows, top_k, wname
-    from . import format as fmt
+    from ..format import reader
 
-    info = fmt.inspect(path)
+    info = reader.inspect(path)
     rows = [(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in info.tensors]
     return rows, int(info.header["top_k"]), str(info.metadata.get("model.weight_dtype", "?"))
 
@@ -789,7 +569,7 @@ def time_engine(engine, reps: int = 2, *, n_prefill: int = 128, n_decode: int = 
 
 
 def _engine(path, **kw):
-    from .engine import Engine
+    from ..runtime.engine import Engine
 
     return Engine(path, **kw)
 
@@ -833,7 +613,7 @@ def sweep_block_size(hf_dir, sizes: Sequence[int] = (8, 64), *, dtype: str = "f3
     """Convert the Hugging Face checkpoint ``hf_dir`` once per packed-expert
     ``block_size`` (into ``workdir``, a temporary folder by default; each file removed
     after its run) and time prefill and decode on it."""
-    from .convert import convert
+    from ..conversion.hf import convert
 
     rows = []
     with tempfile.TemporaryDirectory(dir=workdir, prefix="block-size-") as tmp:

@@ -1,7 +1,7 @@
 """How far a quantized model is from its reference: perplexity, KL divergence, top-1
 agreement and routing, measured as llama.cpp's ``llama-perplexity --kl-divergence`` does.
 
-    from colibri_lab import quality
+    from colibri_lab.analysis import quality
     rep = quality.compare("tiny-f32.colibri", "tiny-q8_0.colibri", tokens, ctx=512)
     rep                      # a readable summary; rep.to_dict() / rep.to_json()
     rep.kld_mean, rep.top1_agreement, rep.routing.flip_rate
@@ -38,7 +38,7 @@ experts lose or gain load. From the second layer on, a flip mixes the layer's ow
 rounding with the error that reached it from below: it is what the quantized model does,
 not a per-layer isolation.
 
-**llama.cpp's side.** :func:`llama_compare` runs llama.cpp's own ``llama-perplexity`` on
+**llama.cpp's side** (:mod:`colibri_lab.bench.llama_quality`). :func:`llama_compare` runs llama.cpp's own ``llama-perplexity`` on
 the same text: ``--kl-divergence-base`` with the f32 GGUF (saves the base log-probs and
 the token ids it evaluated), then ``--kl-divergence`` with each quantized GGUF, and
 :func:`parse_llama_perplexity` turns its printed statistics into the same
@@ -54,27 +54,22 @@ flips (docs/quantization.md, "Fast mode accuracy").
 
 CLI::
 
-    python -m colibri_lab.quality --ref a.colibri --test b.colibri --text held_out.txt \\
+    python -m colibri_lab quality --ref a.colibri --test b.colibri --text held_out.txt \\
         --ctx 256 [--chunks N] [--threads N] [--json out.json]
-    python -m colibri_lab.quality --ref a.colibri --test b.colibri --random-tokens 8192
-    python -m colibri_lab.quality --precision-agreement a.colibri [--text F | --random-tokens N]
+    python -m colibri_lab quality --ref a.colibri --test b.colibri --random-tokens 8192
+    python -m colibri_lab quality --precision-agreement a.colibri [--text F | --random-tokens N]
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import os
-import re
-import shutil
-import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -454,7 +449,7 @@ def text_tokens(engine_or_path, text: str) -> np.ndarray:
 
 
 def _open(engine_or_path, threads, max_seq_len):
-    from .engine import Engine
+    from ..runtime.engine import Engine
 
     if isinstance(engine_or_path, Engine):
         return engine_or_path, False
@@ -576,9 +571,9 @@ def weight_bits(path: str | os.PathLike) -> dict[str, Any]:
     tensors (every tensor but the int8 router's scale/zero rows is counted by its
     elements), ``bpw`` = 8 x bytes / params, ``file_bytes``, and ``dtypes``: parameters
     per stored dtype (what a mix really used, fallbacks included)."""
-    from . import format as fmt
+    from ..format import reader
 
-    info = fmt.inspect(path)
+    info = reader.inspect(path)
     params = nbytes = 0
     dtypes: dict[str, int] = {}
     for t in info.tensors:
@@ -587,90 +582,6 @@ def weight_bits(path: str | os.PathLike) -> dict[str, Any]:
         dtypes[t.dtype] = dtypes.get(t.dtype, 0) + t.numel
     return {"params": params, "bytes": nbytes, "bpw": 8.0 * nbytes / max(params, 1),
             "file_bytes": info.file_size, "dtypes": dict(sorted(dtypes.items()))}
-
-
-def _pad_to(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def pad_mixtral(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, multiple: int = 256) -> Path:
-    """A Mixtral checkpoint widened with zeros so that the hidden and intermediate sizes
-    are multiples of ``multiple`` (K-quant blocks hold 256 values: a model 96 wide gets
-    no Q4_K at all, every tensor falls back), computing the same function in f32.
-
-    Embeddings, attention inputs, routers and expert gate/up get zero columns, the
-    attention output and expert down zero rows (the down projection also zero columns
-    for the padded intermediate units, whose gate/up rows are zero: silu(0) * 0 = 0), so
-    the padded hidden units stay 0 everywhere. RMSNorm then averages over more units: the
-    norm weights are scaled by ``sqrt(H / H')`` and ``rms_norm_eps`` by ``H / H'``, which
-    gives the same normalised values. ``head_dim`` is written out (it no longer equals
-    hidden / heads); heads keep their size (RoPE depends on it), so the attention output
-    projection keeps rows of ``heads x head_dim``. Weights are written as f32 (the norm
-    scaling is not exact in bf16); tokenizer files are copied. Returns ``out_dir``."""
-    from .convert import Checkpoint
-
-    src, out = Path(src_dir), Path(out_dir)
-    cfg = json.loads((src / "config.json").read_text())
-    if cfg.get("model_type") != "mixtral":
-        raise ValueError(f"{src}: pad_mixtral handles Mixtral checkpoints, not {cfg.get('model_type')!r}")
-    H, I = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
-    H2, I2 = _pad_to(H, multiple), _pad_to(I, multiple)
-    head_dim = int(cfg.get("head_dim") or H // int(cfg["num_attention_heads"]))
-    ck = Checkpoint(str(src))
-    from . import format as fmt
-
-    def pad(x: np.ndarray, rows: int | None, cols: int | None) -> np.ndarray:
-        r = x.shape[0] if rows is None else rows
-        if x.ndim == 1:
-            y = np.zeros(r, np.float32)
-            y[: x.shape[0]] = x
-            return y
-        c = x.shape[1] if cols is None else cols
-        y = np.zeros((r, c), np.float32)
-        y[: x.shape[0], : x.shape[1]] = x
-        return y
-
-    tensors: dict[str, np.ndarray] = {}
-    norm_scale = np.float32(math.sqrt(H / H2))
-    for name in sorted(ck.tensors):
-        t = ck.tensors[name]
-        x = fmt.stored_to_f32(t.read_flat(0, t.numel), t.dtype_id).reshape(t.shape)
-        if name.endswith("norm.weight"):
-            y = pad(x * norm_scale, H2, None)
-        elif name.endswith(("embed_tokens.weight", "lm_head.weight", "gate.weight")) or \
-                name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
-            y = pad(x, None, H2)
-        elif name.endswith("o_proj.weight"):
-            y = pad(x, H2, None)
-        elif name.endswith(("w1.weight", "w3.weight")):
-            y = pad(x, I2, H2)
-        elif name.endswith("w2.weight"):
-            y = pad(x, H2, I2)
-        else:
-            raise ValueError(f"pad_mixtral: unexpected tensor {name}")
-        tensors[name] = y
-    out.mkdir(parents=True, exist_ok=True)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    off = 0
-    for name, y in tensors.items():
-        header[name] = {"dtype": "F32", "shape": list(y.shape), "data_offsets": [off, off + y.nbytes]}
-        off += y.nbytes
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    with open(out / "model.safetensors", "wb") as f:
-        f.write(len(hb).to_bytes(8, "little"))
-        f.write(hb)
-        for y in tensors.values():
-            f.write(np.ascontiguousarray(y, "<f4").tobytes())
-    cfg.update(hidden_size=H2, intermediate_size=I2, head_dim=head_dim, dtype="float32",
-               rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)) * H / H2)
-    cfg.pop("torch_dtype", None)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    for f in src.iterdir():
-        if f.name not in ("config.json", "model.safetensors") and f.is_file() and \
-                not f.name.endswith((".safetensors", ".bin", ".index.json")):
-            shutil.copy(f, out / f.name)
-    return out
 
 
 # --------------------------------------------------------------------------- numeric modes
@@ -683,7 +594,7 @@ def held_out_text(summary: str | os.PathLike | None = None) -> str:
     this package). Raises FileNotFoundError when it, or every listed file, is missing."""
     import sysconfig
 
-    p = Path(summary) if summary else Path(__file__).resolve().parents[1] / "docs" / "training" / "summary.json"
+    p = Path(summary) if summary else Path(__file__).resolve().parents[2] / "docs" / "training" / "summary.json"
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no training summary (held-out text needs the repository checkout)")
     files = json.loads(p.read_text())["corpus"]["heldout_file_list"]
@@ -719,8 +630,8 @@ def precision_agreement(path: str | os.PathLike, token_ids: Sequence[int] | np.n
     ``chunk``, ``ref``, ``test``, ``kernels`` (the test engine's), ``weight_dtype``,
     ``model``, ``tokens_sha256``. Deterministic: the engine gives the same bits for the
     same ids in either mode, and the sums run in a fixed order."""
-    from .engine import PRECISIONS, Engine
-    from .errors import ColibriInvalidArgError
+    from ..runtime.engine import PRECISIONS, Engine
+    from ..runtime.errors import ColibriInvalidArgError
 
     for what, mode in (("ref", ref), ("test", test)):
         if mode not in PRECISIONS:
@@ -798,364 +709,3 @@ def format_agreement(results: dict[str, dict[str, Any]]) -> str:
         out.append(f"{name:<{w}} {r['kl_mean']:>10.3g} {r['kl_p99']:>10.3g} {r['kl_max']:>10.3g} "
                    f"{100 * r['top1']:>9.3f}% {100 * r['routing_flips']:>7.3f}% {r['n_tokens']:>7}")
     return "\n".join(out)
-
-
-# --------------------------------------------------------------------------- llama.cpp side
-
-_NUM = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|-?inf))"
-_PM = r"\s*(?:±|\+/-)\s*"
-_LLAMA_LINES = {
-    "ppl_test": rf"^Mean PPL\(Q\)\s*:\s*{_NUM}{_PM}{_NUM}",
-    "ppl_ref": rf"^Mean PPL\(base\)\s*:\s*{_NUM}{_PM}{_NUM}",
-    "ppl_cor": rf"^Cor\(ln\(PPL\(Q\)\), ln\(PPL\(base\)\)\)\s*:\s*{_NUM}\s*%",
-    "ln_ppl_ratio": rf"^Mean ln\(PPL\(Q\)/PPL\(base\)\)\s*:\s*{_NUM}{_PM}{_NUM}",
-    "ppl_ratio": rf"^Mean PPL\(Q\)/PPL\(base\)\s*:\s*{_NUM}{_PM}{_NUM}",
-    "ppl_diff": rf"^Mean PPL\(Q\)-PPL\(base\)\s*:\s*{_NUM}{_PM}{_NUM}",
-    "kld_mean": rf"^Mean\s+KLD:\s*{_NUM}{_PM}{_NUM}",
-    "dp_mean": rf"^Mean\s+Δp:\s*{_NUM}{_PM}{_NUM}\s*%",
-    "dp_rms": rf"^RMS Δp\s*:\s*{_NUM}{_PM}{_NUM}\s*%",
-    "top1_agreement": rf"^Same top p:\s*{_NUM}{_PM}{_NUM}\s*%",
-}
-_LLAMA_Q_LABELS = {"max": "Maximum", "median": "Median", "min": "Minimum"}
-_PERCENT = {"ppl_cor", "dp_mean", "dp_rms", "top1_agreement"}
-
-
-class LlamaOutputError(ValueError):
-    """llama-perplexity's output holds no (or incomplete) KL-divergence statistics."""
-
-
-def parse_llama_perplexity(output: str, *, ref: str = "", test: str = "") -> QualityReport:
-    """The statistics ``llama-perplexity --kl-divergence`` prints (its stdout and stderr
-    together) as a :class:`QualityReport` (source "llama.cpp", no routing; percentages
-    turned into fractions). Raises :class:`LlamaOutputError` when a line is missing
-    (llama.cpp prints no statistics for fewer than 100 scored positions)."""
-    text = output.replace("\r", "")
-    vals: dict[str, Any] = {}
-    missing = []
-    for key, pat in _LLAMA_LINES.items():
-        m = re.search(pat, text, re.M)
-        if not m:
-            missing.append(key)
-            continue
-        nums = [float(g) for g in m.groups()]
-        scale = 0.01 if key in _PERCENT else 1.0
-        vals[key] = nums[0] * scale
-        if len(nums) > 1:
-            vals[key + "_err"] = nums[1] * scale
-    kq, dq = {}, {}
-    for what, table, out, scale in (("KLD", KLD_QUANTILES, kq, 1.0), ("Δp", DP_QUANTILES, dq, 0.01)):
-        for k, _ in table:
-            label = _LLAMA_Q_LABELS.get(k) or (re.escape(f"{float(k):4.1f}") + "%")
-            m = re.search(rf"^\s*{label}\s+{re.escape(what)}:\s*{_NUM}\s*%?\s*$", text, re.M)
-            if not m:
-                missing.append(f"{what} {k}")
-                continue
-            out[k] = float(m.group(1)) * scale
-    if missing:
-        raise LlamaOutputError("llama-perplexity output lacks: " + ", ".join(missing)
-                               + " (fewer than 100 scored positions, or a failed run?)")
-    m = re.search(r"kl_divergence: computing over (\d+) chunks, n_ctx=(\d+)", text)
-    n_chunks, ctx = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-    n_scored = n_chunks * (ctx - 1 - ctx // 2)
-    return QualityReport(
-        source="llama.cpp", ref=ref, test=test, ctx=ctx, n_chunks=n_chunks,
-        n_tokens=n_chunks * ctx, n_scored=n_scored, kld_median=kq["median"], kld_p95=kq["95.0"],
-        kld_p99=kq["99.0"], kld_max=kq["max"], kld_quantiles=kq, dp_quantiles=dq, **vals)  # fmt: skip
-
-
-def read_llama_logits_header(path: str | os.PathLike) -> tuple[int, int, int, np.ndarray]:
-    """``(n_ctx, n_vocab, n_chunk, tokens)`` of a ``--kl-divergence-base`` file: the ids
-    (``n_chunk * n_ctx`` int32) llama-perplexity evaluated, before its BOS replacement."""
-    with open(path, "rb") as f:
-        if f.read(8) != b"_logits_":
-            raise ValueError(f"{path}: not a llama-perplexity logits file")
-        (n_ctx,) = np.frombuffer(f.read(4), "<u4")
-        n_vocab, n_chunk = (int(x) for x in np.frombuffer(f.read(8), "<i4"))
-        tokens = np.frombuffer(f.read(4 * int(n_ctx) * n_chunk), "<i4").copy()
-    if tokens.size != int(n_ctx) * n_chunk:
-        raise ValueError(f"{path}: truncated token list")
-    return int(n_ctx), n_vocab, n_chunk, tokens
-
-
-def read_llama_log_probs(path: str | os.PathLike) -> Iterable[np.ndarray]:
-    """The base log-probabilities of a ``--kl-divergence-base`` file, one chunk at a time
-    (``[n_ctx - 1 - n_ctx // 2, n_vocab]`` float32 each): llama.cpp stores them per row as
-    16-bit steps ``scale * q + min`` (two floats, then the ``n_vocab`` (padded even) steps)."""
-    n_ctx, n_vocab, n_chunk, _ = read_llama_logits_header(path)
-    nv = 2 * ((n_vocab + 1) // 2) + 4
-    rows = n_ctx - 1 - n_ctx // 2
-    with open(path, "rb") as f:
-        f.seek(20 + 4 * n_ctx * n_chunk)
-        for _ in range(n_chunk):
-            raw = np.frombuffer(f.read(rows * nv * 2), "<u2")
-            if raw.size != rows * nv:
-                raise ValueError(f"{path}: truncated log-probabilities")
-            raw = raw.reshape(rows, nv)
-            head = raw[:, :4].copy().view("<f4")       # [rows, 2]: scale, min_log_prob
-            q = raw[:, 4:4 + n_vocab].astype(np.float32)
-            yield q * head[:, :1] + head[:, 1:2]
-
-
-def compare_to_llama_base(engine_or_path, base_logits: str | os.PathLike, *,
-                          threads: int | None = None) -> QualityReport:
-    """Our engine's logits against llama.cpp's own saved base log-probs (the reference),
-    over the ids in the file, scored as llama-perplexity scores a quantized GGUF (the
-    stored log-probs as they are, KL over the entries above -16): a check that the two
-    engines' f32 models agree (the 16-bit storage of the base log-probs bounds how small
-    the KL can get)."""
-    n_ctx, n_vocab, n_chunk, tokens = read_llama_logits_header(base_logits)
-    eng, own = _open(engine_or_path, threads, n_ctx)
-    try:
-        if eng.config.vocab_size != n_vocab:
-            raise ValueError(f"vocabularies differ: {eng.config.vocab_size} against {n_vocab}")
-        bos = eng.tokenizer.bos_id if eng._has_tokenizer() else -1
-        first = n_ctx // 2
-        acc = KLDAccumulator()
-        for c, lp in enumerate(read_llama_log_probs(base_logits)):
-            chunk = tokens[c * n_ctx:(c + 1) * n_ctx].copy()
-            if bos >= 0:
-                chunk[0] = bos
-            tl = eng.forward(chunk)
-            acc.add(lp, tl[first:n_ctx - 1], chunk[first + 1:], ref_log_probs=True,
-                    kl_min_log_p=-16.0)
-        st = acc.summary()
-    finally:
-        if own:
-            eng.close()
-    return QualityReport(source="colibri", ref=os.path.basename(os.fspath(base_logits)),
-                         test=_name(engine_or_path), ctx=n_ctx, n_chunks=n_chunk,
-                         n_tokens=n_chunk * n_ctx, tokens_sha256=tokens_sha256(tokens),
-                         meta={"reference": "llama.cpp base log-probs (16-bit)"}, **st)  # fmt: skip
-
-
-def find_llama_perplexity(root: str | os.PathLike | None = None, *, build: bool = False) -> Path:
-    """llama-perplexity in the llama.cpp tree the benchmark uses (``root``, default
-    ``<cache>/llama.cpp``; ``$LLAMA_PERPLEXITY`` wins), built once with
-    ``cmake --build <src>/build --target llama-perplexity`` when ``build`` and missing."""
-    env = os.environ.get("LLAMA_PERPLEXITY")
-    if env:
-        return Path(env)
-    from .bench.common import default_cache_dir
-    from .bench.llama_cpp import _find_llama_src, _llama_bin
-
-    root = Path(root).expanduser() if root else default_cache_dir() / "llama.cpp"
-    src = _find_llama_src(root) if root.is_dir() else None
-    if src is None:
-        raise FileNotFoundError(f"no llama.cpp source tree under {root} (python -m colibri_lab.bench "
-                                "builds one; or set LLAMA_PERPLEXITY)")
-    exe = _llama_bin(src, "llama-perplexity")
-    if exe.is_file():
-        return exe
-    if not build or not (src / "build").is_dir():
-        raise FileNotFoundError(f"{exe} is not built (cmake --build {src / 'build'} "
-                                "--target llama-perplexity, or build=True)")
-    subprocess.run(["cmake", "--build", str(src / "build"), "-j", "2", "--target",
-                    "llama-perplexity"], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
-    return exe
-
-
-def llama_gguf(model_dir: str | os.PathLike, qtype: str = "f32", *,
-               root: str | os.PathLike | None = None, cache: str | os.PathLike | None = None) -> Path:
-    """The Hugging Face checkpoint as a GGUF of llama.cpp's own making: "f32" (or "bf16",
-    "f16") by its convert_hf_to_gguf.py, a quantized type ("Q8_0", "Q4_K_M", "Q4_K_S",
-    any llama-quantize type) by llama-quantize from the f32 GGUF. Cached under
-    ``<cache>/gguf`` (default: the benchmark's cache); ``root``: the llama.cpp tree
-    (default ``<the benchmark's cache>/llama.cpp``)."""
-    from .bench.common import default_cache_dir
-    from .bench.files import _model_key
-    from .bench.llama_cpp import _find_llama_src, _llama_bin, gguf_file
-
-    cache = Path(cache).expanduser() if cache else default_cache_dir()
-    root = Path(root).expanduser() if root else default_cache_dir() / "llama.cpp"
-    src = _find_llama_src(root) if root.is_dir() else None
-    if src is None:
-        raise FileNotFoundError(f"no llama.cpp source tree under {root}")
-    model_dir = Path(model_dir).resolve()
-    if qtype.lower() in ("f32", "f16", "bf16"):
-        return gguf_file(src, model_dir, qtype.lower(), cache)
-    base = gguf_file(src, model_dir, "f32", cache)
-    out = cache / "gguf" / f"{_model_key(model_dir)}-{qtype.upper()}.gguf"
-    if out.is_file():
-        return out
-    tmp = out.with_suffix(".tmp")
-    r = subprocess.run([str(_llama_bin(src, "llama-quantize")), str(base), str(tmp), qtype.upper()],
-                       capture_output=True, text=True, check=False)  # fmt: skip
-    if r.returncode != 0 or not tmp.is_file():
-        raise RuntimeError("llama-quantize failed: " + " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:]))
-    tmp.rename(out)
-    return out
-
-
-def _run_llama(exe, args, timeout):
-    r = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout, check=False)
-    out = r.stdout + "\n" + r.stderr
-    if r.returncode != 0:
-        tail = " | ".join(out.strip().splitlines()[-4:])
-        raise RuntimeError(f"llama-perplexity exited with {r.returncode}: {tail}")
-    return out
-
-
-def llama_compare(base_gguf: str | os.PathLike, test_ggufs, text_file: str | os.PathLike, *,
-                  ctx: int = 512, n_chunks: int | None = None, threads: int | None = None,
-                  exe: str | os.PathLike | None = None, base_logits: str | os.PathLike | None = None,
-                  repack: bool = False, timeout: float = 3600) -> dict[str, Any]:
-    """llama.cpp's own measurement on ``text_file``: ``llama-perplexity -f text
-    --kl-divergence-base`` with ``base_gguf`` (the f32 GGUF), then ``--kl-divergence``
-    with each of ``test_ggufs`` (a path or a list). Returns ``{"reports": {name:
-    QualityReport}, "tokens": the ids llama.cpp evaluated (from the base file), "base_ppl":
-    the base run's own "Final estimate", "outputs": {name: full output}}``.
-
-    ``base_logits``: where the base log-probs go (default: a temporary file, removed;
-    they take ``n_chunks x (ctx/2) x n_vocab x 2`` bytes). ``repack`` False passes
-    ``--no-repack``: llama.cpp's repacked (AMX) Q8_0 kernels die with SIGILL on machines
-    whose kernel does not grant AMX tiles to processes (seen on this VM); the plain
-    kernels give the model's numbers all the same."""
-    exe = Path(exe) if exe else find_llama_perplexity()
-    tests = [test_ggufs] if isinstance(test_ggufs, (str, os.PathLike)) else list(test_ggufs)
-    common = ["-c", str(int(ctx))]
-    if threads:
-        common += ["-t", str(int(threads))]
-    if not repack:
-        common += ["--no-repack"]
-    tmpdir = None
-    if base_logits is None:
-        tmpdir = tempfile.mkdtemp(prefix="colibri-kld-")
-        base_logits = os.path.join(tmpdir, "base.kld")
-    try:
-        args = ["-m", str(base_gguf), "-f", str(text_file), "--kl-divergence-base", str(base_logits),
-                *common]
-        if n_chunks:
-            args += ["--chunks", str(int(n_chunks))]
-        base_out = _run_llama(exe, args, timeout)
-        m = re.search(rf"Final estimate: PPL = {_NUM} \+/- {_NUM}", base_out)
-        base_ppl = (float(m.group(1)), float(m.group(2))) if m else None
-        _, _, _, tokens = read_llama_logits_header(base_logits)
-        reports, outputs = {}, {"base": base_out}
-        for t in tests:
-            out = _run_llama(exe, ["-m", str(t), "--kl-divergence-base", str(base_logits),
-                                   "--kl-divergence", *common], timeout)  # fmt: skip
-            name = os.path.basename(os.fspath(t))
-            rep = parse_llama_perplexity(out, ref=os.path.basename(os.fspath(base_gguf)), test=name)
-            rep.tokens_sha256 = tokens_sha256(tokens)
-            rep.meta = {"exe": str(exe), "repack": repack}
-            reports[name] = rep
-            outputs[name] = out
-    finally:
-        if tmpdir:
-            shutil.rmtree(tmpdir, ignore_errors=True)
-    return {"reports": reports, "tokens": tokens, "base_ppl": base_ppl, "outputs": outputs}
-
-
-# --------------------------------------------------------------------------- CLI
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m colibri_lab.quality",
-        description="Measure a (quantized) .colibri model against a reference as llama-perplexity "
-                    "--kl-divergence does: PPL, KL divergence, top-1 agreement, Δp and MoE "
-                    "routing flips.")
-    p.add_argument("--ref", help="the reference .colibri (normally the f32 conversion)")
-    p.add_argument("--test", help="the .colibri measured against it")
-    p.add_argument("--precision-agreement", action="append", default=[], metavar="FILE",
-                   help="instead: the engine's fast numeric mode against its exact mode on FILE "
-                        "(repeatable); tokens from --text, --random-tokens, else the tiny model's "
-                        "held-out text; --ctx is the chunk length (default 256 here), every position scored")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--text", help="a text file, tokenized as llama-perplexity -f does (BOS + text)")
-    src.add_argument("--random-tokens", type=int, metavar="N",
-                     help="N uniformly random ids instead (no llama.cpp counterpart)")
-    p.add_argument("--seed", type=int, default=0, help="seed of --random-tokens (default 0)")
-    p.add_argument("--ctx", type=int, default=None, help="tokens per chunk (default 512; 256 with "
-                   "--precision-agreement)")
-    p.add_argument("--chunks", type=int, default=None, help="at most this many chunks")
-    p.add_argument("--threads", type=int, default=None, help="engine threads (default: physical cores)")
-    p.add_argument("--no-routing", action="store_true", help="skip the routing comparison")
-    p.add_argument("--llama-base", help="also run llama-perplexity: the f32 GGUF (needs --text)")
-    p.add_argument("--llama-test", action="append", default=[],
-                   help="a quantized GGUF for llama-perplexity --kl-divergence (repeatable)")
-    p.add_argument("--llama-perplexity", help="the llama-perplexity program (default: the bench's build)")
-    p.add_argument("--json", help='write {"colibri": report, "llama.cpp": {name: report}} here')
-    p.add_argument("--quiet", action="store_true", help="no per-chunk progress")
-    a = p.parse_args(argv)
-    if a.precision_agreement:
-        if a.ref or a.test or a.llama_base or a.llama_test:
-            p.error("--precision-agreement measures one file's two numeric modes: leave out --ref, --test "
-                    "and the llama.cpp options")
-        return _precision_main(a)
-    if not (a.ref and a.test):
-        p.error("the arguments --ref and --test are required (or --precision-agreement FILE)")
-    if not (a.text or a.random_tokens is not None):
-        p.error("one of the arguments --text --random-tokens is required")
-    a.ctx = 512 if a.ctx is None else a.ctx
-    if (a.llama_base or a.llama_test) and not (a.text and a.llama_base and a.llama_test):
-        p.error("the llama.cpp comparison needs --text, --llama-base and at least one --llama-test")
-    try:
-        from .engine import Engine
-
-        with Engine(a.ref, num_threads=a.threads, max_seq_len=a.ctx) as ref:
-            if a.text:
-                tokens = text_tokens(ref, Path(a.text).read_text(encoding="utf-8"))
-            else:
-                tokens = random_tokens(a.random_tokens, ref.vocab_size, seed=a.seed)
-            rep = compare(ref, a.test, tokens, ctx=a.ctx, n_chunks=a.chunks, threads=a.threads,
-                          routing=not a.no_routing, progress=not a.quiet)
-        print(rep.summary())
-        out: dict[str, Any] = {"colibri": rep.to_dict()}
-        if a.llama_base:
-            res = llama_compare(a.llama_base, a.llama_test, a.text, ctx=a.ctx, n_chunks=rep.n_chunks,
-                                threads=a.threads, exe=a.llama_perplexity)
-            n = min(len(res["tokens"]), len(tokens))
-            same = bool(np.array_equal(res["tokens"][:n], tokens[:n]))
-            print(f"\nllama.cpp scored {len(res['tokens'])} ids; the same as ours: {same}")
-            for r in res["reports"].values():
-                print(r.summary())
-            print()
-            print(format_table({f"colibri {rep.test}": rep,
-                                **{f"llama.cpp {k}": v for k, v in res["reports"].items()}}))
-            out["llama.cpp"] = {k: v.to_dict() for k, v in res["reports"].items()}
-            out["same_tokens"] = same
-        if a.json:
-            Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
-    except (ValueError, OSError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _precision_main(a) -> int:
-    """--precision-agreement FILE ...: fast against exact on each file, a table, --json."""
-    chunk = 256 if a.ctx is None else a.ctx
-    results: dict[str, dict[str, Any]] = {}
-    try:
-        text = None
-        if a.text:
-            text = Path(a.text).read_text(encoding="utf-8")
-        elif a.random_tokens is None:
-            text = held_out_text()
-        for f in a.precision_agreement:
-            if text is not None:
-                tokens = text_tokens(f, text)
-            else:
-                from .engine import Engine
-
-                with Engine(f, max_seq_len=2) as eng:
-                    tokens = random_tokens(a.random_tokens, eng.vocab_size, seed=a.seed)
-            r = precision_agreement(f, tokens, num_threads=a.threads, chunk=chunk, max_chunks=a.chunks,
-                                    progress=not a.quiet)
-            results[f] = r
-            print(f"{f}: {r['weight_dtype']}, kernels {r['kernels']}: fast against exact over {r['n_tokens']} "
-                  f"positions ({r['n_chunks']} chunks of <= {chunk}): KL mean {r['kl_mean']:.3g}, max "
-                  f"{r['kl_max']:.3g}; same top-1 {100 * r['top1']:.3f} %; routing flips "
-                  f"{100 * r['routing_flips']:.3f} % of {r['n_routing_decisions']} decisions")
-        print()
-        print(format_agreement({os.path.basename(k): v for k, v in results.items()}))
-        if a.json:
-            Path(a.json).write_text(json.dumps({"precision_agreement": results}, indent=2) + "\n")
-    except (ValueError, OSError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,12 +3,12 @@
 This module only loads the library, declares every function of the public C API with
 its argument and result types, checks the ABI version, and turns a ``colibri_status``
 into a Python exception (``check`` is the one place where that happens). The handle
-classes in :mod:`colibri_lab.engine` are built on it.
+classes in :mod:`colibri_lab.runtime.engine` are built on it.
 
 The library is searched in this order:
 
 1. ``$COLIBRI_LIB`` — a path to ``libcolibri.so`` or to a folder that holds it;
-2. ``_lib/`` beside this file (a regular ``pip install .``);
+2. ``colibri_lab/_lib/``, the package's root folder (a regular ``pip install .``);
 3. ``colibri_lab/_lib/`` in every folder of the package's ``__path__`` and in every
    site-packages folder (an editable install, where the Python sources stay in the
    work tree while the built library is installed into site-packages).
@@ -199,9 +199,9 @@ def _candidates() -> list[Path]:
     if env:
         p = Path(env)
         out.append(p / LIB_NAME if p.is_dir() else p)
-    here = Path(__file__).resolve().parent
-    out.append(here / "_lib" / LIB_NAME)
-    pkg = sys.modules.get(__package__ or "colibri_lab")
+    root = Path(__file__).resolve().parents[1]   # colibri_lab/
+    out.append(root / "_lib" / LIB_NAME)
+    pkg = sys.modules.get("colibri_lab")
     for d in getattr(pkg, "__path__", []) or []:
         out.append(Path(d) / "_lib" / LIB_NAME)
     dirs: list[str] = []
@@ -314,7 +314,7 @@ def library_facts() -> dict:
     built = lib_path.stat().st_mtime
     facts = {"path": str(lib_path), "built_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(built)),
              "version": version(), "stale": None}  # fmt: skip
-    native = Path(__file__).resolve().parents[1] / "native"
+    native = Path(__file__).resolve().parents[2] / "native"
     newest, newest_t = None, built
     for name in _NATIVE_SOURCES:
         p = native / name
