@@ -7,10 +7,11 @@
  *
  * One request = --sequential_sequences independent sequences, run ONE AFTER ANOTHER. Each
  * sequence is a prefill of --seq_len token ids followed by --max_new_tokens single-token
- * decode steps. The engine has one KV cache per context, so this multiplies the work of a
- * request; it does not batch tokens of different sequences into one matrix product.
- * (Tokens of one sequence are batched in the prefill.) --batch_size, the name of real
- * batching across sequences, is refused with a message until the engine batches them.
+ * decode steps, on one sequence of the context; this multiplies the work of a request, it
+ * does not batch tokens of different sequences into one matrix product. (Tokens of one
+ * sequence are batched in the prefill.) --batch_size, the name of real batching across
+ * sequences, is refused with a message: this tool does not measure it (the engine batches
+ * sequences with colibri_batch; the serving benchmark measures that, docs/serving.md).
  *
  * Token ids are drawn from a seeded PRNG (splitmix64) over the whole vocabulary, fresh for
  * every sequence and every decode step, so routing varies from token to token the way it
