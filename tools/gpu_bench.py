@@ -19,7 +19,11 @@ two engines alternating, each figure the median of --reps runs after a warm-up:
 - the HBM roofline: bytes a decode step must read (the dense weights but the embedding table,
   one embedding row, plus the routed experts the step touches: top_k per layer at batch 1,
   min(E, top_k x batch) per layer at batch 16, the expected distinct count for uniform routing)
-  over 4.8e12 B/s, and each engine's share of it;
+  over the device's bandwidth, and each engine's share of it. The bandwidth is the device's
+  own: measured here (a device-to-device copy of 1 GiB, bytes read + written, median of 10,
+  torch.cuda events) and, beside it, the peak the driver reports (memory clock x bus width x 2,
+  from cudaDeviceGetAttribute through torch's bundled runtime or cupy, where either answers);
+  the roofline uses the measured figure (what a streaming kernel can reach on this device);
 - the figures scaled to 32 layers: bandwidth-bound decode time grows with the bytes read, so
   tok/s(32) ~ tok/s(N) x bytes(N) / bytes(32). An estimate, stated as such in the JSON;
 - parity of the big shape: one prompt, the CUDA backend's last-token top-1 = transformers'
@@ -44,7 +48,6 @@ import sys
 import time
 from pathlib import Path
 
-HBM_BPS = 4.8e12  # H200 HBM3e, the datasheet figure
 SHAPE = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
              num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, head_dim=128)  # fmt: skip
 FULL_LAYERS = 32
@@ -98,6 +101,37 @@ def pick_workdir(requested: str | None, need: int) -> Path:
     return d
 
 
+def device_bandwidth(torch, nbytes: int = 1 << 30, reps: int = 10) -> dict:
+    """The device's memory bandwidth in B/s: `measured` (a device-to-device copy, bytes read
+    plus written, median of `reps`) and `peak_reported` (2 x memory clock x bus width, from the
+    device attributes, or None where the runtime does not say)."""
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    y = torch.empty_like(x)
+    y.copy_(x)   # warm-up
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    del x, y
+    out = {"measured": 2 * nbytes / median(times), "peak_reported": None, "copy_bytes": nbytes}
+    try:   # cudaDevAttrMemoryClockRate = 36 (kHz), cudaDevAttrGlobalMemoryBusWidth = 37 (bits)
+        import cupy
+
+        clock = cupy.cuda.runtime.deviceGetAttribute(36, 0) * 1e3
+        width = cupy.cuda.runtime.deviceGetAttribute(37, 0)
+        out["peak_reported"] = 2 * clock * width / 8 if clock and width else None
+    except Exception:
+        props = torch.cuda.get_device_properties(0)
+        clock_khz, width = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+        if clock_khz and width:
+            out["peak_reported"] = 2 * clock_khz * 1e3 * width / 8
+    return out
+
+
 def median(xs):
     return float(statistics.median(xs)) if xs else None
 
@@ -143,6 +177,13 @@ def main(argv=None) -> int:
         rep.data["error"] = "no CUDA device"
         rep.save()
         return 1
+
+    bw = device_bandwidth(torch)
+    hbm_bps = bw["measured"]
+    rep.data["device_bandwidth"] = bw
+    log(f"device bandwidth: measured {bw['measured'] / 1e12:.2f} TB/s (copy), reported peak "
+        + (f"{bw['peak_reported'] / 1e12:.2f} TB/s" if bw["peak_reported"] else "not reported"))
+    rep.save()
 
     L = a.layers
     per_layer = bytes_per_layer()
@@ -306,7 +347,7 @@ def main(argv=None) -> int:
         if name.startswith("decode"):
             B = 1 if name == "decode_b1" else a.batch
             nb = step_bytes(L, B)
-            roof = B * HBM_BPS / nb
+            roof = B * hbm_bps / nb
             r["step_bytes"] = nb
             r["roofline_tok_s"] = roof
             for key in keys:
