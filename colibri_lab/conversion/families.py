@@ -170,7 +170,7 @@ def _olmoe_options(c: CommonConfig) -> dict:
 
 
 def _deepseek_options(c: CommonConfig, fam: str) -> dict:
-    """DeepSeek-V2/V3 (colibri_lab/_deepseek.py): multi-head latent attention, dense first
+    """DeepSeek-V2/V3 (colibri_lab/conversion/deepseek.py): multi-head latent attention, dense first
     layers, shared experts (ungated), grouped routers."""
     cfg = c.cfg
     if c.n_kv_heads != c.n_heads:

@@ -400,7 +400,7 @@ def plan_swiglu_ffn(P: TensorPlan, n: int) -> None:
 
 
 def plan_mla_attention(P: TensorPlan, n: int) -> None:
-    """Multi-head latent attention of layer n (colibri_lab/_deepseek.py): q or the q LoRA,
+    """Multi-head latent attention of layer n (colibri_lab/conversion/deepseek.py): q or the q LoRA,
     kv_a, kv_b, o. The RoPE rows of q and kv_a of a checkpoint with interleaved RoPE pairs
     are reordered (even dims, then odd) so that the engine's rotate_half RoPE computes the
     interleaved rotation (_deepseek.rope_rows)."""
