@@ -660,3 +660,26 @@ def test_llama_cpp_isa_flags_keep_amx_off():
     assert got[0] == "-DGGML_NATIVE=OFF"
     assert "-DGGML_AVX512=ON" in got and "-DGGML_AVX512_VNNI=ON" in got and "-DGGML_AVX512_BF16=OFF" in got
     assert "-DGGML_AMX_INT8=OFF" in got and "-DGGML_AMX_TILE=OFF" in got
+
+
+def test_markdown_summary_of_a_saved_run_names_machine_isa_date_and_commit(capsys):
+    """`--from-json` re-prints a saved run's tables without running anything; the README's speed
+    tables are this summary of the runs in docs/bench."""
+    import json
+
+    from colibri_lab.bench.side_by_side import isa_summary, main
+
+    run = sorted((REPO / "docs" / "bench").glob("side_by_side_*zen4*.json"))[-1]
+    res = json.loads(run.read_text())
+    assert main(["--from-json", str(run), "--machine-label", "Zen 4 VM"]) == 0
+    out = capsys.readouterr().out
+    summary = out[out.index("**Zen 4 VM"):]
+    caption = summary.splitlines()[0]
+    assert res["source"]["git_head"] in caption and res["started_utc"][:10] in caption and "AVX-512" in caption
+    rows = [line for line in summary.splitlines() if line.startswith("| ") and "tok/s" not in line]
+    n = sum(1 for c in res["configs"] for e in c["engines"].values()
+            if not e.get("status", "").startswith(("not available", "not applicable")))
+    assert len(rows) == n and any(r.startswith("| Colibri exact, ") and "[" in r for r in rows)
+    assert isa_summary(["avx2", "fma"]) == "AVX2 + FMA (no AVX-512)"
+    assert isa_summary(["avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile"]) == "AVX-512 + BF16 + VNNI + AMX"
+    assert main(["--from-json", str(REPO / "README.md")]) == 1

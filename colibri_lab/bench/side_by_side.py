@@ -769,6 +769,50 @@ def render_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def isa_summary(simd) -> str:
+    """The instruction sets a machine's kernels can use, in a few words (from its SIMD flags)."""
+    s = {f.lower() for f in simd}
+    if "avx512f" in s:
+        extra = [name for flag, name in (("avx512_bf16", "BF16"), ("avx512_vnni", "VNNI"), ("avx512vnni", "VNNI"),
+                                          ("amx_bf16", "AMX"), ("amx_tile", "AMX")) if flag in s]
+        return "AVX-512" + (" + " + " + ".join(dict.fromkeys(extra)) if extra else "")
+    if "avx2" in s:
+        return "AVX2" + (" + FMA" if "fma" in s else "") + " (no AVX-512)"
+    if "asimd" in s:
+        extra = [name for flag, name in (("asimddp", "dotprod"), ("i8mm", "i8mm"), ("bf16", "bf16")) if flag in s]
+        return "NEON" + (" + " + " + ".join(extra) if extra else "")
+    return "/".join(simd) or "unknown ISA"
+
+
+def render_summary(res: dict, machine: str | None = None) -> str:
+    """One short Markdown table of a run, as the README shows it: a caption naming the machine,
+    its ISA, the threads, the date and the commit, then a row per engine and weight type
+    (prefill and decode tokens/s, medians; Colibri's rows name the kernel table that ran)."""
+    m = res["machine"]
+    date = (res.get("started_utc") or "")[:10] or "undated"
+    head = (res.get("source") or {}).get("git_head") or "unknown commit"
+    threads = sorted({c["threads"] for c in res["configs"]})
+    lines = [f"**{machine or m.get('cpu', '?')}, {isa_summary(m.get('simd', []))}, "
+             f"{'/'.join(map(str, threads))} thread{'s' if threads != [1] else ''}, {date}, commit {head}**",
+             "", "| engine, weights | prefill tok/s | decode tok/s |", "|---|---|---|"]
+    for c in res["configs"]:
+        for e, ent in c["engines"].items():
+            if ent.get("status", "").startswith(("not available", "not applicable")):
+                continue
+            if e.startswith("colibri"):
+                name = f"Colibri {key_precision(e)}, {c['dtype']}"
+                if ent.get("kernels") not in (None, "not reported"):
+                    name += f" [{ent['kernels']}]"
+            elif e == "llama.cpp":
+                name = f"llama.cpp, {c['dtype'].upper() if c['dtype'].startswith('q') else c['dtype']}"
+            else:
+                name = f"{e}, {c['dtype']}"
+            if len(threads) > 1:
+                name += f", {c['threads']} threads"
+            lines.append(f"| {name} | {_fmt(ent.get('prefill_tok_s'))} | {_fmt(ent.get('decode_tok_s'))} |")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m colibri_lab.bench",
@@ -800,6 +844,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the token ids and the model")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the raw result as JSON to PATH ('-' or no value: stdout)")
+    p.add_argument("--markdown", action="store_true",
+                   help="also print the short table the README shows (machine, ISA, threads, date and "
+                        "commit in its caption; a row per engine and weight type)")
+    p.add_argument("--machine-label", default=None,
+                   help="the machine's name in the --markdown caption (default: the CPU model the run read)")
+    p.add_argument("--from-json", metavar="PATH", default=None,
+                   help="run nothing: print the tables of a result saved with --json")
     p.add_argument("--smoke", action="store_true",
                    help="tiny model, 1 rep, 32+8 tokens, small bandwidth buffer, never builds "
                         "llama.cpp: a check that everything runs (what CI runs)")  # fmt: skip
@@ -820,6 +871,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.from_json:
+        try:
+            res = json.loads(Path(args.from_json).read_text())
+            print(render_table(res))
+            print()
+            print(render_summary(res, args.machine_label))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: {args.from_json}: not a saved result of this benchmark ({e})", file=sys.stderr)
+            return 1
+        return 0
     if args.smoke:
         if args.reps == p.get_default("reps"):
             args.reps = 1
@@ -856,6 +917,8 @@ def main(argv=None) -> int:
         p.error("--threads takes integers >= 1, e.g. 2 or 2,1")
     res = run(args)
     table = render_table(res)
+    if args.markdown:
+        table += "\n\n" + render_summary(res, args.machine_label)
     if args.json == "-":
         print(table, file=sys.stderr)
         json.dump(res, sys.stdout, indent=1)

@@ -215,7 +215,8 @@ def read_hf_config(model_dir: str | os.PathLike) -> Facts:
 
 
 #: the /proc/cpuinfo flags that decide the kernel tables (docs/portability.md)
-SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "asimd", "asimddp", "i8mm", "bf16")
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile",
+              "amx_bf16", "amx_int8", "asimd", "asimddp", "i8mm", "bf16")
 
 
 def machine_info() -> Facts:
