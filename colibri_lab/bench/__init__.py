@@ -8,18 +8,20 @@ How it measures (engines alternating, medians, token ids, cold loads, bandwidth 
 roofline, llama.cpp's build) is in :mod:`colibri_lab.bench.side_by_side` and
 ``docs/performance.md``.
 
-A developer tool, not part of the runtime package: ``import colibri_lab`` does not import
-it, and this ``__init__`` imports none of its modules:
+The developer tools, not part of the runtime: ``import colibri_lab`` does not import them,
+and this ``__init__`` imports none of its modules:
 
+- ``models``: the one random-model factory (tests, benchmarks and notebooks);
+- ``tuning``: machine facts, memory bandwidth, the decode roofline, timed runs and sweeps;
 - ``side_by_side``: the run (:func:`run`) with Colibri and transformers in spawned child
-  processes (``Worker``), the table (:func:`render_table`), the command line
-  (:func:`build_parser`, :func:`main`);
+  processes (``Worker``), the tables (:func:`render_table`, :func:`render_summary`), the
+  command line (:func:`build_parser`, :func:`main`);
+- ``serving``: the serving benchmark against llama-server and vLLM (``python -m
+  colibri_lab.bench.serving``);
 - ``llama_cpp``: building llama.cpp, its GGUF conversion, ``llama-bench``;
+- ``llama_quality``: llama.cpp's ``llama-perplexity`` side of the quality measure;
 - ``files``: the conversion cache, the checkout measured, the page-cache helpers;
 - ``common``: engine and dtype names, the smoke model's shape, the cache folder.
-
-The model making, machine facts, memory bandwidth and roofline it reports come from
-:mod:`colibri_lab.bench.tuning`.
 """
 
 from __future__ import annotations
