@@ -372,8 +372,8 @@ def _roofline(hf_cfg: dict, dtype: str, bandwidth_gbs: float, files: dict) -> di
 
 def _adjacent_read_gbs(start: dict | None, threads: int, mib: int) -> float | None:
     """The read bandwidth just before an engine's repetition: the start's best variant,
-    once. These machines' memory bandwidth moves with their neighbours within seconds (one
-    Zen 4 host alternates between about 37 and 65 GB/s), so a roofline from the start alone
+    once. These machines' memory bandwidth moves with their neighbours within seconds
+    (docs/performance.md, "How each figure is measured"), so a roofline from the start alone
     can sit far from what a repetition had; ``roofline_fraction_adjacent`` divides each
     repetition's decode by the roofline at this figure (median over the repetitions)."""
     if not start or not start.get("gbs") or not start.get("variant"):

@@ -133,7 +133,8 @@ def _drop_cached_pages(fd: int) -> None:
     """Drop the just-written (and fsynced, so clean) file from the page cache. Written pages
     stay cached in small folios, which the engine's mapping then has to use with 4 KiB pages;
     read back on first use, through the engine's MADV_HUGEPAGE mapping, they come in 2 MiB
-    folios that it maps with huge pages (decode measured 10-25 % faster; docs/performance.md).
+    folios that it maps with huge pages (decode is faster so: `python -m colibri_lab.bench` reports
+    the share of the file in 2 MiB pages beside each figure; docs/performance.md).
     Advisory: nothing happens where posix_fadvise is missing."""
     if hasattr(os, "posix_fadvise"):
         try:
