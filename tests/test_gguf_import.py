@@ -4,8 +4,10 @@ compared with the checkpoint itself and with the Hugging Face converter's file.
 
 The llama.cpp source comes from the llama-cpp-python sdist (pip download, cached under
 $COLIBRI_LAB_CACHE/llama.cpp, default ~/.cache/colibri-lab/llama.cpp, as the benchmarks
-use it); only the download may skip these tests. All GGUFs are made by one converter
-process (the imports of torch and transformers dominate its time).
+use it); a failed download skips these tests, and the tests that run llama.cpp's own
+programs (llama-quantize, llama-completion) skip, naming the missing program, where that
+tree has no build. All GGUFs are made by one converter process (the imports of torch and
+transformers dominate its time).
 
 Checked per family (Mixtral = GGUF `llama` with experts, Qwen2-MoE with a dense layer and a
 shared expert, Qwen3-MoE with q/k head norms, OLMoE with full q/k norms and clip_qkv):
@@ -16,8 +18,9 @@ shared expert, Qwen3-MoE with q/k head norms, OLMoE with full q/k norms and clip
 * metadata and family options equal the Hugging Face converter's for the same checkpoint;
 * the tokenizer section equals the Hugging Face converter's byte for byte, and its token
   ids equal Hugging Face `tokenizers` / `sentencepiece`;
-* engine logits equal the Hugging Face converter's file (xfail, with the engine's message,
-  while the engine cannot run split-FFN files);
+* the engine runs every import (a refusal fails the test): logits equal transformers' and
+  the Hugging Face converter's file's (f32), and those of the dequantized values (bf16,
+  q8_0, MXFP4, K-quants);
 * refusals: an unsupported tensor type (Q4_0), gate/up of different dtypes, a truncated
   file, a non-GGUF file, an unsupported architecture.
 """
@@ -404,6 +407,15 @@ def _native_or_fail():
     return _native
 
 
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"gguf {version('gguf')}"
+    except PackageNotFoundError:
+        return f"gguf from {gguf.__file__}"
+
+
 # --------------------------------------------------------------------------- f32: values
 
 @pytest.mark.parametrize("fam", FAMILIES)
@@ -443,7 +455,7 @@ def test_metadata_equals_the_hf_converter(models, imported, fam):
     assert got.metadata_types == {k: t for k, t in hf.metadata_types.items()} | \
         {k: got.metadata_types[k] for k in own & set(got.metadata)}
     assert got.metadata["model.weight_dtype"] == "gguf_f32"
-    assert "gguf_import" in got.metadata["convert.source"]
+    assert got.metadata["convert.source"].startswith("colibri_lab.conversion.gguf ")
     assert "from GGUF" in got.metadata["convert.source"]
     template = {"mixtral": MIXTRAL_TEMPLATE, "olmoe": None}.get(fam, CHATML)
     assert got.metadata.get("tokenizer.chat_template") == template
@@ -536,18 +548,10 @@ def _hf_model(fam: str, folder: Path):
 
 
 def _engine(path: Path):
-    """An Engine on `path`; an xfail naming the engine's reason while it cannot run the
-    file (a split-FFN / version-2 file on an engine without them), so the test runs, and
-    must pass, as soon as the engine can."""
+    """An Engine on `path`: the engine runs every file the importer writes, so any refusal
+    (ColibriError) propagates and fails the calling test."""
     _native_or_fail()
-    try:
-        return colibri_lab.Engine(path)
-    except (colibri_lab.ColibriError, NotImplementedError) as e:
-        msg = str(e)
-        if any(w in msg.lower() for w in ("unsupported", "not supported", "version", "split",
-                                          "dtype", "not implemented")):
-            pytest.xfail(f"the engine cannot run this imported file yet: {msg}")
-        raise
+    return colibri_lab.Engine(path)
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
@@ -592,9 +596,10 @@ def test_mxfp4_experts_import_and_run_as_their_values(models, tmp_path):
     engine's logits on it are those of the f32 file of the same dequantized values, in the
     exact and the fast mode (which runs MXFP4 on the exact kernels)."""
     from helpers import random_ids
-    MX, F32 = gguf.GGMLQuantizationType.MXFP4, gguf.GGMLQuantizationType.F32
     if not hasattr(gguf.GGMLQuantizationType, "MXFP4"):
-        pytest.skip("this gguf package has no MXFP4")
+        pytest.skip(f"the installed gguf package ({_gguf_version()}) has no "
+                    "GGMLQuantizationType.MXFP4")
+    MX, F32 = gguf.GGMLQuantizationType.MXFP4, gguf.GGMLQuantizationType.F32
     blocks = {}
 
     def mx(name, ttype, data):
@@ -632,21 +637,23 @@ def test_mxfp4_experts_import_and_run_as_their_values(models, tmp_path):
 
 # --------------------------------------------------------------------------- K-quants
 
-def _llama_quantize(src: Path) -> Path | None:
-    exe = src / "build" / "bin" / "llama-quantize"
-    return exe if exe.is_file() else None
+def _llama_program(src: Path, name: str) -> Path:
+    """llama.cpp's program `name` as the benchmarks build it (src/build/bin); skips the
+    calling test, naming the missing file and how to build it, when it is not there."""
+    exe = src / "build" / "bin" / name
+    if not exe.is_file():
+        pytest.skip(f"llama.cpp's {name} is not built: no {exe} (python -m "
+                    f"colibri_lab.bench.side_by_side builds it, or cmake --build {src / 'build'} "
+                    f"--target {name})")
+    return exe
 
 
 @pytest.mark.parametrize("qtype", KQUANT_TYPES)
 def test_k_quant_mixes(models, qtype, tmp_path):
     """llama-quantize's Q4_K_M / Q5_K_M / Q6_K files (Q4_K, Q5_K, Q6_K and Q8_0 blocks, as
     llama.cpp mixes them): bytes copied, and the engine gives the logits of the dequantized
-    values. Needs a built llama.cpp (the benchmarks build it); skipped without one."""
-    exe = _llama_quantize(models["src"])
-    if exe is None:
-        pytest.skip(f"llama-quantize is not built in {models['src']}/build (python -m "
-                    "colibri_lab.bench.side_by_side builds llama.cpp); the f32/bf16/q8_0 "
-                    "GGUFs above do not need it")
+    values. Needs llama.cpp's llama-quantize (the benchmarks build it); skipped without it."""
+    exe = _llama_program(models["src"], "llama-quantize")
     q = tmp_path / f"kquant-{qtype}.gguf"
     r = subprocess.run([str(exe), str(models["kquant"]["gguf"]["f32"]), str(q), qtype],
                        capture_output=True, text=True)
@@ -843,14 +850,12 @@ def test_cli(models, tmp_path, capsys):
 @pytest.mark.parametrize("fam", ["mixtral"])
 def test_greedy_text_equals_llama_cpp(models, imported, fam):
     """llama.cpp itself on the f32 GGUF and the engine on its import generate the same
-    greedy text (tokenizer, BOS, q/k order, every weight). Needs a built llama.cpp (the
-    benchmarks build it); skipped without one. Mixtral only: the tiny BPE vocabularies'
-    random-weight continuations are often lone UTF-8 bytes, which llama.cpp's console
-    printing holds back, and llama.cpp's graphs for Qwen3-MoE and OLMoE do not load the
-    attention biases these checkpoints have."""
-    exe = models["src"] / "build" / "bin" / "llama-completion"
-    if not exe.is_file():
-        pytest.skip(f"llama-completion is not built in {models['src']}/build")
+    greedy text (tokenizer, BOS, q/k order, every weight). Needs llama.cpp's
+    llama-completion (the benchmarks build it); skipped without it. Mixtral only: the tiny
+    BPE vocabularies' random-weight continuations are often lone UTF-8 bytes, which
+    llama.cpp's console printing holds back, and llama.cpp's graphs for Qwen3-MoE and OLMoE
+    do not load the attention biases these checkpoints have."""
+    exe = _llama_program(models["src"], "llama-completion")
     prompt = "The router sends each token"
     r = subprocess.run([str(exe), "-m", str(models[fam]["gguf"]["f32"]), "-p", prompt, "-n", "12",
                         "--temp", "0", "--ignore-eos", "-no-cnv", "-t", "2", "--no-warmup",
