@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
@@ -41,11 +40,32 @@ def _model_path() -> Path:
     local = REPO / "data" / "tokenizer.model.v1"
     if local.exists():
         return local
-    mc = pytest.importorskip("mistral_common")
-    p = Path(mc.__file__).parent / "data" / "tokenizer.model.v1"
+    try:
+        import mistral_common
+    except ImportError:
+        pytest.skip(f"{local} is missing and mistral-common (which also ships it) is not installed")
+    p = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
     if not p.exists():
-        pytest.skip("no tokenizer.model.v1 (neither data/ nor mistral-common)")
+        pytest.skip(f"{local} is missing and so is {p}")
     return p
+
+
+def _parse_model(pb2, model_path: Path):
+    """The model as sentencepiece's bundled protobuf classes read it; skips (naming the
+    protobuf runtime) where that runtime cannot run the bundled sentencepiece_model_pb2."""
+    try:
+        m = pb2.ModelProto()
+        m.ParseFromString(model_path.read_bytes())
+    except Exception as e:  # protobuf runtime too old for the bundled pb2
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            runtime = f"protobuf {version('protobuf')}"
+        except PackageNotFoundError:
+            runtime = "the installed protobuf runtime"
+        pytest.skip(f"{runtime} cannot parse {model_path.name} with sentencepiece's bundled "
+                    f"sentencepiece_model_pb2: {e}")
+    return m
 
 
 @pytest.fixture(scope="session")
@@ -266,11 +286,7 @@ def test_section_metadata(section, sp):
 
 def test_spec_reader_matches_protobuf(model_path):
     pb2 = pytest.importorskip("sentencepiece.sentencepiece_model_pb2")
-    try:
-        m = pb2.ModelProto()
-        m.ParseFromString(model_path.read_bytes())
-    except Exception as e:  # protobuf runtime too old for the bundled pb2
-        pytest.skip(f"protobuf cannot parse with the bundled pb2: {e}")
+    m = _parse_model(pb2, model_path)
     s = read_model_specs(model_path.read_bytes())
     assert s["model_type"] == m.trainer_spec.model_type
     assert s["byte_fallback"] == m.trainer_spec.byte_fallback
@@ -423,11 +439,7 @@ def test_corrupt_sections_are_refused_or_safe(section):
 
 def test_builder_refuses_unsupported_models(model_path, tmp_path):
     pb2 = pytest.importorskip("sentencepiece.sentencepiece_model_pb2")
-    try:
-        m = pb2.ModelProto()
-        m.ParseFromString(model_path.read_bytes())
-    except Exception as e:
-        pytest.skip(f"protobuf cannot parse with the bundled pb2: {e}")
+    m = _parse_model(pb2, model_path)
     m1 = pb2.ModelProto()
     m1.CopyFrom(m)
     m1.trainer_spec.model_type = pb2.TrainerSpec.UNIGRAM
@@ -449,11 +461,7 @@ def test_other_normalizer_flags_and_user_defined(model_path, tmp_path):
     """The same vocabulary with remove_extra_whitespaces, without dummy prefix, without byte
     fallback, and with user-defined and unused pieces: still byte-exact with sentencepiece."""
     pb2 = pytest.importorskip("sentencepiece.sentencepiece_model_pb2")
-    try:
-        base = pb2.ModelProto()
-        base.ParseFromString(model_path.read_bytes())
-    except Exception as e:
-        pytest.skip(f"protobuf cannot parse with the bundled pb2: {e}")
+    base = _parse_model(pb2, model_path)
     rng = random.Random(11)
     docs = [_mixed_doc(rng) for _ in range(150)] + [b"  a  b  ", b"   ", b"x", b"<us1> <us1><us1>x", b"\xe2\x96\x81 \x80",
                                                    b"the zz ab c ab  c qqq  qqq\xe2\x96\x81 \xe4\xb8\xad\xe6\x96\x87\xe5\xad\x97\xe5\x85\xb8ZZ"]
@@ -487,26 +495,3 @@ def test_other_normalizer_flags_and_user_defined(model_path, tmp_path):
             for _ in range(300):
                 ids = [rr.randrange(spx.get_piece_size()) for _ in range(rr.randint(0, 8))]
                 assert t.decode_bytes(ids) == spx.decode(ids).encode(), (name, ids)
-
-
-def test_speed_report(ctok, sp, corpus):
-    """Not a pass/fail criterion: prints encode MB/s of the C tokenizer and sentencepiece."""
-    blob = b"\n".join(corpus)
-    mb = len(blob) / 1e6
-
-    def best(fn, reps=3):
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return min(ts)
-
-    t_c_one = best(lambda: ctok.encode(blob, add_bos=False))
-    t_s_one = best(lambda: sp.encode(blob))
-    t_c_docs = best(lambda: [ctok.encode(d, add_bos=False) for d in corpus])
-    t_s_docs = best(lambda: [sp.encode(d) for d in corpus])
-    print(f"\nencode {mb:.2f} MB as one call: colibri {mb / t_c_one:.2f} MB/s, sentencepiece {mb / t_s_one:.2f} MB/s"
-          f" (ratio {t_s_one / t_c_one:.2f}x)")
-    print(f"encode {len(corpus)} documents: colibri {mb / t_c_docs:.2f} MB/s, sentencepiece {mb / t_s_docs:.2f} MB/s"
-          f" (ratio {t_s_docs / t_c_docs:.2f}x)")
