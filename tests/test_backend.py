@@ -2,9 +2,11 @@
 
 - the CPU backend's facts: ``config.backend == "cpu"``, ``backend_device`` names the CPU and
   its kernels, no device memory, no experts placed anywhere, no graphs;
-- ``Engine(backend="cuda")`` on a build without the CUDA backend raises the engine's
-  ColibriUnsupportedError naming -DCOLIBRI_CUDA=ON (skipped for a CUDA build with a device:
-  tests/test_gpu.py covers that one);
+- ``Engine(backend="cuda")``, by the kind of library (told apart by the file: a CUDA build
+  holds nvcc's device code, and the CUDA driver counts the devices): a CPU-only build raises
+  the engine's ColibriUnsupportedError naming -DCOLIBRI_CUDA=ON, a CUDA build without a
+  device one saying "no CUDA device", a CUDA build with a device runs the model (its numbers
+  are tests/test_gpu.py's);
 - bad ``backend`` / ``gpu_memory_fraction`` / ``gpu_device`` values raise ValueError in Python
   before the library is called, and bad raw ``colibri_options`` values through ctypes give
   COLIBRI_E_INVALID_ARG;
@@ -14,11 +16,13 @@
   so the fused forward, the stage-by-stage run, the batch API (alone and beside another
   sequence), a traced forward, a chunked forward (max_batch), incremental decoding and
   forward_last all give bitwise the same logits, on the tiny Mixtral (f32 and bf16, exact
-  and fast) and on a Qwen2-MoE with a shared expert and a dense layer;
+  and fast) and on a Qwen2-MoE with a shared expert and a dense layer (on 2 threads: the
+  thread count's invariance is tests/test_threads_kernels.py's);
 - the tools: ``--backend``, ``--gpu_memory_fraction`` and ``--gpu_device`` in colibri_cli,
-  colibri_bench and colibri_server (usage errors exit 2; ``--backend cuda`` on this build
-  fails with one line naming -DCOLIBRI_CUDA=ON and exit 1; --verbose, the bench's text and
-  JSON, /v1/models and /metrics report the backend and its device).
+  colibri_bench and colibri_server (usage errors exit 2; ``--backend cuda`` where it cannot
+  run fails with one line and exit 1, naming -DCOLIBRI_CUDA=ON for a program without the
+  backend; --verbose, the bench's text and JSON, /v1/models and /metrics report the backend
+  and its device).
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import json
 import math
 import os
 import subprocess
-import time
 import urllib.request
 
 import numpy as np
@@ -75,20 +78,77 @@ def test_cpu_backend_facts(tiny):
         assert eng.config.backend == "cpu"
 
 
-def test_cuda_backend_without_it_is_a_clear_error(tiny):
+def _section_names(path) -> set[str]:
+    """The section names of an ELF file (empty for anything else, e.g. a Mach-O dylib)."""
+    import struct
+
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:  # 64-bit little-endian only
+        return set()
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    if not shoff or shstrndx >= shnum:
+        return set()
+
+    def header(i):  # (name offset, file offset, size) of section i
+        b = shoff + i * shentsize
+        return struct.unpack_from("<I", data, b)[0], *struct.unpack_from("<QQ", data, b + 0x18)
+
+    _, stroff, strsize = header(shstrndx)
+    strtab = data[stroff:stroff + strsize]
+    return {strtab[n:strtab.index(b"\0", n)].decode("ascii", "replace") for n, _, _ in map(header, range(shnum))}
+
+
+def _has_cuda_backend(path) -> bool:
+    """Whether a library or program holds the CUDA backend, read from the file itself rather
+    than from what the engine says: nvcc's device code (an .nv_fatbin section), which only a
+    -DCOLIBRI_CUDA=ON build links in."""
+    return ".nv_fatbin" in _section_names(path)
+
+
+def _cuda_devices() -> int:
+    """CUDA devices the driver reports (cuInit, cuDeviceGetCount); 0 without a driver."""
     try:
-        eng = Engine(tiny, backend="cuda")
-    except ColibriUnsupportedError as e:
-        msg = str(e)
-        if "no CUDA backend" not in msg:
-            # a CUDA build on a machine without a device: its own message says which is missing
-            assert "device" in msg.lower() or "cuda" in msg.lower(), msg
-            pytest.skip(f"this library has the CUDA backend but no device here: {msg}")
-        assert CUDA_FLAG in msg and "\n" not in msg, msg
-        assert e.status == colibri_lab.runtime.errors.E_UNSUPPORTED
-        return
-    eng.close()
-    pytest.skip("this library has the CUDA backend and a device: tests/test_gpu.py covers it")
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    n = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(n)) != 0:
+        return 0
+    return n.value
+
+
+def test_section_reader_sees_the_libraries_sections():
+    """_has_cuda_backend reads real section tables (else every build would look CPU-only)."""
+    names = _section_names(colibri_lab.runtime._native.lib_path)
+    assert {".text", ".dynsym", ".rodata"} <= names, sorted(names)
+
+
+def test_cuda_backend_opens_or_says_why(tiny):
+    """backend="cuda", for each kind of library: a CPU-only build refuses it with one line
+    naming -DCOLIBRI_CUDA=ON; a CUDA build on a machine without a CUDA device refuses it with
+    one line saying so; a CUDA build with a device runs the model there (tests/test_gpu.py
+    checks its numbers)."""
+    lib_path = colibri_lab.runtime._native.lib_path
+    if not _has_cuda_backend(lib_path):
+        with pytest.raises(ColibriUnsupportedError) as ei:
+            Engine(tiny, backend="cuda")
+        msg = str(ei.value)
+        assert "no CUDA backend" in msg and CUDA_FLAG in msg and "\n" not in msg, msg
+        assert ei.value.status == colibri_lab.runtime.errors.E_UNSUPPORTED
+    elif _cuda_devices() == 0:
+        with pytest.raises(ColibriUnsupportedError) as ei:
+            Engine(tiny, backend="cuda")
+        msg = str(ei.value)
+        assert msg.startswith("no CUDA device: ") and "use the cpu backend" in msg and "\n" not in msg, msg
+        assert ei.value.status == colibri_lab.runtime.errors.E_UNSUPPORTED
+    else:
+        with Engine(tiny, backend="cuda", max_seq_len=64) as eng:
+            assert eng.config.backend == "cuda", eng.config.backend
+            assert eng.config.backend_device and not eng.config.backend_device.startswith("cpu")
+            logits = eng.forward([1, 2, 3, 4])
+            assert logits.shape == (4, eng.vocab_size) and np.isfinite(logits).all()
 
 
 # ---- argument checks -----------------------------------------------------------------------
@@ -258,8 +318,6 @@ def _all_paths(path, ids, **kw) -> dict[str, np.ndarray]:
         out["staged_incremental"] = np.concatenate([st, *rest])
     with Engine(path, num_threads=2, max_batch=4, **kw) as eng:
         out["chunked"] = eng.forward(ids)
-    with Engine(path, num_threads=1, **kw) as eng:
-        out["one_thread"] = eng.forward(ids)
     return out
 
 
@@ -379,19 +437,55 @@ def test_cli_gpu_fraction_zero_is_a_usage_error_but_the_server_takes_it(cli_path
     assert r.returncode == 1 and "cannot open model" in r.stderr, r.stderr
 
 
+def _runs_on_cuda(exe, tool, model):
+    """The program with --backend cuda on a machine with a CUDA device: it runs there."""
+    flags = ["--backend", "cuda", "--gpu_memory_fraction", "0.5"]
+    if tool == "colibri_cli":
+        r = _run(exe, "--model", model, "--prompt", "hi", "--max_new_tokens", 2, "--verbose", *flags)
+        assert r.returncode == 0, r.stderr
+        assert any(x.startswith("backend: cuda (") for x in r.stderr.splitlines()), r.stderr
+    elif tool == "colibri_bench":
+        r = _run(exe, "--model", model, "--seq_len", 5, "--max_new_tokens", 2, "--num_requests", 1, "--warmup", 0,
+                 "--json", *flags)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["backend"] == "cuda", r.stdout
+    else:
+        from colibri_lab.runtime.serving import free_port, wait_healthy
+
+        port = free_port()
+        proc = subprocess.Popen([exe, "--model", str(model), "--host", f"127.0.0.1:{port}", "--parallel", "1",
+                                 "--max_seq_len", "64", *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_healthy(proc, port, 60)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as resp:
+                assert json.loads(resp.read())["data"][0]["backend"] == "cuda"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+
+
 @pytest.mark.parametrize("tool", ["colibri_cli", "colibri_bench", "colibri_server"])
-def test_backend_cuda_on_this_build_is_one_clear_line(cli_path, bench_path, server_path, tiny, tool):
+def test_backend_cuda_in_the_tools_runs_or_is_one_clear_line(cli_path, bench_path, server_path, tiny, tool):
+    """--backend cuda, by the kind of program (told apart as the library is): without the
+    CUDA backend it fails with one line naming -DCOLIBRI_CUDA=ON, with it on a machine without
+    a CUDA device with one line saying so (exit 1 either way); with the backend and a device
+    it runs on the GPU."""
     exe = _tool_paths(cli_path, bench_path, server_path)[tool]
+    cuda = _has_cuda_backend(exe)
+    if cuda and _cuda_devices() > 0:
+        _runs_on_cuda(exe, tool, tiny)
+        return
     extra = ["--port", "0"] if tool == "colibri_server" else []
     r = _run(exe, "--model", tiny, *TOOL_ARGS[tool], *extra, "--backend", "cuda", "--gpu_memory_fraction", "0.5")
-    if r.returncode == 0 or "no CUDA backend" not in r.stderr:
-        pytest.skip(f"this {tool} is linked with a CUDA build: {r.stderr.strip()[-200:]}")
     assert r.returncode == 1, (r.returncode, r.stderr)
-    assert r.returncode > 0 and r.returncode < 128  # an exit, not a signal
     errors = [x for x in r.stderr.splitlines() if "error" in x]
     assert len(errors) == 1, r.stderr
     line = errors[0]
-    assert line.startswith(f"{tool}: error: cannot open model: ") and CUDA_FLAG in line, line
+    assert line.startswith(f"{tool}: error: cannot open model: "), line
+    if cuda:
+        assert "no CUDA device: " in line, line
+    else:
+        assert "no CUDA backend" in line and CUDA_FLAG in line, line
     if tool != "colibri_server":  # the server says where it listens first
         assert r.stderr.strip() == line, r.stderr
 

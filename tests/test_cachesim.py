@@ -1,12 +1,11 @@
 """The expert-cache simulator (colibri_lab.analysis.cachesim): the compiled kernel against the
 plain-Python reference on random traces (every policy, every cache size, exact counts), hand
 cases with known answers, Belady's bound, prediction bookkeeping, the argument checks, and
-traces of the real engine on the embedded tiny Mixtral (and the engine's own cache counters
-when the engine has one)."""
+traces of the real engine on the embedded tiny Mixtral, and the engine's own expert-cache
+counters against the simulator on the traces it records."""
 
 from __future__ import annotations
 
-import inspect
 import math
 from pathlib import Path
 
@@ -396,17 +395,9 @@ def test_engine_trace(tiny):
                     assert np.all(res[p].hits <= res["belady"].hits), (S, p)
 
 
-def _has_engine_cache():
-    from colibri_lab import Engine
-
-    return "expert_cache_mb" in inspect.signature(Engine).parameters
-
-
 def test_engine_cache_counters_match(tiny):
     """The engine's own expert cache, fed one token per forward, counts what the simulator
     predicts on the trace it records: the same five counters in every layer."""
-    if not _has_engine_cache():
-        pytest.skip("this engine has no expert cache (Engine(expert_cache_mb=))")
     from colibri_lab import Engine
 
     with Engine(tiny) as eng:
@@ -437,8 +428,6 @@ def test_engine_cache_counters_match(tiny):
 def test_engine_cache_counters_match_prefill(tiny):
     """The same for a prompt run as one forward: the cache serves the chunk's union of experts
     in one step per layer (simulate(..., chunks=[n]))."""
-    if not _has_engine_cache():
-        pytest.skip("this engine has no expert cache (Engine(expert_cache_mb=))")
     from colibri_lab import Engine
 
     for policy in ("lru", "predict"):

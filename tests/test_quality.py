@@ -1,16 +1,12 @@
 """colibri_lab.analysis.quality: the statistics against hand-computed values, routing flips on
 synthetic top-k arrays, the llama-perplexity output parser on a captured run, the
-engine comparison on real files (a model against itself, bf16, q8_0 once the converter
-has it), and the fast numeric mode against the exact one (precision_agreement)."""
+engine comparison on real files (a model against itself, bf16, q8_0), and the fast
+numeric mode against the exact one (precision_agreement)."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import io
 import json
 import math
-import re
 import struct
 import sysconfig
 from pathlib import Path
@@ -20,6 +16,7 @@ import pytest
 
 import colibri_lab
 from colibri_lab import quality as q
+from colibri_lab.analysis.quality_cli import main as quality_main
 from colibri_lab.bench import llama_quality
 from conftest import REPO_ROOT
 
@@ -320,22 +317,10 @@ def test_bf16_of_an_f32_checkpoint_is_close_but_not_equal(make_model):
     assert rt.load_delta().sum(axis=1).tolist() == [0, 0]   # every token still goes to k experts
 
 
-def _converter_dtypes() -> set[str]:
-    """The weight dtypes the converter says it accepts: the --dtype choices of its CLI."""
-    conv = importlib.import_module("colibri_lab.convert")   # colibri_lab.convert is the function
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
-        conv.main(["--help"])
-    m = re.search(r"--dtype \{([^}]*)\}", buf.getvalue())
-    assert m, "colibri-convert --help shows no --dtype choices"
-    return set(m.group(1).split(","))
-
-
-def test_q8_0_against_f32(tiny, text_ids, tmp_path):
-    """Once the converter accepts q8_0 this must pass; until then it says why it skips."""
-    if "q8_0" not in _converter_dtypes():
-        pytest.skip("colibri-convert does not accept --dtype q8_0 yet")
-    q8 = colibri_lab.convert(TINY, tmp_path / "tiny-q8_0.colibri", dtype="q8_0", progress=False)
+def test_q8_0_against_f32(tiny, tiny_q8, text_ids):
+    """data/tiny-mixtral converted to q8_0 (the converter's --dtype q8_0) is smaller than
+    16 bits a weight and close to the f32 file, routing included."""
+    q8 = tiny_q8
     bits = q.weight_bits(q8)
     assert "q8_0" in bits["dtypes"] and bits["bpw"] < 16
     r = q.compare(tiny["f32"], q8, text_ids, ctx=64, n_chunks=6)
@@ -347,14 +332,14 @@ def test_q8_0_against_f32(tiny, text_ids, tmp_path):
 
 def test_cli_random_tokens(tiny, tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = q.main(["--ref", str(tiny["f32"]), "--test", str(tiny["bf16"]), "--random-tokens", "200",
-                 "--ctx", "64", "--threads", "1", "--quiet", "--json", str(out)])
+    rc = quality_main(["--ref", str(tiny["f32"]), "--test", str(tiny["bf16"]), "--random-tokens", "200",
+                     "--ctx", "64", "--threads", "1", "--quiet", "--json", str(out)])
     assert rc == 0
     assert "3 chunks x 64 tokens" in capsys.readouterr().out
     d = json.loads(out.read_text())["colibri"]
     assert d["n_chunks"] == 3 and d["kld_mean"] == 0.0 and d["routing"]["n_tokens"] == 192
-    rc = q.main(["--ref", str(tiny["f32"]), "--test", str(tiny["bf16"]), "--random-tokens", "10",
-                 "--ctx", "64"])
+    rc = quality_main(["--ref", str(tiny["f32"]), "--test", str(tiny["bf16"]), "--random-tokens", "10",
+                     "--ctx", "64"])
     assert rc == 1 and "no chunk" in capsys.readouterr().err
 
 
@@ -391,16 +376,16 @@ def test_llama_perplexity_on_the_same_text(tiny, tmp_path, capsys):
     try:
         llama_quality.find_llama_perplexity()
     except FileNotFoundError as e:
-        pytest.skip(f"llama-perplexity not built: {e}")
+        pytest.skip(f"no llama.cpp llama-perplexity here: {e}")
     src = (Path(sysconfig.get_paths()["stdlib"]) / "heapq.py").read_text(encoding="utf-8")
     text = tmp_path / "heapq.txt"
     text.write_text(src)
     base = llama_quality.llama_gguf(TINY, "f32", cache=tmp_path)
     q8 = llama_quality.llama_gguf(TINY, "Q8_0", cache=tmp_path)
     out = tmp_path / "both.json"
-    rc = q.main(["--ref", str(tiny["f32"]), "--test", str(tiny["bf16"]), "--text", str(text),
-                 "--ctx", "128", "--chunks", "4", "--threads", "2", "--quiet", "--json", str(out),
-                 "--llama-base", str(base), "--llama-test", str(q8)])
+    rc = quality_main(["--ref", str(tiny["f32"]), "--test", str(tiny["bf16"]), "--text", str(text),
+                     "--ctx", "128", "--chunks", "4", "--threads", "2", "--quiet", "--json", str(out),
+                     "--llama-base", str(base), "--llama-test", str(q8)])
     assert rc == 0, capsys.readouterr().err
     assert "the same as ours: True" in capsys.readouterr().out
     d = json.loads(out.read_text())
@@ -481,8 +466,8 @@ def test_precision_agreement_bad_input(tiny_q8):
 
 def test_cli_precision_agreement(tiny, tiny_q8, tmp_path, capsys):
     out = tmp_path / "p.json"
-    rc = q.main(["--precision-agreement", str(tiny_q8), "--precision-agreement", str(tiny["bf16"]),
-                 "--random-tokens", "300", "--ctx", "128", "--threads", "1", "--quiet", "--json", str(out)])
+    rc = quality_main(["--precision-agreement", str(tiny_q8), "--precision-agreement", str(tiny["bf16"]),
+                     "--random-tokens", "300", "--ctx", "128", "--threads", "1", "--quiet", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "fast against exact over 297 positions" in text and "same top1" in text
@@ -494,10 +479,10 @@ def test_cli_precision_agreement(tiny, tiny_q8, tmp_path, capsys):
     assert package_main(["quality", "--precision-agreement", str(tiny_q8), "--random-tokens", "50",
                          "--ctx", "25", "--quiet"]) == 0
     assert "fast against exact over 48 positions" in capsys.readouterr().out
-    assert q.main(["--precision-agreement", str(tiny_q8), "--random-tokens", "1"]) == 1
+    assert quality_main(["--precision-agreement", str(tiny_q8), "--random-tokens", "1"]) == 1
     assert "at least 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        q.main(["--precision-agreement", str(tiny_q8), "--ref", str(tiny_q8)])
+        quality_main(["--precision-agreement", str(tiny_q8), "--ref", str(tiny_q8)])
     assert "leave out --ref" in capsys.readouterr().err
 
 
