@@ -1,6 +1,8 @@
 """Sequences and batches (colibri_batch, colibri_seq_*): many sequences in one context over
 a paged KV cache, and the guarantee that a sequence's logits are bitwise the same whatever
-it is batched with, however its prompt is chunked, and with any thread count.
+it is batched with, however its prompt is chunked, and with any thread count (the batch
+API's one test of it, exact and fast precision; the fused forward's is
+tests/test_threads_kernels.py's).
 
 The reference for every sequence is the single-sequence forward of the same tokens, which
 tests/test_parity_*.py hold equal to transformers.
@@ -20,21 +22,47 @@ from colibri_lab import (ColibriInvalidArgError, ColibriNoMemoryError, ColibriSe
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """The tiny Mixtral in f32 and bf16, and a Qwen2-MoE with dense and shared-expert layers,
-    biases and a sliding window (every option of the forward pass on one path)."""
-    out = tmp_path_factory.mktemp("batch")
-    files = {dt: colibri_lab.convert(REPO / "data" / "tiny-mixtral", out / f"tiny-{dt}.colibri", dtype=dt,
-                                     progress=False) for dt in ("f32", "bf16")}
+class _Files(dict):
+    """name -> .colibri file, each converted the first time a test asks for it."""
+
+    def __init__(self, folder, make):
+        super().__init__()
+        self.folder, self.make = folder, make
+
+    def __missing__(self, name):
+        self[name] = self.make(name, self.folder)
+        return self[name]
+
+
+def _make(name: str, out: Path, make_model) -> Path:
+    """The tiny Mixtral in f32, bf16 and q8_0; a random 256-wide Mixtral in q4_k_m (Q4_K, Q5_K,
+    Q6_K and Q8_0 tensors); a gpt-oss in bf16 (sinks, windows of 6, heads of 16: fast mode's
+    attention); a Qwen2-MoE with dense and shared-expert layers, biases and a sliding window
+    (every option of the forward pass on one path)."""
+    if name in ("f32", "bf16", "q8_0"):
+        return colibri_lab.convert(REPO / "data" / "tiny-mixtral", out / f"tiny-{name}.colibri", dtype=name,
+                                   progress=False)
     pytest.importorskip("torch")
     from colibri_lab.bench.models import FamilyShape, build_model, save_checkpoint
 
+    if name == "q4_k_m":
+        return make_model(vocab=1024, hidden=256, inter=256, experts=8, top_k=2, heads=4, kv_heads=2, seed=3,
+                          dtype="q4_k_m")[1]
+    if name == "gptoss_bf16":
+        shape = FamilyShape("gpt_oss", vocab=301, hidden=64, inter=32, layers=2, heads=4, kv_heads=2, head_dim=16,
+                            experts=4, top_k=2, sliding_window=6, seed=31)
+        return colibri_lab.convert(save_checkpoint(build_model(shape), out / "hf-gpt-oss"), out / "go.colibri",
+                                   dtype="bf16", progress=False)
+    assert name == "qwen2", name
     shape = FamilyShape("qwen2_moe", layers=3, mlp_only_layers=(1,), sliding_window=6, max_window_layers=1,
                         seed=5)
-    files["qwen2"] = colibri_lab.convert(save_checkpoint(build_model(shape), out / "hf-q2"),
-                                         out / "q2.colibri", dtype="f32", progress=False)
-    return files
+    return colibri_lab.convert(save_checkpoint(build_model(shape), out / "hf-q2"), out / "q2.colibri", dtype="f32",
+                               progress=False)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, make_model):
+    return _Files(tmp_path_factory.mktemp("batch"), lambda name, out: _make(name, out, make_model))
 
 
 def _prompts(vocab: int, lengths, seed=0):
@@ -48,18 +76,21 @@ def _alone(path, prompts, **kw):
         return [eng.forward(p) for p in prompts]
 
 
-@pytest.mark.parametrize("model", ["f32", "bf16", "qwen2"])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_batch_invariance(models, model, threads):
-    """Prompts of 4 sequences run together, cut into chunks at different places, mixed with
-    each other's chunks, through small internal chunks (max_batch 7) and small blocks (5):
-    every row equals the sequence's forward alone, bit for bit."""
+@pytest.mark.parametrize("model, precision", [
+    ("f32", "exact"), ("bf16", "exact"), ("qwen2", "exact"),
+    ("bf16", "fast"), ("q8_0", "fast"), ("q4_k_m", "fast"), ("gptoss_bf16", "fast"),
+])  # fmt: skip
+def test_batch_invariance(models, model, precision):
+    """Prompts of 4 sequences run together on 2 threads, cut into chunks at different places,
+    mixed with each other's chunks, through small internal chunks (max_batch 7) and small
+    blocks (5): every row equals the sequence's forward alone on 1 thread, bit for bit; and
+    so does a decode step of all four at once."""
     path = models[model]
     lengths = [19, 1, 33, 8]
     with Engine(path, num_threads=1) as eng:
         prompts = _prompts(eng.vocab_size, lengths)
-    ref = _alone(path, prompts, num_threads=1)
-    with Engine(path, num_threads=threads, max_seqs=4, max_batch=7, kv_block_tokens=5) as eng:
+    ref = _alone(path, prompts, num_threads=1, precision=precision)
+    with Engine(path, num_threads=2, precision=precision, max_seqs=4, max_batch=7, kv_block_tokens=5) as eng:
         got = [[] for _ in prompts]
         cuts = [[0, 5, 19], [0, 1], [0, 11, 12, 33], [0, 8]]
         for step in range(3):
@@ -75,6 +106,13 @@ def test_batch_invariance(models, model, threads):
             assert out.shape == ref[s].shape
             assert np.array_equal(out, ref[s]), f"sequence {s} differs from its forward alone"
         assert [len(eng.sequence(s)) for s in range(4)] == lengths
+        # decode steps of all four at once against each one's own next step alone
+        nxt = [int(np.argmax(r[-1])) for r in ref]
+        out = eng.batch([(s, [nxt[s]]) for s in range(4)])
+    with Engine(path, num_threads=1, precision=precision) as eng:
+        for s in range(4):
+            eng.forward(prompts[s])
+            assert np.array_equal(out[s][0], eng.forward([nxt[s]], start_pos=lengths[s])[0]), s
 
 
 @pytest.mark.parametrize("model", ["bf16", "qwen2"])
