@@ -5,7 +5,8 @@
 #   make test   native C tests (ctest, warnings as errors) and the Python tests (pytest)
 #
 # Both install libmicrohttpd-dev and libjansson-dev (apt-get, as root) when they are missing,
-# so that colibri_server is built with the rest.
+# so that colibri_server is built with the rest; `make test` also installs the Debian packages
+# its jobs drive (TEST_DEBS).
 #
 # Both are idempotent: re-running them reuses .venv and the CMake build folders.
 
@@ -20,9 +21,26 @@ JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 DEMO_SRC    := data/tiny-mixtral
 DEMO_MODEL  := build/tiny-mixtral.colibri
 DEMO_PROMPT ?= def
-NATIVE_TEST_DIR := build/native-tests
+# One CMake build serves the test command: pip builds the package's library and tools there
+# with the C tests and warnings as errors, and ctest runs in it (tests/conftest.py's
+# native_tests fixture rebuilds it incrementally).
+NATIVE_BUILD := build/native
+PIP_NATIVE   := -C build-dir=$(NATIVE_BUILD) -C cmake.define.COLIBRI_BUILD_TESTS=ON \
+                -C cmake.define.COLIBRI_WERROR=ON
 
-.PHONY: demo test venv native-tests pytest clean help fuzz
+# Debian packages: colibri_server's libraries (needed before pip builds native/), and what the
+# test jobs drive: chromium (tests/test_browser.py), clang with libFuzzer (tests/test_fuzz.py),
+# haproxy (tests/test_failover.py), the aarch64 cross compiler, qemu-user and the arm64
+# libmicrohttpd and jansson (tests/test_aarch64.py).
+SERVER_DEBS := libmicrohttpd-dev libjansson-dev pkg-config
+TEST_DEBS   := chromium clang libclang-rt-14-dev haproxy gcc-aarch64-linux-gnu qemu-user \
+               libmicrohttpd-dev:arm64 libjansson-dev:arm64
+
+# pytest on both cores, a file at a time per worker (module fixtures are built once); the
+# longest files are handed out first (tests/conftest.py)
+PYTEST_ARGS := -q --durations=30 -n $(JOBS) --dist loadfile tests --nbval --nbval-current-env notebooks
+
+.PHONY: demo test venv server-debs test-debs native-tests pytest clean help fuzz
 
 help:
 	@echo "make demo   - install, convert $(DEMO_SRC), inspect it, generate text and show the top-5"
@@ -35,10 +53,16 @@ $(PY):
 
 venv: $(PY)
 
-demo: $(PY)
-	# colibri_server needs libmicrohttpd and jansson (Debian's -dev packages, found with
-	# pkg-config) before pip builds native/; without them it is skipped with a warning
-	dpkg -s libmicrohttpd-dev libjansson-dev pkg-config >/dev/null 2>&1 || (apt-get update && apt-get install -y libmicrohttpd-dev libjansson-dev pkg-config)
+# colibri_server needs libmicrohttpd and jansson (found with pkg-config) before pip builds
+# native/; without them it is skipped with a warning
+server-debs:
+	dpkg -s $(SERVER_DEBS) >/dev/null 2>&1 || (apt-get update && apt-get install -y $(SERVER_DEBS))
+
+test-debs:
+	dpkg --print-foreign-architectures | grep -qx arm64 || dpkg --add-architecture arm64
+	dpkg -s $(TEST_DEBS) >/dev/null 2>&1 || (apt-get update && apt-get install -y $(TEST_DEBS))
+
+demo: $(PY) server-debs
 	$(PIP) install .
 	@mkdir -p build
 	$(BIN)/colibri-convert --model_name_or_path $(DEMO_SRC) --output_path $(DEMO_MODEL) --dtype bf16
@@ -50,32 +74,25 @@ demo: $(PY)
 	@echo '== colibri_cli: the 5 most likely next tokens'
 	$(BIN)/colibri_cli --model $(DEMO_MODEL) --prompt "$(DEMO_PROMPT)" --max_new_tokens 1
 
-test: $(PY)
+test: $(PY) server-debs
+	@mkdir -p build && rm -f build/test-debs.rc
+	# the test jobs' Debian packages install in the background while pip works (build/test-debs.log)
+	@( $(MAKE) --no-print-directory test-debs > build/test-debs.log 2>&1; echo $$? > build/test-debs.rc ) &
 	# torch first, pinned: the CPU wheel. An unpinned torch pulled in by another package
 	# would download a multi-GB CUDA build.
 	$(PIP) install torch==2.13.0
-	# colibri_server needs libmicrohttpd and jansson (Debian's -dev packages, found with
-	# pkg-config) before pip builds native/; without them it is skipped with a warning
-	dpkg -s libmicrohttpd-dev libjansson-dev pkg-config >/dev/null 2>&1 || (apt-get update && apt-get install -y libmicrohttpd-dev libjansson-dev pkg-config)
-	$(PIP) install -e ".[test]"
-	$(MAKE) native-tests
-	# the browser test (tests/test_browser.py) drives Debian's chromium (needs root to install)
-	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
-	# the fuzz smoke test (tests/test_fuzz.py) builds the libFuzzer harnesses with clang
-	dpkg -s clang libclang-rt-14-dev >/dev/null 2>&1 || (apt-get update && apt-get install -y clang libclang-rt-14-dev)
-	# the failover test (tests/test_failover.py) runs Debian's haproxy as a child process
-	dpkg -s haproxy >/dev/null 2>&1 || (apt-get update && apt-get install -y haproxy)
-	# the aarch64 job (tests/test_aarch64.py): Debian's cross compiler, qemu-user, and the arm64
-	# libmicrohttpd and jansson for the cross-built colibri_server (multiarch)
-	dpkg --print-foreign-architectures | grep -qx arm64 || dpkg --add-architecture arm64
-	dpkg -s gcc-aarch64-linux-gnu qemu-user libmicrohttpd-dev:arm64 libjansson-dev:arm64 >/dev/null 2>&1 || (apt-get update && apt-get install -y gcc-aarch64-linux-gnu qemu-user libmicrohttpd-dev:arm64 libjansson-dev:arm64)
+	$(PIP) install -e ".[test]" $(PIP_NATIVE)
+	cd $(NATIVE_BUILD) && ctest --output-on-failure -j $(JOBS)
+	@while [ ! -f build/test-debs.rc ]; do sleep 1; done; tail -n 3 build/test-debs.log; \
+	  [ "$$(cat build/test-debs.rc)" = 0 ] || { cat build/test-debs.log; echo "installing $(TEST_DEBS) failed"; exit 1; }
 	$(MAKE) pytest
 
+# The C tests alone, in the same build folder as `make test` (configured here when pip has not).
 native-tests:
-	$(CMAKE) -S native -B $(NATIVE_TEST_DIR) -DCMAKE_BUILD_TYPE=Release \
+	$(CMAKE) -S native -B $(NATIVE_BUILD) -DCMAKE_BUILD_TYPE=Release \
 	    -DCOLIBRI_WERROR=ON -DCOLIBRI_BUILD_TESTS=ON
-	$(CMAKE) --build $(NATIVE_TEST_DIR) -j $(JOBS)
-	cd $(NATIVE_TEST_DIR) && ctest --output-on-failure -j $(JOBS)
+	$(CMAKE) --build $(NATIVE_BUILD) -j $(JOBS)
+	cd $(NATIVE_BUILD) && ctest --output-on-failure -j $(JOBS)
 
 # Long libFuzzer runs by hand (tests/test_fuzz.py runs the same targets for seconds in CI).
 fuzz:
@@ -83,7 +100,7 @@ fuzz:
 
 # The notebooks run under strict nbval: outputs of untagged cells are compared.
 pytest:
-	$(BIN)/pytest -q --durations=30 tests --nbval --nbval-current-env notebooks
+	$(BIN)/pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf build $(VENV) colibri_lab/_lib

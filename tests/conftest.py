@@ -36,7 +36,7 @@ def repo_root() -> Path:
     return REPO_ROOT
 
 
-NATIVE_TESTS_BUILD = REPO_ROOT / "build" / "native-tests"  # the folder `make test` builds
+NATIVE_TESTS_BUILD = REPO_ROOT / "build" / "native"  # the folder `make test` builds (pip and ctest)
 
 
 @pytest.fixture(scope="session")
@@ -45,11 +45,14 @@ def native_tests() -> Path:
     THIS tree: `make test`'s build folder is configured and built again (incrementally:
     seconds when it is current), so a stale build left by another checkout or an older
     commit is never what gets tested."""
+    from helpers import build_lock
+
     flags = ["-DCOLIBRI_BUILD_TESTS=ON", "-DCOLIBRI_WERROR=ON", "-DCMAKE_BUILD_TYPE=Release"]
-    subprocess.run(["cmake", "-S", str(REPO_ROOT / "native"), "-B", str(NATIVE_TESTS_BUILD), *flags],
-                   check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(NATIVE_TESTS_BUILD), "--target", "test_noalloc",
-                    "test_format"], check=True, capture_output=True)
+    with build_lock(NATIVE_TESTS_BUILD):
+        subprocess.run(["cmake", "-S", str(REPO_ROOT / "native"), "-B", str(NATIVE_TESTS_BUILD), *flags],
+                       check=True, capture_output=True)
+        subprocess.run(["cmake", "--build", str(NATIVE_TESTS_BUILD), "--target", "test_noalloc",
+                        "test_format"], check=True, capture_output=True)
     return NATIVE_TESTS_BUILD
 
 
@@ -123,3 +126,15 @@ def find_tool(name: str, env_var: str, how: str) -> str:
 def cli_path() -> str:
     """colibri_cli: $COLIBRI_CLI, else beside this Python, else on PATH."""
     return find_tool("colibri_cli", "COLIBRI_CLI", "install the package with `pip install -e .`")
+
+
+# `make test` hands whole files to the workers (pytest -n, --dist loadfile) in this order:
+# the longest first, so that no long file starts last and leaves one core alone at the end.
+LONGEST_FIRST = ("test_sanitizers.py", "test_aarch64.py", "test_cuda_build.py", "test_bench.py",
+                 "test_browser.py", "03_tuning.ipynb", "test_fuzz.py", "test_server.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: order within a file kept
+

@@ -42,7 +42,7 @@ from colibri_lab.conversion.spm import build_tokenizer_section  # noqa: E402
 from colibri_lab.conversion.tokenizer import read_chat_template  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-BUILD = REPO / "build" / "native-tests"   # the folder `make test` builds the C tests in
+BUILD = REPO / "build" / "native"   # the folder `make test` builds the C tests in
 
 # ---------------------------------------------------------------------------------------
 # The real templates, as the checkpoints' tokenizer_config.json hold them.
@@ -280,11 +280,14 @@ REAL = {
 def driver() -> Path:
     """native/tests/test_chat.c, built from THIS tree in `make test`'s C test folder
     (configured again and built incrementally, like conftest's native_tests)."""
+    from helpers import build_lock
+
     flags = ["-DCOLIBRI_BUILD_TESTS=ON", "-DCOLIBRI_WERROR=ON", "-DCMAKE_BUILD_TYPE=Release"]
-    for cmd in (["cmake", "-S", str(REPO / "native"), "-B", str(BUILD), *flags],
-                ["cmake", "--build", str(BUILD), "--target", "test_chat"]):
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        assert p.returncode == 0, f"{' '.join(cmd)}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    with build_lock(BUILD):
+        for cmd in (["cmake", "-S", str(REPO / "native"), "-B", str(BUILD), *flags],
+                    ["cmake", "--build", str(BUILD), "--target", "test_chat"]):
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            assert p.returncode == 0, f"{' '.join(cmd)}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return BUILD / "test_chat"
 
 
