@@ -37,8 +37,8 @@ TEST_DEBS   := chromium clang libclang-rt-14-dev haproxy gcc-aarch64-linux-gnu q
                libmicrohttpd-dev:arm64 libjansson-dev:arm64
 
 # pytest on both cores, a file at a time per worker (module fixtures are built once); the
-# longest files are handed out first (tests/conftest.py)
-PYTEST_ARGS := -q --durations=30 -n $(JOBS) --dist loadfile tests --nbval --nbval-current-env notebooks
+# longest files are handed out first, in the order tests/conftest.py gives (not xdist's own)
+PYTEST_ARGS := -q --durations=30 -n $(JOBS) --dist loadfile --no-loadscope-reorder tests --nbval --nbval-current-env notebooks
 
 .PHONY: demo test venv server-debs test-debs native-tests pytest clean help fuzz
 

@@ -225,7 +225,7 @@ def test_failure_while_writing_leaves_nothing_and_keeps_old_output(hf5, tmp_path
 def test_failure_mid_write_removes_tmp(hf5, tmp_path, monkeypatch):
     import importlib
 
-    conv = importlib.import_module("colibri_lab.convert")
+    conv = importlib.import_module("colibri_lab.conversion.checkpoint")
 
     calls = {"n": 0}
     real = conv.SrcTensor.read_flat
@@ -307,7 +307,7 @@ def _env():
 
 def test_cli_flags_subprocess(hf5, tmp_path):
     out = tmp_path / "m.colibri"
-    r = subprocess.run([sys.executable, "-m", "colibri_lab.convert", "--model_name_or_path",
+    r = subprocess.run([sys.executable, "-m", "colibri_lab.conversion.cli", "--model_name_or_path",
                         str(hf5), "--output_path", str(out), "--dtype", "f16",
                         "--quantize_router", "int8", "--block_size", "5", "--max_seq_len", "77"],
                        capture_output=True, text=True, env=_env(), timeout=300)

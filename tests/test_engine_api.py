@@ -26,8 +26,8 @@ from colibri_lab import (
     EngineConfig,
     Token,
     Tokenizer,
-    _native,
 )
+from colibri_lab.runtime import _native  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 

@@ -401,7 +401,7 @@ def test_package_import_does_not_load_plotly():
     import sys
 
     code = ("import sys, colibri_lab; assert 'plotly' not in sys.modules; "
-            "colibri_lab.analysis.viz.routing_heatmap; assert 'plotly' in sys.modules; print('ok')")
+            "colibri_lab.viz.routing_heatmap; assert 'plotly' in sys.modules; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 

@@ -32,7 +32,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from . import diagnostics as _diag
-from ..format import reader as _fmt
+from ..format import reader as _reader
+from ..format import spec as _fmt
 from ..runtime.trace import ALL_STAGES, STAGES, Trace
 
 DENSE_COLOUR = "#b8b8b8"
@@ -537,7 +538,7 @@ def expert_groups(selection: dict) -> go.Figure:
 
 # --------------------------------------------------------------------------- file format
 
-def _decode_field(name: str, code: str, raw: bytes, info: _fmt.ColibriInfo) -> str:
+def _decode_field(name: str, code: str, raw: bytes, info: _reader.ColibriInfo) -> str:
     if code.endswith("s") and name == "magic":
         return repr(raw)[1:]
     if code.endswith("s"):
@@ -565,7 +566,7 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def header_fields(info: _fmt.ColibriInfo) -> list[dict[str, Any]]:
+def header_fields(info: _reader.ColibriInfo) -> list[dict[str, Any]]:
     """Every header field of ``info``'s file, read from its first 256 bytes: a list of
     dicts (offset, size, name, hex, value), value decoded for reading. The layout is
     :data:`colibri_lab.format.spec.HEADER_LAYOUT`."""
@@ -583,7 +584,7 @@ def header_fields(info: _fmt.ColibriInfo) -> list[dict[str, Any]]:
     return rows
 
 
-def format_map(info: _fmt.ColibriInfo) -> go.Figure:
+def format_map(info: _reader.ColibriInfo) -> go.Figure:
     """The file to scale (header, the six sections and the alignment gaps between them;
     hover for offset, size and CRC) above the 256-byte header as an annotated hex dump:
     one row per field with its offset, its bytes in hex, its name and its decoded value."""

@@ -11,7 +11,7 @@ benchmarks and the notebooks — one way to make them::
 
 - **Shapes**: :class:`MixtralShape`, :class:`FamilyShape` (Qwen2-MoE, Qwen3-MoE, OLMoE,
   gpt-oss) and :class:`DeepseekShape` (DeepSeek-V2/V3) name a model's sizes and options in a
-  few fields; ``shape.hf_config()`` is its transformers config. Plain config dicts work too
+  few fields; ``shape.config()`` is its transformers config. Plain config dicts work too
   (:data:`TINY_FAMILY_CONFIGS`, :data:`DEEPSEEK_V3_800M`, ``AutoConfig.for_model`` keys).
 - **Models**: :func:`build_model` (a shape) and :func:`build_from_config` (family + config
   dict) make a float32 model in eval mode with eager experts, seeded, every 1-D parameter
@@ -155,7 +155,7 @@ class MixtralShape:
     extra: tuple = field(default=())
     family = "mixtral"
 
-    def hf_config(self):
+    def config(self):
         from transformers import MixtralConfig
 
         return MixtralConfig(
@@ -200,7 +200,7 @@ class FamilyShape:
     seed: int = 0
     extra: tuple = field(default=())
 
-    def hf_config(self):
+    def config(self):
         import transformers
 
         common = dict(
@@ -273,7 +273,7 @@ class DeepseekShape:
     bias_range: float = 0.3           # V3: e_score_correction_bias uniform in +-this
     seed: int = 0
 
-    def hf_config(self):
+    def config(self):
         import transformers
 
         kw = dict(
@@ -346,7 +346,7 @@ def build_model(shape):
     """A seeded random model of a :class:`MixtralShape`, :class:`FamilyShape` or
     :class:`DeepseekShape`: float32, eval mode, eager experts (and eager attention for
     DeepSeek)."""
-    return _build(shape.family, shape.hf_config(), shape.seed, getattr(shape, "bias_range", 0.5))
+    return _build(shape.family, shape.config(), shape.seed, getattr(shape, "bias_range", 0.5))
 
 
 def build_from_config(family: str, config: dict, seed: int = 0, *, correction_bias: float = 0.5):
