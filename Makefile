@@ -76,8 +76,12 @@ demo: $(PY) server-debs
 
 test: $(PY) server-debs
 	@mkdir -p build && rm -f build/test-debs.rc
-	# the test jobs' Debian packages install in the background while pip works (build/test-debs.log)
-	@( $(MAKE) --no-print-directory test-debs > build/test-debs.log 2>&1; echo $$? > build/test-debs.rc ) &
+	# In the background while pip works: the test jobs' other builds (tests/builds.py: ASan and
+	# CUDA now, aarch64 once its cross compiler is installed; build/side-builds.log) and their
+	# Debian packages (build/test-debs.log). The tests wait for a build still running.
+	@( nice -n 10 $(PYTHON) tests/builds.py asan cuda > build/side-builds.log 2>&1 ) &
+	@( $(MAKE) --no-print-directory test-debs > build/test-debs.log 2>&1; echo $$? > build/test-debs.rc; \
+	   nice -n 10 $(PYTHON) tests/builds.py aarch64 >> build/side-builds.log 2>&1 ) &
 	# torch first, pinned: the CPU wheel. An unpinned torch pulled in by another package
 	# would download a multi-GB CUDA build.
 	$(PIP) install torch==2.13.0

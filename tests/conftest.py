@@ -45,7 +45,7 @@ def native_tests() -> Path:
     THIS tree: `make test`'s build folder is configured and built again (incrementally:
     seconds when it is current), so a stale build left by another checkout or an older
     commit is never what gets tested."""
-    from helpers import build_lock
+    from builds import build_lock
 
     flags = ["-DCOLIBRI_BUILD_TESTS=ON", "-DCOLIBRI_WERROR=ON", "-DCMAKE_BUILD_TYPE=Release"]
     with build_lock(NATIVE_TESTS_BUILD):
@@ -129,8 +129,9 @@ def cli_path() -> str:
 
 
 # `make test` hands whole files to the workers (pytest -n, --dist loadfile) in this order:
-# the longest first, so that no long file starts last and leaves one core alone at the end.
-LONGEST_FIRST = ("test_sanitizers.py", "test_aarch64.py", "test_cuda_build.py", "test_bench.py",
+# the longest first, so that no long file starts last and leaves one core alone at the end (and
+# test_gguf_import's download of llama.cpp's source overlaps the builds).
+LONGEST_FIRST = ("test_sanitizers.py", "test_aarch64.py", "test_cuda_build.py", "test_gguf_import.py", "test_bench.py",
                  "test_browser.py", "03_tuning.ipynb", "test_fuzz.py", "test_server.py")
 
 

@@ -1,31 +1,14 @@
 """What the tests share: transformers' logits and router logits of a model
 (`hf_logits`), the comparison that leaves out positions decided by a router near-tie
 (`first_near_tie`, `compare_logits`), a per-module cache of random models and their
-conversions (`ModelCache`), a metadata patcher for refusal tests (`patch_metadata`), and a lock
-for the build folders the test workers share (`build_lock`).
+conversions (`ModelCache`), and a metadata patcher for refusal tests (`patch_metadata`).
 The models themselves come from the one random-model factory, colibri_lab.bench.models."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 from pathlib import Path
 
 from colibri_lab.bench.models import build_model, save_checkpoint
-
-
-@contextlib.contextmanager
-def build_lock(build_dir: Path):
-    """One CMake run at a time in a build folder: the test workers (pytest -n) share
-    `make test`'s folder, and two builds at once in one folder corrupt it."""
-    build_dir = Path(build_dir)
-    build_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(build_dir.parent / f".{build_dir.name}.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def hf_logits(model, ids):

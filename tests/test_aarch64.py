@@ -49,13 +49,12 @@ def a64() -> Path:
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
-    r = subprocess.run(["cmake", "-S", str(REPO / "native"), "-B", str(BUILD), f"-DCMAKE_TOOLCHAIN_FILE={TOOLCHAIN}",
-                        "-DCMAKE_BUILD_TYPE=Release", "-DCOLIBRI_BUILD_TESTS=ON", "-DCOLIBRI_WERROR=ON"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    r = subprocess.run(["cmake", "--build", str(BUILD), "-j", str(os.cpu_count() or 2)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    return BUILD
+    import builds
+
+    try:
+        return builds.aarch64()
+    except builds.BuildError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="module")

@@ -280,7 +280,7 @@ REAL = {
 def driver() -> Path:
     """native/tests/test_chat.c, built from THIS tree in `make test`'s C test folder
     (configured again and built incrementally, like conftest's native_tests)."""
-    from helpers import build_lock
+    from builds import build_lock
 
     flags = ["-DCOLIBRI_BUILD_TESTS=ON", "-DCOLIBRI_WERROR=ON", "-DCMAKE_BUILD_TYPE=Release"]
     with build_lock(BUILD):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -27,46 +26,34 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BUILD = REPO / "build" / "cuda-ci"
 REF_BUILD = REPO / "build" / "cuda-ci-ref"
 
 
-def _nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for p in ("/usr/local/cuda/bin/nvcc", "/usr/local/cuda-13.0/bin/nvcc"):
-        if Path(p).is_file():
-            return p
-    return None
+import builds  # noqa: E402
 
-
-NVCC = _nvcc()
+NVCC = builds.nvcc()
 if NVCC is None:
     pytest.skip("nvcc not found (PATH, /usr/local/cuda/bin): the CUDA backend's build is not checked here",
                 allow_module_level=True)  # fmt: skip
 
 
 def _env() -> dict:
-    env = dict(os.environ)
-    env["PATH"] = str(Path(NVCC).parent) + os.pathsep + env.get("PATH", "")
-    env["CUDACXX"] = NVCC
-    return env
+    return builds.cuda_env()
 
 
 @pytest.fixture(scope="module")
 def cuda_lib() -> Path:
     t0 = time.monotonic()
-    flags = ["-DCOLIBRI_CUDA=ON", "-DCOLIBRI_WERROR=ON", "-DCMAKE_BUILD_TYPE=Release",
-             "-DCMAKE_CUDA_ARCHITECTURES=80;90"]  # fmt: skip
-    for cmd in (["cmake", "-S", str(REPO / "native"), "-B", str(BUILD), *flags],
-                ["cmake", "--build", str(BUILD), "--target", "colibri_shared", "-j", str(os.cpu_count() or 2)]):
-        r = subprocess.run(cmd, capture_output=True, text=True, env=_env())
-        assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-        warn = [ln for ln in (r.stdout + r.stderr).splitlines() if "warning" in ln.lower() and "cuda" in ln.lower()]
-        assert not warn, "warnings in the CUDA build:\n" + "\n".join(warn[:20])
-    print(f"CUDA build: {time.monotonic() - t0:.1f} s")
-    lib = BUILD / "libcolibri.so"
+    try:
+        build = builds.cuda()
+    except builds.BuildError as e:
+        pytest.fail(str(e))
+    log = build / "build.log"
+    assert log.is_file(), f"{log}: the build's compiler output is missing (remove {build} and run again)"
+    warn = [ln for ln in log.read_text().splitlines() if "warning" in ln.lower() and "cuda" in ln.lower()]
+    assert not warn, "warnings in the CUDA build:\n" + "\n".join(warn[:20])
+    print(f"CUDA build: {time.monotonic() - t0:.1f} s (0 when make test built it in the background)")
+    lib = build / "libcolibri.so"
     assert lib.is_file()
     return lib
 

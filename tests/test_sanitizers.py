@@ -26,7 +26,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BUILD = REPO / "build" / "asan"
 SLICE = ("tests/test_bad_input.py", "tests/test_format.py", "tests/test_tokenizer_spm.py",
          "tests/test_tokenizer_bpe.py", "tests/test_parity_mixtral.py")
 SAN_OPTIONS = {
@@ -50,18 +49,12 @@ def asan_build() -> Path:
         if os.environ.get("CI"):
             pytest.fail("the compiler's libasan / libubsan are missing")
         pytest.skip("the compiler has no libasan / libubsan")
-    r = subprocess.run(["cmake", "-S", str(REPO / "native"), "-B", str(BUILD), "-DCOLIBRI_SANITIZE=ON",
-                        "-DCOLIBRI_BUILD_TESTS=ON", "-DCOLIBRI_WERROR=ON", "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
-                        # -O1: the SIMD kernel files take 6 min to compile at -O2 under ASan on 2
-                        # cores, 1 min at -O1
-                        "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    tests = sorted(p.stem for p in (REPO / "native" / "tests").glob("test_*.c"))
-    r = subprocess.run(["cmake", "--build", str(BUILD), "-j", str(os.cpu_count() or 2), "--target",
-                        "colibri_shared", *tests], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return BUILD
+    import builds
+
+    try:
+        return builds.asan()
+    except builds.BuildError as e:
+        pytest.fail(str(e))
 
 
 def _reports(log_dir: Path) -> tuple[list[str], list[str]]:
