@@ -5,7 +5,7 @@ random Mixtral checkpoints converted to .colibri.
         hf_dir, path = make_model()                       # the default small model
         hf_dir, path = make_model(vocab=1003, dtype="bf16")
 
-``make_model(**shape)`` takes the fields of ``hf_models.MixtralShape`` (vocab, hidden, inter,
+``make_model(**shape)`` takes the fields of ``colibri_lab.bench.models.MixtralShape`` (vocab, hidden, inter,
 layers, heads, kv_heads, head_dim, experts, top_k, sliding_window, tie, max_pos, std,
 seed) plus ``dtype`` ("f32", "f16", "bf16") for the converter. The Hugging Face folder is
 built once per shape and the .colibri file once per (shape, dtype), for the whole session.
