@@ -98,11 +98,25 @@ def cuda_env() -> dict:
     return env
 
 
+NATIVE_BUILD = REPO / "build" / "native"   # `make test`'s own build (pip's)
+
+
+def _same_compiler_as(build_dir: Path) -> list[str]:
+    """-DCMAKE_C_COMPILER as another build folder found it: ccache keys on the compiler's name,
+    and one CMake finds /usr/bin/gcc where another finds /usr/bin/cc, the same compiler."""
+    cache = build_dir / "CMakeCache.txt"
+    if cache.is_file():
+        for line in cache.read_text().splitlines():
+            if line.startswith("CMAKE_C_COMPILER:"):
+                return [f"-DCMAKE_C_COMPILER={line.split('=', 1)[1]}"]
+    return []
+
+
 def cuda() -> Path:
     """The library with the CUDA backend, warnings as errors, for sm_80 and sm_90. Its C files
     but one compile exactly as the default build's: through ccache (where installed; `make
     test` installs it and builds the package through it too) they are cache hits."""
-    launcher = ["-DCMAKE_C_COMPILER_LAUNCHER=ccache"] if shutil.which("ccache") else []
+    launcher = ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", *_same_compiler_as(NATIVE_BUILD)] if shutil.which("ccache") else []
     return _run(CUDA, ["-DCOLIBRI_CUDA=ON", "-DCOLIBRI_WERROR=ON", "-DCMAKE_BUILD_TYPE=Release",
                        "-DCMAKE_CUDA_ARCHITECTURES=80;90", *launcher], ["--target", "colibri_shared"],
                 env=cuda_env())
