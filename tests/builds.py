@@ -130,9 +130,13 @@ TOOLCHAIN = NATIVE / "cmake" / "aarch64-linux-gnu.cmake"
 
 def aarch64() -> Path:
     """Everything the aarch64 job runs under qemu (the library, colibri_cli, colibri_bench,
-    colibri_server, every C test), cross-compiled with Debian's gcc-aarch64-linux-gnu."""
-    return _run(AARCH64, [f"-DCMAKE_TOOLCHAIN_FILE={TOOLCHAIN}", "-DCMAKE_BUILD_TYPE=Release",
-                          "-DCOLIBRI_BUILD_TESTS=ON", "-DCOLIBRI_WERROR=ON"], [])
+    colibri_server, every C test), cross-compiled with Debian's gcc-aarch64-linux-gnu at -O1:
+    the job checks what the code computes under emulation, not its speed, and -O1 compiles in
+    less than half the time of a release build (43 against 109 CPU-seconds on 2 cores; the
+    emulated kernel tests run 35 s instead of 31)."""
+    return _run(AARCH64, [f"-DCMAKE_TOOLCHAIN_FILE={TOOLCHAIN}", "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
+                          "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1", "-DCOLIBRI_BUILD_TESTS=ON",
+                          "-DCOLIBRI_WERROR=ON"], [])
 
 
 BUILDS = {"asan": asan, "cuda": cuda, "aarch64": aarch64}
