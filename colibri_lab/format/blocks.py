@@ -37,19 +37,30 @@ from . import spec as fmt
 from .spec import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_MXFP4, DTYPE_Q4_K, DTYPE_Q5_K,
                      DTYPE_Q6_K, DTYPE_Q8_0, QUANT_DTYPES)
 
-try:  # the GGUF type ids; the quantizers themselves do not need the package
+
+def _ggml_tables() -> tuple[dict, dict]:
+    """(GGML_TYPES, DTYPE_OF_GGML), built on first use: importing the gguf package costs
+    seconds (it imports mistral_common where that is installed), and the quantizers do not
+    need it."""
     import gguf
-    _GQT = gguf.GGMLQuantizationType
-    GGML_TYPES = {DTYPE_F32: _GQT.F32, DTYPE_F16: _GQT.F16, DTYPE_BF16: _GQT.BF16,
-                  DTYPE_Q8_0: _GQT.Q8_0, DTYPE_Q4_K: _GQT.Q4_K, DTYPE_Q5_K: _GQT.Q5_K,
-                  DTYPE_Q6_K: _GQT.Q6_K}
-    if hasattr(_GQT, "MXFP4"):  # GGML_TYPE_MXFP4 = 39 (gguf >= 0.17)
-        GGML_TYPES[DTYPE_MXFP4] = _GQT.MXFP4
-except ImportError:  # pragma: no cover - gguf is a declared dependency
-    gguf = None
-    GGML_TYPES = {}
-#: gguf.GGMLQuantizationType -> our dtype id
-DTYPE_OF_GGML = {v: k for k, v in GGML_TYPES.items()}
+
+    gqt = gguf.GGMLQuantizationType
+    types = {DTYPE_F32: gqt.F32, DTYPE_F16: gqt.F16, DTYPE_BF16: gqt.BF16, DTYPE_Q8_0: gqt.Q8_0,
+             DTYPE_Q4_K: gqt.Q4_K, DTYPE_Q5_K: gqt.Q5_K, DTYPE_Q6_K: gqt.Q6_K}
+    if hasattr(gqt, "MXFP4"):  # GGML_TYPE_MXFP4 = 39 (gguf >= 0.17)
+        types[DTYPE_MXFP4] = gqt.MXFP4
+    return types, {v: k for k, v in types.items()}
+
+
+def __getattr__(name: str):
+    """`GGML_TYPES` (our dtype id -> gguf.GGMLQuantizationType) and `DTYPE_OF_GGML` (the
+    inverse), imported from gguf on first access."""
+    if name in ("GGML_TYPES", "DTYPE_OF_GGML"):
+        types, inverse = _ggml_tables()
+        globals().update(GGML_TYPES=types, DTYPE_OF_GGML=inverse)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 QK_K = 256
 QK8_0 = 32
