@@ -28,7 +28,6 @@ import colibri_lab
 from colibri_lab.runtime.serving import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
-BUILD = REPO / "build" / "aarch64"
 TOOLCHAIN = REPO / "native" / "cmake" / "aarch64-linux-gnu.cmake"
 
 

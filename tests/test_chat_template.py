@@ -37,7 +37,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import colibri_lab  # noqa: E402
-from colibri_lab.conversion.bpe import QWEN2_PATTERN, build_bpe_tokenizer_section  # noqa: E402
+from colibri_lab.bench.models import byte_level_bpe  # noqa: E402
+from colibri_lab.conversion.bpe import build_bpe_tokenizer_section  # noqa: E402
 from colibri_lab.conversion.spm import build_tokenizer_section  # noqa: E402
 from colibri_lab.conversion.tokenizer import read_chat_template  # noqa: E402
 
@@ -381,17 +382,7 @@ def mixtral_tok(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen_bpe():
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_corpus(), trainer=trainers.BpeTrainer(
-        vocab_size=1500, special_tokens=SPECIAL, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = byte_level_bpe(_corpus(), 1500, SPECIAL)
     tok.add_tokens(ADDED)
     return tok
 
@@ -415,14 +406,7 @@ def olmoe_tok(tmp_path_factory, qwen_bpe):
 @pytest.fixture(scope="module")
 def neox_tok(tmp_path_factory):
     """GPT-2 style byte-level BPE (OLMoE's GPT-NeoX kind): the role markers are plain text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_corpus(), trainer=trainers.BpeTrainer(
-        vocab_size=1200, special_tokens=["<|endoftext|>", "<|padding|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = byte_level_bpe(_corpus(), 1200, ["<|endoftext|>", "<|padding|>"], style="gpt2")
     return _bpe_folder(tmp_path_factory.mktemp("neox-tok"), tok,
                        {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
                         "pad_token": "<|padding|>", "tokenizer_class": "PreTrainedTokenizerFast"})

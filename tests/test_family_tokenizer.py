@@ -16,10 +16,8 @@ tokenizers = pytest.importorskip("tokenizers")
 
 import colibri_lab  # noqa: E402
 
-from colibri_lab.bench.models import FamilyShape, build_model, save_checkpoint  # noqa: E402
+from colibri_lab.bench.models import FamilyShape, build_model, byte_level_bpe, save_checkpoint  # noqa: E402
 
-QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEXTS = [
     "def forward(self, x):\n    return self.w2(F.silu(self.w1(x)) * self.w3(x))\n",
@@ -44,17 +42,7 @@ def _corpus(chars: int = 400_000) -> list[str]:
 
 @pytest.fixture(scope="module")
 def qwen_folder(tmp_path_factory):
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_corpus(), trainer=trainers.BpeTrainer(
-        vocab_size=1200, special_tokens=SPECIALS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = byte_level_bpe(_corpus(), 1200, SPECIALS)
     vocab = tok.get_vocab_size()
     shape = FamilyShape(family="qwen2_moe", vocab=vocab, hidden=48, inter=30, dense_inter=70,
                         shared_inter=40, layers=2, heads=4, kv_heads=2, experts=4, top_k=2,

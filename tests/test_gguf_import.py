@@ -46,7 +46,7 @@ from colibri_lab.conversion.spec import ConversionError  # noqa: E402
 from colibri_lab.conversion.gguf import convert_gguf  # noqa: E402
 from colibri_lab.bench.llama_cpp import _find_llama_src  # noqa: E402
 
-from colibri_lab.bench.models import FamilyShape, MixtralShape, build_model, save_checkpoint  # noqa: E402
+from colibri_lab.bench.models import FamilyShape, MixtralShape, build_model, byte_level_bpe, save_checkpoint  # noqa: E402
 
 SPECIALS = {"qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
             "olmo": ["<|endoftext|>", "<|padding|>"]}
@@ -152,23 +152,7 @@ def _corpus() -> list[str]:
 def _bpe_tokenizer(kind: str, vocab_size: int):
     """A byte-level BPE tokenizer like Qwen's (NFC, the Qwen2 split pattern) or OLMoE's
     (GPT-NeoX: ByteLevel with the GPT-2 regex, no normalizer), trained on Python's stdlib."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    from colibri_lab.conversion.bpe import QWEN2_PATTERN
-
-    tok = Tokenizer(models.BPE())
-    if kind == "qwen":
-        tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    else:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_corpus(), trainer=trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS[kind], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return tok
+    return byte_level_bpe(_corpus(), vocab_size, SPECIALS[kind], style="qwen2" if kind == "qwen" else "gpt2")
 
 
 FAMILY_SHAPES = {

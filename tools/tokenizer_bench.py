@@ -66,19 +66,9 @@ def machine() -> str:
 
 def train_bpe(text: str, folder: Path) -> Path:
     """A Qwen2-style byte-level BPE tokenizer.json trained on `text` (the tests' qwen_style)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from colibri_lab.bench.models import byte_level_bpe
 
-    from colibri_lab.conversion.bpe import QWEN2_PATTERN
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(documents(text), trainer=trainers.BpeTrainer(
-        vocab_size=4000, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = byte_level_bpe(documents(text), 4000, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     out = folder / "tokenizer.json"
     tok.save(str(out))
     return out

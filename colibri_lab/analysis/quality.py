@@ -440,7 +440,7 @@ def text_tokens(engine_or_path, text: str) -> np.ndarray:
     text, one trailing newline dropped first (llama.cpp's ``-f`` reader drops it)."""
     if text.endswith("\n"):
         text = text[:-1]
-    eng, own = _open(engine_or_path, None, None)
+    eng, own = open_engine(engine_or_path, None, None)
     try:
         return np.asarray(eng.tokenizer.encode(text, add_bos=True), dtype=np.int32)
     finally:
@@ -448,7 +448,9 @@ def text_tokens(engine_or_path, text: str) -> np.ndarray:
             eng.close()
 
 
-def _open(engine_or_path, threads, max_seq_len):
+def open_engine(engine_or_path, threads, max_seq_len):
+    """(engine, owned): an open Engine as it is (not owned), or a path opened here (owned: the
+    caller closes it)."""
     from ..runtime.engine import Engine
 
     if isinstance(engine_or_path, Engine):
@@ -456,7 +458,8 @@ def _open(engine_or_path, threads, max_seq_len):
     return Engine(engine_or_path, num_threads=threads, max_seq_len=max_seq_len), True
 
 
-def _name(engine_or_path) -> str:
+def engine_name(engine_or_path) -> str:
+    """The file name of an Engine's model or of a path (the report's ref / test labels)."""
     p = getattr(engine_or_path, "path", engine_or_path)
     return os.path.basename(os.fspath(p))
 
@@ -486,16 +489,16 @@ def compare(ref, test, tokens: Sequence[int] | np.ndarray, *, ctx: int = 512,
     ids = ids[: total * ctx].astype(np.int32)
     if progress is True:
         progress = lambda i, n: print(f"[quality] chunk {i}/{n}", file=sys.stderr, flush=True)  # noqa: E731
-    reng, rown = _open(ref, threads, ctx)
+    reng, rown = open_engine(ref, threads, ctx)
     try:
-        teng, town = _open(test, threads, ctx)
+        teng, town = open_engine(test, threads, ctx)
     except BaseException:
         if rown:
             reng.close()
         raise
     try:
         return _compare(reng, teng, ids, ctx, total, add_bos, routing, progress,
-                        _name(ref), _name(test))
+                        engine_name(ref), engine_name(test))
     finally:
         if town:
             teng.close()
@@ -695,7 +698,7 @@ def precision_agreement(path: str | os.PathLike, token_ids: Sequence[int] | np.n
         "moe_layers": [int(x) for x in layers], "n_routing_decisions": int(n_decisions),
         "ppl_ref": st["ppl_ref"], "ppl_test": st["ppl_test"],
         "n_chunks": len(starts), "chunk": chunk, "ref": ref, "test": test, "kernels": kernels,
-        "weight_dtype": wdtype, "model": _name(path), "tokens_sha256": tokens_sha256(ids),
+        "weight_dtype": wdtype, "model": engine_name(path), "tokens_sha256": tokens_sha256(ids),
     }  # fmt: skip
 
 

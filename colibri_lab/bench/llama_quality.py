@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..analysis.quality import (DP_QUANTILES, KLD_QUANTILES, KLDAccumulator, QualityReport, _name, _open,
+from ..analysis.quality import (DP_QUANTILES, KLD_QUANTILES, KLDAccumulator, QualityReport, engine_name, open_engine,
                                 tokens_sha256)
 
 def _pad_to(n: int, multiple: int) -> int:
@@ -213,7 +213,7 @@ def compare_to_llama_base(engine_or_path, base_logits: str | os.PathLike, *,
     engines' f32 models agree (the 16-bit storage of the base log-probs bounds how small
     the KL can get)."""
     n_ctx, n_vocab, n_chunk, tokens = read_llama_logits_header(base_logits)
-    eng, own = _open(engine_or_path, threads, n_ctx)
+    eng, own = open_engine(engine_or_path, threads, n_ctx)
     try:
         if eng.config.vocab_size != n_vocab:
             raise ValueError(f"vocabularies differ: {eng.config.vocab_size} against {n_vocab}")
@@ -232,7 +232,7 @@ def compare_to_llama_base(engine_or_path, base_logits: str | os.PathLike, *,
         if own:
             eng.close()
     return QualityReport(source="colibri", ref=os.path.basename(os.fspath(base_logits)),
-                         test=_name(engine_or_path), ctx=n_ctx, n_chunks=n_chunk,
+                         test=engine_name(engine_or_path), ctx=n_ctx, n_chunks=n_chunk,
                          n_tokens=n_chunk * n_ctx, tokens_sha256=tokens_sha256(tokens),
                          meta={"reference": "llama.cpp base log-probs (16-bit)"}, **st)  # fmt: skip
 

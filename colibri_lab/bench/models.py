@@ -386,6 +386,32 @@ def tokenizer_model_file() -> Path | None:
     return p if p.is_file() else None
 
 
+def byte_level_bpe(texts, vocab_size: int, special_tokens, style: str = "qwen2"):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts``: "qwen2" (Qwen2 / Qwen3:
+    NFC, the Qwen2 split pattern, byte-level pieces) or "gpt2" (GPT-2 / GPT-NeoX, OLMoE's kind:
+    the GPT-2 regex, no normalizer). The tokenizer of the random BPE-family test models and of
+    the tokenizer benchmark."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from ..conversion.bpe import QWEN2_PATTERN
+
+    tok = Tokenizer(models.BPE())
+    if style == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif style == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        raise ValueError(f"byte_level_bpe: style is 'qwen2' or 'gpt2', not {style!r}")
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(special_tokens), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
 def _write_bpe_tokenizer(folder: Path, n_tokens: int) -> None:
     """A byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json) of n_tokens
     entries, trained with the `tokenizers` library on this package's own source: a GPT-2
