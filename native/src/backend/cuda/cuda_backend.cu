@@ -129,6 +129,11 @@ static void ck(cu_state *st, cudaError_t e) {
 
 static void launched(cu_state *st) { ck(st, cudaGetLastError()); }
 
+/* The CUDA runtime's current device is a property of the calling thread: every entry point
+ * that touches the device makes this context's device current first (a server may call an
+ * engine from another thread than the one that opened it; cheap when it is current already). */
+static void use_device(cu_state *st) { ck(st, cudaSetDevice(st->dev)); }
+
 static int dt_ok(uint32_t dt) {
     return dt == COLIBRI_DTYPE_F32 || dt == COLIBRI_DTYPE_F16 || dt == COLIBRI_DTYPE_BF16 ||
            dt == COLIBRI_DTYPE_Q8_0;
@@ -592,6 +597,7 @@ static void cu_begin_chunk(colibri_ctx *ctx) {
     const cb_scratch *s = &ctx->s;
     const cb_kv *kv = &ctx->sess.kv;
     int64_t T = ctx->run.T;
+    use_device(st);
     sync(st); /* the previous chunk's upload has been read before h_up is rewritten */
     memcpy(st->h_up + st->o_ids, s->run_ids, (size_t)T * sizeof(int32_t));
     memcpy(st->h_up + st->o_seq, s->row_seq, (size_t)T * sizeof(int32_t));
@@ -672,6 +678,7 @@ static void cu_to_host(colibri_ctx *ctx, int32_t stage, uint32_t l) {
     int64_t Nq = (int64_t)c->n_heads * c->head_dim, Nkv = (int64_t)c->n_kv_heads * c->head_dim;
     const uint64_t f = sizeof(float);
     int moe = l < c->n_layers && st->L[l].moe;
+    use_device(st);
     switch (stage) {
     case COLIBRI_STAGE_EMBEDDING:
         d2h(st, s->x, st->x, (uint64_t)(T * H) * f);
@@ -740,6 +747,7 @@ static void cu_to_host(colibri_ctx *ctx, int32_t stage, uint32_t l) {
 static const void *cu_device_tensor(colibri_ctx *ctx, const char *name) {
     cu_state *st = S(ctx);
     if (!st) return NULL;
+    use_device(st);
     struct {
         const char *n;
         const void *p;
@@ -759,6 +767,7 @@ static void cu_kv_copy_block(colibri_ctx *ctx, int64_t dst, int64_t src) {
     cu_state *st = S(ctx);
     const cb_kv *kv = &ctx->sess.kv;
     uint64_t bytes = (uint64_t)kv->block_stride * sizeof(float);
+    use_device(st);
     ck(st, cudaMemcpyAsync(st->kvk + dst * kv->block_stride, st->kvk + src * kv->block_stride, bytes,
                            cudaMemcpyDeviceToDevice, st->stream));
     ck(st, cudaMemcpyAsync(st->kvv + dst * kv->block_stride, st->kvv + src * kv->block_stride, bytes,
@@ -795,6 +804,7 @@ static void cu_facts(const colibri_ctx *ctx, cb_backend_facts *out) {
 static void cu_free(colibri_ctx *ctx) {
     cu_state *st = S(ctx);
     if (!st) return;
+    (void)cudaSetDevice(st->dev); /* the frees below act on the current device */
     for (int i = 0; i < CB_GRAPH_SLOTS; i++)
         if (st->exec[i]) cudaGraphExecDestroy(st->exec[i]);
     if (st->have_stream) {
@@ -1130,9 +1140,23 @@ static colibri_status cu_init(colibri_ctx *ctx, const cb_backend_request *req, c
         return fail(st, ctx, COLIBRI_E_UNSUPPORTED, err, err_len, "opening the device", e);
     }
     st->have_stream = 1;
+    /* k_attention's dynamic shared memory limit is a property of the function on the device,
+     * shared by every engine of the process: it is set to the same value by every engine (the
+     * most any head_dim needs, within what the device grants), so an engine with a smaller
+     * head_dim never lowers what another one launches with. */
+    size_t att_smem = CK_ATT_SMEM(CK_MAX_HD);
+    if (prop.sharedMemPerBlockOptin > 0 && att_smem > prop.sharedMemPerBlockOptin)
+        att_smem = prop.sharedMemPerBlockOptin;
+    if (CK_ATT_SMEM(c->head_dim) > att_smem) {
+        free(moe);
+        cu_free(ctx);
+        cb_set_err(err, err_len, "the CUDA attention kernel needs %zu bytes of shared memory for head_dim %u; "
+                   "this device grants %zu", (size_t)CK_ATT_SMEM(c->head_dim), c->head_dim, att_smem);
+        return COLIBRI_E_UNSUPPORTED;
+    }
     if ((e = mm_attributes()) != cudaSuccess ||
-        (e = cudaFuncSetAttribute(k_attention, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)CK_ATT_SMEM(c->head_dim))) != cudaSuccess) {
+        (e = cudaFuncSetAttribute(k_attention, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)att_smem)) !=
+            cudaSuccess) {
         free(moe);
         return fail(st, ctx, COLIBRI_E_UNSUPPORTED, err, err_len, "setting the kernels' shared memory", e);
     }
@@ -1147,14 +1171,15 @@ static colibri_status cu_init(colibri_ctx *ctx, const cb_backend_request *req, c
     const cb_kv *kv = &ctx->sess.kv;
     uint64_t kv_half = cb_plan_align((uint64_t)(kv->n_blocks * kv->block_stride) * sizeof(float));
     uint64_t kv_bytes = 2 * kv_half;
+    /* an expert slot holds the largest expert of any MoE layer (a file may store layers'
+     * experts in different dtypes) */
     uint64_t expert_bytes = 0;
     for (uint32_t l = 0; l < nl; l++)
         if (ctx->w.layers[l].moe) {
             bump me = {NULL, 0, 0};
             const void *tmp3[3];
             put_ffn(st, &me, &ctx->w.layers[l].experts, 0, c->inter, H, tmp3);
-            expert_bytes = me.off;
-            break;
+            if (me.off > expert_bytes) expert_bytes = me.off;
         }
     cb_plan_input in;
     memset(&in, 0, sizeof in);
