@@ -63,8 +63,7 @@ void colibri_free(colibri_ctx *ctx) {
     free(ctx->chat_template);
     free(ctx->arena);
     free(ctx->w.layers);
-    free(ctx->tensors);
-    free(ctx->meta);
+    cb_file_free(&ctx->file);
     if (ctx->panels) munmap(ctx->panels, ctx->panels_size);
     if (ctx->map) munmap((void *)ctx->map, (size_t)ctx->map_size);
     if (ctx->fd >= 0) close(ctx->fd);
@@ -355,7 +354,8 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     ctx->map = m;
     ctx->map_size = (uint64_t)stt.st_size;
 
-    colibri_status st = cb_format_load(ctx, path, err, err_len);
+    colibri_status st = cb_model_load(&ctx->file, &ctx->cfg, &ctx->w, ctx->map, ctx->map_size, path, err,
+                                     err_len);
     if (st != COLIBRI_OK) return init_fail(ctx, st, err, err_len);
 
     /* run settings */
@@ -453,7 +453,7 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     if (c->chat_template_len) memcpy(ctx->chat_template, c->chat_template, (size_t)c->chat_template_len);
     ctx->chat_template[c->chat_template_len] = 0;
     if (opt.verify_checksums) {
-        st = cb_verify_all(ctx);
+        st = cb_file_verify(&ctx->file, ctx->err, sizeof ctx->err);
         if (st != COLIBRI_OK) {
             cb_set_err(err, err_len, "%s", ctx->err);
             return init_fail(ctx, st, err, err_len);
@@ -691,12 +691,12 @@ colibri_status colibri_get_string(const colibri_ctx *ctx, const char *name, cons
 
 colibri_status colibri_verify(colibri_ctx *ctx) {
     if (!ctx) return COLIBRI_E_INVALID_ARG;
-    return cb_verify_all(ctx);
+    return cb_file_verify(&ctx->file, ctx->err, sizeof ctx->err);
 }
 
 colibri_status colibri_verify_router(colibri_ctx *ctx) {
     if (!ctx) return COLIBRI_E_INVALID_ARG;
-    return cb_verify_router(ctx);
+    return cb_model_verify_router(&ctx->w, &ctx->cfg, &ctx->file, ctx->err, sizeof ctx->err);
 }
 
 colibri_tokenizer *colibri_get_tokenizer(colibri_ctx *ctx) {
