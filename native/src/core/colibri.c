@@ -19,6 +19,7 @@
 #include "core/context.h"
 #include "core/error.h"
 #include "core/trace.h"
+#include "cpu/registry.h"
 #include "tokenizer/tokenizer.h"
 
 /* "colibri 0.1.0 (format F, abi A)", F and A taken from colibri.h */
@@ -406,7 +407,7 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
                    (int)ctx->num_threads, strerror(prc));
         return init_fail(ctx, COLIBRI_E_NOMEM, err, err_len);
     }
-    if (be == &cb_backend_cpu && ctx->populate) { /* read at load anyway: the panel copies (model/panels.c) */
+    if (be == &cb_backend_cpu && ctx->populate) { /* read at load anyway: the panel copies (backend/cpu/panels.c) */
         uint64_t pb = cb_panels_bytes(ctx);
         if (pb > 0 && populate_auto(pb)) cb_panels_make(ctx, pb);
     }
@@ -610,7 +611,7 @@ colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t
         {"kv_blocks_total", ctx->sess.kv.n_blocks},
         {"kv_blocks_used", ctx->sess.kv.n_blocks - ctx->sess.kv.n_free},
         /* bytes of cache per position of a sequence, every layer: keys and values, or one
-         * latent row for multi-head latent attention (model/mla.c) */
+         * latent row for multi-head latent attention (backend/cpu/mla.c) */
         {"kv_bytes_per_token", ctx->sess.kv.block_len ? ctx->sess.kv.layer_stride / ctx->sess.kv.block_len *
                                    (int64_t)c->n_layers * (int64_t)sizeof(float) * (ctx->sess.kv.v ? 2 : 1) : 0},
         {"file_size", (int64_t)c->file_size},

@@ -27,7 +27,7 @@ struct colibri_ctx {
     int fd;
     const uint8_t *map;      /* [file_size] read-only mapping */
     uint64_t map_size;
-    void *panels;            /* the panel copies of the BF16 weights (model/panels.c), or NULL */
+    void *panels;            /* the panel copies of the BF16 weights (backend/cpu/panels.c), or NULL */
     size_t panels_size;      /* the whole anonymous mapping holding them */
     /* parsed */
     cb_file file;            /* the container read (format/container.h): metadata, tensor directory */

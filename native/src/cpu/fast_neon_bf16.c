@@ -1,7 +1,7 @@
 /*
  * fast_neon_bf16.c — the fast mode's BF16 kernels on AArch64 BFDOT (FEAT_BF16: 8 bf16
  * multiply-adds into 4 float32 lanes per instruction, twice an FMLA's), the AArch64
- * counterpart of fast_bf16dp.c. The activations are already rounded to bf16 (backend/cpu.c), so
+ * counterpart of fast_bf16dp.c. The activations are already rounded to bf16 (backend/cpu/stages.c), so
  * their conversion here is exact.
  *
  * Lanes are outputs: for W [N, K] (a matmul, gate/up) a panel of 4 rows is transposed once per

@@ -85,7 +85,7 @@ static colibri_status agree_u32(const cb_file *f, const char *key, uint64_t head
     } while (0)
 
 /* Grouped routing, a choice bias and scaling (docs/format.md, "Family options";
- * model/route_group.c): model.n_group, model.topk_group, model.router_bias,
+ * backend/cpu/route_group.c): model.n_group, model.topk_group, model.router_bias,
  * model.routed_scaling_factor. Defaults: no groups, no bias, scale 1. */
 static colibri_status read_router_options(const cb_file *f, cb_config *c, char *err, size_t len) {
     const cb_meta_entry *e;
@@ -130,7 +130,7 @@ static colibri_status read_router_options(const cb_file *f, cb_config *c, char *
     return COLIBRI_OK;
 }
 
-/* Multi-head latent attention (model.attention "mla", model/mla.c): its widths and
+/* Multi-head latent attention (model.attention "mla", backend/cpu/mla.c): its widths and
  * softmax scale, required in an MLA file; model.head_dim is the RoPE width. */
 static colibri_status read_mla_options(const cb_file *f, cb_config *c, char *err, size_t len) {
     const cb_meta_entry *e;

@@ -88,7 +88,7 @@ typedef struct cb_config {
 typedef struct cb_mat {
     const void *w;
     uint32_t dt;
-    const void *pan; /* the panel copy of w (model/panels.c), or NULL */
+    const void *pan; /* the panel copy of w (backend/cpu/panels.c), or NULL */
 } cb_mat;
 
 /* A SwiGLU FFN of one or E experts (docs/format.md): packed (version 1: one tensor, rows
@@ -96,7 +96,7 @@ typedef struct cb_mat {
  * [E, I, H] and down [E, H, I], any weight dtypes, gate and up the same). */
 typedef struct cb_ffn {
     const void *packed;        /* packed: [E, 3I, H], expert e at packed + e * stride; else NULL */
-    const void *pan;           /* packed BF16: the panel copy (model/panels.c), or NULL */
+    const void *pan;           /* packed BF16: the panel copy (backend/cpu/panels.c), or NULL */
     uint64_t stride;           /* packed: bytes per expert */
     const void *gate, *up, *down; /* split */
     uint64_t gu_stride, down_stride; /* split: bytes per expert of gate (= up) and of down */

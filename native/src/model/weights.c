@@ -217,7 +217,7 @@ static colibri_status bind_weights(const cb_file *f, cb_config *c, cb_weights *w
         snprintf(name, sizeof name, "blk.%u.attn_norm.weight", l);
         WANT(name, COLIBRI_DTYPE_F32, 0, 1, H, 1, 1, CB_SEC_DENSE);
         L->attn_norm = p;
-        if (c->attention == CB_ATTN_MLA) { /* model/mla.c */
+        if (c->attention == CB_ATTN_MLA) { /* backend/cpu/mla.c */
             if ((st = bind_mla_attention(f, c, l, L, err, len))) return st;
         } else {
             snprintf(name, sizeof name, "blk.%u.attn_q.weight", l);
@@ -282,7 +282,7 @@ static colibri_status bind_weights(const cb_file *f, cb_config *c, cb_weights *w
             WANT(name, COLIBRI_DTYPE_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
             L->router_zero = p;
         }
-        if (c->router_bias) { /* the choice-only correction bias (model/route_group.c) */
+        if (c->router_bias) { /* the choice-only correction bias (backend/cpu/route_group.c) */
             snprintf(name, sizeof name, "blk.%u.exp_probs_b.bias", l);
             WANT(name, COLIBRI_DTYPE_F32, 0, 1, E, 1, 1, CB_SEC_ROUTER);
             L->router_bias = p;

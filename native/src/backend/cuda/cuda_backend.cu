@@ -1,7 +1,7 @@
 /*
  * cuda_backend.cu — the CUDA backend (backend/backend.h, docs/backends.md): the seven stages
  * of a forward chunk on one NVIDIA GPU, one non-blocking stream, with the CPU backend's
- * semantics (backend/cpu.c): f32 activations, f32 accumulation, weights widened in the
+ * semantics (backend/cpu/stages.c): f32 activations, f32 accumulation, weights widened in the
  * kernels (cuda_kernels.cuh).
  *
  * Memory: one cudaMalloc at init, carved by the plan (backend/plan.h): the dense weights
