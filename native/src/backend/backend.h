@@ -47,10 +47,11 @@ struct colibri_ctx;
 
 typedef struct cb_backend {
     const char *name;           /* "cpu", "cuda" */
-    /* After the arena is carved (cb_scratch_init) and the thread pool started: make the
-     * memory plan, take the device's memory and upload what it keeps there; the state goes
-     * to ctx->be_state. NULL: nothing to do (the CPU). Failure: a status and a message,
-     * nothing left taken. */
+    /* After the arena is carved (cb_scratch_init), the thread pool started and the panel
+     * copies made: make the memory plan, take the device's memory and upload what it keeps
+     * there (the state goes to ctx->be_state), or bind each weight to the operations that
+     * read it (the CPU: backend/cpu/bind.c). NULL: nothing to do. Failure: a status and a
+     * message, nothing left taken. */
     colibri_status (*init)(struct colibri_ctx *ctx, const cb_backend_request *req, char *err, size_t err_len);
     void (*free)(struct colibri_ctx *ctx);
     /* The stages (colibri.h, colibri_stage), over ctx->run's chunk. */

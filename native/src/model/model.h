@@ -89,6 +89,10 @@ typedef struct cb_mat {
     const void *w;
     uint32_t dt;
     const void *pan; /* the panel copy of w (backend/cpu/panels.c), or NULL */
+    int64_t cols;    /* K: the length of a row */
+    /* how the CPU backend multiplies by it (backend/cpu/bind.c: its layout and kernels),
+     * chosen once when the backend starts; NULL before */
+    const struct cb_matmul_op *op;
 } cb_mat;
 
 /* A SwiGLU FFN of one or E experts (docs/format.md): packed (version 1: one tensor, rows

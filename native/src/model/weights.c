@@ -71,6 +71,7 @@ static colibri_status want_mat(const cb_file *f, const char *name, uint64_t rows
     if (st != COLIBRI_OK) return st;
     out->w = p;
     out->dt = t->dtype;
+    out->cols = (int64_t)cols;
     return COLIBRI_OK;
 }
 

@@ -41,6 +41,19 @@ typedef struct cb_mm_task {
     cb_mm_job jobs[3];
 } cb_mm_task;
 void cb_cpu_par_matmul(colibri_ctx *ctx, cb_mm_task *m);
+
+/* ---- bind.c: the operations that read a weight, chosen once per weight at start-up ---- */
+
+/* How a matrix is multiplied (cb_mat.op): rows n0 .. n1 of job b's y = x W^T with the
+ * task's tables, and how its chunks of rows align (1: whole groups of the panel layout,
+ * m->pan->rows; 0: the decode tile, 8 rows). */
+typedef struct cb_matmul_op {
+    void (*rows)(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int64_t n1);
+    int panel_groups;
+} cb_matmul_op;
+/* cb_backend_cpu.init: every weight matrix's op, from the running tables (ctx->kern,
+ * ctx->fast, ctx->pan) and the panel copies made (or not) at load. */
+colibri_status cb_cpu_bind(colibri_ctx *ctx, const cb_backend_request *req, char *err, size_t err_len);
 /* y = x W^T over the context's threads. */
 void cb_matmul_par(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t T, int64_t N, int64_t K);
 /* Two such matmuls over the same input x [T, K] in one parallel section: y1 = x W1^T

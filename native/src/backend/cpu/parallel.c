@@ -42,14 +42,7 @@ static void mm_chunk(void *arg, int64_t c, int tid) {
     while (c >= m->jobs[j].nch) c -= m->jobs[j++].nch;
     const cb_mm_job *b = &m->jobs[j];
     int64_t n0 = c * b->len, n1 = n0 + b->len < b->N ? n0 + b->len : b->N;
-    size_t row = (size_t)cb_row_bytes(b->w.dt, (uint64_t)b->K);
-    const void *w = (const uint8_t *)b->w.w + (size_t)n0 * row;
-    if (b->w.pan) /* the panel copy (backend/cpu/panels.c): chunks of whole groups */
-        m->pan->matmul_panels(b->y + n0, b->N, b->x, b->w.pan, m->T, b->N, b->K, n0, n1);
-    else if (cb_fast_takes(m->fast, b->w.dt, b->K))
-        m->fast->matmul_ld(b->y + n0, b->N, b->x, w, b->w.dt, m->T, n1 - n0, b->K);
-    else
-        m->kern->matmul_ld(b->y + n0, b->N, b->x, w, b->w.dt, m->T, n1 - n0, b->K);
+    b->w.op->rows(m, b, n0, n1);
 }
 
 void cb_cpu_par_matmul(colibri_ctx *ctx, cb_mm_task *m) {
@@ -57,7 +50,7 @@ void cb_cpu_par_matmul(colibri_ctx *ctx, cb_mm_task *m) {
     for (int j = 0; j < m->n_jobs; j++) rows += m->jobs[j].N;
     for (int j = 0; j < m->n_jobs; j++) {
         cb_mm_job *b = &m->jobs[j];
-        int64_t align = b->w.pan ? m->pan->rows : 8;
+        int64_t align = b->w.op->panel_groups ? m->pan->rows : 8;
         b->len = rows < CB_PAR_MIN_ROWS ? b->N : cb_cpu_chunk_len(ctx, b->N, align, 16);
         int64_t cap = CB_CHUNK_MAX_BYTES / cb_row_bytes(b->w.dt, (uint64_t)b->K) / align * align;
         if (b->len > cap && cap > 0) b->len = cap;

@@ -439,6 +439,7 @@ static void cpu_facts(const colibri_ctx *ctx, cb_backend_facts *f) {
 
 const cb_backend cb_backend_cpu = {
     .name = "cpu",
+    .init = cb_cpu_bind,
     .embedding = stage_embedding,
     .attention = stage_attention,
     .router = stage_router,
