@@ -23,7 +23,7 @@
 #if defined(__aarch64__) && defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC) && !defined(COLIBRI_NO_SIMD_TABLES)
 #include <arm_neon.h>
 
-#include "cpu/simd_neon.h"
+#include "cpu/arm/simd_neon.h"
 #include "cpu/simd_math.h"
 
 #define DKMAX CB_FAST_BF16_MAX_K /* the longest rows here */
@@ -103,7 +103,7 @@ static void silu_mul4(float *g, const float *u, int64_t n) {
 #define BF_PANEL uint32x4_t
 #define pack_panel pack4
 #define silu_mul_panel silu_mul4
-#include "cpu/fast_bf16_rows.inc"
+#include "cpu/arm/fast_bf16_rows.inc"
 
 /* the n (< 4 or 4) bf16 at p, zero-padded to 4 */
 static inline uint16x4_t load4_bf16(const uint16_t *p, int64_t n) {

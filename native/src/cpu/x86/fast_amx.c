@@ -33,7 +33,7 @@
     defined(__linux__) && !defined(COLIBRI_NO_SIMD_TABLES)
 #include <immintrin.h>
 
-#include "cpu/simd_avx512.h"
+#include "cpu/x86/simd_avx512.h"
 #include "cpu/simd_math.h"
 
 

@@ -54,7 +54,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && !defined(COLIBRI_NO_SIMD_TABLES)
 #include <immintrin.h>
 
-#include "cpu/simd_avx512.h"
+#include "cpu/x86/simd_avx512.h"
 #include "cpu/simd_math.h"
 
 #define DKMAX CB_FAST_BF16_MAX_K /* the longest rows here */
