@@ -12,7 +12,7 @@
   COLIBRI_E_INVALID_ARG;
 - ``StageRun.tensor(name, device=True)`` on the CPU raises the engine's UNSUPPORTED error, and
   ``colibri_stage_tensor_device`` returns it;
-- the seam changed nothing: the CPU stages moved into backend/cpu.c and run through a table,
+- the seam changed nothing: the CPU stages moved into backend/cpu/stages.c and run through a table,
   so the fused forward, the stage-by-stage run, the batch API (alone and beside another
   sequence), a traced forward, a chunked forward (max_batch), incremental decoding and
   forward_last all give bitwise the same logits, on the tiny Mixtral (f32 and bf16, exact

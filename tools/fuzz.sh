@@ -86,8 +86,9 @@ build() {
     command -v "$CC" >/dev/null || { echo "fuzz.sh: $CC not found (apt-get install clang libclang-rt-14-dev)" >&2; exit 1; }
     echo "fuzz.sh: building into $BUILD/bin"
     local engine=() server=() src obj
-    for src in "$NATIVE"/src/*/*.c; do
-        obj="$BUILD/obj/engine/$(basename "$(dirname "$src")")_$(basename "$src" .c).o"
+    for src in "$NATIVE"/src/*/*.c "$NATIVE"/src/*/*/*.c; do
+        obj="$BUILD/obj/engine/$(realpath --relative-to="$NATIVE/src" "$src" | tr / _)"
+        obj="${obj%.c}.o"
         compile "$src" "$obj" -fsanitize=fuzzer-no-link
         engine+=("$obj")
     done

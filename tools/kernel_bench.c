@@ -19,6 +19,7 @@
 #include "core/dtype.h"
 #include "cpu/fast.h"
 #include "cpu/kernels.h"
+#include "cpu/registry.h"
 
 static double now(void) {
     struct timespec t;

@@ -71,7 +71,7 @@ class ModelSpec:
     rope_type: str = "default"       # default | yarn
     rope_inv_freq: tuple = ()        # yarn: the [rope_dim / 2] inverse frequencies
     rope_attention_factor: float = 1.0   # yarn: multiplies cos and sin
-    # grouped routing (DeepSeek; model/route_group.c): n_group groups, topk_group kept
+    # grouped routing (DeepSeek; backend/cpu/route_group.c): n_group groups, topk_group kept
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0

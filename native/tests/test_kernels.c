@@ -19,6 +19,7 @@
 
 #include "cpu/fast.h"    /* the fast numeric mode's tables */
 #include "cpu/kernels.h" /* internal header (src/ is on the tests' include path): the kernels are not public API */
+#include "cpu/registry.h" /* every table, exact and fast */
 
 static int n_fail = 0, n_check = 0;
 static uint64_t rng_state = 0x1234567887654321ull;
@@ -1527,31 +1528,33 @@ static void test_table(const cb_kernels *K) {
 int main(void) {
     test_conversions();
     test_table(cb_kernels_ref());
-    const char *names[] = {"avx2", "avx512", "neon"};
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        const cb_kernels *K = cb_kernels_by_name(names[i]);
+    size_t n_tables;
+    const cb_table_entry *tables = cb_registry(&n_tables);
+    for (size_t i = 0; i < n_tables; i++) { /* every exact table of the registry (the reference: above) */
+        if (!tables[i].exact || tables[i].exact() == cb_kernels_ref()) continue;
+        const cb_kernels *K = cb_kernels_by_name(tables[i].name);
         if (K) {
             int before = n_fail;
             test_table(K);
-            printf("test_kernels: table %s checked (%s)\n", names[i], n_fail == before ? "ok" : "FAILED");
+            printf("test_kernels: table %s checked (%s)\n", tables[i].name, n_fail == before ? "ok" : "FAILED");
         } else {
-            printf("test_kernels: table %s skipped (not built, or this CPU lacks it)\n", names[i]);
+            printf("test_kernels: table %s skipped (not built, or this CPU lacks it)\n", tables[i].name);
         }
     }
     test_round_bf16();
-    const char *fast_names[] = {"reference", "avx2", "avxvnni", "avx512vnni", "avx512vnni-amx", "avx512bf16",
-                                "neon",      "neon-dotprod", "neon-i8mm",      "neon-bf16"};
-    for (size_t i = 0; i < sizeof fast_names / sizeof fast_names[0]; i++) {
-        const cb_fast_kernels *F = cb_fast_by_name(fast_names[i]);
+    for (size_t i = 0; i < n_tables; i++) { /* every fast table of the registry */
+        if (!tables[i].fast) continue;
+        const char *name = tables[i].name;
+        const cb_fast_kernels *F = cb_fast_by_name(name);
         if (F) {
             int before = n_fail;
             test_fast(F);
             if (F->native_bf16) test_fast_bf16(F);
             if (F->panels) test_panels(F->panels, F, NULL);
             if (F->attention_heads) test_fast_attention(F);
-            printf("test_kernels: fast table %s checked (%s)\n", fast_names[i], n_fail == before ? "ok" : "FAILED");
+            printf("test_kernels: fast table %s checked (%s)\n", name, n_fail == before ? "ok" : "FAILED");
         } else {
-            printf("test_kernels: fast table %s skipped (not built, or this CPU lacks it)\n", fast_names[i]);
+            printf("test_kernels: fast table %s skipped (not built, or this CPU lacks it)\n", name);
         }
     }
     n_check++;

@@ -4,7 +4,7 @@
  * APIs, tracing) is the same for every backend; it calls the stages of ctx->be, one
  * described thing per device:
  *
- *   - the CPU backend (backend/cpu.c): the stages over the host arena and the mapped
+ *   - the CPU backend (backend/cpu/, its stages in stages.c): the stages over the host arena and the mapped
  *     weights, through the kernel tables (cpu/kernels.h, cpu/fast.h) on the thread pool;
  *   - the CUDA backend (backend/cuda/, built with -DCOLIBRI_CUDA=ON): weights uploaded
  *     once, device memory taken once by a plan (backend/plan.h), one stream, decode steps
@@ -47,10 +47,11 @@ struct colibri_ctx;
 
 typedef struct cb_backend {
     const char *name;           /* "cpu", "cuda" */
-    /* After the arena is carved (cb_scratch_init) and the thread pool started: make the
-     * memory plan, take the device's memory and upload what it keeps there; the state goes
-     * to ctx->be_state. NULL: nothing to do (the CPU). Failure: a status and a message,
-     * nothing left taken. */
+    /* After the arena is carved (cb_scratch_init), the thread pool started and the panel
+     * copies made: make the memory plan, take the device's memory and upload what it keeps
+     * there (the state goes to ctx->be_state), or bind each weight to the operations that
+     * read it (the CPU: backend/cpu/bind.c). NULL: nothing to do. Failure: a status and a
+     * message, nothing left taken. */
     colibri_status (*init)(struct colibri_ctx *ctx, const cb_backend_request *req, char *err, size_t err_len);
     void (*free)(struct colibri_ctx *ctx);
     /* The stages (colibri.h, colibri_stage), over ctx->run's chunk. */
@@ -80,7 +81,7 @@ typedef struct cb_backend {
     void (*facts)(const struct colibri_ctx *ctx, cb_backend_facts *out);
 } cb_backend;
 
-/* backend/cpu.c */
+/* backend/cpu/stages.c */
 extern const cb_backend cb_backend_cpu;
 /* The CPU's routed-expert FFN on `rows` host rows: y [rows, H] = expert e of MoE layer l on
  * x [rows, H] (h [rows, I] scratch; u [rows, I] scratch for clamped_swiglu, else unused),
@@ -92,6 +93,10 @@ void cb_cpu_expert_rows(struct colibri_ctx *ctx, uint32_t l, int64_t e, const fl
  * it (bf16 routed or shared experts), else 0 (and always 0 in exact mode): a device backend
  * rounds the rows it hands to cb_cpu_expert_rows the same way. */
 int cb_cpu_moe_input_bf16(const struct colibri_ctx *ctx, uint32_t l);
+/* backend/cpu/panels.c: the bytes of the panel copies of the BF16 weights for this context
+ * (0: none to make), and making them (advisory: on failure the weights stay as mapped). */
+uint64_t cb_panels_bytes(struct colibri_ctx *ctx);
+void cb_panels_make(struct colibri_ctx *ctx, uint64_t bytes);
 /* backend/cuda/cuda_backend.cu when built with COLIBRI_CUDA, else NULL (backend/select.c). */
 const cb_backend *cb_backend_cuda(void);
 /* By name ("cpu", "cuda"): the table, or NULL with a message saying why (unknown name, or a

@@ -19,6 +19,7 @@
 #include "core/context.h"
 #include "core/error.h"
 #include "core/trace.h"
+#include "cpu/registry.h"
 #include "tokenizer/tokenizer.h"
 
 /* "colibri 0.1.0 (format F, abi A)", F and A taken from colibri.h */
@@ -63,8 +64,7 @@ void colibri_free(colibri_ctx *ctx) {
     free(ctx->chat_template);
     free(ctx->arena);
     free(ctx->w.layers);
-    free(ctx->tensors);
-    free(ctx->meta);
+    cb_file_free(&ctx->file);
     if (ctx->panels) munmap(ctx->panels, ctx->panels_size);
     if (ctx->map) munmap((void *)ctx->map, (size_t)ctx->map_size);
     if (ctx->fd >= 0) close(ctx->fd);
@@ -355,7 +355,8 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     ctx->map = m;
     ctx->map_size = (uint64_t)stt.st_size;
 
-    colibri_status st = cb_format_load(ctx, path, err, err_len);
+    colibri_status st = cb_model_load(&ctx->file, &ctx->cfg, &ctx->w, ctx->map, ctx->map_size, path, err,
+                                     err_len);
     if (st != COLIBRI_OK) return init_fail(ctx, st, err, err_len);
 
     /* run settings */
@@ -406,7 +407,7 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
                    (int)ctx->num_threads, strerror(prc));
         return init_fail(ctx, COLIBRI_E_NOMEM, err, err_len);
     }
-    if (be == &cb_backend_cpu && ctx->populate) { /* read at load anyway: the panel copies (model/panels.c) */
+    if (be == &cb_backend_cpu && ctx->populate) { /* read at load anyway: the panel copies (backend/cpu/panels.c) */
         uint64_t pb = cb_panels_bytes(ctx);
         if (pb > 0 && populate_auto(pb)) cb_panels_make(ctx, pb);
     }
@@ -453,7 +454,7 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     if (c->chat_template_len) memcpy(ctx->chat_template, c->chat_template, (size_t)c->chat_template_len);
     ctx->chat_template[c->chat_template_len] = 0;
     if (opt.verify_checksums) {
-        st = cb_verify_all(ctx);
+        st = cb_file_verify(&ctx->file, ctx->err, sizeof ctx->err);
         if (st != COLIBRI_OK) {
             cb_set_err(err, err_len, "%s", ctx->err);
             return init_fail(ctx, st, err, err_len);
@@ -610,7 +611,7 @@ colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t
         {"kv_blocks_total", ctx->sess.kv.n_blocks},
         {"kv_blocks_used", ctx->sess.kv.n_blocks - ctx->sess.kv.n_free},
         /* bytes of cache per position of a sequence, every layer: keys and values, or one
-         * latent row for multi-head latent attention (model/mla.c) */
+         * latent row for multi-head latent attention (backend/cpu/mla.c) */
         {"kv_bytes_per_token", ctx->sess.kv.block_len ? ctx->sess.kv.layer_stride / ctx->sess.kv.block_len *
                                    (int64_t)c->n_layers * (int64_t)sizeof(float) * (ctx->sess.kv.v ? 2 : 1) : 0},
         {"file_size", (int64_t)c->file_size},
@@ -691,12 +692,12 @@ colibri_status colibri_get_string(const colibri_ctx *ctx, const char *name, cons
 
 colibri_status colibri_verify(colibri_ctx *ctx) {
     if (!ctx) return COLIBRI_E_INVALID_ARG;
-    return cb_verify_all(ctx);
+    return cb_file_verify(&ctx->file, ctx->err, sizeof ctx->err);
 }
 
 colibri_status colibri_verify_router(colibri_ctx *ctx) {
     if (!ctx) return COLIBRI_E_INVALID_ARG;
-    return cb_verify_router(ctx);
+    return cb_model_verify_router(&ctx->w, &ctx->cfg, &ctx->file, ctx->err, sizeof ctx->err);
 }
 
 colibri_tokenizer *colibri_get_tokenizer(colibri_ctx *ctx) {

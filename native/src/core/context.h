@@ -17,7 +17,7 @@
 #include "core/threadpool.h"
 #include "cpu/fast.h"
 #include "cpu/kernels.h"
-#include "format/format.h"
+#include "format/container.h"
 #include "model/expert_cache.h"
 #include "model/forward.h"
 #include "model/model.h"
@@ -27,14 +27,11 @@ struct colibri_ctx {
     int fd;
     const uint8_t *map;      /* [file_size] read-only mapping */
     uint64_t map_size;
-    void *panels;            /* the panel copies of the BF16 weights (model/panels.c), or NULL */
+    void *panels;            /* the panel copies of the BF16 weights (backend/cpu/panels.c), or NULL */
     size_t panels_size;      /* the whole anonymous mapping holding them */
     /* parsed */
+    cb_file file;            /* the container read (format/container.h): metadata, tensor directory */
     cb_config cfg;
-    cb_meta_entry *meta;     /* [n_meta], heap (init-time) */
-    uint64_t n_meta;
-    cb_tensor *tensors;      /* [n_tensors], heap (init-time) */
-    uint64_t n_tensors;
     cb_weights w;
     /* run settings */
     int64_t max_seq_len, max_batch;

@@ -17,7 +17,7 @@
  * Flags choose the variant: COLIBRI_MEMBW_NT_PREFETCH adds a prefetchnta a few lines ahead
  * of the loads, COLIBRI_MEMBW_NT_LOAD uses (V)MOVNTDQA loads (_mm*_stream_load_*), and
  * COLIBRI_MEMBW_PORTABLE / COLIBRI_MEMBW_AVX2 cap the instruction set. The SIMD loops are
- * compiled with target attributes and entered only after __builtin_cpu_supports, so the
+ * compiled with target attributes and entered only after the CPU probe (cpu/features.h), so the
  * library stays a baseline x86-64 build. Which variant reads fastest depends on the machine
  * (on some, the portable loop's 16-byte SSE2 loads beat the 64-byte ones, and the
  * non-temporal variants read less; docs/performance.md), so the benchmark measures each and
@@ -35,6 +35,7 @@
 #include "colibri.h"
 #include "core/error.h"
 #include "core/threadpool.h"
+#include "cpu/features.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
 #define CB_MEMBW_X86 1
@@ -151,13 +152,12 @@ static membw_fn pick(int32_t flags, const char **isa) {
         return nt ? NULL : read_c; /* non-temporal hints need the SIMD loops */
     }
 #ifdef CB_MEMBW_X86
-    __builtin_cpu_init();
     int ntp = (flags & COLIBRI_MEMBW_NT_PREFETCH) != 0, ntl = (flags & COLIBRI_MEMBW_NT_LOAD) != 0;
-    if (!(flags & COLIBRI_MEMBW_AVX2) && __builtin_cpu_supports("avx512f")) {
+    if (!(flags & COLIBRI_MEMBW_AVX2) && cb_cpu_has(CB_CPU_AVX512F)) {
         *isa = "avx512";
         return ntl ? (ntp ? read_avx512_nt : read_avx512_ntl) : (ntp ? read_avx512_nta : read_avx512);
     }
-    if (__builtin_cpu_supports("avx2")) {
+    if (cb_cpu_has(CB_CPU_AVX2)) {
         *isa = "avx2";
         return ntl ? (ntp ? read_avx2_nt : read_avx2_ntl) : (ntp ? read_avx2_nta : read_avx2);
     }

@@ -23,7 +23,7 @@
  * the same order in every table, so every table gives the reference's results BIT FOR BIT,
  * whatever the number of tokens, their tiling or the thread split (native/tests/
  * test_kernels.c checks it). For BF16 weights the activations are rounded to bf16 before the
- * matmul (backend/cpu.c, cb_round_bf16); tables with native_bf16 then take BF16 weights too
+ * matmul (backend/cpu/stages.c, cb_round_bf16); tables with native_bf16 then take BF16 weights too
  * (vdpbf16ps, float32 accumulation in their own order), the others run the exact kernels
  * on the rounded activations (bf16 x bf16 products are exact in float32); the avx512bf16
  * table also reads the engine's panel copies of them (cpu/panel.h), with the same bits. The x86 tables
@@ -39,6 +39,7 @@
 #include <string.h>
 
 #include "core/dtype.h"
+#include "cpu/bf16.h" /* cb_round_bf16 */
 #include "cpu/kernels.h" /* cb_kv_view, CB_ATT_HEADS */
 #include "cpu/panel.h"
 
@@ -107,8 +108,8 @@ static inline int cb_fast_bf16_k_ok(int64_t K) { return K % 32 == 0 && K <= CB_F
 #define CB_PANEL_UNITS 32
 extern const cb_panel_kernels cb_bf16dp_panels;
 
-/* fast_amx.c: the BF16 kernels on AMX tiles. */
-int cb_amx_usable(void);
+/* fast_amx.c: the BF16 kernels on AMX tiles; 1 when compiled with them. */
+int cb_amx_built(void);
 void cb_amx_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int64_t T, int64_t N, int64_t K);
 void cb_amx_gateup_split(float *h, const float *x, const void *gate, const void *up, int64_t R, int64_t H, int64_t I,
                          int64_t i0, int64_t i1);
@@ -180,17 +181,13 @@ const cb_fast_kernels *cb_fast_avx512vnni(void);
 const cb_fast_kernels *cb_fast_neon(void);
 const cb_fast_kernels *cb_fast_neon_dotprod(void);
 const cb_fast_kernels *cb_fast_neon_i8mm(void);
-/* "ref"/"reference", "avx2", "avxvnni", "avx512vnni", "avx512vnni-amx" (the same with the
- * BF16 kernels on AMX tiles), "avx512bf16" (the same with them on vdpbf16ps) if compiled in
- * and supported; else NULL. */
-const cb_fast_kernels *cb_fast_by_name(const char *name);
-/* COLIBRI_FAST_KERNELS if set and usable, else the best the CPU supports. */
-const cb_fast_kernels *cb_fast_best(void);
-
-/* x[i] <- x[i] rounded to the nearest bfloat16 (ties to even; nan stays nan). */
-void cb_round_bf16(float *x, int64_t n);
-/* The same on columns i0 .. i1 of R rows of h [R, I]. */
-void cb_round_bf16_cols(float *h, int64_t R, int64_t I, int64_t i0, int64_t i1);
+/* fast.c: an int8 table with native BF16 kernels: avx512vnni with them on AMX tiles
+ * ("avx512vnni-amx") or on vdpbf16ps ("avx512bf16"), neon-i8mm with them on BFDOT
+ * ("neon-bf16"); NULL when this build lacks either part. Which of all these tables a CPU
+ * runs, and by which name, is the registry's (cpu/registry.h). */
+const cb_fast_kernels *cb_fast_avx512vnni_amx(void);
+const cb_fast_kernels *cb_fast_avx512bf16(void);
+const cb_fast_kernels *cb_fast_neon_bf16(void);
 
 /* Weights per sub-block (its own scale and offset) of a block type in fast mode. */
 static inline int64_t cb_fast_group(uint32_t dt) { return dt == COLIBRI_DTYPE_Q6_K ? 16 : 32; }

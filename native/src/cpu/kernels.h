@@ -6,10 +6,10 @@
  *
  * Tables (docs/kernels.md): "reference" (kernels.c, portable C), "avx2" (kernels_avx2.c,
  * AVX2+FMA+F16C), "avx512" (kernels_avx512.c, AVX-512F) and "neon" (kernels_neon.c, AArch64
- * Advanced SIMD). cb_kernels_best() picks the best one the CPU supports at run time
- * (__builtin_cpu_supports; every AArch64 CPU has Advanced SIMD); the environment
- * variable COLIBRI_KERNELS=ref|avx2|avx512|neon forces one (an unsupported or unknown name
- * falls back to the best supported table, so a forced name never crashes).
+ * Advanced SIMD), each a row of the registry (cpu/registry.c: its name, CPU probe and
+ * priority). cb_kernels_best() picks the best one the CPU supports at run time; the
+ * environment variable COLIBRI_KERNELS=ref|avx2|avx512|neon forces one (an unsupported or
+ * unknown name falls back to the best supported table, so a forced name never crashes).
  *
  * Conventions: every matrix is row-major; weights are stored as nn.Linear, [out, in],
  * so y = W x is one dot product per weight row. Activations are float32 [T, width]:
@@ -152,7 +152,7 @@ typedef struct cb_kernels {
     /* o[h * ldo + i] += sum over j < n of p[h * ldp + j] * rows[j * ldr + i], for h < nh and
      * i < D: nh rows of weights times n rows of values, added to o; within each element the
      * j ascending (a SIMD table may fuse each multiply-add). MLA's attention-weighted sum of
-     * cached latent rows (model/mla.c). */
+     * cached latent rows (backend/cpu/mla.c). */
     void (*rows_combine)(float *o, int64_t ldo, const float *p, int64_t ldp, const float *rows, int64_t ldr,
                          int64_t nh, int64_t n, int64_t D);
 
@@ -164,15 +164,10 @@ typedef struct cb_kernels {
 /* The plain reference kernels (always available). */
 const cb_kernels *cb_kernels_ref(void);
 /* The SIMD tables; NULL when not compiled into this build (non-x86 or an old compiler).
- * Calling one on a CPU without the instruction set faults: use cb_kernels_by_name. */
+ * Calling one on a CPU without the instruction set faults: the registry (cpu/registry.h)
+ * enters a table only after its CPU probe. */
 const cb_kernels *cb_kernels_avx2(void);
 const cb_kernels *cb_kernels_avx512(void);
 const cb_kernels *cb_kernels_neon(void); /* AArch64 Advanced SIMD (kernels_neon.c) */
-/* "ref"/"reference", "avx2", "avx512" or "neon" if compiled in AND supported by this CPU;
- * else NULL. */
-const cb_kernels *cb_kernels_by_name(const char *name);
-/* The kernels the engine uses: COLIBRI_KERNELS if set and usable, else the best the CPU
- * supports (avx512 > avx2 > reference on x86, neon > reference on AArch64). */
-const cb_kernels *cb_kernels_best(void);
 
 #endif

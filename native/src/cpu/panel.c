@@ -1,6 +1,6 @@
 /*
  * panel.c — packing BF16 weights into the panel layout (panel.h): plain C, run by the thread
- * pool at load (model/panels.c), one matrix or expert per call.
+ * pool at load (backend/cpu/panels.c), one matrix or expert per call.
  */
 #include "cpu/panel.h"
 

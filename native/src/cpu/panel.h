@@ -2,7 +2,7 @@
  * panel.h — panel copies of BF16 weights: a layout in which a decode step reads 16 rows'
  * weights as one stream of whole vectors, and the kernels of one table that read it.
  *
- * The engine makes the copy at load (model/panels.c) when the table it runs (the fast table in
+ * The engine makes the copy at load (backend/cpu/panels.c) when the table it runs (the fast table in
  * fast mode, the exact table in exact mode) points to a cb_panel_kernels, and its kernels
  * give the bits of that table's row-major kernels on the same weights, so results never
  * depend on whether the copy was made (native/tests/test_kernels.c checks every one).

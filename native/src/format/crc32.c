@@ -5,7 +5,7 @@
  */
 #include <pthread.h>
 
-#include "format/format.h"
+#include "format/container.h"
 
 static uint32_t crc_tab[8][256];
 static pthread_once_t crc_once = PTHREAD_ONCE_INIT;

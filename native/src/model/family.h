@@ -2,7 +2,7 @@
  * family.h — the MoE families the engine runs, as data (family.c): each entry names a family
  * (the file's general.architecture) and the choices it may make for each axis on which MoE
  * families differ — attention, routing, FFN activation, RoPE. The file states its choices
- * as metadata (docs/format.md, "Family options"); format/format.c parses each choice by the
+ * as metadata (docs/format.md, "Family options"); model/config.c parses each choice by the
  * axis's name table and checks it against the family's entry, so the forward pass switches
  * on the choice, never on a family's name, and a new family is mostly a new row here (and
  * one in the converter's FAMILY_TABLE, colibri_lab/conversion/families.py).

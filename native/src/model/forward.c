@@ -3,7 +3,7 @@
  * request (nothing is changed by a refused one), the chunks of at most max_batch rows, the
  * batch of many sequences (colibri_batch), stage-by-stage runs (colibri_stage_*) and what an
  * attached trace records. The stages themselves are the backend's (backend/backend.h;
- * backend/cpu.c on the host), dispatched from one place, run_stage: the fused forward runs
+ * backend/cpu/stages.c on the host), dispatched from one place, run_stage: the fused forward runs
  * them all in order (or the backend replays the whole chunk, a captured graph, when no trace
  * or stage run watches), colibri_stage_run runs them one call at a time, and an attached
  * trace times and records each.

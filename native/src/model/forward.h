@@ -3,7 +3,7 @@
  * at init by scratch.c), the sequence state between calls (cb_session: the KV cache and its
  * length), the chunk being run stage by stage (cb_run), and the entry points that the
  * public API (core/colibri.c, core/trace.c) calls. forward.c orchestrates; the backend
- * (backend/backend.h; the CPU's is backend/cpu.c) runs the stages, on the CPU through the
+ * (backend/backend.h; the CPU's is backend/cpu/stages.c) runs the stages, on the CPU through the
  * kernel table (cpu/kernels.h) on the context's thread pool (core/threadpool.h).
  */
 #ifndef COLIBRI_FORWARD_H
@@ -79,9 +79,9 @@ typedef struct cb_scratch {
     uint8_t *route_skip; /* [2E] expert mask, then a group/in-group mask */
     float *down_part;    /* [down_part_rows, H] per-block partial sums of few-row down projections */
     uint32_t *split_ready; /* [2 * down_part_rows] those blocks' h-ready and sums-ready flags
-                            * (backend/cpu.c par_ffn; core/threadpool.h cb_pool_await) */
+                            * (backend/cpu/parallel.c cb_cpu_par_ffn; core/threadpool.h cb_pool_await) */
     uint32_t split_stamp;  /* par_ffn's last stamp in split_ready */
-    /* the expert predictor (backend/cpu.c predict_next): layer l+1's router on layer l's FFN input */
+    /* the expert predictor (backend/cpu/stages.c predict_next): layer l+1's router on layer l's FFN input */
     float *pred_xn;      /* [B, H] */
     float *pred_logits;  /* [B, E] */
     int32_t *pred_ids;   /* [B, top_k] the experts expected at the next layer, best first */
@@ -109,10 +109,6 @@ typedef struct cb_session {
 /* scratch.c: size the arena from the context's options, allocate it once and carve every
  * buffer above from it (and compute the RoPE inverse frequencies). */
 colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len);
-/* model/panels.c: the bytes of the panel copies for this context (0: none to make),
- * and making them (advisory: on failure the weights stay as mapped). */
-uint64_t cb_panels_bytes(colibri_ctx *ctx);
-void cb_panels_make(colibri_ctx *ctx, uint64_t bytes);
 /* forward.c */
 colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos,
                           float *logits, int last_only);
@@ -120,16 +116,6 @@ colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64
 colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *entries, int64_t n, float *logits);
 /* Checks shared by colibri_forward_at and colibri_stage_begin (nothing is changed). */
 colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos);
-/* backend/cpu.c: y = x W^T over the context's threads (the CPU backend's parallel matmul). */
-void cb_matmul_par(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t T, int64_t N, int64_t K);
-/* Two such matmuls over the same input x [T, K] in one parallel section: y1 = x W1^T
- * [T, N1] and y2 = x W2^T [T, N2] (the bits of two cb_matmul_par calls). */
-void cb_matmul_par2(colibri_ctx *ctx, const float *x, int64_t T, int64_t K, float *y1, cb_mat w1, int64_t N1,
-                    float *y2, cb_mat w2, int64_t N2);
-/* mla.c: the attention stage of a layer of an MLA file (model.attention "mla"). */
-void cb_mla_attention(colibri_ctx *ctx, uint32_t l);
-/* route_group.c: softmax/sigmoid routers with groups, bias and scaling (model.routing). */
-void cb_route_grouped(colibri_ctx *ctx, uint32_t l, int64_t T);
 /* Stage-by-stage execution (colibri_stage_*). */
 colibri_status cb_stage_begin(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos);
 colibri_status cb_stage_run(colibri_ctx *ctx, int32_t stage, float *logits);

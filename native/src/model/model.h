@@ -1,7 +1,8 @@
 /*
  * model.h — what a model is, as the forward pass sees it: read-only facts from the file's
  * header and metadata (cb_config), and per layer the pointers to its weights, borrowed from
- * the mapping and never copied or freed (cb_layer, cb_weights). format/format.c fills both
+ * the mapping and never copied or freed (cb_layer, cb_weights). model/config.c fills the
+ * first from the container's header and metadata, model/weights.c the second from its tensors,
  * at load; nothing here changes after colibri_init_ex. The family's differences (biases,
  * q/k norms, dense layers, shared experts, windows) are options here, read from metadata
  * (docs/format.md, "Family options"), so the forward pass never tests a family's name.
@@ -11,7 +12,7 @@
 
 #include <stdint.h>
 
-#include "format/format.h"
+#include "format/container.h"
 #include "model/family.h"
 
 /* model.attn_qk_norm (docs/format.md, "Family options"). */
@@ -87,7 +88,11 @@ typedef struct cb_config {
 typedef struct cb_mat {
     const void *w;
     uint32_t dt;
-    const void *pan; /* the panel copy of w (model/panels.c), or NULL */
+    const void *pan; /* the panel copy of w (backend/cpu/panels.c), or NULL */
+    int64_t cols;    /* K: the length of a row */
+    /* how the CPU backend multiplies by it (backend/cpu/bind.c: its layout and kernels),
+     * chosen once when the backend starts; NULL before */
+    const struct cb_matmul_op *op;
 } cb_mat;
 
 /* A SwiGLU FFN of one or E experts (docs/format.md): packed (version 1: one tensor, rows
@@ -95,7 +100,7 @@ typedef struct cb_mat {
  * [E, I, H] and down [E, H, I], any weight dtypes, gate and up the same). */
 typedef struct cb_ffn {
     const void *packed;        /* packed: [E, 3I, H], expert e at packed + e * stride; else NULL */
-    const void *pan;           /* packed BF16: the panel copy (model/panels.c), or NULL */
+    const void *pan;           /* packed BF16: the panel copy (backend/cpu/panels.c), or NULL */
     uint64_t stride;           /* packed: bytes per expert */
     const void *gate, *up, *down; /* split */
     uint64_t gu_stride, down_stride; /* split: bytes per expert of gate (= up) and of down */
@@ -150,5 +155,15 @@ typedef struct cb_weights {
     cb_mat lm_head;           /* [V, H] (= tok_embd when tied) */
     cb_layer *layers;         /* [n_layers], heap (init-time) */
 } cb_weights;
+
+/* Load a mapped file: the container's header and metadata (format/container.h), the model's
+ * config from them (config.c: cb_model_config), the tensor directory, then the weights bound
+ * to it (weights.c). f's arrays and w->layers are heap (init-time); messages go to err. */
+colibri_status cb_model_load(cb_file *f, cb_config *c, cb_weights *w, const uint8_t *map, uint64_t size,
+                             const char *path, char *err, size_t len);
+colibri_status cb_model_config(const cb_file *f, cb_config *c, char *err, size_t len);
+/* Recompute the router tensors' L2 norms and compare them with the stored ones. */
+colibri_status cb_model_verify_router(const cb_weights *w, const cb_config *c, const cb_file *f, char *err,
+                                      size_t len);
 
 #endif

@@ -66,7 +66,7 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     ok &= cb_mul_u64(kv, Hkv * Dkv, &kv);
     ok &= cb_mul_u64(NS, max_blocks, &tables);
     ok &= cb_mul_u64(NT, (uint64_t)s->att_work_bytes, &att_work);
-    uint64_t qlat = 0, olat = 0; /* MLA: B * NH * Dc and B * NH * r (format.c bounds the widths) */
+    uint64_t qlat = 0, olat = 0; /* MLA: B * NH * Dc and B * NH * r (model/config.c bounds the widths) */
     ok &= cb_mul_u64(B, NH, &qlat);
     ok &= cb_mul_u64(qlat, r * (uint64_t)mla, &olat);
     ok &= cb_mul_u64(qlat, Dc, &qlat);

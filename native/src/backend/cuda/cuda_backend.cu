@@ -1,7 +1,7 @@
 /*
  * cuda_backend.cu — the CUDA backend (backend/backend.h, docs/backends.md): the seven stages
  * of a forward chunk on one NVIDIA GPU, one non-blocking stream, with the CPU backend's
- * semantics (backend/cpu.c): f32 activations, f32 accumulation, weights widened in the
+ * semantics (backend/cpu/stages.c): f32 activations, f32 accumulation, weights widened in the
  * kernels (cuda_kernels.cuh).
  *
  * Memory: one cudaMalloc at init, carved by the plan (backend/plan.h): the dense weights
@@ -937,7 +937,7 @@ static void walk_dense(colibri_ctx *ctx, cu_state *st, bump *b) {
         D->q_norm = c->qk_norm ? put_f32(st, b, L->q_norm, qn) : NULL;
         D->k_norm = c->qk_norm ? put_f32(st, b, L->k_norm, kn) : NULL;
         if (L->moe) {
-            cb_mat r = {L->router, c->router_dtype, NULL};
+            cb_mat r = {L->router, c->router_dtype, NULL, (int64_t)H, NULL};
             D->router = put_mat(st, b, r, E, H);
             ffn_meta(&D->experts, &L->experts, c->inter, E, c->block_size);
             D->experts.tab = (const void **)take(b, (uint64_t)(3 * E) * sizeof(void *));

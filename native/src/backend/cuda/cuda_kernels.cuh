@@ -493,7 +493,7 @@ __device__ void ck_softmax(float *x, int64_t n) {
 }
 
 /* The K largest of v[0..E), highest first (strict >: the lower id wins ties; NaN never wins
- * unless all are NaN), as backend/cpu.c's topk_desc. */
+ * unless all are NaN), as backend/cpu/stages.c's topk_desc. */
 __device__ void ck_topk(const float *v, int64_t E, int64_t K, int32_t *ids, float *w) {
     for (int64_t k = 0; k < K; k++) {
         int32_t best = -1;
@@ -535,7 +535,7 @@ __global__ void k_route(const float *logits, float *probs, int32_t *ids, float *
 }
 
 /* Group the (token, slot) pairs by expert (one block of CK_GROUP_THREADS): counts, padded
- * prefix sum, then each expert's rows in ascending (token, slot) order, as backend/cpu.c's
+ * prefix sum, then each expert's rows in ascending (token, slot) order, as backend/cpu/stages.c's
  * group_tokens; tok_row [T*K] the row of each pair. Warp w owns experts w, w + warps, ...: it
  * walks the pairs 32 at a time with a ballot (a pair's rank among its expert's is the count of
  * hits below its lane), so no atomics and the order is fixed. */

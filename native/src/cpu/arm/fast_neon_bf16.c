@@ -1,7 +1,7 @@
 /*
  * fast_neon_bf16.c — the fast mode's BF16 kernels on AArch64 BFDOT (FEAT_BF16: 8 bf16
  * multiply-adds into 4 float32 lanes per instruction, twice an FMLA's), the AArch64
- * counterpart of fast_bf16dp.c. The activations are already rounded to bf16 (backend/cpu.c), so
+ * counterpart of fast_bf16dp.c. The activations are already rounded to bf16 (backend/cpu/stages.c), so
  * their conversion here is exact.
  *
  * Lanes are outputs: for W [N, K] (a matmul, gate/up) a panel of 4 rows is transposed once per
@@ -23,7 +23,7 @@
 #if defined(__aarch64__) && defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC) && !defined(COLIBRI_NO_SIMD_TABLES)
 #include <arm_neon.h>
 
-#include "cpu/simd_neon.h"
+#include "cpu/arm/simd_neon.h"
 #include "cpu/simd_math.h"
 
 #define DKMAX CB_FAST_BF16_MAX_K /* the longest rows here */
@@ -103,7 +103,7 @@ static void silu_mul4(float *g, const float *u, int64_t n) {
 #define BF_PANEL uint32x4_t
 #define pack_panel pack4
 #define silu_mul_panel silu_mul4
-#include "cpu/fast_bf16_rows.inc"
+#include "cpu/arm/fast_bf16_rows.inc"
 
 /* the n (< 4 or 4) bf16 at p, zero-padded to 4 */
 static inline uint16x4_t load4_bf16(const uint16_t *p, int64_t n) {

@@ -9,7 +9,7 @@
 #define FAST_NEON_DOTPROD 1
 #define FS(name) name##_fast_neon_dotprod
 #define FS_NAME "neon-dotprod"
-#include "cpu/fast_neon.inc"
+#include "cpu/arm/fast_neon.inc"
 const cb_fast_kernels *cb_fast_neon_dotprod(void) { return &FS(table); }
 #else
 const cb_fast_kernels *cb_fast_neon_dotprod(void) { return NULL; }

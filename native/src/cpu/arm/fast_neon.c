@@ -8,7 +8,7 @@
 #if defined(__aarch64__) && defined(__ARM_NEON) && !defined(COLIBRI_NO_SIMD_TABLES)
 #define FS(name) name##_fast_neon
 #define FS_NAME "neon"
-#include "cpu/fast_neon.inc"
+#include "cpu/arm/fast_neon.inc"
 const cb_fast_kernels *cb_fast_neon(void) { return &FS(table); }
 #else
 const cb_fast_kernels *cb_fast_neon(void) { return NULL; }

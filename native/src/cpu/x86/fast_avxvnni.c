@@ -10,7 +10,7 @@
 #define FAST_AVXVNNI 1
 #define FS(name) name##_avxvnni
 #define FS_NAME "avxvnni"
-#include "cpu/fast_x86_256.inc"
+#include "cpu/x86/fast_x86_256.inc"
 const cb_fast_kernels *cb_fast_avxvnni(void) { return &FS(table); }
 #else
 const cb_fast_kernels *cb_fast_avxvnni(void) { return NULL; }

@@ -22,7 +22,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "core/context.h"
+#include "backend/cpu/cpu.h"
 
 /* Index of the largest v[i] among i < n with !skip(i) (strict >: lower index on ties;
  * NaN never wins unless all are NaN); -1 when none. */

@@ -1,6 +1,6 @@
 /*
  * fast_amx.c — the fast mode's BF16 kernels on AMX (Intel AMX-TILE + AMX-BF16): BF16
- * weights times bf16-rounded activations (backend/cpu.c rounds them; the conversion here is
+ * weights times bf16-rounded activations (backend/cpu/stages.c rounds them; the conversion here is
  * exact), float32 accumulation in the tile unit (TDPBF16PS).
  *
  * y = x W^T with W row-major [N, K] (nn.Linear) maps onto TDPBF16PS without moving the
@@ -22,8 +22,8 @@
  * activations (cb_fast_bf16_k_ok). Buffers are on the stack (up to about 450 KiB).
  *
  * Compiled with -mamx-tile -mamx-bf16 -mavx512f -mavx512bw -mavx2 -mfma -mf16c; entered
- * only after cb_amx_usable() (cpuid, XCR0, and the kernel's permission for the tile data
- * state, asked once per process with arch_prctl(ARCH_REQ_XCOMP_PERM)).
+ * only after cb_cpu_amx() (cpu/features.c: cpuid, XCR0, and the kernel's permission for the
+ * tile data state, asked once per process with arch_prctl(ARCH_REQ_XCOMP_PERM)).
  */
 #include "cpu/fast.h"
 
@@ -31,16 +31,11 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__linux__) && !defined(COLIBRI_NO_SIMD_TABLES)
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#include "cpu/simd_avx512.h"
+#include "cpu/x86/simd_avx512.h"
 #include "cpu/simd_math.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 #define AKC 1024 /* columns (K) per pass of the padded copies */
 #define ATT 32   /* tokens per pass */
@@ -64,23 +59,7 @@ static void amx_config(void) {
     _tile_loadconfig(&c);
 }
 
-int cb_amx_usable(void) {
-    unsigned a, b, c, d;
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return 0;
-    if (__get_cpuid_max(0, NULL) < 0xd) return 0;
-    __cpuid_count(7, 0, a, b, c, d);
-    if (!((d >> 24) & 1u) || !((d >> 22) & 1u)) return 0; /* AMX-TILE, AMX-BF16 */
-    __cpuid(1, a, b, c, d);
-    if (!((c >> 27) & 1u)) return 0; /* OSXSAVE */
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if ((lo & 0xe6u) != 0xe6u) return 0; /* the AVX-512 state */
-    /* the tile data state: the kernel enables it per process on request (Linux 5.16+) */
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 0;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return ((lo >> 17) & 3u) == 3u; /* XTILECFG, XTILEDATA */
-}
+int cb_amx_built(void) { return 1; }
 
 
 /* The bf16 bits of an f32 already rounded to bf16 (exact). */
@@ -351,7 +330,7 @@ void cb_amx_down_packed(float *y, const float *h, const void *expert, int64_t R,
 }
 
 #else /* no AMX in this build (not x86-64 Linux, an old compiler) or the fuzzers' build */
-int cb_amx_usable(void) { return 0; }
+int cb_amx_built(void) { return 0; }
 void cb_amx_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, int64_t T, int64_t N, int64_t K) {
     (void)y, (void)ldy, (void)x, (void)w, (void)T, (void)N, (void)K;
 }

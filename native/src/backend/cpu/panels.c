@@ -24,7 +24,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "core/context.h"
+#include "backend/cpu/cpu.h"
 #include "core/threadpool.h"
 #include "cpu/fast.h"
 #include "model/family.h"

@@ -8,7 +8,7 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(COLIBRI_NO_SIMD_TABLES)
 #define FS(name) name##_fast_avx2
 #define FS_NAME "avx2"
-#include "cpu/fast_x86_256.inc"
+#include "cpu/x86/fast_x86_256.inc"
 const cb_fast_kernels *cb_fast_avx2(void) { return &FS(table); }
 #else
 const cb_fast_kernels *cb_fast_avx2(void) { return NULL; }

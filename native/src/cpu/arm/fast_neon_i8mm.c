@@ -9,7 +9,7 @@
 #define FAST_NEON_I8MM 1
 #define FS(name) name##_fast_neon_i8mm
 #define FS_NAME "neon-i8mm"
-#include "cpu/fast_neon.inc"
+#include "cpu/arm/fast_neon.inc"
 const cb_fast_kernels *cb_fast_neon_i8mm(void) { return &FS(table); }
 #else
 const cb_fast_kernels *cb_fast_neon_i8mm(void) { return NULL; }

@@ -39,7 +39,7 @@
 #if defined(__AVX512F__) && !defined(COLIBRI_NO_SIMD_TABLES)
 #include <immintrin.h>
 
-#include "cpu/simd_avx512.h"
+#include "cpu/x86/simd_avx512.h"
 #include "cpu/simd_math.h"
 
 #define FA_AI static inline __attribute__((always_inline))

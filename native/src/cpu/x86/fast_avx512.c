@@ -14,7 +14,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-#include "cpu/simd_avx512.h"
+#include "cpu/x86/simd_avx512.h"
 #include "cpu/simd_math.h"
 
 #define VL 16

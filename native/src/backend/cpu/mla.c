@@ -23,7 +23,7 @@
 #define _GNU_SOURCE
 #include <string.h>
 
-#include "core/context.h"
+#include "backend/cpu/cpu.h"
 
 /* transformers builds q_a_layernorm and kv_a_layernorm without an eps: the RMSNorm
  * default, not config.rms_norm_eps */
@@ -31,11 +31,6 @@
 /* work (multiply-adds) below which a section stays on the calling thread */
 #define CB_PAR_MIN_WORK_MLA 65536
 
-/* Fast mode (cpu/fast.h): activations about to enter a BF16 weight matmul are rounded to
- * bf16 in place, as the CPU backend (backend/cpu.c) does for every other matmul. Exact mode: nothing. */
-static void fast_round_for(const colibri_ctx *ctx, float *x, int64_t n, int bf16) {
-    if (ctx->fast && bf16) cb_round_bf16(x, n);
-}
 
 typedef struct mla_task {
     colibri_ctx *ctx;
@@ -131,13 +126,13 @@ void cb_mla_attention(colibri_ctx *ctx, uint32_t l) {
     mla_task a = {ctx, l, T};
 
     K->rmsnorm(s->xn, s->x, L->attn_norm, T, H, eps);
-    fast_round_for(ctx, s->xn, T * H, (ql ? L->wq_a.dt : L->wq.dt) == COLIBRI_DTYPE_BF16 ||
+    cb_cpu_fast_round(ctx, s->xn, T * H, (ql ? L->wq_a.dt : L->wq.dt) == COLIBRI_DTYPE_BF16 ||
                                           L->wkv_a.dt == COLIBRI_DTYPE_BF16);
     /* the two projections of x (q's first, kv_a) in one parallel section */
     if (ql) {
         cb_matmul_par2(ctx, s->xn, T, H, s->mla_qa, L->wq_a, ql, s->k, L->wkv_a, Dc);
         K->rmsnorm(s->mla_qa, s->mla_qa, L->q_a_norm, T, ql, CB_MLA_NORM_EPS);
-        fast_round_for(ctx, s->mla_qa, T * ql, L->wq_b.dt == COLIBRI_DTYPE_BF16);
+        cb_cpu_fast_round(ctx, s->mla_qa, T * ql, L->wq_b.dt == COLIBRI_DTYPE_BF16);
         cb_matmul_par(ctx, s->q, s->mla_qa, L->wq_b, T, nh * Dq, ql);
     } else {
         cb_matmul_par2(ctx, s->xn, T, H, s->q, L->wq, nh * Dq, s->k, L->wkv_a, Dc);
@@ -163,7 +158,7 @@ void cb_mla_attention(colibri_ctx *ctx, uint32_t l) {
     cb_pool_run(work * nh * Dc < CB_PAR_MIN_WORK_MLA ? NULL : ctx->pool, latent_att_chunk, &a,
                 T * ((nh + CB_ATT_HEADS - 1) / CB_ATT_HEADS));
     cb_pool_run(T * nh * dv * r < CB_PAR_MIN_WORK_MLA ? NULL : ctx->pool, value_chunk, &a, nh);
-    fast_round_for(ctx, s->att, T * nh * dv, L->wo.dt == COLIBRI_DTYPE_BF16);
+    cb_cpu_fast_round(ctx, s->att, T * nh * dv, L->wo.dt == COLIBRI_DTYPE_BF16);
     cb_matmul_par(ctx, s->delta, s->att, L->wo, T, H, nh * dv);
     for (int64_t i = 0; i < T * H; i++) s->x[i] = s->x[i] + s->delta[i];
     K->rmsnorm(s->xn, s->x, L->ffn_norm, T, H, eps);

@@ -2,7 +2,7 @@
  * fast_bf16dp.c — the fast mode's BF16 kernels on AVX512_BF16 (vdpbf16ps: 32 bf16
  * multiply-adds into 16 float32 lanes per instruction), for CPUs that have it without AMX
  * (AMD Zen 4/5: one zmm vdpbf16ps per cycle, twice the multiply-adds of a zmm FMA). The
- * activations are already rounded to bf16 (backend/cpu.c), so their conversion here is exact.
+ * activations are already rounded to bf16 (backend/cpu/stages.c), so their conversion here is exact.
  *
  * The definition (what every path below computes, bit for bit): output (t, n) of x W^T is ONE
  * chain of vdpbf16ps over the column pairs (2q, 2q + 1) in ascending q, starting at 0; the
@@ -34,7 +34,7 @@
  * h is broadcast, up to 6 tokens by 64 columns per step; its sum runs by blocks of
  * CB_DOWN_BLOCK rows, as the exact kernels' (see below).
  *
- * The *_panels entries read the engine's panel copies (cpu/panel.h, model/panels.c) instead: the
+ * The *_panels entries read the engine's panel copies (cpu/panel.h, backend/cpu/panels.c) instead: the
  * same chains (same bits), but the decode layout loads 16 rows' pair q as one vector (no
  * transpose; pan_chain), prefill runs the same pan_chain by steps of 6 tokens over each
  * group's vectors (the token lanes, broadcasting weight pairs 256 bytes apart, ran gate/up
@@ -54,7 +54,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && !defined(COLIBRI_NO_SIMD_TABLES)
 #include <immintrin.h>
 
-#include "cpu/simd_avx512.h"
+#include "cpu/x86/simd_avx512.h"
 #include "cpu/simd_math.h"
 
 #define DKMAX CB_FAST_BF16_MAX_K /* the longest rows here */

@@ -22,9 +22,9 @@
  * docs/kernels.md, "Decode"). */
 #define MR_DEC_F 8
 /* and BF16 weights also from panel copies (cpu/panel.h) */
-#define CB_SIMD_PANELS "cpu/kernels_panels_avx512.inc"
+#define CB_SIMD_PANELS "cpu/x86/kernels_panels_avx512.inc"
 
-#include "cpu/simd_avx512.h"
+#include "cpu/x86/simd_avx512.h"
 
 /* the little-endian binary16 at p as a float, by F16C (exact, as cb_f16_to_f32) */
 static inline __attribute__((always_inline)) float f16_at(const uint8_t *p) {
@@ -100,8 +100,8 @@ static inline __attribute__((always_inline)) void vq5_tables(float dl, float ml,
     *tab1 = vsub(vkeep(vmul(vset1(dl), vadd(iota, vset1(16.0f)))), vset1(ml));
 }
 
-#include "cpu/simd_x86_mx4.h"
-#include "kernels_simd.inc"
+#include "cpu/x86/simd_x86_mx4.h"
+#include "cpu/kernels_simd.inc"
 
 #else /* built without the instruction-set flags (not x86), or for the fuzzers: no table */
 const cb_kernels *cb_kernels_avx512(void) { return NULL; }

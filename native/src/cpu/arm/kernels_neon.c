@@ -15,7 +15,7 @@
 #if defined(__aarch64__) && defined(__ARM_NEON) && !defined(COLIBRI_NO_SIMD_TABLES)
 #include <string.h>
 
-#include "cpu/simd_neon.h"
+#include "cpu/arm/simd_neon.h"
 
 #define CB_SIMD_NAME "neon"
 #define CB_SIMD(name) name##_neon
@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) void vmx4_bytes(const uint8_t *qs, 
     vst1q_s8(out + 16, vqtbl1q_s8(t, vshrq_n_u8(q, 4)));
 }
 
-#include "kernels_simd.inc"
+#include "cpu/kernels_simd.inc"
 
 #else /* built for another architecture, or for the fuzzers: no table */
 const cb_kernels *cb_kernels_neon(void) { return NULL; }

@@ -16,7 +16,7 @@
 #define CB_SIMD(name) name##_avx2
 #define VL 8
 
-#include "cpu/simd_avx2.h"
+#include "cpu/x86/simd_avx2.h"
 
 /* the little-endian binary16 at p as a float, by F16C (exact, as cb_f16_to_f32) */
 static inline __attribute__((always_inline)) float f16_at(const uint8_t *p) {
@@ -90,8 +90,8 @@ static inline __attribute__((always_inline)) vf vkeep(vf v) {
     return v;
 }
 
-#include "cpu/simd_x86_mx4.h"
-#include "kernels_simd.inc"
+#include "cpu/x86/simd_x86_mx4.h"
+#include "cpu/kernels_simd.inc"
 
 #else /* built without the instruction-set flags (not x86), or for the fuzzers: no table */
 const cb_kernels *cb_kernels_avx2(void) { return NULL; }

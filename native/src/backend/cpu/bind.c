@@ -1,0 +1,48 @@
+/*
+ * bind.c — the operations that read each weight matrix, chosen once when the CPU backend
+ * starts (cb_cpu_bind, its cb_backend.init) rather than at every call: a matrix with a panel
+ * copy (panels.c) is read by the panel kernels of the running table, one the fast table takes
+ * (cpu/fast.h: a block type, or BF16 where it has native BF16 kernels) by the fast table, any
+ * other by the exact table. The stages' parallel sections (parallel.c) then call the matrix's
+ * own operation without asking (cb_mat.op).
+ */
+#include "backend/cpu/cpu.h"
+
+static void rows_panels(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int64_t n1) {
+    m->pan->matmul_panels(b->y + n0, b->N, b->x, b->w.pan, m->T, b->N, b->K, n0, n1);
+}
+
+static void rows_fast(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int64_t n1) {
+    size_t row = (size_t)cb_row_bytes(b->w.dt, (uint64_t)b->K);
+    m->fast->matmul_ld(b->y + n0, b->N, b->x, (const uint8_t *)b->w.w + (size_t)n0 * row, b->w.dt, m->T, n1 - n0,
+                       b->K);
+}
+
+static void rows_exact(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int64_t n1) {
+    size_t row = (size_t)cb_row_bytes(b->w.dt, (uint64_t)b->K);
+    m->kern->matmul_ld(b->y + n0, b->N, b->x, (const uint8_t *)b->w.w + (size_t)n0 * row, b->w.dt, m->T, n1 - n0,
+                       b->K);
+}
+
+static const cb_matmul_op op_panels = {rows_panels, 1};
+static const cb_matmul_op op_fast = {rows_fast, 0};
+static const cb_matmul_op op_exact = {rows_exact, 0};
+
+static void bind_mat(const colibri_ctx *ctx, cb_mat *m) {
+    if (!m->w) return;
+    m->op = m->pan ? &op_panels : cb_fast_takes(ctx->fast, m->dt, m->cols) ? &op_fast : &op_exact;
+}
+
+colibri_status cb_cpu_bind(colibri_ctx *ctx, const cb_backend_request *req, char *err, size_t err_len) {
+    (void)req, (void)err, (void)err_len;
+    cb_weights *w = &ctx->w;
+    bind_mat(ctx, &w->tok_embd);
+    bind_mat(ctx, &w->lm_head);
+    for (uint32_t l = 0; l < ctx->cfg.n_layers; l++) {
+        cb_layer *L = &w->layers[l];
+        cb_mat *mats[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->shared_gate, &L->wq_a, &L->wq_b, &L->wkv_a,
+                          &L->wkv_b};
+        for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) bind_mat(ctx, mats[i]);
+    }
+    return COLIBRI_OK;
+}

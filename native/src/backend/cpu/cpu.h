@@ -1,0 +1,120 @@
+/*
+ * cpu.h — inside the CPU backend (backend/cpu/; its table is cb_backend_cpu, backend/backend.h):
+ * what its files share. stages.c runs the seven stages of a forward chunk; parallel.c holds
+ * their parallel sections (matmuls, attention chunks, the FFN jobs, the combine), split by
+ * output rows or columns so that results do not depend on the thread count; mla.c is
+ * multi-head latent attention's stage, route_group.c the grouped routers, panels.c the panel
+ * copies of the BF16 weights. Every file here sees the whole context (core/context.h); no
+ * file outside backend/ includes this header.
+ */
+#ifndef COLIBRI_BACKEND_CPU_H
+#define COLIBRI_BACKEND_CPU_H
+
+#include <stdint.h>
+
+#include "core/context.h"
+
+/* Element-wise / attention work (multiply-adds) below which a stage stays on one thread. */
+#define CB_PAR_MIN_WORK 65536
+
+/* ---- parallel.c ---------------------------------------------------------------------- */
+
+/* Chunk length for n items: about n / (threads * chunks per thread), at least lo, a
+ * multiple of align (8 rows: the decode tile; 32 columns: the widest down panel). */
+int64_t cb_cpu_chunk_len(const colibri_ctx *ctx, int64_t n, int64_t align, int64_t lo);
+
+/* Up to three matmuls y = x W^T over the same T tokens, in one parallel section. */
+typedef struct cb_mm_job {
+    float *y;          /* [T, N] */
+    const float *x;    /* [T, K] */
+    cb_mat w;          /* [N, K] in w.dt, and its panel copy in fast mode */
+    int64_t N, K;
+    int64_t len, nch;  /* rows per chunk, chunks */
+} cb_mm_job;
+
+typedef struct cb_mm_task {
+    const cb_kernels *kern;
+    const cb_fast_kernels *fast; /* fast mode's table, or NULL */
+    const cb_panel_kernels *pan; /* the panel copies' kernels (w.pan set), or NULL */
+    int64_t T;
+    int n_jobs;
+    cb_mm_job jobs[3];
+} cb_mm_task;
+void cb_cpu_par_matmul(colibri_ctx *ctx, cb_mm_task *m);
+
+/* ---- bind.c: the operations that read a weight, chosen once per weight at start-up ---- */
+
+/* How a matrix is multiplied (cb_mat.op): rows n0 .. n1 of job b's y = x W^T with the
+ * task's tables, and how its chunks of rows align (1: whole groups of the panel layout,
+ * m->pan->rows; 0: the decode tile, 8 rows). */
+typedef struct cb_matmul_op {
+    void (*rows)(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int64_t n1);
+    int panel_groups;
+} cb_matmul_op;
+/* cb_backend_cpu.init: every weight matrix's op, from the running tables (ctx->kern,
+ * ctx->fast, ctx->pan) and the panel copies made (or not) at load. */
+colibri_status cb_cpu_bind(colibri_ctx *ctx, const cb_backend_request *req, char *err, size_t err_len);
+/* y = x W^T over the context's threads. */
+void cb_matmul_par(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t T, int64_t N, int64_t K);
+/* Two such matmuls over the same input x [T, K] in one parallel section: y1 = x W1^T
+ * [T, N1] and y2 = x W2^T [T, N2] (the bits of two cb_matmul_par calls). */
+void cb_matmul_par2(colibri_ctx *ctx, const float *x, int64_t T, int64_t K, float *y1, cb_mat w1, int64_t N1,
+                    float *y2, cb_mat w2, int64_t N2);
+
+/* Fast mode (cpu/fast.h): the n activations about to enter a BF16 weight matmul, rounded to
+ * bf16 in place (the router has already read them). Exact mode: nothing. */
+static inline void cb_cpu_fast_round(const colibri_ctx *ctx, float *x, int64_t n, int bf16) {
+    if (ctx->fast && bf16) cb_round_bf16(x, n);
+}
+
+/* 1 when an FFN's gate/up weights are BF16 (their input is rounded in fast mode). */
+static inline int cb_cpu_ffn_bf16(const cb_ffn *f) { return f->dt == COLIBRI_DTYPE_BF16; }
+
+/* The attention of one layer's chunk: cb_cpu_att_chunks(c) chunks per attention segment,
+ * chunk ch = (segment, range of query heads of one KV group) (cb_pool_run). */
+typedef struct cb_att_task {
+    colibri_ctx *ctx;
+    uint32_t layer;
+    int64_t window;
+} cb_att_task;
+int64_t cb_cpu_att_chunks(const cb_config *c);
+void cb_cpu_att_chunk(void *arg, int64_t ch, int tid);
+
+/* One FFN job: a group of rows through one expert's weights (cb_ffn, packed or split). */
+typedef struct cb_ffn_job {
+    float *y;          /* [R, H] */
+    float *h;          /* [R, I] */
+    const float *x;    /* [R, H] */
+    const cb_ffn *f;
+    int64_t e;         /* the expert */
+    int64_t R, I;
+    float *u;           /* NULL: silu_glu; else clamped_swiglu (split FFN) with this [R, I]
+                         * scratch for the up projection */
+    /* set by cb_cpu_par_ffn */
+    int64_t len0, nch0; /* gate/up: intermediate columns per chunk, chunks (split: blocks) */
+    int64_t len1, nch1; /* down, jobs not split: output columns per chunk, chunks */
+    float *part;        /* NULL, or the split down projection's [nch0, R, H] block sums */
+    uint32_t *ready;    /* split: [2, nch0] flags, block b's h ready, its sums ready */
+} cb_ffn_job;
+
+static inline cb_ffn_job cb_cpu_ffn_job(float *y, float *h, const float *x, const cb_ffn *f, int64_t e, int64_t R,
+                                        int64_t I, float *u) {
+    return (cb_ffn_job){.y = y, .h = h, .x = x, .f = f, .e = e, .R = R, .I = I, .u = u};
+}
+/* Every job's FFN, in one or two parallel sections. */
+void cb_cpu_par_ffn(colibri_ctx *ctx, cb_ffn_job *jobs, int n_jobs);
+
+/* delta[t, cols] = sum over t's rows r (expert order) of weight_r * ex_out[r, cols]. */
+typedef struct cb_combine_task {
+    colibri_ctx *ctx;
+    int64_t rows, len;
+} cb_combine_task;
+void cb_cpu_combine_chunk(void *arg, int64_t c, int tid);
+
+/* ---- mla.c: the attention stage of a layer of an MLA file (model.attention "mla") ----- */
+void cb_mla_attention(colibri_ctx *ctx, uint32_t l);
+
+/* ---- route_group.c: softmax/sigmoid routers with groups, bias and scaling ------------- */
+void cb_route_grouped(colibri_ctx *ctx, uint32_t l, int64_t T);
+
+#endif
