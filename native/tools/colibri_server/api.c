@@ -296,10 +296,13 @@ static void sse_raw(cs_job *j, const char *s) {
     j->out_len += n;
 }
 
+/* usage as OpenAI reports it; prompt_tokens_details.cached_tokens: the prompt positions the
+ * prefix cache served */
 static json_t *usage_json(const cs_job *j) {
-    return json_pack("{s:I, s:I, s:I}", "prompt_tokens", (json_int_t)j->n_prompt, "completion_tokens",
+    return json_pack("{s:I, s:I, s:I, s:{s:I}}", "prompt_tokens", (json_int_t)j->n_prompt, "completion_tokens",
                      (json_int_t)j->req.completion_tokens, "total_tokens",
-                     (json_int_t)(j->n_prompt + j->req.completion_tokens));
+                     (json_int_t)(j->n_prompt + j->req.completion_tokens), "prompt_tokens_details",
+                     "cached_tokens", (json_int_t)j->req.cached_tokens);
 }
 
 static json_t *text_json(const char *s, size_t n) {
@@ -858,6 +861,9 @@ int cs_api_parse(cs_server *srv, cs_api_kind kind, const char *body, size_t len,
     if (get_int(root, "n", 1, max_n, &n, err) < 0) goto fail;
     if ((b = get_bool(root, "stream", &j->stream, err)) < 0) goto fail;
     if (get_bool(root, "ignore_eos", &j->req.ignore_eos, err) < 0) goto fail;
+    int cache_prompt = 1; /* llama-server's flag: false computes the whole prompt */
+    if (get_bool(root, "cache_prompt", &cache_prompt, err) < 0) goto fail;
+    j->req.no_prefix_cache = !cache_prompt;
     json_t *so = field(root, "stream_options");
     if (so && !json_is_object(so)) {
         BAD("stream_options", "'stream_options' must be an object");
