@@ -136,3 +136,58 @@ def test_preemption_on_a_third_of_the_worst_cases(server_path, model, tmp_path):
         assert m["colibri_requests_finished_total"] == 8
     finally:
         assert srv.stop() == 0
+
+
+# ---- serving API pieces: a list of prompts, token-id prompts, /tokenize and /detokenize -----
+
+
+@pytest.fixture(scope="module")
+def api_server(server_path, model, tmp_path_factory):
+    srv = Server(server_path, model, tmp_path_factory.mktemp("logs") / "api.log", "--parallel", "4",
+                 "--max_seq_len", "256")
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_completions_with_a_list_of_prompts(api_server):
+    """OpenAI's shape: prompt i's choices are indices i*n .. i*n + n-1, usage summed; strings
+    and token-id lists alike, each answer the one it gets alone."""
+    client = api_server.client()
+    texts = ["def main", "import os\n", "class Foo:"]
+    alone = [client.completions.create(model="tiny-mixtral", prompt=p, max_tokens=6, temperature=0) for p in texts]
+    r = client.completions.create(model="tiny-mixtral", prompt=texts, max_tokens=6, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    # token-id prompts in a list, two choices each (seeded)
+    ids = [_ids(12, 40), _ids(7, 41)]
+    r2 = client.completions.create(model="tiny-mixtral", prompt=ids, max_tokens=5, temperature=0.8, seed=3, n=2)
+    assert [c.index for c in r2.choices] == [0, 1, 2, 3]
+    one = client.completions.create(model="tiny-mixtral", prompt=ids[1], max_tokens=5, temperature=0.8, seed=3, n=2)
+    assert [c.text for c in r2.choices[2:]] == [c.text for c in one.choices]
+    # streaming a list is refused with a clear message; a bad element too
+    status, body = post(api_server.port, "/v1/completions", {"prompt": texts, "stream": True, "max_tokens": 2})
+    assert status == 400 and "stream false" in body["error"]["message"]
+    status, body = post(api_server.port, "/v1/completions", {"prompt": ["a", 5], "max_tokens": 2})
+    assert status == 400 and "element 1" in body["error"]["message"]
+
+
+def test_tokenize_and_detokenize(api_server, model):
+    with Engine(model, num_threads=1) as eng:
+        tok = eng.tokenizer
+        text = "Hello world, def main():"
+        want = tok.encode(text, add_bos=False)
+        status, body = post(api_server.port, "/tokenize", {"content": text})
+        assert status == 200 and body == {"tokens": want}
+        status, body = post(api_server.port, "/tokenize", {"content": text, "add_special": True})
+        assert body["tokens"] == tok.encode(text, add_bos=True)
+        status, body = post(api_server.port, "/tokenize", {"content": text, "with_pieces": True})
+        assert [t["id"] for t in body["tokens"]] == want
+        assert "".join(t["piece"] for t in body["tokens"]).strip() == text
+        status, body = post(api_server.port, "/detokenize", {"tokens": want})
+        assert status == 200 and body == {"content": tok.decode(want)}
+    for path, bad, needle in (("/tokenize", {"content": 5}, "content"), ("/detokenize", {"tokens": [-1]}, "element 0"),
+                              ("/detokenize", {"tokens": "x"}, "array")):
+        status, body = post(api_server.port, path, bad)
+        assert status == 400 and needle in body["error"]["message"], body
