@@ -16,11 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_server import Server, post, wait_idle
 
 import colibri_lab
 from colibri_lab import Engine
-
-from test_server import Server, post, wait_idle
 
 pytest.importorskip("openai")
 

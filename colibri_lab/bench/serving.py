@@ -297,11 +297,11 @@ def render_multiturn(summary: dict, engines: list[str], args) -> str:
     def f(v, spec=".0f"):
         return "—" if v is None else format(v, spec)
 
-    lines = [f"multi-turn serving, {args.dtype}, colibri {args.precision}, {args.threads} threads, "
-             f"{args.conversations} conversations x {args.turns} turns, system prompt {args.system_words} words, "
-             f"{args.max_tokens} tokens a turn, medians of {args.reps}",
-             "| server | TTFT first turns P50 / P90 ms | TTFT follow-up P50 / P90 ms | follow ÷ first | "
-             "output tok/s | prefix-cache hits | wall s | failed |",
+    lines = [(f"multi-turn serving, {args.dtype}, colibri {args.precision}, {args.threads} threads, "
+              f"{args.conversations} conversations x {args.turns} turns, system prompt {args.system_words} words, "
+              f"{args.max_tokens} tokens a turn, medians of {args.reps}"),
+             ("| server | TTFT first turns P50 / P90 ms | TTFT follow-up P50 / P90 ms | follow ÷ first | "
+              "output tok/s | prefix-cache hits | wall s | failed |"),
              "|---|---|---|---|---|---|---|---|"]
     for e in engines:
         s = summary[e]

@@ -266,7 +266,10 @@ def multiturn(port: int, system: str, users: list[list[str]], max_tokens: int = 
     follow = [r["ttft_s"] for r in turns_out if r["turn"] > 0 and r["ttft_s"] is not None]
     tokens = sum(r["tokens"] for r in turns_out)
     rep = [r for r in turns_out if r["cached_tokens"] is not None and r["prompt_tokens"]]
-    ms = lambda xs, q: 1e3 * percentile(xs, q) if xs else None  # noqa: E731
+
+    def ms(xs, q):
+        return 1e3 * percentile(xs, q) if xs else None
+
     return {
         "conversations": len(users), "turns": max((len(u) for u in users), default=0),
         "requests": len(turns_out), "failed": len(failures), "failures": failures[:5], "wall_s": wall,
