@@ -24,7 +24,7 @@ static int failures = 0;
         }                                                                    \
     } while (0)
 
-enum { NB = 6, BL = 4, NS = 4, MB = 5, D = 2 };
+enum { NB = 6, BL = 4, NS = 4, MB = 6, D = 2 };
 
 /* A pool of NB blocks of BL positions, one layer, one head of D floats, NS sequences. */
 static cb_kv make_pool(void) {
