@@ -572,6 +572,17 @@ int64_t cs_sched_step(cs_sched *s) {
             end_request(s, r, CS_FINISH_ERROR, "out of memory", &fin, &can);
             continue;
         }
+        /* a prompt at a block boundary looks again: blocks an earlier request registered
+         * since (the same system prompt prefilled a step ahead) are taken, not recomputed */
+        if (r->state == ST_PREFILL && r->n_fed % cfg->block_tokens == 0 && r->n_fed < r->n_prompt - 1 &&
+            s->eng.reuse_prefix && !r->no_prefix_cache) {
+            int64_t k = s->eng.reuse_prefix(s->eng.self, r->ch[0].seq, r->prompt + r->n_fed, r->n_prompt - r->n_fed);
+            if (k > 0 && k < r->n_prompt - r->n_fed) {
+                r->n_fed += k;
+                if (r->preemptions == 0) r->cached_tokens += k;
+                hits += (uint64_t)k;
+            }
+        }
         i++;
     }
 

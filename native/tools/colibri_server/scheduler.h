@@ -13,7 +13,9 @@
  *      blocks they need now — their prompt, less nothing for cache hits, plus one block of
  *      headroom per decoding choice — are free beside what admitted prompts still need. An
  *      admitted prompt first takes what the engine's prefix cache holds of it (reuse_prefix;
- *      cs_request.cached_tokens) and computes only the rest;
+ *      cs_request.cached_tokens) and computes only the rest; while it waits for its turn
+ *      at a block boundary it looks again every step, so requests that share a prefix (a
+ *      system prompt) compute it once even when they arrive together;
  *   3. builds one batch: first one decode entry for each running choice (at most
  *      max_batch_size sequences, rotating when more are running), then prompt chunks of
  *      admitted requests in admission order until max_batch_tokens entries are used. A batch
