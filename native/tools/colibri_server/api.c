@@ -685,7 +685,8 @@ static int parse_prompt(cs_job *j, json_t *p, cs_api_error *err) {
     for (size_t i = 0; i < n; i++) {
         json_t *v = json_array_get(p, i);
         if (json_is_string(v) || json_is_array(v)) {
-            BAD("prompt", "only one prompt per request is supported; send one request per prompt");
+            BAD("prompt", "'prompt' mixes token ids with strings or arrays: give one array of token ids, or a list "
+                "whose elements are all strings or arrays of token ids");
             return -1;
         }
         if (!json_is_integer(v)) {
