@@ -28,7 +28,7 @@ def family_files(tmp_path_factory):
 
     def get(family):
         if family not in files:
-            hf = make_family_model(root / family, family, TINY_FAMILY_CONFIGS[family], seed=11)
+            hf = make_family_model(root / family, family, TINY_FAMILY_CONFIGS[family], seed=11, tokenizer="none")
             files[family] = colibri_lab.convert(hf, root / f"{family}.colibri", dtype="bf16", progress=False)
         return files[family]
 
