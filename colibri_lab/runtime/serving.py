@@ -8,6 +8,9 @@ benchmark (``python -m colibri_lab.bench.serving``).
                          duration=10)
         r["output_tok_s"], r["ttft_p50_ms"], r["itl_p99_ms"]
         serving.metrics(srv.port)["colibri_kv_blocks_used"]
+        system, users = serving.conversation_texts(4, 5, system_words=1000, user_words=30)
+        m = serving.multiturn(srv.port, system, users, max_tokens=32)  # conversations resending history
+        m["ttft_first_p50_ms"], m["ttft_follow_p50_ms"], m["cache_hit_rate"]
 
 Only the loopback address is used; every request loop is bounded in count and time.
 """
