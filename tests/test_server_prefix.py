@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_server import Server, post, wait_idle
+from test_server import Server, chat_model, post, wait_idle  # noqa: F401  (chat_model: a fixture)
 
 import colibri_lab
 from colibri_lab import Engine
@@ -190,3 +190,31 @@ def test_tokenize_and_detokenize(api_server, model):
                               ("/detokenize", {"tokens": "x"}, "array")):
         status, body = post(api_server.port, path, bad)
         assert status == 400 and needle in body["error"]["message"], body
+
+
+def test_chat_conversation_reports_cached_tokens(server_path, chat_model, tmp_path):
+    """With the openai client: a chat conversation's second turn (the first turn's messages and
+    answer resent, then a new message) reports the history's blocks as cached_tokens and
+    answers as a server without the cache does."""
+    on = Server(server_path, chat_model, tmp_path / "chat-on.log", "--parallel", "2", "--max_seq_len", "512",
+                "--kv_block_tokens", str(BLOCK))
+    off = Server(server_path, chat_model, tmp_path / "chat-off.log", "--parallel", "2", "--max_seq_len", "512",
+                 "--kv_block_tokens", str(BLOCK), "--prefix_cache", "0")
+    try:
+        answers = {}
+        for name, srv in (("on", on), ("off", off)):
+            client = srv.client()
+            msgs = [{"role": "user", "content": "def main(): " * 12 + "explain"}]
+            first = client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=8, temperature=0)
+            msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "and again"}]
+            second = client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=8, temperature=0)
+            answers[name] = (first.choices[0].message.content, second.choices[0].message.content,
+                             first.usage.prompt_tokens_details.cached_tokens,
+                             second.usage.prompt_tokens_details.cached_tokens, first.usage.prompt_tokens)
+        assert answers["on"][:2] == answers["off"][:2]
+        assert answers["on"][2] == 0 and answers["off"][3] == 0
+        # the first turn's prompt and answer start the second's: their full blocks come back
+        assert answers["on"][3] % BLOCK == 0 and answers["on"][3] >= answers["on"][4] // BLOCK * BLOCK > 0
+    finally:
+        assert on.stop() == 0 and off.stop() == 0
