@@ -388,6 +388,26 @@ def test_serving_benchmark_smoke(model, tmp_path):
     assert "| colibri | 4 |" in r.stdout
 
 
+def test_serving_multiturn_smoke(model, tmp_path):
+    """--workload multiturn --smoke: 2 conversations x 3 turns, each turn resending the history;
+    every turn answers, follow-up turns have a TTFT, and colibri_server reports prefix-cache
+    hits (the shared system prompt and the earlier turns)."""
+    out = tmp_path / "mt.json"
+    r = subprocess.run([sys.executable, "-m", "colibri_lab.bench.serving", "--workload", "multiturn", "--smoke",
+                        "--model-dir", str(model[0]), "--cache-dir", str(tmp_path / "cache"), "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    s = res["summary"]["colibri"]
+    assert s["failed"] == 0 and s["output_tok_s"] > 0, s
+    assert s["ttft_first_p50_ms"] > 0 and s["ttft_follow_p50_ms"] > 0
+    assert s["cache_hit_rate"] > 0, s
+    turns = res["runs"]["colibri"][0]["turns_detail"]
+    assert len(turns) == 6 and all(t["tokens"] == 8 for t in turns)
+    assert all(t["cached_tokens"] > 0 for t in turns if t["turn"] > 0)
+    assert "| colibri |" in r.stdout
+
+
 # ---------------------------------------------------------------------------------------
 # Quantized dtypes: the roofline from a file's tensor directory, the table, the smoke path
 # ---------------------------------------------------------------------------------------

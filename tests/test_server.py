@@ -481,7 +481,7 @@ BAD_BODIES = [
     ({"prompt": 12}, 400, "prompt"),
     ({"prompt": {"a": 1}}, 400, "prompt"),
     ({"prompt": []}, 400, "empty"),
-    ({"prompt": ["a", "b"]}, 400, "one prompt"),
+    ({"prompt": ["a", 5]}, 400, "element 1"),
     ({"prompt": [1, 2.5]}, 400, "integer"),
     ({"prompt": [1, 999999]}, 400, "out of range"),
     ({"prompt": [-1]}, 400, "out of range"),

@@ -88,7 +88,7 @@ class Explorer(widgets.VBox):
             ids = ids[: eng.config.max_seq_len]
             with eng.trace(capacity=len(ids) + self.max_new_tokens) as tr:
                 if self.max_new_tokens > 0:
-                    for _ in eng.generate(ids, self.max_new_tokens, stop_at_eos=False):
+                    for _ in eng.generate(ids, self.max_new_tokens, stop_at_eos=False, reuse_prefix=False):
                         pass
                 else:
                     eng.forward(ids)

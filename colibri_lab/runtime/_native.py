@@ -40,7 +40,7 @@ from pathlib import Path
 from .errors import *  # noqa: F401,F403  (the statuses and exceptions, re-exported for the binding's callers)
 from .errors import ERRORS, OK, ColibriError
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 LIB_NAME = "libcolibri.so" if sys.platform != "darwin" else "libcolibri.dylib"
 
 
@@ -87,6 +87,7 @@ class ColibriOptions(ctypes.Structure):
         ("backend", c_int32),
         ("gpu_device", c_int32),
         ("gpu_memory_fraction", ctypes.c_double),
+        ("prefix_cache", c_int32),
     ]
 
 
@@ -131,6 +132,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "colibri_seq_clear": (c_int, [ctx_p, c_int32]),
     "colibri_seq_truncate": (c_int, [ctx_p, c_int32, c_int64]),
     "colibri_seq_fork": (c_int, [ctx_p, c_int32, c_int32]),
+    "colibri_seq_reuse_prefix": (c_int, [ctx_p, c_int32, POINTER(c_int32), c_int64, POINTER(c_int64)]),
     "colibri_get_int": (c_int, [ctx_p, c_char_p, POINTER(c_int64)]),
     "colibri_get_float": (c_int, [ctx_p, c_char_p, POINTER(c_double)]),
     "colibri_get_layer_int": (c_int, [ctx_p, c_int32, c_char_p, POINTER(c_int64)]),

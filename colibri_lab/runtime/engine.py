@@ -322,6 +322,13 @@ class Engine:
     ``expert_cache_policy`` is one of :data:`CACHE_POLICIES` (docs/expert_cache.md). The
     logits are bitwise those of the fully mapped run.
 
+    ``prefix_cache`` (on by default) keeps every full KV block after its sequence lets it go,
+    found again by its tokens and everything before them: a sequence whose prompt starts with
+    cached blocks takes them instead of computing them (:meth:`Sequence.reuse_prefix`;
+    :meth:`generate` and :meth:`generate_many` do it themselves). Cached blocks are evicted,
+    least recently used first, only when a sequence needs room, and every logit is bitwise
+    the same with the cache on or off (docs/serving.md, "Prefix caching").
+
     ``backend`` is one of :data:`BACKENDS`: ``"cpu"`` (the default) or ``"cuda"``, the stages on
     NVIDIA GPU ``gpu_device`` (a library built with ``-DCOLIBRI_CUDA=ON``; otherwise opening
     raises :class:`ColibriUnsupportedError` saying so). ``gpu_memory_fraction`` (``None``: 0.9)
@@ -350,6 +357,7 @@ class Engine:
         backend: str = "cpu",
         gpu_memory_fraction: float | None = None,
         gpu_device: int = 0,
+        prefix_cache: bool = True,
     ):
         self._ctx = None
         self.path = os.fspath(path)
@@ -430,6 +438,10 @@ class Engine:
         opt.backend = BACKENDS.index(backend)
         opt.gpu_memory_fraction = 0.0 if gpu_memory_fraction is None else float(gpu_memory_fraction)
         opt.gpu_device = int(gpu_device)
+        if prefix_cache not in (True, False):
+            raise _native.ColibriInvalidArgError(f"prefix_cache must be True or False, got {prefix_cache!r}")
+        opt.prefix_cache = int(prefix_cache)
+        self.last_cached_tokens = 0  # prompt positions the last generate() took from the prefix cache
 
         ctx = _native.ctx_p()
         err = ctypes.create_string_buffer(1024)
@@ -546,6 +558,14 @@ class Engine:
         """KV-cache blocks held by the sequences now (of ``config.kv_blocks_total``)."""
         return self._get_int("kv_blocks_used")
 
+    def prefix_cache_stats(self) -> dict:
+        """The prefix cache since load: ``hit_tokens`` (positions reused) of ``query_tokens``
+        (positions offered to :meth:`Sequence.reuse_prefix`), ``hit_rate``, and
+        ``cached_blocks`` (blocks no sequence holds, kept until a sequence needs room)."""
+        hits, queries = self._get_int("prefix_cache_hit_tokens"), self._get_int("prefix_cache_query_tokens")
+        return {"enabled": bool(self._get_int("prefix_cache")), "hit_tokens": hits, "query_tokens": queries,
+                "hit_rate": hits / queries if queries else 0.0, "cached_blocks": self._get_int("kv_blocks_cached")}
+
     # -- several sequences ----------------------------------------------------------
 
     def sequence(self, seq: int) -> "Sequence":
@@ -660,6 +680,7 @@ class Engine:
         top_p: float = 1.0,
         seed: int = 0,
         stop_at_eos: bool = True,
+        reuse_prefix: bool = True,
     ) -> Iterator[Token]:
         """Yield generated tokens one by one.
 
@@ -670,6 +691,11 @@ class Engine:
         ``stop_at_eos``, with EOS (yielded as the last token). ``Token.text`` is the
         text the token adds; bytes of a character split over byte-fallback tokens are
         held back until it is complete (the last token gets whatever is left).
+
+        With ``reuse_prefix`` (and the engine's ``prefix_cache`` on) the prompt's leading
+        blocks already in the prefix cache are taken instead of computed; the tokens are
+        bitwise the same. ``last_cached_tokens`` says how many prompt positions came from the
+        cache; pass ``reuse_prefix=False`` to trace the routing of every prompt position.
         """
         self._c()
         if isinstance(prompt, str):
@@ -686,7 +712,11 @@ class Engine:
         rng = ctypes.c_uint64(int(seed) & 0xFFFFFFFFFFFFFFFF)
 
         text = _TextStream(tok, prompt_ids)
-        row = self.forward(prompt_ids, 0, last_only=True)[0]
+        seq0 = Sequence(self, 0)
+        seq0.clear()
+        n_cached = seq0.reuse_prefix(prompt_ids) if reuse_prefix else 0
+        self.last_cached_tokens = n_cached
+        row = self.forward(prompt_ids[n_cached:], n_cached, last_only=True)[0]
         pos = len(prompt_ids)
         for i in range(max_new_tokens):
             next_id = self._sample(row, temperature, top_k, top_p, rng)
@@ -718,10 +748,12 @@ class Engine:
             raise _native.ColibriInvalidArgError("a prompt is empty: give text or an id")
         eos = self.tokenizer.eos_id if self._has_tokenizer() else -1
         rngs = [ctypes.c_uint64(s & 0xFFFFFFFFFFFFFFFF) for s in seeds]
+        cached = []
         for s in range(n):
             self.sequence(s).clear()
+            cached.append(self.sequence(s).reuse_prefix(ids[s]))
         out: list[list[int]] = [[] for _ in range(n)]
-        rows = dict(zip(range(n), (r[0] for r in self.batch(list(enumerate(ids))))))
+        rows = dict(zip(range(n), (r[0] for r in self.batch([(s, ids[s][cached[s]:]) for s in range(n)]))))
         while rows and int(max_new_tokens) > 0:
             work = []
             for s, row in rows.items():
@@ -960,6 +992,7 @@ class _TraceRecorder:
         tr.lm_head_ns = int(stage_ns[len(ALL_STAGES) - 1])
         tr.n_forwards = self._int("forwards")
         tr.dropped = self._int("dropped")
+        tr.prefix_cached = self._int("prefix_cached")
         tr.layer_is_moe = self._engine._layer_is_moe()
         eng = self._engine
         if not eng.closed and eng._has_tokenizer():
@@ -993,6 +1026,17 @@ class Sequence:
         """Keep the first ``n`` positions."""
         ctx = self._engine._c()
         check(lib.colibri_seq_truncate(ctx, self.id, int(n)), ctx=ctx)
+
+    def reuse_prefix(self, token_ids) -> int:
+        """Continue this sequence with the prefix cache's blocks that hold ``token_ids`` after
+        its end (whole blocks, never the last id); returns how many of the ids it now holds.
+        Run the rest next, e.g. ``n = s.reuse_prefix(ids); s.append(ids[n:])``: the logits
+        are bitwise those of ``s.append(ids)``. 0 with the prefix cache off."""
+        ctx = self._engine._c()
+        ids = _as_ids(token_ids)
+        out = ctypes.c_int64(0)
+        check(lib.colibri_seq_reuse_prefix(ctx, self.id, _i32_ptr(ids), len(ids), ctypes.byref(out)), ctx=ctx)
+        return int(out.value)
 
     def fork(self, dst: int) -> "Sequence":
         """Make sequence ``dst`` a copy of this one that shares its blocks (copy-on-write)."""

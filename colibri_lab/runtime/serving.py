@@ -8,6 +8,9 @@ benchmark (``python -m colibri_lab.bench.serving``).
                          duration=10)
         r["output_tok_s"], r["ttft_p50_ms"], r["itl_p99_ms"]
         serving.metrics(srv.port)["colibri_kv_blocks_used"]
+        system, users = serving.conversation_texts(4, 5, system_words=1000, user_words=30)
+        m = serving.multiturn(srv.port, system, users, max_tokens=32)  # conversations resending history
+        m["ttft_first_p50_ms"], m["ttft_follow_p50_ms"], m["cache_hit_rate"]
 
 Only the loopback address is used; every request loop is bounded in count and time.
 """
@@ -178,6 +181,108 @@ def load(port: int, concurrency: int, prompts: list[str], max_tokens: int = 32, 
     if keep:
         out["ttft_s"], out["itl_s"] = ttft, itl
     return out
+
+
+def _turn_stream(port: int, model: str, prompt: str, max_tokens: int, timeout: float) -> dict:
+    """One turn of a conversation: a streamed greedy completion of `max_tokens` tokens (EOS
+    ignored). Its text, TTFT, token count, and the prompt tokens the server says it took from
+    its cache (OpenAI's usage.prompt_tokens_details.cached_tokens, or llama-server's
+    timings.cache_n; None when the server says neither)."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    t0 = time.perf_counter()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
+    text, first, n_usage, prompt_tokens, cached = [], None, None, None, None
+    for raw in r:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        ev = json.loads(data)
+        u = ev.get("usage")
+        if u:
+            n_usage, prompt_tokens = u.get("completion_tokens"), u.get("prompt_tokens")
+            cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
+        if ev.get("timings") and cached is None:
+            cached = ev["timings"].get("cache_n")
+        ch = ev.get("choices") or []
+        if ch and (ch[0].get("text") or "") != "":
+            if first is None:
+                first = time.perf_counter()
+            text.append(ch[0]["text"])
+    c.close()
+    return {"ttft_s": None if first is None else first - t0, "text": "".join(text),
+            "tokens": n_usage if n_usage is not None else len(text), "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached}
+
+
+def conversation_texts(conversations: int, turns: int, system_words: int, user_words: int,
+                       seed: int = 0) -> tuple[str, list[list[str]]]:
+    """A shared system prompt of `system_words` words and, per conversation, `turns` user
+    messages of `user_words` words (seeded: the same for every server)."""
+    rng = random.Random(seed)
+    system = " ".join(rng.choice(WORDS) for _ in range(system_words))
+    users = [[" ".join(rng.choice(WORDS) for _ in range(user_words)) for _ in range(turns)]
+             for _ in range(conversations)]
+    return system, users
+
+
+def multiturn(port: int, system: str, users: list[list[str]], max_tokens: int = 32, timeout: float = 600.0,
+              model: str = "model") -> dict:
+    """Conversations at once, one client thread each: every turn sends the whole history (the
+    shared system prompt, the earlier user messages and replies, the new message) as one
+    streamed greedy completion of `max_tokens` tokens, then appends the reply. Returns TTFT of
+    first turns and of follow-up turns (median, P90, ms), aggregate output tokens/s over the
+    wall time, the prompt tokens the server reported cached (hit rate over the prompt tokens
+    of the turns that reported), every turn's record, and failures."""
+    turns_out, failures, lock = [], [], threading.Lock()
+    t_start = time.perf_counter()
+
+    def client(cid: int):
+        history = system
+        for t, msg in enumerate(users[cid]):
+            history += f"\nUser: {msg}\nAssistant:"
+            try:
+                r = _turn_stream(port, model, history, max_tokens, timeout)
+            except Exception as e:  # counted, reported; the conversation ends
+                with lock:
+                    failures.append(f"conversation {cid} turn {t}: {type(e).__name__}: {e}")
+                return
+            r.update(conversation=cid, turn=t)
+            with lock:
+                turns_out.append(r)
+            history += r["text"]
+
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(len(users))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=timeout * max(1, max(len(u) for u in users)) + 30)
+    wall = time.perf_counter() - t_start
+    first = [r["ttft_s"] for r in turns_out if r["turn"] == 0 and r["ttft_s"] is not None]
+    follow = [r["ttft_s"] for r in turns_out if r["turn"] > 0 and r["ttft_s"] is not None]
+    tokens = sum(r["tokens"] for r in turns_out)
+    rep = [r for r in turns_out if r["cached_tokens"] is not None and r["prompt_tokens"]]
+
+    def ms(xs, q):
+        return 1e3 * percentile(xs, q) if xs else None
+
+    return {
+        "conversations": len(users), "turns": max((len(u) for u in users), default=0),
+        "requests": len(turns_out), "failed": len(failures), "failures": failures[:5], "wall_s": wall,
+        "output_tokens": tokens, "output_tok_s": tokens / wall if wall > 0 else 0.0,
+        "ttft_first_p50_ms": ms(first, 0.5), "ttft_first_p90_ms": ms(first, 0.9),
+        "ttft_follow_p50_ms": ms(follow, 0.5), "ttft_follow_p90_ms": ms(follow, 0.9),
+        "cache_hit_rate": (sum(r["cached_tokens"] for r in rep) / sum(r["prompt_tokens"] for r in rep)
+                           if rep else None),
+        "turns_detail": sorted(turns_out, key=lambda r: (r["conversation"], r["turn"])),
+    }
 
 
 def server_exe() -> str | None:

@@ -31,6 +31,9 @@ Shapes (L layers, T traced tokens, E experts, K = top-k)::
     n_forwards                    int     forward chunks traced (a prefill of more than
                                           max_batch tokens is several chunks)
     dropped                       int     tokens seen after the trace was full (not recorded)
+    prefix_cached                 int     positions taken from the prefix cache instead of
+                                          computed (Sequence.reuse_prefix, generate): never
+                                          recorded as tokens, since nothing ran for them
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ _OPTIONAL_ARRAYS = (
 )
 _SCALARS = (
     "dropped",
+    "prefix_cached",
     "embedding_ns",
     "lm_head_ns",
     "n_forwards",
@@ -100,6 +104,7 @@ class Trace:
     lm_head_ns: int = 0
     n_forwards: int = 0
     dropped: int = 0
+    prefix_cached: int = 0
     group_pad: int = 1
     norm_topk_prob: bool = True
     architecture: str = ""
@@ -211,12 +216,13 @@ class Trace:
         with np.load(path, allow_pickle=False) as z:
             kw: dict[str, Any] = {k: z[k] for k in _ARRAYS + _OPTIONAL_ARRAYS if k in z.files}
             for k in _SCALARS:
-                v = z[k].item()
-                kw[k] = v
+                if k in z.files:  # traces saved before a scalar existed keep its default
+                    kw[k] = z[k].item()
             kw["token_texts"] = [str(s) for s in z["token_texts"]]
         kw["norm_topk_prob"] = bool(kw["norm_topk_prob"])
-        for k in ("embedding_ns", "lm_head_ns", "n_forwards", "dropped", "group_pad"):
-            kw[k] = int(kw[k])
+        for k in ("embedding_ns", "lm_head_ns", "n_forwards", "dropped", "prefix_cached", "group_pad"):
+            if k in kw:
+                kw[k] = int(kw[k])
         tr = cls(**kw)
         tr.check()
         return tr

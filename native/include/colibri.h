@@ -28,7 +28,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or the meaning of an argument changes; bindings check it. */
-#define COLIBRI_ABI_VERSION 7
+#define COLIBRI_ABI_VERSION 8
 /* The newest .colibri format version this build reads (it reads every older one too, from 1). */
 #define COLIBRI_FORMAT_VERSION 2
 
@@ -79,6 +79,9 @@ typedef struct colibri_options {
     double gpu_memory_fraction; /* CUDA: share of the device's memory the engine may take, (0, 1];
                                * 0: 0.9. The dense weights, activations and KV cache must fit; then
                                * as many routed experts as fit, the rest computed on the CPU */
+    int32_t prefix_cache;     /* 1 (the default): full KV blocks stay cached after their sequence lets
+                               * them go, for colibri_seq_reuse_prefix; 0: off (blocks are freed at
+                               * once and reuse finds nothing). Results are bitwise the same either way */
 } colibri_options;
 
 /* Backends (colibri_options.backend; docs/backends.md). CPU: the stages on this machine's
@@ -187,12 +190,34 @@ COLIBRI_API colibri_status colibri_seq_truncate(colibri_ctx *ctx, int32_t seq, i
  * gets a private copy (copy-on-write). For parallel sampling of one prompt. */
 COLIBRI_API colibri_status colibri_seq_fork(colibri_ctx *ctx, int32_t src, int32_t dst);
 
+/* The prefix cache (colibri_options.prefix_cache, on by default). Every KV block whose
+ * positions are all computed is registered under its tokens and everything before them (a
+ * chain of block hashes, checked token by token, so a match is exact); when no sequence holds
+ * it any more it stays cached, and the least recently used cached block is evicted only when
+ * a sequence needs a block and none is free, so cached blocks never make a batch fail.
+ *
+ * colibri_seq_reuse_prefix continues `seq` with the cached blocks that hold ids[0..n) after
+ * its end: the sequence takes them by reference (a later write into one is copy-on-write) and
+ * *n_reused (a multiple of kv_block_tokens, at most n - 1, so the last id is always computed)
+ * says how many of the ids are now in it; run ids[*n_reused..n) next, at positions from
+ * colibri_seq_len. A position's keys and values depend only on the tokens up to it, so every
+ * logit after a reuse is bitwise the one a full computation gives. Only a sequence whose
+ * length is a whole number of computed blocks can be continued (an empty one always can);
+ * otherwise, or with the cache off, *n_reused is 0. Gives COLIBRI_E_SEQ_TOO_LONG when its
+ * length + n passes max_seq_len. colibri_get_int "prefix_cache_hit_tokens" and
+ * "prefix_cache_query_tokens" count the positions reused and asked for, "kv_blocks_cached"
+ * the cached blocks no sequence holds; an attached trace counts "prefix_cached" positions. */
+COLIBRI_API colibri_status colibri_seq_reuse_prefix(colibri_ctx *ctx, int32_t seq, const int32_t *ids, int64_t n,
+                                                    int64_t *n_reused);
+
 /* Integer and float facts about the loaded model and run settings, by name:
  * ints: "n_layers" "hidden_size" "intermediate_size" "vocab_size" "n_heads" "n_kv_heads"
  *       "head_dim" "n_experts" "top_k" "max_seq_len" (effective) "file_max_seq_len"
  *       "max_batch" "num_threads" (requested) "threads_used" (by the forward) "group_pad" "sliding_window" "bos_id" "eos_id"
  *       "arena_bytes" "file_size" "format_version" "router_int8" "tie_word_embeddings"
- *       "norm_topk_prob" "max_seqs" "kv_block_tokens" "kv_blocks_total" "kv_blocks_used"
+ *       "norm_topk_prob" "max_seqs" "kv_block_tokens" "kv_blocks_total" "kv_blocks_used" (held by
+ *       sequences) "kv_blocks_cached" (prefix cache, held by none; as good as free) "prefix_cache"
+ *       (1 on) "prefix_cache_hit_tokens" "prefix_cache_query_tokens"
  *       "kv_bytes_per_token" (cache bytes per position of a sequence, all layers: keys and
  *       values, or the latent rows of multi-head latent attention)
  * floats: "rope_theta" "rms_norm_eps"
@@ -321,7 +346,8 @@ COLIBRI_API colibri_status colibri_trace_attach(colibri_ctx *ctx, colibri_trace 
 /* Forget everything recorded (sizes stay). */
 COLIBRI_API void colibri_trace_reset(colibri_trace *tr);
 /* "tokens" (recorded), "dropped" (seen past capacity), "capacity", "forwards",
- * "n_layers", "n_experts", "top_k". Unknown names give COLIBRI_E_INVALID_ARG. */
+ * "n_layers", "n_experts", "top_k", "prefix_cached" (positions colibri_seq_reuse_prefix took
+ * from the prefix cache instead of computing them: never traced as tokens). Unknown names give COLIBRI_E_INVALID_ARG. */
 COLIBRI_API colibri_status colibri_trace_get_int(const colibri_trace *tr, const char *name,
                                                  int64_t *out);
 /* A trace buffer by name (C = capacity, L layers, E experts, K = top_k):

@@ -1,7 +1,9 @@
 /*
  * fuzz_server_api.c — libFuzzer harness over colibri_server's request handling: the body of
- * a POST /v1/completions or /v1/chat/completions (byte 0 chooses which, the rest is the
- * body) goes through cs_api_parse exactly as http.c hands it over: UTF-8 check, JSON
+ * a POST /v1/completions or /v1/chat/completions (byte 0's bit 0 chooses which, the rest is
+ * the body; bits 1-2 send it instead to /tokenize (1), /detokenize (2), or through the split
+ * of a list of prompts, each piece then parsed (3)) goes through cs_api_parse exactly as
+ * http.c hands it over: UTF-8 check, JSON
  * parsing, every field's type and range checks, prompt tokenization or the chat template,
  * stop strings, n, logprobs. The handler must never crash, leak, read out of bounds or hit
  * undefined behaviour: every body becomes a job or an OpenAI-style error (whose JSON is built
@@ -90,9 +92,32 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 1) return 0;
     cs_api_kind kind = (data[0] & 1) ? CS_API_CHAT : CS_API_COMPLETIONS;
+    int mode = (data[0] >> 1) & 3;
     cs_job *job = NULL;
     cs_api_error e;
     memset(&e, 0, sizeof e);
+    if (mode == 1 || mode == 2) { /* /tokenize, /detokenize: an answer or an error */
+        size_t len = 0;
+        char *out = (mode == 1 ? cs_api_tokenize : cs_api_detokenize)(&srv, (const char *)data + 1, size - 1, &len, &e);
+        if (!out && (e.status < 400 || e.status > 599)) abort();
+        free(out);
+        return 0;
+    }
+    if (mode == 3) { /* a list of prompts: its pieces are parsed as http.c parses them */
+        char **bodies = NULL;
+        size_t *lens = NULL;
+        int n = cs_api_split_prompts(&srv, (const char *)data + 1, size - 1, &bodies, &lens, &e);
+        if (n < 0 && (e.status < 400 || e.status > 599)) abort();
+        for (int i = 0; i < n; i++) {
+            cs_api_error pe;
+            memset(&pe, 0, sizeof pe);
+            if (cs_api_parse(&srv, CS_API_COMPLETIONS, bodies[i], lens[i], &job, &pe) == 0) cs_job_unref(job);
+            free(bodies[i]);
+        }
+        free(bodies);
+        free(lens);
+        return 0;
+    }
     if (cs_api_parse(&srv, kind, (const char *)data + 1, size - 1, &job, &e) == 0) {
         cs_job_unref(job);
     } else {

@@ -1,5 +1,6 @@
 /*
- * test_noalloc.c — colibri_forward, colibri_forward_at and colibri_sample must not touch
+ * test_noalloc.c — colibri_forward, colibri_forward_at, colibri_sample (and the sequence calls,
+ * the prefix cache's reuse included) must not touch
  * the heap: every buffer comes from the arena carved at init.
  *
  * This executable replaces malloc, calloc, realloc, free, posix_memalign, aligned_alloc
@@ -147,6 +148,13 @@ int main(int argc, char **argv) {
     }
     ok = ok && check(colibri_seq_truncate(ctx, 2, 1), ctx, "truncate");
     ok = ok && check(colibri_seq_clear(ctx, 1), ctx, "clear");
+    /* the prefix cache: sequence 1 takes sequence 0's registered prompt blocks, then runs on */
+    int64_t reused = 0;
+    ok = ok && check(colibri_seq_reuse_prefix(ctx, 1, ids, n_prompt, &reused), ctx, "reuse prefix");
+    if (ok && reused > 0 && reused < S) {
+        colibri_batch_entry b1 = {ids[reused], 1, reused, 1, 0};
+        ok = check(colibri_batch(ctx, &b1, 1, logits), ctx, "batch after reuse");
+    }
     long count = n_alloc;
     counting = 0;
 
@@ -157,8 +165,13 @@ int main(int argc, char **argv) {
         printf("test_noalloc: FAIL: %ld heap calls during forward/sample (expected 0)\n", count);
         return 1;
     }
+    if (n_prompt >= 4 && reused == 0) {
+        printf("test_noalloc: FAIL: the prefix cache reused nothing of a %lld-token prompt in blocks of 3\n",
+               (long long)n_prompt);
+        return 1;
+    }
     printf("test_noalloc: OK (0 heap calls in prefill, %lld decode steps and samples, a batch over 3 "
-           "sequences, fork, truncate, clear)\n",
-           (long long)(pos - n_prompt));
+           "sequences, fork, truncate, clear, a prefix-cache reuse of %lld positions)\n",
+           (long long)(pos - n_prompt), (long long)reused);
     return 0;
 }

@@ -7,7 +7,8 @@
  *
  * Checked: a request run under load gives the same tokens as alone (greedy and seeded);
  * every step holds at most max_batch_tokens entries and max_batch_size decodes; admission
- * never overfills the cache; FIFO admission; n > 1 forks (choice 0 equals the request
+ * never overfills the cache; blocks on demand with preemption (all complete, tokens as alone);
+ * FIFO admission; n > 1 forks (choice 0 equals the request
  * alone); EOS, stop (on_token), max_tokens and context-full endings; cancel (waiting and
  * running) frees the blocks in the same step; a full queue refuses; a refused batch fails
  * only its requests; and at the end every block and every sequence is free.
@@ -229,7 +230,7 @@ static void job_init(job *j, uint64_t seed, int plen, int64_t max_tokens, float 
 }
 
 static cs_engine make_engine(fake *f) {
-    cs_engine e = {f, fk_batch, fk_clear, fk_fork, fk_sample, fk_free, fk_total, fk_err, NULL};
+    cs_engine e = {f, fk_batch, fk_clear, fk_fork, fk_sample, fk_free, fk_total, fk_err, NULL, NULL, NULL};
     return e;
 }
 
@@ -364,11 +365,13 @@ int main(void) {
         g_eos_allowed = 0;
     }
 
-    /* 2. blocks: long requests on a small cache wait for blocks instead of failing */
+    /* 2. blocks on demand: long requests on a cache far smaller than their worst cases all run
+     * at once, the newest is preempted when the cache is full, and every one ends with the
+     * tokens it gets alone (greedy and seeded, one and two choices) */
     {
         cs_sched *s = make_sched(&f, 8, 8, 32, NJ);
-        for (int i = 0; i < 6; i++) {
-            job_init(&jobs[i], 50 + (uint64_t)i, 30, 60, 0.0f, 1); /* 90 positions: 12 blocks each */
+        for (int i = 0; i < 6; i++) { /* 90 positions: 12 blocks each, 72 (+9 for the fork) in a cache of 40 */
+            job_init(&jobs[i], 50 + (uint64_t)i, 30, 60, i % 2 ? 0.8f : 0.0f, i == 5 ? 2 : 1);
             CHECK(cs_sched_submit(s, &jobs[i].r) == CS_OK, "submit");
         }
         int64_t max_running = 0;
@@ -380,11 +383,22 @@ int main(void) {
             cs_metrics m;
             cs_sched_snapshot(s, &m);
             if (m.requests_running > max_running) max_running = m.requests_running;
+            CHECK(m.kv_blocks_used <= NBLK, "%lld blocks used", (long long)m.kv_blocks_used);
         }
-        CHECK(max_running == 3, "at most 3 requests of 12 blocks fit 40 blocks, ran %lld", (long long)max_running);
-        for (int i = 0; i < 6; i++)
+        cs_metrics m;
+        cs_sched_snapshot(s, &m);
+        CHECK(max_running == 6, "every request runs at once at first (worst cases admit 3), ran %lld",
+              (long long)max_running);
+        CHECK(m.preemptions_total > 0, "a cache of 40 blocks preempts");
+        for (int i = 0; i < 6; i++) {
             CHECK(jobs[i].done && !jobs[i].err[0] && jobs[i].n_toks[0] == 60, "job %d: %d tokens, err '%s'", i,
                   jobs[i].n_toks[0], jobs[i].err);
+            job alone;
+            solo(&jobs[i], &alone);
+            for (int c = 0; c < jobs[i].r.n; c++)
+                CHECK(same_tokens(&jobs[i], &alone, c), "job %d choice %d: preempted tokens differ from alone", i, c);
+            CHECK(jobs[i].r.n == 1 || !same_choice(&jobs[i], 0, &jobs[i], 1), "job %d: both choices alike", i);
+        }
         check_empty(s, &f, "blocks");
         cs_sched_free(s);
     }

@@ -45,6 +45,7 @@ void colibri_options_init(colibri_options *opt) {
     opt->group_pad = 1;
     opt->verify_checksums = 0;
     opt->precision = COLIBRI_PRECISION_EXACT;
+    opt->prefix_cache = 1;
 }
 
 colibri_status colibri_init(const char *path, colibri_ctx **out) {
@@ -270,6 +271,10 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
                    "COLIBRI_PRECISION_FAST (1)", opt.precision);
         return COLIBRI_E_INVALID_ARG;
     }
+    if (opt.prefix_cache != 0 && opt.prefix_cache != 1) {
+        cb_set_err(err, err_len, "invalid options: prefix_cache %d must be 1 (on) or 0 (off)", opt.prefix_cache);
+        return COLIBRI_E_INVALID_ARG;
+    }
     if (opt.backend != COLIBRI_BACKEND_CPU && opt.backend != COLIBRI_BACKEND_CUDA) {
         cb_set_err(err, err_len, "invalid options: backend %d is neither COLIBRI_BACKEND_CPU (0) nor "
                    "COLIBRI_BACKEND_CUDA (1)", opt.backend);
@@ -386,6 +391,7 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     ctx->kv_block_tokens = opt.kv_block_tokens == 0 ? 32 : opt.kv_block_tokens;
     /* every sequence can reach max_seq_len unless the caller budgets the pool smaller */
     ctx->kv_tokens = opt.kv_tokens == 0 ? ctx->max_seq_len * ctx->max_seqs : opt.kv_tokens;
+    ctx->prefix_cache = opt.prefix_cache;
     if (cache) {
         st = cb_ecache_init(ctx, path, opt.expert_cache_mb, opt.expert_cache_slots, opt.expert_cache_policy,
                             &ctx->ecache, err, err_len);
@@ -567,6 +573,26 @@ colibri_status colibri_seq_fork(colibri_ctx *ctx, int32_t src, int32_t dst) {
     return COLIBRI_OK;
 }
 
+colibri_status colibri_seq_reuse_prefix(colibri_ctx *ctx, int32_t seq, const int32_t *ids, int64_t n,
+                                        int64_t *n_reused) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (n_reused) *n_reused = 0;
+    colibri_status st = check_seq(ctx, "colibri_seq_reuse_prefix", seq);
+    if (st != COLIBRI_OK) return st;
+    if (!ids || !n_reused || n < 0)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_seq_reuse_prefix: ids and n_reused must not be NULL "
+                       "and n (%lld) must be >= 0", (long long)n);
+    cb_kv *kv = &ctx->sess.kv;
+    if (n > ctx->max_seq_len - kv->len[seq])
+        return cb_fail(ctx, COLIBRI_E_SEQ_TOO_LONG, "colibri_seq_reuse_prefix: sequence %d holds %lld positions and "
+                       "%lld more would pass max_seq_len %lld", seq, (long long)kv->len[seq], (long long)n,
+                       (long long)ctx->max_seq_len);
+    ctx->run.stage = -1;
+    *n_reused = cb_kv_reuse_prefix(kv, seq, ids, n);
+    if (ctx->trace) ctx->trace->prefix_cached += *n_reused;
+    return COLIBRI_OK;
+}
+
 /* Accessors report unknown names through the context's message; the message buffer is
  * mutable state of a logically const context, so the cast is deliberate. */
 static colibri_status unknown_name(const colibri_ctx *ctx, const char *what, const char *name) {
@@ -609,7 +635,11 @@ colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t
         {"max_seqs", ctx->max_seqs},
         {"kv_block_tokens", ctx->sess.kv.block_len},
         {"kv_blocks_total", ctx->sess.kv.n_blocks},
-        {"kv_blocks_used", ctx->sess.kv.n_blocks - ctx->sess.kv.n_free},
+        {"kv_blocks_used", ctx->sess.kv.n_blocks - ctx->sess.kv.n_free - ctx->sess.kv.n_cached},
+        {"kv_blocks_cached", ctx->sess.kv.n_cached},
+        {"prefix_cache", ctx->sess.kv.prefix},
+        {"prefix_cache_hit_tokens", ctx->sess.kv.hit_tokens},
+        {"prefix_cache_query_tokens", ctx->sess.kv.query_tokens},
         /* bytes of cache per position of a sequence, every layer: keys and values, or one
          * latent row for multi-head latent attention (backend/cpu/mla.c) */
         {"kv_bytes_per_token", ctx->sess.kv.block_len ? ctx->sess.kv.layer_stride / ctx->sess.kv.block_len *

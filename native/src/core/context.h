@@ -38,6 +38,7 @@ struct colibri_ctx {
     int32_t num_threads, group_pad, populate;
     int32_t max_seqs, kv_block_tokens;  /* sequences held at once; positions per KV block */
     int64_t kv_tokens;                  /* positions of the KV pool (before rounding to blocks) */
+    int32_t prefix_cache;               /* 1: full KV blocks are registered for reuse (model/kv.h) */
     const cb_kernels *kern;
     int32_t precision;       /* COLIBRI_PRECISION_EXACT / _FAST */
     const cb_fast_kernels *fast; /* fast mode's table (cpu/fast.h); NULL in exact mode */

@@ -88,7 +88,7 @@ void colibri_trace_reset(colibri_trace *tr) {
     memset(tr->layer_ns, 0, (uint64_t)tr->n_layers * 5 * 8);
     memset(tr->cache_stats, 0, (uint64_t)tr->n_layers * CB_EC_N_STATS * 8);
     memset(tr->stage_ns, 0, sizeof tr->stage_ns);
-    tr->n_tokens = tr->dropped = tr->n_forwards = tr->chunk_base = 0;
+    tr->n_tokens = tr->dropped = tr->n_forwards = tr->chunk_base = tr->prefix_cached = 0;
 }
 
 colibri_status colibri_trace_attach(colibri_ctx *ctx, colibri_trace *tr) {
@@ -114,7 +114,7 @@ colibri_status colibri_trace_attach(colibri_ctx *ctx, colibri_trace *tr) {
 colibri_status colibri_trace_get_int(const colibri_trace *tr, const char *name, int64_t *out) {
     if (!tr || !name || !out) return COLIBRI_E_INVALID_ARG;
     struct { const char *n; int64_t v; } tab[] = {
-        {"tokens", tr->n_tokens}, {"dropped", tr->dropped}, {"capacity", tr->capacity},
+        {"tokens", tr->n_tokens}, {"dropped", tr->dropped}, {"prefix_cached", tr->prefix_cached}, {"capacity", tr->capacity},
         {"forwards", tr->n_forwards}, {"n_layers", tr->n_layers}, {"n_experts", tr->n_experts},
         {"top_k", tr->top_k},
     };

@@ -13,6 +13,7 @@
  * C = capacity, L = n_layers, E = n_experts, K = top_k. */
 struct colibri_trace {
     int64_t capacity, n_tokens, dropped, n_forwards;
+    int64_t prefix_cached;      /* positions taken from the prefix cache while attached */
     uint32_t n_layers, n_experts, top_k;
     const colibri_ctx *owner;   /* the context it is attached to, or NULL */
     int64_t chunk_base;         /* token row of the current chunk's first token */

@@ -221,7 +221,7 @@ colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, i
     }
     /* room in the KV cache once the positions from start_pos on are given back */
     int64_t need = cb_kv_blocks_needed(kv, 0, start_pos, start_pos + n);
-    int64_t have = kv->n_free + cb_kv_blocks_freed(kv, 0, start_pos);
+    int64_t have = cb_kv_available(kv) + cb_kv_blocks_freed(kv, 0, start_pos);
     if (need > have)
         return cb_fail(ctx, COLIBRI_E_NOMEM, "the KV cache has %lld free blocks of %lld positions, %lld are needed "
                        "for %lld more positions of sequence 0; free other sequences (colibri_seq_clear) or open "
@@ -230,10 +230,18 @@ colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, i
     return COLIBRI_OK;
 }
 
-/* Sequence 0 keeps positions [0, start_pos) and grows to start_pos + n (checked). */
-static void seq0_prepare(colibri_ctx *ctx, int64_t start_pos, int64_t n) {
+/* Sequence 0 keeps positions [0, start_pos) and grows to start_pos + n (checked); the prefix
+ * cache learns the new positions' tokens. */
+static void seq0_prepare(colibri_ctx *ctx, const int32_t *ids, int64_t start_pos, int64_t n) {
     cb_kv_truncate(&ctx->sess.kv, 0, start_pos);
     cb_kv_grow(&ctx->sess.kv, 0, start_pos + n);
+    for (int64_t i = 0; i < n; i++) cb_kv_set_token(&ctx->sess.kv, 0, start_pos + i, ids[i]);
+}
+
+/* The chunk's keys and values are computed: the prefix cache registers the blocks it filled. */
+static void chunk_written(colibri_ctx *ctx) {
+    if (!ctx->sess.kv.prefix) return;
+    for (int64_t t = 0; t < ctx->run.T; t++) cb_kv_written(&ctx->sess.kv, ctx->s.row_seq[t], ctx->s.row_pos[t]);
 }
 
 /* Caller (colibri_forward_at) guarantees ctx, ids, logits non-NULL, n >= 1, start_pos >= 0.
@@ -243,7 +251,7 @@ colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64
                           float *logits, int last_only) {
     colibri_status st = cb_check_input(ctx, ids, n, start_pos);
     if (st != COLIBRI_OK) return st;
-    seq0_prepare(ctx, start_pos, n);
+    seq0_prepare(ctx, ids, start_pos, n);
     for (int64_t c0 = 0; c0 < n; c0 += ctx->max_batch) {
         int64_t T = n - c0 < ctx->max_batch ? n - c0 : ctx->max_batch;
         int64_t rows = !last_only ? T : c0 + T == n ? 1 : 0;
@@ -255,6 +263,7 @@ colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64
         }
         run_chunk(ctx, lg);
         if (ctx->be->status && (st = ctx->be->status(ctx)) != COLIBRI_OK) return st;
+        chunk_written(ctx);
         st = check_logits(ctx, lg, rows, c0 + T - rows);
         if (st != COLIBRI_OK) return st;
     }
@@ -300,12 +309,13 @@ colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t 
                        "buffer is NULL", (long long)n_logits);
     int64_t need = 0;
     for (int32_t q = 0; q < ctx->max_seqs; q++) need += cb_kv_blocks_needed(kv, q, kv->len[q], s->seq_next[q]);
-    if (need > kv->n_free)
+    if (need > cb_kv_available(kv))
         return cb_fail(ctx, COLIBRI_E_NOMEM, "colibri_batch: the KV cache has %lld free blocks of %lld positions "
                        "and this batch needs %lld; run fewer entries, free finished sequences "
                        "(colibri_seq_clear) or open the context with a larger kv_tokens",
-                       (long long)kv->n_free, (long long)kv->block_len, (long long)need);
+                       (long long)cb_kv_available(kv), (long long)kv->block_len, (long long)need);
     for (int32_t q = 0; q < ctx->max_seqs; q++) cb_kv_grow(kv, q, s->seq_next[q]);
+    for (int64_t i = 0; kv->prefix && i < n; i++) cb_kv_set_token(kv, e[i].seq, e[i].pos, e[i].token);
     int64_t done_logits = 0;
     for (int64_t c0 = 0; c0 < n; c0 += ctx->max_batch) {
         int64_t T = n - c0 < ctx->max_batch ? n - c0 : ctx->max_batch, R = 0;
@@ -327,6 +337,7 @@ colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t 
         run_chunk(ctx, lg);
         colibri_status st = ctx->be->status ? ctx->be->status(ctx) : COLIBRI_OK;
         if (st != COLIBRI_OK) return st;
+        chunk_written(ctx);
         st = check_logits(ctx, lg, R, done_logits);
         if (st != COLIBRI_OK) return st;
         done_logits += R;
@@ -347,7 +358,7 @@ colibri_status cb_stage_begin(colibri_ctx *ctx, const int32_t *ids, int64_t n, i
                        (long long)ctx->max_batch, (long long)n);
     colibri_status st = cb_check_input(ctx, ids, n, start_pos);
     if (st != COLIBRI_OK) return st;
-    seq0_prepare(ctx, start_pos, n);
+    seq0_prepare(ctx, ids, start_pos, n);
     run_setup(ctx, ids, n, 0, start_pos);
     return COLIBRI_OK;
 }
@@ -376,7 +387,10 @@ colibri_status cb_stage_run(colibri_ctx *ctx, int32_t stage, float *logits) {
             return st;
         }
     }
-    if (stage == COLIBRI_STAGE_LM_HEAD) return check_logits(ctx, logits, r->T, 0);
+    if (stage == COLIBRI_STAGE_LM_HEAD) {
+        chunk_written(ctx); /* every layer of the chunk ran */
+        return check_logits(ctx, logits, r->T, 0);
+    }
     return COLIBRI_OK;
 }
 

@@ -5,6 +5,7 @@
  * Every size is overflow-checked; a plan that does not fit says which option to lower.
  */
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "core/arena.h"
@@ -39,6 +40,17 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     uint64_t n_blocks = ((uint64_t)ctx->kv_tokens + P - 1) / P, max_blocks = (S + P - 1) / P;
     uint64_t tables = 0;
     int ok = 1;
+    if (n_blocks > (uint64_t)INT32_MAX / 2) { /* block ids are int32 (model/kv.h) */
+        cb_set_err(err, err_len, "the KV cache would have %llu blocks, more than %d; lower kv_tokens or raise "
+                   "kv_block_tokens", (unsigned long long)n_blocks, INT32_MAX / 2);
+        return COLIBRI_E_INVALID_ARG;
+    }
+    /* the prefix cache (model/kv.h): per block its tokens and table fields, per sequence its
+     * written and registered lengths, and an open-addressing table of at least 2 n_blocks slots */
+    uint64_t PB = ctx->prefix_cache ? n_blocks : 0, PS = ctx->prefix_cache ? NS : 0, n_slots = 0, ptok = 0;
+    if (ctx->prefix_cache)
+        for (n_slots = 1; n_slots < 2 * n_blocks; n_slots *= 2) {}
+    ok &= cb_mul_u64(PB, P, &ptok);
     /* multi-head latent attention (mla.c): the cache holds one latent row per position and
      * layer, [c (r), k_pe (dr)], no values; q, k and att take the MLA widths */
     int mla = c->attention == CB_ATTN_MLA;
@@ -91,6 +103,17 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&kc->len, NS, 8, "sequence lengths"},
         {(void **)&kc->ref, n_blocks, 4, "KV block counts"},
         {(void **)&kc->free_ids, n_blocks, 4, "KV free blocks"},
+        {(void **)&kc->tok, ptok, 4, "prefix-cache tokens"},
+        {(void **)&kc->hash, PB, 8, "prefix-cache hashes"},
+        {(void **)&kc->parent, PB, 4, "prefix-cache parents"},
+        {(void **)&kc->parent_gen, PB, 4, "prefix-cache parent generations"},
+        {(void **)&kc->gen, PB, 4, "prefix-cache generations"},
+        {(void **)&kc->reg, PB, 1, "prefix-cache registered"},
+        {(void **)&kc->lru_prev, PB, 4, "prefix-cache LRU"},
+        {(void **)&kc->lru_next, PB, 4, "prefix-cache LRU"},
+        {(void **)&kc->slots, n_slots, 4, "prefix-cache table"},
+        {(void **)&kc->valid, PS, 8, "prefix-cache written lengths"},
+        {(void **)&kc->n_reg, PS, 8, "prefix-cache registered lengths"},
         {(void **)&s->x, BH, 4, "x"},
         {(void **)&s->xn, BH, 4, "xn"},
         {(void **)&s->q, B * Nq_buf, 4, "q"},
@@ -190,6 +213,8 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     kc->head_stride = (int64_t)P * (int64_t)Dkv;
     kc->layer_stride = (int64_t)Hkv * kc->head_stride;
     kc->block_stride = (int64_t)L * kc->layer_stride;
+    kc->prefix = ctx->prefix_cache;
+    kc->n_slots = (int64_t)n_slots;
     cb_kv_reset(kc);
     return COLIBRI_OK;
 }

@@ -296,10 +296,13 @@ static void sse_raw(cs_job *j, const char *s) {
     j->out_len += n;
 }
 
+/* usage as OpenAI reports it; prompt_tokens_details.cached_tokens: the prompt positions the
+ * prefix cache served */
 static json_t *usage_json(const cs_job *j) {
-    return json_pack("{s:I, s:I, s:I}", "prompt_tokens", (json_int_t)j->n_prompt, "completion_tokens",
+    return json_pack("{s:I, s:I, s:I, s:{s:I}}", "prompt_tokens", (json_int_t)j->n_prompt, "completion_tokens",
                      (json_int_t)j->req.completion_tokens, "total_tokens",
-                     (json_int_t)(j->n_prompt + j->req.completion_tokens));
+                     (json_int_t)(j->n_prompt + j->req.completion_tokens), "prompt_tokens_details",
+                     "cached_tokens", (json_int_t)j->req.cached_tokens);
 }
 
 static json_t *text_json(const char *s, size_t n) {
@@ -682,7 +685,8 @@ static int parse_prompt(cs_job *j, json_t *p, cs_api_error *err) {
     for (size_t i = 0; i < n; i++) {
         json_t *v = json_array_get(p, i);
         if (json_is_string(v) || json_is_array(v)) {
-            BAD("prompt", "only one prompt per request is supported; send one request per prompt");
+            BAD("prompt", "'prompt' mixes token ids with strings or arrays: give one array of token ids, or a list "
+                "whose elements are all strings or arrays of token ids");
             return -1;
         }
         if (!json_is_integer(v)) {
@@ -858,6 +862,9 @@ int cs_api_parse(cs_server *srv, cs_api_kind kind, const char *body, size_t len,
     if (get_int(root, "n", 1, max_n, &n, err) < 0) goto fail;
     if ((b = get_bool(root, "stream", &j->stream, err)) < 0) goto fail;
     if (get_bool(root, "ignore_eos", &j->req.ignore_eos, err) < 0) goto fail;
+    int cache_prompt = 1; /* llama-server's flag: false computes the whole prompt */
+    if (get_bool(root, "cache_prompt", &cache_prompt, err) < 0) goto fail;
+    j->req.no_prefix_cache = !cache_prompt;
     json_t *so = field(root, "stream_options");
     if (so && !json_is_object(so)) {
         BAD("stream_options", "'stream_options' must be an object");
@@ -1088,4 +1095,213 @@ char *cs_job_response(cs_job *j, size_t *len, int *status) {
         return cs_api_error_json(&e, len);
     }
     return s;
+}
+
+/* ---- /tokenize and /detokenize (llama-server's shapes) ----------------------------------- */
+
+static json_t *load_object(const char *body, size_t len, cs_api_error *err) {
+    size_t bad = 0;
+    if (!cs_utf8_valid(body, len, &bad)) {
+        BAD(NULL, "the request body is not valid UTF-8 (the first bad byte is at offset %zu)", bad);
+        return NULL;
+    }
+    json_error_t je;
+    json_t *root = json_loadb(body, len, 0, &je);
+    if (!root) {
+        BAD(NULL, "the request body is not valid JSON: %s (line %d, column %d)", je.text, je.line, je.column);
+        return NULL;
+    }
+    if (!json_is_object(root)) {
+        BAD(NULL, "the request body must be a JSON object");
+        json_decref(root);
+        return NULL;
+    }
+    return root;
+}
+
+char *cs_api_tokenize(cs_server *srv, const char *body, size_t len, size_t *out_len, cs_api_error *err) {
+    json_t *root = load_object(body, len, err), *out = NULL;
+    if (!root) return NULL;
+    json_t *content = field(root, "content");
+    int add_special = 0, with_pieces = 0;
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    char msg[512];
+    if (!content || !json_is_string(content)) {
+        BAD("content", "'content' must be the text to tokenize (a string)");
+        goto done;
+    }
+    if (get_bool(root, "add_special", &add_special, err) < 0 || get_bool(root, "with_pieces", &with_pieces, err) < 0)
+        goto done;
+    pthread_mutex_lock(&srv->tok_mu);
+    int rc = tokenize(srv->tok, json_string_value(content), json_string_length(content), add_special, &ids, &n, msg,
+                      sizeof msg);
+    json_t *toks = rc ? NULL : json_array();
+    for (int64_t i = 0; toks && i < n; i++) {
+        if (!with_pieces) {
+            json_array_append_new(toks, json_integer(ids[i]));
+            continue;
+        }
+        /* the piece as text, or as its bytes when they are not UTF-8 on their own */
+        size_t plen = 0;
+        int byte = -1;
+        char *t = token_text(srv->tok, ids[i], &plen, &byte);
+        json_t *piece;
+        if (byte >= 0) piece = json_pack("[i]", byte);
+        else piece = t ? text_json(t, plen) : json_string("");
+        free(t);
+        json_array_append_new(toks, json_pack("{s:i, s:o}", "id", ids[i], "piece", piece));
+    }
+    pthread_mutex_unlock(&srv->tok_mu);
+    if (rc) {
+        BAD("content", "%s", msg);
+        goto done;
+    }
+    out = json_pack("{s:o}", "tokens", toks);
+done:
+    free(ids);
+    json_decref(root);
+    if (!out) {
+        if (!err->message[0]) cs_api_set_error(err, 500, "server_error", NULL, NULL, "out of memory");
+        return NULL;
+    }
+    return dump(out, out_len);
+}
+
+char *cs_api_detokenize(cs_server *srv, const char *body, size_t len, size_t *out_len, cs_api_error *err) {
+    json_t *root = load_object(body, len, err), *out = NULL;
+    if (!root) return NULL;
+    json_t *t = field(root, "tokens");
+    int32_t *ids = NULL;
+    size_t n = t && json_is_array(t) ? json_array_size(t) : 0;
+    if (!t || !json_is_array(t)) {
+        BAD("tokens", "'tokens' must be an array of token ids");
+        goto done;
+    }
+    ids = malloc((n ? n : 1) * sizeof *ids);
+    if (!ids) goto done;
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_array_get(t, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= srv->vocab) {
+            BAD("tokens", "element %zu of 'tokens' is not a token id of this model (integers 0 to %" PRId64 ")", i,
+                srv->vocab - 1);
+            goto done;
+        }
+        ids[i] = (int32_t)json_integer_value(v);
+    }
+    size_t tl = 0;
+    pthread_mutex_lock(&srv->tok_mu);
+    char *text = detok(srv->tok, ids, (int64_t)n, &tl);
+    pthread_mutex_unlock(&srv->tok_mu);
+    if (text) out = json_pack("{s:o}", "content", text_json(text, tl));
+    free(text);
+done:
+    free(ids);
+    json_decref(root);
+    if (!out) {
+        if (!err->message[0]) cs_api_set_error(err, 500, "server_error", NULL, NULL, "out of memory");
+        return NULL;
+    }
+    return dump(out, out_len);
+}
+
+/* ---- /v1/completions with a list of prompts ---------------------------------------------- */
+
+int cs_api_split_prompts(cs_server *srv, const char *body, size_t len, char ***bodies, size_t **lens,
+                         cs_api_error *err) {
+    (void)srv;
+    *bodies = NULL;
+    *lens = NULL;
+    json_error_t je;
+    json_t *root = json_loadb(body, len, 0, &je);
+    if (!root || !json_is_object(root)) { /* cs_api_parse says what is wrong with it */
+        json_decref(root);
+        return 0;
+    }
+    json_t *p = field(root, "prompt");
+    size_t n = p && json_is_array(p) ? json_array_size(p) : 0;
+    json_t *first = n >= 2 ? json_array_get(p, 0) : NULL;
+    if (!first || !(json_is_string(first) || json_is_array(first))) {
+        json_decref(root);
+        return 0; /* one prompt: a string, ids, or a list of one */
+    }
+    json_t *st = field(root, "stream");
+    if (st && json_is_true(st)) {
+        BAD("stream", "a list of %zu prompts is answered with stream false only; send one request per prompt "
+            "to stream each", n);
+        json_decref(root);
+        return -1;
+    }
+    if (n > CS_MAX_PROMPTS) {
+        BAD("prompt", "at most %d prompts per request, got %zu", CS_MAX_PROMPTS, n);
+        json_decref(root);
+        return -1;
+    }
+    char **b = calloc(n, sizeof *b);
+    size_t *l = calloc(n, sizeof *l);
+    int ok = b && l;
+    json_incref(p); /* root's "prompt" is replaced below */
+    for (size_t i = 0; ok && i < n; i++) {
+        json_t *e = json_array_get(p, i);
+        if (!json_is_string(e) && !json_is_array(e)) {
+            BAD("prompt", "element %zu of the list of prompts is neither a string nor an array of token ids", i);
+            ok = 0;
+            break;
+        }
+        json_object_set(root, "prompt", e);
+        size_t need = json_dumpb(root, NULL, 0, JSON_COMPACT);
+        b[i] = need ? malloc(need) : NULL;
+        if (!b[i]) {
+            cs_api_set_error(err, 500, "server_error", NULL, NULL, "out of memory");
+            ok = 0;
+            break;
+        }
+        l[i] = json_dumpb(root, b[i], need, JSON_COMPACT);
+    }
+    json_decref(p);
+    json_decref(root);
+    if (!ok) {
+        for (size_t i = 0; b && i < n; i++) free(b[i]);
+        free(b);
+        free(l);
+        if (!err->message[0]) cs_api_set_error(err, 500, "server_error", NULL, NULL, "out of memory");
+        return -1;
+    }
+    *bodies = b;
+    *lens = l;
+    return (int)n;
+}
+
+char *cs_api_merge_completions(char *const *responses, const size_t *lens, int n, size_t *out_len) {
+    json_t *out = NULL, *choices = json_array();
+    json_int_t pt = 0, ct = 0, cached = 0;
+    for (int i = 0; choices && i < n; i++) {
+        json_t *r = json_loadb(responses[i], lens[i], 0, NULL);
+        json_t *ch = r ? json_object_get(r, "choices") : NULL;
+        size_t k = ch ? json_array_size(ch) : 0;
+        /* OpenAI's order: prompt i's choices are indices i * n_choices .. */
+        for (size_t c = 0; c < k; c++) {
+            json_t *x = json_array_get(ch, c);
+            json_object_set_new(x, "index", json_integer((json_int_t)((size_t)i * k + c)));
+            json_array_append(choices, x);
+        }
+        json_t *u = r ? json_object_get(r, "usage") : NULL;
+        pt += json_integer_value(json_object_get(u, "prompt_tokens"));
+        ct += json_integer_value(json_object_get(u, "completion_tokens"));
+        cached += json_integer_value(json_object_get(json_object_get(u, "prompt_tokens_details"), "cached_tokens"));
+        if (i == 0 && r) {
+            out = json_deep_copy(r);
+        }
+        json_decref(r);
+    }
+    if (!out || !choices) {
+        json_decref(out);
+        json_decref(choices);
+        return NULL;
+    }
+    json_object_set_new(out, "choices", choices);
+    json_object_set_new(out, "usage", json_pack("{s:I, s:I, s:I, s:{s:I}}", "prompt_tokens", pt, "completion_tokens",
+                                                ct, "total_tokens", pt + ct, "prompt_tokens_details",
+                                                "cached_tokens", cached));
+    return dump(out, out_len);
 }

@@ -28,6 +28,14 @@ static int64_t e_free(void *self) {
     if (colibri_get_int(cc->ctx, "kv_blocks_used", &used) != COLIBRI_OK) return 0;
     return cc->blocks_total - used;
 }
+static int64_t e_reuse(void *self, int32_t seq, const int32_t *ids, int64_t n) {
+    int64_t k = 0;
+    return colibri_seq_reuse_prefix(((cs_colibri *)self)->ctx, seq, ids, n, &k) == COLIBRI_OK ? k : 0;
+}
+static int64_t e_cached(void *self) {
+    int64_t k = 0;
+    return colibri_get_int(((cs_colibri *)self)->ctx, "kv_blocks_cached", &k) == COLIBRI_OK ? k : 0;
+}
 static const char *e_error(void *self) { return colibri_last_error(((cs_colibri *)self)->ctx); }
 
 static const char *const cache_names[CS_CACHE_N_STATS] = {"cache_hits", "cache_misses", "cache_prefetches",
@@ -137,7 +145,7 @@ int cs_colibri_init(cs_colibri *cc, colibri_ctx *ctx, int64_t trace_tokens, cs_e
         }
         cc->cache_slots = (int32_t)slots;
     }
-    *eng = (cs_engine){cc, e_batch, e_clear, e_fork, e_sample, e_free, e_total, e_error, e_after};
+    *eng = (cs_engine){cc, e_batch, e_clear, e_fork, e_sample, e_free, e_total, e_error, e_after, e_reuse, e_cached};
     return 0;
 }
 

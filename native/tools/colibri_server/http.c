@@ -36,7 +36,7 @@ struct cs_http {
 };
 
 enum route {
-    R_NONE = 0, R_HEALTH, R_METRICS, R_MODELS, R_COMPLETIONS, R_CHAT
+    R_NONE = 0, R_HEALTH, R_METRICS, R_MODELS, R_COMPLETIONS, R_CHAT, R_TOKENIZE, R_DETOKENIZE
 };
 
 typedef struct conn {
@@ -182,6 +182,8 @@ static enum route route_of(const char *url) {
     if (!strcmp(url, "/v1/models")) return R_MODELS;
     if (!strcmp(url, "/v1/completions")) return R_COMPLETIONS;
     if (!strcmp(url, "/v1/chat/completions")) return R_CHAT;
+    if (!strcmp(url, "/tokenize")) return R_TOKENIZE;
+    if (!strcmp(url, "/detokenize")) return R_DETOKENIZE;
     return R_NONE;
 }
 
@@ -229,9 +231,75 @@ static enum MHD_Result handle_metrics(cs_server *srv, struct MHD_Connection *c) 
     return send_buf(c, 200, t, len, "text/plain; version=0.0.4; charset=utf-8", NULL, NULL);
 }
 
+/* /v1/completions with a list of prompts: a job per prompt, all queued at once (they batch
+ * together), one answer with every prompt's choices. */
+static enum MHD_Result handle_prompt_list(cs_server *srv, struct MHD_Connection *c, char **bodies, size_t *lens,
+                                          int n) {
+    cs_api_error err;
+    memset(&err, 0, sizeof err);
+    cs_job **jobs = calloc((size_t)n, sizeof *jobs);
+    char **res = calloc((size_t)n, sizeof *res);
+    size_t *res_len = calloc((size_t)n, sizeof *res_len);
+    int failed = -1, status = 200, bad = -1;
+    enum MHD_Result ok;
+    if (!jobs || !res || !res_len) {
+        cs_api_set_error(&err, 500, "server_error", NULL, NULL, "out of memory");
+        failed = 0;
+    }
+    for (int i = 0; failed < 0 && i < n; i++) {
+        if (cs_api_parse(srv, CS_API_COMPLETIONS, bodies[i], lens[i], &jobs[i], &err)) {
+            failed = i;
+            break;
+        }
+        cs_job_set_fd(jobs[i], conn_fd(c));
+        if (cs_api_submit(jobs[i], &err)) {
+            cs_job_unref(jobs[i]);
+            jobs[i] = NULL;
+            failed = i;
+        }
+    }
+    for (int i = 0; jobs && i < n && jobs[i]; i++) {
+        if (failed >= 0) cs_job_cancel(jobs[i]); /* the request as a whole failed */
+        cs_job_wait(jobs[i], client_gone);
+        int st = 200;
+        res[i] = cs_job_response(jobs[i], &res_len[i], &st);
+        if (st != 200 && status == 200) status = st, bad = i;
+        cs_job_unref(jobs[i]);
+    }
+    if (failed >= 0) {
+        ok = send_error(c, &err);
+    } else if (status != 200) { /* the first failed answer, as it is */
+        char *s = res[bad];
+        res[bad] = NULL;
+        ok = s ? send_buf(c, (unsigned)status, s, res_len[bad], "application/json", NULL, NULL)
+               : fail(c, 500, "server_error", NULL, "out of memory");
+    } else {
+        size_t len = 0;
+        char *s = cs_api_merge_completions(res, res_len, n, &len);
+        ok = s ? send_buf(c, 200, s, len, "application/json", close_if_stopping(srv), "close")
+               : fail(c, 500, "server_error", NULL, "out of memory");
+    }
+    for (int i = 0; res && i < n; i++) free(res[i]);
+    for (int i = 0; i < n; i++) free(bodies[i]);
+    free(bodies);
+    free(lens);
+    free(jobs);
+    free(res);
+    free(res_len);
+    return ok;
+}
+
 static enum MHD_Result handle_generate(cs_server *srv, struct MHD_Connection *c, conn *k) {
     cs_api_error err;
     cs_job *j = NULL;
+    if (k->route == R_COMPLETIONS) {
+        char **bodies = NULL;
+        size_t *lens = NULL;
+        memset(&err, 0, sizeof err);
+        int n = cs_api_split_prompts(srv, k->body ? k->body : "", k->len, &bodies, &lens, &err);
+        if (n < 0) return send_error(c, &err);
+        if (n > 0) return handle_prompt_list(srv, c, bodies, lens, n);
+    }
     if (cs_api_parse(srv, k->route == R_CHAT ? CS_API_CHAT : CS_API_COMPLETIONS, k->body ? k->body : "", k->len, &j,
                      &err))
         return send_error(c, &err);
@@ -283,13 +351,14 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         *con_cls = k;
         atomic_fetch_add(&h->inflight, 1);
         k->route = route_of(url);
-        int post = k->route == R_COMPLETIONS || k->route == R_CHAT;
+        int post = k->route == R_COMPLETIONS || k->route == R_CHAT || k->route == R_TOKENIZE ||
+                   k->route == R_DETOKENIZE;
         int is_get = !strcmp(method, MHD_HTTP_METHOD_GET) || !strcmp(method, MHD_HTTP_METHOD_HEAD);
         int is_post = !strcmp(method, MHD_HTTP_METHOD_POST);
         if (k->route == R_NONE) {
             char msg[512];
             snprintf(msg, sizeof msg, "no such endpoint: %.200s (try POST /v1/completions, POST /v1/chat/completions, "
-                     "GET /v1/models, GET /health, GET /metrics)", url);
+                     "POST /tokenize, POST /detokenize, GET /v1/models, GET /health, GET /metrics)", url);
             k->done = 1;
             return fail(c, 404, "invalid_request_error", "not_found", msg);
         }
@@ -385,6 +454,14 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         size_t len = 0;
         char *s = cs_api_models_json(srv, &len);
         return send_json(c, 200, s, len);
+    }
+    if (k->route == R_TOKENIZE || k->route == R_DETOKENIZE) {
+        cs_api_error err;
+        memset(&err, 0, sizeof err);
+        size_t len = 0;
+        char *s = (k->route == R_TOKENIZE ? cs_api_tokenize : cs_api_detokenize)(srv, k->body ? k->body : "", k->len,
+                                                                                 &len, &err);
+        return s ? send_json(c, 200, s, len) : send_error(c, &err);
     }
     return handle_generate(srv, c, k);
 }

@@ -37,7 +37,7 @@ typedef struct args {
     const char *model, *alias, *host, *api_key;
     int64_t decode_prefill_tokens;
     int64_t port, num_threads, max_batch_size, max_seq_len, prefetch_batches, parallel, max_batch_tokens, kv_tokens,
-        kv_block_tokens, max_queue, timeout, max_body_bytes, default_max_tokens, shutdown_timeout_s;
+        kv_block_tokens, max_queue, timeout, max_body_bytes, default_max_tokens, shutdown_timeout_s, prefix_cache;
     int64_t expert_cache_mb, expert_cache_slots;
     double gpu_memory_fraction; /* 0: the engine's default (0.9) */
     int32_t precision, expert_cache_policy, backend, gpu_device;
@@ -75,6 +75,8 @@ static void usage(FILE *f) {
             "  --kv_tokens N             positions of the shared paged KV cache, 0 = max_seq_len\n"
             "                            x parallel (default 0)\n"
             "  --kv_block_tokens N       positions per KV block, 0 = the engine's (32) (default 0)\n"
+            "  --prefix_cache 0|1        keep full KV blocks for later prompts that start with the\n"
+            "                            same tokens; answers are bitwise the same (default 1)\n"
             "  --expert_cache_mb N       keep the routed experts in N MiB of cache slots, read\n"
             "                            from the file on a miss (models larger than memory;\n"
             "                            docs/expert_cache.md); /metrics then shows its counters;\n"
@@ -122,6 +124,7 @@ static int parse_args(int argc, char **argv, args *a) {
     a->timeout = 60;
     a->max_body_bytes = 1 << 20;
     a->default_max_tokens = 16;
+    a->prefix_cache = 1;
     a->shutdown_timeout_s = 30;
     int port_in_host = 0, policy_given = 0, gpu_given = 0;
     static char host_buf[256];
@@ -137,7 +140,7 @@ static int parse_args(int argc, char **argv, args *a) {
             "--prefetch_batches", "--gpu_memory_fraction", "--parallel", "--max_batch_tokens", "--decode_prefill_tokens", "--kv_tokens",
             "--kv_block_tokens", "--api-key", "--api_key", "--max_queue", "--timeout", "--max_body_bytes",
             "--default_max_tokens", "--precision", "--shutdown_timeout_s", "--expert_cache_mb", "--expert_cache_slots",
-            "--expert_cache_policy", "--backend", "--gpu_device"};
+            "--expert_cache_policy", "--backend", "--gpu_device", "--prefix_cache"};
         char name[64];
         const char *val = NULL;
         int bad = split_option(argc, argv, &i, known, sizeof known / sizeof known[0], name, &val);
@@ -210,6 +213,7 @@ static int parse_args(int argc, char **argv, args *a) {
         INT_OPT("--decode_prefill_tokens", decode_prefill_tokens, 0, 1 << 20)
         INT_OPT("--kv_tokens", kv_tokens, 0, INT64_C(1) << 40)
         INT_OPT("--kv_block_tokens", kv_block_tokens, 0, 1 << 20)
+        INT_OPT("--prefix_cache", prefix_cache, 0, 1)
         INT_OPT("--max_queue", max_queue, 0, 1 << 20)
         INT_OPT("--timeout", timeout, 1, 86400)
         INT_OPT("--max_body_bytes", max_body_bytes, 64, INT64_C(1) << 32)
@@ -382,6 +386,7 @@ int main(int argc, char **argv) {
     opt.max_seqs = (int32_t)a.parallel;
     opt.kv_block_tokens = (int32_t)a.kv_block_tokens;
     opt.kv_tokens = a.kv_tokens;
+    opt.prefix_cache = (int32_t)a.prefix_cache;
     opt.precision = a.precision;
     opt.expert_cache_mb = a.expert_cache_mb;
     opt.expert_cache_slots = (int32_t)a.expert_cache_slots;

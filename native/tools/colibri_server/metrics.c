@@ -153,7 +153,9 @@ char *cs_metrics_render(const cs_metrics *m, size_t *len) {
     gauge(&b, "colibri_requests_running", "Requests holding sequences (prefilling or decoding).",
           m->requests_running);
     gauge(&b, "colibri_requests_waiting", "Requests queued for admission.", m->requests_waiting);
-    gauge(&b, "colibri_kv_blocks_used", "KV-cache blocks in use.", m->kv_blocks_used);
+    gauge(&b, "colibri_kv_blocks_used", "KV-cache blocks held by running sequences.", m->kv_blocks_used);
+    gauge(&b, "colibri_kv_blocks_cached", "KV-cache blocks kept by the prefix cache, held by no sequence "
+          "(evicted least recently used when a sequence needs room).", m->kv_blocks_cached);
     gauge(&b, "colibri_kv_blocks_total", "KV-cache blocks in the paged cache.", m->kv_blocks_total);
     counter(&b, "colibri_prompt_tokens_total", "Prompt tokens prefilled.", m->prompt_tokens_total);
     counter(&b, "colibri_generation_tokens_total", "Tokens generated.", m->generation_tokens_total);
@@ -164,6 +166,12 @@ char *cs_metrics_render(const cs_metrics *m, size_t *len) {
     counter(&b, "colibri_requests_rejected_total", "Requests refused because the queue was full.",
             m->requests_rejected_total);
     counter(&b, "colibri_engine_steps_total", "Batched forward steps run.", m->steps_total);
+    counter(&b, "colibri_prefix_cache_hits_total", "Prompt tokens taken from the prefix cache instead of computed.",
+            m->prefix_cache_hit_tokens_total);
+    counter(&b, "colibri_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+            m->prefix_cache_query_tokens_total);
+    counter(&b, "colibri_preemptions_total", "Requests preempted because the KV cache was full (their blocks "
+            "freed, their work recomputed later).", m->preemptions_total);
     histogram(&b, "colibri_time_to_first_token_seconds",
               "Seconds from a request's arrival to its first generated token.", &m->ttft);
     histogram(&b, "colibri_time_per_output_token_seconds",

@@ -40,6 +40,10 @@ typedef struct cs_metrics {
     uint64_t prompt_tokens_total, generation_tokens_total;
     uint64_t requests_finished_total, requests_cancelled_total, requests_rejected_total;
     uint64_t steps_total;
+    /* the prefix cache: prompt positions reused of those looked up (tokens), the cached blocks
+     * no sequence holds; preemptions (a request's blocks freed and its work requeued) */
+    uint64_t prefix_cache_hit_tokens_total, prefix_cache_query_tokens_total, preemptions_total;
+    int64_t kv_blocks_cached;
     cs_histogram ttft, tpot;
     /* per-layer expert load: expert_tokens[l * n_experts + e]; NULL when the model has no
      * router trace (n_layers or n_experts 0) */

@@ -11,7 +11,9 @@
 #include <string.h>
 #include <time.h>
 
-enum { ST_WAITING = 0, ST_PREFILL = 1, ST_DECODE = 2, ST_DONE = 3 };
+/* PREFILL: the prompt goes into the first choice's sequence; REFILL: after a preemption, each
+ * unfinished choice's prompt and generated tokens go back into its sequence */
+enum { ST_WAITING = 0, ST_PREFILL = 1, ST_DECODE = 2, ST_DONE = 3, ST_REFILL = 4 };
 
 struct cs_sched {
     cs_sched_config cfg;
@@ -28,7 +30,6 @@ struct cs_sched {
     int32_t n_active;
     uint8_t *seq_used;       /* [max_seqs] */
     int32_t seqs_free;
-    int64_t reserved;        /* blocks reserved by admitted requests */
     int64_t rotate;          /* first decode candidate of the next step */
     /* the batch */
     colibri_batch_entry *entries;  /* [max_batch_tokens] */
@@ -92,6 +93,7 @@ cs_sched *cs_sched_create(const cs_sched_config *cfg, const cs_engine *eng, char
     cs_hist_init_tpot(&s->stats.tpot);
     s->stats.kv_blocks_total = eng->blocks_total(eng->self);
     s->stats.kv_blocks_used = s->stats.kv_blocks_total - eng->blocks_free(eng->self);
+    s->stats.kv_blocks_cached = eng->blocks_cached ? eng->blocks_cached(eng->self) : 0;
     return s;
 oom:
     snprintf(err, err_len, "scheduler: out of memory");
@@ -182,7 +184,10 @@ int cs_sched_submit(cs_sched *s, cs_request *r) {
     r->state = ST_WAITING;
     r->next = NULL;
     r->n_fed = 0;
+    r->resume = 0;
     r->completion_tokens = 0;
+    r->cached_tokens = 0;
+    r->preemptions = 0;
     r->got_first = 0;
     r->t_arrival = now_s();
     for (int c = 0; c < CS_MAX_CHOICES; c++) {
@@ -254,7 +259,6 @@ static void finish_choice(cs_sched *s, cs_request *r, int c, cs_finish why) {
         s->seqs_free++;
         ch->seq = -1;
     }
-    s->reserved -= r->res_choice;
     r->cb->on_finish(r, c, why);
 }
 
@@ -272,7 +276,6 @@ static void retire(cs_sched *s, cs_request *r, const char *error, uint64_t *fini
             s->n_active--;
             break;
         }
-    s->reserved -= r->res_shared;
     r->state = ST_DONE;
     if (atomic_load(&r->cancel)) (*cancelled)++;
     else (*finished)++;
@@ -291,6 +294,7 @@ static void end_request(cs_sched *s, cs_request *r, cs_finish why, const char *e
 static void handle_token(cs_sched *s, cs_request *r, int c, int32_t tok, const float *row, double now,
                          uint64_t *gen, cs_histogram *ttft, cs_histogram *tpot) {
     cs_choice_state *ch = &r->ch[c];
+    if (ch->n_gen < ch->gen_cap) ch->gen[ch->n_gen] = tok; /* gen_cap covers every token it may make */
     ch->n_gen++;
     r->completion_tokens++;
     (*gen)++;
@@ -315,71 +319,129 @@ static void handle_token(cs_sched *s, cs_request *r, int c, int32_t tok, const f
     ch->next_tok = tok;
 }
 
-int64_t cs_sched_step(cs_sched *s) {
-    const cs_sched_config *cfg = &s->cfg;
-    cs_request *dropped = NULL; /* cancelled while waiting: singly linked through next */
-    uint64_t fin = 0, can = 0, gen = 0, prompt_tokens = 0;
-    cs_histogram ttft, tpot;
-    pthread_mutex_lock(&s->mu);
-    ttft = s->stats.ttft;
-    tpot = s->stats.tpot;
-    /* 1. cancelled waiting requests leave the queue */
-    for (cs_request **pp = &s->wait_head; *pp;) {
-        cs_request *r = *pp;
-        if (atomic_load(&r->cancel)) {
-            *pp = r->next;
-            s->n_waiting--;
-            r->next = dropped;
-            dropped = r;
-        } else {
-            pp = &r->next;
+/* The token at position p of choice c's sequence: the prompt's, then the choice's own. */
+static int32_t token_at(const cs_request *r, int c, int64_t p) {
+    return p < r->n_prompt ? r->prompt[p] : r->ch[c].gen[p - r->n_prompt];
+}
+
+/* Positions a preempted choice holds again before it decodes on: its prompt and every token
+ * it generated but the last (which is fed next). */
+static int64_t refill_target(const cs_request *r, int c) { return r->n_prompt + r->ch[c].n_gen - 1; }
+
+static int32_t choices_left(const cs_request *r) {
+    int32_t k = 0;
+    for (int c = 0; c < r->n; c++) k += !r->ch[c].finished;
+    return k;
+}
+
+/* KV blocks a waiting request needs to start: its prompt (or each unfinished choice's
+ * prompt and tokens), whatever the prefix cache may hold of it. */
+static int64_t admit_need(const cs_sched *s, const cs_request *r) {
+    int64_t B = s->cfg.block_tokens;
+    if (!r->resume) return ceil_div(r->n_prompt, B);
+    int64_t need = 0;
+    for (int c = 0; c < r->n; c++)
+        if (!r->ch[c].finished) need += ceil_div(refill_target(r, c), B);
+    return need;
+}
+
+/* Blocks admitted requests still need for their prompts (or refills), plus one per decoding
+ * choice: what admission leaves free so that the next steps can run. */
+static int64_t promised(const cs_sched *s) {
+    int64_t B = s->cfg.block_tokens, k = 0;
+    for (int32_t i = 0; i < s->n_active; i++) {
+        const cs_request *r = s->active[i];
+        if (r->state == ST_PREFILL) k += ceil_div(r->n_prompt, B) - (r->n_fed > 0 ? r->n_fed / B : 0);
+        for (int c = 0; c < r->n; c++) {
+            const cs_choice_state *ch = &r->ch[c];
+            if (ch->finished) continue;
+            if (r->state == ST_REFILL) k += ceil_div(refill_target(r, c), B) - ch->len / B;
+            if (r->state == ST_DECODE) k++;
         }
     }
-    s->wait_tail = NULL;
-    for (cs_request *r = s->wait_head; r; r = r->next) s->wait_tail = r;
-    /* 2. admission, FIFO */
-    int64_t total = s->stats.kv_blocks_total;
-    while (s->wait_head) {
-        cs_request *r = s->wait_head;
-        int64_t sh, pc;
-        reservation(s, r, &sh, &pc);
-        int64_t need = sh + (int64_t)r->n * pc;
-        if (r->n > s->seqs_free || need > total - s->reserved) break;
-        s->wait_head = r->next;
-        if (!s->wait_head) s->wait_tail = NULL;
-        s->n_waiting--;
-        r->next = NULL;
-        r->res_shared = sh;
-        r->res_choice = pc;
-        s->reserved += need;
-        for (int c = 0; c < r->n; c++) r->ch[c].seq = take_seq(s);
-        r->state = ST_PREFILL;
-        s->active[s->n_active++] = r;
+    return k;
+}
+
+/* A request just admitted (n_fed = -1): the buffers of its generated tokens, then what the
+ * prefix cache holds of its prompt (or, resumed, of each choice's prompt and tokens).
+ * -1: out of memory. */
+static int start_request(cs_sched *s, cs_request *r, uint64_t *hits, uint64_t *queries) {
+    int64_t cap = s->cfg.ctx_len - r->n_prompt;
+    if (r->max_tokens < cap) cap = r->max_tokens;
+    for (int c = 0; c < r->n; c++) {
+        cs_choice_state *ch = &r->ch[c];
+        if (ch->gen) continue;
+        ch->gen = malloc((size_t)cap * sizeof *ch->gen);
+        if (!ch->gen) return -1;
+        ch->gen_cap = cap;
     }
+    int reuse = s->eng.reuse_prefix && !r->no_prefix_cache;
+    if (!r->resume) {
+        int64_t k = reuse ? s->eng.reuse_prefix(s->eng.self, r->ch[0].seq, r->prompt, r->n_prompt) : 0;
+        if (k < 0 || k >= r->n_prompt) k = 0;
+        r->n_fed = k;
+        if (r->preemptions == 0) r->cached_tokens = k;
+        *hits += (uint64_t)k;
+        *queries += (uint64_t)r->n_prompt;
+        return 0;
+    }
+    r->n_fed = r->n_prompt;
+    for (int c = 0; c < r->n; c++) {
+        cs_choice_state *ch = &r->ch[c];
+        if (ch->finished) continue;
+        int64_t t = refill_target(r, c), k = 0;
+        ch->len = 0;
+        if (reuse) {
+            int32_t *ids = malloc((size_t)t * sizeof *ids);
+            if (!ids) return -1;
+            for (int64_t p = 0; p < t; p++) ids[p] = token_at(r, c, p);
+            k = s->eng.reuse_prefix(s->eng.self, ch->seq, ids, t);
+            free(ids);
+            if (k < 0 || k >= t) k = 0;
+        }
+        ch->len = k;
+        *hits += (uint64_t)k;
+        *queries += (uint64_t)t;
+    }
+    return 0;
+}
+
+/* Free r's sequences (their full blocks stay in the prefix cache) and put it back at the
+ * front of the queue; what it generated is kept, to be recomputed on readmission. */
+static void preempt(cs_sched *s, cs_request *r) {
+    for (int c = 0; c < r->n; c++) {
+        cs_choice_state *ch = &r->ch[c];
+        if (ch->seq >= 0) {
+            s->eng.seq_clear(s->eng.self, ch->seq);
+            s->seq_used[ch->seq] = 0;
+            s->seqs_free++;
+            ch->seq = -1;
+        }
+        ch->len = 0;
+    }
+    if (r->state == ST_DECODE || r->state == ST_REFILL) r->resume = 1;
+    r->state = ST_WAITING;
+    r->n_fed = 0;
+    r->preemptions++;
+    for (int32_t i = 0; i < s->n_active; i++)
+        if (s->active[i] == r) {
+            memmove(&s->active[i], &s->active[i + 1], (size_t)(s->n_active - i - 1) * sizeof *s->active);
+            s->n_active--;
+            break;
+        }
+    pthread_mutex_lock(&s->mu);
+    r->next = s->wait_head;
+    s->wait_head = r;
+    if (!s->wait_tail) s->wait_tail = r;
+    s->n_waiting++;
     s->stats.requests_waiting = s->n_waiting;
     pthread_mutex_unlock(&s->mu);
+}
 
-    for (cs_request *r = dropped, *nx; r; r = nx) {
-        nx = r->next;
-        r->state = ST_DONE;
-        for (int c = 0; c < r->n; c++) {
-            r->ch[c].finished = 1;
-            r->cb->on_finish(r, c, CS_FINISH_CANCELLED);
-        }
-        can++;
-        r->done_err = NULL;
-        r->next = s->done_head;
-        s->done_head = r;
-    }
-
-    /* 1b. cancelled running requests */
-    for (int32_t i = 0; i < s->n_active;) {
-        cs_request *r = s->active[i];
-        if (atomic_load(&r->cancel)) end_request(s, r, CS_FINISH_CANCELLED, NULL, &fin, &can);
-        else i++;
-    }
-
-    /* 3. the batch: decodes first ... */
+/* The step's batch: decodes first (rotating), then prompt and refill chunks in admission
+ * order. *n entries, *rows of them with logits, the first *n_dec decodes. */
+static void build_batch(cs_sched *s, int64_t *n_out, int64_t *rows_out, int32_t *n_dec_out) {
+    const cs_sched_config *cfg = &s->cfg;
     int64_t n = 0, rows = 0;
     int64_t budget = cfg->max_batch_tokens;
     int32_t n_dec = 0;
@@ -413,6 +475,15 @@ int64_t cs_sched_step(cs_sched *s) {
         budget = n + cfg->decode_prefill_tokens;
     for (int32_t i = 0; i < s->n_active && n < budget; i++) {
         cs_request *r = s->active[i];
+        if (r->state == ST_REFILL) { /* a resumed request's choices, no logits: the next tokens are known */
+            for (int c = 0; c < r->n && n < budget; c++) {
+                cs_choice_state *ch = &r->ch[c];
+                if (ch->finished) continue;
+                for (int64_t p = ch->len; p < refill_target(r, c) && n < budget; p++)
+                    s->entries[n++] = (colibri_batch_entry){token_at(r, c, p), ch->seq, p, 0, 0};
+            }
+            continue;
+        }
         if (r->state != ST_PREFILL) continue;
         int64_t left = r->n_prompt - r->n_fed, take = budget - n < left ? budget - n : left;
         for (int64_t j = 0; j < take; j++) {
@@ -426,10 +497,112 @@ int64_t cs_sched_step(cs_sched *s) {
             }
         }
     }
+    *n_out = n;
+    *rows_out = rows;
+    *n_dec_out = n_dec;
+}
 
-    /* 4. run it */
+int64_t cs_sched_step(cs_sched *s) {
+    const cs_sched_config *cfg = &s->cfg;
+    cs_request *dropped = NULL; /* cancelled while waiting: singly linked through next */
+    uint64_t fin = 0, can = 0, gen = 0, prompt_tokens = 0, hits = 0, queries = 0, preemptions = 0;
+    cs_histogram ttft, tpot;
+    /* what admission may hand out: free blocks (cached ones count) less what admitted
+     * prompts and decoding choices will take next (engine thread state: read unlocked) */
+    int64_t room = s->eng.blocks_free(s->eng.self) - promised(s);
+    pthread_mutex_lock(&s->mu);
+    ttft = s->stats.ttft;
+    tpot = s->stats.tpot;
+    /* 1. cancelled waiting requests leave the queue */
+    for (cs_request **pp = &s->wait_head; *pp;) {
+        cs_request *r = *pp;
+        if (atomic_load(&r->cancel)) {
+            *pp = r->next;
+            s->n_waiting--;
+            r->next = dropped;
+            dropped = r;
+        } else {
+            pp = &r->next;
+        }
+    }
+    s->wait_tail = NULL;
+    for (cs_request *r = s->wait_head; r; r = r->next) s->wait_tail = r;
+    /* 2. admission, FIFO */
+    while (s->wait_head) {
+        cs_request *r = s->wait_head;
+        int32_t seqs = r->resume ? choices_left(r) : r->n;
+        int64_t need = admit_need(s, r);
+        if (seqs > s->seqs_free || (need > room && s->n_active > 0)) break;
+        s->wait_head = r->next;
+        if (!s->wait_head) s->wait_tail = NULL;
+        s->n_waiting--;
+        r->next = NULL;
+        room -= need;
+        for (int c = 0; c < r->n; c++)
+            if (!r->resume || !r->ch[c].finished) r->ch[c].seq = take_seq(s);
+        r->state = r->resume ? ST_REFILL : ST_PREFILL;
+        r->n_fed = -1; /* started below, outside the lock */
+        s->active[s->n_active++] = r;
+    }
+    s->stats.requests_waiting = s->n_waiting;
+    pthread_mutex_unlock(&s->mu);
+
+    for (cs_request *r = dropped, *nx; r; r = nx) {
+        nx = r->next;
+        r->state = ST_DONE;
+        for (int c = 0; c < r->n; c++) {
+            if (r->ch[c].finished) continue; /* a preempted request's choice may have ended */
+            r->ch[c].finished = 1;
+            r->cb->on_finish(r, c, CS_FINISH_CANCELLED);
+        }
+        can++;
+        r->done_err = NULL;
+        r->next = s->done_head;
+        s->done_head = r;
+    }
+
+    /* 1b. cancelled running requests; the admitted ones start */
+    for (int32_t i = 0; i < s->n_active;) {
+        cs_request *r = s->active[i];
+        if (atomic_load(&r->cancel)) {
+            end_request(s, r, CS_FINISH_CANCELLED, NULL, &fin, &can);
+            continue;
+        }
+        if (r->n_fed < 0 && start_request(s, r, &hits, &queries) != 0) {
+            end_request(s, r, CS_FINISH_ERROR, "out of memory", &fin, &can);
+            continue;
+        }
+        /* a prompt at a block boundary looks again: blocks an earlier request registered
+         * since (the same system prompt prefilled a step ahead) are taken, not recomputed */
+        if (r->state == ST_PREFILL && r->n_fed % cfg->block_tokens == 0 && r->n_fed < r->n_prompt - 1 &&
+            s->eng.reuse_prefix && !r->no_prefix_cache) {
+            int64_t k = s->eng.reuse_prefix(s->eng.self, r->ch[0].seq, r->prompt + r->n_fed, r->n_prompt - r->n_fed);
+            if (k > 0 && k < r->n_prompt - r->n_fed) {
+                r->n_fed += k;
+                if (r->preemptions == 0) r->cached_tokens += k;
+                hits += (uint64_t)k;
+            }
+        }
+        i++;
+    }
+
+    /* 3. the batch; one the KV cache cannot hold preempts the newest request and is built again */
+    int64_t n = 0, rows = 0;
+    int32_t n_dec = 0;
+    int st = 0;
+    int64_t rotate0 = s->rotate;
+    for (;;) {
+        s->rotate = rotate0;
+        build_batch(s, &n, &rows, &n_dec);
+        if (n == 0) break;
+        st = s->eng.batch(s->eng.self, s->entries, n, rows ? s->logits : NULL);
+        if (st != COLIBRI_E_NOMEM || s->n_active < 2) break;
+        preempt(s, s->active[s->n_active - 1]);
+        preemptions++;
+    }
+
+    /* 4. what it did */
     if (n > 0) {
-        int st = s->eng.batch(s->eng.self, s->entries, n, rows ? s->logits : NULL);
         if (s->eng.after_step) s->eng.after_step(s->eng.self);
         if (st != 0) {
             /* a refused batch changes nothing: fail the requests that were in it */
@@ -450,9 +623,8 @@ int64_t cs_sched_step(cs_sched *s) {
             }
         } else {
             double now = now_s();
-            /* prompt progress */
-            for (int64_t j = 0; j < n; j++) {
-                if (j < n_dec) continue;
+            /* prompt and refill progress */
+            for (int64_t j = n_dec; j < n; j++) {
                 for (int32_t i = 0; i < s->n_active; i++) {
                     cs_request *r = s->active[i];
                     if (r->state == ST_PREFILL && r->ch[0].seq == s->entries[j].seq) {
@@ -460,7 +632,22 @@ int64_t cs_sched_step(cs_sched *s) {
                         prompt_tokens++;
                         break;
                     }
+                    int hit = 0;
+                    for (int c = 0; r->state == ST_REFILL && c < r->n; c++)
+                        if (r->ch[c].seq == s->entries[j].seq) {
+                            r->ch[c].len++;
+                            hit = 1;
+                            break;
+                        }
+                    if (hit) break;
                 }
+            }
+            for (int32_t i = 0; i < s->n_active; i++) { /* refilled requests decode on */
+                cs_request *r = s->active[i];
+                if (r->state != ST_REFILL) continue;
+                int done = 1;
+                for (int c = 0; c < r->n; c++) done &= r->ch[c].finished || r->ch[c].len == refill_target(r, c);
+                if (done) r->state = ST_DECODE;
             }
             for (int64_t row = 0; row < rows; row++) {
                 cs_request *r = s->row_req[row];
@@ -516,16 +703,21 @@ int64_t cs_sched_step(cs_sched *s) {
 
     /* 5. publish */
     int64_t used = s->stats.kv_blocks_total - s->eng.blocks_free(s->eng.self);
+    int64_t cached = s->eng.blocks_cached ? s->eng.blocks_cached(s->eng.self) : 0;
     pthread_mutex_lock(&s->mu);
     s->stats.ttft = ttft;
     s->stats.tpot = tpot;
     s->stats.requests_running = s->n_active;
     s->stats.requests_waiting = s->n_waiting;
     s->stats.kv_blocks_used = used;
+    s->stats.kv_blocks_cached = cached;
     s->stats.prompt_tokens_total += prompt_tokens;
     s->stats.generation_tokens_total += gen;
     s->stats.requests_finished_total += fin;
     s->stats.requests_cancelled_total += can;
+    s->stats.prefix_cache_hit_tokens_total += hits;
+    s->stats.prefix_cache_query_tokens_total += queries;
+    s->stats.preemptions_total += preemptions;
     if (n > 0) s->stats.steps_total++;
     pthread_mutex_unlock(&s->mu);
     /* 6. hand back what ended */
@@ -533,6 +725,10 @@ int64_t cs_sched_step(cs_sched *s) {
     s->done_head = NULL;
     for (cs_request *r = done, *nx; r; r = nx) {
         nx = r->next;
+        for (int c = 0; c < r->n; c++) {
+            free(r->ch[c].gen);
+            r->ch[c].gen = NULL;
+        }
         r->cb->on_done(r, r->done_err);
     }
     return n;

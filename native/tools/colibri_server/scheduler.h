@@ -8,12 +8,23 @@
  * One thread (the engine thread) calls cs_sched_step / cs_sched_run; any thread may call
  * cs_sched_submit, cs_sched_cancel and cs_sched_snapshot. Each step:
  *   1. drops cancelled requests (their sequences are cleared: the blocks return at once);
- *   2. admits waiting requests in arrival order (FIFO, no overtaking) while there are free
- *      sequence ids for all their choices and enough unreserved KV blocks for their worst
- *      case (prompt + max_tokens, capped at the context);
+ *   2. admits waiting requests in queue order (FIFO, no overtaking; a preempted request goes
+ *      back to the front) while there are free sequence ids for all their choices and the KV
+ *      blocks they need now — their prompt, less nothing for cache hits, plus one block of
+ *      headroom per decoding choice — are free beside what admitted prompts still need. An
+ *      admitted prompt first takes what the engine's prefix cache holds of it (reuse_prefix;
+ *      cs_request.cached_tokens) and computes only the rest; while it waits for its turn
+ *      at a block boundary it looks again every step, so requests that share a prefix (a
+ *      system prompt) compute it once even when they arrive together;
  *   3. builds one batch: first one decode entry for each running choice (at most
  *      max_batch_size sequences, rotating when more are running), then prompt chunks of
- *      admitted requests in arrival order until max_batch_tokens entries are used;
+ *      admitted requests in admission order until max_batch_tokens entries are used. A batch
+ *      the KV cache cannot hold (the engine refuses it and changes nothing) preempts the most
+ *      recently admitted request: its sequences are cleared (their full blocks stay in the
+ *      prefix cache), it goes back to the front of the queue, and the batch is built again;
+ *      a preempted request that had generated tokens recomputes its prompt and those tokens
+ *      (most of it from the prefix cache) before it decodes on, so its output is bitwise what
+ *      it would have been (results are batch-invariant; its rng state is kept);
  *   4. runs it, samples every flagged row with the choice's own rng state (so a seeded
  *      request gives the same tokens alone or under load), and applies the stop rules:
  *      EOS ("stop"), the on_token callback asking to stop (a stop string, "stop"),
@@ -22,9 +33,10 @@
  * A request with n > 1 choices prefills its prompt once on its first sequence, then forks
  * it (copy-on-write) to the others before sampling each choice from the same logits.
  *
- * Blocks are reserved for a request's worst case at admission, so a running sequence never
- * meets a full cache (no preemption is needed): reserved = floor(P/B) shared prompt blocks
- * + n × (ceil(min(P + max_tokens, ctx) / B) - floor(P/B)).
+ * KV blocks are taken on demand, as sequences grow: a request whose worst case (prompt +
+ * max_tokens, capped at the context: floor(P/B) shared prompt blocks + n × (ceil(min(P +
+ * max_tokens, ctx) / B) - floor(P/B))) exceeds the whole cache is refused up front, since it
+ * could not finish even alone; any other finishes, preempted as often as the cache needs.
  */
 #ifndef COLIBRI_SERVER_SCHEDULER_H
 #define COLIBRI_SERVER_SCHEDULER_H
@@ -65,6 +77,10 @@ typedef struct cs_engine {
     int64_t (*blocks_total)(void *self);
     const char *(*last_error)(void *self);  /* the message of the last failed call */
     void (*after_step)(void *self);         /* optional: called after every batch */
+    /* optional: extend empty sequence `seq` with the prefix cache's blocks holding ids[0..n);
+     * returns the positions taken (at most n - 1), 0 when none or on error */
+    int64_t (*reuse_prefix)(void *self, int32_t seq, const int32_t *ids, int64_t n);
+    int64_t (*blocks_cached)(void *self);   /* optional: cached blocks no sequence holds (free) */
 } cs_engine;
 
 typedef struct cs_sched_config {
@@ -117,6 +133,8 @@ typedef struct cs_choice_state {
     int32_t next_tok;   /* the token to feed in the next step */
     int finished;
     double t_last;      /* when its last token came (seconds, monotonic) */
+    int32_t *gen;       /* the tokens it generated (n_gen of them), to recompute after a preemption */
+    int64_t gen_cap;
 } cs_choice_state;
 
 struct cs_request {
@@ -129,18 +147,21 @@ struct cs_request {
     int32_t top_k;
     uint64_t seed;              /* choice i's rng starts at seed + i */
     int ignore_eos;             /* 1: EOS is a token like any other (benchmarks) */
+    int no_prefix_cache;        /* 1: compute the whole prompt even where the prefix cache holds it */
     const cs_request_callbacks *cb;
     void *user;
     /* ---- set by any thread through cs_sched_cancel */
     atomic_int cancel;
     /* ---- results: valid in on_done */
     int64_t completion_tokens;  /* over all choices, EOS included */
+    int64_t cached_tokens;      /* prompt positions taken from the prefix cache at first admission */
+    int32_t preemptions;        /* times it was preempted */
     /* ---- scheduler private */
     cs_request *next;           /* waiting list, then the step's retired list */
     const char *done_err;
     int state;
     int64_t n_fed;              /* prompt tokens in the first sequence */
-    int64_t res_shared, res_choice; /* reserved blocks */
+    int resume;                 /* preempted after generating: recompute each choice's tokens */
     double t_arrival;
     int got_first;
     cs_choice_state ch[CS_MAX_CHOICES];

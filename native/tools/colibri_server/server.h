@@ -132,6 +132,21 @@ void cs_api_set_error(cs_api_error *e, int status, const char *type, const char 
 #endif
     ;
 char *cs_api_models_json(const cs_server *srv, size_t *len);
+/* POST /tokenize, llama-server's shape: {"content": text, "add_special": false, "with_pieces": false}
+ * -> {"tokens": [ids]} (with_pieces: [{"id", "piece"}], a piece that is a lone byte as [byte]).
+ * POST /detokenize: {"tokens": [ids]} -> {"content": text}. JSON text (malloc'd), or NULL
+ * with *err (400 for a bad body). */
+char *cs_api_tokenize(cs_server *srv, const char *body, size_t len, size_t *out_len, cs_api_error *err);
+char *cs_api_detokenize(cs_server *srv, const char *body, size_t len, size_t *out_len, cs_api_error *err);
+/* /v1/completions with a list of prompts (strings or arrays of ids): one body per prompt, the
+ * rest of the request as it is (malloc'd; *bodies and *lens freed by the caller). The count
+ * (>= 2), 0 for a request of one prompt, -1 with *err (stream true: unsupported with a list). */
+#define CS_MAX_PROMPTS 64
+int cs_api_split_prompts(cs_server *srv, const char *body, size_t len, char ***bodies, size_t **lens,
+                         cs_api_error *err);
+/* One response from the n answers (in prompt order, each 200): their choices, numbered
+ * prompt by prompt, and their usage summed. NULL when out of memory. */
+char *cs_api_merge_completions(char *const *responses, const size_t *lens, int n, size_t *out_len);
 /* Whether s[0..n) is valid UTF-8; *bad gets the offset of the first bad byte. */
 int cs_utf8_valid(const char *s, size_t n, size_t *bad);
 
