@@ -158,7 +158,7 @@ void cb_kv_grow(cb_kv *kv, int32_t seq, int64_t new_len) {
             if (kv->copy_block) kv->copy_block(kv->copy_u, b, old); /* the device's pool */
             else memcpy(kv->k + (int64_t)b * kv->block_stride, kv->k + (int64_t)old * kv->block_stride,
                    (size_t)kv->block_stride * sizeof(float));
-            if (kv->v && !kv->copy_block) /* NULL for a latent cache (model/mla.c): keys only */
+            if (kv->v && !kv->copy_block) /* NULL for a latent cache (backend/cpu/mla.c): keys only */
                 memcpy(kv->v + (int64_t)b * kv->block_stride, kv->v + (int64_t)old * kv->block_stride,
                        (size_t)kv->block_stride * sizeof(float));
             if (kv->prefix)

@@ -33,7 +33,7 @@
 typedef struct cb_kv {
     float *k;                /* [n_blocks, L, Hkv, block_len, D] keys */
     float *v;                /* the same layout, values; NULL for a latent cache (MLA: Hkv = 1,
-                              * D = kv_lora_rank + qk_rope_head_dim, model/mla.c) */
+                              * D = kv_lora_rank + qk_rope_head_dim, backend/cpu/mla.c) */
     int32_t *table;          /* [max_seqs, max_blocks] block ids of each sequence (-1 past its end) */
     int64_t *len;            /* [max_seqs] positions each sequence holds */
     int32_t *ref;            /* [n_blocks] sequences using each block; 0 = free or cached */
