@@ -86,7 +86,8 @@ extern const cb_backend cb_backend_cpu;
 /* The CPU's routed-expert FFN on `rows` host rows: y [rows, H] = expert e of MoE layer l on
  * x [rows, H] (h [rows, I] scratch; u [rows, I] scratch for clamped_swiglu, else unused),
  * with the CPU backend's kernels and bits (its threads, its numeric mode). For a device
- * backend's experts that did not fit on the device. */
+ * backend's experts that did not fit on the device; that backend's init runs
+ * cb_backend_cpu.init first (it binds the operations these rows are computed with). */
 void cb_cpu_expert_rows(struct colibri_ctx *ctx, uint32_t l, int64_t e, const float *x, float *h, float *u,
                         float *y, int64_t rows);
 /* 1 when the CPU's fast mode rounds MoE layer l's FFN input to bf16 before its experts see

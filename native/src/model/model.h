@@ -110,6 +110,11 @@ typedef struct cb_ffn {
     /* split only, optional (NULL = none): f32 biases, expert e's at + e * I (gate, up) or
      * + e * H (down), added after each projection */
     const float *gate_bias, *up_bias, *down_bias;
+    /* how the CPU backend computes it (backend/cpu/parallel.c: its layout and kernels), chosen
+     * once when the backend starts (NULL before), and whether h is rounded to bf16 for the
+     * down projection after gate/up (fast mode, a BF16 down matrix, a kernel that does not) */
+    const struct cb_ffn_op *op;
+    int round_h;
 } cb_ffn;
 
 /* Pointers of one decoder layer, all into the mmap. */

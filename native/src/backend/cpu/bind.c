@@ -3,8 +3,9 @@
  * starts (cb_cpu_bind, its cb_backend.init) rather than at every call: a matrix with a panel
  * copy (panels.c) is read by the panel kernels of the running table, one the fast table takes
  * (cpu/fast.h: a block type, or BF16 where it has native BF16 kernels) by the fast table, any
- * other by the exact table. The stages' parallel sections (parallel.c) then call the matrix's
- * own operation without asking (cb_mat.op).
+ * other by the exact table; and each FFN's (experts, dense MLP, shared expert) the same way
+ * (cb_cpu_bind_ffn, parallel.c). The stages' parallel sections (parallel.c) then call the
+ * weight's own operation without asking (cb_mat.op, cb_ffn.op).
  */
 #include "backend/cpu/cpu.h"
 
@@ -43,6 +44,9 @@ colibri_status cb_cpu_bind(colibri_ctx *ctx, const cb_backend_request *req, char
         cb_mat *mats[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->shared_gate, &L->wq_a, &L->wq_b, &L->wkv_a,
                           &L->wkv_b};
         for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) bind_mat(ctx, mats[i]);
+        if (L->moe) cb_cpu_bind_ffn(ctx, &L->experts, ctx->cfg.activation == CB_ACT_CLAMPED_SWIGLU);
+        else cb_cpu_bind_ffn(ctx, &L->dense, 0);
+        if (L->has_shared) cb_cpu_bind_ffn(ctx, &L->shared, 0);
     }
     return COLIBRI_OK;
 }

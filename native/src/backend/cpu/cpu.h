@@ -104,6 +104,20 @@ static inline cb_ffn_job cb_cpu_ffn_job(float *y, float *h, const float *x, cons
 /* Every job's FFN, in one or two parallel sections. */
 void cb_cpu_par_ffn(colibri_ctx *ctx, cb_ffn_job *jobs, int n_jobs);
 
+/* How an FFN is computed (cb_ffn.op), by its layout and the running tables: a job's h
+ * columns lo..hi (gate/up, the activation, h rounded where cb_ffn.round_h says), a split
+ * job's down block blk (NULL: this FFN's jobs are never split into blocks) and the down
+ * projection's output columns lo..hi of a job not split. */
+struct cb_ffn_task;
+typedef struct cb_ffn_op {
+    void (*gateup)(const struct cb_ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi);
+    void (*down_block)(const struct cb_ffn_task *f, const cb_ffn_job *b, int64_t blk);
+    void (*down_cols)(const struct cb_ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi);
+} cb_ffn_op;
+/* Sets w->op and w->round_h from the context's tables (cb_cpu_bind); clamped: the jobs of w
+ * carry clamped_swiglu's u scratch (a split FFN of a clamped_swiglu family's experts). */
+void cb_cpu_bind_ffn(const colibri_ctx *ctx, cb_ffn *w, int clamped);
+
 /* delta[t, cols] = sum over t's rows r (expert order) of weight_r * ex_out[r, cols]. */
 typedef struct cb_combine_task {
     colibri_ctx *ctx;

@@ -109,16 +109,13 @@ void cb_cpu_att_chunk(void *arg, int64_t ch, int tid) {
                                    h1);
 }
 
-
-
-
 /* Every non-empty expert group of a layer (or one dense/shared FFN). Section 0: every
  * job's gate/up chunks (by intermediate columns), then the split jobs' down blocks, then
  * their sums, row by row; section 1: the down projections of the jobs not split (by output
  * columns). A split job's gate/up chunk c computes the h columns of its down block c, and
  * flags (core/threadpool.h cb_pool_await) hand h to the block's down chunk and the blocks'
  * sums to the row sums, so a decode step's FFN is one section that ends on short chunks. */
-typedef struct ffn_task {
+struct cb_ffn_task {
     const cb_kernels *kern;
     const cb_fast_kernels *fast; /* fast mode's table, or NULL */
     const cb_panel_kernels *pan; /* the panel copies' kernels (f->pan set), or NULL */
@@ -129,27 +126,38 @@ typedef struct ffn_task {
     uint32_t stamp;    /* this call's value of the split jobs' ready flags */
     const cb_ffn_job *jobs;
     float limit, alpha; /* clamped_swiglu's (jobs with u) */
-} ffn_task;
+};
+typedef struct cb_ffn_task ffn_task;
 
-/* y[:, 0..N) (row stride ldy) = x W^T on the fast table when it takes W, else the kernels'. */
-static void ffn_matmul(const ffn_task *f, float *y, int64_t ldy, const float *x, const void *w, uint32_t dt,
-                       int64_t R, int64_t N, int64_t K) {
-    if (cb_fast_takes(f->fast, dt, K)) f->fast->matmul_ld(y, ldy, x, w, dt, R, N, K);
-    else f->kern->matmul_ld(y, ldy, x, w, dt, R, N, K);
+/* ---- the FFN operations (cb_ffn_op): one per layout and table, chosen by cb_cpu_ffn_op ---- */
+
+/* Expert e's gate (or up) rows lo.. of a split FFN. */
+static const uint8_t *split_rows(const cb_ffn_job *b, const void *m, int64_t lo, int64_t H) {
+    return (const uint8_t *)m + (size_t)b->e * b->f->gu_stride + (size_t)lo * (size_t)cb_row_bytes(b->f->dt, (uint64_t)H);
+}
+
+/* A bound FFN's h, rounded to bf16 where its down projection takes bf16 in fast mode and the
+ * gate/up kernel has not rounded it (cb_ffn.round_h, set with the op). */
+static void round_h(const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    if (b->f->round_h) cb_round_bf16_cols(b->h, b->R, b->I, lo, hi);
 }
 
 /* clamped_swiglu (gpt-oss, transformers' GptOssExperts._apply_gate) for intermediate
- * columns lo..hi of a split FFN job: g = x Wg^T + bg, u = x Wu^T + bu (plain matmuls, then
- * the biases), g = min(g, limit), u = clamp(u, -limit, limit),
- * h = (u + 1) * (g * sigmoid(g * alpha)). */
-static void gateup_clamped(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+ * columns lo..hi of a split FFN job: g = x Wg^T + bg, u = x Wu^T + bu (plain matmuls by the
+ * table `fast` when not NULL, else the exact one, then the biases), g = min(g, limit),
+ * u = clamp(u, -limit, limit), h = (u + 1) * (g * sigmoid(g * alpha)). */
+static void gateup_clamped(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi,
+                           const cb_fast_kernels *fast) {
     const cb_ffn *w = b->f;
     int64_t H = f->H, I = b->I;
-    size_t rb = (size_t)cb_row_bytes(w->dt, (uint64_t)H);
-    const uint8_t *g = (const uint8_t *)w->gate + (size_t)b->e * w->gu_stride + (size_t)lo * rb;
-    const uint8_t *u = (const uint8_t *)w->up + (size_t)b->e * w->gu_stride + (size_t)lo * rb;
-    ffn_matmul(f, b->h + lo, I, b->x, g, w->dt, b->R, hi - lo, H);
-    ffn_matmul(f, b->u + lo, I, b->x, u, w->dt, b->R, hi - lo, H);
+    const uint8_t *g = split_rows(b, w->gate, lo, H), *u = split_rows(b, w->up, lo, H);
+    if (fast) {
+        fast->matmul_ld(b->h + lo, I, b->x, g, w->dt, b->R, hi - lo, H);
+        fast->matmul_ld(b->u + lo, I, b->x, u, w->dt, b->R, hi - lo, H);
+    } else {
+        f->kern->matmul_ld(b->h + lo, I, b->x, g, w->dt, b->R, hi - lo, H);
+        f->kern->matmul_ld(b->u + lo, I, b->x, u, w->dt, b->R, hi - lo, H);
+    }
     const float *gb = w->gate_bias ? w->gate_bias + b->e * I : NULL;
     const float *ub = w->up_bias ? w->up_bias + b->e * I : NULL;
     const float lim = f->limit, alpha = f->alpha;
@@ -165,71 +173,117 @@ static void gateup_clamped(const ffn_task *f, const cb_ffn_job *b, int64_t lo, i
             hr[i] = (uv + 1.0f) * (gv * sg);
         }
     }
+    round_h(b, lo, hi);
+}
+static void gu_clamped_fast(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    gateup_clamped(f, b, lo, hi, f->fast);
+}
+static void gu_clamped_exact(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    gateup_clamped(f, b, lo, hi, NULL);
 }
 
-/* h[:, lo..hi) of job b: gate/up, the activation, and in fast mode h rounded to bf16 when
- * the down projection takes bf16 (a fast table's packed gate/up rounds h itself). */
-static void gateup_cols(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+/* h[:, lo..hi) of job b: gate/up and the activation, by layout and table. */
+static void gu_panels(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    const cb_ffn *w = b->f; /* the panel copy (backend/cpu/panels.c); its kernels round h */
+    f->pan->gateup_panels(b->h, b->x, (const uint8_t *)w->pan + (size_t)b->e * w->stride, b->R, f->H, b->I, lo, hi);
+}
+static void gu_packed_fast(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    const cb_ffn *w = b->f; /* rounds h itself */
+    f->fast->gateup_packed(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, b->R, f->H, b->I, f->B,
+                           lo, hi);
+}
+static void gu_packed_exact(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
     const cb_ffn *w = b->f;
-    int rounded = 0;
-    if (b->u) {
-        gateup_clamped(f, b, lo, hi);
-    } else if (w->pan) { /* the panel copy (backend/cpu/panels.c) */
-        f->pan->gateup_panels(b->h, b->x, (const uint8_t *)w->pan + (size_t)b->e * w->stride, b->R, f->H, b->I, lo,
-                              hi);
-        rounded = 1; /* a fast table's rounds h itself */
-    } else if (w->packed && cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) {
-        f->fast->gateup_packed(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, b->R, f->H, b->I,
-                               f->B, lo, hi);
-        rounded = 1;
-    } else if (w->packed) {
-        f->kern->expert_gateup(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, NULL, w->dt, b->R,
-                               f->H, b->I, f->B, lo, hi);
-    } else if (cb_fast_takes(f->fast, w->dt, f->H)) {
-        f->fast->gateup(b->h, b->x, (const uint8_t *)w->gate + (size_t)b->e * w->gu_stride,
-                        (const uint8_t *)w->up + (size_t)b->e * w->gu_stride, w->dt, b->R, f->H, b->I, lo, hi);
-    } else {
-        f->kern->expert_gateup(b->h, b->x, (const uint8_t *)w->gate + (size_t)b->e * w->gu_stride,
-                               (const uint8_t *)w->up + (size_t)b->e * w->gu_stride, w->dt, b->R, f->H, b->I, 0, lo,
-                               hi);
-    }
-    if (f->fast && w->down_dt == COLIBRI_DTYPE_BF16 && !rounded) /* the down projection's input */
-        cb_round_bf16_cols(b->h, b->R, b->I, lo, hi);
+    f->kern->expert_gateup(b->h, b->x, (const uint8_t *)w->packed + (size_t)b->e * w->stride, NULL, w->dt, b->R, f->H,
+                           b->I, f->B, lo, hi);
+    round_h(b, lo, hi);
+}
+static void gu_split_fast(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    const cb_ffn *w = b->f;
+    f->fast->gateup(b->h, b->x, split_rows(b, w->gate, 0, f->H), split_rows(b, w->up, 0, f->H), w->dt, b->R, f->H, b->I,
+                    lo, hi);
+    round_h(b, lo, hi);
+}
+static void gu_split_exact(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    const cb_ffn *w = b->f;
+    f->kern->expert_gateup(b->h, b->x, split_rows(b, w->gate, 0, f->H), split_rows(b, w->up, 0, f->H), w->dt, b->R,
+                           f->H, b->I, 0, lo, hi);
+    round_h(b, lo, hi);
 }
 
-/* Block blk's sums of a split job's down projection: part[blk] = h[:, block] W2[:, block]^T
- * (the fast table's own when it takes the expert). */
-static void down_block(const ffn_task *f, const cb_ffn_job *b, int64_t blk) {
-    const cb_ffn *w = b->f;
-    float *part = b->part + blk * b->R * f->H;
-    const void *ew = (const uint8_t *)(w->pan ? w->pan : w->packed) + (size_t)b->e * w->stride;
-    if (w->pan) f->pan->down_part_panels(part, b->h, ew, b->R, f->H, b->I, blk);
-    else if (cb_fast_takes_packed(f->fast, w->dt, f->H, b->I)) f->fast->down_part(part, b->h, ew, b->R, f->H, b->I, blk);
-    else f->kern->expert_down_part(part, b->h, ew, w->dt, b->R, f->H, b->I, blk);
+/* Block blk's sums of a split job's down projection: part[blk] = h[:, block] W2[:, block]^T. */
+static const void *packed_expert(const cb_ffn_job *b) {
+    return (const uint8_t *)(b->f->pan ? b->f->pan : b->f->packed) + (size_t)b->e * b->f->stride;
+}
+static void db_panels(const ffn_task *f, const cb_ffn_job *b, int64_t blk) {
+    f->pan->down_part_panels(b->part + blk * b->R * f->H, b->h, packed_expert(b), b->R, f->H, b->I, blk);
+}
+static void db_fast(const ffn_task *f, const cb_ffn_job *b, int64_t blk) {
+    f->fast->down_part(b->part + blk * b->R * f->H, b->h, packed_expert(b), b->R, f->H, b->I, blk);
+}
+static void db_exact(const ffn_task *f, const cb_ffn_job *b, int64_t blk) {
+    f->kern->expert_down_part(b->part + blk * b->R * f->H, b->h, packed_expert(b), b->f->dt, b->R, f->H, b->I, blk);
 }
 
 /* The down projection of a job not split, output columns lo..hi. */
-static void down_cols(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+static void dc_panels(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    f->pan->down_panels(b->y, b->h, packed_expert(b), b->R, f->H, b->I, lo, hi);
+}
+static void dc_packed_fast(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    f->fast->down_packed(b->y, b->h, packed_expert(b), b->R, f->H, b->I, lo, hi);
+}
+static void dc_packed_exact(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    f->kern->expert_down(b->y, b->h, packed_expert(b), b->f->dt, b->R, f->H, b->I, lo, hi);
+}
+/* split FFN: output rows lo..hi of the down matrix [H, I], then its bias */
+static void split_down(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi, const cb_fast_kernels *fast) {
     const cb_ffn *w = b->f;
-    if (!w->packed) { /* split FFN: output rows lo..hi of the down matrix [H, I] */
-        size_t rb = (size_t)cb_row_bytes(w->down_dt, (uint64_t)b->I);
-        const uint8_t *wd = (const uint8_t *)w->down + (size_t)b->e * w->down_stride + (size_t)lo * rb;
-        if (cb_fast_takes(f->fast, w->down_dt, b->I))
-            f->fast->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
-        else
-            f->kern->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
-        if (w->down_bias) {
-            const float *db = w->down_bias + b->e * f->H;
-            for (int64_t r = 0; r < b->R; r++)
-                for (int64_t k = lo; k < hi; k++) b->y[r * f->H + k] += db[k];
-        }
-        return;
+    size_t rb = (size_t)cb_row_bytes(w->down_dt, (uint64_t)b->I);
+    const uint8_t *wd = (const uint8_t *)w->down + (size_t)b->e * w->down_stride + (size_t)lo * rb;
+    if (fast) fast->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
+    else f->kern->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
+    if (w->down_bias) {
+        const float *db = w->down_bias + b->e * f->H;
+        for (int64_t r = 0; r < b->R; r++)
+            for (int64_t k = lo; k < hi; k++) b->y[r * f->H + k] += db[k];
     }
-    const void *ew = (const uint8_t *)(w->pan ? w->pan : w->packed) + (size_t)b->e * w->stride;
-    if (w->pan) f->pan->down_panels(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
-    else if (cb_fast_takes_packed(f->fast, w->dt, f->H, b->I))
-        f->fast->down_packed(b->y, b->h, ew, b->R, f->H, b->I, lo, hi);
-    else f->kern->expert_down(b->y, b->h, ew, w->dt, b->R, f->H, b->I, lo, hi);
+}
+static void dc_split_fast(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    split_down(f, b, lo, hi, f->fast);
+}
+static void dc_split_exact(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    split_down(f, b, lo, hi, NULL);
+}
+
+/* The operations: packed FFNs (a panel copy, the fast table's packed kernels with or without
+ * its down blocks, the exact table's), then split FFNs by [clamped][gate/up fast][down fast]. */
+static const cb_ffn_op op_panels = {gu_panels, db_panels, dc_panels};
+static const cb_ffn_op op_packed_fast = {gu_packed_fast, db_fast, dc_packed_fast};
+static const cb_ffn_op op_packed_fast_whole = {gu_packed_fast, NULL, dc_packed_fast};
+static const cb_ffn_op op_packed_exact = {gu_packed_exact, db_exact, dc_packed_exact};
+static const cb_ffn_op op_split[2][2][2] = {
+    {{{gu_split_exact, NULL, dc_split_exact}, {gu_split_exact, NULL, dc_split_fast}},
+     {{gu_split_fast, NULL, dc_split_exact}, {gu_split_fast, NULL, dc_split_fast}}},
+    {{{gu_clamped_exact, NULL, dc_split_exact}, {gu_clamped_exact, NULL, dc_split_fast}},
+     {{gu_clamped_fast, NULL, dc_split_exact}, {gu_clamped_fast, NULL, dc_split_fast}}},
+};
+
+void cb_cpu_bind_ffn(const colibri_ctx *ctx, cb_ffn *w, int clamped) {
+    const cb_fast_kernels *fast = ctx->fast;
+    int64_t H = ctx->cfg.hidden, I = w->inter;
+    int gu_rounds = 0; /* the gate/up kernel rounds h itself */
+    if (w->pan) {
+        w->op = &op_panels;
+        gu_rounds = 1;
+    } else if (w->packed && cb_fast_takes_packed(fast, w->dt, H, I)) {
+        w->op = fast->down_part ? &op_packed_fast : &op_packed_fast_whole;
+        gu_rounds = 1;
+    } else if (w->packed) {
+        w->op = &op_packed_exact;
+    } else {
+        w->op = &op_split[clamped != 0][cb_fast_takes(fast, w->dt, H)][cb_fast_takes(fast, w->down_dt, I)];
+    }
+    w->round_h = fast && w->down_dt == COLIBRI_DTYPE_BF16 && !gu_rounds;
 }
 
 /* Row r of a split job: y = p0 + p1 + ... in block order, the order expert_down adds them. */
@@ -250,12 +304,12 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
         while (c >= f->jobs[j].nch1) c -= f->jobs[j++].nch1;
         const cb_ffn_job *b = &f->jobs[j];
         int64_t lo = c * b->len1, hi = lo + b->len1 < f->H ? lo + b->len1 : f->H;
-        down_cols(f, b, lo, hi);
+        b->f->op->down_cols(f, b, lo, hi);
     } else if (c < f->n_gateup) {
         while (c >= f->jobs[j].nch0) c -= f->jobs[j++].nch0;
         const cb_ffn_job *b = &f->jobs[j];
         int64_t lo = c * b->len0, hi = lo + b->len0 < b->I ? lo + b->len0 : b->I;
-        gateup_cols(f, b, lo, hi);
+        b->f->op->gateup(f, b, lo, hi);
         if (b->part) cb_pool_signal(&b->ready[c], f->stamp); /* block c's h */
     } else if ((c -= f->n_gateup) < f->n_blocks) { /* a split job's down block */
         for (;; j++) { /* the split jobs' blocks, in job order */
@@ -265,7 +319,7 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
         }
         const cb_ffn_job *b = &f->jobs[j];
         cb_pool_await(&b->ready[c], f->stamp);
-        down_block(f, b, c);
+        b->f->op->down_block(f, b, c);
         cb_pool_signal(&b->ready[b->nch0 + c], f->stamp);
     } else { /* a row of a split job: the sum of its blocks */
         c -= f->n_blocks;
@@ -299,8 +353,7 @@ void cb_cpu_par_ffn(colibri_ctx *ctx, cb_ffn_job *jobs, int n_jobs) {
         int64_t nblk = (b->I + CB_DOWN_BLOCK - 1) / CB_DOWN_BLOCK;
         b->part = NULL;
         b->ready = NULL;
-        if (b->f->packed && b->R <= CB_SPLIT_MAX_ROWS && nblk * b->R <= part_left &&
-            (!cb_fast_takes_packed(ctx->fast, b->f->dt, H, b->I) || ctx->fast->down_part)) {
+        if (b->f->op->down_block && b->R <= CB_SPLIT_MAX_ROWS && nblk * b->R <= part_left) {
             /* split: gate/up chunk c = the h columns of down block c */
             b->part = part;
             b->ready = ready;
@@ -330,7 +383,6 @@ void cb_cpu_par_ffn(colibri_ctx *ctx, cb_ffn_job *jobs, int n_jobs) {
         cb_pool_run(ctx->pool, ffn_chunk, &f, n1);
     }
 }
-
 
 void cb_cpu_combine_chunk(void *arg, int64_t c, int tid) {
     (void)tid;

@@ -1095,6 +1095,9 @@ static colibri_status cu_init(colibri_ctx *ctx, const cb_backend_request *req, c
         cb_set_err(err, err_len, "the CUDA backend does not implement %s; the cpu backend runs this model", no);
         return COLIBRI_E_UNSUPPORTED;
     }
+    /* the CPU backend's operations for the experts left on the host (cb_cpu_expert_rows) */
+    colibri_status bound = cb_backend_cpu.init(ctx, req, err, err_len);
+    if (bound != COLIBRI_OK) return bound;
     cu_state *st = (cu_state *)calloc(1, sizeof *st);
     if (!st) {
         cb_set_err(err, err_len, "out of memory allocating the CUDA backend's state");
