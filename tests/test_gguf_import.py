@@ -796,8 +796,8 @@ def test_damaged_files_are_refused(models, tmp_path):
 
 def test_unsupported_architectures_are_refused(models, tmp_path):
     src = models["qwen3_moe"]["gguf"]["f32"]
-    g = rewrite_gguf(src, tmp_path / "ds.gguf", arch="deepseek2")
-    with pytest.raises(ConversionError, match=r"unsupported GGUF architecture 'deepseek2'; "
+    g = rewrite_gguf(src, tmp_path / "dbrx.gguf", arch="dbrx")
+    with pytest.raises(ConversionError, match=r"unsupported GGUF architecture 'dbrx'; "
                                               r"supported: llama \(Mixtral"):
         convert_gguf(g, tmp_path / "x.colibri", progress=False)
     # a dense llama (no experts)
