@@ -2,7 +2,8 @@
 (docs/quantization.md, "GGUF import"; docs/format.md, "Version 2").
 
 Supported: Mixtral (GGUF architecture `llama` with `llama.expert_count` > 0), `qwen2moe`,
-`qwen3moe` and `olmoe`, with tensors in F32, F16, BF16, Q8_0, Q4_K, Q5_K or Q6_K (GGUF
+`qwen3moe` and `olmoe` (read here), `deepseek2` and `gpt-oss` (gguf_arch.ARCH_IMPORTERS),
+with tensors in F32, F16, BF16, Q8_0, Q4_K, Q5_K or Q6_K (GGUF
 file types f32, f16, bf16, q8_0, q4_K_S/M, q5_K_S/M, q6_K). Any other tensor type is
 refused by name.
 
@@ -969,7 +970,7 @@ def _metadata(s: ModelSpec, name: str, router_dtype: str, weight_dtype: str, msl
 def convert_gguf(gguf_path, output_path, *, max_seq_len: int | None = None,
                  progress: bool = True, tokenizer: str = "auto") -> str:
     """Import the llama.cpp GGUF `gguf_path` (Mixtral = `llama` with experts, `qwen2moe`,
-    `qwen3moe`, `olmoe`; tensors F32/F16/BF16/Q8_0/Q4_K/Q5_K/Q6_K) into `output_path`,
+    `qwen3moe`, `olmoe`, `deepseek2`, `gpt-oss`; tensors F32/F16/BF16/Q8_0/Q4_K/Q5_K/Q6_K) into `output_path`,
     copying every weight's bytes (no requantization; rows reordered where llama.cpp
     permuted them).
 

@@ -10,7 +10,7 @@ engine runs an import unchanged.
 
 What a GGUF of these families does not state is decided as llama.cpp runs the file
 (src/models/deepseek2.cpp, src/models/openai-moe.cpp, src/llama-context.cpp, ggml's RoPE);
-docs/format.md, "GGUF import: what the file does not say", lists the rules.
+docs/quantization.md, "DeepSeek and gpt-oss GGUFs", lists the rules.
 """
 
 from __future__ import annotations
