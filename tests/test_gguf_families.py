@@ -336,3 +336,33 @@ def test_softmax_router_with_choice_bias_is_refused(models, tmp_path):
                      no_vocab(k, v))
     with pytest.raises(ConversionError, match="softmax router with a choice bias"):
         convert_gguf(g, tmp_path / "x.colibri", progress=False)
+
+
+# --------------------------------------------------------------------------- llama.cpp itself
+
+def test_greedy_text_equals_llama_cpp(models, imported):
+    """llama.cpp's llama-completion on the DeepSeek-V3 f32 GGUF and the engine on its import
+    generate the same greedy bytes (MLA, q LoRA, groups, exp_probs_b, YaRN, tokenizer).
+    Compared as bytes: random weights produce bytes that are not UTF-8. Needs llama.cpp's
+    llama-completion (the benchmarks build it); skipped without it. DeepSeek-V3 only:
+    llama.cpp refuses a `deepseek2` file without q LoRA unless it has one of its "lite"
+    layer counts, and its llama-completion prints nothing past the prompt for these tiny
+    gpt-oss files."""
+    import subprocess
+
+    from colibri_lab.conversion.bpe import bytes_to_unicode
+    from test_gguf_import import _llama_program
+
+    exe = _llama_program(models["src"], "llama-completion")
+    prompt = "def forward(self, x):"
+    r = subprocess.run([str(exe), "-m", str(models["deepseek_v3"]["gguf"]["f32"]), "-p", prompt,
+                        "-n", "12", "--temp", "0", "--ignore-eos", "-no-cnv", "-t", "2",
+                        "--no-warmup", "-c", "256"], capture_output=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-2000:].decode("utf-8", "replace")
+    with _engine(imported("deepseek_v3", "f32")) as eng:
+        ids = [t.id for t in eng.generate(prompt, max_new_tokens=12, stop_at_eos=False)]
+    inv = {v: k for k, v in bytes_to_unicode().items()}
+    tok = models["deepseek_v3"]["tok"]
+    got = b"".join(bytes(inv[c] for c in tok.id_to_token(i)) for i in ids)
+    assert len(ids) == 12
+    assert r.stdout.rstrip(b"\n") == prompt.encode() + got
