@@ -115,8 +115,47 @@ def models(tmp_path_factory):
             jobs.append({"model": str(folder), "outtype": t, "outfile": str(files[t]),
                          "pre": PRE[fam]})
         out[fam] = dict(folder=folder, tok=tok, hf=hf, gguf=files)
+    out["gpt_oss_mxfp4"] = _hub_mxfp4_checkpoint(work / "gpt_oss_mxfp4", jobs)
     make_ggufs(src, jobs, work)
     return out
+
+
+def _hub_mxfp4_checkpoint(folder: Path, jobs: list) -> dict:
+    """gpt-oss as the hub ships it: experts as *_blocks / *_scales (MXFP4, rows = outputs,
+    gate/up interleaved) and quantization_config mxfp4, for which llama.cpp's converter
+    repacks the blocks into ggml's MXFP4 instead of writing floats. Returns dict(folder,
+    hf (the HF converter's f32 file), blocks {(layer, name): ggml MXFP4 rows}, gguf)."""
+    from safetensors.torch import load_file, save_file
+
+    from colibri_lab.format import blocks as quants
+    from colibri_lab.format.spec import DTYPE_MXFP4
+    from test_parity_gptoss import _hf_mxfp4
+
+    model = build_model(SHAPES["gpt_oss"])
+    save_checkpoint(model, folder, tokenizer="none")
+    sd = load_file(str(folder / "model.safetensors"))
+    ours = {}
+    for n, layer in enumerate(model.model.layers):
+        ex, p = layer.mlp.experts, f"model.layers.{n}.mlp.experts"
+        for name, prm in (("gate_up_proj", ex.gate_up_proj), ("down_proj", ex.down_proj)):
+            rows = prm.detach().numpy().transpose(0, 2, 1)   # [E, out, in]
+            q = quants.to_stored(np.ascontiguousarray(rows.reshape(-1, rows.shape[-1])), DTYPE_MXFP4)
+            ours[n, name] = q.reshape(*rows.shape[:-1], -1)
+            b, sc = _hf_mxfp4(ours[n, name])
+            del sd[f"{p}.{name}"]
+            sd[f"{p}.{name}_blocks"] = torch.from_numpy(b)
+            sd[f"{p}.{name}_scales"] = torch.from_numpy(sc)
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    for f in ("tokenizer.json", "tokenizer_config.json"):   # the gpt_oss checkpoint's
+        (folder / f).write_bytes((folder.parent / "gpt_oss" / f).read_bytes())
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    hf = folder.parent / "gpt_oss_mxfp4-hf.colibri"
+    colibri_lab.convert(folder, hf, dtype="f32", progress=False, tokenizer="none")
+    g = folder.parent / "gpt_oss_mxfp4.gguf"
+    jobs.append({"model": str(folder), "outtype": "f32", "outfile": str(g), "pre": "gpt-4o"})
+    return {"folder": folder, "hf": hf, "blocks": ours, "gguf": g}
 
 
 @pytest.fixture(scope="module")
@@ -366,3 +405,29 @@ def test_greedy_text_equals_llama_cpp(models, imported):
     got = b"".join(bytes(inv[c] for c in tok.id_to_token(i)) for i in ids)
     assert len(ids) == 12
     assert r.stdout.rstrip(b"\n") == prompt.encode() + got
+
+
+def test_gptoss_hub_mxfp4_gguf(models, tmp_path):
+    """llama.cpp's converter on a hub-style MXFP4 gpt-oss writes its experts as ggml MXFP4
+    (its nibble repack, gate/up de-interleaved): the import keeps those bytes, which are
+    the checkpoint's blocks, and runs as the Hugging Face converter's f32 file of the same
+    checkpoint."""
+    from helpers import random_ids
+
+    m = models["gpt_oss_mxfp4"]
+    r = gguf.GGUFReader(m["gguf"])
+    assert {t.tensor_type.name for t in r.tensors if "_exps.weight" in t.name} == {"MXFP4"}
+    out = convert_gguf(m["gguf"], tmp_path / "mx.colibri", progress=False, tokenizer="none")
+    info = fmt_reader.inspect(out, verify=True)
+    for n in range(SHAPES["gpt_oss"].layers):
+        gu, dn = m["blocks"][n, "gate_up_proj"], m["blocks"][n, "down_proj"]
+        for name, want in (("gate", gu[:, 0::2]), ("up", gu[:, 1::2]), ("down", dn)):
+            t = f"blk.{n}.ffn_{name}_exps"
+            assert info.tensor(t).dtype == "mxfp4"
+            assert info.read_tensor(t).tobytes() == np.ascontiguousarray(want).tobytes(), t
+    ids = random_ids(info.metadata["model.vocab_size"], 30, seed=44)
+    with _engine(out) as eng:
+        got = eng.forward(ids)
+    with _engine(m["hf"]) as eng:
+        want = eng.forward(ids)
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL * max(1.0, float(np.abs(want).max())))
