@@ -255,9 +255,12 @@ def test_quantized_imports_run_as_their_values(models, imported, fam, outtype, t
     np.testing.assert_allclose(got, ref, rtol=0, atol=TOL * max(1.0, float(np.abs(ref).max())))
 
 
-def test_deepseek_legacy_kv_b_equals_split(models, imported, tmp_path):
+@pytest.mark.parametrize("both", [False, True])
+def test_deepseek_legacy_kv_b_equals_split(models, imported, tmp_path, both):
     """Older llama.cpp GGUFs hold one attn_kv_b (key_length = qk head, value_length = v
-    head, no *_mla keys): rewritten so from the split file, the import is the same model."""
+    head, no *_mla keys), some converters wrote it beside the split attn_k_b / attn_v_b
+    (both: with the *_mla keys): rewritten so from the split file, the import is the same
+    model."""
     A = "deepseek2"
     src = models["deepseek_v3"]["gguf"]["f32"]
     r = gguf.GGUFReader(src)
@@ -269,22 +272,25 @@ def test_deepseek_legacy_kv_b_equals_split(models, imported, tmp_path):
     def merge(name, ttype, data):
         if name.endswith("attn_k_b.weight"):
             kb[name] = data
-            return []
+            return [(name, ttype, data)] if both else []
         if name.endswith("attn_v_b.weight"):
             k = kb.pop(name.replace("v_b", "k_b"))           # [nh, r, dn]
             kv = np.concatenate([np.swapaxes(k, 1, 2), data], axis=1)   # [nh, dn + dv, r]
-            return [(name.replace("attn_v_b", "attn_kv_b"), ttype,
-                     np.ascontiguousarray(kv.reshape(-1, kv.shape[-1])))]
+            return [(name, ttype, data)] * both + [
+                (name.replace("attn_v_b", "attn_kv_b"), ttype,
+                 np.ascontiguousarray(kv.reshape(-1, kv.shape[-1])))]
         return [(name, ttype, data)]
 
     def keys(k, v):
+        if both:
+            return v
         if k.endswith(("key_length_mla", "value_length_mla")):
             return None
         return {f"{A}.attention.key_length": dq, f"{A}.attention.value_length": dv}.get(k, v)
 
     g = rewrite_gguf(src, tmp_path / "legacy.gguf", tensors=merge, fields=keys)
     names = {t.name for t in gguf.GGUFReader(g).tensors}
-    assert "blk.0.attn_kv_b.weight" in names and "blk.0.attn_k_b.weight" not in names and nh
+    assert "blk.0.attn_kv_b.weight" in names and ("blk.0.attn_k_b.weight" in names) == both and nh
     a = fmt_reader.inspect(convert_gguf(g, tmp_path / "legacy.colibri", progress=False))
     b = fmt_reader.inspect(imported("deepseek_v3", "f32"))
     assert [(t.name, t.dtype, t.shape, t.crc32) for t in a.tensors] == \
@@ -379,14 +385,16 @@ def test_softmax_router_with_choice_bias_is_refused(models, tmp_path):
 
 # --------------------------------------------------------------------------- llama.cpp itself
 
-def test_greedy_text_equals_llama_cpp(models, imported):
-    """llama.cpp's llama-completion on the DeepSeek-V3 f32 GGUF and the engine on its import
-    generate the same greedy bytes (MLA, q LoRA, groups, exp_probs_b, YaRN, tokenizer).
-    Compared as bytes: random weights produce bytes that are not UTF-8. Needs llama.cpp's
-    llama-completion (the benchmarks build it); skipped without it. DeepSeek-V3 only:
-    llama.cpp refuses a `deepseek2` file without q LoRA unless it has one of its "lite"
-    layer counts, and its llama-completion prints nothing past the prompt for these tiny
-    gpt-oss files."""
+@pytest.mark.parametrize("fam", ["deepseek_v3", "gpt_oss"])
+def test_greedy_text_equals_llama_cpp(models, imported, fam):
+    """llama.cpp's llama-completion on the f32 GGUF and the engine on its import generate
+    the same greedy bytes (DeepSeek-V3: MLA, q LoRA, groups, exp_probs_b, YaRN; gpt-oss:
+    sinks, sliding layers, biases, clamped SwiGLU, YaRN; both tokenizers). Compared as
+    bytes: random weights produce bytes that are not UTF-8. Needs llama.cpp's
+    llama-completion (the benchmarks build it); skipped without it. This llama-completion
+    now and then exits (status 0) before printing past the prompt; it is run up to five
+    times until it prints the continuation. Not DeepSeek-V2: llama.cpp refuses a `deepseek2`
+    file without q LoRA unless it has one of its "lite" layer counts."""
     import subprocess
 
     from colibri_lab.conversion.bpe import bytes_to_unicode
@@ -394,14 +402,18 @@ def test_greedy_text_equals_llama_cpp(models, imported):
 
     exe = _llama_program(models["src"], "llama-completion")
     prompt = "def forward(self, x):"
-    r = subprocess.run([str(exe), "-m", str(models["deepseek_v3"]["gguf"]["f32"]), "-p", prompt,
-                        "-n", "12", "--temp", "0", "--ignore-eos", "-no-cnv", "-t", "2",
-                        "--no-warmup", "-c", "256"], capture_output=True, timeout=300, check=False)
-    assert r.returncode == 0, r.stderr[-2000:].decode("utf-8", "replace")
-    with _engine(imported("deepseek_v3", "f32")) as eng:
+    for _ in range(5):
+        r = subprocess.run([str(exe), "-m", str(models[fam]["gguf"]["f32"]), "-p", prompt,
+                            "-n", "12", "--temp", "0", "--ignore-eos", "-no-cnv", "-t", "2",
+                            "--no-warmup", "-c", "256"], capture_output=True, timeout=300,
+                           stdin=subprocess.DEVNULL, check=False)
+        assert r.returncode == 0, r.stderr[-2000:].decode("utf-8", "replace")
+        if len(r.stdout.rstrip(b"\n")) > len(prompt):
+            break
+    with _engine(imported(fam, "f32")) as eng:
         ids = [t.id for t in eng.generate(prompt, max_new_tokens=12, stop_at_eos=False)]
     inv = {v: k for k, v in bytes_to_unicode().items()}
-    tok = models["deepseek_v3"]["tok"]
+    tok = models[fam]["tok"]
     got = b"".join(bytes(inv[c] for c in tok.id_to_token(i)) for i in ids)
     assert len(ids) == 12
     assert r.stdout.rstrip(b"\n") == prompt.encode() + got

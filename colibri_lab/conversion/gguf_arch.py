@@ -210,7 +210,11 @@ def _read_deepseek2(g: GgufFile, A: str = "deepseek2") -> tuple[ModelSpec, dict]
     V = emb.shape[0]
     ql = int(g.get(f"{A}.attention.q_lora_rank", 0) or 0)
     r = _int(g, f"{A}.attention.kv_lora_rank")
-    split_kv = g.has("blk.0.attn_k_b.weight") or g.has("blk.0.attn_v_b.weight")
+    # the split attn_k_b / attn_v_b alone (current converter), or one attn_kv_b (older
+    # files; some converters wrote all three: attn_kv_b is then taken as stored, and the
+    # split copies of the same values are left aside)
+    split_kv = not g.has("blk.0.attn_kv_b.weight") and (g.has("blk.0.attn_k_b.weight") or
+                                                        g.has("blk.0.attn_v_b.weight"))
     if split_kv:
         dq = _int(g, f"{A}.attention.key_length_mla")
         dv = _int(g, f"{A}.attention.value_length_mla")
@@ -350,6 +354,9 @@ def _plan_deepseek2(g: GgufFile, s: ModelSpec, facts: dict, say):
                                      _kv_b_producer(kb, vb, nh, dn, dv, r, dst)))
         else:
             _mat(g, out, f"{b}.attn_kv_b.weight", (nh * (dn + dv), r))
+            for x, shape in (("k", (nh, r, dn)), ("v", (nh, dv, r))):
+                if g.has(f"{b}.attn_{x}_b.weight"):   # the same values, split: checked, unused
+                    g.tensor(f"{b}.attn_{x}_b.weight", shape)
         _mat(g, out, f"{b}.attn_output.weight", (H, nh * dv))
         _vec(g, out, f"{b}.ffn_norm.weight", H)
     _vec(g, out, "output_norm.weight", H)
