@@ -443,3 +443,42 @@ def test_gptoss_hub_mxfp4_gguf(models, tmp_path):
     with _engine(m["hf"]) as eng:
         want = eng.forward(ids)
     np.testing.assert_allclose(got, want, rtol=0, atol=TOL * max(1.0, float(np.abs(want).max())))
+
+
+def test_gptoss_sliding_pattern_keys(models, tmp_path):
+    """attention.sliding_window_pattern decides the sliding layers when present (a per-layer
+    array, or a period n: layer i slides iff i % n < n - 1), as llama.cpp's loader; without
+    it every other layer from layer 0 slides. A separate RoPE base for sliding layers is
+    refused."""
+    GT = gguf.GGUFValueType
+    src = models["gpt_oss"]["gguf"]["f32"]
+    base = fmt_reader.inspect(convert_gguf(src, tmp_path / "d.colibri", progress=False,
+                                           tokenizer="none"))
+    assert base.metadata["model.layer_sliding_window"] == [6, 0, 6]
+    for value, vtype, want in (([False, True, True], GT.ARRAY, [0, 6, 6]),
+                               (3, GT.UINT32, [6, 6, 0])):
+        if vtype == GT.ARRAY:   # an array key: written with GGUFWriter.add_array
+            r = gguf.GGUFReader(src)
+            g = tmp_path / "arr.gguf"
+            w = gguf.GGUFWriter(g, "gpt-oss")
+            for key, f in r.fields.items():
+                if key.startswith(("GGUF.", "tokenizer.")) or key == "general.architecture":
+                    continue
+                w.add_key_value(key, f.contents(), f.types[0],
+                                sub_type=f.types[-1] if f.types[0] == GT.ARRAY else None)
+            w.add_array("gpt-oss.attention.sliding_window_pattern", value)
+            for t in r.tensors:
+                w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+        else:
+            g = rewrite_gguf(src, tmp_path / "per.gguf", fields=no_vocab,
+                             add_fields={"gpt-oss.attention.sliding_window_pattern": (value, vtype)})
+        info = fmt_reader.inspect(convert_gguf(g, tmp_path / "p.colibri", progress=False))
+        assert info.metadata["model.layer_sliding_window"] == want, value
+    g = rewrite_gguf(src, tmp_path / "swa.gguf", fields=no_vocab,
+                     add_fields={"gpt-oss.rope.freq_base_swa": (5000.0, GT.FLOAT32)})
+    with pytest.raises(ConversionError, match="separate RoPE base for sliding layers"):
+        convert_gguf(g, tmp_path / "x.colibri", progress=False)
