@@ -388,8 +388,9 @@ def tokenizer_model_file() -> Path | None:
 
 def byte_level_bpe(texts, vocab_size: int, special_tokens, style: str = "qwen2"):
     """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts``: "qwen2" (Qwen2 / Qwen3:
-    NFC, the Qwen2 split pattern, byte-level pieces) or "gpt2" (GPT-2 / GPT-NeoX, OLMoE's kind:
-    the GPT-2 regex, no normalizer). The tokenizer of the random BPE-family test models and of
+    NFC, the Qwen2 split pattern, byte-level pieces), "gpt2" (GPT-2 / GPT-NeoX, OLMoE's kind:
+    the GPT-2 regex, no normalizer), "o200k" (gpt-oss's split pattern) or "deepseek_v3"
+    (DeepSeek-V3's three splits), the last two without a normalizer. The tokenizer of the random BPE-family test models and of
     the tokenizer benchmark."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -403,8 +404,16 @@ def byte_level_bpe(texts, vocab_size: int, special_tokens, style: str = "qwen2")
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     elif style == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif style in ("o200k", "deepseek_v3"):   # gpt-oss's; DeepSeek-V3's three splits
+        from ..conversion.bpe import DEEPSEEK_V3_SPLITS, O200K_PATTERN
+
+        rxs = (O200K_PATTERN,) if style == "o200k" else DEEPSEEK_V3_SPLITS
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            *(pre_tokenizers.Split(Regex(rx), behavior="isolated", invert=False) for rx in rxs),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     else:
-        raise ValueError(f"byte_level_bpe: style is 'qwen2' or 'gpt2', not {style!r}")
+        raise ValueError(f"byte_level_bpe: style is 'qwen2', 'gpt2', 'o200k' or 'deepseek_v3', "
+                         f"not {style!r}")
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=list(special_tokens), show_progress=False,

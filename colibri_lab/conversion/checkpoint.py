@@ -1,5 +1,14 @@
 """A Hugging Face checkpoint folder read without torch: the safetensors headers parsed here,
-each tensor (or a row range of it) read with seek + readinto, single or sharded files."""
+each tensor (or a row range of it) read with seek + readinto, single or sharded files.
+
+FP8 checkpoints (DeepSeek-V3/R1, Kimi, Qwen3 "-FP8": config.json `quantization_config`
+{quant_method: fp8, fmt: e4m3, weight_block_size: [bm, bn]}): a `float8_e4m3fn` weight
+W [R, C] comes with `W_scale_inv` [ceil(R/bm), ceil(C/bn)] (f32, bf16 or f16), and its
+value is e4m3fn(W[i, j]) * scale[i // bm, j // bn] (one f32 product; edge blocks are
+partial). `Checkpoint.get` returns such a weight as an `Fp8SrcTensor`, which reads as f32
+values, dequantized row block by row block as it is read: the producers stream it like
+any f32 tensor, into any output dtype, never holding more than the rows they asked for.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..format import spec as fmt
 from ..format.spec import DTYPE_BF16, DTYPE_F16, DTYPE_F32
 from .spec import ConversionError
 
@@ -66,6 +76,76 @@ class SrcTensor:
         return self.read_flat(row0 * ncols, nrows * ncols).reshape(nrows, ncols)
 
 
+def e4m3fn_table() -> np.ndarray:
+    """The 256 values of float8_e4m3fn as float32 (1 sign, 4 exponent bits with bias 7, 3
+    mantissa bits; exponent 0 subnormal m/8 * 2^-6; S.1111.111 NaN; no infinities)."""
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e, m = (b >> 3) & 0xF, b & 7
+    mag = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7.0))
+    out = (sign * mag).astype(np.float32)
+    out[(e == 15) & (m == 7)] = np.nan
+    return out
+
+
+_E4M3FN = e4m3fn_table()
+
+
+@dataclass
+class Fp8SrcTensor(SrcTensor):
+    """A float8_e4m3fn weight with its block scales, read as f32 values (dtype_id f32):
+    value[i, j] = e4m3fn(byte[i, j]) * scale[i // bm, j // bn], in float32."""
+    scale: SrcTensor | None = None
+    block: tuple[int, int] = (128, 128)
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype("<f4")
+
+    @property
+    def dtype_id(self) -> int:
+        return DTYPE_F32
+
+    def read_flat(self, first: int, count: int) -> np.ndarray:
+        if first < 0 or count < 0 or first + count > self.numel:
+            raise ConversionError(f"internal: read past tensor {self.name}")
+        C = self.shape[-1]
+        r0, r1 = first // C, -(-(first + count) // C)
+        raw = SrcTensor(self.name, self.path, "U8", self.shape, self.start,
+                        self.nbytes).read_flat(r0 * C, (r1 - r0) * C).reshape(r1 - r0, C)
+        bm, bn = self.block
+        gc = self.scale.shape[-1]
+        b0, b1 = r0 // bm, -(-r1 // bm)
+        sc = fmt.stored_to_f32(self.scale.read_flat(b0 * gc, (b1 - b0) * gc),
+                               self.scale.dtype_id).reshape(b1 - b0, gc)
+        rows = np.repeat(sc, bm, axis=0)[r0 - b0 * bm:r1 - b0 * bm]
+        scale = np.repeat(rows, bn, axis=1)[:, :C]
+        x = (_E4M3FN[raw] * scale).astype(np.float32).reshape(-1)
+        off = first - r0 * C
+        return x[off:off + count]
+
+
+def _fp8_config(model_dir: str) -> tuple[int, int] | None:
+    """config.json's FP8 block size (weight_block_size), None when the checkpoint is not
+    FP8; refuses the FP8 variants the converter does not read."""
+    p = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(p):
+        return None
+    with open(p) as f:
+        qc = json.load(f).get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
+        return None
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ConversionError(f"config.json: quantization_config fmt {qc.get('fmt')!r}; the "
+                              "converter reads e4m3 FP8 checkpoints")
+    bs = qc.get("weight_block_size")
+    if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(v, int) and v > 0
+                                                          for v in bs)):
+        raise ConversionError(f"config.json: quantization_config weight_block_size {bs!r}; the "
+                              "converter reads block-scaled FP8 ([rows, cols], e.g. [128, 128])")
+    return int(bs[0]), int(bs[1])
+
+
 def _read_st_header(path: str) -> dict[str, SrcTensor]:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
@@ -90,7 +170,8 @@ def _read_st_header(path: str) -> dict[str, SrcTensor]:
         if base + e > size:
             raise ConversionError(f"{path}: tensor {name} lies past the end of the file "
                                   "(truncated download?)")
-        if d["dtype"] in _ST_DTYPES and t.numel * t.np_dtype.itemsize != t.nbytes:
+        if d["dtype"] in (*_ST_DTYPES, "F8_E4M3") and \
+                t.numel * (1 if d["dtype"] == "F8_E4M3" else t.np_dtype.itemsize) != t.nbytes:
             raise ConversionError(f"{path}: tensor {name}: byte size does not match its shape")
         out[name] = t
     return out
@@ -105,6 +186,7 @@ class Checkpoint:
         single = os.path.join(model_dir, "model.safetensors")
         self.tensors: dict[str, SrcTensor] = {}
         self.used: set[str] = set()
+        self.fp8_block = _fp8_config(model_dir)
         if os.path.exists(idx):
             with open(idx) as f:
                 wmap = json.load(f).get("weight_map")
@@ -142,14 +224,36 @@ class Checkpoint:
         if t is None:
             raise ConversionError(f"missing tensor {name!r} in {self.dir} (incomplete "
                                   "checkpoint, or not of the family config.json names)")
-        if t.st_dtype not in _ST_DTYPES:
+        if t.st_dtype == "F8_E4M3":
+            t = self._fp8(t)
+        if t.st_dtype not in _ST_DTYPES and not isinstance(t, Fp8SrcTensor):
             raise ConversionError(f"tensor {name!r} has dtype {t.st_dtype}; the converter "
-                                  "reads F32, F16 and BF16 checkpoints")
+                                  "reads F32, F16 and BF16 checkpoints, and FP8 (F8_E4M3) "
+                                  "weights with block scales")
         if t.shape != tuple(shape):
             raise ConversionError(f"tensor {name!r} has shape {list(t.shape)}, expected "
                                   f"{list(shape)} from config.json")
         self.used.add(name)
         return t
+
+    def _fp8(self, t: SrcTensor) -> Fp8SrcTensor:
+        """An F8_E4M3 weight with its `<name>_scale_inv` block scales."""
+        if self.fp8_block is None:
+            raise ConversionError(f"tensor {t.name!r} is float8_e4m3fn but config.json has no "
+                                  "quantization_config {quant_method: fp8, weight_block_size}")
+        if len(t.shape) != 2:
+            raise ConversionError(f"tensor {t.name!r}: FP8 weights are 2-D, got {list(t.shape)}")
+        sname = t.name + "_scale_inv"
+        sc = self.tensors.get(sname)
+        bm, bn = self.fp8_block
+        want = (-(-t.shape[0] // bm), -(-t.shape[1] // bn))
+        if sc is None or sc.st_dtype not in _ST_DTYPES or sc.shape != want:
+            raise ConversionError(f"FP8 tensor {t.name!r} needs {sname} of shape {list(want)} "
+                                  f"(blocks of {bm}x{bn}), found "
+                                  f"{'none' if sc is None else f'{sc.st_dtype} {list(sc.shape)}'}")
+        self.used.add(sname)
+        return Fp8SrcTensor(t.name, t.path, t.st_dtype, t.shape, t.start, t.nbytes, scale=sc,
+                            block=(bm, bn))
 
     def get_bytes(self, name: str, shape: tuple[int, ...]) -> SrcTensor:
         """A U8 tensor (an MXFP4 checkpoint's *_blocks / *_scales), read as raw bytes."""

@@ -2,7 +2,8 @@
 (docs/quantization.md, "GGUF import"; docs/format.md, "Version 2").
 
 Supported: Mixtral (GGUF architecture `llama` with `llama.expert_count` > 0), `qwen2moe`,
-`qwen3moe` and `olmoe`, with tensors in F32, F16, BF16, Q8_0, Q4_K, Q5_K or Q6_K (GGUF
+`qwen3moe` and `olmoe` (read here), `deepseek2` and `gpt-oss` (gguf_arch.ARCH_IMPORTERS),
+with tensors in F32, F16, BF16, Q8_0, Q4_K, Q5_K or Q6_K (GGUF
 file types f32, f16, bf16, q8_0, q4_K_S/M, q5_K_S/M, q6_K). Any other tensor type is
 refused by name.
 
@@ -85,6 +86,18 @@ BPE_PRE_TOKENIZERS = {
     "llama3": ("llama3", False, True),
     "llama-v3": ("llama3", False, True),
     "llama-bpe": ("llama3", False, True),
+    # gpt-oss (o200k): llama.cpp's GPT4O regex, tiktoken's pattern; no normalizer
+    "gpt-4o": ("o200k", False, False),
+    # DeepSeek-V3 / R1: three splits in sequence (bpe.DEEPSEEK_V3_SPLITS); no normalizer
+    "deepseek-v3": ("deepseek_v3", False, False),
+}
+# Pre-tokenizers llama.cpp knows that colibri's tokenizer has no kind for: refused by name
+# with what they are (the weights can still be imported with tokenizer='none').
+UNSUPPORTED_PRE_TOKENIZERS = {
+    "default": "llama.cpp's fallback for files without a pre-tokenizer name (four GPT-2-era "
+               "regexes in sequence)",
+    "deepseek-llm": "DeepSeek-LLM / DeepSeek-V2's six-regex sequence",
+    "deepseek-coder": "DeepSeek-Coder's regex sequence",
 }
 
 # llama.cpp token types (llama_token_type), the same numbers as sentencepiece's piece types
@@ -828,14 +841,17 @@ def _bpe_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
     only when llama.cpp would add it (tokenizer.ggml.add_bos_token, else the pre-tokenizer's
     default), as colibri adds bos_id on request; UNK is none (byte-level BPE never produces
     one)."""
-    from .bpe import SUPPORTED_PATTERNS, build_bpe_tokenizer_section, bytes_to_unicode
+    from .bpe import (DEEPSEEK_V3_SPLITS, SUPPORTED_PATTERNS, build_bpe_tokenizer_section,
+                      bytes_to_unicode)
 
     pre = g.get("tokenizer.ggml.pre")
     if pre not in BPE_PRE_TOKENIZERS:
-        raise ConversionError(f"{g.path}: byte-level BPE pre-tokenizer tokenizer.ggml.pre = {pre!r} "
-                              f"is not supported (supported: {', '.join(BPE_PRE_TOKENIZERS)})")
+        what = f" ({UNSUPPORTED_PRE_TOKENIZERS[pre]})" if pre in UNSUPPORTED_PRE_TOKENIZERS else ""
+        raise ConversionError(f"{g.path}: byte-level BPE pre-tokenizer tokenizer.ggml.pre = {pre!r}"
+                              f"{what} is not supported (supported: "
+                              f"{', '.join(BPE_PRE_TOKENIZERS)})")
     pattern_name, nfc, ignore_merges = BPE_PRE_TOKENIZERS[pre]
-    pattern = {name: p for p, (_i, name) in SUPPORTED_PATTERNS.items()}[pattern_name]
+    pattern = {name: p for p, (_i, name) in SUPPORTED_PATTERNS.items()}.get(pattern_name)
     merges = g.get("tokenizer.ggml.merges")
     if not isinstance(merges, list):
         raise ConversionError(f"{g.path}: a byte-level BPE tokenizer without tokenizer.ggml.merges")
@@ -863,6 +879,12 @@ def _bpe_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
     if pattern_name == "gpt2":
         pre_tok = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                    "use_regex": True}
+    elif pattern_name == "deepseek_v3":
+        pre_tok = {"type": "Sequence", "pretokenizers": [
+            *({"type": "Split", "pattern": {"Regex": rx}, "behavior": "Isolated", "invert": False}
+              for rx in DEEPSEEK_V3_SPLITS),
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+             "use_regex": False}]}
     else:
         pre_tok = {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
@@ -948,7 +970,7 @@ def _metadata(s: ModelSpec, name: str, router_dtype: str, weight_dtype: str, msl
 def convert_gguf(gguf_path, output_path, *, max_seq_len: int | None = None,
                  progress: bool = True, tokenizer: str = "auto") -> str:
     """Import the llama.cpp GGUF `gguf_path` (Mixtral = `llama` with experts, `qwen2moe`,
-    `qwen3moe`, `olmoe`; tensors F32/F16/BF16/Q8_0/Q4_K/Q5_K/Q6_K) into `output_path`,
+    `qwen3moe`, `olmoe`, `deepseek2`, `gpt-oss`; tensors F32/F16/BF16/Q8_0/Q4_K/Q5_K/Q6_K) into `output_path`,
     copying every weight's bytes (no requantization; rows reordered where llama.cpp
     permuted them).
 
@@ -970,16 +992,20 @@ def convert_gguf(gguf_path, output_path, *, max_seq_len: int | None = None,
         raise ConversionError(f"{gguf_path}: one of {n_split} split GGUF files; merge them first "
                               "(llama-gguf-split --merge)")
     arch = g.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    from .gguf_arch import ARCH_IMPORTERS
+
+    if arch not in GGUF_ARCHITECTURES and arch not in ARCH_IMPORTERS:
         raise ConversionError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: "
-                              "llama (Mixtral, with experts), qwen2moe, qwen3moe, olmoe")
+                              "llama (Mixtral, with experts), qwen2moe, qwen3moe, olmoe, "
+                              "deepseek2, gpt-oss")
     for t in g.tensors.values():   # refuse any unsupported type before writing anything
         _check_type(t)
-    spec, facts = _read_spec(g, arch)
+    importer = ARCH_IMPORTERS.get(arch)
+    spec, facts = importer.read(g) if importer else _read_spec(g, arch)
     msl = spec.max_position_embeddings if max_seq_len is None else max_seq_len
     if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= fmt.U32_MAX:
         raise ConversionError(f"max_seq_len {msl!r}: must be an integer in 1..{fmt.U32_MAX}")
-    tensors, router_dtype = _plan(g, spec, facts, say)
+    tensors, router_dtype = (importer.plan if importer else _plan)(g, spec, facts, say)
     extra = sorted(set(g.tensors) - g.used)
     if extra:
         raise ConversionError(f"{gguf_path}: {len(extra)} GGUF tensors are not part of colibri's "
