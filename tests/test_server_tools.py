@@ -7,7 +7,8 @@ decoding writes a chosen text: every attention output and expert projection is z
 last hidden state is the current token's embedding and the next token depends on it alone;
 lm_head then maps each token of a chain of distinct ids to the next one. The chain's text
 is a Qwen3 answer with reasoning, content and a tool call — what a real model writes — so the
-server's parser, streaming and finish_reason are checked end to end; with thinking switched
+server's parser, streaming and finish_reason are checked end to end (<tool_call> and
+</tool_call> are special tokens here, which decoding drops: the server puts them back); with thinking switched
 off the prompt ends in another token and a second chain writes plain text.
 
 Bad input (malformed tools, an unknown function in tool_choice, a required call without
@@ -41,6 +42,7 @@ ARGS = {"city": "Paris", "days": 2}
 ANSWER = (f"<think>\n{REASONING}\n</think>\n\n{CONTENT}\n<tool_call>\n"
           f'{{"name": "get_weather", "arguments": {json.dumps(ARGS)}}}\n</tool_call>')
 PLAIN = "Fine weather today"   # the thinking-off chain
+MARKERS = ["<tool_call>", "</tool_call>"]
 # added tokens for the stretches whose characters repeat too often for a chain of distinct ids
 FRAGMENTS = [f"\n{REASONING}\n", f"\n\n{CONTENT}\n", '\n{"name": "get_weather", "arguments": ',
              json.dumps(ARGS) + "}\n"]
@@ -102,7 +104,10 @@ def tool_model(tmp_path_factory, templates_dir) -> tuple[Path, Path]:
 
     root = tmp_path_factory.mktemp("tools-model")
     tok = byte_level_bpe(_corpus(), 1500, SPECIAL)
-    tok.add_tokens(ADDED + FRAGMENTS)
+    # <tool_call> and </tool_call> special (decoding drops them: the server writes them back
+    # into the text it parses), <think> and </think> plain added tokens as Qwen has them
+    tok.add_special_tokens(MARKERS)
+    tok.add_tokens([t for t in ADDED if t not in MARKERS] + FRAGMENTS)
     hf_dir = root / "hf"
     tpl = (templates_dir / "Qwen-Qwen3-0.6B.jinja").read_text("utf-8")
     vocab = tok.get_vocab_size()
@@ -123,7 +128,7 @@ def tool_model(tmp_path_factory, templates_dir) -> tuple[Path, Path]:
     hf = AutoTokenizer.from_pretrained(str(hf_dir))
 
     # the chains: prompt's last id -> ids spelling the text -> <|im_end|>
-    specials = {hf.convert_tokens_to_ids(t) for t in SPECIAL}
+    specials = {hf.convert_tokens_to_ids(t) for t in SPECIAL + MARKERS}
     pieces = {i: hf.decode([i]) for i in range(vocab) if i not in specials}
     pieces = {i: p for i, p in pieces.items() if "\ufffd" not in p}
     forced = {t: hf.convert_tokens_to_ids(t) for t in ADDED + FRAGMENTS}
@@ -139,7 +144,7 @@ def tool_model(tmp_path_factory, templates_dir) -> tuple[Path, Path]:
         assert last not in used and last not in nxt
         used.add(last)
         chain = _segment(text, pieces, used, forced)
-        assert hf.decode(chain) == text
+        assert hf.decode(chain, skip_special_tokens=False) == text
         for a, b in zip([last, *chain], [*chain, end]):
             nxt[a] = b
     with torch.no_grad():

@@ -72,6 +72,11 @@ struct cs_job {
     json_t *tools;       /* the request's tools, or NULL */
     const char **tool_names;
     int n_tool_names;
+    /* markers of the output syntax that the tokenizer holds as special tokens (decoding
+     * drops them): written back into the decoded text */
+    int n_marks;
+    int32_t mark_id[8];
+    const char *mark_text[8];
     job_choice ch[CS_MAX_CHOICES];
     /* shared with the HTTP thread */
     pthread_mutex_t mu;
@@ -203,6 +208,60 @@ static char *detok(colibri_tokenizer *tok, const int32_t *ids, int64_t n, size_t
     }
     free(buf);
     return NULL;
+}
+
+/* detok, with the job's special-token markers written as their text (caller holds tok_mu). */
+static char *detok_job(const cs_job *j, const int32_t *ids, int64_t n, size_t *len) {
+    if (j->n_marks == 0) return detok(j->srv->tok, ids, n, len);
+    char *out = malloc(1);
+    size_t total = 0;
+    int64_t start = 0;
+    if (!out) return NULL;
+    for (int64_t k = 0; k <= n; k++) {
+        int m = -1;
+        for (int q = 0; k < n && q < j->n_marks && m < 0; q++)
+            if (ids[k] == j->mark_id[q]) m = q;
+        if (k < n && m < 0) continue;
+        size_t sl = 0, ml = m >= 0 ? strlen(j->mark_text[m]) : 0;
+        char *seg = k > start ? detok(j->srv->tok, ids + start, k - start, &sl) : NULL;
+        if (k > start && !seg) {
+            free(out);
+            return NULL;
+        }
+        char *grown = realloc(out, total + sl + ml + 1);
+        if (!grown) {
+            free(seg);
+            free(out);
+            return NULL;
+        }
+        out = grown;
+        if (sl) memcpy(out + total, seg, sl);
+        total += sl;
+        if (ml) memcpy(out + total, j->mark_text[m], ml);
+        total += ml;
+        free(seg);
+        start = k + 1;
+    }
+    out[total] = 0;
+    *len = total;
+    return out;
+}
+
+/* The markers of the job's output syntax that are special tokens (caller holds tok_mu). */
+static void find_marks(cs_job *j) {
+    const char *const *mk = cs_output_markers(j->fmt);
+    for (int q = 0; mk[q] && j->n_marks < 8; q++) {
+        int32_t ids[4];
+        int64_t got = 0;
+        if (colibri_tokenize(j->srv->tok, mk[q], strlen(mk[q]), 0, ids, 4, &got) != COLIBRI_OK || got != 1) continue;
+        size_t dl = 1;
+        char *d = detok(j->srv->tok, ids, 1, &dl);
+        if (d && dl == 0) {
+            j->mark_id[j->n_marks] = ids[0];
+            j->mark_text[j->n_marks++] = mk[q];
+        }
+        free(d);
+    }
 }
 
 static size_t fffd_tail(const char *s, size_t n) {
@@ -575,7 +634,7 @@ static int cb_token(cs_request *r, int c, int32_t tok, const float *logits) {
     json_t *lp = NULL;
     pthread_mutex_lock(&srv->tok_mu);
     size_t full_len = 0;
-    char *full = detok(srv->tok, ids, j->n_prefix + ch->n_ids, &full_len);
+    char *full = detok_job(j, ids, j->n_prefix + ch->n_ids, &full_len);
     if (j->logprobs >= 0) lp = logprobs_entry(j, ch, tok, logits, j->echo_len + before);
     pthread_mutex_unlock(&srv->tok_mu);
     free(ids);
@@ -1284,7 +1343,8 @@ int cs_api_parse(cs_server *srv, cs_api_kind kind, const char *body, size_t len,
     {
         pthread_mutex_lock(&srv->tok_mu);
         size_t plen = 0;
-        char *pt = detok(srv->tok, j->prompt + j->n_prompt - j->n_prefix, j->n_prefix, &plen);
+        if (j->structured) find_marks(j);
+        char *pt = detok_job(j, j->prompt + j->n_prompt - j->n_prefix, j->n_prefix, &plen);
         pthread_mutex_unlock(&srv->tok_mu);
         j->prefix_len = pt ? plen - fffd_tail(pt, plen) : 0;
         free(pt);

@@ -18,16 +18,39 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define DS_BEGIN "<｜tool▁calls▁begin｜>"
+#define DS_CALL "<｜tool▁call▁begin｜>"
+#define DS_SEP "<｜tool▁sep｜>"
+#define DS_CALL_END "<｜tool▁call▁end｜>"
+#define DS_END "<｜tool▁calls▁end｜>"
+
 typedef struct syntax {
-    const char *open;      /* the first marker of a tool-call block */
+    const char *open;          /* the first marker of a tool-call block */
+    const char *markers[6];    /* all its markers */
 } syntax;
 
 static const syntax SYNTAX[] = {
-    [CS_TOOLS_NONE] = {NULL},
-    [CS_TOOLS_HERMES] = {"<tool_call>"},
-    [CS_TOOLS_MISTRAL] = {"[TOOL_CALLS]"},
-    [CS_TOOLS_DEEPSEEK] = {"<｜tool▁calls▁begin｜>"},
+    [CS_TOOLS_NONE] = {NULL, {NULL}},
+    [CS_TOOLS_HERMES] = {"<tool_call>", {"<tool_call>", "</tool_call>", NULL}},
+    [CS_TOOLS_MISTRAL] = {"[TOOL_CALLS]", {"[TOOL_CALLS]", NULL}},
+    [CS_TOOLS_DEEPSEEK] = {DS_BEGIN, {DS_BEGIN, DS_CALL, DS_SEP, DS_CALL_END, DS_END, NULL}},
 };
+
+const char *const *cs_output_markers(const cs_chat_format *fmt) {
+    static const char *const THINK[] = {"<think>", "</think>", NULL};
+    static const char *const NONE[] = {NULL};
+    static const char *const HERMES_THINK[] = {"<tool_call>", "</tool_call>", "<think>", "</think>", NULL};
+    static const char *const DS_THINK[] = {DS_BEGIN, DS_CALL, DS_SEP, DS_CALL_END, DS_END, "<think>", "</think>", NULL};
+    if (!fmt) return NONE;
+    int think = fmt->think_open && !strcmp(fmt->think_open, "<think>") && fmt->think_close &&
+                !strcmp(fmt->think_close, "</think>");
+    switch (fmt->tools) {
+    case CS_TOOLS_HERMES: return think ? HERMES_THINK : SYNTAX[CS_TOOLS_HERMES].markers;
+    case CS_TOOLS_MISTRAL: return SYNTAX[CS_TOOLS_MISTRAL].markers;
+    case CS_TOOLS_DEEPSEEK: return think ? DS_THINK : SYNTAX[CS_TOOLS_DEEPSEEK].markers;
+    default: return think ? THINK : NONE;
+    }
+}
 
 static char *dup_n(const char *s, size_t n) {
     char *p = malloc(n + 1);
@@ -163,12 +186,6 @@ static int parse_mistral(cs_parsed *p, const char *s, size_t n, const char *cons
     json_decref(v);
     return rc;
 }
-
-#define DS_BEGIN "<｜tool▁calls▁begin｜>"
-#define DS_CALL "<｜tool▁call▁begin｜>"
-#define DS_SEP "<｜tool▁sep｜>"
-#define DS_CALL_END "<｜tool▁call▁end｜>"
-#define DS_END "<｜tool▁calls▁end｜>"
 
 static int parse_deepseek(cs_parsed *p, const char *s, size_t n, const char *const *names, int n_names) {
     size_t at = strlen(DS_BEGIN);

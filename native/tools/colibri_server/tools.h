@@ -52,6 +52,11 @@ int cs_output_parse(const cs_chat_format *fmt, int thinking, int parse_tools, co
                     int n_names, const char *text, size_t n, int final, cs_parsed *out);
 void cs_parsed_free(cs_parsed *p);
 
+/* Every marker string of a format's output (think markers, the tool-call syntax's tokens),
+ * NULL-terminated (static). A tokenizer may hold one as a special token, which decoding
+ * drops: the server writes those back into the text it parses. */
+const char *const *cs_output_markers(const cs_chat_format *fmt);
+
 /* What constrained decoding needs so that the output is one call of one of the given tools:
  * the text before the call object, the text after it, and the JSON schema of the call object
  * ({"name": {"const": f}, "arguments": <f's parameters>}, anyOf over the functions; `only`:
