@@ -19,6 +19,13 @@
  *            them; `tool` messages as `<tool_response>`; thinking left on)
  *   tulu     OLMoE-1B-7B-0924-Instruct / Tulu (`<|user|>\n...`, `<|assistant|>\n...`,
  *            BOS first where the template has it, e.g. OLMoE's `<|endoftext|>`)
+ *   qwen2.5  Qwen2.5-Instruct: default system prompt, tools in <tools>, <tool_call> blocks
+ *   mistral-v3-tekken  Mistral-Nemo-Instruct-2407: [AVAILABLE_TOOLS] before the last user
+ *            message, [TOOL_CALLS] / [TOOL_RESULTS], no generation prompt
+ *   deepseek-v3.1  DeepSeek-V3.1: system prompts joined first, <｜User｜> / <｜Assistant｜>,
+ *            tool calls in its tool tokens, the thinking switch
+ * Qwen3, Qwen2.5, Mistral-Nemo and DeepSeek-V3.1 take tools (cs_chat_opts), assistant
+ * tool_calls and tool results (cs_message.json); the others refuse tools.
  *
  * Any other template, an edited one included (the default system prompt of the Qwen template
  * is the one part that may differ), is refused, never rendered approximately. Correct means: the ids equal
