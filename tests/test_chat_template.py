@@ -476,6 +476,8 @@ DROPPED = {"qwen3": {"robot"}, "qwen25": {"robot"}, "deepseek": {"robot"}, "tulu
 def family(name: str) -> str:
     if name == "mistral-v3-tekken":
         return "tekken"
+    if name in ("mistral-small-3.2", "devstral"):
+        return "mistral_v11"
     if name.startswith("deepseek"):
         return "deepseek"
     if name == "qwen2.5":

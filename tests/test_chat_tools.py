@@ -34,9 +34,10 @@ SHIPPED = {  # file -> the name chat.c gives it
     "Qwen-Qwen2.5-7B-Instruct.jinja": "qwen2.5",
     "mistralai-Mistral-Nemo-Instruct-2407.jinja": "mistral-v3-tekken",
     "deepseek-ai-DeepSeek-V3.1.jinja": "deepseek-v3.1",
+    "Mistral-Small-3.2-24B-Instruct-2506.jinja": "mistral-small-3.2",
+    "unsloth-mistral-Devstral-Small-2507.jinja": "devstral",
 }
-NOT_RENDERED = ["openai-gpt-oss-120b.jinja", "Mistral-Small-3.2-24B-Instruct-2506.jinja",
-                "unsloth-mistral-Devstral-Small-2507.jinja"]
+NOT_RENDERED = ["openai-gpt-oss-120b.jinja"]
 
 
 def templates_folder() -> Path:
@@ -75,7 +76,8 @@ def template(templates: Path, name: str) -> str:
 # Tokenizers with each family's special tokens.
 
 TEKKEN_SPECIAL = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
-                  "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+                  "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                  "[CALL_ID]", "[ARGS]", "[TOOL_CONTENT]"]
 DEEPSEEK_SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
                     "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                     "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]
@@ -172,7 +174,11 @@ FAMILIES = {  # file -> tokenizer fixture, extra conversations, template kwargs 
                                                         {"enable_thinking": True}]),
     "mistralai-Mistral-Nemo-Instruct-2407.jinja": ("tekken_tok", {}, [{}]),
     "deepseek-ai-DeepSeek-V3.1.jinja": ("deepseek_tok", {}, [{}, {"enable_thinking": True}]),
+    "Mistral-Small-3.2-24B-Instruct-2506.jinja": ("tekken_tok", {}, [{}]),
+    "unsloth-mistral-Devstral-Small-2507.jinja": ("tekken_tok", {}, [{}]),
 }
+DROPS_CONTENT = ("Nemo", "Small-3.2")   # templates that drop an assistant's text beside its calls
+WRITES_IDS = ("Nemo", "Small-3.2")      # ... that write the call ids into the output
 
 
 def test_shipped_templates_are_recognised(driver, tmp_path, templates):
@@ -193,7 +199,8 @@ def test_templates_not_rendered_are_refused_by_name(driver, tmp_path, templates,
     for msg in out[1:]:
         err = answer(msg)
         assert isinstance(err, str) and "not recognised" in err
-        for known in ("qwen3", "qwen2.5", "mistral-v3-tekken", "deepseek-v3.1", "chatml", "tulu3"):
+        for known in ("qwen3", "qwen2.5", "mistral-v3-tekken", "mistral-small-3.2", "devstral", "deepseek-v3.1",
+                      "chatml", "tulu3"):
             assert known in err, err
 
 
@@ -267,10 +274,10 @@ def test_parser_reads_the_rendered_calls(driver, tmp_path, templates, fname, req
     for (msg, text), g in zip(texts, got):
         assert g["rc"] == 0
         want = [[c["function"]["name"], json.dumps(c["function"]["arguments"], ensure_ascii=False),
-                 c["id"] if "Nemo" in fname else None] for c in msg["tool_calls"]]
+                 c["id"] if any(w in fname for w in WRITES_IDS) else None] for c in msg["tool_calls"]]
         assert g["calls"] == want, (text, g)
-        # Nemo's template drops the content of a turn with tool calls
-        assert g["content"] == (None if "Nemo" in fname else msg["content"] or None), (text, g)
+        dropped = any(w in fname for w in DROPS_CONTENT)
+        assert g["content"] == (None if dropped else msg["content"] or None), (text, g)
     after_think = texts[0][1].split("</think>")[-1].lstrip()
     for g in got[3:5]:  # a function that was not offered, or tools off: all of it is content
         assert g["calls"] == [] and g["content"] == after_think
@@ -280,7 +287,7 @@ def test_parser_reads_the_rendered_calls(driver, tmp_path, templates, fname, req
         c = g["content"] or ""
         assert c.startswith(prev) and "call" not in c.lower().replace("check", ""), (prev, c)
         prev = c
-    assert prev == ("" if "Nemo" in fname else "Let me check.")
+    assert prev == ("" if any(w in fname for w in DROPS_CONTENT) else "Let me check.")
 
 
 QWEN3_OUT = "<think>\nThe user wants Paris.\n\n</think>\n\nLet me check.\n<tool_call>\n" \
@@ -333,7 +340,7 @@ def test_required_call_constraint_is_the_rendered_call(driver, tmp_path, templat
                                  f"constraint {hx(json.dumps({'tools': TOOLS}))}"])
     named = json.loads(bytes.fromhex(out[0].split(" ", 1)[1]))
     schema = json.loads(named["schema"])
-    if "deepseek" in fname:
+    if "deepseek" in fname or "Small-3.2" in fname or "Devstral" in fname:
         obj = one["function"]["arguments"]
         assert schema == TOOLS[1]["function"]["parameters"]
         assert out[1].startswith("err ")   # several functions: the name cannot be chosen by a schema
@@ -346,4 +353,7 @@ def test_required_call_constraint_is_the_rendered_call(driver, tmp_path, templat
     body = json.dumps(obj, ensure_ascii=False)
     if "Nemo" in fname:   # the template adds the id inside the object
         body = body[:-1] + ', "id": "call00001"}'
+    if "Small-3.2" in fname:   # the call id (the server's to choose) is not part of the constraint
+        assert named["prefix"] == "[TOOL_CALLS]add[ARGS]" and "[TOOL_CALLS]add[CALL_ID]call00001[ARGS]" + body in text
+        return
     assert named["prefix"] + body + named["suffix"] in text, (named, text)

@@ -57,7 +57,7 @@ static char *replace(const char *s, const char *from, const char *to) {
 }
 
 static void self_test(void) {
-    char err[512];
+    char err[1024];
     int32_t *ids = (int32_t *)1;
     int64_t n = 7;
     cs_message msg = {"user", "hi", NULL};

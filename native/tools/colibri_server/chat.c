@@ -284,7 +284,7 @@ static const char T_OLMO2_INSTRUCT[] =
     "{% endif %}\n"
     "{% endfor %}";
 
-enum { FAM_MISTRAL, FAM_CHATML, FAM_QWEN3, FAM_TULU, FAM_QWEN25, FAM_MISTRAL_TEKKEN, FAM_DEEPSEEK3, N_FAMILIES };
+enum { FAM_MISTRAL, FAM_CHATML, FAM_QWEN3, FAM_TULU, FAM_QWEN25, FAM_MISTRAL_TEKKEN, FAM_DEEPSEEK3, FAM_MISTRAL_SMALL32, FAM_DEVSTRAL, N_FAMILIES };
 
 typedef struct variant {
     const char *name;
@@ -303,8 +303,9 @@ typedef struct variant {
     const char *system_end, *user_end;     /* after the content */
     const char *asst_end, *asst_end_last;  /* after EOS: not the last message / the last */
     const char *generation;                /* the generation prompt */
-    /* FAM_QWEN25: the default system prompt */
-    const char *system_default;
+    /* FAM_QWEN25, FAM_DEVSTRAL: the default system prompt; FAM_MISTRAL_SMALL32: its text
+     * before the date, and system_default_b after it */
+    const char *system_default, *system_default_b;
     /* what the model writes: tool calls, reasoning (tools.c parses it) */
     cs_chat_format fmt;
 } variant;
@@ -368,11 +369,20 @@ static const variant VARIANTS[] = {
     {.name = "deepseek-v3.1", .family = FAM_DEEPSEEK3, .src = T_DEEPSEEK_V31,
      .fmt = {.name = "deepseek-v3.1", .tools = CS_TOOLS_DEEPSEEK, .think_open = "<think>",
              .think_close = "</think>", .starts_thinking = 1}},
+    /* Mistral-Small-3.2-24B-Instruct-2506 ([SYSTEM_PROMPT] with today's date, [CALL_ID]) */
+    {.name = "mistral-small-3.2", .family = FAM_MISTRAL_SMALL32, .src = T_MISTRAL_SMALL_32,
+     .system_default = T_MISTRAL_SMALL_32_SYS_A, .system_default_b = T_MISTRAL_SMALL_32_SYS_B,
+     .fmt = {.name = "mistral-small-3.2", .tools = CS_TOOLS_MISTRAL_V11}},
+    /* Devstral-Small-2507 (Unsloth's template: [TOOL_CALLS]name[ARGS]) */
+    {.name = "devstral", .family = FAM_DEVSTRAL, .src = T_DEVSTRAL_UNSLOTH, .system_default = T_DEVSTRAL_SYS,
+     .fmt = {.name = "devstral", .tools = CS_TOOLS_MISTRAL_V11}},
 };
 #define N_VARIANTS (sizeof VARIANTS / sizeof VARIANTS[0])
 #define WILDCARD "@@SYSTEM_PROMPT@@"
 
-#define SUPPORTED "the chat templates colibri_server renders are: "
+#define SUPPORTED                                                                            \
+    "colibri_server renders the chat templates of Mixtral/Mistral-Instruct, Mistral-Nemo, "  \
+    "Mistral-Small-3.2, Devstral, ChatML/Qwen2, Qwen2.5, Qwen3, DeepSeek-V3.1 and OLMoE/Tulu: "
 #define USE_COMPLETIONS "; format the prompt yourself and send it to /v1/completions instead"
 
 /* ------------------------------------------------------------------ small buffers */
@@ -1301,6 +1311,117 @@ static void render_mistral_tekken(render *r, const variant *v, const cs_message 
     }
 }
 
+/* Mistral-Small-3.2 and Devstral: [SYSTEM_PROMPT] first (the template's default when the first
+ * message is not a system message), [AVAILABLE_TOOLS] with the tools' JSON, no generation
+ * prompt. Small 3.2: the tools before the last user message, calls as
+ * [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}, roles must alternate; Devstral: the tools once after
+ * the system prompt, calls as [TOOL_CALLS]name[ARGS]{...} after the assistant's text. */
+static void render_mistral_v11(render *r, const variant *v, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    int small = v->family == FAM_MISTRAL_SMALL32;
+    size_t first = is(m[0].role, "system") ? 1 : 0, last_user = (size_t)-1, idx = 0;
+    emit_id(r, r->bos);
+    for (size_t i = first; i < n; i++) {
+        if (is(m[i].role, "user")) last_user = i;
+        if (small && !(is(m[i].role, "tool") || tool_calls_of(&m[i]))) {
+            if (is(m[i].role, "user") != (idx % 2 == 0))
+                fail(r, "chat template %s: messages[%zu] (role \"%s\"): After the optional system message, "
+                        "conversation roles must alternate user/assistant/user/assistant/...", v->name, i, m[i].role);
+            idx++;
+        }
+    }
+    emit(r, "[SYSTEM_PROMPT]");
+    if (first) {
+        emit(r, content_of(&m[0]));
+    } else if (small) { /* strftime_now("%Y-%m-%d"): the local date, as transformers renders it */
+        char today[32];
+        time_t now = time(NULL);
+        struct tm tmv;
+        localtime_r(&now, &tmv);
+        strftime(today, sizeof today, "%Y-%m-%d", &tmv);
+        emit(r, v->system_default);
+        emit(r, today);
+        emit(r, v->system_default_b);
+    } else {
+        emit(r, v->system_default);
+    }
+    emit(r, "[/SYSTEM_PROMPT]");
+    if (!small && tools_truthy(o)) {
+        emit(r, "[AVAILABLE_TOOLS]");
+        emit_json(r, o->tools);
+        emit(r, "[/AVAILABLE_TOOLS]");
+    }
+    for (size_t i = first; i < n && !r->failed; i++) {
+        const char *c = content_of(&m[i]);
+        const json_t *tc = mget(&m[i], "tool_calls");
+        if (is(m[i].role, "system")) {
+            emit(r, "[SYSTEM_PROMPT]");
+            emit(r, c);
+            emit(r, "[/SYSTEM_PROMPT]");
+        } else if (is(m[i].role, "user")) {
+            int is_last = i == last_user || (m[i].json && m[last_user].json &&
+                                             json_equal((json_t *)m[i].json, (json_t *)m[last_user].json));
+            if (small && o && o->tools && is_last) {
+                emit(r, "[AVAILABLE_TOOLS]");
+                emit_json(r, o->tools);
+                emit(r, "[/AVAILABLE_TOOLS]");
+            }
+            emit(r, "[INST]");
+            emit(r, c);
+            emit(r, "[/INST]");
+        } else if (is(m[i].role, "assistant")) {
+            if (small) {
+                const json_t *calls = tool_calls_of(&m[i]);
+                for (size_t k = 0; k < json_array_size(calls) && !r->failed; k++) {
+                    const json_t *call = json_array_get(calls, k);
+                    const json_t *fn = json_object_get(call, "function");
+                    emit(r, "[TOOL_CALLS]");
+                    emit(r, call_name(r, fn, i, k));
+                    const json_t *id = json_object_get(call, "id");
+                    if (!mistral_id_ok(id)) {
+                        fail(r, "chat template %s: messages[%zu].tool_calls[%zu]: " MISTRAL_ID_ERR, v->name, i, k);
+                        break;
+                    }
+                    emit(r, "[CALL_ID]");
+                    emit(r, json_string_value(id));
+                    emit(r, "[ARGS]");
+                    emit_json(r, call_arguments(fn));
+                }
+                if (!calls) emit(r, c);
+            } else {
+                emit(r, c);
+                for (size_t k = 0; tc && !json_is_null(tc) && k < json_array_size(tc); k++) {
+                    const json_t *fn = json_object_get(json_array_get(tc, k), "function");
+                    const json_t *args = call_arguments(fn);
+                    emit(r, "[TOOL_CALLS]");
+                    emit(r, call_name(r, fn, i, k));
+                    emit(r, "[ARGS]");
+                    if (json_is_string(args)) emit_n(r, json_string_value(args), json_string_length(args));
+                    else emit_json(r, args);
+                }
+            }
+            emit_id(r, r->eos);
+        } else if (is(m[i].role, "tool") || is(m[i].role, "tool_results")) {
+            emit(r, "[TOOL_RESULTS]");
+            if (small) {
+                const json_t *id = mget(&m[i], "tool_call_id");
+                if (!mistral_id_ok(id)) {
+                    fail(r, "chat template %s: messages[%zu].tool_call_id: " MISTRAL_ID_ERR, v->name, i);
+                    break;
+                }
+                emit(r, json_string_value(id));
+                emit(r, "[TOOL_CONTENT]");
+            }
+            emit(r, c);
+            emit(r, "[/TOOL_RESULTS]");
+        } else {
+            fail(r, "chat template %s: messages[%zu] (role \"%s\"): %s", v->name, i, m[i].role,
+                 small ? "Only system, user, assistant, and tool roles are supported!"
+                       : "Only user, systemm assistant and tool roles are supported in the custom template made by "
+                         "Unsloth!");
+        }
+    }
+}
+
 /* DeepSeek-V3.1: thinking from chat_template_kwargs (thinking / enable_thinking), off by default. */
 static void render_deepseek3(render *r, const variant *v, const cs_message *m, size_t n, const cs_chat_opts *o) {
     int thinking = o && o->enable_thinking == 1;
@@ -1583,9 +1704,15 @@ static void r_deepseek3(render *r, const variant *v, const char *s, const cs_mes
     (void)s;
     render_deepseek3(r, v, m, n, o);
 }
+static void r_mistral_v11(render *r, const variant *v, const char *s, const cs_message *m, size_t n,
+                          const cs_chat_opts *o) {
+    (void)s;
+    render_mistral_v11(r, v, m, n, o);
+}
 static const render_fn RENDER[N_FAMILIES] = {
     [FAM_MISTRAL] = r_mistral, [FAM_CHATML] = r_chatml, [FAM_QWEN3] = r_qwen3, [FAM_TULU] = r_tulu,
     [FAM_QWEN25] = r_qwen25, [FAM_MISTRAL_TEKKEN] = r_tekken, [FAM_DEEPSEEK3] = r_deepseek3,
+    [FAM_MISTRAL_SMALL32] = r_mistral_v11, [FAM_DEVSTRAL] = r_mistral_v11,
 };
 
 /* ------------------------------------------------------------------ the interface */

@@ -22,9 +22,12 @@
  *   qwen2.5  Qwen2.5-Instruct: default system prompt, tools in <tools>, <tool_call> blocks
  *   mistral-v3-tekken  Mistral-Nemo-Instruct-2407: [AVAILABLE_TOOLS] before the last user
  *            message, [TOOL_CALLS] / [TOOL_RESULTS], no generation prompt
+ *   mistral-small-3.2, devstral  Mistral-Small-3.2-24B-Instruct-2506 and Devstral-Small-2507:
+ *            [SYSTEM_PROMPT] (a default one, Small 3.2's with today's date), [AVAILABLE_TOOLS],
+ *            [TOOL_CALLS]name([CALL_ID]id)[ARGS]{...}, no generation prompt
  *   deepseek-v3.1  DeepSeek-V3.1: system prompts joined first, <｜User｜> / <｜Assistant｜>,
  *            tool calls in its tool tokens, the thinking switch
- * Qwen3, Qwen2.5, Mistral-Nemo and DeepSeek-V3.1 take tools (cs_chat_opts), assistant
+ * Qwen3, Qwen2.5, the three Mistral tool formats and DeepSeek-V3.1 take tools (cs_chat_opts), assistant
  * tool_calls and tool results (cs_message.json); the others refuse tools.
  *
  * Any other template, an edited one included (the default system prompt of the Qwen template
@@ -80,6 +83,8 @@ typedef enum cs_tool_syntax {
     CS_TOOLS_HERMES,    /* <tool_call>\n{"name": N, "arguments": {...}}\n</tool_call> (Qwen) */
     CS_TOOLS_MISTRAL,   /* [TOOL_CALLS][{"name": N, "arguments": {...}, "id": "..."}] (Nemo) */
     CS_TOOLS_DEEPSEEK,  /* <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}<｜tool▁call▁end｜>... */
+    CS_TOOLS_MISTRAL_V11, /* [TOOL_CALLS]N[CALL_ID]id[ARGS]{...} or [TOOL_CALLS]N[ARGS]{...}
+                           * (Mistral-Small-3.2, Devstral) */
 } cs_tool_syntax;
 
 typedef struct cs_chat_format {

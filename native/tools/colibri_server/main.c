@@ -437,8 +437,8 @@ int main(int argc, char **argv) {
         if (tn)
             fprintf(stderr, "colibri_server: chat template %s\n", tn);
         else
-            fprintf(stderr, "colibri_server: chat template %s; /v1/chat/completions answers 400 (the chat templates "
-                            "colibri_server renders are: %s)\n",
+            fprintf(stderr, "colibri_server: chat template %s; /v1/chat/completions answers 400 (the templates "
+                            "rendered: %s)\n",
                     *srv.chat_template ? "not recognised" : "absent", cs_chat_known_templates());
     }
     if (colibri_get_string(ctx, "precision", &srv.precision) != COLIBRI_OK || !srv.precision) srv.precision = "";

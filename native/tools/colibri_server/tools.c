@@ -5,6 +5,8 @@
  *   hermes    <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>, one block a call,
  *             whitespace between them (Qwen2.5, Qwen3)
  *   mistral   [TOOL_CALLS][{"name": "f", "arguments": {...}, "id": "abcdefghi"}, ...] (Nemo)
+ *   mistral-v11  [TOOL_CALLS]f[CALL_ID]abcdefghi[ARGS]{...} (Mistral-Small-3.2) or
+ *             [TOOL_CALLS]f[ARGS]{...} (Devstral), one a call
  *   deepseek  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
  *             <｜tool▁calls▁end｜> (DeepSeek-V3.1)
  * Reasoning: the text between the format's think markers at the start of the output (or from
@@ -34,6 +36,7 @@ static const syntax SYNTAX[] = {
     [CS_TOOLS_HERMES] = {"<tool_call>", {"<tool_call>", "</tool_call>", NULL}},
     [CS_TOOLS_MISTRAL] = {"[TOOL_CALLS]", {"[TOOL_CALLS]", NULL}},
     [CS_TOOLS_DEEPSEEK] = {DS_BEGIN, {DS_BEGIN, DS_CALL, DS_SEP, DS_CALL_END, DS_END, NULL}},
+    [CS_TOOLS_MISTRAL_V11] = {"[TOOL_CALLS]", {"[TOOL_CALLS]", "[CALL_ID]", "[ARGS]", NULL}},
 };
 
 const char *const *cs_output_markers(const cs_chat_format *fmt) {
@@ -48,6 +51,7 @@ const char *const *cs_output_markers(const cs_chat_format *fmt) {
     case CS_TOOLS_HERMES: return think ? HERMES_THINK : SYNTAX[CS_TOOLS_HERMES].markers;
     case CS_TOOLS_MISTRAL: return SYNTAX[CS_TOOLS_MISTRAL].markers;
     case CS_TOOLS_DEEPSEEK: return think ? DS_THINK : SYNTAX[CS_TOOLS_DEEPSEEK].markers;
+    case CS_TOOLS_MISTRAL_V11: return SYNTAX[CS_TOOLS_MISTRAL_V11].markers;
     default: return think ? THINK : NONE;
     }
 }
@@ -215,12 +219,44 @@ static int parse_deepseek(cs_parsed *p, const char *s, size_t n, const char *con
     return p->n_calls ? 0 : 1;
 }
 
+/* [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}, repeated (the [CALL_ID] part optional) */
+static int parse_mistral_v11(cs_parsed *p, const char *s, size_t n, const char *const *names, int n_names) {
+    size_t at = 0;
+    while (at < n) {
+        while (at < n && ws(s[at])) at++;
+        if (at == n) break;
+        if (!starts(s + at, n - at, "[TOOL_CALLS]")) return 1;
+        at += strlen("[TOOL_CALLS]");
+        const char *args = find(s + at, n - at, "[ARGS]");
+        if (!args) return 1;
+        const char *name = s + at, *cid = find(name, (size_t)(args - name), "[CALL_ID]");
+        size_t name_len = (size_t)((cid ? cid : args) - name);
+        char id[64] = "";
+        if (cid) {
+            size_t il = (size_t)(args - cid) - strlen("[CALL_ID]");
+            if (il >= sizeof id) return 1;
+            memcpy(id, cid + strlen("[CALL_ID]"), il);
+            id[il] = 0;
+        }
+        at = (size_t)(args - s) + strlen("[ARGS]");
+        const char *next = find(s + at, n - at, "[TOOL_CALLS]");
+        size_t len = next ? (size_t)(next - (s + at)) : n - at;
+        json_t *a = load(s + at, len);
+        int rc = add_call(p, name, name_len, a, cid ? id : NULL, names, n_names);
+        json_decref(a);
+        if (rc) return rc;
+        at += len;
+    }
+    return p->n_calls ? 0 : 1;
+}
+
 typedef int (*parse_fn)(cs_parsed *p, const char *s, size_t n, const char *const *names, int n_names);
 static const parse_fn PARSE[] = {
     [CS_TOOLS_NONE] = NULL,
     [CS_TOOLS_HERMES] = parse_hermes,
     [CS_TOOLS_MISTRAL] = parse_mistral,
     [CS_TOOLS_DEEPSEEK] = parse_deepseek,
+    [CS_TOOLS_MISTRAL_V11] = parse_mistral_v11,
 };
 
 int cs_output_parse(const cs_chat_format *fmt, int thinking, int parse_tools, const char *const *tool_names,
@@ -356,6 +392,18 @@ int cs_tool_call_constraint(const cs_chat_format *fmt, const json_t *tools, cons
         snprintf(ds_pre, sizeof ds_pre, DS_BEGIN DS_CALL "%s" DS_SEP, single);
         pre = ds_pre;
         suf = DS_CALL_END DS_END;
+        sch = json_incref(single_params);
+        break;
+    case CS_TOOLS_MISTRAL_V11:
+        if (count != 1) {
+            json_decref(any);
+            return set_err(err, err_len, "this Mistral tool-call syntax writes the function name outside the JSON: "
+                                         "a required call needs one function (name it in tool_choice)");
+        }
+        /* the call id of Mistral-Small-3.2 is the server's to choose: not constrained here */
+        snprintf(ds_pre, sizeof ds_pre, "[TOOL_CALLS]%s[ARGS]", single);
+        pre = ds_pre;
+        suf = "";
         sch = json_incref(single_params);
         break;
     default: break;
