@@ -722,7 +722,7 @@ class Engine:
         ``colibri_cli`` and ``colibri_server`` with the same settings yield the same ids.
         Without penalties, bias, min-p or a schema the ids are ``colibri_sample``'s.
         ``logit_bias`` maps ids to additive biases (±100 forces / bans), ``stop_ids`` end
-        generation (yielded last), ``ignore_eos`` never samples EOS, the penalties are
+        generation (yielded last), ``ignore_eos`` keeps going after EOS (as vLLM), the penalties are
         OpenAI's (presence, frequency: over generated tokens) and HF's (repetition: over the
         prompt and the generated tokens, the last ``repetition_last_n``, 0 = all), and
         ``json_schema`` (a dict, JSON text, or True for any JSON object) constrains the output

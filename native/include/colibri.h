@@ -261,8 +261,9 @@ COLIBRI_API colibri_status colibri_sample(colibri_ctx *ctx, const float *logits,
  *      penalty when positive and multiplied by it when negative;
  *   3. presence_penalty and frequency_penalty (OpenAI), over the generated tokens only:
  *      logit[id] -= count[id] * frequency_penalty + (count[id] > 0) * presence_penalty;
- *   4. the mask: the grammar's (tokens that cannot continue it get -inf; once the grammar is
- *      complete only the EOS id and the stop ids are allowed) and ignore_eos (EOS banned);
+ *   4. the grammar's mask: tokens that cannot continue it get -inf; once the grammar is
+ *      complete the EOS id and the stop ids are allowed too (and nothing else when the
+ *      value cannot go on, e.g. after a closing brace);
  *   5. temperature (0: greedy, the highest logit, lowest id on ties), top-k, top-p, min-p
  *      (keep the candidates whose probability is at least min_p times the largest).
  * Without penalties, bias, min-p and grammar the token is bit for bit colibri_sample's for
@@ -284,12 +285,13 @@ typedef struct colibri_sampling_params {
     float frequency_penalty;    /* [-2, 2]; 0 = off (default) */
     float repetition_penalty;   /* > 0; 1 = off (default) */
     int32_t repetition_last_n;  /* >= 0; window of the repetition penalty; 0 = all (default) */
-    int32_t ignore_eos;         /* 1: the EOS id is never sampled (until a grammar completes) */
+    int32_t ignore_eos;         /* 1: EOS is sampled like any token and does not end the sequence
+                                 * (vLLM's meaning), except when it ends a complete grammar */
 } colibri_sampling_params;
 
 /* Why colibri_sampler_finished says the sequence ends after the last sampled token. */
 #define COLIBRI_FINISH_NONE 0
-#define COLIBRI_FINISH_EOS 1      /* the token was the EOS id (and ignore_eos is off) */
+#define COLIBRI_FINISH_EOS 1      /* the token was the EOS id (ignore_eos off, or it ended a complete grammar) */
 #define COLIBRI_FINISH_STOP_ID 2  /* the token was one of the stop ids */
 #define COLIBRI_FINISH_GRAMMAR 3  /* the grammar is complete and there is no EOS or stop id to end it */
 

@@ -238,17 +238,17 @@ colibri_status colibri_sampler_accept(colibri_sampler *s, int32_t id) {
     if (!s) return COLIBRI_E_INVALID_ARG;
     if (id < 0 || id >= s->V)
         return s_fail(s, COLIBRI_E_TOKEN_RANGE, "colibri_sampler_accept: token id %d is outside 0..%d", id, s->V - 1);
-    int end = is_end(s, id);
+    int end = is_end(s, id), complete = 0;
     if (s->m) {
         /* an end token ends a complete grammar; otherwise it must continue the grammar */
-        int complete = cb_matcher_complete(s->m);
+        complete = cb_matcher_complete(s->m);
         if (!(end && complete) && cb_matcher_accept(s->m, id) != 0)
             return s_fail(s, COLIBRI_E_INVALID_ARG, "colibri_sampler_accept: token %d cannot continue the grammar", id);
     }
     s->gen_count[id]++;
     window_push(s, id);
     if (is_stop(s, id)) s->finished = COLIBRI_FINISH_STOP_ID;
-    else if (id == s->eos_id && !s->p.ignore_eos) s->finished = COLIBRI_FINISH_EOS;
+    else if (id == s->eos_id && (!s->p.ignore_eos || (end && complete))) s->finished = COLIBRI_FINISH_EOS;
     else if (s->m && cb_matcher_complete(s->m) && s->eos_id < 0 && s->n_stop == 0)
         s->finished = COLIBRI_FINISH_GRAMMAR;
     else s->finished = COLIBRI_FINISH_NONE;
@@ -278,19 +278,16 @@ colibri_status colibri_sampler_sample(colibri_sampler *s, const float *logits, u
     }
     if (s->m) {
         int complete = cb_matcher_mask(s->m, s->mask, V);
-        /* complete: the end tokens (EOS even under ignore_eos) may follow, with their values */
+        /* complete: the end tokens may follow, with their values */
         float eos_v = s->eos_id >= 0 ? lg[s->eos_id] : 0.0f;
         if (complete)
             for (int32_t i = 0; i < s->n_stop; i++) s->prob[i] = lg[s->stop[i]];
         for (int32_t i = 0; i < V; i++)
             if (!s->mask[i]) lg[i] = -INFINITY;
-        if (s->p.ignore_eos && s->eos_id >= 0) lg[s->eos_id] = -INFINITY;
         if (complete) {
             if (s->eos_id >= 0) lg[s->eos_id] = eos_v;
             for (int32_t i = 0; i < s->n_stop; i++) lg[s->stop[i]] = s->prob[i];
         }
-    } else if (s->p.ignore_eos && s->eos_id >= 0) {
-        lg[s->eos_id] = -INFINITY;
     }
     int32_t id = -1;
     if (cb_sample_row(lg, V, s->p.temperature, s->p.top_k, s->p.top_p, s->p.min_p, s->idx, s->prob, rng, &id) != 0)
