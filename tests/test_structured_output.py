@@ -18,10 +18,10 @@ import json
 from pathlib import Path
 
 import pytest
+from test_server import chat_model  # noqa: F401  (a fixture)
 
 import colibri_lab
 from colibri_lab import Engine
-from test_server import chat_model  # noqa: F401  (a fixture)
 
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
