@@ -232,6 +232,54 @@ def test_tool_choice_none_and_functions_not_offered_leave_content(srv):
         assert ch.message.model_extra.get("reasoning_content") == REASONING
 
 
+# bounded parameters: a model that does not want to stop still ends a string or a number
+BOUNDED = [
+    {"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer", "minimum": -99, "maximum": 99},
+            "b": {"enum": [1, 2, 3]}}, "required": ["a", "b"]}}},
+]
+
+
+def _check_args(name: str, arguments: str):
+    """The arguments parse and satisfy the function's parameters."""
+    args = json.loads(arguments)
+    params = next(t["function"]["parameters"] for t in BOUNDED if t["function"]["name"] == name)
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(args, params)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_required_call_is_a_valid_call(srv, choice):
+    """tool_choice required / named: decoding is constrained to one call whose arguments
+    satisfy the function's schema, whatever the weights want (seeded sampling here)."""
+    c = srv.client()
+    for seed in range(3):
+        ch = c.chat.completions.create(model="qwen3-tools", messages=USER, tools=BOUNDED, tool_choice=choice,
+                                       temperature=1.0, seed=seed, max_tokens=200).choices[0]
+        assert ch.finish_reason == "tool_calls", ch
+        (call,) = ch.message.tool_calls
+        assert call.function.name in ("get_weather", "add")
+        if isinstance(choice, dict):
+            assert call.function.name == "add"
+        _check_args(call.function.name, call.function.arguments)
+    # streamed
+    stream = c.chat.completions.create(model="qwen3-tools", messages=USER, tools=BOUNDED, tool_choice=choice,
+                                       temperature=0, max_tokens=200, stream=True)
+    name, args, finish = None, "", None
+    for chunk in stream:
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            name = name or (tc.function.name if tc.function else None)
+            args += (tc.function.arguments or "") if tc.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and name
+    _check_args(name, args)
+
+
 def test_thinking_switch_and_a_result_round_trip(srv):
     c = srv.client()
     ch = c.chat.completions.create(model="qwen3-tools", messages=USER, tools=TOOLS, temperature=0, max_tokens=40,
@@ -257,9 +305,10 @@ def test_thinking_switch_and_a_result_round_trip(srv):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "auto"),
     ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "constrained decoding"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice",
-     "constrained decoding"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "patternProperties": {}}}}],
+      "tool_choice": "required"}, "tools", "patternProperties"),
     ({"messages": USER + [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "x", "type": "function", "function": {"name": "add", "arguments": "{not json"}}]}]}, "messages",
      "not valid JSON"),

@@ -25,6 +25,8 @@
 #include "server.h"
 #include "tools.h"
 
+#define CS_MAX_STOP_IDS 64 /* stop token ids per request (stop_token_ids and ids in stop) */
+
 #define PREFIX_TOKENS 8
 
 typedef struct job_choice {
@@ -69,6 +71,7 @@ struct cs_job {
     int thinking;        /* the output begins inside the reasoning block */
     int parse_tools;     /* tool calls are looked for (tools given, tool_choice not "none") */
     int parallel;        /* parallel_tool_calls */
+    int forced_call;     /* tool_choice required / named: a grammar makes the output one call */
     json_t *tools;       /* the request's tools, or NULL */
     const char **tool_names;
     int n_tool_names;
@@ -78,6 +81,17 @@ struct cs_job {
     int32_t mark_id[8];
     const char *mark_text[8];
     job_choice ch[CS_MAX_CHOICES];
+    /* the library's per-choice sampler, when a request asks for more than temperature /
+     * top_k / top_p (penalties, min_p, logit_bias, stop ids, response_format) */
+    int use_sampler;
+    colibri_sampling_params sp;
+    int32_t *bias_ids;
+    float *bias_vals;
+    int32_t n_bias;
+    int32_t stop_ids[CS_MAX_STOP_IDS];
+    int32_t n_stop_ids;
+    colibri_grammar *grammar;
+    colibri_sampler *samplers[CS_MAX_CHOICES];
     /* shared with the HTTP thread */
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -312,6 +326,10 @@ static char *token_text(colibri_tokenizer *tok, int32_t id, size_t *len, int *by
 static void job_free(cs_job *j) {
     json_decref(j->tools);
     free(j->tool_names);
+    for (int c = 0; c < CS_MAX_CHOICES; c++) colibri_sampler_free(j->samplers[c]);
+    colibri_grammar_free(j->grammar);
+    free(j->bias_ids);
+    free(j->bias_vals);
     for (int c = 0; c < CS_MAX_CHOICES; c++) {
         cs_parsed_free(&j->ch[c].parsed);
         free(j->ch[c].ids);
@@ -964,22 +982,206 @@ static int parse_tools(cs_job *j, json_t *root, cs_chat_opts *opts, cs_api_error
             j->fmt->name);
         return -1;
     }
-    if (choice == TC_REQUIRED || choice == TC_NAMED) {
+    if (j->fmt && (choice == TC_REQUIRED || choice == TC_NAMED)) { /* no format: the template is refused */
         char *pre = NULL, *suf = NULL, *sch = NULL, msg[256];
-        if (j->fmt && cs_tool_call_constraint(j->fmt, j->tools, named, &pre, &suf, &sch, msg, sizeof msg) != 0) {
+        if (cs_tool_call_constraint(j->fmt, j->tools, named, &pre, &suf, &sch, msg, sizeof msg) != 0) {
             BAD("tool_choice", "%s", msg);
             return -1;
         }
+        /* the output is constrained to be one call of the given functions: the family's text
+         * before the call, the call object (or its arguments) by its JSON schema, the text after */
+        json_t *rf = field(root, "response_format");
+        json_t *rft = json_is_object(rf) ? json_object_get(rf, "type") : NULL;
+        if (rf && !(json_is_string(rft) && !strcmp(json_string_value(rft), "text"))) {
+            free(pre);
+            free(suf);
+            free(sch);
+            BAD("tool_choice", "a required tool call and 'response_format' cannot be combined");
+            return -1;
+        }
+        char gmsg[512] = "";
+        pthread_mutex_lock(&srv->tok_mu);
+        colibri_status gst = colibri_grammar_compile(srv->tok, sch, pre, suf, &j->grammar, gmsg, sizeof gmsg);
+        pthread_mutex_unlock(&srv->tok_mu);
         free(pre);
         free(suf);
         free(sch);
-        BAD("tool_choice", "tool_choice \"%s\" needs constrained decoding, not available in this build; use "
-            "\"auto\"", named ? "{\"type\": \"function\", ...}" : "required");
-        return -1;
+        if (gst != COLIBRI_OK) {
+            BAD("tools", "the parameters of the function to call cannot be used as a JSON schema: %s", gmsg);
+            return -1;
+        }
+        j->use_sampler = 1;
+        j->forced_call = 1;
     }
     j->parse_tools = choice != TC_NONE && j->n_tool_names > 0 && j->fmt && j->fmt->tools != CS_TOOLS_NONE;
-    j->thinking = j->fmt && j->fmt->starts_thinking && opts->enable_thinking == 1;
+    /* a forced call starts at once: no reasoning block is written before it */
+    j->thinking = j->fmt && j->fmt->starts_thinking && opts->enable_thinking == 1 && !j->forced_call;
     j->structured = j->fmt && (j->parse_tools || j->fmt->think_open);
+    return 0;
+}
+
+/* The sampling controls beyond temperature / top_p / top_k (OpenAI's and llama-server's
+ * names), checked with OpenAI-style 400s; j->use_sampler says whether any is in effect. */
+static int parse_sampling(cs_job *j, json_t *root, cs_api_error *err) {
+    cs_server *srv = j->srv;
+    double pp = 0, fp = 0, rp = 1, mp = 0;
+    int64_t last_n = 0, best_of = 0, n = 1;
+    int k = 0;
+    if ((k = get_num(root, "presence_penalty", -2, 2, 0, &pp, err)) < 0) return -1;
+    j->use_sampler |= k && pp != 0;
+    if ((k = get_num(root, "frequency_penalty", -2, 2, 0, &fp, err)) < 0) return -1;
+    j->use_sampler |= k && fp != 0;
+    if (field(root, "repetition_penalty") && field(root, "repeat_penalty")) {
+        BAD("repetition_penalty", "give 'repetition_penalty' or its llama-server name 'repeat_penalty', not both");
+        return -1;
+    }
+    const char *rname = field(root, "repeat_penalty") ? "repeat_penalty" : "repetition_penalty";
+    if ((k = get_num(root, rname, 0, 100, 1, &rp, err)) < 0) return -1;
+    j->use_sampler |= k && rp != 1;
+    if (get_int(root, "repeat_last_n", 0, INT32_MAX, &last_n, err) < 0) return -1;
+    if ((k = get_num(root, "min_p", 0, 1, 0, &mp, err)) < 0) return -1;
+    j->use_sampler |= k && mp != 0;
+    if (get_int(root, "n", 1, CS_MAX_CHOICES, &n, err) < 0) return -1;
+    if (get_int(root, "best_of", 1, INT32_MAX, &best_of, err) < 0) return -1;
+    if (best_of > 1 && best_of != n) {
+        BAD("best_of", "'best_of' %" PRId64 " is not supported: this server does not rank completions; give 'n' "
+            "(best_of equal to n, or 1, is accepted)", best_of);
+        return -1;
+    }
+    colibri_sampling_params_init(&j->sp);
+    j->sp.presence_penalty = (float)pp;
+    j->sp.frequency_penalty = (float)fp;
+    j->sp.repetition_penalty = (float)rp;
+    j->sp.repetition_last_n = (int32_t)last_n;
+    j->sp.min_p = (float)mp;
+    json_t *lb = field(root, "logit_bias");
+    if (lb) {
+        if (!json_is_object(lb)) {
+            BAD("logit_bias", "'logit_bias' must be an object of token ids (strings) to biases in [-100, 100]");
+            return -1;
+        }
+        size_t cnt = json_object_size(lb);
+        if (cnt > 1024) {
+            BAD("logit_bias", "'logit_bias' may have at most 1024 entries");
+            return -1;
+        }
+        j->bias_ids = malloc((cnt ? cnt : 1) * sizeof *j->bias_ids);
+        j->bias_vals = malloc((cnt ? cnt : 1) * sizeof *j->bias_vals);
+        if (!j->bias_ids || !j->bias_vals) {
+            BAD("logit_bias", "out of memory");
+            return -1;
+        }
+        const char *key;
+        json_t *v;
+        json_object_foreach(lb, key, v) {
+            char *end;
+            errno = 0;
+            long id = strtol(key, &end, 10);
+            if (!*key || *end || errno || id < 0 || id >= srv->vocab) {
+                BAD("logit_bias", "logit_bias key '%.40s' is not a token id in 0..%" PRId64, key, srv->vocab - 1);
+                return -1;
+            }
+            double b = json_is_number(v) ? json_number_value(v) : NAN;
+            if (!(b >= -100 && b <= 100)) {
+                BAD("logit_bias", "the bias of token %ld must be a number in [-100, 100]", id);
+                return -1;
+            }
+            j->bias_ids[j->n_bias] = (int32_t)id;
+            j->bias_vals[j->n_bias++] = (float)b;
+        }
+        j->use_sampler |= j->n_bias > 0;
+    }
+    json_t *sti = field(root, "stop_token_ids");
+    if (sti && !json_is_array(sti)) {
+        BAD("stop_token_ids", "'stop_token_ids' must be an array of token ids");
+        return -1;
+    }
+    for (size_t i = 0; sti && i < json_array_size(sti); i++) {
+        json_t *v = json_array_get(sti, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= srv->vocab) {
+            BAD("stop_token_ids", "stop_token_ids[%zu] is not a token id in 0..%" PRId64, i, srv->vocab - 1);
+            return -1;
+        }
+        if (j->n_stop_ids >= CS_MAX_STOP_IDS) {
+            BAD("stop_token_ids", "at most %d stop token ids", CS_MAX_STOP_IDS);
+            return -1;
+        }
+        j->stop_ids[j->n_stop_ids++] = (int32_t)json_integer_value(v);
+    }
+    j->use_sampler |= j->n_stop_ids > 0;
+    return 0;
+}
+
+/* response_format: text (nothing), json_object (any object) or json_schema; compiles the
+ * grammar for the model's tokenizer. */
+static int parse_response_format(cs_job *j, json_t *root, cs_api_error *err) {
+    json_t *rf = field(root, "response_format");
+    if (!rf || j->forced_call) return 0; /* a forced tool call has its own grammar (parse_tools) */
+    json_t *ty = json_is_object(rf) ? json_object_get(rf, "type") : NULL;
+    if (!ty || !json_is_string(ty)) {
+        BAD("response_format", "'response_format' must be an object with a 'type': text, json_object or json_schema");
+        return -1;
+    }
+    const char *t = json_string_value(ty);
+    if (!strcmp(t, "text")) return 0;
+    char *schema = NULL;
+    if (!strcmp(t, "json_schema")) {
+        json_t *js = json_object_get(rf, "json_schema");
+        json_t *sc = json_is_object(js) ? json_object_get(js, "schema") : NULL;
+        if (!js || !json_is_object(js)) {
+            BAD("response_format", "response_format of type json_schema needs a 'json_schema' object");
+            return -1;
+        }
+        json_t *st = json_object_get(js, "strict");
+        if (st && !json_is_boolean(st) && !json_is_null(st)) {
+            BAD("response_format", "json_schema.strict must be true or false");
+            return -1;
+        }
+        if (sc && !json_is_object(sc) && !json_is_boolean(sc)) {
+            BAD("response_format", "json_schema.schema must be a JSON schema object");
+            return -1;
+        }
+        /* no schema: any JSON object */
+        if (sc && !(schema = json_dumps(sc, JSON_COMPACT | JSON_ENCODE_ANY))) {
+            BAD("response_format", "out of memory");
+            return -1;
+        }
+    } else if (strcmp(t, "json_object") != 0) {
+        BAD("response_format", "response_format type '%.40s' is not supported (text, json_object, json_schema)", t);
+        return -1;
+    }
+    char msg[512] = "";
+    pthread_mutex_lock(&j->srv->tok_mu);
+    colibri_status st = colibri_grammar_compile(j->srv->tok, schema, NULL, NULL, &j->grammar, msg, sizeof msg);
+    pthread_mutex_unlock(&j->srv->tok_mu);
+    free(schema);
+    if (st != COLIBRI_OK) {
+        BAD("response_format", "the JSON schema cannot be used: %s", msg);
+        return -1;
+    }
+    j->use_sampler = 1;
+    return 0;
+}
+
+/* One sampler per choice, with the request's settings (after the prompt is known). */
+static int make_samplers(cs_job *j, cs_api_error *err) {
+    cs_server *srv = j->srv;
+    for (int c = 0; c < j->req.n; c++) {
+        char msg[512] = "";
+        colibri_sampler *s = NULL;
+        colibri_status st = colibri_sampler_create((int32_t)srv->vocab, srv->eos_id, &j->sp, &s, msg, sizeof msg);
+        if (st == COLIBRI_OK && j->n_bias) st = colibri_sampler_set_logit_bias(s, j->bias_ids, j->bias_vals, j->n_bias);
+        if (st == COLIBRI_OK && j->n_stop_ids) st = colibri_sampler_set_stop_ids(s, j->stop_ids, j->n_stop_ids);
+        if (st == COLIBRI_OK && j->grammar) st = colibri_sampler_set_grammar(s, j->grammar);
+        if (st == COLIBRI_OK) st = colibri_sampler_add_prompt(s, j->prompt, j->n_prompt);
+        if (st != COLIBRI_OK) {
+            BAD(NULL, "sampling settings: %s", s ? colibri_sampler_last_error(s) : msg);
+            colibri_sampler_free(s);
+            return -1;
+        }
+        j->samplers[c] = s;
+        j->req.sampler[c] = s;
+    }
     return 0;
 }
 
@@ -1286,6 +1488,7 @@ int cs_api_parse(cs_server *srv, cs_api_kind kind, const char *body, size_t len,
         if (want) lp = top >= 0 ? top : 0;
     }
     j->logprobs = (int)lp;
+    if (parse_sampling(j, root, err)) goto fail;
     json_t *stop = field(root, "stop");
     if (stop) {
         if (json_is_string(stop)) {
@@ -1293,8 +1496,21 @@ int cs_api_parse(cs_server *srv, cs_api_kind kind, const char *body, size_t len,
         } else if (json_is_array(stop)) {
             for (size_t i = 0; i < json_array_size(stop); i++) {
                 json_t *s = json_array_get(stop, i);
+                if (json_is_integer(s)) { /* a stop token id */
+                    if (json_integer_value(s) < 0 || json_integer_value(s) >= srv->vocab) {
+                        BAD("stop", "stop[%zu] is not a token id in 0..%" PRId64, i, srv->vocab - 1);
+                        goto fail;
+                    }
+                    if (j->n_stop_ids >= CS_MAX_STOP_IDS) {
+                        BAD("stop", "at most %d stop token ids", CS_MAX_STOP_IDS);
+                        goto fail;
+                    }
+                    j->stop_ids[j->n_stop_ids++] = (int32_t)json_integer_value(s);
+                    j->use_sampler = 1;
+                    continue;
+                }
                 if (!json_is_string(s)) {
-                    BAD("stop", "'stop' must be a string or an array of strings");
+                    BAD("stop", "'stop' must be a string or an array of strings and token ids");
                     goto fail;
                 }
                 if (add_stop(j, json_string_value(s), json_string_length(s), err)) goto fail;
@@ -1357,6 +1573,14 @@ int cs_api_parse(cs_server *srv, cs_api_kind kind, const char *body, size_t len,
     j->req.top_p = (float)top_p;
     j->req.top_k = top_k < 0 ? 0 : (int32_t)top_k;
     j->req.seed = have_seed ? (uint64_t)seed : random_seed(srv);
+    if (parse_response_format(j, root, err)) goto fail;
+    if (j->use_sampler) {
+        j->sp.temperature = (float)temperature;
+        j->sp.top_k = j->req.top_k;
+        j->sp.top_p = (float)top_p;
+        j->sp.ignore_eos = j->req.ignore_eos;
+        if (make_samplers(j, err)) goto fail;
+    }
     j->req.cb = &CALLBACKS;
     j->req.user = j;
     char msg[512];
