@@ -478,6 +478,8 @@ def family(name: str) -> str:
         return "tekken"
     if name in ("mistral-small-3.2", "devstral"):
         return "mistral_v11"
+    if name == "gpt-oss":
+        return "harmony"
     if name.startswith("deepseek"):
         return "deepseek"
     if name == "qwen2.5":

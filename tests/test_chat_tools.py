@@ -36,8 +36,9 @@ SHIPPED = {  # file -> the name chat.c gives it
     "deepseek-ai-DeepSeek-V3.1.jinja": "deepseek-v3.1",
     "Mistral-Small-3.2-24B-Instruct-2506.jinja": "mistral-small-3.2",
     "unsloth-mistral-Devstral-Small-2507.jinja": "devstral",
+    "openai-gpt-oss-120b.jinja": "gpt-oss",
 }
-NOT_RENDERED = ["openai-gpt-oss-120b.jinja"]
+NOT_RENDERED = ["deepseek-ai-DeepSeek-V3.2.jinja", "moonshotai-Kimi-K2.jinja"]  # other families
 
 
 def templates_folder() -> Path:
@@ -200,7 +201,7 @@ def test_templates_not_rendered_are_refused_by_name(driver, tmp_path, templates,
         err = answer(msg)
         assert isinstance(err, str) and "not recognised" in err
         for known in ("qwen3", "qwen2.5", "mistral-v3-tekken", "mistral-small-3.2", "devstral", "deepseek-v3.1",
-                      "chatml", "tulu3"):
+                      "gpt-oss", "chatml", "tulu3"):
             assert known in err, err
 
 
@@ -357,3 +358,67 @@ def test_required_call_constraint_is_the_rendered_call(driver, tmp_path, templat
         assert named["prefix"] == "[TOOL_CALLS]add[ARGS]" and "[TOOL_CALLS]add[CALL_ID]call00001[ARGS]" + body in text
         return
     assert named["prefix"] + body + named["suffix"] in text, (named, text)
+
+
+# ---------------------------------------------------------------------------------------
+# gpt-oss (harmony), without tools.
+
+HARMONY_SPECIAL = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                   "<|constrain|>", "<|return|>", "<|call|>"]
+
+
+@pytest.fixture(scope="module")
+def harmony_tok(tmp_path_factory):
+    tok = byte_level_bpe(_corpus(), 1500, HARMONY_SPECIAL)
+    return _bpe_folder(tmp_path_factory.mktemp("harmony-tok"), tok,
+                       {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>",
+                        "tokenizer_class": "PreTrainedTokenizerFast"})
+
+
+DEV = {"role": "developer", "content": "Answer in French."}
+
+
+def test_harmony_renders_as_transformers(driver, tmp_path, templates, harmony_tok):
+    hf, section = harmony_tok
+    tpl = template(templates, "openai-gpt-oss-120b.jinja")
+    convs = [[U1], [SYS, U1], [DEV, U1, A_END, U2], [U1, A_END, U2], [{"role": "system", "content": ""}, U1],
+             [U1, {"role": "tool", "content": "x"}], [U1, {"role": "assistant", "content": "<|channel|>final<|message|>x"}]]
+    cmds = [f"tok {hx(str(section))}", f"tpl {hx(tpl)}"]
+    cases = []
+    for kw in ({}, {"reasoning_effort": "high"}):
+        for conv in convs:
+            o = {"messages": conv}
+            if kw:
+                o["reasoning_effort"] = kw["reasoning_effort"]
+            cmds.append(f"chatj {hx(json.dumps(o))}")
+            cases.append((conv, kw))
+    cmds.append(chatj([U1], True))
+    out = run(driver, tmp_path, cmds)
+    assert out[0] == "ok"
+    rendered = 0
+    for (conv, kw), line in zip(cases, out[1:]):
+        got, want = answer(line), theirs(hf, tpl, conv, False, **kw)
+        if isinstance(want, Exception):
+            assert isinstance(got, str), (conv, got)
+        else:
+            assert got == want, (conv, kw, hf.decode(got) if isinstance(got, list) else got, hf.decode(want))
+            rendered += 1
+    assert rendered >= 8
+    err = answer(out[-1])
+    assert isinstance(err, str) and "tools are not rendered" in err
+
+
+def test_harmony_channels_split(driver, tmp_path, templates):
+    tpl = template(templates, "openai-gpt-oss-120b.jinja")
+    text = "<|channel|>analysis<|message|>The user greets.<|end|><|start|>assistant<|channel|>final<|message|>Bonjour."
+    reqs = [{"text": text, "final": True}] + [{"text": text[:k], "final": False} for k in range(len(text) + 1)]
+    reqs.append({"text": "<|channel|>final<|message|>Direct.", "final": True})
+    got = parse(driver, tmp_path, tpl, reqs)
+    assert got[0]["reasoning"] == "The user greets." and got[0]["content"] == "Bonjour."
+    pr, pc = "", ""
+    for g in got[1:-1]:
+        r, c = g["reasoning"] or "", g["content"] or ""
+        assert r.startswith(pr) and c.startswith(pc) and "<|" not in r + c, g
+        pr, pc = r, c
+    assert (pr, pc) == ("The user greets.", "Bonjour.")
+    assert got[-1]["reasoning"] is None and got[-1]["content"] == "Direct."

@@ -159,15 +159,18 @@ def tool_model(tmp_path_factory, templates_dir) -> tuple[Path, Path]:
     model.save_pretrained(hf_dir)
     out = root / "qwen3-tools.colibri"
     colibri_lab.convert(hf_dir, out, dtype="f32", progress=False)
-    # the same model with a template the server does not render (gpt-oss's harmony)
-    cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = (templates_dir / "openai-gpt-oss-120b.jinja").read_text("utf-8")
-    other = root / "hf-other"
-    shutil.copytree(hf_dir, other)
-    (other / "tokenizer_config.json").write_text(json.dumps(cfg))
-    out2 = root / "other-template.colibri"
-    colibri_lab.convert(other, out2, dtype="f32", progress=False)
-    return out, out2
+    # the same model with gpt-oss's template (rendered without tools) and with one of a family
+    # the server does not render
+    outs = [out]
+    for name, file in (("gpt-oss", "openai-gpt-oss-120b.jinja"), ("other", "deepseek-ai-DeepSeek-V3.2.jinja")):
+        cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = (templates_dir / file).read_text("utf-8")
+        other = root / f"hf-{name}"
+        shutil.copytree(hf_dir, other)
+        (other / "tokenizer_config.json").write_text(json.dumps(cfg))
+        outs.append(root / f"{name}.colibri")
+        colibri_lab.convert(other, outs[-1], dtype="f32", progress=False)
+    return tuple(outs)
 
 
 @pytest.fixture(scope="module")
@@ -322,8 +325,21 @@ def test_bad_tool_requests_are_400(srv, body, param, words):
     assert post(srv.port, {"messages": USER, "max_tokens": 1})[0] == 200   # still up
 
 
+def test_gpt_oss_template_without_tools(server_path, tool_model, tmp_path):
+    s = Server(server_path, tool_model[1], tmp_path / "gpt-oss.log")
+    try:
+        status, data = post(s.port, {"messages": [{"role": "developer", "content": "Be brief."}] + USER,
+                                     "reasoning_effort": "high", "max_tokens": 2})
+        assert status == 200 and data["choices"][0]["message"]["role"] == "assistant", data
+        assert "chat template gpt-oss" in s.text()
+        status, data = post(s.port, {"messages": USER, "tools": TOOLS, "max_tokens": 2})
+        assert status == 400 and data["error"]["param"] == "tools" and "takes no tools" in data["error"]["message"]
+    finally:
+        assert s.stop() == 0
+
+
 def test_unrendered_template_is_400_naming_the_formats(server_path, tool_model, tmp_path):
-    s = Server(server_path, tool_model[1], tmp_path / "other.log")
+    s = Server(server_path, tool_model[2], tmp_path / "other.log")
     try:
         status, data = post(s.port, {"messages": USER, "max_tokens": 2})
         assert status == 400 and data["error"]["param"] == "messages"

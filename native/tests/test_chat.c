@@ -283,6 +283,7 @@ static int run_commands(const char *path) {
                 m[i].json = o;
             }
             cs_chat_opts opts = {.tools = json_object_get(root, "tools"), .enable_thinking = -1};
+            opts.reasoning_effort = json_string_value(json_object_get(root, "reasoning_effort"));
             json_t *et = json_object_get(root, "enable_thinking");
             if (json_is_boolean(et)) opts.enable_thinking = json_is_true(et);
             int32_t *ids = NULL;

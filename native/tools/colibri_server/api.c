@@ -978,8 +978,8 @@ static int parse_tools(cs_job *j, json_t *root, cs_chat_opts *opts, cs_api_error
     j->fmt = cs_chat_template_format(srv->chat_template);
     opts->tools = j->tools;
     if (j->n_tool_names && j->fmt && j->fmt->tools == CS_TOOLS_NONE) {
-        BAD("tools", "the model's chat template (%s) has no tool calls; send the request without 'tools'",
-            j->fmt->name);
+        BAD("tools", "the model's chat template (%s) takes no tools in colibri_server; send the request without "
+            "'tools'", j->fmt->name);
         return -1;
     }
     if (j->fmt && (choice == TC_REQUIRED || choice == TC_NAMED)) { /* no format: the template is refused */

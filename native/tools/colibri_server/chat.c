@@ -284,7 +284,7 @@ static const char T_OLMO2_INSTRUCT[] =
     "{% endif %}\n"
     "{% endfor %}";
 
-enum { FAM_MISTRAL, FAM_CHATML, FAM_QWEN3, FAM_TULU, FAM_QWEN25, FAM_MISTRAL_TEKKEN, FAM_DEEPSEEK3, FAM_MISTRAL_SMALL32, FAM_DEVSTRAL, N_FAMILIES };
+enum { FAM_MISTRAL, FAM_CHATML, FAM_QWEN3, FAM_TULU, FAM_QWEN25, FAM_MISTRAL_TEKKEN, FAM_DEEPSEEK3, FAM_MISTRAL_SMALL32, FAM_DEVSTRAL, FAM_HARMONY, N_FAMILIES };
 
 typedef struct variant {
     const char *name;
@@ -310,6 +310,8 @@ typedef struct variant {
     cs_chat_format fmt;
 } variant;
 
+static const char *const HARMONY_MARKERS[] = {"<|start|>", "<|end|>", "<|channel|>", "<|message|>",
+                                              "<|return|>", "<|call|>", "<|constrain|>", NULL};
 #define FMT_NONE(n) {.name = n}
 #define FMT_HERMES(n) {.name = n, .tools = CS_TOOLS_HERMES}
 #define FMT_QWEN3(n) {.name = n, .tools = CS_TOOLS_HERMES, .think_open = "<think>", .think_close = "</think>"}
@@ -373,6 +375,10 @@ static const variant VARIANTS[] = {
     {.name = "mistral-small-3.2", .family = FAM_MISTRAL_SMALL32, .src = T_MISTRAL_SMALL_32,
      .system_default = T_MISTRAL_SMALL_32_SYS_A, .system_default_b = T_MISTRAL_SMALL_32_SYS_B,
      .fmt = {.name = "mistral-small-3.2", .tools = CS_TOOLS_MISTRAL_V11}},
+    /* gpt-oss (harmony): reasoning on the analysis channel, the answer on the final one */
+    {.name = "gpt-oss", .family = FAM_HARMONY, .src = T_GPT_OSS,
+     .fmt = {.name = "gpt-oss", .think_open = "<|channel|>analysis<|message|>", .think_close = "<|end|>",
+             .content_open = "<|channel|>final<|message|>", .markers = HARMONY_MARKERS}},
     /* Devstral-Small-2507 (Unsloth's template: [TOOL_CALLS]name[ARGS]) */
     {.name = "devstral", .family = FAM_DEVSTRAL, .src = T_DEVSTRAL_UNSLOTH, .system_default = T_DEVSTRAL_SYS,
      .fmt = {.name = "devstral", .tools = CS_TOOLS_MISTRAL_V11}},
@@ -382,7 +388,7 @@ static const variant VARIANTS[] = {
 
 #define SUPPORTED                                                                            \
     "colibri_server renders the chat templates of Mixtral/Mistral-Instruct, Mistral-Nemo, "  \
-    "Mistral-Small-3.2, Devstral, ChatML/Qwen2, Qwen2.5, Qwen3, DeepSeek-V3.1 and OLMoE/Tulu: "
+    "Mistral-Small-3.2, Devstral, ChatML/Qwen2, Qwen2.5, Qwen3, DeepSeek-V3.1, gpt-oss and OLMoE/Tulu: "
 #define USE_COMPLETIONS "; format the prompt yourself and send it to /v1/completions instead"
 
 /* ------------------------------------------------------------------ small buffers */
@@ -1422,6 +1428,69 @@ static void render_mistral_v11(render *r, const variant *v, const cs_message *m,
     }
 }
 
+/* gpt-oss (harmony), without tools: the system message (identity, knowledge cutoff, today's
+ * date, reasoning effort, the valid channels), a first system / developer message as the
+ * developer's instructions, user turns, earlier answers on the final channel, then
+ * <|start|>assistant. Tools, tool calls and tool results are refused: the TypeScript
+ * namespace the template writes for tools is not rendered here. */
+static void render_harmony(render *r, const variant *v, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    char today[32];
+    time_t now = time(NULL);
+    struct tm tmv;
+    if (o && o->tools) {
+        fail(r, "chat template %s: tools are not rendered by colibri_server for this template (its TypeScript "
+                "tool namespace); send the request without 'tools'", v->name);
+        return;
+    }
+    localtime_r(&now, &tmv);
+    strftime(today, sizeof today, "%Y-%m-%d", &tmv);
+    emit(r, "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+            "Knowledge cutoff: 2024-06\nCurrent date: ");
+    emit(r, today);
+    emit(r, "\n\nReasoning: ");
+    emit(r, o && o->reasoning_effort ? o->reasoning_effort : "medium");
+    emit(r, "\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>");
+    size_t first = 0;
+    if (is(m[0].role, "developer") || is(m[0].role, "system")) {
+        first = 1;
+        if (*content_of(&m[0])) {
+            emit(r, "<|start|>developer<|message|># Instructions\n\n");
+            emit(r, content_of(&m[0]));
+            emit(r, "\n\n<|end|>");
+        }
+    }
+    for (size_t i = first; i < n && !r->failed; i++) {
+        const char *c = content_of(&m[i]);
+        if (is(m[i].role, "assistant")) {
+            const json_t *th = mget(&m[i], "thinking");
+            if (strstr(c, "<|channel|>analysis<|message|>") || strstr(c, "<|channel|>final<|message|>") ||
+                (json_is_string(th) && (strstr(json_string_value(th), "<|channel|>analysis<|message|>") ||
+                                        strstr(json_string_value(th), "<|channel|>final<|message|>")))) {
+                fail(r, "chat template %s: messages[%zu]: You have passed a message containing <|channel|> tags in "
+                        "the content field", v->name, i);
+            } else if (m[i].json && json_object_get(m[i].json, "tool_calls")) {
+                fail(r, "chat template %s: messages[%zu]: tool calls are not rendered by colibri_server for this "
+                        "template", v->name, i);
+            } else {
+                emit(r, "<|start|>assistant<|channel|>final<|message|>");
+                emit(r, c);
+                emit(r, "<|end|>");
+            }
+        } else if (is(m[i].role, "user")) {
+            emit(r, "<|start|>user<|message|>");
+            emit(r, c);
+            emit(r, "<|end|>");
+        } else if (is(m[i].role, "tool")) {
+            fail(r, "chat template %s: messages[%zu]: Message has tool role, but there was no previous assistant "
+                    "message with a tool call!", v->name, i);
+        } else {
+            fail(r, "chat template %s: messages[%zu] has role \"%s\"; the template renders only a first system or "
+                    "developer message, then user and assistant messages", v->name, i, m[i].role);
+        }
+    }
+    emit(r, "<|start|>assistant");
+}
+
 /* DeepSeek-V3.1: thinking from chat_template_kwargs (thinking / enable_thinking), off by default. */
 static void render_deepseek3(render *r, const variant *v, const cs_message *m, size_t n, const cs_chat_opts *o) {
     int thinking = o && o->enable_thinking == 1;
@@ -1709,10 +1778,15 @@ static void r_mistral_v11(render *r, const variant *v, const char *s, const cs_m
     (void)s;
     render_mistral_v11(r, v, m, n, o);
 }
+static void r_harmony(render *r, const variant *v, const char *s, const cs_message *m, size_t n,
+                      const cs_chat_opts *o) {
+    (void)s;
+    render_harmony(r, v, m, n, o);
+}
 static const render_fn RENDER[N_FAMILIES] = {
     [FAM_MISTRAL] = r_mistral, [FAM_CHATML] = r_chatml, [FAM_QWEN3] = r_qwen3, [FAM_TULU] = r_tulu,
     [FAM_QWEN25] = r_qwen25, [FAM_MISTRAL_TEKKEN] = r_tekken, [FAM_DEEPSEEK3] = r_deepseek3,
-    [FAM_MISTRAL_SMALL32] = r_mistral_v11, [FAM_DEVSTRAL] = r_mistral_v11,
+    [FAM_MISTRAL_SMALL32] = r_mistral_v11, [FAM_DEVSTRAL] = r_mistral_v11, [FAM_HARMONY] = r_harmony,
 };
 
 /* ------------------------------------------------------------------ the interface */

@@ -25,6 +25,9 @@
  *   mistral-small-3.2, devstral  Mistral-Small-3.2-24B-Instruct-2506 and Devstral-Small-2507:
  *            [SYSTEM_PROMPT] (a default one, Small 3.2's with today's date), [AVAILABLE_TOOLS],
  *            [TOOL_CALLS]name([CALL_ID]id)[ARGS]{...}, no generation prompt
+ *   gpt-oss  gpt-oss (harmony): the system message (date, reasoning effort), a first system /
+ *            developer message as the developer's instructions, user turns and final-channel
+ *            answers; tools and tool calls are refused (not rendered)
  *   deepseek-v3.1  DeepSeek-V3.1: system prompts joined first, <｜User｜> / <｜Assistant｜>,
  *            tool calls in its tool tokens, the thinking switch
  * Qwen3, Qwen2.5, the three Mistral tool formats and DeepSeek-V3.1 take tools (cs_chat_opts), assistant
@@ -94,6 +97,9 @@ typedef struct cs_chat_format {
     const char *think_close;
     int starts_thinking;     /* the generation prompt opens the reasoning block itself
                               * (when thinking is on) */
+    const char *content_open; /* the content starts after this (harmony's final channel), or NULL */
+    const char *const *markers; /* the format's marker tokens, when they are not the ones of its
+                                 * tool syntax and think markers (tools.c cs_output_markers) */
 } cs_chat_format;
 
 /* Token ids of `msgs` rendered with `template_src` (the model's chat template) followed by the

@@ -45,6 +45,7 @@ const char *const *cs_output_markers(const cs_chat_format *fmt) {
     static const char *const HERMES_THINK[] = {"<tool_call>", "</tool_call>", "<think>", "</think>", NULL};
     static const char *const DS_THINK[] = {DS_BEGIN, DS_CALL, DS_SEP, DS_CALL_END, DS_END, "<think>", "</think>", NULL};
     if (!fmt) return NONE;
+    if (fmt->markers) return fmt->markers;
     int think = fmt->think_open && !strcmp(fmt->think_open, "<think>") && fmt->think_close &&
                 !strcmp(fmt->think_close, "</think>");
     switch (fmt->tools) {
@@ -292,6 +293,15 @@ int cs_output_parse(const cs_chat_format *fmt, int thinking, int parse_tools, co
             }
             at = (size_t)(close - text) + strlen(fmt->think_close);
             while (at < n && ws(text[at])) at++;
+        }
+    }
+    if (fmt && fmt->content_open) { /* the content is what follows the final channel's header */
+        const char *h = find(text + at, n - at, fmt->content_open);
+        if (h) {
+            at = (size_t)(h - text) + strlen(fmt->content_open);
+        } else if (!final) {
+            out->content = text + n;
+            return 0;
         }
     }
     const char *c = text + at;
