@@ -379,33 +379,61 @@ DEV = {"role": "developer", "content": "Answer in French."}
 
 
 def test_harmony_renders_as_transformers(driver, tmp_path, templates, harmony_tok):
+    """gpt-oss with and without tools: the TypeScript namespace, calls on the commentary
+    channel (the first of a message; its text as analysis unless a final answer follows),
+    results from functions.NAME, developer instructions, reasoning_effort."""
     hf, section = harmony_tok
     tpl = template(templates, "openai-gpt-oss-120b.jinja")
-    convs = [[U1], [SYS, U1], [DEV, U1, A_END, U2], [U1, A_END, U2], [{"role": "system", "content": ""}, U1],
-             [U1, {"role": "tool", "content": "x"}], [U1, {"role": "assistant", "content": "<|channel|>final<|message|>x"}]]
+    convs = {**CONVS,
+             "developer": ([DEV, U1, A_END, U2], False),
+             "developer and tools": ([DEV, U1, A_TEXT_CALL, R1], True),
+             "empty system": ([{"role": "system", "content": ""}, U1], False),
+             "tool without a call": ([U1, {"role": "tool", "content": "x"}], False),
+             "channel tags": ([U1, {"role": "assistant", "content": "<|channel|>final<|message|>x"}], False)}
     cmds = [f"tok {hx(str(section))}", f"tpl {hx(tpl)}"]
     cases = []
     for kw in ({}, {"reasoning_effort": "high"}):
-        for conv in convs:
-            o = {"messages": conv}
-            if kw:
-                o["reasoning_effort"] = kw["reasoning_effort"]
-            cmds.append(f"chatj {hx(json.dumps(o))}")
-            cases.append((conv, kw))
-    cmds.append(chatj([U1], True))
+        for label, (conv, tools) in convs.items():
+            cmds.append(chatj(conv, tools, **kw))
+            cases.append((label, kw, conv, tools))
+    nested = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+        "type": "object", "properties": {"o": {"type": "object", "properties": {"x": {"type": "string"}}}}}}}]
+    cmds.append(f"chatj {hx(json.dumps({'messages': [U1], 'tools': nested}))}")
     out = run(driver, tmp_path, cmds)
     assert out[0] == "ok"
-    rendered = 0
-    for (conv, kw), line in zip(cases, out[1:]):
-        got, want = answer(line), theirs(hf, tpl, conv, False, **kw)
+    rendered, bad = 0, []
+    for (label, kw, conv, tools), line in zip(cases, out[1:]):
+        got, want = answer(line), theirs(hf, tpl, conv, tools, **kw)
         if isinstance(want, Exception):
-            assert isinstance(got, str), (conv, got)
+            ok = isinstance(got, str)
         else:
-            assert got == want, (conv, kw, hf.decode(got) if isinstance(got, list) else got, hf.decode(want))
+            ok = got == want
             rendered += 1
-    assert rendered >= 8
+        if not ok:
+            bad.append(f"{label} {kw}: chat.c {hf.decode(got) if isinstance(got, list) else got!r}\n"
+                       f"    transformers {hf.decode(want) if isinstance(want, list) else want!r}")
+    assert not bad, "\n".join(bad)
+    assert rendered >= 2 * (len(convs) - 2)
     err = answer(out[-1])
-    assert isinstance(err, str) and "tools are not rendered" in err
+    assert isinstance(err, str) and "nested object" in err
+
+
+def test_harmony_call_parse_and_constraint(driver, tmp_path, templates, harmony_tok):
+    hf, _ = harmony_tok
+    tpl = template(templates, "openai-gpt-oss-120b.jinja")
+    one = call(1, "add", {"a": 2, "b": 3.5})
+    text = _assistant_text(hf, tpl, [U1, {"role": "assistant", "content": "", "tool_calls": [one]}])
+    assert text.endswith("<|call|>")
+    analysed = "<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant" + text[:-len("<|call|>")]
+    got = parse(driver, tmp_path, tpl, [{"text": text[:-len("<|call|>")], "final": True},
+                                        {"text": analysed, "final": True},
+                                        {"text": analysed, "final": True, "names": ["get_weather"]}])
+    assert got[0]["calls"] == [["add", '{"a": 2, "b": 3.5}', None]] and got[0]["content"] is None
+    assert got[1]["calls"] == got[0]["calls"] and got[1]["reasoning"] == "Add them." and got[1]["content"] is None
+    assert got[2]["calls"] == []   # not offered: content
+    out = run(driver, tmp_path, [f"tpl {hx(tpl)}", f"constraint {hx(json.dumps({'tools': TOOLS, 'only': 'add'}))}"])
+    named = json.loads(bytes.fromhex(out[0].split(" ", 1)[1]))
+    assert named["prefix"] + json.dumps(one["function"]["arguments"]) + named["suffix"] == text
 
 
 def test_harmony_channels_split(driver, tmp_path, templates):

@@ -377,7 +377,8 @@ static const variant VARIANTS[] = {
      .fmt = {.name = "mistral-small-3.2", .tools = CS_TOOLS_MISTRAL_V11}},
     /* gpt-oss (harmony): reasoning on the analysis channel, the answer on the final one */
     {.name = "gpt-oss", .family = FAM_HARMONY, .src = T_GPT_OSS,
-     .fmt = {.name = "gpt-oss", .think_open = "<|channel|>analysis<|message|>", .think_close = "<|end|>",
+     .fmt = {.name = "gpt-oss", .tools = CS_TOOLS_HARMONY, .think_open = "<|channel|>analysis<|message|>",
+             .think_close = "<|end|>",
              .content_open = "<|channel|>final<|message|>", .markers = HARMONY_MARKERS}},
     /* Devstral-Small-2507 (Unsloth's template: [TOOL_CALLS]name[ARGS]) */
     {.name = "devstral", .family = FAM_DEVSTRAL, .src = T_DEVSTRAL_UNSLOTH, .system_default = T_DEVSTRAL_SYS,
@@ -1428,20 +1429,152 @@ static void render_mistral_v11(render *r, const variant *v, const cs_message *m,
     }
 }
 
-/* gpt-oss (harmony), without tools: the system message (identity, knowledge cutoff, today's
- * date, reasoning effort, the valid channels), a first system / developer message as the
- * developer's instructions, user turns, earlier answers on the final channel, then
- * <|start|>assistant. Tools, tool calls and tool results are refused: the TypeScript
- * namespace the template writes for tools is not rendered here. */
+/* render_typescript_type of the gpt-oss template for the parameter schemas it writes flat:
+ * string (an enum of strings), number, integer, boolean, an object without properties,
+ * arrays of those, a list of types, anything else as "any". A nested object with properties
+ * or a oneOf (whose whitespace the template writes in odd places) is refused. */
+static void harmony_type(render *r, const variant *v, const json_t *spec, const char *fname) {
+    const json_t *type = json_object_get(spec, "type");
+    const json_t *nullable = json_object_get(spec, "nullable");
+    int null_ok = nullable && !json_is_false(nullable) && !json_is_null(nullable) &&
+                  !(json_is_string(nullable) && json_string_length(nullable) == 0);
+    const char *t = json_is_string(type) ? json_string_value(type) : NULL;
+    if (json_object_get(spec, "oneOf")) {
+        fail(r, "chat template %s: function %s: a parameter with oneOf is not rendered by colibri_server", v->name,
+             fname);
+    } else if (is(t, "array")) {
+        const json_t *items = json_object_get(spec, "items");
+        if (items && json_is_object(items) && json_object_size(items)) {
+            const char *it = json_string_value(json_object_get(items, "type"));
+            if (is(it, "string")) emit(r, "string[]");
+            else if (is(it, "number") || is(it, "integer")) emit(r, "number[]");
+            else if (is(it, "boolean")) emit(r, "boolean[]");
+            else
+                fail(r, "chat template %s: function %s: arrays of %s are not rendered by colibri_server", v->name,
+                     fname, it ? it : "untyped items");
+        } else {
+            emit(r, "any[]");
+        }
+        if (null_ok) emit(r, " | null");
+    } else if (json_is_array(type) && json_array_size(type) > 0) {
+        for (size_t k = 0; k < json_array_size(type); k++) {
+            const json_t *e = json_array_get(type, k);
+            if (!json_is_string(e)) {
+                fail(r, "chat template %s: function %s: a type list of non-strings", v->name, fname);
+                return;
+            }
+            if (k) emit(r, " | ");
+            emit(r, json_string_value(e));
+        }
+    } else if (is(t, "string")) {
+        const json_t *en = json_object_get(spec, "enum");
+        if (json_is_array(en) && json_array_size(en)) {
+            emit(r, "\"");
+            for (size_t k = 0; k < json_array_size(en); k++) {
+                if (!json_is_string(json_array_get(en, k))) {
+                    fail(r, "chat template %s: function %s: an enum of non-strings", v->name, fname);
+                    return;
+                }
+                if (k) emit(r, "\" | \"");
+                emit(r, json_string_value(json_array_get(en, k)));
+            }
+            emit(r, "\"");
+        } else {
+            emit(r, "string");
+            if (null_ok) emit(r, " | null");
+        }
+    } else if (is(t, "number") || is(t, "integer")) {
+        emit(r, "number");
+    } else if (is(t, "boolean")) {
+        emit(r, "boolean");
+    } else if (is(t, "object")) {
+        const json_t *props = json_object_get(spec, "properties");
+        if (json_is_object(props) && json_object_size(props))
+            fail(r, "chat template %s: function %s: a nested object with properties is not rendered by colibri_server",
+                 v->name, fname);
+        else
+            emit(r, "object");
+    } else {
+        emit(r, "any");
+    }
+}
+
+static int in_required(const json_t *req, const char *name) {
+    for (size_t k = 0; k < json_array_size(req); k++)
+        if (json_is_string(json_array_get(req, k)) && !strcmp(json_string_value(json_array_get(req, k)), name))
+            return 1;
+    return 0;
+}
+
+/* render_tool_namespace("functions", tools) of the gpt-oss template */
+static void harmony_tools(render *r, const variant *v, const json_t *tools) {
+    emit(r, "## functions\n\nnamespace functions {\n\n");
+    for (size_t k = 0; k < json_array_size(tools) && !r->failed; k++) {
+        const json_t *fn = json_object_get(json_array_get(tools, k), "function");
+        const char *name = json_string_value(json_object_get(fn, "name"));
+        const json_t *desc = json_object_get(fn, "description");
+        if (!name || !json_is_string(desc)) {
+            fail(r, "chat template %s: tools[%zu] needs a name and a description (the template writes both)", v->name, k);
+            return;
+        }
+        emit(r, "// ");
+        emit(r, json_string_value(desc));
+        emit(r, "\ntype ");
+        emit(r, name);
+        emit(r, " = ");
+        const json_t *params = json_object_get(fn, "parameters");
+        const json_t *props = json_object_get(params, "properties");
+        const json_t *req = json_object_get(params, "required");
+        if (json_is_object(props) && json_object_size(props)) {
+            const char *pname;
+            json_t *pspec;
+            emit(r, "(_: {\n");
+            json_object_foreach((json_t *)props, pname, pspec) {
+                const json_t *pd = json_object_get(pspec, "description");
+                if (json_is_string(pd) && json_string_length(pd)) {
+                    emit(r, "// ");
+                    emit(r, json_string_value(pd));
+                    emit(r, "\n");
+                }
+                emit(r, pname);
+                if (!in_required(req, pname)) emit(r, "?");
+                emit(r, ": ");
+                harmony_type(r, v, pspec, name);
+                const json_t *def = json_object_get(pspec, "default");
+                if (def) {
+                    if (json_object_get(pspec, "enum")) {
+                        if (!json_is_string(def)) {
+                            fail(r, "chat template %s: function %s: the default of an enum must be a string", v->name, name);
+                            return;
+                        }
+                        emit(r, ", // default: ");
+                        emit(r, json_string_value(def));
+                    } else {
+                        emit(r, ", // default: ");
+                        emit_json(r, def);
+                    }
+                }
+                emit(r, ",\n");
+            }
+            emit(r, "}) => any;\n\n");
+        } else {
+            emit(r, "() => any;\n\n");
+        }
+    }
+    emit(r, "} // namespace functions");
+}
+
+/* gpt-oss (harmony): the system message (identity, knowledge cutoff, today's date, reasoning
+ * effort, the valid channels), a first system / developer message as the developer's
+ * instructions and the tools' TypeScript namespace, user turns, earlier answers on the final
+ * channel, tool calls on the commentary channel (`to=functions.NAME`, the first call of a
+ * message, its text as the analysis before it unless a final answer follows later), tool
+ * results from `functions.NAME`, then <|start|>assistant. */
 static void render_harmony(render *r, const variant *v, const cs_message *m, size_t n, const cs_chat_opts *o) {
     char today[32];
     time_t now = time(NULL);
     struct tm tmv;
-    if (o && o->tools) {
-        fail(r, "chat template %s: tools are not rendered by colibri_server for this template (its TypeScript "
-                "tool namespace); send the request without 'tools'", v->name);
-        return;
-    }
+    int tools = tools_truthy(o);
     localtime_r(&now, &tmv);
     strftime(today, sizeof today, "%Y-%m-%d", &tmv);
     emit(r, "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
@@ -1449,43 +1582,98 @@ static void render_harmony(render *r, const variant *v, const cs_message *m, siz
     emit(r, today);
     emit(r, "\n\nReasoning: ");
     emit(r, o && o->reasoning_effort ? o->reasoning_effort : "medium");
-    emit(r, "\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>");
+    emit(r, "\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.");
+    if (tools) emit(r, "\nCalls to these tools must go to the commentary channel: 'functions'.");
+    emit(r, "<|end|>");
     size_t first = 0;
+    const char *dev = "";
     if (is(m[0].role, "developer") || is(m[0].role, "system")) {
         first = 1;
-        if (*content_of(&m[0])) {
-            emit(r, "<|start|>developer<|message|># Instructions\n\n");
-            emit(r, content_of(&m[0]));
-            emit(r, "\n\n<|end|>");
-        }
+        dev = content_of(&m[0]);
     }
+    if (*dev || tools) {
+        emit(r, "<|start|>developer<|message|>");
+        if (*dev) {
+            emit(r, "# Instructions\n\n");
+            emit(r, dev);
+            emit(r, "\n\n");
+        }
+        if (tools) {
+            emit(r, "# Tools\n\n");
+            harmony_tools(r, v, o->tools);
+        }
+        emit(r, "<|end|>");
+    }
+    const char *last_call = NULL;
     for (size_t i = first; i < n && !r->failed; i++) {
         const char *c = content_of(&m[i]);
         if (is(m[i].role, "assistant")) {
             const json_t *th = mget(&m[i], "thinking");
+            const char *thinking = json_is_string(th) ? json_string_value(th) : NULL;
+            const json_t *calls = m[i].json ? json_object_get(m[i].json, "tool_calls") : NULL;
             if (strstr(c, "<|channel|>analysis<|message|>") || strstr(c, "<|channel|>final<|message|>") ||
-                (json_is_string(th) && (strstr(json_string_value(th), "<|channel|>analysis<|message|>") ||
-                                        strstr(json_string_value(th), "<|channel|>final<|message|>")))) {
+                (thinking && (strstr(thinking, "<|channel|>analysis<|message|>") ||
+                              strstr(thinking, "<|channel|>final<|message|>")))) {
                 fail(r, "chat template %s: messages[%zu]: You have passed a message containing <|channel|> tags in "
                         "the content field", v->name, i);
-            } else if (m[i].json && json_object_get(m[i].json, "tool_calls")) {
-                fail(r, "chat template %s: messages[%zu]: tool calls are not rendered by colibri_server for this "
-                        "template", v->name, i);
+            } else if (calls) {
+                if (!json_is_array(calls) || json_array_size(calls) == 0) {
+                    fail(r, "chat template %s: messages[%zu].tool_calls must hold a call", v->name, i);
+                    break;
+                }
+                int later_final = 0;
+                for (size_t k = i + 1; k < n; k++)
+                    if (is(m[k].role, "assistant") && !(m[k].json && json_object_get(m[k].json, "tool_calls")))
+                        later_final = 1;
+                const json_t *fn = call_function(json_array_get(calls, 0));
+                if (*c && thinking && *thinking) {
+                    fail(r, "chat template %s: messages[%zu]: Cannot pass both content and thinking in an assistant "
+                            "message with tool calls!", v->name, i);
+                    break;
+                } else if (*c && !later_final) {
+                    emit(r, "<|start|>assistant<|channel|>analysis<|message|>");
+                    emit(r, c);
+                    emit(r, "<|end|>");
+                } else if (thinking && *thinking && !later_final) {
+                    emit(r, "<|start|>assistant<|channel|>analysis<|message|>");
+                    emit(r, thinking);
+                    emit(r, "<|end|>");
+                }
+                last_call = call_name(r, fn, i, 0);
+                const json_t *ct = json_object_get(fn, "content_type");
+                emit(r, "<|start|>assistant to=functions.");
+                emit(r, last_call);
+                emit(r, "<|channel|>commentary ");
+                emit(r, json_is_string(ct) ? json_string_value(ct) : "json");
+                emit(r, "<|message|>");
+                emit_json(r, call_arguments(fn));
+                emit(r, "<|call|>");
             } else {
                 emit(r, "<|start|>assistant<|channel|>final<|message|>");
                 emit(r, c);
                 emit(r, "<|end|>");
+                last_call = NULL;
             }
         } else if (is(m[i].role, "user")) {
             emit(r, "<|start|>user<|message|>");
             emit(r, c);
             emit(r, "<|end|>");
         } else if (is(m[i].role, "tool")) {
-            fail(r, "chat template %s: messages[%zu]: Message has tool role, but there was no previous assistant "
-                    "message with a tool call!", v->name, i);
+            if (!last_call) {
+                fail(r, "chat template %s: messages[%zu]: Message has tool role, but there was no previous assistant "
+                        "message with a tool call!", v->name, i);
+                break;
+            }
+            emit(r, "<|start|>functions.");
+            emit(r, last_call);
+            emit(r, " to=assistant<|channel|>commentary<|message|>");
+            const json_t *cj = mget(&m[i], "content");
+            if (cj && !json_is_null(cj)) emit_json(r, cj);
+            else emit(r, "\"\"");
+            emit(r, "<|end|>");
         } else {
             fail(r, "chat template %s: messages[%zu] has role \"%s\"; the template renders only a first system or "
-                    "developer message, then user and assistant messages", v->name, i, m[i].role);
+                    "developer message, then user, assistant and tool messages", v->name, i, m[i].role);
         }
     }
     emit(r, "<|start|>assistant");
@@ -1885,6 +2073,7 @@ int cs_chat_tokenize_ex(colibri_tokenizer *tok, const char *template_src, const 
 
 static const char *const STOP_NONE[] = {NULL};
 static const char *const STOP_CHATML[] = {"<|im_end|>", "<|endoftext|>", NULL};
+static const char *const STOP_HARMONY[] = {"<|return|>", "<|call|>", NULL};
 
 const char *const *cs_chat_stop_strings(const char *template_src) {
     char *system = NULL;
@@ -1892,6 +2081,7 @@ const char *const *cs_chat_stop_strings(const char *template_src) {
     const variant *v = recognise(template_src, &system, &oom);
     free(system);
     if (v && (v->family == FAM_CHATML || v->family == FAM_QWEN3 || v->family == FAM_QWEN25)) return STOP_CHATML;
+    if (v && v->family == FAM_HARMONY) return STOP_HARMONY;
     return STOP_NONE; /* Mistral and Tulu turns end with EOS */
 }
 

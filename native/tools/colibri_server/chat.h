@@ -27,7 +27,8 @@
  *            [TOOL_CALLS]name([CALL_ID]id)[ARGS]{...}, no generation prompt
  *   gpt-oss  gpt-oss (harmony): the system message (date, reasoning effort), a first system /
  *            developer message as the developer's instructions, user turns and final-channel
- *            answers; tools and tool calls are refused (not rendered)
+ *            answers, tools as its TypeScript namespace (flat parameter types; nested objects
+ *            and oneOf refused), calls on the commentary channel and their results
  *   deepseek-v3.1  DeepSeek-V3.1: system prompts joined first, <｜User｜> / <｜Assistant｜>,
  *            tool calls in its tool tokens, the thinking switch
  * Qwen3, Qwen2.5, the three Mistral tool formats and DeepSeek-V3.1 take tools (cs_chat_opts), assistant
@@ -88,6 +89,7 @@ typedef enum cs_tool_syntax {
     CS_TOOLS_DEEPSEEK,  /* <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}<｜tool▁call▁end｜>... */
     CS_TOOLS_MISTRAL_V11, /* [TOOL_CALLS]N[CALL_ID]id[ARGS]{...} or [TOOL_CALLS]N[ARGS]{...}
                            * (Mistral-Small-3.2, Devstral) */
+    CS_TOOLS_HARMONY,   /* to=functions.N<|channel|>commentary json<|message|>{...} (gpt-oss) */
 } cs_tool_syntax;
 
 typedef struct cs_chat_format {

@@ -37,6 +37,7 @@ static const syntax SYNTAX[] = {
     [CS_TOOLS_MISTRAL] = {"[TOOL_CALLS]", {"[TOOL_CALLS]", NULL}},
     [CS_TOOLS_DEEPSEEK] = {DS_BEGIN, {DS_BEGIN, DS_CALL, DS_SEP, DS_CALL_END, DS_END, NULL}},
     [CS_TOOLS_MISTRAL_V11] = {"[TOOL_CALLS]", {"[TOOL_CALLS]", "[CALL_ID]", "[ARGS]", NULL}},
+    [CS_TOOLS_HARMONY] = {"to=functions.", {NULL}},
 };
 
 const char *const *cs_output_markers(const cs_chat_format *fmt) {
@@ -251,6 +252,28 @@ static int parse_mistral_v11(cs_parsed *p, const char *s, size_t n, const char *
     return p->n_calls ? 0 : 1;
 }
 
+/* gpt-oss: to=functions.NAME<|channel|>commentary json<|message|>{...} (the <|call|> that ends
+ * it is a stop token); `<|constrain|>json` and the order `<|channel|>commentary to=...` too */
+static int parse_harmony(cs_parsed *p, const char *s, size_t n, const char *const *names, int n_names) {
+    size_t at = strlen("to=functions.");
+    size_t e = at;
+    while (e < n && s[e] != '<' && s[e] != ' ') e++;
+    const char *msg = find(s + e, n - e, "<|message|>");
+    if (!msg || e == at) return 1;
+    const char *a = msg + strlen("<|message|>");
+    const char *end = find(a, (size_t)(s + n - a), "<|call|>");
+    size_t len = end ? (size_t)(end - a) : (size_t)(s + n - a);
+    json_t *args = load(a, len);
+    int rc = add_call(p, s + at, e - at, args, NULL, names, n_names);
+    json_decref(args);
+    if (rc) return rc;
+    if (end) { /* nothing but whitespace after */
+        for (const char *q = end + strlen("<|call|>"); q < s + n; q++)
+            if (!ws(*q)) return 1;
+    }
+    return 0;
+}
+
 typedef int (*parse_fn)(cs_parsed *p, const char *s, size_t n, const char *const *names, int n_names);
 static const parse_fn PARSE[] = {
     [CS_TOOLS_NONE] = NULL,
@@ -258,6 +281,7 @@ static const parse_fn PARSE[] = {
     [CS_TOOLS_MISTRAL] = parse_mistral,
     [CS_TOOLS_DEEPSEEK] = parse_deepseek,
     [CS_TOOLS_MISTRAL_V11] = parse_mistral_v11,
+    [CS_TOOLS_HARMONY] = parse_harmony,
 };
 
 int cs_output_parse(const cs_chat_format *fmt, int thinking, int parse_tools, const char *const *tool_names,
@@ -297,8 +321,12 @@ int cs_output_parse(const cs_chat_format *fmt, int thinking, int parse_tools, co
     }
     if (fmt && fmt->content_open) { /* the content is what follows the final channel's header */
         const char *h = find(text + at, n - at, fmt->content_open);
+        const char *callp = parse_tools && SYNTAX[fmt->tools].open ? find(text + at, n - at, SYNTAX[fmt->tools].open)
+                                                                   : NULL;
         if (h) {
             at = (size_t)(h - text) + strlen(fmt->content_open);
+        } else if (callp) {
+            /* a tool call instead of an answer: the block is parsed below */
         } else if (!final) {
             out->content = text + n;
             return 0;
@@ -320,6 +348,14 @@ int cs_output_parse(const cs_chat_format *fmt, int thinking, int parse_tools, co
     }
     size_t before = (size_t)(block - c);
     while (before > 0 && ws(c[before - 1])) before--;
+    if (fmt->tools == CS_TOOLS_HARMONY) { /* the call's header is not content */
+        static const char *const HEAD[] = {"<|start|>assistant", "<|channel|>commentary", NULL};
+        for (int q = 0; HEAD[q]; q++) {
+            size_t hl = strlen(HEAD[q]);
+            if (before >= hl && !memcmp(c + before - hl, HEAD[q], hl)) before -= hl;
+            while (before > 0 && ws(c[before - 1])) before--;
+        }
+    }
     if (!final) {
         out->in_tools = 1;
         out->content_len = before;
@@ -402,6 +438,17 @@ int cs_tool_call_constraint(const cs_chat_format *fmt, const json_t *tools, cons
         snprintf(ds_pre, sizeof ds_pre, DS_BEGIN DS_CALL "%s" DS_SEP, single);
         pre = ds_pre;
         suf = DS_CALL_END DS_END;
+        sch = json_incref(single_params);
+        break;
+    case CS_TOOLS_HARMONY:
+        if (count != 1) {
+            json_decref(any);
+            return set_err(err, err_len, "gpt-oss's tool-call syntax writes the function name outside the JSON: "
+                                         "a required call needs one function (name it in tool_choice)");
+        }
+        snprintf(ds_pre, sizeof ds_pre, " to=functions.%s<|channel|>commentary json<|message|>", single);
+        pre = ds_pre;
+        suf = "<|call|>";
         sch = json_incref(single_params);
         break;
     case CS_TOOLS_MISTRAL_V11:
