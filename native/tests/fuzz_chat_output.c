@@ -20,18 +20,24 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-static const cs_chat_format FORMATS[4] = {
+static const char *const HARMONY[] = {"<|start|>", "<|end|>", "<|channel|>", "<|message|>", NULL};
+static const cs_chat_format FORMATS[8] = {
     {.name = "hermes", .tools = CS_TOOLS_HERMES, .think_open = "<think>", .think_close = "</think>"},
     {.name = "mistral", .tools = CS_TOOLS_MISTRAL},
     {.name = "deepseek", .tools = CS_TOOLS_DEEPSEEK, .think_open = "<think>", .think_close = "</think>",
      .starts_thinking = 1},
+    {.name = "none"},
+    {.name = "mistral-v11", .tools = CS_TOOLS_MISTRAL_V11},
+    {.name = "harmony", .tools = CS_TOOLS_HARMONY, .think_open = "<|channel|>analysis<|message|>",
+     .think_close = "<|end|>", .content_open = "<|channel|>final<|message|>", .markers = HARMONY},
+    {.name = "none"},
     {.name = "none"},
 };
 static const char *const NAMES[] = {"get_weather", "add", "f"};
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 1) return 0;
-    const cs_chat_format *f = &FORMATS[data[0] & 3];
+    const cs_chat_format *f = &FORMATS[(data[0] & 3) | (((data[0] >> 5) & 1) << 2)];
     int thinking = (data[0] >> 2) & 1, tools = (data[0] >> 3) & 1;
     const char *text = (const char *)data + 1;
     size_t n = size - 1;

@@ -12,8 +12,8 @@ tokenizers cut down from data/tokenizer.model.v1 and built from a fixed vocabula
   tokenizer/  [L][L bytes of text][tokenizer section] (fuzz_tokenizer): SentencePiece-BPE
               (type 1) and byte-level BPE (type 2, patterns GPT-2 / Qwen2 / Llama-3, NFC)
   server/     [kind][JSON body] (fuzz_server_api): kind 0 /v1/completions, 1 /v1/chat/completions
-  chat/       [flags][a model's output] (fuzz_chat_output): flags bits 0-1 the tool-call syntax
-              (hermes, mistral, deepseek, none), bit 2 thinking, bit 3 tools, bit 4 also a
+  chat/       [flags][a model's output] (fuzz_chat_output): flags bits 0-1 and 5 the tool-call
+              syntax (hermes, mistral, deepseek, none, mistral-v11, harmony), bit 2 thinking, bit 3 tools, bit 4 also a
               tools array for the required-call constraint
 """
 
@@ -195,6 +195,9 @@ def tool_seeds() -> None:
                     "<｜tool▁calls▁end｜>"),
         (0 | 8 | 16, json.dumps(TOOLS)),
         (3, "plain <tool_call> text <think>"),
+        (0 | 8 | 32, '[TOOL_CALLS]add[CALL_ID]abcdefghi[ARGS]{"a": 1}[TOOL_CALLS]get_weather[ARGS]{}'),
+        (1 | 8 | 32, "<|channel|>analysis<|message|>hm<|end|><|start|>assistant to=functions.add<|channel|>commentary "
+                     'json<|message|>{"a": 1}<|call|>'),
     ]
     for i, (flags, text) in enumerate(outputs):
         write(HERE / "chat" / f"seed{i}", bytes([flags]) + text.encode())

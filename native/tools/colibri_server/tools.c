@@ -323,10 +323,12 @@ int cs_output_parse(const cs_chat_format *fmt, int thinking, int parse_tools, co
         const char *h = find(text + at, n - at, fmt->content_open);
         const char *callp = parse_tools && SYNTAX[fmt->tools].open ? find(text + at, n - at, SYNTAX[fmt->tools].open)
                                                                    : NULL;
-        if (h) {
+        if (callp && (!h || callp < h)) {
+            /* a tool call instead of an answer: only the final channel is content, so the
+             * region starts at the call (parsed below) */
+            at = (size_t)(callp - text);
+        } else if (h) {
             at = (size_t)(h - text) + strlen(fmt->content_open);
-        } else if (callp) {
-            /* a tool call instead of an answer: the block is parsed below */
         } else if (!final) {
             out->content = text + n;
             return 0;
