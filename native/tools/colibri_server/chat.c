@@ -2080,9 +2080,12 @@ const char *const *cs_chat_stop_strings(const char *template_src) {
     int oom = 0;
     const variant *v = recognise(template_src, &system, &oom);
     free(system);
-    if (v && (v->family == FAM_CHATML || v->family == FAM_QWEN3 || v->family == FAM_QWEN25)) return STOP_CHATML;
-    if (v && v->family == FAM_HARMONY) return STOP_HARMONY;
-    return STOP_NONE; /* Mistral and Tulu turns end with EOS */
+    /* a family's end-of-turn strings besides EOS (Mistral, Tulu, DeepSeek: EOS only) */
+    static const char *const *const STOPS[N_FAMILIES] = {
+        [FAM_CHATML] = STOP_CHATML, [FAM_QWEN3] = STOP_CHATML, [FAM_QWEN25] = STOP_CHATML,
+        [FAM_HARMONY] = STOP_HARMONY,
+    };
+    return v && STOPS[v->family] ? STOPS[v->family] : STOP_NONE;
 }
 
 const char *cs_chat_template_name(const char *template_src) {

@@ -350,14 +350,6 @@ int cs_output_parse(const cs_chat_format *fmt, int thinking, int parse_tools, co
     }
     size_t before = (size_t)(block - c);
     while (before > 0 && ws(c[before - 1])) before--;
-    if (fmt->tools == CS_TOOLS_HARMONY) { /* the call's header is not content */
-        static const char *const HEAD[] = {"<|start|>assistant", "<|channel|>commentary", NULL};
-        for (int q = 0; HEAD[q]; q++) {
-            size_t hl = strlen(HEAD[q]);
-            if (before >= hl && !memcmp(c + before - hl, HEAD[q], hl)) before -= hl;
-            while (before > 0 && ws(c[before - 1])) before--;
-        }
-    }
     if (!final) {
         out->in_tools = 1;
         out->content_len = before;
