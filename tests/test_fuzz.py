@@ -1,8 +1,8 @@
 """The libFuzzer targets in a short smoke run (CI), from the seed corpus kept in the repository.
 
-Three targets (native/tests/): fuzz_loader (the .colibri file loader, forward pass and the
+Four targets (native/tests/): fuzz_loader (the .colibri file loader, forward pass and the
 model's tokenizer), fuzz_tokenizer (the SentencePiece-BPE and byte-level BPE tokenizers from a
-section) and fuzz_server_api (colibri_server's request handling), built by `tools/fuzz.sh build`
+section), fuzz_grammar (the JSON-schema compiler and the grammar's token masks) and fuzz_server_api (colibri_server's request handling), built by `tools/fuzz.sh build`
 with clang, libFuzzer, ASan and UBSan into build/fuzz/bin. Each runs COLIBRI_FUZZ_SECONDS
 (default 6) from a copy of native/tests/fuzz_corpus/<target>/ (CI never writes into the
 repository), and every committed seed and regression input (…/<target>/regressions/) is run
@@ -26,7 +26,7 @@ BUILD = REPO / "build" / "fuzz"
 CORPUS = REPO / "native" / "tests" / "fuzz_corpus"
 SECONDS = int(os.environ.get("COLIBRI_FUZZ_SECONDS", "6"))
 TARGETS = {"loader": ("fuzz_loader", 70000), "tokenizer": ("fuzz_tokenizer", 32768),
-           "server": ("fuzz_server_api", 4096)}
+           "grammar": ("fuzz_grammar", 4096), "server": ("fuzz_server_api", 4096)}
 
 
 def _files(folder: Path) -> list[Path]:

@@ -262,7 +262,8 @@ static void feed_integer(cb_matcher *m, int32_t k, const cb_gnode *n, int c, int
     switch (f.phase) {
     case I_START:
         if (c == '-') {
-            if (int_feasible(n, 1, 0, 0)) emit(o, modf_(m, k, I_MINUS, 0, 0, 1));
+            /* "-0" is not generated: a minus needs a value <= -1 */
+            if (n->lo < 0 && int_feasible(n, 1, 0, 0)) emit(o, modf_(m, k, I_MINUS, 0, 0, 1));
             return;
         }
         /* fall through */
