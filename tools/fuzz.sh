@@ -3,12 +3,13 @@
 # (`make fuzz`); tests/test_fuzz.py runs the same binaries for a few seconds in CI.
 #
 #   tools/fuzz.sh                    build, then run every target for FUZZ_SECONDS (600) each
-#   tools/fuzz.sh loader server      only these targets (loader, tokenizer, server, chat)
-#   tools/fuzz.sh build              only build build/fuzz/bin/fuzz_{loader,tokenizer,server_api,chat_output}
+#   tools/fuzz.sh loader server      only these targets (loader, tokenizer, grammar, server, chat)
+#   tools/fuzz.sh build              only build build/fuzz/bin/fuzz_{loader,tokenizer,grammar,server_api,chat_output}
 #
 # Targets (native/tests/): fuzz_loader.c (the .colibri loader, forward pass, the model's
 # tokenizer), fuzz_tokenizer.c (the SentencePiece-BPE and byte-level BPE tokenizers from a
-# section), fuzz_server_api.c (colibri_server's request handling, against a tiny model with
+# section), fuzz_grammar.c (the JSON-schema compiler and the grammar's token masks),
+# fuzz_server_api.c (colibri_server's request handling, against a tiny model with
 # a tokenizer and chat template made from data/tiny-mixtral into build/fuzz/server-model.colibri),
 # fuzz_chat_output.c (colibri_server's parser of reasoning and tool calls in a model's output,
 # and the constraint of a required call).
@@ -41,7 +42,7 @@ PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
 NATIVE="$REPO/native"
 SERVER_DIR="$NATIVE/tools/colibri_server"
 CORPUS_SRC="$NATIVE/tests/fuzz_corpus"
-ALL_TARGETS=(loader tokenizer server chat)
+ALL_TARGETS=(loader tokenizer grammar server chat)
 # the commit the binaries are built from (+ "-dirty" with uncommitted changes), for the summary
 COMMIT="$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')"
 git -C "$REPO" diff --quiet HEAD -- native 2>/dev/null || COMMIT="$COMMIT-dirty"
@@ -54,7 +55,7 @@ binary() {
     case "$1" in server) echo "$BUILD/bin/fuzz_server_api" ;; chat) echo "$BUILD/bin/fuzz_chat_output" ;;
                  *) echo "$BUILD/bin/fuzz_$1" ;; esac
 }
-max_len() { case "$1" in loader) echo 70000 ;; tokenizer) echo 32768 ;; server | chat) echo 4096 ;; esac; }
+max_len() { case "$1" in loader) echo 70000 ;; tokenizer) echo 32768 ;; grammar | server | chat) echo 4096 ;; esac; }
 
 have_jansson() { pkg-config --exists jansson 2>/dev/null; }
 
@@ -109,7 +110,7 @@ build() {
     else
         echo "fuzz.sh: jansson not found (apt-get install libjansson-dev pkg-config): no server target" >&2
     fi
-    for t in loader tokenizer; do
+    for t in loader tokenizer grammar; do
         compile "$NATIVE/tests/fuzz_$t.c" "$BUILD/obj/fuzz_$t.o" -fsanitize=fuzzer -DCOLIBRI_FUZZ_LIBFUZZER=1
     done
     if have_jansson; then
@@ -120,7 +121,7 @@ build() {
     fi
     wait_all
     mkdir -p "$BUILD/bin"
-    for t in loader tokenizer; do
+    for t in loader tokenizer grammar; do
         "$CC" "${SAN[@]}" -fsanitize=fuzzer -pthread "$BUILD/obj/fuzz_$t.o" "${engine[@]}" -lm -o "$BUILD/bin/fuzz_$t"
     done
     if have_jansson; then

@@ -175,6 +175,8 @@ int main(void) {
     CHECK(!prefix_ok(ib, "1.5") && !prefix_ok(ib, "00"));
     const char *big = "{\"type\":\"integer\",\"minimum\":1000}";
     CHECK(!prefix_ok(big, "-") && !prefix_ok(big, "0") && full(big, "1000") && !full(big, "999"));
+    const char *nonneg = "{\"type\":\"integer\",\"minimum\":0}"; /* "-" would lead to a dead end ("-0" is not generated) */
+    CHECK(!prefix_ok(nonneg, "-") && full(nonneg, "0") && !prefix_ok(nonneg, "01"));
     /* numbers */
     const char *nb = "{\"type\":\"number\",\"exclusiveMinimum\":0.5,\"maximum\":2}";
     CHECK(full(nb, "0.75") && full(nb, "2") && full(nb, "1.999999") && !full(nb, "0.5"));

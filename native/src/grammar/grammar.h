@@ -39,6 +39,15 @@ typedef struct cb_glit {
     int32_t off, len; /* in text[] */
 } cb_glit;
 
+/* A byte trie of token byte strings: node 0 is the root; children as first-child /
+ * next-sibling lists in byte order; tok[node] the first token ending there, tok_next[id] the
+ * next one with the same bytes. */
+typedef struct cb_trie {
+    int32_t *child, *next, *tok, *tok_next;
+    uint8_t *byte;
+    int32_t n;
+} cb_trie;
+
 struct colibri_grammar {
     cb_gnode *nodes;
     int32_t n_nodes, cap_nodes;
@@ -52,8 +61,10 @@ struct colibri_grammar {
     int64_t text_len, text_cap;
     int32_t root;                        /* the GK_ROOT node */
     int32_t prefix_off, prefix_len, suffix_off, suffix_len;
-    /* the tokens: bytes of each (tok_off/tok_len into tok_bytes), special flags, and a
-     * byte trie of the non-special ones (children as first-child / next-sibling lists) */
+    /* the tokens: bytes of each (tok_off/tok_len into tok_bytes), special flags; a byte
+     * trie of the non-special ones, and a second one without the "inside" tokens: those
+     * whose bytes are whole UTF-8 characters with no quote, backslash or control character,
+     * which any string body with room for them takes (tok_inside[id] = 1) */
     int32_t V, max_tok_len;
     uint8_t *tok_bytes;
     int64_t *tok_off;
@@ -61,10 +72,8 @@ struct colibri_grammar {
     uint8_t *tok_special;
     int32_t *special_ids;
     int32_t n_special;
-    int32_t *tn_child, *tn_next, *tn_tok;
-    uint8_t *tn_byte;
-    int32_t n_tn;
-    int32_t *tok_next; /* [V] next token ending at the same trie node, -1 */
+    cb_trie all, edge;
+    uint8_t *tok_inside;
 };
 
 /* A matcher: the state of one sequence in a grammar, with all its scratch (allocated once). */

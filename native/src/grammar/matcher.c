@@ -262,7 +262,8 @@ static void feed_integer(cb_matcher *m, int32_t k, const cb_gnode *n, int c, int
     switch (f.phase) {
     case I_START:
         if (c == '-') {
-            if (int_feasible(n, 1, 0, 0)) emit(o, modf_(m, k, I_MINUS, 0, 0, 1));
+            /* "-0" is not generated: a minus needs a value <= -1 */
+            if (n->lo < 0 && int_feasible(n, 1, 0, 0)) emit(o, modf_(m, k, I_MINUS, 0, 0, 1));
             return;
         }
         /* fall through */
@@ -678,11 +679,10 @@ int cb_matcher_complete(cb_matcher *m) {
     return n > 0;
 }
 
-/* The trie walk, depth first with an explicit stack of (node, next child to try). */
-static void walk(cb_matcher *m, uint8_t *allowed, int32_t nv) {
+/* The trie walk, depth first with an explicit stack of (next child to try, state, pool mark). */
+static void walk(cb_matcher *m, const cb_trie *t, uint8_t *allowed, int32_t nv) {
     const colibri_grammar *g = m->g;
     int32_t max_d = g->max_tok_len + 1;
-    /* per depth: the trie node whose children are being tried, the child, the state, the pool mark */
     typedef struct {
         int32_t child, pool_mark, n;
     } lvl;
@@ -690,7 +690,7 @@ static void walk(cb_matcher *m, uint8_t *allowed, int32_t nv) {
     int32_t *tops = m->dfs_tops;
     memcpy(tops, m->tops, (size_t)m->n_tops * sizeof(int32_t));
     int d = 0;
-    st[0].child = g->tn_child[0];
+    st[0].child = t->child[0];
     st[0].n = m->n_tops;
     st[0].pool_mark = m->pool_top;
     while (d >= 0) {
@@ -700,27 +700,45 @@ static void walk(cb_matcher *m, uint8_t *allowed, int32_t nv) {
             if (d >= 0) m->pool_top = st[d].pool_mark;
             continue;
         }
-        st[d].child = g->tn_next[ch];
+        st[d].child = t->next[ch];
         m->pool_top = st[d].pool_mark;
         int32_t *next = tops + (size_t)(d + 1) * MAX_STACKS;
-        int n = step_set(m, tops + (size_t)d * MAX_STACKS, st[d].n, g->tn_byte[ch], 0, next);
+        int n = step_set(m, tops + (size_t)d * MAX_STACKS, st[d].n, t->byte[ch], 0, next);
         if (n == 0) continue;
-        for (int32_t t = g->tn_tok[ch]; t >= 0; t = g->tok_next[t])
-            if (t < nv) allowed[t] = 1;
-        if (g->tn_child[ch] >= 0 && d + 1 < (int)(sizeof st / sizeof st[0]) && d + 1 < max_d) {
+        for (int32_t k = t->tok[ch]; k >= 0; k = t->tok_next[k])
+            if (k < nv) allowed[k] = 1;
+        if (t->child[ch] >= 0 && d + 1 < (int)(sizeof st / sizeof st[0]) && d + 1 < max_d) {
             d++;
-            st[d].child = g->tn_child[ch];
+            st[d].child = t->child[ch];
             st[d].n = n;
             st[d].pool_mark = m->pool_top;
         }
     }
 }
 
+/* Every stack is inside a string, between characters, with room for any token's characters:
+ * then every "inside" token is allowed as it is, and only the others need the walk. */
+static int in_free_string(const cb_matcher *m) {
+    for (int s = 0; s < m->n_tops; s++) {
+        const gframe *f = &m->pool[m->tops[s]];
+        const cb_gnode *n = &m->g->nodes[f->node];
+        if (n->kind != GK_STRING || f->phase != S_BODY) return 0;
+        if (n->hi >= 0 && n->hi - f->i < m->g->max_tok_len) return 0;
+    }
+    return m->n_tops > 0;
+}
+
 int cb_matcher_mask(cb_matcher *m, uint8_t *allowed, int32_t n) {
     const colibri_grammar *g = m->g;
-    memset(allowed, 0, (size_t)n);
     int32_t save = m->pool_top;
-    walk(m, allowed, n);
+    if (in_free_string(m)) {
+        memcpy(allowed, g->tok_inside, (size_t)(n < g->V ? n : g->V));
+        if (n > g->V) memset(allowed + g->V, 0, (size_t)(n - g->V));
+        walk(m, &g->edge, allowed, n);
+    } else {
+        memset(allowed, 0, (size_t)n);
+        walk(m, &g->all, allowed, n);
+    }
     m->pool_top = save;
     int32_t out[MAX_STACKS];
     for (int32_t s = 0; s < g->n_special; s++) {

@@ -862,6 +862,97 @@ static int tok_cmp(const void *pa, const void *pb) {
 #include <pthread.h>
 static pthread_mutex_t sort_lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* Whole UTF-8 characters, none of them a quote, a backslash or a control character. */
+static int inside_token(const colibri_grammar *g, int32_t id) {
+    const uint8_t *b = g->tok_bytes + g->tok_off[id];
+    int32_t n = g->tok_len[id], i = 0;
+    while (i < n) {
+        uint8_t c = b[i];
+        int k;
+        if (c < 0x80) {
+            if (c < 0x20 || c == '"' || c == '\\') return 0;
+            i++;
+            continue;
+        }
+        if (c >= 0xC2 && c <= 0xDF) k = 1;
+        else if (c >= 0xE0 && c <= 0xEF) k = 2;
+        else if (c >= 0xF0 && c <= 0xF4) k = 3;
+        else return 0;
+        if (i + k >= n) return 0; /* the character does not end in the token */
+        uint8_t lo = 0x80, hi = 0xBF;
+        if (c == 0xE0) lo = 0xA0;
+        if (c == 0xED) hi = 0x9F;
+        if (c == 0xF0) lo = 0x90;
+        if (c == 0xF4) hi = 0x8F;
+        if (b[i + 1] < lo || b[i + 1] > hi) return 0;
+        for (int j = 2; j <= k; j++)
+            if ((b[i + j] & 0xC0) != 0x80) return 0;
+        i += k + 1;
+    }
+    return n > 0;
+}
+
+static void trie_free(cb_trie *t) {
+    free(t->child);
+    free(t->next);
+    free(t->tok);
+    free(t->byte);
+    free(t->tok_next);
+}
+
+/* The trie of the sorted tokens order[0..n) (skip_inside: without the inside tokens). */
+static colibri_status build_trie(colibri_grammar *g, cb_trie *t, const int32_t *order, int32_t n, int skip_inside) {
+    int64_t max_nodes = 1;
+    for (int32_t i = 0; i < n; i++)
+        if (!(skip_inside && g->tok_inside[order[i]])) max_nodes += g->tok_len[order[i]];
+    if (max_nodes > INT32_MAX) return COLIBRI_E_NOMEM;
+    t->child = malloc((size_t)max_nodes * sizeof(int32_t));
+    t->next = malloc((size_t)max_nodes * sizeof(int32_t));
+    t->tok = malloc((size_t)max_nodes * sizeof(int32_t));
+    t->byte = malloc((size_t)max_nodes);
+    t->tok_next = malloc((size_t)g->V * sizeof(int32_t));
+    int32_t *path = malloc(((size_t)g->max_tok_len + 1) * sizeof(int32_t));
+    int32_t *last = malloc((size_t)max_nodes * sizeof(int32_t)); /* last child of each node */
+    if (!t->child || !t->next || !t->tok || !t->byte || !t->tok_next || !path || !last) {
+        free(path);
+        free(last);
+        return COLIBRI_E_NOMEM;
+    }
+    for (int32_t i = 0; i < g->V; i++) t->tok_next[i] = -1;
+    t->n = 1;
+    t->child[0] = t->next[0] = t->tok[0] = last[0] = -1;
+    t->byte[0] = 0;
+    path[0] = 0;
+    int32_t prev = -1;
+    for (int32_t i = 0; i < n; i++) {
+        int32_t id = order[i];
+        if (skip_inside && g->tok_inside[id]) continue;
+        const uint8_t *b = g->tok_bytes + g->tok_off[id];
+        int32_t len = g->tok_len[id], common = 0;
+        if (prev >= 0) {
+            const uint8_t *pb = g->tok_bytes + g->tok_off[prev];
+            int32_t pl = g->tok_len[prev];
+            while (common < len && common < pl && pb[common] == b[common]) common++;
+        }
+        for (int32_t d = common; d < len; d++) {
+            int32_t nn = t->n++, parent = path[d];
+            t->child[nn] = t->next[nn] = t->tok[nn] = last[nn] = -1;
+            t->byte[nn] = b[d];
+            if (last[parent] < 0) t->child[parent] = nn;
+            else t->next[last[parent]] = nn;
+            last[parent] = nn;
+            path[d + 1] = nn;
+        }
+        int32_t node = path[len];
+        t->tok_next[id] = t->tok[node];
+        t->tok[node] = id;
+        prev = id;
+    }
+    free(path);
+    free(last);
+    return COLIBRI_OK;
+}
+
 static colibri_status build_tokens(colibri_grammar *g, colibri_tokenizer *tok, char *err, size_t err_len) {
     int32_t V = colibri_tokenizer_vocab_size(tok);
     if (V <= 0) {
@@ -872,11 +963,10 @@ static colibri_status build_tokens(colibri_grammar *g, colibri_tokenizer *tok, c
     g->tok_off = malloc((size_t)V * sizeof(int64_t));
     g->tok_len = malloc((size_t)V * sizeof(int32_t));
     g->tok_special = malloc((size_t)V);
-    g->tok_next = malloc((size_t)V * sizeof(int32_t));
     int64_t cap = (int64_t)V * 8 + 1024, used = 0;
     g->tok_bytes = malloc((size_t)cap);
     int32_t *order = malloc((size_t)V * sizeof(int32_t));
-    if (!g->tok_off || !g->tok_len || !g->tok_special || !g->tok_next || !g->tok_bytes || !order) {
+    if (!g->tok_off || !g->tok_len || !g->tok_special || !g->tok_bytes || !order) {
         free(order);
         goto nomem;
     }
@@ -900,7 +990,6 @@ static colibri_status build_tokens(colibri_grammar *g, colibri_tokenizer *tok, c
         g->tok_len[id] = (int32_t)len;
         used += len;
         g->tok_special[id] = (uint8_t)special;
-        g->tok_next[id] = -1;
         if ((int32_t)len > g->max_tok_len) g->max_tok_len = (int32_t)len;
         if (len == 0) continue; /* an empty token never advances the grammar: masked */
         if (special) n_spec++;
@@ -917,53 +1006,16 @@ static colibri_status build_tokens(colibri_grammar *g, colibri_tokenizer *tok, c
     sort_g = g;
     qsort(order, (size_t)n_norm, sizeof(int32_t), tok_cmp);
     pthread_mutex_unlock(&sort_lock);
-    /* the trie: node 0 is the root; sorted tokens share their common prefix's path */
-    int64_t max_nodes = 1;
-    for (int32_t i = 0; i < n_norm; i++) max_nodes += g->tok_len[order[i]];
-    if (max_nodes > INT32_MAX) max_nodes = INT32_MAX;
-    g->tn_child = malloc((size_t)max_nodes * sizeof(int32_t));
-    g->tn_next = malloc((size_t)max_nodes * sizeof(int32_t));
-    g->tn_tok = malloc((size_t)max_nodes * sizeof(int32_t));
-    g->tn_byte = malloc((size_t)max_nodes);
-    int32_t *path = malloc(((size_t)g->max_tok_len + 1) * sizeof(int32_t));
-    int32_t *last = malloc((size_t)max_nodes * sizeof(int32_t)); /* last child of each node */
-    if (!g->tn_child || !g->tn_next || !g->tn_tok || !g->tn_byte || !path || !last) {
+    g->tok_inside = calloc((size_t)V, 1);
+    if (!g->tok_inside) {
         free(order);
-        free(path);
-        free(last);
         goto nomem;
     }
-    g->n_tn = 1;
-    g->tn_child[0] = g->tn_next[0] = g->tn_tok[0] = last[0] = -1;
-    g->tn_byte[0] = 0;
-    path[0] = 0;
-    int32_t prev = -1;
-    for (int32_t i = 0; i < n_norm; i++) {
-        int32_t id = order[i];
-        const uint8_t *b = g->tok_bytes + g->tok_off[id];
-        int32_t len = g->tok_len[id], common = 0;
-        if (prev >= 0) {
-            const uint8_t *pb = g->tok_bytes + g->tok_off[prev];
-            int32_t pl = g->tok_len[prev];
-            while (common < len && common < pl && pb[common] == b[common]) common++;
-        }
-        for (int32_t d = common; d < len; d++) {
-            int32_t nn = g->n_tn++, parent = path[d];
-            g->tn_child[nn] = g->tn_next[nn] = g->tn_tok[nn] = last[nn] = -1;
-            g->tn_byte[nn] = b[d];
-            if (last[parent] < 0) g->tn_child[parent] = nn;
-            else g->tn_next[last[parent]] = nn;
-            last[parent] = nn;
-            path[d + 1] = nn;
-        }
-        int32_t node = path[len];
-        g->tok_next[id] = g->tn_tok[node];
-        g->tn_tok[node] = id;
-        prev = id;
-    }
+    for (int32_t i = 0; i < n_norm; i++) g->tok_inside[order[i]] = (uint8_t)inside_token(g, order[i]);
+    colibri_status st = build_trie(g, &g->all, order, n_norm, 0);
+    if (st == COLIBRI_OK) st = build_trie(g, &g->edge, order, n_norm, 1);
     free(order);
-    free(path);
-    free(last);
+    if (st != COLIBRI_OK) goto nomem;
     return COLIBRI_OK;
 nomem:
     cb_set_err(err, err_len, "colibri_grammar_compile: out of memory for the token tables");
@@ -982,11 +1034,9 @@ void colibri_grammar_free(colibri_grammar *g) {
     free(g->tok_len);
     free(g->tok_special);
     free(g->special_ids);
-    free(g->tn_child);
-    free(g->tn_next);
-    free(g->tn_tok);
-    free(g->tn_byte);
-    free(g->tok_next);
+    trie_free(&g->all);
+    trie_free(&g->edge);
+    free(g->tok_inside);
     free(g);
 }
 
