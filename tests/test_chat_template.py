@@ -342,7 +342,7 @@ def theirs(hf, template: str, conv: list[dict]) -> list[int] | Exception:
 # Tokenizers: the real Mixtral one and byte-level BPEs trained here.
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|user|>", "<|assistant|>", "<|system|>"]
-ADDED = ["<think>", "</think>", "<tool_response>", "</tool_response>"]
+ADDED = ["<think>", "</think>", "<tool_response>", "</tool_response>", "<tool_call>", "</tool_call>"]
 
 
 def _corpus() -> list[str]:
@@ -470,10 +470,20 @@ QWEN3 = {
 }
 
 # roles a template drops without a word (transformers) and chat.c refuses
-DROPPED = {"qwen3": {"robot"}, "tulu": {"robot", "tool"}}
+DROPPED = {"qwen3": {"robot"}, "qwen25": {"robot"}, "deepseek": {"robot"}, "tulu": {"robot", "tool"}}
 
 
 def family(name: str) -> str:
+    if name == "mistral-v3-tekken":
+        return "tekken"
+    if name in ("mistral-small-3.2", "devstral"):
+        return "mistral_v11"
+    if name == "gpt-oss":
+        return "harmony"
+    if name.startswith("deepseek"):
+        return "deepseek"
+    if name == "qwen2.5":
+        return "qwen25"
     if name.startswith("mistral"):
         return "mistral"
     if name.startswith("chatml"):

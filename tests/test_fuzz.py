@@ -1,8 +1,10 @@
 """The libFuzzer targets in a short smoke run (CI), from the seed corpus kept in the repository.
 
-Three targets (native/tests/): fuzz_loader (the .colibri file loader, forward pass and the
+Five targets (native/tests/): fuzz_loader (the .colibri file loader, forward pass and the
 model's tokenizer), fuzz_tokenizer (the SentencePiece-BPE and byte-level BPE tokenizers from a
-section) and fuzz_server_api (colibri_server's request handling), built by `tools/fuzz.sh build`
+section), fuzz_grammar (the JSON-schema compiler and the grammar's token masks), fuzz_server_api
+(colibri_server's request handling) and fuzz_chat_output (colibri_server's parser of reasoning
+and tool calls, and the required-call constraint), built by `tools/fuzz.sh build`
 with clang, libFuzzer, ASan and UBSan into build/fuzz/bin. Each runs COLIBRI_FUZZ_SECONDS
 (default 6) from a copy of native/tests/fuzz_corpus/<target>/ (CI never writes into the
 repository), and every committed seed and regression input (…/<target>/regressions/) is run
@@ -26,7 +28,8 @@ BUILD = REPO / "build" / "fuzz"
 CORPUS = REPO / "native" / "tests" / "fuzz_corpus"
 SECONDS = int(os.environ.get("COLIBRI_FUZZ_SECONDS", "6"))
 TARGETS = {"loader": ("fuzz_loader", 70000), "tokenizer": ("fuzz_tokenizer", 32768),
-           "server": ("fuzz_server_api", 4096)}
+           "grammar": ("fuzz_grammar", 4096), "server": ("fuzz_server_api", 4096),
+           "chat": ("fuzz_chat_output", 4096)}
 
 
 def _files(folder: Path) -> list[Path]:
@@ -64,8 +67,8 @@ def server_model(tmp_path_factory) -> Path:
 def _exe(fuzzers: Path, target: str, request) -> tuple[Path, dict]:
     exe = fuzzers / TARGETS[target][0]
     if not exe.exists():
-        if target == "server" and not os.environ.get("CI"):
-            pytest.skip("fuzz_server_api not built (jansson missing: apt-get install libjansson-dev)")
+        if target in ("server", "chat") and not os.environ.get("CI"):
+            pytest.skip(f"{exe.name} not built (jansson missing: apt-get install libjansson-dev)")
         pytest.fail(f"{exe} was not built")
     env = {"COLIBRI_FUZZ_MODEL": str(request.getfixturevalue("server_model"))} if target == "server" else {}
     return exe, env

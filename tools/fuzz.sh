@@ -3,13 +3,16 @@
 # (`make fuzz`); tests/test_fuzz.py runs the same binaries for a few seconds in CI.
 #
 #   tools/fuzz.sh                    build, then run every target for FUZZ_SECONDS (600) each
-#   tools/fuzz.sh loader server      only these targets (loader, tokenizer, server)
-#   tools/fuzz.sh build              only build build/fuzz/bin/fuzz_{loader,tokenizer,server_api}
+#   tools/fuzz.sh loader server      only these targets (loader, tokenizer, grammar, server, chat)
+#   tools/fuzz.sh build              only build build/fuzz/bin/fuzz_{loader,tokenizer,grammar,server_api,chat_output}
 #
 # Targets (native/tests/): fuzz_loader.c (the .colibri loader, forward pass, the model's
 # tokenizer), fuzz_tokenizer.c (the SentencePiece-BPE and byte-level BPE tokenizers from a
-# section), fuzz_server_api.c (colibri_server's request handling, against a tiny model with
-# a tokenizer and chat template made from data/tiny-mixtral into build/fuzz/server-model.colibri).
+# section), fuzz_grammar.c (the JSON-schema compiler and the grammar's token masks),
+# fuzz_server_api.c (colibri_server's request handling, against a tiny model with
+# a tokenizer and chat template made from data/tiny-mixtral into build/fuzz/server-model.colibri),
+# fuzz_chat_output.c (colibri_server's parser of reasoning and tool calls in a model's output,
+# and the constraint of a required call).
 #
 # Build: clang, -fsanitize=fuzzer,address,undefined (the engine and server sources with
 # fuzzer-no-link, i.e. instrumented too), -O1 -g, the SIMD kernel tables compiled out
@@ -39,7 +42,7 @@ PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
 NATIVE="$REPO/native"
 SERVER_DIR="$NATIVE/tools/colibri_server"
 CORPUS_SRC="$NATIVE/tests/fuzz_corpus"
-ALL_TARGETS=(loader tokenizer server)
+ALL_TARGETS=(loader tokenizer grammar server chat)
 # the commit the binaries are built from (+ "-dirty" with uncommitted changes), for the summary
 COMMIT="$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')"
 git -C "$REPO" diff --quiet HEAD -- native 2>/dev/null || COMMIT="$COMMIT-dirty"
@@ -48,8 +51,11 @@ SAN=(-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-fram
 CFLAGS=(-std=gnu11 -O1 -Wall -Wextra "${SAN[@]}" -DCOLIBRI_NO_SIMD_TABLES=1
         -I"$NATIVE/include" -I"$NATIVE/src" -pthread)
 
-binary() { case "$1" in server) echo "$BUILD/bin/fuzz_server_api" ;; *) echo "$BUILD/bin/fuzz_$1" ;; esac; }
-max_len() { case "$1" in loader) echo 70000 ;; tokenizer) echo 32768 ;; server) echo 4096 ;; esac; }
+binary() {
+    case "$1" in server) echo "$BUILD/bin/fuzz_server_api" ;; chat) echo "$BUILD/bin/fuzz_chat_output" ;;
+                 *) echo "$BUILD/bin/fuzz_$1" ;; esac
+}
+max_len() { case "$1" in loader) echo 70000 ;; tokenizer) echo 32768 ;; grammar | server | chat) echo 4096 ;; esac; }
 
 have_jansson() { pkg-config --exists jansson 2>/dev/null; }
 
@@ -96,7 +102,7 @@ build() {
     if have_jansson; then
         read -r -a jcflags <<< "$(pkg-config --cflags jansson)"
         read -r -a jlibs <<< "$(pkg-config --libs jansson)"
-        for src in api scheduler metrics engine chat; do
+        for src in api scheduler metrics engine chat tools; do
             obj="$BUILD/obj/server/$src.o"
             compile "$SERVER_DIR/$src.c" "$obj" -fsanitize=fuzzer-no-link -I"$SERVER_DIR" "${jcflags[@]}"
             server+=("$obj")
@@ -104,21 +110,25 @@ build() {
     else
         echo "fuzz.sh: jansson not found (apt-get install libjansson-dev pkg-config): no server target" >&2
     fi
-    for t in loader tokenizer; do
+    for t in loader tokenizer grammar; do
         compile "$NATIVE/tests/fuzz_$t.c" "$BUILD/obj/fuzz_$t.o" -fsanitize=fuzzer -DCOLIBRI_FUZZ_LIBFUZZER=1
     done
     if have_jansson; then
         compile "$NATIVE/tests/fuzz_server_api.c" "$BUILD/obj/fuzz_server_api.o" -fsanitize=fuzzer \
                 -DCOLIBRI_FUZZ_LIBFUZZER=1 -I"$SERVER_DIR" "${jcflags[@]}"
+        compile "$NATIVE/tests/fuzz_chat_output.c" "$BUILD/obj/fuzz_chat_output.o" -fsanitize=fuzzer \
+                -DCOLIBRI_FUZZ_LIBFUZZER=1 -I"$SERVER_DIR" "${jcflags[@]}"
     fi
     wait_all
     mkdir -p "$BUILD/bin"
-    for t in loader tokenizer; do
+    for t in loader tokenizer grammar; do
         "$CC" "${SAN[@]}" -fsanitize=fuzzer -pthread "$BUILD/obj/fuzz_$t.o" "${engine[@]}" -lm -o "$BUILD/bin/fuzz_$t"
     done
     if have_jansson; then
         "$CC" "${SAN[@]}" -fsanitize=fuzzer -pthread "$BUILD/obj/fuzz_server_api.o" "${server[@]}" "${engine[@]}" \
               "${jlibs[@]}" -lm -o "$BUILD/bin/fuzz_server_api"
+        "$CC" "${SAN[@]}" -fsanitize=fuzzer -pthread "$BUILD/obj/fuzz_chat_output.o" "$BUILD/obj/server/chat.o" \
+              "$BUILD/obj/server/tools.o" "${engine[@]}" "${jlibs[@]}" -lm -o "$BUILD/bin/fuzz_chat_output"
     fi
     echo "fuzz.sh: built $(ls "$BUILD/bin" | tr '\n' ' ')"
 }

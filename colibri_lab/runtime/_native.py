@@ -40,7 +40,7 @@ from pathlib import Path
 from .errors import *  # noqa: F401,F403  (the statuses and exceptions, re-exported for the binding's callers)
 from .errors import ERRORS, OK, ColibriError
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 LIB_NAME = "libcolibri.so" if sys.platform != "darwin" else "libcolibri.dylib"
 
 
@@ -60,9 +60,36 @@ class ColibriTraceStruct(ctypes.Structure):
     """``struct colibri_trace`` — opaque, used only through pointers."""
 
 
+class ColibriSamplerStruct(ctypes.Structure):
+    """``struct colibri_sampler`` — opaque, used only through pointers."""
+
+
+class ColibriGrammarStruct(ctypes.Structure):
+    """``struct colibri_grammar`` — opaque, used only through pointers."""
+
+
 ctx_p = POINTER(ColibriCtx)
 tok_p = POINTER(ColibriTokenizerStruct)
 trace_p = POINTER(ColibriTraceStruct)
+sampler_p = POINTER(ColibriSamplerStruct)
+grammar_p = POINTER(ColibriGrammarStruct)
+
+
+class ColibriSamplingParams(ctypes.Structure):
+    """``colibri_sampling_params`` (``struct_size`` checked by ``colibri_sampler_create``)."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("temperature", c_float),
+        ("top_k", c_int32),
+        ("top_p", c_float),
+        ("min_p", c_float),
+        ("presence_penalty", c_float),
+        ("frequency_penalty", c_float),
+        ("repetition_penalty", c_float),
+        ("repetition_last_n", c_int32),
+        ("ignore_eos", c_int32),
+    ]
 
 
 class ColibriOptions(ctypes.Structure):
@@ -148,6 +175,27 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
         c_int,
         [ctx_p, POINTER(c_float), c_float, c_int32, c_float, POINTER(c_uint64), POINTER(c_int32)],
     ),
+    "colibri_sampling_params_init": (None, [POINTER(ColibriSamplingParams)]),
+    "colibri_sampler_create": (
+        c_int,
+        [c_int32, c_int32, POINTER(ColibriSamplingParams), POINTER(sampler_p), c_char_p, c_size_t],
+    ),
+    "colibri_sampler_free": (None, [sampler_p]),
+    "colibri_sampler_last_error": (c_char_p, [sampler_p]),
+    "colibri_sampler_set_logit_bias": (c_int, [sampler_p, POINTER(c_int32), POINTER(c_float), c_int32]),
+    "colibri_sampler_set_stop_ids": (c_int, [sampler_p, POINTER(c_int32), c_int32]),
+    "colibri_sampler_set_grammar": (c_int, [sampler_p, grammar_p]),
+    "colibri_sampler_add_prompt": (c_int, [sampler_p, POINTER(c_int32), c_int64]),
+    "colibri_sampler_accept": (c_int, [sampler_p, c_int32]),
+    "colibri_sampler_sample": (c_int, [sampler_p, POINTER(c_float), POINTER(c_uint64), POINTER(c_int32)]),
+    "colibri_sampler_finished": (c_int32, [sampler_p]),
+    "colibri_sampler_grammar_complete": (c_int32, [sampler_p]),
+    "colibri_sampler_grammar_mask": (c_int, [sampler_p, c_void_p]),
+    "colibri_grammar_compile": (
+        c_int,
+        [tok_p, c_char_p, c_char_p, c_char_p, POINTER(grammar_p), c_char_p, c_size_t],
+    ),
+    "colibri_grammar_free": (None, [grammar_p]),
     "colibri_trace_create": (c_int, [ctx_p, c_int64, POINTER(trace_p), c_char_p, c_size_t]),
     "colibri_trace_free": (None, [trace_p]),
     "colibri_trace_attach": (c_int, [ctx_p, trace_p]),

@@ -671,6 +671,28 @@ class Engine:
         return self._sample(np.asarray(logits_row), temperature, top_k, top_p,
                             ctypes.c_uint64(int(seed) & 0xFFFFFFFFFFFFFFFF))  # fmt: skip
 
+    def sampler(self, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                repetition_last_n: int = 0, ignore_eos: bool = False, logit_bias=None, stop_ids=(),
+                json_schema=None, grammar_prefix: str = "", grammar_suffix: str = ""):  # fmt: skip
+        """A :class:`~colibri_lab.runtime.sampling.Sampler` for this model's vocabulary: the
+        library's per-sequence sampler with these settings. ``json_schema`` (a dict, JSON
+        text, or True for any JSON object) attaches a grammar compiled for the tokenizer."""
+        from .sampling import Grammar, Sampler
+
+        self._c()
+        tok = self.tokenizer if self._has_tokenizer() else None
+        grammar = None
+        if json_schema is not None and json_schema is not False:
+            if tok is None:
+                raise NotImplementedError("json_schema needs the model's tokenizer; this file has none")
+            grammar = Grammar(tok, json_schema, prefix=grammar_prefix, suffix=grammar_suffix)
+        return Sampler(self._vocab, tok.eos_id if tok is not None else -1, temperature=temperature, top_k=top_k,
+                       top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
+                       frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                       repetition_last_n=repetition_last_n, ignore_eos=ignore_eos, logit_bias=logit_bias,
+                       stop_ids=stop_ids, grammar=grammar)  # fmt: skip
+
     def generate(
         self,
         prompt: str | Sequence[int] | np.ndarray,
@@ -681,22 +703,42 @@ class Engine:
         seed: int = 0,
         stop_at_eos: bool = True,
         reuse_prefix: bool = True,
+        *,
+        min_p: float = 0.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        repetition_last_n: int = 0,
+        logit_bias=None,
+        stop_ids=(),
+        ignore_eos: bool = False,
+        json_schema=None,
     ) -> Iterator[Token]:
         """Yield generated tokens one by one.
 
         ``prompt`` is text (encoded with BOS) or a list of ids. The prompt is run once,
-        then one forward per new token; each token is chosen by ``colibri_sample`` with
-        one xorshift state seeded by ``seed``, so ``colibri_cli`` with the same flags
-        yields the same ids. Generation ends after ``max_new_tokens`` or, when
-        ``stop_at_eos``, with EOS (yielded as the last token). ``Token.text`` is the
-        text the token adds; bytes of a character split over byte-fallback tokens are
-        held back until it is complete (the last token gets whatever is left).
+        then one forward per new token; each token is chosen by the library's per-sequence
+        sampler (``colibri_sampler_sample``) with one xorshift state seeded by ``seed``, so
+        ``colibri_cli`` and ``colibri_server`` with the same settings yield the same ids.
+        Without penalties, bias, min-p or a schema the ids are ``colibri_sample``'s.
+        ``logit_bias`` maps ids to additive biases (±100 forces / bans), ``stop_ids`` end
+        generation (yielded last), ``ignore_eos`` keeps going after EOS (as vLLM), the penalties are
+        OpenAI's (presence, frequency: over generated tokens) and HF's (repetition: over the
+        prompt and the generated tokens, the last ``repetition_last_n``, 0 = all), and
+        ``json_schema`` (a dict, JSON text, or True for any JSON object) constrains the output
+        to compact JSON that validates against it (the JSON ends with EOS).
+        Generation ends after ``max_new_tokens`` or, when ``stop_at_eos``, with EOS (yielded
+        as the last token). ``Token.text`` is the text the token adds; bytes of a character
+        split over byte-fallback tokens are held back until it is complete (the last token
+        gets whatever is left).
 
         With ``reuse_prefix`` (and the engine's ``prefix_cache`` on) the prompt's leading
         blocks already in the prefix cache are taken instead of computed; the tokens are
         bitwise the same. ``last_cached_tokens`` says how many prompt positions came from the
         cache; pass ``reuse_prefix=False`` to trace the routing of every prompt position.
         """
+        from .sampling import FINISH_EOS, FINISH_GRAMMAR, FINISH_STOP_ID
+
         self._c()
         if isinstance(prompt, str):
             prompt_ids = self.tokenizer.encode(prompt, add_bos=True)
@@ -708,7 +750,12 @@ class Engine:
         if max_new_tokens <= 0:
             return
         tok = self.tokenizer if self._has_tokenizer() else None
-        eos = tok.eos_id if tok is not None else -1
+        sampler = self.sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                               repetition_penalty=repetition_penalty, repetition_last_n=repetition_last_n,
+                               ignore_eos=ignore_eos, logit_bias=logit_bias, stop_ids=stop_ids,
+                               json_schema=json_schema)  # fmt: skip
+        sampler.add_prompt(prompt_ids)
         rng = ctypes.c_uint64(int(seed) & 0xFFFFFFFFFFFFFFFF)
 
         text = _TextStream(tok, prompt_ids)
@@ -719,8 +766,10 @@ class Engine:
         row = self.forward(prompt_ids[n_cached:], n_cached, last_only=True)[0]
         pos = len(prompt_ids)
         for i in range(max_new_tokens):
-            next_id = self._sample(row, temperature, top_k, top_p, rng)
-            last = i == max_new_tokens - 1 or (stop_at_eos and next_id == eos)
+            next_id = sampler.sample(row, rng)
+            fin = sampler.finished
+            last = (i == max_new_tokens - 1 or (stop_at_eos and fin == FINISH_EOS)
+                    or fin in (FINISH_STOP_ID, FINISH_GRAMMAR))  # fmt: skip
             yield Token(next_id, text.push(next_id, final=last))
             if last:
                 return

@@ -28,7 +28,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or the meaning of an argument changes; bindings check it. */
-#define COLIBRI_ABI_VERSION 8
+#define COLIBRI_ABI_VERSION 9
 /* The newest .colibri format version this build reads (it reads every older one too, from 1). */
 #define COLIBRI_FORMAT_VERSION 2
 
@@ -249,6 +249,103 @@ COLIBRI_API colibri_status colibri_verify_router(colibri_ctx *ctx);
 COLIBRI_API colibri_status colibri_sample(colibri_ctx *ctx, const float *logits, float temperature,
                                           int32_t top_k, float top_p, uint64_t *rng,
                                           int32_t *out_id);
+
+/* ---- Per-sequence sampler: penalties, logit bias, min-p, stop ids, a grammar ---------
+ *
+ * A colibri_sampler is the sampling state of one sequence (one choice of a request). It is
+ * allocated once by colibri_sampler_create (scratch included); colibri_sampler_sample then
+ * allocates nothing. Each step, on a copy of the raw logits, in this order:
+ *   1. logit_bias: logit[id] += bias (±100 effectively forces / bans a token);
+ *   2. repetition_penalty (HF / llama.cpp): over the last repetition_last_n tokens of
+ *      prompt + generated (0: all of them), each such token's logit is divided by the
+ *      penalty when positive and multiplied by it when negative;
+ *   3. presence_penalty and frequency_penalty (OpenAI), over the generated tokens only:
+ *      logit[id] -= count[id] * frequency_penalty + (count[id] > 0) * presence_penalty;
+ *   4. the grammar's mask: tokens that cannot continue it get -inf; once the grammar is
+ *      complete the EOS id and the stop ids are allowed too (and nothing else when the
+ *      value cannot go on, e.g. after a closing brace);
+ *   5. temperature (0: greedy, the highest logit, lowest id on ties), top-k, top-p, min-p
+ *      (keep the candidates whose probability is at least min_p times the largest).
+ * Without penalties, bias, min-p and grammar the token is bit for bit colibri_sample's for
+ * the same logits and rng state. colibri_sampler_sample accepts the token it returns
+ * (counts, repetition window, grammar state advance); colibri_sampler_accept records a token
+ * chosen elsewhere (a forced one); colibri_sampler_add_prompt the prompt's tokens. */
+typedef struct colibri_sampler colibri_sampler;
+/* A grammar compiled for one tokenizer (read-only once made; may be shared by samplers and
+ * threads). It must outlive every sampler it is attached to. */
+typedef struct colibri_grammar colibri_grammar;
+
+typedef struct colibri_sampling_params {
+    uint32_t struct_size;       /* = sizeof(colibri_sampling_params), set by _init */
+    float temperature;          /* >= 0; 0 = greedy (default 1) */
+    int32_t top_k;              /* >= 0; 0 = off (default) */
+    float top_p;                /* (0, 1]; 1 = off (default) */
+    float min_p;                /* [0, 1]; 0 = off (default) */
+    float presence_penalty;     /* [-2, 2]; 0 = off (default) */
+    float frequency_penalty;    /* [-2, 2]; 0 = off (default) */
+    float repetition_penalty;   /* > 0; 1 = off (default) */
+    int32_t repetition_last_n;  /* >= 0; window of the repetition penalty; 0 = all (default) */
+    int32_t ignore_eos;         /* 1: EOS is sampled like any token and does not end the sequence
+                                 * (vLLM's meaning), except when it ends a complete grammar */
+} colibri_sampling_params;
+
+/* Why colibri_sampler_finished says the sequence ends after the last sampled token. */
+#define COLIBRI_FINISH_NONE 0
+#define COLIBRI_FINISH_EOS 1      /* the token was the EOS id (ignore_eos off, or it ended a complete grammar) */
+#define COLIBRI_FINISH_STOP_ID 2  /* the token was one of the stop ids */
+#define COLIBRI_FINISH_GRAMMAR 3  /* the grammar is complete and there is no EOS or stop id to end it */
+
+COLIBRI_API void colibri_sampling_params_init(colibri_sampling_params *p);
+/* A sampler for a vocabulary of n_vocab logits; eos_id -1 if none. Validates the params
+ * (COLIBRI_E_INVALID_ARG with a message in err naming the field and its range). */
+COLIBRI_API colibri_status colibri_sampler_create(int32_t n_vocab, int32_t eos_id,
+                                                  const colibri_sampling_params *p,
+                                                  colibri_sampler **out, char *err, size_t err_len);
+COLIBRI_API void colibri_sampler_free(colibri_sampler *s); /* NULL: no-op */
+COLIBRI_API const char *colibri_sampler_last_error(const colibri_sampler *s);
+/* Replace the logit bias: n pairs (ids[i], bias[i]); ids in range, biases finite. */
+COLIBRI_API colibri_status colibri_sampler_set_logit_bias(colibri_sampler *s, const int32_t *ids,
+                                                          const float *bias, int32_t n);
+/* Replace the stop ids (the sequence ends when one is sampled; allowed to end a grammar). */
+COLIBRI_API colibri_status colibri_sampler_set_stop_ids(colibri_sampler *s, const int32_t *ids, int32_t n);
+/* Attach a grammar (NULL detaches); its state starts at the beginning of the grammar. The
+ * grammar's vocabulary must be n_vocab or smaller (ids past it are masked). */
+COLIBRI_API colibri_status colibri_sampler_set_grammar(colibri_sampler *s, const colibri_grammar *g);
+/* The prompt's tokens (for the repetition penalty's window; not counted as generated). */
+COLIBRI_API colibri_status colibri_sampler_add_prompt(colibri_sampler *s, const int32_t *ids, int64_t n);
+/* Record a token as generated (counts, window, grammar). A token the grammar cannot take
+ * gives COLIBRI_E_INVALID_ARG and leaves the state as it was. */
+COLIBRI_API colibri_status colibri_sampler_accept(colibri_sampler *s, int32_t id);
+/* Choose the next token from a row of n_vocab logits (steps 1-5 above) and accept it. *rng
+ * is colibri_sample's xorshift64* state. COLIBRI_E_NUMERIC for a NaN logit;
+ * COLIBRI_E_INVALID_ARG when the mask leaves no token (e.g. a grammar that cannot go on). */
+COLIBRI_API colibri_status colibri_sampler_sample(colibri_sampler *s, const float *logits,
+                                                  uint64_t *rng, int32_t *out_id);
+/* COLIBRI_FINISH_* for the last accepted token. */
+COLIBRI_API int32_t colibri_sampler_finished(const colibri_sampler *s);
+/* 1 when an attached grammar has matched completely (its value and suffix), else 0. */
+COLIBRI_API int32_t colibri_sampler_grammar_complete(const colibri_sampler *s);
+/* The allowed-token mask of the current grammar state: out[id] = 1 allowed, 0 not, for
+ * n_vocab ids (the grammar part of step 4 only). For tests and tools. */
+COLIBRI_API colibri_status colibri_sampler_grammar_mask(colibri_sampler *s, uint8_t *out);
+
+/* Compile a grammar for `tok`'s tokens: the output must be `prefix` (literal text; NULL =
+ * ""), then one JSON value, then `suffix` (literal; NULL = ""). json_schema is a JSON schema
+ * (text, UTF-8) or NULL for any JSON object. JSON is generated compact: no whitespace
+ * outside strings. Supported: type (string, number, integer, boolean, null, object, array,
+ * or a list of them), properties / required / additionalProperties (objects with
+ * properties are closed; properties come in the schema's order, optional ones may be
+ * left out), items / minItems / maxItems, enum, const, minLength / maxLength,
+ * minimum / maximum / exclusiveMinimum / exclusiveMaximum, anyOf, oneOf (as anyOf), allOf
+ * with one member, $ref to #/$defs/... or #/definitions/... (recursion allowed), and the
+ * annotations title, description, default, examples, $schema, $id, $comment, format,
+ * strict, name. Any other keyword gives COLIBRI_E_UNSUPPORTED with
+ * "unsupported schema keyword: NAME" in err; a malformed schema COLIBRI_E_INVALID_ARG.
+ * Special tokens are allowed only inside prefix and suffix, where their text matches. */
+COLIBRI_API colibri_status colibri_grammar_compile(colibri_tokenizer *tok, const char *json_schema,
+                                                   const char *prefix, const char *suffix,
+                                                   colibri_grammar **out, char *err, size_t err_len);
+COLIBRI_API void colibri_grammar_free(colibri_grammar *g); /* NULL: no-op */
 
 /* ---- Observation: tracing and stage-by-stage execution ------------------------------
  *

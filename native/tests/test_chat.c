@@ -15,8 +15,16 @@
  *     name                     cs_chat_template_name -> "name NAME" | "name -"
  *     stop                     cs_chat_stop_strings -> "stop HEX HEX ..."
  *     list                     the built-in templates -> "variant NAME HEXSOURCE" each
+ *     chatj HEXJSON            cs_chat_tokenize_ex of {"messages": [...], "tools": [...],
+ *                              "enable_thinking": bool} -> "ids ..." | "err HEX"
+ *     parse HEXJSON            cs_output_parse with the template's format of {"text", "final",
+ *                              "thinking", "tools": bool, "names": [...]} -> "parsed HEXJSON"
+ *                              ({"reasoning", "content", "in_tools", "calls": [[name, args, id]]})
+ *     constraint HEXJSON       cs_tool_call_constraint of {"tools", "only"} -> "constraint
+ *                              HEXJSON" ({"prefix", "suffix", "schema"}) | "err HEX"
  */
 #include "../tools/colibri_server/chat.c"
+#include "../tools/colibri_server/tools.c"
 
 static int n_fail = 0;
 
@@ -49,10 +57,10 @@ static char *replace(const char *s, const char *from, const char *to) {
 }
 
 static void self_test(void) {
-    char err[512];
+    char err[1024];
     int32_t *ids = (int32_t *)1;
     int64_t n = 7;
-    cs_message msg = {"user", "hi"};
+    cs_message msg = {"user", "hi", NULL};
 
     /* each built-in template is itself; no two share a canonical form */
     for (size_t v = 0; v < N_VARIANTS; v++) {
@@ -116,7 +124,8 @@ static void self_test(void) {
     CHECK(cs_chat_tokenize(NULL, "", &msg, 1, &ids, &n, err, sizeof err) == -1 && !ids && n == 0 &&
               strstr(err, "no chat template") && strstr(err, "/v1/completions"), "empty: %s", err);
     CHECK(cs_chat_tokenize(NULL, "{{ messages }}", &msg, 1, &ids, &n, err, sizeof err) == -1 &&
-              strstr(err, "not recognised") && strstr(err, "Mixtral") && strstr(err, "/v1/completions"),
+              strstr(err, "not recognised") && strstr(err, "mistral-instruct") && strstr(err, "deepseek-v3.1") &&
+                  strstr(err, "/v1/completions"),
           "unknown: %s", err);
     CHECK(cs_chat_tokenize(NULL, T_CHATML, &msg, 1, &ids, &n, err, sizeof err) == -1 &&
               strstr(err, "no tokenizer"), "no tokenizer: %s", err);
@@ -260,6 +269,97 @@ static int run_commands(const char *path) {
             for (long i = 0; i < 2 * n; i++) sb_free(&bufs[i]);
             free(bufs);
             free(m);
+        } else if (!strcmp(cmd, "chatj")) {
+            sbuf js = {0};
+            unhex(next_field(&p), &js);
+            json_t *root = json_loads(js.p ? js.p : "", 0, NULL);
+            json_t *jm = json_object_get(root, "messages");
+            size_t n = json_array_size(jm);
+            cs_message *m = calloc(n ? n : 1, sizeof *m);
+            for (size_t i = 0; i < n; i++) {
+                json_t *o = json_array_get(jm, i);
+                m[i].role = json_string_value(json_object_get(o, "role"));
+                m[i].content = json_string_value(json_object_get(o, "content"));
+                m[i].json = o;
+            }
+            cs_chat_opts opts = {.tools = json_object_get(root, "tools"), .enable_thinking = -1};
+            opts.reasoning_effort = json_string_value(json_object_get(root, "reasoning_effort"));
+            json_t *et = json_object_get(root, "enable_thinking");
+            if (json_is_boolean(et)) opts.enable_thinking = json_is_true(et);
+            int32_t *ids = NULL;
+            int64_t n_ids = 0;
+            char err[1024];
+            if (cs_chat_tokenize_ex(tok, tpl.p, m, n, &opts, &ids, &n_ids, err, sizeof err) == 0) {
+                printf("ids");
+                for (int64_t k = 0; k < n_ids; k++) printf(" %d", ids[k]);
+                printf("\n");
+            } else {
+                printf("err ");
+                put_hex(err, strlen(err));
+                printf("\n");
+            }
+            free(ids);
+            free(m);
+            json_decref(root);
+            sb_free(&js);
+        } else if (!strcmp(cmd, "parse")) {
+            sbuf js = {0};
+            unhex(next_field(&p), &js);
+            json_t *root = json_loads(js.p ? js.p : "", 0, NULL);
+            json_t *jn = json_object_get(root, "names");
+            const char *names[64];
+            int n_names = 0;
+            for (size_t k = 0; k < json_array_size(jn) && k < 64; k++)
+                names[n_names++] = json_string_value(json_array_get(jn, k));
+            json_t *text = json_object_get(root, "text");
+            cs_parsed out;
+            int rc = cs_output_parse(cs_chat_template_format(tpl.p), json_is_true(json_object_get(root, "thinking")),
+                                     !json_is_false(json_object_get(root, "tools")), jn ? names : NULL, n_names,
+                                     json_string_value(text), json_string_length(text),
+                                     json_is_true(json_object_get(root, "final")), &out);
+            json_t *calls = json_array();
+            for (int k = 0; k < out.n_calls; k++)
+                json_array_append_new(calls, json_pack("[s, s, s?]", out.calls[k].name, out.calls[k].arguments,
+                                                       out.calls[k].id));
+            json_t *res = json_pack("{s:i, s:s%, s:o, s:b, s:o}", "rc", rc, "content", out.content,
+                                    out.content_len, "reasoning",
+                                    out.reasoning ? json_stringn(out.reasoning, out.reasoning_len) : json_null(),
+                                    "in_tools", out.in_tools, "calls", calls);
+            if (res && !out.has_content) json_object_set_new(res, "content", json_null());
+            char *dumped = json_dumps(res, JSON_COMPACT);
+            printf("parsed ");
+            put_hex(dumped, strlen(dumped));
+            printf("\n");
+            free(dumped);
+            json_decref(res);
+            cs_parsed_free(&out);
+            json_decref(root);
+            sb_free(&js);
+        } else if (!strcmp(cmd, "constraint")) {
+            sbuf js = {0};
+            unhex(next_field(&p), &js);
+            json_t *root = json_loads(js.p ? js.p : "", 0, NULL);
+            char *pre = NULL, *suf = NULL, *sch = NULL, err[512];
+            if (cs_tool_call_constraint(cs_chat_template_format(tpl.p), json_object_get(root, "tools"),
+                                        json_string_value(json_object_get(root, "only")), &pre, &suf, &sch, err,
+                                        sizeof err) == 0) {
+                json_t *res = json_pack("{s:s, s:s, s:s}", "prefix", pre, "suffix", suf, "schema", sch);
+                char *dumped = json_dumps(res, JSON_COMPACT);
+                printf("constraint ");
+                put_hex(dumped, strlen(dumped));
+                printf("\n");
+                free(dumped);
+                json_decref(res);
+            } else {
+                printf("err ");
+                put_hex(err, strlen(err));
+                printf("\n");
+            }
+            free(pre);
+            free(suf);
+            free(sch);
+            json_decref(root);
+            sb_free(&js);
         } else if (!strcmp(cmd, "name")) {
             const char *name = cs_chat_template_name(tpl.p);
             printf("name %s\n", name ? name : "-");

@@ -230,7 +230,7 @@ static void job_init(job *j, uint64_t seed, int plen, int64_t max_tokens, float 
 }
 
 static cs_engine make_engine(fake *f) {
-    cs_engine e = {f, fk_batch, fk_clear, fk_fork, fk_sample, fk_free, fk_total, fk_err, NULL, NULL, NULL};
+    cs_engine e = {f, fk_batch, fk_clear, fk_fork, fk_sample, fk_free, fk_total, fk_err, NULL, NULL, NULL, NULL};
     return e;
 }
 

@@ -7,8 +7,9 @@
  * Before running, the router tensors' L2 norms are re-computed and compared with the
  * ones stored in the file (colibri_verify_router); --verify also checks every CRC-32.
  * Generation is: one prefill forward over the prompt, then one forward per generated
- * token, sampling with colibri_sample (the same calls the Python Engine.generate makes,
- * so both produce the same tokens for the same seed).
+ * token, sampling with the library's per-sequence sampler, colibri_sampler_sample (the same
+ * calls the Python Engine.generate makes, so both produce the same tokens for the same seed
+ * and settings: penalties, logit bias, min-p, stop ids, a JSON schema).
  *
  * Exit status: 0 success, 1 an engine error (the engine's message on stderr), 2 a usage
  * error. Generated text goes to stdout, everything else to stderr.
@@ -42,6 +43,13 @@ typedef struct args {
     engine_flags ef;          /* the expert cache and the backend (tool_common.h) */
     int verbose;
     int verify;
+    double min_p, presence_penalty, frequency_penalty, repetition_penalty;
+    int64_t repetition_last_n;
+    int ignore_eos;
+    const char *logit_bias;   /* "ID:BIAS,ID:BIAS" */
+    const char *stop_ids;     /* "ID,ID" */
+    const char *json_schema;  /* schema text; "{}"-less --json: any object */
+    int json_any;
 } args;
 
 static void usage(FILE *f) {
@@ -59,6 +67,16 @@ static void usage(FILE *f) {
             "  --top_k K              keep the K most likely tokens, 0 = off (default 0)\n"
             "  --top_p P              nucleus sampling, 0 < P <= 1, 1 = off (default 1)\n"
             "  --seed S               sampler seed, an unsigned 64-bit integer (default 0)\n"
+            "  --min_p P              keep tokens with probability >= P x the best's, 0 = off\n"
+            "  --presence_penalty X   OpenAI presence penalty over generated tokens, -2..2 (0)\n"
+            "  --frequency_penalty X  OpenAI frequency penalty over generated tokens, -2..2 (0)\n"
+            "  --repetition_penalty X HF repetition penalty over prompt + generated, > 0 (1 = off)\n"
+            "  --repetition_last_n N  its window: the last N tokens, 0 = all (default 0)\n"
+            "  --logit_bias LIST      ID:BIAS,... added to the logits (+-100 forces / bans)\n"
+            "  --stop_ids LIST        ID,... token ids that end generation\n"
+            "  --ignore_eos           never sample EOS\n"
+            "  --json_schema TEXT     constrain the output to JSON valid for this JSON schema\n"
+            "  --json                 constrain the output to any JSON object\n"
             "  --num_threads N        0 = the engine's default (default 0)\n"
             "  --max_seq_len N        0 = the engine's default (default 0)\n"
             "  --precision MODE       exact (float32 activations into every matmul) or fast\n"
@@ -101,6 +119,7 @@ static int parse_args(int argc, char **argv, args *a) {
     memset(a, 0, sizeof *a);
     a->max_new_tokens = 24;
     a->top_p = 1.0;
+    a->repetition_penalty = 1.0;
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
         if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
@@ -109,6 +128,8 @@ static int parse_args(int argc, char **argv, args *a) {
         }
         if (!strcmp(arg, "--verbose")) { a->verbose = 1; continue; }
         if (!strcmp(arg, "--verify")) { a->verify = 1; continue; }
+        if (!strcmp(arg, "--ignore_eos")) { a->ignore_eos = 1; continue; }
+        if (!strcmp(arg, "--json")) { a->json_any = 1; continue; }
         if (strncmp(arg, "--", 2) != 0) return usage_error("unexpected argument '%s'", arg);
 
         /* --name VALUE or --name=VALUE */
@@ -117,7 +138,10 @@ static int parse_args(int argc, char **argv, args *a) {
                                             "--num_threads", "--max_seq_len", "--precision",
                                             "--expert_cache_mb", "--expert_cache_slots",
                                             "--expert_cache_policy", "--backend",
-                                            "--gpu_memory_fraction", "--gpu_device"};
+                                            "--gpu_memory_fraction", "--gpu_device", "--min_p",
+                                            "--presence_penalty", "--frequency_penalty",
+                                            "--repetition_penalty", "--repetition_last_n",
+                                            "--logit_bias", "--stop_ids", "--json_schema"};
         char name[64];
         const char *val = NULL;
         int bad = split_option(argc, argv, &i, known, sizeof known / sizeof known[0], name, &val);
@@ -143,6 +167,26 @@ static int parse_args(int argc, char **argv, args *a) {
         } else if (!strcmp(name, "--seed")) {
             if (!parse_u64(val, &a->seed))
                 return usage_error("--seed must be an unsigned integer, got '%s'", val);
+        } else if (!strcmp(name, "--min_p")) {
+            if (!parse_f64(val, &a->min_p)) return usage_error("--min_p must be a number, got '%s'", val);
+        } else if (!strcmp(name, "--presence_penalty")) {
+            if (!parse_f64(val, &a->presence_penalty))
+                return usage_error("--presence_penalty must be a number, got '%s'", val);
+        } else if (!strcmp(name, "--frequency_penalty")) {
+            if (!parse_f64(val, &a->frequency_penalty))
+                return usage_error("--frequency_penalty must be a number, got '%s'", val);
+        } else if (!strcmp(name, "--repetition_penalty")) {
+            if (!parse_f64(val, &a->repetition_penalty))
+                return usage_error("--repetition_penalty must be a number, got '%s'", val);
+        } else if (!strcmp(name, "--repetition_last_n")) {
+            if (!parse_i64(val, 0, INT32_MAX, &a->repetition_last_n))
+                return usage_error("--repetition_last_n must be an integer >= 0, got '%s'", val);
+        } else if (!strcmp(name, "--logit_bias")) {
+            a->logit_bias = val;
+        } else if (!strcmp(name, "--stop_ids")) {
+            a->stop_ids = val;
+        } else if (!strcmp(name, "--json_schema")) {
+            a->json_schema = val;
         } else if (!strcmp(name, "--num_threads")) {
             if (!parse_i64(val, 0, 4096, &a->num_threads))
                 return usage_error("--num_threads must be an integer in 0..4096, got '%s'", val);
@@ -280,6 +324,75 @@ static void print_cache_counts(colibri_ctx *ctx) {
             c.prefetch_hits, c.wasted, c.bytes_read, (double)c.bytes_read / 1048576.0);
 }
 
+/* "A:B,C:D" pairs or "A,B" ids; returns the count, -1 on a malformed list. */
+static int32_t parse_list(const char *s, int pairs, int32_t *ids, float *vals, int32_t cap) {
+    int32_t n = 0;
+    while (s && *s) {
+        char *end;
+        errno = 0;
+        long id = strtol(s, &end, 10);
+        if (errno || end == s || id < INT32_MIN || id > INT32_MAX || n >= cap) return -1;
+        s = end;
+        if (pairs) {
+            if (*s != ':') return -1;
+            double v = strtod(s + 1, &end);
+            if (end == s + 1) return -1;
+            vals[n] = (float)v;
+            s = end;
+        }
+        ids[n++] = (int32_t)id;
+        if (*s == ',') s++;
+        else if (*s) return -1;
+    }
+    return n;
+}
+
+/* The per-sequence sampler of the run, with its bias, stop ids and grammar. 0 or an exit status. */
+static int make_sampler(const args *a, colibri_ctx *ctx, colibri_tokenizer *tok, int32_t vocab, const int32_t *prompt,
+                        int64_t n_prompt, colibri_sampler **out, colibri_grammar **gout) {
+    (void)ctx;
+    colibri_sampling_params p;
+    colibri_sampling_params_init(&p);
+    p.temperature = (float)a->temperature;
+    p.top_k = (int32_t)a->top_k;
+    p.top_p = (float)a->top_p;
+    p.min_p = (float)a->min_p;
+    p.presence_penalty = (float)a->presence_penalty;
+    p.frequency_penalty = (float)a->frequency_penalty;
+    p.repetition_penalty = (float)a->repetition_penalty;
+    p.repetition_last_n = (int32_t)a->repetition_last_n;
+    p.ignore_eos = a->ignore_eos;
+    char err[512] = "";
+    colibri_status st = colibri_sampler_create(vocab, colibri_tokenizer_eos_id(tok), &p, out, err, sizeof err);
+    if (st != COLIBRI_OK) return usage_error("%s", err);
+    int32_t ids[1024];
+    float vals[1024];
+    int32_t n;
+    if (a->logit_bias) {
+        if ((n = parse_list(a->logit_bias, 1, ids, vals, 1024)) < 0)
+            return usage_error("--logit_bias must be ID:BIAS,... (at most 1024), got '%s'", a->logit_bias);
+        if (colibri_sampler_set_logit_bias(*out, ids, vals, n) != COLIBRI_OK)
+            return usage_error("--logit_bias: %s", colibri_sampler_last_error(*out));
+    }
+    if (a->stop_ids) {
+        if ((n = parse_list(a->stop_ids, 0, ids, vals, 1024)) < 0)
+            return usage_error("--stop_ids must be ID,... (at most 1024), got '%s'", a->stop_ids);
+        if (colibri_sampler_set_stop_ids(*out, ids, n) != COLIBRI_OK)
+            return usage_error("--stop_ids: %s", colibri_sampler_last_error(*out));
+    }
+    if (a->json_schema || a->json_any) {
+        st = colibri_grammar_compile(tok, a->json_schema, NULL, NULL, gout, err, sizeof err);
+        if (st != COLIBRI_OK) return usage_error("--json_schema: %s", err);
+        if (colibri_sampler_set_grammar(*out, *gout) != COLIBRI_OK)
+            return usage_error("--json_schema: %s", colibri_sampler_last_error(*out));
+    }
+    if (colibri_sampler_add_prompt(*out, prompt, n_prompt) != COLIBRI_OK) {
+        fprintf(stderr, "colibri_cli: error: %s\n", colibri_sampler_last_error(*out));
+        return EXIT_ENGINE;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     args a;
     int rc = parse_args(argc, argv, &a);
@@ -312,6 +425,8 @@ int main(int argc, char **argv) {
     float *logits = NULL;
     char *text = NULL;
     colibri_trace *trace = NULL;
+    colibri_sampler *sampler = NULL;
+    colibri_grammar *grammar = NULL;
     rc = EXIT_ENGINE;
 
     if (a.verify) {
@@ -427,13 +542,18 @@ int main(int argc, char **argv) {
 
     uint64_t rng = a.seed;
     int64_t n = n_prompt, n_gen = 0;
+    if ((rc = make_sampler(&a, ctx, tok, (int32_t)vocab, ids, n_prompt, &sampler, &grammar)) != 0) goto done;
     double td = now_ms();
     for (;;) {
         int32_t next;
-        st = colibri_sample(ctx, row, (float)a.temperature, (int32_t)a.top_k, (float)a.top_p, &rng,
-                            &next);
-        if (st != COLIBRI_OK) { rc = engine_error(ctx, st, "sampling"); goto done; }
-        if (next == colibri_tokenizer_eos_id(tok)) break;
+        st = colibri_sampler_sample(sampler, row, &rng, &next);
+        if (st != COLIBRI_OK) {
+            fprintf(stderr, "colibri_cli: error: sampling: %s\n", colibri_sampler_last_error(sampler));
+            rc = EXIT_ENGINE;
+            goto done;
+        }
+        int32_t fin = colibri_sampler_finished(sampler);
+        if (fin == COLIBRI_FINISH_EOS || fin == COLIBRI_FINISH_STOP_ID) break;
         ids[n++] = next;
         n_gen++;
 
@@ -447,7 +567,7 @@ int main(int argc, char **argv) {
             fflush(stdout);
             printed = upto;
         }
-        if (n_gen >= a.max_new_tokens) break;
+        if (n_gen >= a.max_new_tokens || fin == COLIBRI_FINISH_GRAMMAR) break;
 
         st = colibri_forward_at(ctx, &ids[n - 1], 1, n - 1, logits);
         if (st != COLIBRI_OK) { rc = engine_error(ctx, st, "decode"); goto done; }
@@ -473,6 +593,8 @@ oom:
     fprintf(stderr, "colibri_cli: error: out of memory\n");
     rc = EXIT_ENGINE;
 done:
+    colibri_sampler_free(sampler);
+    colibri_grammar_free(grammar);
     free(text);
     free(logits);
     free(ids);

@@ -1,6 +1,7 @@
 /*
- * sampler.c — colibri_sample: greedy, temperature, top-k and top-p (nucleus) sampling
- * over one row of logits, using only the arena's sampler scratch (no allocation).
+ * sampler.c — colibri_sample: greedy, temperature, top-k, top-p (nucleus) and min-p sampling
+ * over one row of logits, using only the caller's scratch (no allocation). The per-sequence
+ * sampler (sample/sampler.c) applies its penalties, bias and mask, then calls the same core.
  *
  * Candidate order is (logit descending, id ascending), so results are deterministic for
  * a given rng state. Top-k selection is a bounded min-heap over candidate ids; a full
@@ -9,6 +10,7 @@
 #include <math.h>
 
 #include "core/context.h"
+#include "sample/sample.h"
 
 /* xorshift64* (Vigna); returns a float uniform in [0, 1) from the top 24 bits. */
 static float rng_uniform(uint64_t *state) {
@@ -58,45 +60,33 @@ static void select_sorted(int32_t *ids, int64_t n, int64_t k, const float *lg) {
     }
 }
 
-colibri_status colibri_sample(colibri_ctx *ctx, const float *logits, float temperature,
-                              int32_t top_k, float top_p, uint64_t *rng, int32_t *out_id) {
-    if (!ctx) return COLIBRI_E_INVALID_ARG;
-    if (!logits || !rng || !out_id)
-        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_sample: logits, rng and out_id must not be NULL");
-    if (!(temperature >= 0.0f) || isinf(temperature))
-        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_sample: temperature %g must be finite and >= 0 "
-                       "(0 = greedy)", (double)temperature);
-    if (top_k < 0)
-        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_sample: top_k %d must be >= 0 (0 = off)", top_k);
-    if (!(top_p > 0.0f && top_p <= 1.0f))
-        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_sample: top_p %g must be in (0, 1] (1 = off)",
-                       (double)top_p);
-    const int64_t V = ctx->cfg.vocab;
-    for (int64_t i = 0; i < V; i++) {
-        if (isnan(logits[i]))
-            return cb_fail(ctx, COLIBRI_E_NUMERIC, "colibri_sample: logit %lld is NaN", (long long)i);
-    }
+/* The sampling core shared by colibri_sample and colibri_sampler_sample (sample/sampler.c):
+ * the candidates are the ids with a logit above -inf, in id order; temperature, top-k,
+ * top-p, then min-p. idx and p are [V] scratch. Returns 0, or -1 when no logit is above -inf. */
+int cb_sample_row(const float *logits, int64_t V, float temperature, int32_t top_k, float top_p, float min_p,
+                  int32_t *idx, float *p, uint64_t *rng, int32_t *out_id) {
     if (*rng == 0) *rng = 0x9E3779B97F4A7C15ull;
 
     if (temperature == 0.0f || top_k == 1) {
         int32_t best = 0;
         for (int32_t i = 1; i < (int32_t)V; i++)
             if (logits[i] > logits[best]) best = i;
+        if (logits[best] == -INFINITY) return -1;
         *out_id = best;
-        return COLIBRI_OK;
+        return 0;
     }
 
-    int32_t *idx = ctx->s.sample_idx; /* [V] */
-    float *p = ctx->s.sample_p;       /* [V] */
-    int64_t n = V;
+    int64_t n = 0;
     int sorted = 0;
-    for (int32_t i = 0; i < (int32_t)V; i++) idx[i] = i;
-    if (top_k > 0 && top_k < V) {
-        select_sorted(idx, V, top_k, logits);
+    for (int32_t i = 0; i < (int32_t)V; i++)
+        if (logits[i] != -INFINITY) idx[n++] = i;
+    if (n == 0) return -1;
+    if (top_k > 0 && top_k < n) {
+        select_sorted(idx, n, top_k, logits);
         n = top_k;
         sorted = 1;
-    } else if (top_p < 1.0f) {
-        select_sorted(idx, V, V, logits);
+    } else if (top_p < 1.0f || min_p > 0.0f) {
+        select_sorted(idx, n, n, logits);
         sorted = 1;
     }
     /* softmax with temperature over the candidates (max first when sorted) */
@@ -125,22 +115,55 @@ colibri_status colibri_sample(colibri_ctx *ctx, const float *logits, float tempe
         sum = 0.0;
         for (int64_t i = 0; i < n; i++) sum += p[i];
     }
+    if (min_p > 0.0f) {
+        /* min-p: the candidates (best first) whose probability is at least min_p × the best's */
+        float cut = min_p * p[0];
+        int64_t keep = 1;
+        while (keep < n && p[keep] >= cut) keep++;
+        n = keep;
+        sum = 0.0;
+        for (int64_t i = 0; i < n; i++) sum += p[i];
+    }
     double r = (double)rng_uniform(rng) * sum;
     double acc = 0.0;
     for (int64_t i = 0; i < n; i++) {
         acc += p[i];
         if (r < acc) {
             *out_id = idx[i];
-            return COLIBRI_OK;
+            return 0;
         }
     }
     /* rounding left r at the very top: the last candidate with non-zero mass */
     for (int64_t i = n - 1; i >= 0; i--) {
         if (p[i] > 0.0f) {
             *out_id = idx[i];
-            return COLIBRI_OK;
+            return 0;
         }
     }
     *out_id = idx[0];
+    return 0;
+}
+
+colibri_status colibri_sample(colibri_ctx *ctx, const float *logits, float temperature,
+                              int32_t top_k, float top_p, uint64_t *rng, int32_t *out_id) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (!logits || !rng || !out_id)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_sample: logits, rng and out_id must not be NULL");
+    if (!(temperature >= 0.0f) || isinf(temperature))
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_sample: temperature %g must be finite and >= 0 "
+                       "(0 = greedy)", (double)temperature);
+    if (top_k < 0)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_sample: top_k %d must be >= 0 (0 = off)", top_k);
+    if (!(top_p > 0.0f && top_p <= 1.0f))
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_sample: top_p %g must be in (0, 1] (1 = off)",
+                       (double)top_p);
+    const int64_t V = ctx->cfg.vocab;
+    for (int64_t i = 0; i < V; i++) {
+        if (isnan(logits[i]))
+            return cb_fail(ctx, COLIBRI_E_NUMERIC, "colibri_sample: logit %lld is NaN", (long long)i);
+    }
+    if (cb_sample_row(logits, V, temperature, top_k, top_p, 0.0f, ctx->s.sample_idx, ctx->s.sample_p, rng,
+                      out_id) != 0)
+        return cb_fail(ctx, COLIBRI_E_NUMERIC, "colibri_sample: every logit is -inf");
     return COLIBRI_OK;
 }

@@ -342,6 +342,15 @@ void cb_bpe_piece(const cb_bpe *b, int32_t id, const char **piece, uint64_t *len
     *len = l;
 }
 
+const uint8_t *cb_bpe_token_bytes(const cb_bpe *b, int32_t id, uint32_t *len, int *special) {
+    if (tok_flags(b, id) & TF_SPECIAL) {
+        *special = 1;
+        return tok_piece(b, id, len);
+    }
+    *special = 0;
+    return tok_bytes(b, id, len);
+}
+
 /* ---- UTF-8 ---- */
 
 /* Length of the well-formed UTF-8 character at s[0..len) (len >= 1), or 0 if malformed. */

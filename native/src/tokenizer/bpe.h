@@ -41,4 +41,7 @@ colibri_status cb_bpe_detokenize(const cb_bpe *b, const int32_t *ids, int64_t n,
 /* The tokenizer.json string of a token (e.g. "Ġhello", "<|endoftext|>"). */
 void cb_bpe_piece(const cb_bpe *b, int32_t id, const char **piece, uint64_t *len);
 
+/* A token's bytes (decoded text) and whether it is special (then *bytes is its piece). */
+const uint8_t *cb_bpe_token_bytes(const cb_bpe *b, int32_t id, uint32_t *len, int *special);
+
 #endif

@@ -567,6 +567,44 @@ colibri_status colibri_token_piece(colibri_tokenizer *tok, int32_t id, const cha
     return COLIBRI_OK;
 }
 
+int cb_token_bytes(const colibri_tokenizer *tok, int32_t id, uint8_t *buf, uint32_t cap, uint32_t *len,
+                   int *special) {
+    const uint8_t *s;
+    uint32_t sl;
+    *len = 0;
+    if (tok->type == CB_BPE_TYPE) {
+        s = cb_bpe_token_bytes(&tok->bpe, id, &sl, special);
+        if (sl > cap) return -1;
+        memcpy(buf, s, sl);
+        *len = sl;
+        return 0;
+    }
+    int ty = piece_type(tok, id);
+    s = tok->blob + piece_off(tok, id);
+    sl = piece_len(tok, id);
+    *special = (ty == PT_CONTROL || ty == PT_UNKNOWN);
+    if (ty == PT_BYTE) {
+        uint8_t hi = s[3], lo = s[4]; /* validated "<0xXX>" */
+        if (cap < 1) return -1;
+        buf[0] = (uint8_t)(((hi <= '9' ? hi - '0' : hi - 'A' + 10) << 4) | (lo <= '9' ? lo - '0' : lo - 'A' + 10));
+        *len = 1;
+        return 0;
+    }
+    uint32_t n = 0;
+    for (uint32_t k = 0; k < sl;) {
+        if (!*special && k + 3 <= sl && s[k] == 0xE2 && s[k + 1] == 0x96 && s[k + 2] == 0x81) {
+            if (n + 1 > cap) return -1;
+            buf[n++] = ' ';
+            k += 3;
+        } else {
+            if (n + 1 > cap) return -1;
+            buf[n++] = s[k++];
+        }
+    }
+    *len = n;
+    return 0;
+}
+
 /* ---- encode ---- */
 
 typedef struct {

@@ -19,6 +19,14 @@ size_t cb_tokenizer_struct_size(void);
 colibri_status cb_tokenizer_load(colibri_tokenizer *tok, const uint8_t *data, uint64_t size,
                                  int owned_by_ctx, char *err, size_t err_len);
 
+/* The bytes a token stands for in generated text, for constrained decoding (grammar/):
+ * *special = 0: the bytes the token adds to decoded text (SentencePiece: "▁" as a space, a
+ * byte piece as its byte; byte-level BPE: the token's bytes); *special = 1: a control,
+ * unknown or special token, and *bytes is its text (the piece, e.g. "</s>", "<|im_end|>").
+ * Id range-checked by the caller. Returns 0, or -1 when the text exceeds cap bytes. */
+int cb_token_bytes(const colibri_tokenizer *tok, int32_t id, uint8_t *buf, uint32_t cap, uint32_t *len,
+                   int *special);
+
 /* Release whatever cb_tokenizer_load allocated (not the struct itself). */
 void cb_tokenizer_unload(colibri_tokenizer *tok);
 

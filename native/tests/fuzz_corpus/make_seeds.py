@@ -12,6 +12,9 @@ tokenizers cut down from data/tokenizer.model.v1 and built from a fixed vocabula
   tokenizer/  [L][L bytes of text][tokenizer section] (fuzz_tokenizer): SentencePiece-BPE
               (type 1) and byte-level BPE (type 2, patterns GPT-2 / Qwen2 / Llama-3, NFC)
   server/     [kind][JSON body] (fuzz_server_api): kind 0 /v1/completions, 1 /v1/chat/completions
+  chat/       [flags][a model's output] (fuzz_chat_output): flags bits 0-1 and 5 the tool-call
+              syntax (hermes, mistral, deepseek, none, mistral-v11, harmony), bit 2 thinking, bit 3 tools, bit 4 also a
+              tools array for the required-call constraint
 """
 
 from __future__ import annotations
@@ -163,6 +166,41 @@ def main() -> None:
         write(HERE / "server" / f"seed{i}", bytes([kind]) + json.dumps(body, ensure_ascii=False).encode())
     write(HERE / "server" / "not-json", b"\x00{\"prompt\": \"a\", ")
     write(HERE / "server" / "bad-utf8", b"\x01{\"messages\": [{\"role\": \"user\", \"content\": \"\xc3\x28\"}]}")
+    tool_seeds()
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}},
+         {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+def tool_seeds() -> None:
+    """Request bodies with tools (server/) and model outputs with tool calls (chat/)."""
+    bodies = [
+        {"messages": [{"role": "user", "content": "w?"}], "tools": TOOLS, "tool_choice": "auto",
+         "parallel_tool_calls": False, "chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": [{"role": "user", "content": "w?"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "abcdefghi", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 1}"}}]},
+            {"role": "tool", "tool_call_id": "abcdefghi", "content": "2"}], "tools": TOOLS,
+         "tool_choice": {"type": "function", "function": {"name": "add"}}},
+    ]
+    for i, body in enumerate(bodies):
+        write(HERE / "server" / f"tools{i}", bytes([1]) + json.dumps(body).encode())
+    outputs = [
+        (0 | 8, '<think>\nhm\n</think>\n\nOk.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "P"}}\n'
+                '</tool_call>\n<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>'),
+        (1 | 8, '[TOOL_CALLS][{"name": "add", "arguments": {"a": [1, 2.5e3]}, "id": "abcdefghi"}]'),
+        (2 | 4 | 8, "x</think>y<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+                    "<｜tool▁calls▁end｜>"),
+        (0 | 8 | 16, json.dumps(TOOLS)),
+        (3, "plain <tool_call> text <think>"),
+        (0 | 8 | 32, '[TOOL_CALLS]add[CALL_ID]abcdefghi[ARGS]{"a": 1}[TOOL_CALLS]get_weather[ARGS]{}'),
+        (1 | 8 | 32, "<|channel|>analysis<|message|>hm<|end|><|start|>assistant to=functions.add<|channel|>commentary "
+                     'json<|message|>{"a": 1}<|call|>'),
+    ]
+    for i, (flags, text) in enumerate(outputs):
+        write(HERE / "chat" / f"seed{i}", bytes([flags]) + text.encode())
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@
 
 #include "chat.h"
 #include "server.h"
+#include "tools.h"
+
+#define CS_MAX_STOP_IDS 64 /* stop token ids per request (stop_token_ids and ids in stop) */
 
 #define PREFIX_TOKENS 8
 
@@ -36,7 +39,14 @@ typedef struct job_choice {
     cs_finish why;
     json_t *lp;          /* completions: {tokens, token_logprobs, top_logprobs, text_offset};
                           * chat: [entries] */
+    /* chat with a reasoning block or tools: the output taken apart (tools.h) */
+    size_t sent_reasoning, sent_content; /* bytes of each streamed */
+    cs_parsed parsed;    /* the final split (set in cb_finish) */
+    int have_parsed;
+    char call_ids[CS_MAX_TOOL_CALLS][40];
 } job_choice;
+
+enum { TC_AUTO = 0, TC_NONE, TC_REQUIRED, TC_NAMED };
 
 struct cs_job {
     cs_request req;      /* first: the scheduler's view */
@@ -55,7 +65,33 @@ struct cs_job {
     char id[64];
     int64_t created;
     int n_finished;
+    /* chat: the template's output syntax and the request's tools */
+    const cs_chat_format *fmt;
+    int structured;      /* reasoning / tool calls are taken out of the text */
+    int thinking;        /* the output begins inside the reasoning block */
+    int parse_tools;     /* tool calls are looked for (tools given, tool_choice not "none") */
+    int parallel;        /* parallel_tool_calls */
+    int forced_call;     /* tool_choice required / named: a grammar makes the output one call */
+    json_t *tools;       /* the request's tools, or NULL */
+    const char **tool_names;
+    int n_tool_names;
+    /* markers of the output syntax that the tokenizer holds as special tokens (decoding
+     * drops them): written back into the decoded text */
+    int n_marks;
+    int32_t mark_id[8];
+    const char *mark_text[8];
     job_choice ch[CS_MAX_CHOICES];
+    /* the library's per-choice sampler, when a request asks for more than temperature /
+     * top_k / top_p (penalties, min_p, logit_bias, stop ids, response_format) */
+    int use_sampler;
+    colibri_sampling_params sp;
+    int32_t *bias_ids;
+    float *bias_vals;
+    int32_t n_bias;
+    int32_t stop_ids[CS_MAX_STOP_IDS];
+    int32_t n_stop_ids;
+    colibri_grammar *grammar;
+    colibri_sampler *samplers[CS_MAX_CHOICES];
     /* shared with the HTTP thread */
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -188,6 +224,60 @@ static char *detok(colibri_tokenizer *tok, const int32_t *ids, int64_t n, size_t
     return NULL;
 }
 
+/* detok, with the job's special-token markers written as their text (caller holds tok_mu). */
+static char *detok_job(const cs_job *j, const int32_t *ids, int64_t n, size_t *len) {
+    if (j->n_marks == 0) return detok(j->srv->tok, ids, n, len);
+    char *out = malloc(1);
+    size_t total = 0;
+    int64_t start = 0;
+    if (!out) return NULL;
+    for (int64_t k = 0; k <= n; k++) {
+        int m = -1;
+        for (int q = 0; k < n && q < j->n_marks && m < 0; q++)
+            if (ids[k] == j->mark_id[q]) m = q;
+        if (k < n && m < 0) continue;
+        size_t sl = 0, ml = m >= 0 ? strlen(j->mark_text[m]) : 0;
+        char *seg = k > start ? detok(j->srv->tok, ids + start, k - start, &sl) : NULL;
+        if (k > start && !seg) {
+            free(out);
+            return NULL;
+        }
+        char *grown = realloc(out, total + sl + ml + 1);
+        if (!grown) {
+            free(seg);
+            free(out);
+            return NULL;
+        }
+        out = grown;
+        if (sl) memcpy(out + total, seg, sl);
+        total += sl;
+        if (ml) memcpy(out + total, j->mark_text[m], ml);
+        total += ml;
+        free(seg);
+        start = k + 1;
+    }
+    out[total] = 0;
+    *len = total;
+    return out;
+}
+
+/* The markers of the job's output syntax that are special tokens (caller holds tok_mu). */
+static void find_marks(cs_job *j) {
+    const char *const *mk = cs_output_markers(j->fmt);
+    for (int q = 0; mk[q] && j->n_marks < 8; q++) {
+        int32_t ids[4];
+        int64_t got = 0;
+        if (colibri_tokenize(j->srv->tok, mk[q], strlen(mk[q]), 0, ids, 4, &got) != COLIBRI_OK || got != 1) continue;
+        size_t dl = 1;
+        char *d = detok(j->srv->tok, ids, 1, &dl);
+        if (d && dl == 0) {
+            j->mark_id[j->n_marks] = ids[0];
+            j->mark_text[j->n_marks++] = mk[q];
+        }
+        free(d);
+    }
+}
+
 static size_t fffd_tail(const char *s, size_t n) {
     size_t k = n;
     while (k >= 3 && (unsigned char)s[k - 3] == 0xEF && (unsigned char)s[k - 2] == 0xBF &&
@@ -234,7 +324,14 @@ static char *token_text(colibri_tokenizer *tok, int32_t id, size_t *len, int *by
 /* ---- the job ------------------------------------------------------------------------- */
 
 static void job_free(cs_job *j) {
+    json_decref(j->tools);
+    free(j->tool_names);
+    for (int c = 0; c < CS_MAX_CHOICES; c++) colibri_sampler_free(j->samplers[c]);
+    colibri_grammar_free(j->grammar);
+    free(j->bias_ids);
+    free(j->bias_vals);
     for (int c = 0; c < CS_MAX_CHOICES; c++) {
+        cs_parsed_free(&j->ch[c].parsed);
         free(j->ch[c].ids);
         free(j->ch[c].text);
         json_decref(j->ch[c].lp);
@@ -332,6 +429,80 @@ static json_t *chunk(cs_job *j, int c, const char *delta, size_t dlen, json_t *l
     if (o && usage) json_object_set_new(o, "usage", usage);
     else json_decref(usage);
     return o;
+}
+
+static uint64_t random_seed(cs_server *srv);
+
+/* A chat stream chunk with a ready delta object (taken). */
+static json_t *chunk_delta(cs_job *j, int c, json_t *delta, const char *finish, json_t *usage) {
+    json_t *choice = json_pack("{s:i, s:o, s:n, s:o}", "index", c, "delta", delta, "logprobs", "finish_reason",
+                               finish ? json_string(finish) : json_null());
+    json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[o]}", "id", j->id, "object", "chat.completion.chunk", "created",
+                          (json_int_t)j->created, "model", j->srv->model_id, "choices", choice);
+    if (o && usage) json_object_set_new(o, "usage", usage);
+    else json_decref(usage);
+    return o;
+}
+
+/* Stream what is new in the split of the text so far (caller holds j->mu): reasoning and
+ * content deltas. */
+static void stream_split(cs_job *j, int c, const cs_parsed *p) {
+    job_choice *ch = &j->ch[c];
+    if (p->reasoning && p->reasoning_len > ch->sent_reasoning) {
+        json_t *d = json_pack("{s:o}", "reasoning_content",
+                              text_json(p->reasoning + ch->sent_reasoning, p->reasoning_len - ch->sent_reasoning));
+        sse(j, chunk_delta(j, c, d, NULL, NULL));
+        ch->sent_reasoning = p->reasoning_len;
+    }
+    if (p->content_len > ch->sent_content) {
+        json_t *d = json_pack("{s:o}", "content", text_json(p->content + ch->sent_content, p->content_len - ch->sent_content));
+        sse(j, chunk_delta(j, c, d, NULL, NULL));
+        ch->sent_content = p->content_len;
+    }
+}
+
+static void make_call_id(cs_job *j, char *out, size_t cap) {
+    static const char ALNUM[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    uint64_t x = random_seed(j->srv), y = random_seed(j->srv);
+    if (j->fmt && j->fmt->tools == CS_TOOLS_MISTRAL) { /* its template wants 9 alphanumerics */
+        for (int k = 0; k < 9; k++, x /= 62) out[k] = ALNUM[x % 62];
+        out[9] = 0;
+    } else {
+        snprintf(out, cap, "call_%016" PRIx64 "%08" PRIx64, x, y & 0xFFFFFFFFu);
+    }
+}
+
+/* The final split of choice c (engine thread, at its end). */
+static void finish_split(cs_job *j, int c) {
+    job_choice *ch = &j->ch[c];
+    if (cs_output_parse(j->fmt, j->thinking, j->parse_tools, j->tool_names, j->n_tool_names, ch->text ? ch->text : "",
+                        ch->emitted, 1, &ch->parsed) != 0)
+        return;
+    if (!j->parallel && ch->parsed.n_calls > 1) { /* parallel_tool_calls: false keeps the first */
+        cs_parsed first = ch->parsed;
+        first.n_calls = 1;
+        for (int k = 1; k < ch->parsed.n_calls; k++) {
+            free(ch->parsed.calls[k].name);
+            free(ch->parsed.calls[k].arguments);
+            free(ch->parsed.calls[k].id);
+        }
+        ch->parsed = first;
+    }
+    for (int k = 0; k < ch->parsed.n_calls; k++) {
+        const char *id = ch->parsed.calls[k].id;
+        if (id && strlen(id) < sizeof ch->call_ids[k]) snprintf(ch->call_ids[k], sizeof ch->call_ids[k], "%s", id);
+        else make_call_id(j, ch->call_ids[k], sizeof ch->call_ids[k]);
+    }
+    ch->have_parsed = 1;
+}
+
+static json_t *tool_calls_json(const job_choice *ch) {
+    json_t *a = json_array();
+    for (int k = 0; k < ch->parsed.n_calls; k++)
+        json_array_append_new(a, json_pack("{s:s, s:s, s:{s:s, s:s}}", "id", ch->call_ids[k], "type", "function",
+                                           "function", "name", ch->parsed.calls[k].name, "arguments",
+                                           ch->parsed.calls[k].arguments));
+    return a;
 }
 
 static const char *finish_name(cs_finish f) {
@@ -481,7 +652,7 @@ static int cb_token(cs_request *r, int c, int32_t tok, const float *logits) {
     json_t *lp = NULL;
     pthread_mutex_lock(&srv->tok_mu);
     size_t full_len = 0;
-    char *full = detok(srv->tok, ids, j->n_prefix + ch->n_ids, &full_len);
+    char *full = detok_job(j, ids, j->n_prefix + ch->n_ids, &full_len);
     if (j->logprobs >= 0) lp = logprobs_entry(j, ch, tok, logits, j->echo_len + before);
     pthread_mutex_unlock(&srv->tok_mu);
     free(ids);
@@ -498,7 +669,19 @@ static int cb_token(cs_request *r, int c, int32_t tok, const float *logits) {
     size_t from = ch->emitted;
     ch->emitted = upto;
     if (stopped) ch->stopped = 1;
-    if (j->stream && (upto > from || lp)) {
+    if (j->stream && j->structured) {
+        cs_parsed p;
+        if (cs_output_parse(j->fmt, j->thinking, j->parse_tools, j->tool_names, j->n_tool_names, ch->text, upto, 0,
+                            &p) == 0) {
+            pthread_mutex_lock(&j->mu);
+            stream_split(j, c, &p);
+            if (lp) sse(j, chunk(j, c, "", 0, lp, NULL, NULL, 0));
+            pthread_cond_broadcast(&j->cv);
+            pthread_mutex_unlock(&j->mu);
+            lp = NULL;
+        }
+        json_decref(lp);
+    } else if (j->stream && (upto > from || lp)) {
         pthread_mutex_lock(&j->mu);
         sse(j, chunk(j, c, ch->text + from, upto - from, lp, NULL, NULL, 0));
         pthread_cond_broadcast(&j->cv);
@@ -517,7 +700,36 @@ static void cb_finish(cs_request *r, int c, cs_finish why) {
     if (why != CS_FINISH_STOP && why != CS_FINISH_LENGTH) return;
     size_t from = ch->emitted;
     if (!ch->stopped) ch->emitted = ch->len; /* the end: everything held back goes out */
-    if (j->stream) {
+    if (j->structured) finish_split(j, c);
+    if (j->stream && j->structured) {
+        int last = j->n_finished == r->n;
+        const char *fin = finish_name(why);
+        pthread_mutex_lock(&j->mu);
+        if (ch->have_parsed) {
+            stream_split(j, c, &ch->parsed);
+            for (int k = 0; k < ch->parsed.n_calls; k++) {
+                /* as OpenAI streams a call: id, type and name first, then the arguments in pieces */
+                json_t *d = json_pack("{s:[{s:i, s:s, s:s, s:{s:s, s:s}}]}", "tool_calls", "index", k, "id",
+                                      ch->call_ids[k], "type", "function", "function", "name",
+                                      ch->parsed.calls[k].name, "arguments", "");
+                sse(j, chunk_delta(j, c, d, NULL, NULL));
+                const char *a = ch->parsed.calls[k].arguments;
+                size_t n = strlen(a), at = 0;
+                while (at < n) {
+                    size_t step = n - at < 16 ? n - at : 16;
+                    while (at + step < n && ((unsigned char)a[at + step] & 0xC0) == 0x80) step++;
+                    d = json_pack("{s:[{s:i, s:{s:s%}}]}", "tool_calls", "index", k, "function", "arguments", a + at,
+                                  step);
+                    sse(j, chunk_delta(j, c, d, NULL, NULL));
+                    at += step;
+                }
+            }
+            if (ch->parsed.n_calls && why == CS_FINISH_STOP) fin = "tool_calls";
+        }
+        sse(j, chunk_delta(j, c, json_object(), fin, last ? usage_json(j) : NULL));
+        pthread_cond_broadcast(&j->cv);
+        pthread_mutex_unlock(&j->mu);
+    } else if (j->stream) {
         int last = j->n_finished == r->n;
         pthread_mutex_lock(&j->mu);
         sse(j, chunk(j, c, ch->text ? ch->text + from : "", ch->emitted - from, NULL, finish_name(why),
@@ -638,6 +850,341 @@ static int add_stop(cs_job *j, const char *s, size_t n, cs_api_error *err) {
     return 0;
 }
 
+/* A function name as OpenAI allows it: a-z, A-Z, 0-9, _ and -, at most 64. */
+static int good_name(const char *s) {
+    size_t n = strlen(s);
+    if (n == 0 || n > 64) return 0;
+    for (size_t k = 0; k < n; k++)
+        if (!((s[k] >= 'a' && s[k] <= 'z') || (s[k] >= 'A' && s[k] <= 'Z') || (s[k] >= '0' && s[k] <= '9') ||
+              s[k] == '_' || s[k] == '-'))
+            return 0;
+    return 1;
+}
+
+/* tools, tool_choice, parallel_tool_calls and chat_template_kwargs of a chat request. */
+static int parse_tools(cs_job *j, json_t *root, cs_chat_opts *opts, cs_api_error *err) {
+    cs_server *srv = j->srv;
+    json_t *tools = field(root, "tools");
+    int choice = TC_AUTO;
+    const char *named = NULL;
+    opts->enable_thinking = -1;
+    j->parallel = 1;
+    if (get_bool(root, "parallel_tool_calls", &j->parallel, err) < 0) return -1;
+    if (tools) {
+        if (!json_is_array(tools)) {
+            BAD("tools", "'tools' must be an array of {\"type\": \"function\", \"function\": {\"name\", "
+                "\"description\", \"parameters\"}} objects");
+            return -1;
+        }
+        j->tool_names = calloc(json_array_size(tools) + 1, sizeof *j->tool_names);
+        if (!j->tool_names) {
+            BAD("tools", "out of memory");
+            return -1;
+        }
+        for (size_t k = 0; k < json_array_size(tools); k++) {
+            json_t *t = json_array_get(tools, k);
+            json_t *type = json_is_object(t) ? json_object_get(t, "type") : NULL;
+            json_t *fn = json_is_object(t) ? json_object_get(t, "function") : NULL;
+            json_t *nm = json_is_object(fn) ? json_object_get(fn, "name") : NULL;
+            json_t *desc = json_is_object(fn) ? json_object_get(fn, "description") : NULL;
+            json_t *params = json_is_object(fn) ? json_object_get(fn, "parameters") : NULL;
+            if (!json_is_string(type) || strcmp(json_string_value(type), "function")) {
+                BAD("tools", "tools[%zu].type must be \"function\"", k);
+                return -1;
+            }
+            if (!json_is_string(nm) || !good_name(json_string_value(nm))) {
+                BAD("tools", "tools[%zu].function.name must be a string of 1 to 64 characters a-z, A-Z, 0-9, _ "
+                    "and -", k);
+                return -1;
+            }
+            if (desc && !json_is_string(desc) && !json_is_null(desc)) {
+                BAD("tools", "tools[%zu].function.description must be a string", k);
+                return -1;
+            }
+            if (params && !json_is_object(params)) {
+                BAD("tools", "tools[%zu].function.parameters must be a JSON schema object", k);
+                return -1;
+            }
+            for (int q = 0; q < j->n_tool_names; q++)
+                if (!strcmp(j->tool_names[q], json_string_value(nm))) {
+                    BAD("tools", "tools[%zu]: the function name \"%s\" is given twice", k, json_string_value(nm));
+                    return -1;
+                }
+            j->tool_names[j->n_tool_names++] = json_string_value(nm);
+        }
+        j->tools = json_incref(tools);
+    }
+    json_t *tc = field(root, "tool_choice");
+    if (tc) {
+        if (json_is_string(tc)) {
+            const char *v = json_string_value(tc);
+            if (!strcmp(v, "auto")) choice = TC_AUTO;
+            else if (!strcmp(v, "none")) choice = TC_NONE;
+            else if (!strcmp(v, "required")) choice = TC_REQUIRED;
+            else {
+                BAD("tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": "
+                    "\"function\", \"function\": {\"name\": ...}}, not \"%.64s\"", v);
+                return -1;
+            }
+        } else {
+            json_t *fn = json_is_object(tc) ? json_object_get(tc, "function") : NULL;
+            json_t *nm = json_is_object(fn) ? json_object_get(fn, "name") : NULL;
+            json_t *type = json_is_object(tc) ? json_object_get(tc, "type") : NULL;
+            if (!json_is_string(nm) || !json_is_string(type) || strcmp(json_string_value(type), "function")) {
+                BAD("tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": "
+                    "\"function\", \"function\": {\"name\": ...}}");
+                return -1;
+            }
+            named = json_string_value(nm);
+            int found = 0;
+            for (int q = 0; q < j->n_tool_names; q++) found |= !strcmp(j->tool_names[q], named);
+            if (!found) {
+                BAD("tool_choice", "tool_choice names the function \"%.64s\", which is not in 'tools'", named);
+                return -1;
+            }
+            choice = TC_NAMED;
+        }
+        if ((choice == TC_REQUIRED || choice == TC_NAMED) && j->n_tool_names == 0) {
+            BAD("tool_choice", "tool_choice \"required\" needs 'tools'");
+            return -1;
+        }
+    }
+    json_t *kw = field(root, "chat_template_kwargs");
+    if (kw) {
+        if (!json_is_object(kw)) {
+            BAD("chat_template_kwargs", "'chat_template_kwargs' must be an object");
+            return -1;
+        }
+        const char *names[] = {"enable_thinking", "thinking"};
+        for (int q = 0; q < 2; q++) {
+            json_t *v = json_object_get(kw, names[q]);
+            if (!v || json_is_null(v)) continue;
+            if (!json_is_boolean(v)) {
+                BAD("chat_template_kwargs", "chat_template_kwargs.%s must be true or false", names[q]);
+                return -1;
+            }
+            opts->enable_thinking = json_is_true(v);
+        }
+    }
+    json_t *effort = field(root, "reasoning_effort");
+    if (effort) {
+        const char *v = json_is_string(effort) ? json_string_value(effort) : "";
+        if (strcmp(v, "low") && strcmp(v, "medium") && strcmp(v, "high") && strcmp(v, "minimal")) {
+            BAD("reasoning_effort", "'reasoning_effort' must be \"minimal\", \"low\", \"medium\" or \"high\"");
+            return -1;
+        }
+        opts->reasoning_effort = v;
+    }
+    j->fmt = cs_chat_template_format(srv->chat_template);
+    opts->tools = j->tools;
+    if (j->n_tool_names && j->fmt && j->fmt->tools == CS_TOOLS_NONE) {
+        BAD("tools", "the model's chat template (%s) takes no tools in colibri_server; send the request without "
+            "'tools'", j->fmt->name);
+        return -1;
+    }
+    if (j->fmt && (choice == TC_REQUIRED || choice == TC_NAMED)) { /* no format: the template is refused */
+        char *pre = NULL, *suf = NULL, *sch = NULL, msg[256];
+        if (cs_tool_call_constraint(j->fmt, j->tools, named, &pre, &suf, &sch, msg, sizeof msg) != 0) {
+            BAD("tool_choice", "%s", msg);
+            return -1;
+        }
+        /* the output is constrained to be one call of the given functions: the family's text
+         * before the call, the call object (or its arguments) by its JSON schema, the text after */
+        json_t *rf = field(root, "response_format");
+        json_t *rft = json_is_object(rf) ? json_object_get(rf, "type") : NULL;
+        if (rf && !(json_is_string(rft) && !strcmp(json_string_value(rft), "text"))) {
+            free(pre);
+            free(suf);
+            free(sch);
+            BAD("tool_choice", "a required tool call and 'response_format' cannot be combined");
+            return -1;
+        }
+        char gmsg[512] = "";
+        pthread_mutex_lock(&srv->tok_mu);
+        colibri_status gst = colibri_grammar_compile(srv->tok, sch, pre, suf, &j->grammar, gmsg, sizeof gmsg);
+        pthread_mutex_unlock(&srv->tok_mu);
+        free(pre);
+        free(suf);
+        free(sch);
+        if (gst != COLIBRI_OK) {
+            BAD("tools", "the parameters of the function to call cannot be used as a JSON schema: %s", gmsg);
+            return -1;
+        }
+        j->use_sampler = 1;
+        j->forced_call = 1;
+    }
+    j->parse_tools = choice != TC_NONE && j->n_tool_names > 0 && j->fmt && j->fmt->tools != CS_TOOLS_NONE;
+    /* a forced call starts at once: no reasoning block is written before it */
+    j->thinking = j->fmt && j->fmt->starts_thinking && opts->enable_thinking == 1 && !j->forced_call;
+    j->structured = j->fmt && (j->parse_tools || j->fmt->think_open);
+    return 0;
+}
+
+/* The sampling controls beyond temperature / top_p / top_k (OpenAI's and llama-server's
+ * names), checked with OpenAI-style 400s; j->use_sampler says whether any is in effect. */
+static int parse_sampling(cs_job *j, json_t *root, cs_api_error *err) {
+    cs_server *srv = j->srv;
+    double pp = 0, fp = 0, rp = 1, mp = 0;
+    int64_t last_n = 0, best_of = 0, n = 1;
+    int k = 0;
+    if ((k = get_num(root, "presence_penalty", -2, 2, 0, &pp, err)) < 0) return -1;
+    j->use_sampler |= k && pp != 0;
+    if ((k = get_num(root, "frequency_penalty", -2, 2, 0, &fp, err)) < 0) return -1;
+    j->use_sampler |= k && fp != 0;
+    if (field(root, "repetition_penalty") && field(root, "repeat_penalty")) {
+        BAD("repetition_penalty", "give 'repetition_penalty' or its llama-server name 'repeat_penalty', not both");
+        return -1;
+    }
+    const char *rname = field(root, "repeat_penalty") ? "repeat_penalty" : "repetition_penalty";
+    if ((k = get_num(root, rname, 0, 100, 1, &rp, err)) < 0) return -1;
+    j->use_sampler |= k && rp != 1;
+    if (get_int(root, "repeat_last_n", 0, INT32_MAX, &last_n, err) < 0) return -1;
+    if ((k = get_num(root, "min_p", 0, 1, 0, &mp, err)) < 0) return -1;
+    j->use_sampler |= k && mp != 0;
+    if (get_int(root, "n", 1, CS_MAX_CHOICES, &n, err) < 0) return -1;
+    if (get_int(root, "best_of", 1, INT32_MAX, &best_of, err) < 0) return -1;
+    if (best_of > 1 && best_of != n) {
+        BAD("best_of", "'best_of' %" PRId64 " is not supported: this server does not rank completions; give 'n' "
+            "(best_of equal to n, or 1, is accepted)", best_of);
+        return -1;
+    }
+    colibri_sampling_params_init(&j->sp);
+    j->sp.presence_penalty = (float)pp;
+    j->sp.frequency_penalty = (float)fp;
+    j->sp.repetition_penalty = (float)rp;
+    j->sp.repetition_last_n = (int32_t)last_n;
+    j->sp.min_p = (float)mp;
+    json_t *lb = field(root, "logit_bias");
+    if (lb) {
+        if (!json_is_object(lb)) {
+            BAD("logit_bias", "'logit_bias' must be an object of token ids (strings) to biases in [-100, 100]");
+            return -1;
+        }
+        size_t cnt = json_object_size(lb);
+        if (cnt > 1024) {
+            BAD("logit_bias", "'logit_bias' may have at most 1024 entries");
+            return -1;
+        }
+        j->bias_ids = malloc((cnt ? cnt : 1) * sizeof *j->bias_ids);
+        j->bias_vals = malloc((cnt ? cnt : 1) * sizeof *j->bias_vals);
+        if (!j->bias_ids || !j->bias_vals) {
+            BAD("logit_bias", "out of memory");
+            return -1;
+        }
+        const char *key;
+        json_t *v;
+        json_object_foreach(lb, key, v) {
+            char *end;
+            errno = 0;
+            long id = strtol(key, &end, 10);
+            if (!*key || *end || errno || id < 0 || id >= srv->vocab) {
+                BAD("logit_bias", "logit_bias key '%.40s' is not a token id in 0..%" PRId64, key, srv->vocab - 1);
+                return -1;
+            }
+            double b = json_is_number(v) ? json_number_value(v) : NAN;
+            if (!(b >= -100 && b <= 100)) {
+                BAD("logit_bias", "the bias of token %ld must be a number in [-100, 100]", id);
+                return -1;
+            }
+            j->bias_ids[j->n_bias] = (int32_t)id;
+            j->bias_vals[j->n_bias++] = (float)b;
+        }
+        j->use_sampler |= j->n_bias > 0;
+    }
+    json_t *sti = field(root, "stop_token_ids");
+    if (sti && !json_is_array(sti)) {
+        BAD("stop_token_ids", "'stop_token_ids' must be an array of token ids");
+        return -1;
+    }
+    for (size_t i = 0; sti && i < json_array_size(sti); i++) {
+        json_t *v = json_array_get(sti, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= srv->vocab) {
+            BAD("stop_token_ids", "stop_token_ids[%zu] is not a token id in 0..%" PRId64, i, srv->vocab - 1);
+            return -1;
+        }
+        if (j->n_stop_ids >= CS_MAX_STOP_IDS) {
+            BAD("stop_token_ids", "at most %d stop token ids", CS_MAX_STOP_IDS);
+            return -1;
+        }
+        j->stop_ids[j->n_stop_ids++] = (int32_t)json_integer_value(v);
+    }
+    j->use_sampler |= j->n_stop_ids > 0;
+    return 0;
+}
+
+/* response_format: text (nothing), json_object (any object) or json_schema; compiles the
+ * grammar for the model's tokenizer. */
+static int parse_response_format(cs_job *j, json_t *root, cs_api_error *err) {
+    json_t *rf = field(root, "response_format");
+    if (!rf || j->forced_call) return 0; /* a forced tool call has its own grammar (parse_tools) */
+    json_t *ty = json_is_object(rf) ? json_object_get(rf, "type") : NULL;
+    if (!ty || !json_is_string(ty)) {
+        BAD("response_format", "'response_format' must be an object with a 'type': text, json_object or json_schema");
+        return -1;
+    }
+    const char *t = json_string_value(ty);
+    if (!strcmp(t, "text")) return 0;
+    char *schema = NULL;
+    if (!strcmp(t, "json_schema")) {
+        json_t *js = json_object_get(rf, "json_schema");
+        json_t *sc = json_is_object(js) ? json_object_get(js, "schema") : NULL;
+        if (!js || !json_is_object(js)) {
+            BAD("response_format", "response_format of type json_schema needs a 'json_schema' object");
+            return -1;
+        }
+        json_t *st = json_object_get(js, "strict");
+        if (st && !json_is_boolean(st) && !json_is_null(st)) {
+            BAD("response_format", "json_schema.strict must be true or false");
+            return -1;
+        }
+        if (sc && !json_is_object(sc) && !json_is_boolean(sc)) {
+            BAD("response_format", "json_schema.schema must be a JSON schema object");
+            return -1;
+        }
+        /* no schema: any JSON object */
+        if (sc && !(schema = json_dumps(sc, JSON_COMPACT | JSON_ENCODE_ANY))) {
+            BAD("response_format", "out of memory");
+            return -1;
+        }
+    } else if (strcmp(t, "json_object") != 0) {
+        BAD("response_format", "response_format type '%.40s' is not supported (text, json_object, json_schema)", t);
+        return -1;
+    }
+    char msg[512] = "";
+    pthread_mutex_lock(&j->srv->tok_mu);
+    colibri_status st = colibri_grammar_compile(j->srv->tok, schema, NULL, NULL, &j->grammar, msg, sizeof msg);
+    pthread_mutex_unlock(&j->srv->tok_mu);
+    free(schema);
+    if (st != COLIBRI_OK) {
+        BAD("response_format", "the JSON schema cannot be used: %s", msg);
+        return -1;
+    }
+    j->use_sampler = 1;
+    return 0;
+}
+
+/* One sampler per choice, with the request's settings (after the prompt is known). */
+static int make_samplers(cs_job *j, cs_api_error *err) {
+    cs_server *srv = j->srv;
+    for (int c = 0; c < j->req.n; c++) {
+        char msg[512] = "";
+        colibri_sampler *s = NULL;
+        colibri_status st = colibri_sampler_create((int32_t)srv->vocab, srv->eos_id, &j->sp, &s, msg, sizeof msg);
+        if (st == COLIBRI_OK && j->n_bias) st = colibri_sampler_set_logit_bias(s, j->bias_ids, j->bias_vals, j->n_bias);
+        if (st == COLIBRI_OK && j->n_stop_ids) st = colibri_sampler_set_stop_ids(s, j->stop_ids, j->n_stop_ids);
+        if (st == COLIBRI_OK && j->grammar) st = colibri_sampler_set_grammar(s, j->grammar);
+        if (st == COLIBRI_OK) st = colibri_sampler_add_prompt(s, j->prompt, j->n_prompt);
+        if (st != COLIBRI_OK) {
+            BAD(NULL, "sampling settings: %s", s ? colibri_sampler_last_error(s) : msg);
+            colibri_sampler_free(s);
+            return -1;
+        }
+        j->samplers[c] = s;
+        j->req.sampler[c] = s;
+    }
+    return 0;
+}
+
 static uint64_t random_seed(cs_server *srv) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -717,7 +1264,50 @@ static int parse_prompt(cs_job *j, json_t *p, cs_api_error *err) {
 }
 
 /* The messages of /v1/chat/completions, rendered with the model's chat template. */
-static int parse_messages(cs_job *j, json_t *m, cs_api_error *err) {
+/* messages[i].tool_calls as the templates take them: checked, each function.arguments
+ * string parsed into its JSON value (as vLLM hands them to the template). The message
+ * object is replaced in `m` by a copy when it changes. */
+static int parse_tool_calls(json_t *m, size_t i, cs_api_error *err) {
+    json_t *o = json_array_get(m, i);
+    json_t *tc = json_object_get(o, "tool_calls");
+    if (!tc || json_is_null(tc)) return 0;
+    if (!json_is_array(tc)) {
+        BAD("messages", "messages[%zu].tool_calls must be an array", i);
+        return -1;
+    }
+    json_t *copy = json_deep_copy(o);
+    if (!copy) {
+        BAD("messages", "out of memory");
+        return -1;
+    }
+    tc = json_object_get(copy, "tool_calls");
+    for (size_t k = 0; k < json_array_size(tc); k++) {
+        json_t *c = json_array_get(tc, k);
+        json_t *fn = json_is_object(c) ? json_object_get(c, "function") : NULL;
+        json_t *nm = json_is_object(fn) ? json_object_get(fn, "name") : NULL;
+        json_t *args = json_is_object(fn) ? json_object_get(fn, "arguments") : NULL;
+        if (!json_is_string(nm)) {
+            BAD("messages", "messages[%zu].tool_calls[%zu] must be {\"id\", \"type\": \"function\", \"function\": "
+                "{\"name\", \"arguments\"}}", i, k);
+            json_decref(copy);
+            return -1;
+        }
+        if (json_is_string(args)) {
+            json_error_t je;
+            json_t *v = json_loadb(json_string_value(args), json_string_length(args), JSON_DECODE_ANY, &je);
+            if (!v) {
+                BAD("messages", "messages[%zu].tool_calls[%zu].function.arguments is not valid JSON: %s", i, k, je.text);
+                json_decref(copy);
+                return -1;
+            }
+            json_object_set_new(fn, "arguments", v);
+        }
+    }
+    json_array_set_new(m, i, copy);
+    return 0;
+}
+
+static int parse_messages(cs_job *j, json_t *m, const cs_chat_opts *opts, cs_api_error *err) {
     cs_server *srv = j->srv;
     if (!json_is_array(m) || json_array_size(m) == 0) {
         BAD("messages", "'messages' must be a non-empty array of {\"role\", \"content\"} objects");
@@ -739,6 +1329,16 @@ static int parse_messages(cs_job *j, json_t *m, cs_api_error *err) {
             BAD("messages", "messages[%zu] must be an object with a string 'role'", i);
             goto out;
         }
+        if (parse_tool_calls(m, i, err)) goto out;
+        o = json_array_get(m, i);
+        content = json_object_get(o, "content");
+        role = json_object_get(o, "role");
+        json_t *tcid = json_object_get(o, "tool_call_id");
+        if (tcid && !json_is_string(tcid) && !json_is_null(tcid)) {
+            BAD("messages", "messages[%zu].tool_call_id must be a string", i);
+            goto out;
+        }
+        msgs[i].json = o;
         msgs[i].role = json_string_value(role);
         if (!content || json_is_null(content)) {
             msgs[i].content = "";
@@ -784,9 +1384,10 @@ static int parse_messages(cs_job *j, json_t *m, cs_api_error *err) {
             goto out;
         }
     }
-    char msg[512] = "";
+    char msg[1024] = "";
     pthread_mutex_lock(&srv->tok_mu);
-    int crc = cs_chat_tokenize(srv->tok, srv->chat_template, msgs, n, &j->prompt, &j->n_prompt, msg, sizeof msg);
+    int crc = cs_chat_tokenize_ex(srv->tok, srv->chat_template, msgs, n, opts, &j->prompt, &j->n_prompt, msg,
+                                  sizeof msg);
     pthread_mutex_unlock(&srv->tok_mu);
     if (crc != 0) {
         BAD("messages", "%s", *msg ? msg : "the chat template could not be applied");
@@ -887,6 +1488,7 @@ int cs_api_parse(cs_server *srv, cs_api_kind kind, const char *body, size_t len,
         if (want) lp = top >= 0 ? top : 0;
     }
     j->logprobs = (int)lp;
+    if (parse_sampling(j, root, err)) goto fail;
     json_t *stop = field(root, "stop");
     if (stop) {
         if (json_is_string(stop)) {
@@ -894,8 +1496,21 @@ int cs_api_parse(cs_server *srv, cs_api_kind kind, const char *body, size_t len,
         } else if (json_is_array(stop)) {
             for (size_t i = 0; i < json_array_size(stop); i++) {
                 json_t *s = json_array_get(stop, i);
+                if (json_is_integer(s)) { /* a stop token id */
+                    if (json_integer_value(s) < 0 || json_integer_value(s) >= srv->vocab) {
+                        BAD("stop", "stop[%zu] is not a token id in 0..%" PRId64, i, srv->vocab - 1);
+                        goto fail;
+                    }
+                    if (j->n_stop_ids >= CS_MAX_STOP_IDS) {
+                        BAD("stop", "at most %d stop token ids", CS_MAX_STOP_IDS);
+                        goto fail;
+                    }
+                    j->stop_ids[j->n_stop_ids++] = (int32_t)json_integer_value(s);
+                    j->use_sampler = 1;
+                    continue;
+                }
                 if (!json_is_string(s)) {
-                    BAD("stop", "'stop' must be a string or an array of strings");
+                    BAD("stop", "'stop' must be a string or an array of strings and token ids");
                     goto fail;
                 }
                 if (add_stop(j, json_string_value(s), json_string_length(s), err)) goto fail;
@@ -918,7 +1533,9 @@ int cs_api_parse(cs_server *srv, cs_api_kind kind, const char *body, size_t len,
             BAD("messages", "'messages' is required");
             goto fail;
         }
-        if (parse_messages(j, m, err)) goto fail;
+        cs_chat_opts opts = {0};
+        if (parse_tools(j, root, &opts, err)) goto fail;
+        if (parse_messages(j, m, &opts, err)) goto fail;
     }
     if (j->n_prompt < 1) {
         BAD(kind == CS_API_CHAT ? "messages" : "prompt", "the prompt has no tokens");
@@ -942,7 +1559,8 @@ int cs_api_parse(cs_server *srv, cs_api_kind kind, const char *body, size_t len,
     {
         pthread_mutex_lock(&srv->tok_mu);
         size_t plen = 0;
-        char *pt = detok(srv->tok, j->prompt + j->n_prompt - j->n_prefix, j->n_prefix, &plen);
+        if (j->structured) find_marks(j);
+        char *pt = detok_job(j, j->prompt + j->n_prompt - j->n_prefix, j->n_prefix, &plen);
         pthread_mutex_unlock(&srv->tok_mu);
         j->prefix_len = pt ? plen - fffd_tail(pt, plen) : 0;
         free(pt);
@@ -955,6 +1573,14 @@ int cs_api_parse(cs_server *srv, cs_api_kind kind, const char *body, size_t len,
     j->req.top_p = (float)top_p;
     j->req.top_k = top_k < 0 ? 0 : (int32_t)top_k;
     j->req.seed = have_seed ? (uint64_t)seed : random_seed(srv);
+    if (parse_response_format(j, root, err)) goto fail;
+    if (j->use_sampler) {
+        j->sp.temperature = (float)temperature;
+        j->sp.top_k = j->req.top_k;
+        j->sp.top_p = (float)top_p;
+        j->sp.ignore_eos = j->req.ignore_eos;
+        if (make_samplers(j, err)) goto fail;
+    }
     j->req.cb = &CALLBACKS;
     j->req.user = j;
     char msg[512];
@@ -1051,7 +1677,20 @@ char *cs_job_response(cs_job *j, size_t *len, int *status) {
         json_t *o = json_object();
         json_object_set_new(o, "index", json_integer(c));
         size_t tl = ch->emitted;
-        if (j->kind == CS_API_CHAT) {
+        if (j->kind == CS_API_CHAT && ch->have_parsed) {
+            const cs_parsed *p = &ch->parsed;
+            json_t *msg = json_pack("{s:s, s:o}", "role", "assistant", "content",
+                                    p->has_content ? text_json(p->content, p->content_len) : json_null());
+            if (p->reasoning) json_object_set_new(msg, "reasoning_content", text_json(p->reasoning, p->reasoning_len));
+            if (p->n_calls) {
+                json_object_set_new(msg, "tool_calls", tool_calls_json(ch));
+                if (ch->why == CS_FINISH_STOP) fin = "tool_calls";
+            }
+            json_object_set_new(o, "message", msg);
+            json_object_set_new(o, "logprobs",
+                                j->logprobs >= 0 ? json_pack("{s:o}", "content", ch->lp ? json_incref(ch->lp) : json_array())
+                                                 : json_null());
+        } else if (j->kind == CS_API_CHAT) {
             json_object_set_new(o, "message", json_pack("{s:s, s:o}", "role", "assistant", "content",
                                                         text_json(ch->text ? ch->text : "", tl)));
             json_object_set_new(o, "logprobs",

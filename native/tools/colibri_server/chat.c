@@ -28,12 +28,16 @@
  */
 #include "chat.h"
 
+#include <jansson.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* ------------------------------------------------------------------ the known templates */
+
+#include "chat_templates.h" /* T_QWEN25_INSTRUCT, T_MISTRAL_NEMO, T_DEEPSEEK_V31 */
 
 /* The sources as their tokenizer_config.json files hold them, newlines inside string
  * literals written \n (the same template to Jinja); tests/test_chat_template.py renders each
@@ -280,7 +284,7 @@ static const char T_OLMO2_INSTRUCT[] =
     "{% endif %}\n"
     "{% endfor %}";
 
-enum { FAM_MISTRAL, FAM_CHATML, FAM_QWEN3, FAM_TULU };
+enum { FAM_MISTRAL, FAM_CHATML, FAM_QWEN3, FAM_TULU, FAM_QWEN25, FAM_MISTRAL_TEKKEN, FAM_DEEPSEEK3, FAM_MISTRAL_SMALL32, FAM_DEVSTRAL, FAM_HARMONY, N_FAMILIES };
 
 typedef struct variant {
     const char *name;
@@ -299,60 +303,93 @@ typedef struct variant {
     const char *system_end, *user_end;     /* after the content */
     const char *asst_end, *asst_end_last;  /* after EOS: not the last message / the last */
     const char *generation;                /* the generation prompt */
+    /* FAM_QWEN25, FAM_DEVSTRAL: the default system prompt; FAM_MISTRAL_SMALL32: its text
+     * before the date, and system_default_b after it */
+    const char *system_default, *system_default_b;
+    /* what the model writes: tool calls, reasoning (tools.c parses it) */
+    cs_chat_format fmt;
 } variant;
+
+static const char *const HARMONY_MARKERS[] = {"<|start|>", "<|end|>", "<|channel|>", "<|message|>",
+                                              "<|return|>", "<|call|>", "<|constrain|>", NULL};
+#define FMT_NONE(n) {.name = n}
+#define FMT_HERMES(n) {.name = n, .tools = CS_TOOLS_HERMES}
+#define FMT_QWEN3(n) {.name = n, .tools = CS_TOOLS_HERMES, .think_open = "<think>", .think_close = "</think>"}
 
 #define ALTERNATE_V1 "Conversation roles must alternate user/assistant/user/assistant/..."
 #define ROLES_V1 "Only user and assistant roles are supported!"
 
 static const variant VARIANTS[] = {
     /* Mixtral-8x7B-Instruct-v0.1 now (Mistral-7B-Instruct-v0.1/v0.2 have it too) */
-    {.name = "mistral-instruct", .family = FAM_MISTRAL, .src = T_MIXTRAL_8X7B_INSTRUCT,
+    {.name = "mistral-instruct", .fmt = FMT_NONE("mistral-instruct"), .family = FAM_MISTRAL, .src = T_MIXTRAL_8X7B_INSTRUCT,
      .system_first = 1, .user_prefix = " [INST] ", .asst_prefix = " ",
      .alternate_err = "After the optional system message, conversation roles must alternate "
                       "user/assistant/user/assistant/...",
      .role_err = "Only user and assistant roles are supported, with the exception of an initial "
                  "optional system message!"},
     /* as Mixtral-8x7B-Instruct-v0.1 and Mistral-7B-Instruct-v0.1 were first released */
-    {.name = "mistral-instruct-v0.1", .family = FAM_MISTRAL, .src = T_MISTRAL_V1_ORIGINAL,
+    {.name = "mistral-instruct-v0.1", .fmt = FMT_NONE("mistral-instruct-v0.1"), .family = FAM_MISTRAL, .src = T_MISTRAL_V1_ORIGINAL,
      .user_prefix = "[INST] ", .asst_prefix = "", .alternate_err = ALTERNATE_V1,
      .role_err = ROLES_V1},
     /* the v1 template with Mistral's spaces (mistralai/cookbook, chat_templates.md) */
-    {.name = "mistral-instruct-v0.1-spaced", .family = FAM_MISTRAL, .src = T_MISTRAL_V1_SPACED,
+    {.name = "mistral-instruct-v0.1-spaced", .fmt = FMT_NONE("mistral-instruct-v0.1-spaced"), .family = FAM_MISTRAL, .src = T_MISTRAL_V1_SPACED,
      .user_prefix = " [INST] ", .asst_prefix = " ", .alternate_err = ALTERNATE_V1,
      .role_err = ROLES_V1},
     /* Qwen1.5-MoE-A2.7B-Chat, Qwen2-57B-A14B-Instruct (their default system prompts differ) */
-    {.name = "chatml-qwen2", .family = FAM_CHATML, .src = T_QWEN2_INSTRUCT, .default_system = 1},
+    {.name = "chatml-qwen2", .fmt = FMT_NONE("chatml-qwen2"), .family = FAM_CHATML, .src = T_QWEN2_INSTRUCT, .default_system = 1},
     /* plain ChatML */
-    {.name = "chatml", .family = FAM_CHATML, .src = T_CHATML},
+    {.name = "chatml", .fmt = FMT_NONE("chatml"), .family = FAM_CHATML, .src = T_CHATML},
     /* Qwen3-30B-A3B, Qwen3-235B-A22B: the current revision and the first */
-    {.name = "qwen3", .family = FAM_QWEN3, .src = T_QWEN3},
-    {.name = "qwen3-initial", .family = FAM_QWEN3, .src = T_QWEN3_INITIAL},
+    {.name = "qwen3", .fmt = FMT_QWEN3("qwen3"), .family = FAM_QWEN3, .src = T_QWEN3},
+    {.name = "qwen3-initial", .fmt = FMT_QWEN3("qwen3-initial"), .family = FAM_QWEN3, .src = T_QWEN3_INITIAL},
     /* OLMoE-1B-7B-0924-Instruct (BOS = <|endoftext|>), OLMo-2 SFT: {{ bos_token }} + Tulu 3 */
-    {.name = "olmoe-instruct", .family = FAM_TULU, .src = T_OLMOE_INSTRUCT, .bos = 1,
+    {.name = "olmoe-instruct", .fmt = FMT_NONE("olmoe-instruct"), .family = FAM_TULU, .src = T_OLMOE_INSTRUCT, .bos = 1,
      .system_end = "\n", .user_end = "\n", .asst_end = "\n", .asst_end_last = "",
      .generation = "<|assistant|>\n"},
     /* Tulu 3 (open-instruct's "tulu", Llama-3.1-Tulu-3) */
-    {.name = "tulu3", .family = FAM_TULU, .src = T_TULU3, .bos = 0,
+    {.name = "tulu3", .fmt = FMT_NONE("tulu3"), .family = FAM_TULU, .src = T_TULU3, .bos = 0,
      .system_end = "\n", .user_end = "\n", .asst_end = "\n", .asst_end_last = "",
      .generation = "<|assistant|>\n"},
     /* Tulu 2, one tag a line (the newlines after {{ }} are output), with and without BOS */
-    {.name = "tulu2", .family = FAM_TULU, .src = T_TULU2, .bos = 0,
+    {.name = "tulu2", .fmt = FMT_NONE("tulu2"), .family = FAM_TULU, .src = T_TULU2, .bos = 0,
      .system_end = "\n", .user_end = "\n", .asst_end = "\n", .asst_end_last = "\n",
      .generation = "<|assistant|>\n"},
-    {.name = "tulu2-bos", .family = FAM_TULU, .src = T_TULU2_BOS, .bos = 1,
+    {.name = "tulu2-bos", .fmt = FMT_NONE("tulu2-bos"), .family = FAM_TULU, .src = T_TULU2_BOS, .bos = 1,
      .system_end = "\n", .user_end = "\n", .asst_end = "\n", .asst_end_last = "\n",
      .generation = "<|assistant|>\n"},
     /* the one-tag-a-line Tulu 3 form with BOS (OLMo-2 Instruct style) */
-    {.name = "olmo2-instruct", .family = FAM_TULU, .src = T_OLMO2_INSTRUCT, .bos = 1,
+    {.name = "olmo2-instruct", .fmt = FMT_NONE("olmo2-instruct"), .family = FAM_TULU, .src = T_OLMO2_INSTRUCT, .bos = 1,
      .system_end = "\n", .user_end = "\n", .asst_end = "\n", .asst_end_last = "\n",
      .generation = "<|assistant|>\n\n"},
+    /* Qwen2.5-Instruct (Qwen2.5 MoE): default system prompt, tools in <tools>, calls in <tool_call> */
+    {.name = "qwen2.5", .family = FAM_QWEN25, .fmt = FMT_HERMES("qwen2.5"), .src = T_QWEN25_INSTRUCT,
+     .system_default = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."},
+    /* Mistral-Nemo-Instruct-2407 (v3-tekken, [AVAILABLE_TOOLS] / [TOOL_CALLS] / [TOOL_RESULTS]) */
+    {.name = "mistral-v3-tekken", .family = FAM_MISTRAL_TEKKEN, .src = T_MISTRAL_NEMO,
+     .fmt = {.name = "mistral-v3-tekken", .tools = CS_TOOLS_MISTRAL}},
+    /* DeepSeek-V3.1 (thinking switch, tool calls in <｜tool▁calls▁begin｜> ...) */
+    {.name = "deepseek-v3.1", .family = FAM_DEEPSEEK3, .src = T_DEEPSEEK_V31,
+     .fmt = {.name = "deepseek-v3.1", .tools = CS_TOOLS_DEEPSEEK, .think_open = "<think>",
+             .think_close = "</think>", .starts_thinking = 1}},
+    /* Mistral-Small-3.2-24B-Instruct-2506 ([SYSTEM_PROMPT] with today's date, [CALL_ID]) */
+    {.name = "mistral-small-3.2", .family = FAM_MISTRAL_SMALL32, .src = T_MISTRAL_SMALL_32,
+     .system_default = T_MISTRAL_SMALL_32_SYS_A, .system_default_b = T_MISTRAL_SMALL_32_SYS_B,
+     .fmt = {.name = "mistral-small-3.2", .tools = CS_TOOLS_MISTRAL_V11}},
+    /* gpt-oss (harmony): reasoning on the analysis channel, the answer on the final one */
+    {.name = "gpt-oss", .family = FAM_HARMONY, .src = T_GPT_OSS,
+     .fmt = {.name = "gpt-oss", .tools = CS_TOOLS_HARMONY, .think_open = "<|channel|>analysis<|message|>",
+             .think_close = "<|end|>",
+             .content_open = "<|channel|>final<|message|>", .markers = HARMONY_MARKERS}},
+    /* Devstral-Small-2507 (Unsloth's template: [TOOL_CALLS]name[ARGS]) */
+    {.name = "devstral", .family = FAM_DEVSTRAL, .src = T_DEVSTRAL_UNSLOTH, .system_default = T_DEVSTRAL_SYS,
+     .fmt = {.name = "devstral", .tools = CS_TOOLS_MISTRAL_V11}},
 };
 #define N_VARIANTS (sizeof VARIANTS / sizeof VARIANTS[0])
 #define WILDCARD "@@SYSTEM_PROMPT@@"
 
-#define SUPPORTED                                                                              \
-    "colibri_server renders the chat templates of Mixtral-8x7B-Instruct / Mistral-Instruct "  \
-    "([INST] ... [/INST]), ChatML (Qwen1.5-MoE, Qwen2-MoE), Qwen3-MoE and Tulu (OLMoE-Instruct)"
+#define SUPPORTED                                                                            \
+    "colibri_server renders the chat templates of Mixtral/Mistral-Instruct, Mistral-Nemo, "  \
+    "Mistral-Small-3.2, Devstral, ChatML/Qwen2, Qwen2.5, Qwen3, DeepSeek-V3.1, gpt-oss and OLMoE/Tulu: "
 #define USE_COMPLETIONS "; format the prompt yourself and send it to /v1/completions instead"
 
 /* ------------------------------------------------------------------ small buffers */
@@ -929,6 +966,790 @@ static void add_special(render *r, int32_t id, const char *want) {
 static int is(const char *a, const char *b) { return a && !strcmp(a, b); }
 static const char *content_of(const cs_message *m) { return m->content ? m->content : ""; }
 
+/* ------------------------------------------------------------------ tojson */
+
+/* A real as Python's repr writes it: the shortest digits that read back, fixed notation for
+ * decimal exponents -4..15 (with ".0" when integral), else d.ddde+XX. */
+static void py_real(sbuf *b, double x) {
+    char buf[64], digits[32];
+    if (x != x) { sb_adds(b, "NaN"); return; }
+    if (x > 1.7976931348623157e308) { sb_adds(b, "Infinity"); return; }
+    if (x < -1.7976931348623157e308) { sb_adds(b, "-Infinity"); return; }
+    int prec = 1;
+    for (; prec <= 17; prec++) {
+        snprintf(buf, sizeof buf, "%.*e", prec - 1, x);
+        if (strtod(buf, NULL) == x) break;
+    }
+    /* buf: [-]d[.ddd]e[+-]XX */
+    const char *q = buf;
+    int neg = *q == '-', nd = 0;
+    if (neg) q++;
+    for (; *q && *q != 'e'; q++)
+        if (*q != '.') digits[nd++] = *q;
+    digits[nd] = 0;
+    int e10 = atoi(q + 1);
+    while (nd > 1 && digits[nd - 1] == '0') digits[--nd] = 0;
+    if (neg) sb_addc(b, '-');
+    if (e10 >= -4 && e10 < 16) {
+        if (e10 < 0) {
+            sb_adds(b, "0.");
+            for (int k = 0; k < -e10 - 1; k++) sb_addc(b, '0');
+            sb_adds(b, digits);
+        } else {
+            for (int k = 0; k <= e10; k++) sb_addc(b, k < nd ? digits[k] : '0');
+            sb_addc(b, '.');
+            if (nd > e10 + 1) sb_adds(b, digits + e10 + 1);
+            else sb_addc(b, '0');
+        }
+    } else {
+        sb_addc(b, digits[0]);
+        if (nd > 1) {
+            sb_addc(b, '.');
+            sb_adds(b, digits + 1);
+        }
+        snprintf(buf, sizeof buf, "e%c%02d", e10 < 0 ? '-' : '+', e10 < 0 ? -e10 : e10);
+        sb_adds(b, buf);
+    }
+}
+
+static void py_string(sbuf *b, const char *s, size_t n) {
+    sb_addc(b, '"');
+    for (size_t k = 0; k < n; k++) {
+        unsigned char c = (unsigned char)s[k];
+        char hex[8];
+        switch (c) {
+        case '"': sb_adds(b, "\\\""); break;
+        case '\\': sb_adds(b, "\\\\"); break;
+        case '\n': sb_adds(b, "\\n"); break;
+        case '\r': sb_adds(b, "\\r"); break;
+        case '\t': sb_adds(b, "\\t"); break;
+        case '\b': sb_adds(b, "\\b"); break;
+        case '\f': sb_adds(b, "\\f"); break;
+        default:
+            if (c < 0x20) {
+                snprintf(hex, sizeof hex, "\\u%04x", c);
+                sb_adds(b, hex);
+            } else {
+                sb_addc(b, (char)c);
+            }
+        }
+    }
+    sb_addc(b, '"');
+}
+
+/* `x | tojson` as transformers defines it: json.dumps(x, ensure_ascii=False) (", " and ": "
+ * separators, keys in their order). */
+static void cs_py_tojson(sbuf *b, const json_t *x) {
+    char num[32];
+    switch (json_typeof(x)) {
+    case JSON_OBJECT: {
+        const char *key;
+        json_t *val;
+        int first = 1;
+        sb_addc(b, '{');
+        json_object_foreach((json_t *)x, key, val) {
+            if (!first) sb_adds(b, ", ");
+            first = 0;
+            py_string(b, key, strlen(key));
+            sb_adds(b, ": ");
+            cs_py_tojson(b, val);
+        }
+        sb_addc(b, '}');
+        break;
+    }
+    case JSON_ARRAY:
+        sb_addc(b, '[');
+        for (size_t k = 0; k < json_array_size(x); k++) {
+            if (k) sb_adds(b, ", ");
+            cs_py_tojson(b, json_array_get(x, k));
+        }
+        sb_addc(b, ']');
+        break;
+    case JSON_STRING: py_string(b, json_string_value(x), json_string_length(x)); break;
+    case JSON_INTEGER:
+        snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(x));
+        sb_adds(b, num);
+        break;
+    case JSON_REAL: py_real(b, json_real_value(x)); break;
+    case JSON_TRUE: sb_adds(b, "true"); break;
+    case JSON_FALSE: sb_adds(b, "false"); break;
+    default: sb_adds(b, "null"); break;
+    }
+}
+
+static void emit_json(render *r, const json_t *x) { cs_py_tojson(&r->text, x); }
+
+/* ------------------------------------------------------------------ message fields */
+
+static const json_t *mget(const cs_message *m, const char *key) {
+    return m->json && json_is_object(m->json) ? json_object_get(m->json, key) : NULL;
+}
+/* message.tool_calls when truthy (a non-empty array) */
+static const json_t *tool_calls_of(const cs_message *m) {
+    const json_t *t = mget(m, "tool_calls");
+    return json_is_array(t) && json_array_size(t) ? t : NULL;
+}
+/* tool_call.function when it has one, else the call itself (the templates' `set tool_call =
+ * tool_call.function`) */
+static const json_t *call_function(const json_t *tc) {
+    const json_t *f = json_is_object(tc) ? json_object_get(tc, "function") : NULL;
+    return json_is_object(f) ? f : tc;
+}
+static const char *call_name(render *r, const json_t *fn, size_t i, size_t k) {
+    const json_t *nm = json_is_object(fn) ? json_object_get(fn, "name") : NULL;
+    if (!json_is_string(nm)) {
+        fail(r, "messages[%zu].tool_calls[%zu] has no function name", i, k);
+        return "";
+    }
+    return json_string_value(nm);
+}
+static const json_t *call_arguments(const json_t *fn) {
+    const json_t *a = json_is_object(fn) ? json_object_get(fn, "arguments") : NULL;
+    return a ? a : json_null();
+}
+static int tools_truthy(const cs_chat_opts *o) {
+    return o && o->tools && json_is_array(o->tools) && json_array_size(o->tools) > 0;
+}
+/* A template without tools refuses them rather than dropping them. */
+static int refuse_tools(render *r, const variant *v, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    if (tools_truthy(o)) {
+        fail(r, "chat template %s has no tools; 'tools' cannot be used with this model", v->name);
+        return 1;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (tool_calls_of(&m[i])) {
+            fail(r, "chat template %s has no tool calls (messages[%zu].tool_calls)", v->name, i);
+            return 1;
+        }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ more families */
+
+#define HERMES_TOOLS_INTRO                                                                          \
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "      \
+    "provided with function signatures within <tools></tools> XML tags:\n<tools>"
+#define HERMES_TOOLS_OUTRO                                                                          \
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments " \
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "          \
+    "\"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+
+static void emit_hermes_tools(render *r, const cs_chat_opts *o) {
+    emit(r, HERMES_TOOLS_INTRO);
+    for (size_t k = 0; k < json_array_size(o->tools); k++) {
+        emit(r, "\n");
+        emit_json(r, json_array_get(o->tools, k));
+    }
+    emit(r, HERMES_TOOLS_OUTRO);
+}
+
+/* role "tool" of the Qwen templates: consecutive results share one user turn */
+static void emit_hermes_tool_result(render *r, const cs_message *m, size_t n, size_t i) {
+    if (i == 0 || !is(m[i - 1].role, "tool")) emit(r, "<|im_start|>user");
+    emit(r, "\n<tool_response>\n");
+    emit(r, content_of(&m[i]));
+    emit(r, "\n</tool_response>");
+    if (i == n - 1 || !is(m[i + 1].role, "tool")) emit(r, "<|im_end|>\n");
+}
+
+static void render_qwen25(render *r, const variant *v, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    int sys0 = is(m[0].role, "system");
+    if (tools_truthy(o)) {
+        emit(r, "<|im_start|>system\n");
+        emit(r, sys0 ? content_of(&m[0]) : v->system_default);
+        emit(r, "\n\n");
+        emit_hermes_tools(r, o);
+    } else {
+        emit(r, "<|im_start|>system\n");
+        emit(r, sys0 ? content_of(&m[0]) : v->system_default);
+        emit(r, "<|im_end|>\n");
+    }
+    for (size_t i = 0; i < n && !r->failed; i++) {
+        const char *c = content_of(&m[i]);
+        const json_t *calls = tool_calls_of(&m[i]);
+        if (is(m[i].role, "user") || (is(m[i].role, "system") && i > 0) || (is(m[i].role, "assistant") && !calls)) {
+            emit(r, "<|im_start|>");
+            emit(r, m[i].role);
+            emit(r, "\n");
+            emit(r, c);
+            emit(r, "<|im_end|>\n");
+        } else if (is(m[i].role, "assistant")) {
+            emit(r, "<|im_start|>assistant");
+            if (*c) {
+                emit(r, "\n");
+                emit(r, c);
+            }
+            for (size_t k = 0; k < json_array_size(calls); k++) {
+                const json_t *fn = call_function(json_array_get(calls, k));
+                emit(r, "\n<tool_call>\n{\"name\": \"");
+                emit(r, call_name(r, fn, i, k));
+                emit(r, "\", \"arguments\": ");
+                emit_json(r, call_arguments(fn));
+                emit(r, "}\n</tool_call>");
+            }
+            emit(r, "<|im_end|>\n");
+        } else if (is(m[i].role, "tool")) {
+            emit_hermes_tool_result(r, m, n, i);
+        } else if (!(is(m[i].role, "system") && i == 0)) {
+            fail(r, "chat template %s: messages[%zu] has role \"%s\"; the template renders only "
+                    "system, user, assistant and tool messages", v->name, i, m[i].role);
+        }
+    }
+    emit(r, "<|im_start|>assistant\n");
+}
+
+/* A tool call id of the Mistral templates: `id|length != 9` raises (length in characters). */
+static int mistral_id_ok(const json_t *id) {
+    if (!json_is_string(id)) return 0;
+    size_t chars = 0;
+    for (const unsigned char *p = (const unsigned char *)json_string_value(id); *p; p++)
+        chars += (*p & 0xC0) != 0x80;
+    return chars == 9;
+}
+#define MISTRAL_ID_ERR "Tool call IDs should be alphanumeric strings with length 9!"
+
+/* Mistral-Nemo-Instruct-2407 (v3-tekken). No generation prompt: the turn ends with [/INST]. */
+static void render_mistral_tekken(render *r, const variant *v, const cs_message *m, size_t n,
+                                  const cs_chat_opts *o) {
+    const char *system = NULL;
+    size_t first = 0, last_user = (size_t)-1, idx = 0;
+    (void)v;
+    if (is(m[0].role, "system")) {
+        system = content_of(&m[0]);
+        first = 1;
+    }
+    for (size_t i = first; i < n && !r->failed; i++) {
+        const json_t *tc = mget(&m[i], "tool_calls");
+        if (is(m[i].role, "user")) last_user = i;
+        if (!(is(m[i].role, "tool") || is(m[i].role, "tool_results") || (tc && !json_is_null(tc)))) {
+            if (is(m[i].role, "user") != (idx % 2 == 0))
+                fail(r, "chat template %s: messages[%zu] (role \"%s\"): After the optional system "
+                        "message, conversation roles must alternate user/assistant/user/assistant/...",
+                     v->name, i, m[i].role);
+            idx++;
+        }
+    }
+    emit_id(r, r->bos);
+    for (size_t i = first; i < n && !r->failed; i++) {
+        const char *c = content_of(&m[i]);
+        const json_t *tc = mget(&m[i], "tool_calls");
+        if (is(m[i].role, "user")) {
+            /* `message == user_messages[-1]`: equal to the last user message */
+            int is_last = i == last_user ||
+                          (m[i].json && m[last_user].json ? json_equal((json_t *)m[i].json, (json_t *)m[last_user].json)
+                                                          : !strcmp(c, content_of(&m[last_user])));
+            if (o && o->tools && is_last) {
+                emit(r, "[AVAILABLE_TOOLS][");
+                for (size_t k = 0; k < json_array_size(o->tools); k++) {
+                    const json_t *fn = json_object_get(json_array_get(o->tools, k), "function");
+                    const char *key;
+                    json_t *val;
+                    size_t left = 0;
+                    json_object_foreach((json_t *)fn, key, val) left += strcmp(key, "return") != 0;
+                    emit(r, "{\"type\": \"function\", \"function\": {");
+                    json_object_foreach((json_t *)fn, key, val) {
+                        if (!strcmp(key, "return")) continue;
+                        emit(r, "\"");
+                        emit(r, key);
+                        if (json_is_string(val)) {
+                            emit(r, "\": \"");
+                            emit_n(r, json_string_value(val), json_string_length(val));
+                            emit(r, "\"");
+                        } else {
+                            emit(r, "\": ");
+                            emit_json(r, val);
+                        }
+                        if (--left) emit(r, ", ");
+                    }
+                    emit(r, "}}");
+                    emit(r, k + 1 < json_array_size(o->tools) ? ", " : "]");
+                }
+                emit(r, "[/AVAILABLE_TOOLS]");
+            }
+            emit(r, "[INST]");
+            if (i == n - 1 && system) {
+                emit(r, system);
+                emit(r, "\n\n");
+            }
+            emit(r, c);
+            emit(r, "[/INST]");
+        } else if (tc && !json_is_null(tc)) {
+            emit(r, "[TOOL_CALLS][");
+            for (size_t k = 0; k < json_array_size(tc) && !r->failed; k++) {
+                const json_t *call = json_array_get(tc, k);
+                sbuf out = {0};
+                cs_py_tojson(&out, json_object_get(call, "function") ? json_object_get(call, "function") : json_null());
+                if (out.n) emit_n(r, out.p, out.n - 1); /* out[:-1] */
+                sb_free(&out);
+                const json_t *id = json_object_get(call, "id");
+                if (!mistral_id_ok(id)) {
+                    fail(r, "chat template %s: messages[%zu].tool_calls[%zu]: " MISTRAL_ID_ERR, v->name, i, k);
+                    break;
+                }
+                emit(r, ", \"id\": \"");
+                emit(r, json_string_value(id));
+                emit(r, "\"}");
+                if (k + 1 < json_array_size(tc)) {
+                    emit(r, ", ");
+                } else {
+                    emit(r, "]");
+                    emit_id(r, r->eos);
+                }
+            }
+        } else if (is(m[i].role, "assistant")) {
+            emit(r, c);
+            emit_id(r, r->eos);
+        } else if (is(m[i].role, "tool") || is(m[i].role, "tool_results")) {
+            const json_t *id = mget(&m[i], "tool_call_id");
+            emit(r, "[TOOL_RESULTS]{\"content\": ");
+            emit(r, c);
+            emit(r, ", ");
+            if (!mistral_id_ok(id)) {
+                fail(r, "chat template %s: messages[%zu].tool_call_id: " MISTRAL_ID_ERR, v->name, i);
+                break;
+            }
+            emit(r, "\"call_id\": \"");
+            emit(r, json_string_value(id));
+            emit(r, "\"}[/TOOL_RESULTS]");
+        } else {
+            fail(r, "chat template %s: messages[%zu] (role \"%s\"): Only user and assistant roles are "
+                    "supported, with the exception of an initial optional system message!", v->name, i, m[i].role);
+        }
+    }
+}
+
+/* Mistral-Small-3.2 and Devstral: [SYSTEM_PROMPT] first (the template's default when the first
+ * message is not a system message), [AVAILABLE_TOOLS] with the tools' JSON, no generation
+ * prompt. Small 3.2: the tools before the last user message, calls as
+ * [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}, roles must alternate; Devstral: the tools once after
+ * the system prompt, calls as [TOOL_CALLS]name[ARGS]{...} after the assistant's text. */
+static void render_mistral_v11(render *r, const variant *v, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    int small = v->family == FAM_MISTRAL_SMALL32;
+    size_t first = is(m[0].role, "system") ? 1 : 0, last_user = (size_t)-1, idx = 0;
+    emit_id(r, r->bos);
+    for (size_t i = first; i < n; i++) {
+        if (is(m[i].role, "user")) last_user = i;
+        if (small && !(is(m[i].role, "tool") || tool_calls_of(&m[i]))) {
+            if (is(m[i].role, "user") != (idx % 2 == 0))
+                fail(r, "chat template %s: messages[%zu] (role \"%s\"): After the optional system message, "
+                        "conversation roles must alternate user/assistant/user/assistant/...", v->name, i, m[i].role);
+            idx++;
+        }
+    }
+    emit(r, "[SYSTEM_PROMPT]");
+    if (first) {
+        emit(r, content_of(&m[0]));
+    } else if (small) { /* strftime_now("%Y-%m-%d"): the local date, as transformers renders it */
+        char today[32];
+        time_t now = time(NULL);
+        struct tm tmv;
+        localtime_r(&now, &tmv);
+        strftime(today, sizeof today, "%Y-%m-%d", &tmv);
+        emit(r, v->system_default);
+        emit(r, today);
+        emit(r, v->system_default_b);
+    } else {
+        emit(r, v->system_default);
+    }
+    emit(r, "[/SYSTEM_PROMPT]");
+    if (!small && tools_truthy(o)) {
+        emit(r, "[AVAILABLE_TOOLS]");
+        emit_json(r, o->tools);
+        emit(r, "[/AVAILABLE_TOOLS]");
+    }
+    for (size_t i = first; i < n && !r->failed; i++) {
+        const char *c = content_of(&m[i]);
+        const json_t *tc = mget(&m[i], "tool_calls");
+        if (is(m[i].role, "system")) {
+            emit(r, "[SYSTEM_PROMPT]");
+            emit(r, c);
+            emit(r, "[/SYSTEM_PROMPT]");
+        } else if (is(m[i].role, "user")) {
+            int is_last = i == last_user || (m[i].json && m[last_user].json &&
+                                             json_equal((json_t *)m[i].json, (json_t *)m[last_user].json));
+            if (small && o && o->tools && is_last) {
+                emit(r, "[AVAILABLE_TOOLS]");
+                emit_json(r, o->tools);
+                emit(r, "[/AVAILABLE_TOOLS]");
+            }
+            emit(r, "[INST]");
+            emit(r, c);
+            emit(r, "[/INST]");
+        } else if (is(m[i].role, "assistant")) {
+            if (small) {
+                const json_t *calls = tool_calls_of(&m[i]);
+                for (size_t k = 0; k < json_array_size(calls) && !r->failed; k++) {
+                    const json_t *call = json_array_get(calls, k);
+                    const json_t *fn = json_object_get(call, "function");
+                    emit(r, "[TOOL_CALLS]");
+                    emit(r, call_name(r, fn, i, k));
+                    const json_t *id = json_object_get(call, "id");
+                    if (!mistral_id_ok(id)) {
+                        fail(r, "chat template %s: messages[%zu].tool_calls[%zu]: " MISTRAL_ID_ERR, v->name, i, k);
+                        break;
+                    }
+                    emit(r, "[CALL_ID]");
+                    emit(r, json_string_value(id));
+                    emit(r, "[ARGS]");
+                    emit_json(r, call_arguments(fn));
+                }
+                if (!calls) emit(r, c);
+            } else {
+                emit(r, c);
+                for (size_t k = 0; tc && !json_is_null(tc) && k < json_array_size(tc); k++) {
+                    const json_t *fn = json_object_get(json_array_get(tc, k), "function");
+                    const json_t *args = call_arguments(fn);
+                    emit(r, "[TOOL_CALLS]");
+                    emit(r, call_name(r, fn, i, k));
+                    emit(r, "[ARGS]");
+                    if (json_is_string(args)) emit_n(r, json_string_value(args), json_string_length(args));
+                    else emit_json(r, args);
+                }
+            }
+            emit_id(r, r->eos);
+        } else if (is(m[i].role, "tool") || is(m[i].role, "tool_results")) {
+            emit(r, "[TOOL_RESULTS]");
+            if (small) {
+                const json_t *id = mget(&m[i], "tool_call_id");
+                if (!mistral_id_ok(id)) {
+                    fail(r, "chat template %s: messages[%zu].tool_call_id: " MISTRAL_ID_ERR, v->name, i);
+                    break;
+                }
+                emit(r, json_string_value(id));
+                emit(r, "[TOOL_CONTENT]");
+            }
+            emit(r, c);
+            emit(r, "[/TOOL_RESULTS]");
+        } else {
+            fail(r, "chat template %s: messages[%zu] (role \"%s\"): %s", v->name, i, m[i].role,
+                 small ? "Only system, user, assistant, and tool roles are supported!"
+                       : "Only user, systemm assistant and tool roles are supported in the custom template made by "
+                         "Unsloth!");
+        }
+    }
+}
+
+/* render_typescript_type of the gpt-oss template for the parameter schemas it writes flat:
+ * string (an enum of strings), number, integer, boolean, an object without properties,
+ * arrays of those, a list of types, anything else as "any". A nested object with properties
+ * or a oneOf (whose whitespace the template writes in odd places) is refused. */
+static void harmony_type(render *r, const variant *v, const json_t *spec, const char *fname) {
+    const json_t *type = json_object_get(spec, "type");
+    const json_t *nullable = json_object_get(spec, "nullable");
+    int null_ok = nullable && !json_is_false(nullable) && !json_is_null(nullable) &&
+                  !(json_is_string(nullable) && json_string_length(nullable) == 0);
+    const char *t = json_is_string(type) ? json_string_value(type) : NULL;
+    if (json_object_get(spec, "oneOf")) {
+        fail(r, "chat template %s: function %s: a parameter with oneOf is not rendered by colibri_server", v->name,
+             fname);
+    } else if (is(t, "array")) {
+        const json_t *items = json_object_get(spec, "items");
+        if (items && json_is_object(items) && json_object_size(items)) {
+            const char *it = json_string_value(json_object_get(items, "type"));
+            if (is(it, "string")) emit(r, "string[]");
+            else if (is(it, "number") || is(it, "integer")) emit(r, "number[]");
+            else if (is(it, "boolean")) emit(r, "boolean[]");
+            else
+                fail(r, "chat template %s: function %s: arrays of %s are not rendered by colibri_server", v->name,
+                     fname, it ? it : "untyped items");
+        } else {
+            emit(r, "any[]");
+        }
+        if (null_ok) emit(r, " | null");
+    } else if (json_is_array(type) && json_array_size(type) > 0) {
+        for (size_t k = 0; k < json_array_size(type); k++) {
+            const json_t *e = json_array_get(type, k);
+            if (!json_is_string(e)) {
+                fail(r, "chat template %s: function %s: a type list of non-strings", v->name, fname);
+                return;
+            }
+            if (k) emit(r, " | ");
+            emit(r, json_string_value(e));
+        }
+    } else if (is(t, "string")) {
+        const json_t *en = json_object_get(spec, "enum");
+        if (json_is_array(en) && json_array_size(en)) {
+            emit(r, "\"");
+            for (size_t k = 0; k < json_array_size(en); k++) {
+                if (!json_is_string(json_array_get(en, k))) {
+                    fail(r, "chat template %s: function %s: an enum of non-strings", v->name, fname);
+                    return;
+                }
+                if (k) emit(r, "\" | \"");
+                emit(r, json_string_value(json_array_get(en, k)));
+            }
+            emit(r, "\"");
+        } else {
+            emit(r, "string");
+            if (null_ok) emit(r, " | null");
+        }
+    } else if (is(t, "number") || is(t, "integer")) {
+        emit(r, "number");
+    } else if (is(t, "boolean")) {
+        emit(r, "boolean");
+    } else if (is(t, "object")) {
+        const json_t *props = json_object_get(spec, "properties");
+        if (json_is_object(props) && json_object_size(props))
+            fail(r, "chat template %s: function %s: a nested object with properties is not rendered by colibri_server",
+                 v->name, fname);
+        else
+            emit(r, "object");
+    } else {
+        emit(r, "any");
+    }
+}
+
+static int in_required(const json_t *req, const char *name) {
+    for (size_t k = 0; k < json_array_size(req); k++)
+        if (json_is_string(json_array_get(req, k)) && !strcmp(json_string_value(json_array_get(req, k)), name))
+            return 1;
+    return 0;
+}
+
+/* render_tool_namespace("functions", tools) of the gpt-oss template */
+static void harmony_tools(render *r, const variant *v, const json_t *tools) {
+    emit(r, "## functions\n\nnamespace functions {\n\n");
+    for (size_t k = 0; k < json_array_size(tools) && !r->failed; k++) {
+        const json_t *fn = json_object_get(json_array_get(tools, k), "function");
+        const char *name = json_string_value(json_object_get(fn, "name"));
+        const json_t *desc = json_object_get(fn, "description");
+        if (!name || !json_is_string(desc)) {
+            fail(r, "chat template %s: tools[%zu] needs a name and a description (the template writes both)", v->name, k);
+            return;
+        }
+        emit(r, "// ");
+        emit(r, json_string_value(desc));
+        emit(r, "\ntype ");
+        emit(r, name);
+        emit(r, " = ");
+        const json_t *params = json_object_get(fn, "parameters");
+        const json_t *props = json_object_get(params, "properties");
+        const json_t *req = json_object_get(params, "required");
+        if (json_is_object(props) && json_object_size(props)) {
+            const char *pname;
+            json_t *pspec;
+            emit(r, "(_: {\n");
+            json_object_foreach((json_t *)props, pname, pspec) {
+                const json_t *pd = json_object_get(pspec, "description");
+                if (json_is_string(pd) && json_string_length(pd)) {
+                    emit(r, "// ");
+                    emit(r, json_string_value(pd));
+                    emit(r, "\n");
+                }
+                emit(r, pname);
+                if (!in_required(req, pname)) emit(r, "?");
+                emit(r, ": ");
+                harmony_type(r, v, pspec, name);
+                const json_t *def = json_object_get(pspec, "default");
+                if (def) {
+                    if (json_object_get(pspec, "enum")) {
+                        if (!json_is_string(def)) {
+                            fail(r, "chat template %s: function %s: the default of an enum must be a string", v->name, name);
+                            return;
+                        }
+                        emit(r, ", // default: ");
+                        emit(r, json_string_value(def));
+                    } else {
+                        emit(r, ", // default: ");
+                        emit_json(r, def);
+                    }
+                }
+                emit(r, ",\n");
+            }
+            emit(r, "}) => any;\n\n");
+        } else {
+            emit(r, "() => any;\n\n");
+        }
+    }
+    emit(r, "} // namespace functions");
+}
+
+/* gpt-oss (harmony): the system message (identity, knowledge cutoff, today's date, reasoning
+ * effort, the valid channels), a first system / developer message as the developer's
+ * instructions and the tools' TypeScript namespace, user turns, earlier answers on the final
+ * channel, tool calls on the commentary channel (`to=functions.NAME`, the first call of a
+ * message, its text as the analysis before it unless a final answer follows later), tool
+ * results from `functions.NAME`, then <|start|>assistant. */
+static void render_harmony(render *r, const variant *v, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    char today[32];
+    time_t now = time(NULL);
+    struct tm tmv;
+    int tools = tools_truthy(o);
+    localtime_r(&now, &tmv);
+    strftime(today, sizeof today, "%Y-%m-%d", &tmv);
+    emit(r, "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+            "Knowledge cutoff: 2024-06\nCurrent date: ");
+    emit(r, today);
+    emit(r, "\n\nReasoning: ");
+    emit(r, o && o->reasoning_effort ? o->reasoning_effort : "medium");
+    emit(r, "\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.");
+    if (tools) emit(r, "\nCalls to these tools must go to the commentary channel: 'functions'.");
+    emit(r, "<|end|>");
+    size_t first = 0;
+    const char *dev = "";
+    if (is(m[0].role, "developer") || is(m[0].role, "system")) {
+        first = 1;
+        dev = content_of(&m[0]);
+    }
+    if (*dev || tools) {
+        emit(r, "<|start|>developer<|message|>");
+        if (*dev) {
+            emit(r, "# Instructions\n\n");
+            emit(r, dev);
+            emit(r, "\n\n");
+        }
+        if (tools) {
+            emit(r, "# Tools\n\n");
+            harmony_tools(r, v, o->tools);
+        }
+        emit(r, "<|end|>");
+    }
+    const char *last_call = NULL;
+    for (size_t i = first; i < n && !r->failed; i++) {
+        const char *c = content_of(&m[i]);
+        if (is(m[i].role, "assistant")) {
+            const json_t *th = mget(&m[i], "thinking");
+            const char *thinking = json_is_string(th) ? json_string_value(th) : NULL;
+            const json_t *calls = m[i].json ? json_object_get(m[i].json, "tool_calls") : NULL;
+            if (strstr(c, "<|channel|>analysis<|message|>") || strstr(c, "<|channel|>final<|message|>") ||
+                (thinking && (strstr(thinking, "<|channel|>analysis<|message|>") ||
+                              strstr(thinking, "<|channel|>final<|message|>")))) {
+                fail(r, "chat template %s: messages[%zu]: You have passed a message containing <|channel|> tags in "
+                        "the content field", v->name, i);
+            } else if (calls) {
+                if (!json_is_array(calls) || json_array_size(calls) == 0) {
+                    fail(r, "chat template %s: messages[%zu].tool_calls must hold a call", v->name, i);
+                    break;
+                }
+                int later_final = 0;
+                for (size_t k = i + 1; k < n; k++)
+                    if (is(m[k].role, "assistant") && !(m[k].json && json_object_get(m[k].json, "tool_calls")))
+                        later_final = 1;
+                const json_t *fn = call_function(json_array_get(calls, 0));
+                if (*c && thinking && *thinking) {
+                    fail(r, "chat template %s: messages[%zu]: Cannot pass both content and thinking in an assistant "
+                            "message with tool calls!", v->name, i);
+                    break;
+                } else if (*c && !later_final) {
+                    emit(r, "<|start|>assistant<|channel|>analysis<|message|>");
+                    emit(r, c);
+                    emit(r, "<|end|>");
+                } else if (thinking && *thinking && !later_final) {
+                    emit(r, "<|start|>assistant<|channel|>analysis<|message|>");
+                    emit(r, thinking);
+                    emit(r, "<|end|>");
+                }
+                last_call = call_name(r, fn, i, 0);
+                const json_t *ct = json_object_get(fn, "content_type");
+                emit(r, "<|start|>assistant to=functions.");
+                emit(r, last_call);
+                emit(r, "<|channel|>commentary ");
+                emit(r, json_is_string(ct) ? json_string_value(ct) : "json");
+                emit(r, "<|message|>");
+                emit_json(r, call_arguments(fn));
+                emit(r, "<|call|>");
+            } else {
+                emit(r, "<|start|>assistant<|channel|>final<|message|>");
+                emit(r, c);
+                emit(r, "<|end|>");
+                last_call = NULL;
+            }
+        } else if (is(m[i].role, "user")) {
+            emit(r, "<|start|>user<|message|>");
+            emit(r, c);
+            emit(r, "<|end|>");
+        } else if (is(m[i].role, "tool")) {
+            if (!last_call) {
+                fail(r, "chat template %s: messages[%zu]: Message has tool role, but there was no previous assistant "
+                        "message with a tool call!", v->name, i);
+                break;
+            }
+            emit(r, "<|start|>functions.");
+            emit(r, last_call);
+            emit(r, " to=assistant<|channel|>commentary<|message|>");
+            const json_t *cj = mget(&m[i], "content");
+            if (cj && !json_is_null(cj)) emit_json(r, cj);
+            else emit(r, "\"\"");
+            emit(r, "<|end|>");
+        } else {
+            fail(r, "chat template %s: messages[%zu] has role \"%s\"; the template renders only a first system or "
+                    "developer message, then user, assistant and tool messages", v->name, i, m[i].role);
+        }
+    }
+    emit(r, "<|start|>assistant");
+}
+
+/* DeepSeek-V3.1: thinking from chat_template_kwargs (thinking / enable_thinking), off by default. */
+static void render_deepseek3(render *r, const variant *v, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    int thinking = o && o->enable_thinking == 1;
+    int first_sp = 1, is_tool = 0, last_user = 0;
+    emit_id(r, r->bos);
+    for (size_t i = 0; i < n; i++)
+        if (is(m[i].role, "system")) {
+            if (!first_sp) emit(r, "\n\n");
+            emit(r, content_of(&m[i]));
+            first_sp = 0;
+        }
+    for (size_t i = 0; i < n && !r->failed; i++) {
+        const char *c = content_of(&m[i]);
+        const json_t *calls = tool_calls_of(&m[i]);
+        if (is(m[i].role, "user")) {
+            is_tool = 0;
+            last_user = 1;
+            emit(r, "<｜User｜>");
+            emit(r, c);
+        } else if (is(m[i].role, "assistant") && calls) {
+            if (last_user) emit(r, "<｜Assistant｜><think></think>");
+            last_user = 0;
+            is_tool = 0;
+            for (size_t k = 0; k < json_array_size(calls); k++) {
+                const json_t *call = json_array_get(calls, k);
+                const json_t *fn = json_is_object(call) ? json_object_get(call, "function") : NULL;
+                if (k == 0) {
+                    emit(r, c);
+                    emit(r, "<｜tool▁calls▁begin｜>");
+                }
+                emit(r, "<｜tool▁call▁begin｜>");
+                emit(r, call_name(r, fn, i, k));
+                emit(r, "<｜tool▁sep｜>");
+                emit_json(r, call_arguments(fn));
+                emit(r, "<｜tool▁call▁end｜>");
+            }
+            emit(r, "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>");
+        } else if (is(m[i].role, "assistant")) {
+            if (last_user) {
+                const json_t *prefix = mget(&m[i], "prefix");
+                int pre = prefix && json_is_true(prefix);
+                emit(r, "<｜Assistant｜>");
+                emit(r, pre && thinking ? "<think>" : "<think></think>");
+            }
+            last_user = 0;
+            if (is_tool) {
+                emit(r, c);
+                is_tool = 0;
+            } else {
+                const char *end = strstr(c, "</think>");
+                emit(r, end ? end + strlen("</think>") : c);
+            }
+            emit(r, "<｜end▁of▁sentence｜>");
+        } else if (is(m[i].role, "tool")) {
+            last_user = 0;
+            is_tool = 1;
+            emit(r, "<｜tool▁output▁begin｜>");
+            emit(r, c);
+            emit(r, "<｜tool▁output▁end｜>");
+        } else if (!is(m[i].role, "system")) {
+            fail(r, "chat template %s: messages[%zu] has role \"%s\"; the template renders only "
+                    "system, user, assistant and tool messages", v->name, i, m[i].role);
+        }
+    }
+    if (last_user && !is_tool) {
+        emit(r, "<｜Assistant｜>");
+        emit(r, thinking ? "<think>" : "<think></think>");
+    }
+}
+
+
 static void render_mistral(render *r, const variant *v, const cs_message *m, size_t n) {
     const char *system = NULL;
     size_t first = 0;
@@ -994,9 +1815,16 @@ static int ends_with(const char *s, const char *p) {
 }
 
 /* Qwen3-MoE without tools, as its template renders it (enable_thinking left undefined). */
-static void render_qwen3(render *r, const variant *v, const cs_message *m, size_t n) {
+static void render_qwen3(render *r, const variant *v, const cs_message *m, size_t n, const cs_chat_opts *o) {
     size_t last_query = n - 1;
-    if (is(m[0].role, "system")) {
+    if (tools_truthy(o)) {
+        emit(r, "<|im_start|>system\n");
+        if (is(m[0].role, "system")) {
+            emit(r, content_of(&m[0]));
+            emit(r, "\n\n");
+        }
+        emit_hermes_tools(r, o);
+    } else if (is(m[0].role, "system")) {
         emit(r, "<|im_start|>system\n");
         emit(r, content_of(&m[0]));
         emit(r, "<|im_end|>\n");
@@ -1021,6 +1849,12 @@ static void render_qwen3(render *r, const variant *v, const cs_message *m, size_
             const char *body = c, *reason = "";
             size_t body_n = strlen(c), reason_n = 0;
             const char *end = find_first(c, "</think>");
+            const json_t *rc = mget(&m[i], "reasoning_content");
+            if (json_is_string(rc)) { /* given apart: content is left as it is */
+                reason = json_string_value(rc);
+                reason_n = json_string_length(rc);
+                end = NULL;
+            }
             if (end) {
                 /* content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') */
                 size_t before = (size_t)(end - c);
@@ -1034,6 +1868,7 @@ static void render_qwen3(render *r, const variant *v, const cs_message *m, size_
                 while (*body == '\n') body++;
                 body_n = strlen(body);
             }
+            size_t content_n = body_n; /* the template's `content`, for the tool calls */
             if (i > last_query && (i == n - 1 || reason_n > 0)) {
                 while (reason_n > 0 && reason[reason_n - 1] == '\n') reason_n--; /* .strip('\n') */
                 while (body_n > 0 && *body == '\n') body++, body_n--;            /* .lstrip('\n') */
@@ -1045,13 +1880,22 @@ static void render_qwen3(render *r, const variant *v, const cs_message *m, size_
                 emit(r, "<|im_start|>assistant\n");
                 emit_n(r, body, body_n);
             }
+            /* `content` of the template: the text after </think> (before the lstrip) */
+            const json_t *calls = tool_calls_of(&m[i]);
+            for (size_t k = 0; k < json_array_size(calls); k++) {
+                const json_t *fn = call_function(json_array_get(calls, k));
+                const json_t *args = call_arguments(fn);
+                if (k > 0 || content_n > 0) emit(r, "\n");
+                emit(r, "<tool_call>\n{\"name\": \"");
+                emit(r, call_name(r, fn, i, k));
+                emit(r, "\", \"arguments\": ");
+                if (json_is_string(args)) emit_n(r, json_string_value(args), json_string_length(args));
+                else emit_json(r, args);
+                emit(r, "}\n</tool_call>");
+            }
             emit(r, "<|im_end|>\n");
         } else if (is(m[i].role, "tool")) {
-            if (i == 0 || !is(m[i - 1].role, "tool")) emit(r, "<|im_start|>user");
-            emit(r, "\n<tool_response>\n");
-            emit(r, c);
-            emit(r, "\n</tool_response>");
-            if (i == n - 1 || !is(m[i + 1].role, "tool")) emit(r, "<|im_end|>\n");
+            emit_hermes_tool_result(r, m, n, i);
         } else if (!(is(m[i].role, "system") && i == 0)) {
             /* the template would drop the message without a word */
             fail(r, "chat template %s: messages[%zu] has role \"%s\"; the template renders only "
@@ -1059,6 +1903,7 @@ static void render_qwen3(render *r, const variant *v, const cs_message *m, size_
         }
     }
     emit(r, "<|im_start|>assistant\n");
+    if (o && o->enable_thinking == 0) emit(r, "<think>\n\n</think>\n\n");
 }
 
 static void render_tulu(render *r, const variant *v, const cs_message *m, size_t n) {
@@ -1085,6 +1930,53 @@ static void render_tulu(render *r, const variant *v, const cs_message *m, size_t
     emit(r, v->generation);
 }
 
+/* One renderer a family (the variant rows above name their family). Families without tools
+ * refuse them. */
+typedef void (*render_fn)(render *r, const variant *v, const char *system, const cs_message *m, size_t n,
+                          const cs_chat_opts *o);
+static void r_mistral(render *r, const variant *v, const char *s, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    (void)s;
+    if (!refuse_tools(r, v, m, n, o)) render_mistral(r, v, m, n);
+}
+static void r_chatml(render *r, const variant *v, const char *s, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    if (!refuse_tools(r, v, m, n, o)) render_chatml(r, v, s, m, n);
+}
+static void r_qwen3(render *r, const variant *v, const char *s, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    (void)s;
+    render_qwen3(r, v, m, n, o);
+}
+static void r_tulu(render *r, const variant *v, const char *s, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    (void)s;
+    if (!refuse_tools(r, v, m, n, o)) render_tulu(r, v, m, n);
+}
+static void r_qwen25(render *r, const variant *v, const char *s, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    (void)s;
+    render_qwen25(r, v, m, n, o);
+}
+static void r_tekken(render *r, const variant *v, const char *s, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    (void)s;
+    render_mistral_tekken(r, v, m, n, o);
+}
+static void r_deepseek3(render *r, const variant *v, const char *s, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    (void)s;
+    render_deepseek3(r, v, m, n, o);
+}
+static void r_mistral_v11(render *r, const variant *v, const char *s, const cs_message *m, size_t n,
+                          const cs_chat_opts *o) {
+    (void)s;
+    render_mistral_v11(r, v, m, n, o);
+}
+static void r_harmony(render *r, const variant *v, const char *s, const cs_message *m, size_t n,
+                      const cs_chat_opts *o) {
+    (void)s;
+    render_harmony(r, v, m, n, o);
+}
+static const render_fn RENDER[N_FAMILIES] = {
+    [FAM_MISTRAL] = r_mistral, [FAM_CHATML] = r_chatml, [FAM_QWEN3] = r_qwen3, [FAM_TULU] = r_tulu,
+    [FAM_QWEN25] = r_qwen25, [FAM_MISTRAL_TEKKEN] = r_tekken, [FAM_DEEPSEEK3] = r_deepseek3,
+    [FAM_MISTRAL_SMALL32] = r_mistral_v11, [FAM_DEVSTRAL] = r_mistral_v11, [FAM_HARMONY] = r_harmony,
+};
+
 /* ------------------------------------------------------------------ the interface */
 
 /* A short, printable beginning of a template for a message. */
@@ -1101,6 +1993,12 @@ static void excerpt(const char *src, char *out, size_t cap) {
 
 int cs_chat_tokenize(colibri_tokenizer *tok, const char *template_src, const cs_message *msgs,
                      size_t n_msgs, int32_t **ids, int64_t *n_ids, char *err, size_t err_len) {
+    return cs_chat_tokenize_ex(tok, template_src, msgs, n_msgs, NULL, ids, n_ids, err, err_len);
+}
+
+int cs_chat_tokenize_ex(colibri_tokenizer *tok, const char *template_src, const cs_message *msgs,
+                        size_t n_msgs, const cs_chat_opts *opts, int32_t **ids, int64_t *n_ids,
+                        char *err, size_t err_len) {
     render r;
     memset(&r, 0, sizeof r);
     r.err = err;
@@ -1115,7 +2013,7 @@ int cs_chat_tokenize(colibri_tokenizer *tok, const char *template_src, const cs_
     if (!template_src || !*template_src) {
         fail(&r, "the model has no chat template (metadata key tokenizer.chat_template: convert a "
                  "checkpoint whose tokenizer_config.json or chat_template.jinja has one); " SUPPORTED
-                 USE_COMPLETIONS);
+                 "%s" USE_COMPLETIONS, cs_chat_known_templates());
         return -1;
     }
     char *system = NULL;
@@ -1127,7 +2025,7 @@ int cs_chat_tokenize(colibri_tokenizer *tok, const char *template_src, const cs_
         if (oom) fail(&r, "out of memory");
         else
             fail(&r, "chat template not recognised (%zu characters: \"%s\"); " SUPPORTED
-                     USE_COMPLETIONS, strlen(template_src), ex);
+                     "%s" USE_COMPLETIONS, strlen(template_src), ex, cs_chat_known_templates());
         return -1;
     }
     if (!tok) {
@@ -1153,12 +2051,7 @@ int cs_chat_tokenize(colibri_tokenizer *tok, const char *template_src, const cs_
     add_special(&r, r.bos, NULL);
     add_special(&r, r.eos, NULL);
     add_special(&r, 0, "<unk>");
-    switch (v->family) {
-    case FAM_MISTRAL: render_mistral(&r, v, msgs, n_msgs); break;
-    case FAM_CHATML: render_chatml(&r, v, system ? system : "", msgs, n_msgs); break;
-    case FAM_QWEN3: render_qwen3(&r, v, msgs, n_msgs); break;
-    default: render_tulu(&r, v, msgs, n_msgs); break;
-    }
+    RENDER[v->family](&r, v, system ? system : "", msgs, n_msgs, opts);
     flush(&r);
     free(system);
     sb_free(&r.text);
@@ -1180,14 +2073,19 @@ int cs_chat_tokenize(colibri_tokenizer *tok, const char *template_src, const cs_
 
 static const char *const STOP_NONE[] = {NULL};
 static const char *const STOP_CHATML[] = {"<|im_end|>", "<|endoftext|>", NULL};
+static const char *const STOP_HARMONY[] = {"<|return|>", "<|call|>", NULL};
 
 const char *const *cs_chat_stop_strings(const char *template_src) {
     char *system = NULL;
     int oom = 0;
     const variant *v = recognise(template_src, &system, &oom);
     free(system);
-    if (v && (v->family == FAM_CHATML || v->family == FAM_QWEN3)) return STOP_CHATML;
-    return STOP_NONE; /* Mistral and Tulu turns end with EOS */
+    /* a family's end-of-turn strings besides EOS (Mistral, Tulu, DeepSeek: EOS only) */
+    static const char *const *const STOPS[N_FAMILIES] = {
+        [FAM_CHATML] = STOP_CHATML, [FAM_QWEN3] = STOP_CHATML, [FAM_QWEN25] = STOP_CHATML,
+        [FAM_HARMONY] = STOP_HARMONY,
+    };
+    return v && STOPS[v->family] ? STOPS[v->family] : STOP_NONE;
 }
 
 const char *cs_chat_template_name(const char *template_src) {
@@ -1196,4 +2094,32 @@ const char *cs_chat_template_name(const char *template_src) {
     const variant *v = recognise(template_src, &system, &oom);
     free(system);
     return v ? v->name : NULL;
+}
+
+const cs_chat_format *cs_chat_template_format(const char *template_src) {
+    char *system = NULL;
+    int oom = 0;
+    const variant *v = recognise(template_src, &system, &oom);
+    free(system);
+    return v ? &v->fmt : NULL;
+}
+
+const char *cs_chat_known_templates(void) {
+    static char names[1024];
+    if (!names[0]) {
+        size_t at = 0;
+        for (size_t v = 0; v < N_VARIANTS && at + 64 < sizeof names; v++)
+            at += (size_t)snprintf(names + at, sizeof names - at, "%s%s", v ? ", " : "", VARIANTS[v].name);
+    }
+    return names;
+}
+
+char *cs_json_py_dumps(const struct json_t *x) {
+    sbuf b = {0};
+    cs_py_tojson(&b, x ? x : json_null());
+    if (b.oom) {
+        sb_free(&b);
+        return NULL;
+    }
+    return b.p;
 }

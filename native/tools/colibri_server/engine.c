@@ -21,6 +21,16 @@ static int e_fork(void *self, int32_t src, int32_t dst) {
 static int e_sample(void *self, const float *logits, float t, int32_t k, float p, uint64_t *rng, int32_t *id) {
     return colibri_sample(((cs_colibri *)self)->ctx, logits, t, k, p, rng, id);
 }
+static int e_sample_seq(void *self, void *sampler, const float *logits, uint64_t *rng, int32_t *id, int *end) {
+    (void)self;
+    int st = colibri_sampler_sample(sampler, logits, rng, id);
+    if (st != COLIBRI_OK) return st;
+    int32_t f = colibri_sampler_finished(sampler);
+    *end = (f == COLIBRI_FINISH_EOS || f == COLIBRI_FINISH_STOP_ID) ? CS_SAMPLE_END_BEFORE
+           : f == COLIBRI_FINISH_GRAMMAR                            ? CS_SAMPLE_END_AFTER
+                                                                    : CS_SAMPLE_GO;
+    return COLIBRI_OK;
+}
 static int64_t e_total(void *self) { return ((cs_colibri *)self)->blocks_total; }
 static int64_t e_free(void *self) {
     cs_colibri *cc = self;
@@ -145,7 +155,8 @@ int cs_colibri_init(cs_colibri *cc, colibri_ctx *ctx, int64_t trace_tokens, cs_e
         }
         cc->cache_slots = (int32_t)slots;
     }
-    *eng = (cs_engine){cc, e_batch, e_clear, e_fork, e_sample, e_free, e_total, e_error, e_after, e_reuse, e_cached};
+    *eng = (cs_engine){cc, e_batch, e_clear, e_fork, e_sample, e_free, e_total, e_error, e_after, e_reuse, e_cached,
+                       e_sample_seq};
     return 0;
 }
 

@@ -31,6 +31,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "chat.h"
 #include "server.h"
 
 typedef struct args {
@@ -431,6 +432,15 @@ int main(int argc, char **argv) {
     srv.ctx_len = max_seq < blocks * block_tokens ? max_seq : blocks * block_tokens;
     if (colibri_get_string(ctx, "chat_template", &srv.chat_template) != COLIBRI_OK || !srv.chat_template)
         srv.chat_template = "";
+    {
+        const char *tn = *srv.chat_template ? cs_chat_template_name(srv.chat_template) : NULL;
+        if (tn)
+            fprintf(stderr, "colibri_server: chat template %s\n", tn);
+        else
+            fprintf(stderr, "colibri_server: chat template %s; /v1/chat/completions answers 400 (the templates "
+                            "rendered: %s)\n",
+                    *srv.chat_template ? "not recognised" : "absent", cs_chat_known_templates());
+    }
     if (colibri_get_string(ctx, "precision", &srv.precision) != COLIBRI_OK || !srv.precision) srv.precision = "";
     if (colibri_get_string(ctx, "kernels", &srv.kernels) != COLIBRI_OK || !srv.kernels) srv.kernels = "";
     {

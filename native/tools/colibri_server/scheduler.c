@@ -290,8 +290,16 @@ static void end_request(cs_sched *s, cs_request *r, cs_finish why, const char *e
     retire(s, r, error, fin, can);
 }
 
+/* Sample choice c's next token from row: its own sampler when it has one, else the plain one. */
+static int sample_choice(cs_sched *s, cs_request *r, int c, const float *row, int32_t *tok, int *end) {
+    *end = CS_SAMPLE_GO;
+    if (r->sampler[c] && s->eng.sample_seq)
+        return s->eng.sample_seq(s->eng.self, r->sampler[c], row, &r->ch[c].rng, tok, end);
+    return s->eng.sample(s->eng.self, row, r->temperature, r->top_k, r->top_p, &r->ch[c].rng, tok);
+}
+
 /* A token of choice c (sampled from row): stop rules. */
-static void handle_token(cs_sched *s, cs_request *r, int c, int32_t tok, const float *row, double now,
+static void handle_token(cs_sched *s, cs_request *r, int c, int32_t tok, int end, const float *row, double now,
                          uint64_t *gen, cs_histogram *ttft, cs_histogram *tpot) {
     cs_choice_state *ch = &r->ch[c];
     if (ch->n_gen < ch->gen_cap) ch->gen[ch->n_gen] = tok; /* gen_cap covers every token it may make */
@@ -304,11 +312,11 @@ static void handle_token(cs_sched *s, cs_request *r, int c, int32_t tok, const f
     }
     if (ch->n_gen > 1) cs_hist_observe(tpot, now - ch->t_last);
     ch->t_last = now;
-    if (s->cfg.eos_id >= 0 && tok == s->cfg.eos_id && !r->ignore_eos) {
+    if ((s->cfg.eos_id >= 0 && tok == s->cfg.eos_id && !r->ignore_eos) || end == CS_SAMPLE_END_BEFORE) {
         finish_choice(s, r, c, CS_FINISH_STOP);
         return;
     }
-    if (r->cb->on_token(r, c, tok, row)) {
+    if (r->cb->on_token(r, c, tok, row) || end == CS_SAMPLE_END_AFTER) {
         finish_choice(s, r, c, CS_FINISH_STOP);
         return;
     }
@@ -658,12 +666,13 @@ int64_t cs_sched_step(cs_sched *s) {
                     if (ch->finished) continue;
                     ch->len++;
                     int32_t tok = 0;
-                    int st2 = s->eng.sample(s->eng.self, lg, r->temperature, r->top_k, r->top_p, &ch->rng, &tok);
+                    int end = 0;
+                    int st2 = sample_choice(s, r, c, lg, &tok, &end);
                     if (st2 != 0) {
                         end_request(s, r, CS_FINISH_ERROR, "sampling failed", &fin, &can);
                         continue;
                     }
-                    handle_token(s, r, c, tok, lg, now, &gen, &ttft, &tpot);
+                    handle_token(s, r, c, tok, end, lg, now, &gen, &ttft, &tpot);
                 } else {
                     /* the whole prompt is in: fork it to the other choices, then sample each */
                     r->state = ST_DECODE;
@@ -678,12 +687,12 @@ int64_t cs_sched_step(cs_sched *s) {
                     }
                     for (int k = 0; k < r->n; k++) {
                         int32_t tok = 0;
-                        if (s->eng.sample(s->eng.self, lg, r->temperature, r->top_k, r->top_p, &r->ch[k].rng,
-                                          &tok) != 0) {
+                        int end = 0;
+                        if (sample_choice(s, r, k, lg, &tok, &end) != 0) {
                             failed = 1;
                             break;
                         }
-                        handle_token(s, r, k, tok, lg, now, &gen, &ttft, &tpot);
+                        handle_token(s, r, k, tok, end, lg, now, &gen, &ttft, &tpot);
                     }
                     if (failed) {
                         end_request(s, r, CS_FINISH_ERROR, "sampling failed", &fin, &can);

@@ -81,7 +81,14 @@ typedef struct cs_engine {
      * returns the positions taken (at most n - 1), 0 when none or on error */
     int64_t (*reuse_prefix)(void *self, int32_t seq, const int32_t *ids, int64_t n);
     int64_t (*blocks_cached)(void *self);   /* optional: cached blocks no sequence holds (free) */
+    /* optional: sample with a request's per-choice sampler (cs_request.sampler[c]) instead of
+     * `sample`. *end: CS_SAMPLE_GO on, CS_SAMPLE_END_BEFORE (the token ends the choice and is
+     * not content: a stop id, or EOS), CS_SAMPLE_END_AFTER (the token is content and the last:
+     * a grammar completed with no end token to force) */
+    int (*sample_seq)(void *self, void *sampler, const float *logits, uint64_t *rng, int32_t *id, int *end);
 } cs_engine;
+
+enum { CS_SAMPLE_GO = 0, CS_SAMPLE_END_BEFORE = 1, CS_SAMPLE_END_AFTER = 2 };
 
 typedef struct cs_sched_config {
     int32_t max_seqs;          /* sequence ids 0 .. max_seqs-1 */
@@ -148,6 +155,8 @@ struct cs_request {
     uint64_t seed;              /* choice i's rng starts at seed + i */
     int ignore_eos;             /* 1: EOS is a token like any other (benchmarks) */
     int no_prefix_cache;        /* 1: compute the whole prompt even where the prefix cache holds it */
+    void *sampler[CS_MAX_CHOICES]; /* per choice, for cs_engine.sample_seq (penalties, bias, grammar);
+                                 * NULL: `sample` with temperature / top_k / top_p */
     const cs_request_callbacks *cb;
     void *user;
     /* ---- set by any thread through cs_sched_cancel */
