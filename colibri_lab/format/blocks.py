@@ -34,8 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import spec as fmt
-from .spec import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_MXFP4, DTYPE_Q4_K, DTYPE_Q5_K,
-                     DTYPE_Q6_K, DTYPE_Q8_0, QUANT_DTYPES)
+from .spec import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_IQ4_NL, DTYPE_IQ4_XS, DTYPE_MXFP4,
+                   DTYPE_Q2_K, DTYPE_Q3_K, DTYPE_Q4_0, DTYPE_Q4_1, DTYPE_Q4_K, DTYPE_Q5_0,
+                   DTYPE_Q5_1, DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_Q8_0, QUANT_DTYPES)
 
 
 def _ggml_tables() -> tuple[dict, dict]:
@@ -46,7 +47,10 @@ def _ggml_tables() -> tuple[dict, dict]:
 
     gqt = gguf.GGMLQuantizationType
     types = {DTYPE_F32: gqt.F32, DTYPE_F16: gqt.F16, DTYPE_BF16: gqt.BF16, DTYPE_Q8_0: gqt.Q8_0,
-             DTYPE_Q4_K: gqt.Q4_K, DTYPE_Q5_K: gqt.Q5_K, DTYPE_Q6_K: gqt.Q6_K}
+             DTYPE_Q4_K: gqt.Q4_K, DTYPE_Q5_K: gqt.Q5_K, DTYPE_Q6_K: gqt.Q6_K,
+             DTYPE_Q4_0: gqt.Q4_0, DTYPE_Q4_1: gqt.Q4_1, DTYPE_Q5_0: gqt.Q5_0,
+             DTYPE_Q5_1: gqt.Q5_1, DTYPE_Q2_K: gqt.Q2_K, DTYPE_Q3_K: gqt.Q3_K,
+             DTYPE_IQ4_NL: gqt.IQ4_NL, DTYPE_IQ4_XS: gqt.IQ4_XS}
     if hasattr(gqt, "MXFP4"):  # GGML_TYPE_MXFP4 = 39 (gguf >= 0.17)
         types[DTYPE_MXFP4] = gqt.MXFP4
     return types, {v: k for k, v in types.items()}
@@ -371,12 +375,63 @@ def _q6_k_blocks(x: np.ndarray) -> np.ndarray:
     return out
 
 
+# --------------------------------------------------------------------------- Q4_0 / Q4_1 / Q5_0 / Q5_1
+
+def _first_absmax(x: np.ndarray) -> np.ndarray:
+    """The value of largest magnitude of each block [nb, 32] (the first one on a tie: the C
+    scan's strict `amax < fabsf(v)`), shape [nb, 1]."""
+    return np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
+
+
+def _nibble_pairs(q: np.ndarray) -> np.ndarray:
+    """Codes [nb, 32] (0..31) -> 16 bytes: element j < 16 in the low nibble, j + 16 in the
+    high one (the fifth bit dropped: it goes to qh)."""
+    return (q[:, :16] & np.uint8(0x0F)) | (q[:, 16:] << np.uint8(4))
+
+
+def _high_bits(q: np.ndarray) -> np.ndarray:
+    """The fifth bit of each of 32 codes as Q5_0/Q5_1's qh: bit j of a little-endian uint32."""
+    return np.packbits((q >> np.uint8(4)) & np.uint8(1), axis=1, bitorder="little")
+
+
+def _legacy_blocks(x: np.ndarray, nbits: int, with_min: bool) -> np.ndarray:
+    """quantize_row_q4_0_ref / q4_1 / q5_0 / q5_1 over blocks [nb, 32]: Q4_0 / Q5_0 take
+    d = max / -8 (-16) of the value of largest magnitude and q = min(top, (int)(x / d +
+    8.5 (16.5))); Q4_1 / Q5_1 d = (max - min) / 15 (31), m = min, q = (int)((x - min) / d +
+    0.5); the reciprocal 1 / d multiplies (0 for d = 0), float32 throughout, as the C code
+    and gguf-py's quantize_blocks."""
+    f32 = np.float32
+    top = (1 << nbits) - 1
+    with np.errstate(divide="ignore"):
+        if with_min:
+            mn = x.min(axis=1, keepdims=True)
+            mx = x.max(axis=1, keepdims=True)
+            d = (mx - mn) / f32(top)
+            idv = np.where(d == 0, _F0, f32(1) / d).astype(f32)
+            q = np.trunc((x - mn) * idv + f32(0.5))
+        else:
+            d = _first_absmax(x) / f32(-(1 << (nbits - 1)))
+            idv = np.where(d == 0, _F0, f32(1) / d).astype(f32)
+            q = np.trunc(x * idv + f32((1 << (nbits - 1)) + 0.5))
+    q = np.clip(q, 0, top).astype(np.uint8)
+    parts = [_f16_bytes(d[:, 0])]
+    if with_min:
+        parts.append(_f16_bytes(mn[:, 0]))
+    if nbits == 5:
+        parts.append(_high_bits(q))
+    parts.append(_nibble_pairs(q))
+    return np.concatenate(parts, axis=1)
+
+
+
 # --------------------------------------------------------------------------- MXFP4
 
 #: e2m1 values doubled, indexed by the 4-bit code (ggml's kvalues_mxfp4): bit 3 is the sign,
 #: bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}; code 8 (-0) is 0
 MXFP4_K2 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 QK_MXFP4 = 32
+#: ggml's kvalues_iq4nl: the value of an IQ4_NL / IQ4_XS 4-bit code, times the scale
+IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 def e8m0_to_f32_half(e: np.ndarray) -> np.ndarray:
@@ -454,20 +509,31 @@ def mxfp4_from_hf(blocks, scales) -> np.ndarray:
 
 _BLOCK_FN = {DTYPE_Q8_0: _q8_0_blocks, DTYPE_Q4_K: lambda b: _qk_blocks(b, 15),
              DTYPE_Q5_K: lambda b: _qk_blocks(b, 31), DTYPE_Q6_K: _q6_k_blocks,
-             DTYPE_MXFP4: _mxfp4_blocks}
+             DTYPE_MXFP4: _mxfp4_blocks,
+             DTYPE_Q4_0: lambda b: _legacy_blocks(b, 4, False),
+             DTYPE_Q4_1: lambda b: _legacy_blocks(b, 4, True),
+             DTYPE_Q5_0: lambda b: _legacy_blocks(b, 5, False),
+             DTYPE_Q5_1: lambda b: _legacy_blocks(b, 5, True)}
+#: the block types `quantize` writes (llama.cpp has a reference quantizer for them); the
+#: others (IQ4_NL, IQ4_XS, Q2_K, Q3_K) are read (GGUF import) but not written here
+WRITABLE_DTYPES = tuple(_BLOCK_FN)
 
 
 # --------------------------------------------------------------------------- public API
 
 def quantize(x: np.ndarray, dtype: int, *, threads: int | None = None) -> np.ndarray:
     """float32 rows [rows, n] -> the stored bytes [rows, row_nbytes] (uint8) of quantized
-    `dtype` (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4), byte for byte llama.cpp's reference quantizer (no
-    importance matrix). n must be a whole number of the dtype's blocks. Values must be
+    `dtype` (one of WRITABLE_DTYPES), byte for byte llama.cpp's reference quantizer (no
+    importance matrix); NotImplementedError for a block type only read. n must be a whole number of the dtype's blocks. Values must be
     finite. A float dtype (f32, f16, bf16) gives its storage array instead (`to_stored`).
     `threads`: worker threads (default `default_threads()`); the bytes do not depend on it.
     """
     if dtype not in QUANT_DTYPES:
         return to_stored(x, dtype)
+    if dtype not in _BLOCK_FN:
+        raise NotImplementedError(f"quantize: {fmt.DTYPE_NAMES[dtype]} blocks are read (GGUF "
+                                  f"import) but not written; writable block types: "
+                                  f"{', '.join(fmt.DTYPE_NAMES[d] for d in _BLOCK_FN)}")
     x = _as_rows(x)
     rows, n = x.shape
     be, bb = fmt.DTYPE_BLOCKS[dtype]
@@ -522,6 +588,54 @@ def _dequantize_blocks(b: np.ndarray, dtype: int) -> np.ndarray:
         qs = b[:, 1:17]
         code = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
         return MXFP4_K2[code].astype(f32) * d
+    if dtype in (DTYPE_Q4_0, DTYPE_Q4_1, DTYPE_Q5_0, DTYPE_Q5_1, DTYPE_IQ4_NL):
+        # f16 d [, f16 m] [, qh: bit j of a little-endian uint32] then 16 nibble bytes
+        d = b[:, 0:2].copy().view("<f2").astype(f32)                   # [nb, 1]
+        one = dtype in (DTYPE_Q4_1, DTYPE_Q5_1)
+        five = dtype in (DTYPE_Q5_0, DTYPE_Q5_1)
+        o = 4 if one else 2
+        qs = b[:, o + (4 if five else 0):]
+        q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)     # [nb, 32]
+        if five:
+            q = q | (np.unpackbits(b[:, o:o + 4], axis=1, bitorder="little") << np.uint8(4))
+        if dtype == DTYPE_IQ4_NL:
+            return d * IQ4NL_VALUES[q].astype(f32)
+        if one:
+            return (d * q.astype(f32)) + b[:, 2:4].copy().view("<f2").astype(f32)
+        return d * (q.astype(np.int8) - np.int8(16 if five else 8)).astype(f32)
+    if dtype == DTYPE_Q2_K:
+        sc = b[:, 0:16]
+        qs = b[:, 16:80].reshape(nb, 2, 1, 32)
+        d = b[:, 80:82].copy().view("<f2").astype(f32)
+        dmin = b[:, 82:84].copy().view("<f2").astype(f32)
+        dl = (d * (sc & np.uint8(0xF)).astype(f32))[:, :, None]          # [nb, 16, 1]
+        ml = (dmin * (sc >> np.uint8(4)).astype(f32))[:, :, None]
+        q = (qs >> np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]) & np.uint8(3)
+        return dl * q.reshape(nb, 16, 16).astype(f32) - ml
+    if dtype == DTYPE_Q3_K:
+        hm = b[:, 0:32].reshape(nb, 1, 32)
+        qs = b[:, 32:96].reshape(nb, 2, 1, 32)
+        s = b[:, 96:108]
+        d = b[:, 108:110].copy().view("<f2").astype(f32)
+        lo = np.concatenate([s[:, 0:8] & np.uint8(0xF), s[:, 0:8] >> np.uint8(4)], axis=1)
+        hi = (s[:, None, 8:12] >> np.array([0, 2, 4, 6], np.uint8)[None, :, None]) & np.uint8(3)
+        scale = (lo | (hi.reshape(nb, 16) << np.uint8(4))).astype(np.int8) - np.int8(32)
+        dl = (d * scale.astype(f32))[:, :, None]                          # [nb, 16, 1]
+        low = (qs >> np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]) & np.uint8(3)
+        hbit = (hm >> np.arange(8, dtype=np.uint8)[None, :, None]) & np.uint8(1)   # [nb, 8, 32]
+        q = low.reshape(nb, 256).astype(np.int8) - ((hbit ^ np.uint8(1)) << np.uint8(2)).reshape(nb, 256).astype(np.int8)
+        return dl * q.reshape(nb, 16, 16).astype(f32)
+    if dtype == DTYPE_IQ4_XS:
+        d = b[:, 0:2].copy().view("<f2").astype(f32)
+        sh = b[:, 2:4].copy().view("<u2")                                  # [nb, 1]
+        sl = b[:, 4:8]
+        lo = np.stack([sl & np.uint8(0xF), sl >> np.uint8(4)], axis=2).reshape(nb, 8)
+        hi = ((sh >> (2 * np.arange(8, dtype=np.uint16))[None, :]) & np.uint16(3)).astype(np.uint8)
+        scale = (lo | (hi << np.uint8(4))).astype(np.int8) - np.int8(32)
+        dl = (d * scale.astype(f32))[:, :, None]                          # [nb, 8, 1]
+        qs = b[:, 8:136].reshape(nb, 8, 16)
+        q = np.concatenate([qs & np.uint8(0xF), qs >> np.uint8(4)], axis=2)   # [nb, 8, 32]
+        return dl * IQ4NL_VALUES[q].astype(f32)
     if dtype == DTYPE_Q8_0:
         d = b[:, 0:2].copy().view("<f2").astype(f32)                   # [nb, 1]
         q = b[:, 2:].view(np.int8).astype(f32)
