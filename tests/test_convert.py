@@ -402,7 +402,7 @@ def test_unused_checkpoint_tensors_are_reported(hf5, tmp_path):
 # ------------------------------------------------------------------------ quantized mixes
 
 from colibri_lab.format import blocks as quants  # noqa: E402
-from colibri_lab.format.spec import (DTYPE_F32, DTYPE_Q4_0, DTYPE_Q4_1, DTYPE_Q4_K,  # noqa: E402
+from colibri_lab.format.spec import (DTYPE_F32, DTYPE_Q2_K, DTYPE_Q3_K, DTYPE_Q4_0, DTYPE_Q4_1, DTYPE_Q4_K,  # noqa: E402
                                      DTYPE_Q5_0, DTYPE_Q5_1, DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_Q8_0,
                                      QUANT_DTYPES)
 
@@ -448,6 +448,10 @@ EXPECTED = {
     **{m: (lambda kind, n, t=t: DTYPE_F32 if kind in ("norm", "router") else t)
        for m, t in (("q4_0", DTYPE_Q4_0), ("q4_1", DTYPE_Q4_1), ("q5_0", DTYPE_Q5_0),
                     ("q5_1", DTYPE_Q5_1))},
+    "q2_k": lambda kind, n: {"norm": DTYPE_F32, "router": DTYPE_F32, "token_embd": DTYPE_Q2_K,
+                             "output": Q6, "attn_q": DTYPE_Q2_K, "attn_k": Q8, "attn_v": Q8,
+                             "attn_output": Q5, "ffn_gate_exps": DTYPE_Q2_K,
+                             "ffn_up_exps": DTYPE_Q2_K, "ffn_down_exps": DTYPE_Q3_K}[kind],
     "q4_k_m": lambda kind, n: {"norm": DTYPE_F32, "router": DTYPE_F32, "token_embd": Q4,
                                "output": Q6, "attn_q": Q4, "attn_k": Q8, "attn_v": Q8,
                                "attn_output": Q5, "ffn_gate_exps": Q4, "ffn_up_exps": Q4,
@@ -465,7 +469,7 @@ def kind_of(name: str) -> tuple[str, int | None]:
     return ("router" if k == "ffn_gate_inp" else k), int(n)
 
 
-@pytest.mark.parametrize("mix", ["q8_0", "q4_k", "q4_k_m", "q4_0", "q5_1"])
+@pytest.mark.parametrize("mix", ["q8_0", "q4_k", "q4_k_m", "q4_0", "q5_1", "q2_k"])
 def test_quantized_mix_converts(hfq, tmp_path, mix):
     out = tmp_path / f"{mix}.colibri"
     convert(hfq, out, dtype=mix, progress=False)

@@ -8,7 +8,8 @@ IQ4_XS blocks themselves):
   tensors replaced by their (gguf.quants-dequantized) f32 values, in the exact and the fast
   mode (which runs these types, as F32, on the exact kernels; the Q8_0 / K tensors of both
   files on its int8 path);
-* `mix_dtype` gives every tensor the type llama-quantize gave it (Q4_K_M, Q3_K_M, Q2_K).
+* `mix_dtype` gives every tensor the type llama-quantize gave it (Q4_K_M, Q3_K_M, Q2_K), and
+  `quants.quantize` its bytes (Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0 blocks of the f32 file).
 
 Needs llama.cpp's convert_hf_to_gguf.py and a built llama-quantize (the benchmarks build it);
 skipped, naming the missing file, without them. The always-on checks of the types are
@@ -32,7 +33,7 @@ import colibri_lab  # noqa: E402
 from colibri_lab.bench.models import FamilyShape, build_model, save_checkpoint  # noqa: E402
 from colibri_lab.conversion import mixes  # noqa: E402
 from colibri_lab.conversion.gguf import convert_gguf  # noqa: E402
-from colibri_lab.format import reader as fmt_reader  # noqa: E402
+from colibri_lab.format import blocks as quants, reader as fmt_reader  # noqa: E402
 from colibri_lab.format.spec import DTYPE_NAMES  # noqa: E402
 from test_gguf_import import (  # noqa: E402
     _bpe_tokenizer, _check_bytes_as_stored, _llama_program, _llama_root, _native_or_fail,
@@ -127,3 +128,12 @@ def test_mix_dtype_is_llama_quantize_s_choice(model, width, ftype, tmp_path):
         got[t.name] = DTYPE_NAMES[dt].upper()
         want[t.name] = t.tensor_type.name
     assert got == want
+    # and our quantizers write llama-quantize's bytes for every quantized tensor
+    src = {t.name: t for t in gguf.GGUFReader(model[0][width]).tensors}
+    for t in r.tensors:
+        dt = quants.DTYPE_OF_GGML.get(t.tensor_type)
+        if dt not in quants.WRITABLE_DTYPES:
+            continue
+        x = np.array(src[t.name].data, dtype=np.float32)
+        q = quants.quantize(x.reshape(-1, x.shape[-1]), dt)
+        assert q.tobytes() == np.array(t.data).tobytes(), (t.name, t.tensor_type.name)

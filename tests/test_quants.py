@@ -1,5 +1,5 @@
 """colibri_lab.format.blocks: the block quantizers (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, Q4_0, Q4_1,
-Q5_0, Q5_1) and the dequantizer of every block type (those and Q2_K, Q3_K, IQ4_NL, IQ4_XS).
+Q5_0, Q5_1, Q2_K, Q3_K) and the dequantizer of every block type (those and IQ4_NL, IQ4_XS).
 
 - `dequantize` is bit for bit the `gguf` package's `gguf.quants.dequantize` (the
   reference for what a block means), on random blocks, odd row counts.
@@ -160,6 +160,8 @@ GOLDEN = {
     DTYPE_Q4_1: "3c4c0c24fa98e5c7da324b0cac9a8e2f601559064eb3cb1eaa157c87cac44782",
     DTYPE_Q5_0: "300a900e447ee61f0648be9d5c97753c697f79f04074f2bb09be55fcfe5a6392",
     DTYPE_Q5_1: "1980f3164eb2eb186ab2e5013100f41e6bc4648852f5ac0dcb99a6fc738396dc",
+    DTYPE_Q2_K: "7f548618983230ed8223edc20bb4174f5c1a3443b7c742f4958ea15b30a8af88",
+    DTYPE_Q3_K: "8ccbc9a729a71a9c6fa7334840bfd3b26e9d63d5a71540b0545b2b04b04681f7",
 }
 
 
@@ -208,11 +210,13 @@ def test_read_only_types_refuse_to_quantize(dtype):
 # rms error / rms value on unit gaussians; llama.cpp's own figures are about 0.004, 0.07,
 # 0.035, 0.018; each bound is under the next-coarser type's error
 # (MXFP4, 4-bit e2m1 with a power-of-two scale: about 0.115; Q4_0 0.085, Q4_1 0.078, Q5_0
-# 0.042, Q5_1 0.038)
+# 0.042, Q5_1 0.038, Q2_K 0.29, Q3_K 0.15)
 RMSE_BOUND = {DTYPE_Q8_0: 0.008, DTYPE_Q4_K: 0.085, DTYPE_Q5_K: 0.045, DTYPE_Q6_K: 0.022,
-              DTYPE_MXFP4: 0.13, DTYPE_Q4_0: 0.1, DTYPE_Q4_1: 0.09, DTYPE_Q5_0: 0.05, DTYPE_Q5_1: 0.045}
+              DTYPE_MXFP4: 0.13, DTYPE_Q4_0: 0.1, DTYPE_Q4_1: 0.09, DTYPE_Q5_0: 0.05, DTYPE_Q5_1: 0.045,
+              DTYPE_Q2_K: 0.33, DTYPE_Q3_K: 0.17}
 RMSE_FLOOR = {DTYPE_Q8_0: 0.002, DTYPE_Q4_K: 0.05, DTYPE_Q5_K: 0.025, DTYPE_Q6_K: 0.012,
-              DTYPE_MXFP4: 0.09, DTYPE_Q4_0: 0.06, DTYPE_Q4_1: 0.05, DTYPE_Q5_0: 0.025, DTYPE_Q5_1: 0.02}
+              DTYPE_MXFP4: 0.09, DTYPE_Q4_0: 0.06, DTYPE_Q4_1: 0.05, DTYPE_Q5_0: 0.025, DTYPE_Q5_1: 0.02,
+              DTYPE_Q2_K: 0.25, DTYPE_Q3_K: 0.12}
 
 
 @pytest.mark.parametrize("dtype", WRITABLE, ids=NAMES.get)
@@ -222,10 +226,11 @@ def test_round_trip_error_within_the_type_bound(dtype):
     rel = float(np.sqrt(np.mean((y - x) ** 2)))
     assert RMSE_FLOOR[dtype] < rel < RMSE_BOUND[dtype], rel
     # no element is off by more than a step of its block's grid
-    be = {DTYPE_Q8_0: 32, DTYPE_Q4_K: 32, DTYPE_Q5_K: 32, DTYPE_Q6_K: 16, DTYPE_MXFP4: 32}.get(dtype, 32)
+    be = {DTYPE_Q6_K: 16, DTYPE_Q2_K: 16, DTYPE_Q3_K: 16}.get(dtype, 32)
     # MXFP4: at most half its block's amax (the clip of [6, 8) scale units to 6)
     levels = {DTYPE_Q8_0: 254, DTYPE_Q4_K: 15, DTYPE_Q5_K: 31, DTYPE_Q6_K: 63, DTYPE_MXFP4: 3,
-              DTYPE_Q4_0: 15, DTYPE_Q4_1: 15, DTYPE_Q5_0: 31, DTYPE_Q5_1: 31}[dtype]
+              DTYPE_Q4_0: 15, DTYPE_Q4_1: 15, DTYPE_Q5_0: 31, DTYPE_Q5_1: 31, DTYPE_Q2_K: 3,
+              DTYPE_Q3_K: 7}[dtype]
     xb = x.reshape(-1, be)
     span = (xb.max(1) - np.minimum(xb.min(1), 0))[:, None]
     assert (np.abs(y - x).reshape(-1, be) <= 1.5 * span / levels).all()
@@ -259,19 +264,21 @@ def test_edge_rows(dtype):
     if dtype in (DTYPE_Q8_0, DTYPE_Q4_1, DTYPE_Q5_1):   # d = 0 (and m = 0): every byte 0
         assert not q[0].any()
     tol = {DTYPE_Q8_0: 0.005, DTYPE_Q4_K: 0.02, DTYPE_Q5_K: 0.01, DTYPE_Q6_K: 0.01,
-           DTYPE_Q4_0: 0.02, DTYPE_Q4_1: 0.02, DTYPE_Q5_0: 0.01, DTYPE_Q5_1: 0.01}[dtype]
+           DTYPE_Q4_0: 0.02, DTYPE_Q4_1: 0.02, DTYPE_Q5_0: 0.01, DTYPE_Q5_1: 0.01,
+           DTYPE_Q2_K: 0.1, DTYPE_Q3_K: 0.05}[dtype]
     np.testing.assert_allclose(y[1], 0.37, rtol=tol)
     np.testing.assert_allclose(y[2], -1.25, rtol=tol)
     assert (y[3] <= 1e-6).all()
     half_step = {DTYPE_Q8_0: 0.005, DTYPE_Q4_K: 0.06, DTYPE_Q5_K: 0.03, DTYPE_Q6_K: 0.02,
-                 DTYPE_Q4_0: 0.07, DTYPE_Q4_1: 0.035, DTYPE_Q5_0: 0.035, DTYPE_Q5_1: 0.02}[dtype]
+                 DTYPE_Q4_0: 0.07, DTYPE_Q4_1: 0.035, DTYPE_Q5_0: 0.035, DTYPE_Q5_1: 0.02,
+                 DTYPE_Q2_K: 0.3, DTYPE_Q3_K: 0.15}[dtype]
     np.testing.assert_allclose(y[3], x[3], atol=half_step)
     assert abs(y[4, 100] - 1000.0) <= 1000.0 * tol
     # the blocks without the outlier keep their own precision (a K type's super-block of
     # 256 shares one scale of its sub-block scales, so the outlier's whole super-block
     # coarsens)
     far = np.r_[256:512] if fmt.DTYPE_BLOCKS[dtype][0] == 256 else np.r_[0:96, 128:512]
-    assert np.abs(y[4, far] - x[4, far]).max() < 0.003
+    assert np.abs(y[4, far] - x[4, far]).max() < {DTYPE_Q2_K: 0.012, DTYPE_Q3_K: 0.006}.get(dtype, 0.003)
     np.testing.assert_allclose(y[5], x[5], atol=half_step)
 
 
@@ -390,7 +397,7 @@ def test_q3_k_m_and_q2_k_on_a_4_layer_model():
         assert _mix(mix, "token_embd.weight", (1000, H)) == t
         assert _mix(mix, "output.weight", (1000, H)) == DTYPE_Q6_K
         assert _mix(mix, "token_embd.weight", (1000, H), tied=True) == DTYPE_Q6_K
-    assert "q2_k" not in mixes.MIXES and "q2_k" in mixes.TYPE_ONLY_MIXES   # no Q2_K writer
+    assert {"q3_k_m", "q2_k"} <= set(mixes.MIXES)
 
 
 def test_q8_0_and_q4_k_mixes_are_uniform():

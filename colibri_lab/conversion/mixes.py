@@ -32,11 +32,7 @@ from ..format.spec import (
 
 # --------------------------------------------------------------------------- mixes
 
-# the mixes the converter writes
-MIXES = ("q8_0", "q4_k", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "mxfp4")
-# mixes whose per-tensor types mix_dtype gives (llama-quantize's choice) but whose Q2_K / Q3_K
-# blocks the converter does not write (blocks.quantize has no quantizer for them)
-TYPE_ONLY_MIXES = ("q3_k_m", "q2_k")
+MIXES = ("q8_0", "q4_k", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q3_k_m", "q2_k", "mxfp4")
 # the mixes of one type for every weight matrix (then the fallback)
 _PLAIN = {"q8_0": DTYPE_Q8_0, "q4_k": DTYPE_Q4_K, "q4_0": DTYPE_Q4_0, "q4_1": DTYPE_Q4_1,
           "q5_0": DTYPE_Q5_0, "q5_1": DTYPE_Q5_1}
@@ -93,8 +89,8 @@ def mix_dtype(mix: str, name: str, shape, *, layer: int | None, n_layers: int,
       matrix BF16 — the way gpt-oss ships (its experts in MXFP4, the rest bf16).
     - then `fallback_dtype` for a row the type's block does not divide.
     """
-    if mix not in MIXES + TYPE_ONLY_MIXES:
-        raise ValueError(f"mix {mix!r}: choose one of {', '.join(MIXES + TYPE_ONLY_MIXES)}")
+    if mix not in MIXES:
+        raise ValueError(f"mix {mix!r}: choose one of {', '.join(MIXES)}")
     shape = tuple(int(d) for d in shape)
     base = name[:-len(".weight")] if name.endswith(".weight") else name
     m = _BLK.match(base)
