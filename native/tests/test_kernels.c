@@ -882,10 +882,13 @@ static void test_quant(const cb_kernels *K) {
          * batch's bits (decode tiles, few-token tiles, the widened prefill path, long rows) */
         const int64_t Ts[] = {1, 2, 3, 4, 5, 13, 17};
         const int64_t Ns[] = {1, 7, 67};
-        const int64_t Kq[] = {256, 768, 4352, 32, 96, 288}; /* the last three: Q8_0 only */
+        const int64_t Kq[] = {256, 768, 4352, 32, 96, 288}; /* the last three: 32-element blocks only */
         for (size_t c = 0; c < 6; c++) {
             int64_t Kd = Kq[c];
             if (Kd % blk) continue;
+            /* the byte-decoded types share one tile: K = 96 covers their odd sizes (keeps the
+             * emulated aarch64 run short) */
+            if ((Kd == 32 || Kd == 288) && dt != COLIBRI_DTYPE_Q8_0 && dt != COLIBRI_DTYPE_MXFP4) continue;
             for (size_t b = 0; b < 3; b++)
                 for (size_t a = 0; a < 7; a++) {
                     int64_t T = Ts[a], N = Ns[b];
