@@ -402,8 +402,9 @@ def test_unused_checkpoint_tensors_are_reported(hf5, tmp_path):
 # ------------------------------------------------------------------------ quantized mixes
 
 from colibri_lab.format import blocks as quants  # noqa: E402
-from colibri_lab.format.spec import (DTYPE_F32, DTYPE_Q4_K, DTYPE_Q5_K,  # noqa: E402
-                                DTYPE_Q6_K, DTYPE_Q8_0, QUANT_DTYPES)
+from colibri_lab.format.spec import (DTYPE_F32, DTYPE_Q2_K, DTYPE_Q3_K, DTYPE_Q4_0, DTYPE_Q4_1, DTYPE_Q4_K,  # noqa: E402
+                                     DTYPE_Q5_0, DTYPE_Q5_1, DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_Q8_0,
+                                     QUANT_DTYPES)
 
 # rows that 256 divides, 8 experts (llama.cpp's Mixtral-8x rules), 4 layers (use_more_bits:
 # layers 2 and 3)
@@ -444,6 +445,13 @@ Q4, Q5, Q6, Q8 = DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_Q8_0
 EXPECTED = {
     "q8_0": lambda kind, n: DTYPE_F32 if kind in ("norm", "router") else Q8,
     "q4_k": lambda kind, n: DTYPE_F32 if kind in ("norm", "router") else Q4,
+    **{m: (lambda kind, n, t=t: DTYPE_F32 if kind in ("norm", "router") else t)
+       for m, t in (("q4_0", DTYPE_Q4_0), ("q4_1", DTYPE_Q4_1), ("q5_0", DTYPE_Q5_0),
+                    ("q5_1", DTYPE_Q5_1))},
+    "q2_k": lambda kind, n: {"norm": DTYPE_F32, "router": DTYPE_F32, "token_embd": DTYPE_Q2_K,
+                             "output": Q6, "attn_q": DTYPE_Q2_K, "attn_k": Q8, "attn_v": Q8,
+                             "attn_output": Q5, "ffn_gate_exps": DTYPE_Q2_K,
+                             "ffn_up_exps": DTYPE_Q2_K, "ffn_down_exps": DTYPE_Q3_K}[kind],
     "q4_k_m": lambda kind, n: {"norm": DTYPE_F32, "router": DTYPE_F32, "token_embd": Q4,
                                "output": Q6, "attn_q": Q4, "attn_k": Q8, "attn_v": Q8,
                                "attn_output": Q5, "ffn_gate_exps": Q4, "ffn_up_exps": Q4,
@@ -461,7 +469,7 @@ def kind_of(name: str) -> tuple[str, int | None]:
     return ("router" if k == "ffn_gate_inp" else k), int(n)
 
 
-@pytest.mark.parametrize("mix", ["q8_0", "q4_k", "q4_k_m"])
+@pytest.mark.parametrize("mix", ["q8_0", "q4_k", "q4_k_m", "q4_0", "q5_1", "q2_k"])
 def test_quantized_mix_converts(hfq, tmp_path, mix):
     out = tmp_path / f"{mix}.colibri"
     convert(hfq, out, dtype=mix, progress=False)
@@ -519,16 +527,22 @@ def test_quantized_mix_with_int8_router(hfq, tmp_path):
 
 
 def test_quantized_mix_row_fallbacks(tmp_path):
-    """Rows no K block divides fall back to Q8_0; rows 32 does not divide to F16 (values
-    then as the float conversion gives them). The FFN is split all the same."""
+    """Rows no K block divides fall back as llama.cpp's do (Q4_K -> Q5_0, Q6_K -> Q8_0); rows
+    32 does not divide to F16 (values then as the float conversion gives them). The FFN is
+    split all the same."""
     hf = make_hf(tmp_path / "hf64", hidden_size=64, intermediate_size=96, head_dim=16,
                  num_attention_heads=4, num_key_value_heads=2)
     out = tmp_path / "a.colibri"
     convert(hf, out, dtype="q4_k_m", progress=False)
     info = inspect(out, verify=True)
     assert info.version == 2
-    assert {t.dtype for t in info.tensors if t.dtype != "f32"} == {"q8_0"}
+    assert {t.dtype for t in info.tensors if t.dtype != "f32"} == {"q5_0", "q8_0"}
+    assert info.tensor("blk.0.ffn_gate_exps").dtype == "q5_0"     # Q4_K's fallback
     assert info.tensor("blk.1.ffn_down_exps").shape == (3, 64, 96)
+    src = load_source(hf)
+    w = source_of("blk.0.ffn_gate_exps", src)
+    want = quants.dequantize(quants.quantize(w.reshape(-1, 64), DTYPE_Q5_0), DTYPE_Q5_0, 64)
+    assert np.array_equal(info.read_tensor("blk.0.ffn_gate_exps", as_float32=True).reshape(want.shape), want)
     src = load_source(hf)
     want = quants.dequantize(quants.quantize(source_of("output.weight", src), DTYPE_Q8_0),
                              DTYPE_Q8_0, 64)

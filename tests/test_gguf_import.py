@@ -21,7 +21,7 @@ shared expert, Qwen3-MoE with q/k head norms, OLMoE with full q/k norms and clip
 * the engine runs every import (a refusal fails the test): logits equal transformers' and
   the Hugging Face converter's file's (f32), and those of the dequantized values (bf16,
   q8_0, MXFP4, K-quants);
-* refusals: an unsupported tensor type (Q4_0), gate/up of different dtypes, a truncated
+* refusals: an unsupported tensor type (Q8_1), gate/up of different dtypes, a truncated
   file, a non-GGUF file, an unsupported architecture.
 """
 
@@ -736,16 +736,17 @@ def test_metadata_options_from_the_gguf(models, tmp_path):
 # --------------------------------------------------------------------------- refusals
 
 def test_unsupported_tensor_type_is_refused_by_name(models, tmp_path):
-    Q4_0 = gguf.GGMLQuantizationType.Q4_0
+    Q8_1 = gguf.GGMLQuantizationType.Q8_1   # a block type the format does not have
 
-    def q4(name, ttype, data):
+    def q8_1(name, ttype, data):
         if name == "blk.0.attn_q.weight":
-            return [(name, Q4_0, gguf.quants.quantize(data, Q4_0))]
+            (rows, cols), (be, bb) = data.shape, gguf.GGML_QUANT_SIZES[Q8_1]
+            return [(name, Q8_1, np.zeros((rows, cols // be * bb), np.uint8))]
         return [(name, ttype, data)]
 
-    g = rewrite_gguf(models["qwen3_moe"]["gguf"]["f32"], tmp_path / "q4_0.gguf", tensors=q4)
+    g = rewrite_gguf(models["qwen3_moe"]["gguf"]["f32"], tmp_path / "q8_1.gguf", tensors=q8_1)
     out = tmp_path / "x.colibri"
-    with pytest.raises(ConversionError, match=r"tensor blk\.0\.attn_q\.weight has type Q4_0, "
+    with pytest.raises(ConversionError, match=r"tensor blk\.0\.attn_q\.weight has type Q8_1, "
                                               r"which colibri does not support; supported: "
                                               r"F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K"):
         convert_gguf(g, out, progress=False)

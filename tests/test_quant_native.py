@@ -13,7 +13,16 @@ from colibri_lab.runtime import _native
 
 QT = gguf.GGMLQuantizationType
 TYPES = {fmt.DTYPE_Q8_0: QT.Q8_0, fmt.DTYPE_Q4_K: QT.Q4_K, fmt.DTYPE_Q5_K: QT.Q5_K,
-         fmt.DTYPE_Q6_K: QT.Q6_K, fmt.DTYPE_MXFP4: QT.MXFP4}
+         fmt.DTYPE_Q6_K: QT.Q6_K, fmt.DTYPE_MXFP4: QT.MXFP4, fmt.DTYPE_Q4_0: QT.Q4_0,
+         fmt.DTYPE_Q4_1: QT.Q4_1, fmt.DTYPE_Q5_0: QT.Q5_0, fmt.DTYPE_Q5_1: QT.Q5_1,
+         fmt.DTYPE_Q2_K: QT.Q2_K, fmt.DTYPE_Q3_K: QT.Q3_K, fmt.DTYPE_IQ4_NL: QT.IQ4_NL,
+         fmt.DTYPE_IQ4_XS: QT.IQ4_XS}
+# byte offsets of each block's f16 fields (MXFP4: an e8m0 byte, every value is one)
+F16_AT = {fmt.DTYPE_Q8_0: (0,), fmt.DTYPE_Q4_K: (0, 2), fmt.DTYPE_Q5_K: (0, 2),
+          fmt.DTYPE_Q6_K: (208,), fmt.DTYPE_MXFP4: (), fmt.DTYPE_Q4_0: (0,),
+          fmt.DTYPE_Q4_1: (0, 2), fmt.DTYPE_Q5_0: (0,), fmt.DTYPE_Q5_1: (0, 2),
+          fmt.DTYPE_Q2_K: (80, 82), fmt.DTYPE_Q3_K: (108,), fmt.DTYPE_IQ4_NL: (0,),
+          fmt.DTYPE_IQ4_XS: (0,)}
 
 
 def _random_blocks(dtype: int, n_blocks: int, rng) -> np.ndarray:
@@ -23,15 +32,11 @@ def _random_blocks(dtype: int, n_blocks: int, rng) -> np.ndarray:
     def f16(n):
         v = (rng.standard_normal(n) * rng.choice([1e-6, 1e-3, 0.05, 3.0], n)).astype(np.float16)
         return v.view(np.uint8).reshape(n, 2)
-    if dtype == fmt.DTYPE_MXFP4:
-        pass                                 # an e8m0 scale byte: every value is one
-    elif dtype == fmt.DTYPE_Q8_0:
-        raw[:, 0:2] = f16(n_blocks)
-    elif dtype == fmt.DTYPE_Q6_K:
-        raw[:, 208:210] = f16(n_blocks)
-    else:
-        raw[:, 0:2] = f16(n_blocks)
-        raw[:, 2:4] = f16(n_blocks)
+    for off in F16_AT[dtype]:
+        raw[:, off:off + 2] = f16(n_blocks)
+    if n_blocks > 2 and F16_AT[dtype]:   # an all-zero block, and one with a zero scale
+        raw[0] = 0
+        raw[1, F16_AT[dtype][0]:F16_AT[dtype][0] + 2] = 0
     return raw
 
 

@@ -1,5 +1,5 @@
 """Quantized models run exactly: the logits of a .colibri file converted with a quantized
-mix (q8_0, q4_k, q4_k_m) equal, within float32 rounding (max |Δ| <= 1e-4), the logits
+mix (q8_0, q4_k, q4_k_m, q4_1, q5_0) equal, within float32 rounding (max |Δ| <= 1e-4), the logits
 transformers computes for the same model with every quantized tensor replaced by its
 dequantized values (read back from the file). So any difference from the f32 model is the
 quantization's, never the engine's. Shapes have rows of whole 256-element blocks, so the K
@@ -76,7 +76,7 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-@pytest.mark.parametrize("mix", ["q8_0", "q4_k", "q4_k_m"])
+@pytest.mark.parametrize("mix", ["q8_0", "q4_k", "q4_k_m", "q4_1", "q5_0"])
 def test_quantized_logits_equal_transformers_on_dequantized_weights(checkpoints, family, mix, tmp_path):
     model, folder = checkpoints[family]
     out = tmp_path / f"{family}-{mix}.colibri"
@@ -85,7 +85,8 @@ def test_quantized_logits_equal_transformers_on_dequantized_weights(checkpoints,
     assert info.version == 2
     deq_state, used = _dequantized_state(info, model.state_dict())
     kinds = set(used.values())
-    want = {"q8_0": {"q8_0"}, "q4_k": {"q4_k"}, "q4_k_m": {"q4_k", "q6_k"}}[mix]
+    want = {"q8_0": {"q8_0"}, "q4_k": {"q4_k"}, "q4_k_m": {"q4_k", "q6_k"}, "q4_1": {"q4_1"},
+            "q5_0": {"q5_0"}}[mix]
     assert want <= kinds, f"{mix}: the file holds {sorted(kinds)}"
     ref = type(model)(model.config).eval()
     ref.load_state_dict(deq_state)

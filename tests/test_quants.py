@@ -1,13 +1,14 @@
-"""colibri_lab.format.blocks: the block quantizers (Q8_0, Q4_K, Q5_K, Q6_K) and their dequantizer.
+"""colibri_lab.format.blocks: the block quantizers (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, Q4_0, Q4_1,
+Q5_0, Q5_1, Q2_K, Q3_K) and the dequantizer of every block type (those and IQ4_NL, IQ4_XS).
 
 - `dequantize` is bit for bit the `gguf` package's `gguf.quants.dequantize` (the
   reference for what a block means), on random blocks, odd row counts.
-- `quantize` is llama.cpp's reference quantizer byte for byte: for Q8_0 against the
-  `gguf` package's bit-exact Q8_0 port; for every type against golden digests of what
+- `quantize` is llama.cpp's reference quantizer byte for byte: for Q8_0, Q4_0, Q4_1, Q5_0
+  and Q5_1 against the `gguf` package's ports; for every type against golden digests of what
   ggml's `quantize_row_*_ref` (libggml-base) writes for a fixed input (checked when the
   digests were made; llama.cpp itself is not used here).
 - round-trip errors within each type's bound, determinism, edge rows, refusals.
-- `mix_dtype`: the converter mixes, llama.cpp's Q4_K_M rules, the fallbacks.
+- `mix_dtype`: the converter mixes, llama.cpp's Q4_K_M / Q3_K_M / Q2_K rules, the fallbacks.
 """
 
 from __future__ import annotations
@@ -20,17 +21,26 @@ import pytest
 from colibri_lab.format import spec as fmt
 from colibri_lab.conversion import mixes
 from colibri_lab.format import blocks as Q
-from colibri_lab.format.spec import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_MXFP4, DTYPE_Q4_K,
-                                DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_Q8_0, QUANT_DTYPES)
+from colibri_lab.format.spec import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_IQ4_NL, DTYPE_IQ4_XS,
+                                     DTYPE_MXFP4, DTYPE_Q2_K, DTYPE_Q3_K, DTYPE_Q4_0, DTYPE_Q4_1,
+                                     DTYPE_Q4_K, DTYPE_Q5_0, DTYPE_Q5_1, DTYPE_Q5_K, DTYPE_Q6_K,
+                                     DTYPE_Q8_0, QUANT_DTYPES)
 
 gguf = pytest.importorskip("gguf")
 GQT = gguf.GGMLQuantizationType
 NAMES = {d: fmt.DTYPE_NAMES[d] for d in QUANT_DTYPES}
 # where each block keeps its f16 fields: (byte offset, count)
 F16_FIELDS = {DTYPE_Q8_0: [(0, 1)], DTYPE_Q4_K: [(0, 2)], DTYPE_Q5_K: [(0, 2)],
-              DTYPE_Q6_K: [(208, 1)], DTYPE_MXFP4: []}   # MXFP4: an e8m0 byte, any value
+              DTYPE_Q6_K: [(208, 1)], DTYPE_MXFP4: [],   # MXFP4: an e8m0 byte, any value
+              DTYPE_Q4_0: [(0, 1)], DTYPE_Q4_1: [(0, 2)], DTYPE_Q5_0: [(0, 1)],
+              DTYPE_Q5_1: [(0, 2)], DTYPE_Q2_K: [(80, 2)], DTYPE_Q3_K: [(108, 1)],
+              DTYPE_IQ4_NL: [(0, 1)], DTYPE_IQ4_XS: [(0, 1)]}
+# the types `quantize` writes; the others are read only
+WRITABLE = Q.WRITABLE_DTYPES
 # the integer-grid types (MXFP4's grid is e2m1's: its bounds are tests/test_mxfp4.py's)
-GRID_DTYPES = tuple(d for d in QUANT_DTYPES if d != DTYPE_MXFP4)
+GRID_DTYPES = tuple(d for d in WRITABLE if d != DTYPE_MXFP4)
+# gguf-py's quantizers that are ports of ggml's reference ones
+GGUF_QUANTIZERS = (DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_1, DTYPE_Q5_0, DTYPE_Q5_1)
 
 
 def random_blocks(dtype: int, rows: int, n: int, seed: int, finite: bool = True) -> np.ndarray:
@@ -99,7 +109,10 @@ def test_dequantize_refuses_partial_rows():
 def test_ggml_types_map():
     assert Q.GGML_TYPES == {DTYPE_F32: GQT.F32, DTYPE_F16: GQT.F16, DTYPE_BF16: GQT.BF16,
                             DTYPE_Q8_0: GQT.Q8_0, DTYPE_Q4_K: GQT.Q4_K, DTYPE_Q5_K: GQT.Q5_K,
-                            DTYPE_Q6_K: GQT.Q6_K, DTYPE_MXFP4: GQT.MXFP4}
+                            DTYPE_Q6_K: GQT.Q6_K, DTYPE_MXFP4: GQT.MXFP4, DTYPE_Q4_0: GQT.Q4_0,
+                            DTYPE_Q4_1: GQT.Q4_1, DTYPE_Q5_0: GQT.Q5_0, DTYPE_Q5_1: GQT.Q5_1,
+                            DTYPE_Q2_K: GQT.Q2_K, DTYPE_Q3_K: GQT.Q3_K, DTYPE_IQ4_NL: GQT.IQ4_NL,
+                            DTYPE_IQ4_XS: GQT.IQ4_XS}
     assert Q.DTYPE_OF_GGML[GQT.Q6_K] == DTYPE_Q6_K
     for d in QUANT_DTYPES:   # the block sizes agree with gguf's
         assert gguf.GGML_QUANT_SIZES[Q.GGML_TYPES[d]] == fmt.DTYPE_BLOCKS[d]
@@ -141,10 +154,18 @@ GOLDEN = {
     DTYPE_Q6_K: "11bd93c72ea7b8ca8fe4fc9e363ae3dacd31dde33d09acd1c2325f59a3abab3d",
     # quantize_row_mxfp4_ref of the same libggml-base (recorded 2026 on the mxfp4 branch)
     DTYPE_MXFP4: "7d546363203d59e0dc3d0d8f0c35b24bdec4ab098b0cefdbad18b1becb31fbf4",
+    # quantize_row_q4_0_ref / q4_1 / q5_0 / q5_1 of the same libggml-base (ggml_quantize_chunk
+    # without an importance matrix)
+    DTYPE_Q4_0: "a6e03423aa75812c6de9597c21b7e78d96791f2a24e497f2168e4baa96dc0997",
+    DTYPE_Q4_1: "3c4c0c24fa98e5c7da324b0cac9a8e2f601559064eb3cb1eaa157c87cac44782",
+    DTYPE_Q5_0: "300a900e447ee61f0648be9d5c97753c697f79f04074f2bb09be55fcfe5a6392",
+    DTYPE_Q5_1: "1980f3164eb2eb186ab2e5013100f41e6bc4648852f5ac0dcb99a6fc738396dc",
+    DTYPE_Q2_K: "7f548618983230ed8223edc20bb4174f5c1a3443b7c742f4958ea15b30a8af88",
+    DTYPE_Q3_K: "8ccbc9a729a71a9c6fa7334840bfd3b26e9d63d5a71540b0545b2b04b04681f7",
 }
 
 
-@pytest.mark.parametrize("dtype", QUANT_DTYPES, ids=NAMES.get)
+@pytest.mark.parametrize("dtype", WRITABLE, ids=NAMES.get)
 def test_quantize_matches_llama_cpp_reference_bytes(dtype):
     x = golden_input()
     assert 0.03 < float(x[0].std()) < 0.045          # the input is what it was
@@ -164,31 +185,58 @@ def test_q8_0_is_gguf_quantize(rows, n, scale):
     assert same_bits(Q.dequantize(got, DTYPE_Q8_0, n), gguf.quants.dequantize(want, GQT.Q8_0))
 
 
+@pytest.mark.parametrize("dtype", GGUF_QUANTIZERS, ids=NAMES.get)
+@pytest.mark.parametrize("rows,n,scale", [(5, 96, 1.0), (33, 1024, 0.02), (2, 32, 1e-4), (3, 64, 2e3)])
+def test_quantize_is_gguf_quantize(dtype, rows, n, scale):
+    """0 bytes different from gguf-py's ports of quantize_row_q{4,5}_{0,1}_ref (and Q8_0):
+    zero, constant, one-sign and tie blocks included."""
+    x = (np.random.default_rng(rows + dtype).standard_normal((rows, n)) * scale).astype(np.float32)
+    x[0, :32] = 0.0
+    x[-1, -32:] = np.float32(scale / 8) * np.arange(32, dtype=np.float32)   # a positive ramp
+    if n >= 64:
+        x[0, 32:64] = np.float32(-scale)                                     # constant negative
+    got = Q.quantize(x, dtype)
+    want = gguf.quants.quantize(x, Q.GGML_TYPES[dtype])
+    assert got.shape == want.shape and np.array_equal(got, want)
+    assert same_bits(Q.dequantize(got, dtype, n), gguf.quants.dequantize(want, Q.GGML_TYPES[dtype]))
+
+
+@pytest.mark.parametrize("dtype", [d for d in QUANT_DTYPES if d not in WRITABLE], ids=NAMES.get)
+def test_read_only_types_refuse_to_quantize(dtype):
+    with pytest.raises(NotImplementedError, match="read .* but not written"):
+        Q.quantize(np.zeros((1, 256), np.float32), dtype)
+
+
 # rms error / rms value on unit gaussians; llama.cpp's own figures are about 0.004, 0.07,
 # 0.035, 0.018; each bound is under the next-coarser type's error
-# (MXFP4, 4-bit e2m1 with a power-of-two scale: about 0.115)
+# (MXFP4, 4-bit e2m1 with a power-of-two scale: about 0.115; Q4_0 0.085, Q4_1 0.078, Q5_0
+# 0.042, Q5_1 0.038, Q2_K 0.29, Q3_K 0.15)
 RMSE_BOUND = {DTYPE_Q8_0: 0.008, DTYPE_Q4_K: 0.085, DTYPE_Q5_K: 0.045, DTYPE_Q6_K: 0.022,
-              DTYPE_MXFP4: 0.13}
+              DTYPE_MXFP4: 0.13, DTYPE_Q4_0: 0.1, DTYPE_Q4_1: 0.09, DTYPE_Q5_0: 0.05, DTYPE_Q5_1: 0.045,
+              DTYPE_Q2_K: 0.33, DTYPE_Q3_K: 0.17}
 RMSE_FLOOR = {DTYPE_Q8_0: 0.002, DTYPE_Q4_K: 0.05, DTYPE_Q5_K: 0.025, DTYPE_Q6_K: 0.012,
-              DTYPE_MXFP4: 0.09}
+              DTYPE_MXFP4: 0.09, DTYPE_Q4_0: 0.06, DTYPE_Q4_1: 0.05, DTYPE_Q5_0: 0.025, DTYPE_Q5_1: 0.02,
+              DTYPE_Q2_K: 0.25, DTYPE_Q3_K: 0.12}
 
 
-@pytest.mark.parametrize("dtype", QUANT_DTYPES, ids=NAMES.get)
+@pytest.mark.parametrize("dtype", WRITABLE, ids=NAMES.get)
 def test_round_trip_error_within_the_type_bound(dtype):
     x = np.random.default_rng(3).standard_normal((31, 2048)).astype(np.float32)
     y = Q.dequantize(Q.quantize(x, dtype), dtype, 2048)
     rel = float(np.sqrt(np.mean((y - x) ** 2)))
     assert RMSE_FLOOR[dtype] < rel < RMSE_BOUND[dtype], rel
     # no element is off by more than a step of its block's grid
-    be = {DTYPE_Q8_0: 32, DTYPE_Q4_K: 32, DTYPE_Q5_K: 32, DTYPE_Q6_K: 16, DTYPE_MXFP4: 32}[dtype]
+    be = {DTYPE_Q6_K: 16, DTYPE_Q2_K: 16, DTYPE_Q3_K: 16}.get(dtype, 32)
     # MXFP4: at most half its block's amax (the clip of [6, 8) scale units to 6)
-    levels = {DTYPE_Q8_0: 254, DTYPE_Q4_K: 15, DTYPE_Q5_K: 31, DTYPE_Q6_K: 63, DTYPE_MXFP4: 3}[dtype]
+    levels = {DTYPE_Q8_0: 254, DTYPE_Q4_K: 15, DTYPE_Q5_K: 31, DTYPE_Q6_K: 63, DTYPE_MXFP4: 3,
+              DTYPE_Q4_0: 15, DTYPE_Q4_1: 15, DTYPE_Q5_0: 31, DTYPE_Q5_1: 31, DTYPE_Q2_K: 3,
+              DTYPE_Q3_K: 7}[dtype]
     xb = x.reshape(-1, be)
     span = (xb.max(1) - np.minimum(xb.min(1), 0))[:, None]
     assert (np.abs(y - x).reshape(-1, be) <= 1.5 * span / levels).all()
 
 
-@pytest.mark.parametrize("dtype", QUANT_DTYPES, ids=NAMES.get)
+@pytest.mark.parametrize("dtype", WRITABLE, ids=NAMES.get)
 def test_quantize_is_deterministic_and_row_independent(dtype):
     x = (np.random.default_rng(5).standard_normal((9, 1024)) * 0.03).astype(np.float32)
     a = Q.quantize(x, dtype, threads=1)
@@ -213,20 +261,24 @@ def test_edge_rows(dtype):
     y = Q.dequantize(q, dtype, n)
     assert np.isfinite(y).all()
     assert (y[0] == 0).all()                              # all zero stays exactly zero
-    if dtype == DTYPE_Q8_0:
+    if dtype in (DTYPE_Q8_0, DTYPE_Q4_1, DTYPE_Q5_1):   # d = 0 (and m = 0): every byte 0
         assert not q[0].any()
-    tol = {DTYPE_Q8_0: 0.005, DTYPE_Q4_K: 0.02, DTYPE_Q5_K: 0.01, DTYPE_Q6_K: 0.01}[dtype]
+    tol = {DTYPE_Q8_0: 0.005, DTYPE_Q4_K: 0.02, DTYPE_Q5_K: 0.01, DTYPE_Q6_K: 0.01,
+           DTYPE_Q4_0: 0.02, DTYPE_Q4_1: 0.02, DTYPE_Q5_0: 0.01, DTYPE_Q5_1: 0.01,
+           DTYPE_Q2_K: 0.1, DTYPE_Q3_K: 0.05}[dtype]
     np.testing.assert_allclose(y[1], 0.37, rtol=tol)
     np.testing.assert_allclose(y[2], -1.25, rtol=tol)
     assert (y[3] <= 1e-6).all()
-    half_step = {DTYPE_Q8_0: 0.005, DTYPE_Q4_K: 0.06, DTYPE_Q5_K: 0.03, DTYPE_Q6_K: 0.02}[dtype]
+    half_step = {DTYPE_Q8_0: 0.005, DTYPE_Q4_K: 0.06, DTYPE_Q5_K: 0.03, DTYPE_Q6_K: 0.02,
+                 DTYPE_Q4_0: 0.07, DTYPE_Q4_1: 0.035, DTYPE_Q5_0: 0.035, DTYPE_Q5_1: 0.02,
+                 DTYPE_Q2_K: 0.3, DTYPE_Q3_K: 0.15}[dtype]
     np.testing.assert_allclose(y[3], x[3], atol=half_step)
     assert abs(y[4, 100] - 1000.0) <= 1000.0 * tol
     # the blocks without the outlier keep their own precision (a K type's super-block of
     # 256 shares one scale of its sub-block scales, so the outlier's whole super-block
     # coarsens)
-    far = np.r_[256:512] if dtype != DTYPE_Q8_0 else np.r_[0:96, 128:512]
-    assert np.abs(y[4, far] - x[4, far]).max() < 0.003
+    far = np.r_[256:512] if fmt.DTYPE_BLOCKS[dtype][0] == 256 else np.r_[0:96, 128:512]
+    assert np.abs(y[4, far] - x[4, far]).max() < {DTYPE_Q2_K: 0.012, DTYPE_Q3_K: 0.006}.get(dtype, 0.003)
     np.testing.assert_allclose(y[5], x[5], atol=half_step)
 
 
@@ -318,8 +370,39 @@ def test_q4_k_m_on_a_4_layer_model_with_dense_and_shared_ffns():
     assert _mix("q4_k_m", "token_embd.weight", (1000, H), n_layers=4) == K4
 
 
+def test_q3_k_m_and_q2_k_on_a_4_layer_model():
+    """llama_tensor_get_type's Q3_K_M and Q2_K choices (no importance matrix)."""
+    H = 2048
+    for n in range(4):
+        b = f"blk.{n}."
+        kw = {"n_layers": 32, "n_experts": 60}
+        assert _mix("q3_k_m", b + "attn_q.weight", (H, H), **kw) == DTYPE_Q3_K
+        assert _mix("q3_k_m", b + "attn_v.weight", (512, H), **kw) == (DTYPE_Q5_K if n < 2 else DTYPE_Q4_K)
+        assert _mix("q3_k_m", b + "attn_output.weight", (H, H), **kw) == DTYPE_Q4_K
+        assert _mix("q3_k_m", b + "ffn_down_exps", (60, H, 1536), **kw) == \
+            (DTYPE_Q5_K if n < 2 else DTYPE_Q4_K)                               # layer < 32 / 16
+        assert _mix("q3_k_m", b + "ffn_up_exps", (60, 1536, H), **kw) == DTYPE_Q3_K
+        assert _mix("q2_k", b + "attn_q.weight", (H, H), **kw) == DTYPE_Q2_K
+        assert _mix("q2_k", b + "attn_v.weight", (512, H), n_gqa=4, **kw) == DTYPE_Q4_K
+        assert _mix("q2_k", b + "attn_v.weight", (512, H), n_gqa=2, **kw) == DTYPE_Q3_K
+        assert _mix("q2_k", b + "attn_output.weight", (H, H), **kw) == DTYPE_Q3_K
+        assert _mix("q2_k", b + "ffn_down_exps", (60, H, 1536), **kw) == DTYPE_Q3_K
+        assert _mix("q2_k", b + "ffn_gate_exps", (60, 1536, H), **kw) == DTYPE_Q2_K
+        # 8 experts: attn_k / attn_v Q8_0, attn_output Q5_K
+        for mix in ("q3_k_m", "q2_k"):
+            assert _mix(mix, b + "attn_k.weight", (512, H), n_experts=8) == DTYPE_Q8_0
+            assert _mix(mix, b + "attn_v.weight", (512, H), n_experts=8) == DTYPE_Q8_0
+            assert _mix(mix, b + "attn_output.weight", (H, H), n_experts=8) == DTYPE_Q5_K
+    for mix, t in (("q3_k_m", DTYPE_Q3_K), ("q2_k", DTYPE_Q2_K)):
+        assert _mix(mix, "token_embd.weight", (1000, H)) == t
+        assert _mix(mix, "output.weight", (1000, H)) == DTYPE_Q6_K
+        assert _mix(mix, "token_embd.weight", (1000, H), tied=True) == DTYPE_Q6_K
+    assert {"q3_k_m", "q2_k"} <= set(mixes.MIXES)
+
+
 def test_q8_0_and_q4_k_mixes_are_uniform():
-    for mix, t in (("q8_0", DTYPE_Q8_0), ("q4_k", DTYPE_Q4_K)):
+    for mix, t in (("q8_0", DTYPE_Q8_0), ("q4_k", DTYPE_Q4_K), ("q4_0", DTYPE_Q4_0),
+                   ("q4_1", DTYPE_Q4_1), ("q5_0", DTYPE_Q5_0), ("q5_1", DTYPE_Q5_1)):
         for name, shape in (("token_embd.weight", (100, 512)), ("output.weight", (100, 512)),
                             ("blk.3.attn_v.weight", (256, 512)),
                             ("blk.3.ffn_down_exps", (8, 512, 1024)),
@@ -330,17 +413,25 @@ def test_q8_0_and_q4_k_mixes_are_uniform():
 
 
 def test_fallbacks():
-    # 256 does not divide the row: K types -> Q8_0; 32 does not either -> F16
-    assert _mix("q4_k", "blk.0.attn_q.weight", (96, 96)) == DTYPE_Q8_0
+    # llama.cpp's tensor_type_fallback: 256 does not divide the row: Q4_K -> Q5_0, Q5_K ->
+    # Q5_1, Q6_K -> Q8_0, Q2_K / Q3_K -> Q4_0, IQ4_XS -> IQ4_NL; 32 does not either -> F16
+    assert _mix("q4_k", "blk.0.attn_q.weight", (96, 96)) == DTYPE_Q5_0
     assert _mix("q4_k_m", "blk.2.attn_v.weight", (96, 96), n_layers=4) == DTYPE_Q8_0  # Q6_K ->
-    assert _mix("q4_k_m", "blk.0.attn_output.weight", (96, 96), n_experts=8) == DTYPE_Q8_0
+    assert _mix("q4_k_m", "blk.0.attn_output.weight", (96, 96), n_experts=8) == DTYPE_Q5_1
+    assert _mix("q4_k_m", "blk.0.attn_q.weight", (96, 96), n_experts=8) == DTYPE_Q5_0
     assert _mix("q4_k_m", "output.weight", (100, 96)) == DTYPE_Q8_0
     assert _mix("q4_k_m", "blk.0.ffn_down_exps", (8, 96, 20)) == DTYPE_F16
     assert _mix("q8_0", "blk.0.attn_q.weight", (20, 20)) == DTYPE_F16
     assert _mix("q8_0", "blk.0.attn_q.weight", (20, 64)) == DTYPE_Q8_0   # rows only count
+    assert _mix("q4_0", "blk.0.attn_q.weight", (20, 20)) == DTYPE_F16
+    assert _mix("q2_k", "blk.0.attn_q.weight", (160, 160), n_experts=4) == DTYPE_Q4_0
+    assert _mix("q3_k_m", "blk.5.attn_q.weight", (160, 160), n_experts=4) == DTYPE_Q4_0
     assert mixes.fallback_dtype(DTYPE_Q6_K, 512) == DTYPE_Q6_K
     assert mixes.fallback_dtype(DTYPE_Q6_K, 480) == DTYPE_Q8_0
     assert mixes.fallback_dtype(DTYPE_Q5_K, 40) == DTYPE_F16
+    assert mixes.fallback_dtype(DTYPE_Q5_K, 160) == DTYPE_Q5_1
+    assert mixes.fallback_dtype(DTYPE_Q3_K, 96) == DTYPE_Q4_0
+    assert mixes.fallback_dtype(DTYPE_IQ4_XS, 96) == DTYPE_IQ4_NL
     assert mixes.fallback_dtype(DTYPE_BF16, 7) == DTYPE_BF16
     with pytest.raises(ValueError, match="mix 'q3_k'"):
         _mix("q3_k", "output.weight", (10, 256))

@@ -826,8 +826,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="generate a random model (seeded) into the cache and use it: the 791 M "
                           "Mixtral (no value), or deepseek_v3 (about 800 M, models.DEEPSEEK_V3_800M)")
     p.add_argument("--dtype", default="f32",
-                   help="comma-separated f32, bf16, q8_0, q4_k_m (llama.cpp's quantized types; "
-                        "Colibri runs the same GGUF, imported), e.g. f32,bf16 (default f32)")
+                   help="comma-separated f32, bf16, q8_0, q4_k_m, q4_0, q5_0, q3_k_m, q2_k, iq4_xs "
+                        "(llama.cpp's quantized types; Colibri runs the same GGUF, imported), "
+                        "e.g. f32,bf16 (default f32)")
     p.add_argument("--quant-from", default="f32", choices=QUANT_BASES,
                    help="the GGUF outtype llama-quantize quantizes from (default f32: lossless "
                         "for f32 and bf16 checkpoints)")  # fmt: skip

@@ -246,7 +246,7 @@ class TensorPlan:
     `packed` (an FFN of one or E experts), each with its source checked (name, shape).
 
     mix None: every weight in the float dtype W, FFNs packed (format version 1). mix
-    "q8_0" / "q4_k" / "q4_k_m": each weight matrix in mixes.mix_dtype's dtype, routers
+    (mixes.MIXES): each weight matrix in mixes.mix_dtype's dtype, routers
     f32 (or int8), every FFN split into gate / up / down tensors (format version 2)."""
 
     def __init__(self, ck: Checkpoint, s: ModelSpec, W: int, int8_router: bool, B: int,
@@ -260,7 +260,8 @@ class TensorPlan:
             return self.W
         s = self.s
         return mixes.mix_dtype(self.mix, name, shape, layer=layer, n_layers=s.n_layers,
-                                n_experts=s.n_experts, tied=s.tie_word_embeddings)
+                                n_experts=s.n_experts, tied=s.tie_word_embeddings,
+                                n_gqa=s.n_heads // max(1, s.n_kv_heads))
 
     def dense(self, name, src_name, shape, section=fmt.SECTION_DENSE, dtype=None):
         src = self.ck.get(src_name, shape)

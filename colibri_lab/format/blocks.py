@@ -1,12 +1,14 @@
 """Block quantization of the `.colibri` format version 2 (docs/format.md, "Version 2"):
-Q8_0, Q4_K, Q5_K, Q6_K and MXFP4, byte for byte ggml's blocks.
+Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K (written and read) and
+IQ4_NL, IQ4_XS (read), byte for byte ggml's blocks.
 
 What lives here:
 
 - `quantize(x, dtype)`: float32 rows -> the stored bytes of a quantized dtype. Our own
   numpy implementation of llama.cpp's reference quantizers (ggml-quants.c
   `quantize_row_q8_0_ref`, `quantize_row_q4_K_ref`, `quantize_row_q5_K_ref`,
-  `quantize_row_q6_K_ref`, `quantize_row_mxfp4_ref`, i.e. what `llama-quantize` does
+  `quantize_row_q6_K_ref`, `quantize_row_mxfp4_ref`, `quantize_row_q{4,5}_{0,1}_ref`,
+  `quantize_row_q2_K_ref`, `quantize_row_q3_K_ref`, i.e. what `llama-quantize` does
   without an importance
   matrix). Every step is the C code's float32 arithmetic in the C code's order (sums
   accumulated element by element, no fused multiply-add, `nearest_int`'s
@@ -34,8 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import spec as fmt
-from .spec import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_MXFP4, DTYPE_Q4_K, DTYPE_Q5_K,
-                     DTYPE_Q6_K, DTYPE_Q8_0, QUANT_DTYPES)
+from .spec import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_IQ4_NL, DTYPE_IQ4_XS, DTYPE_MXFP4,
+                   DTYPE_Q2_K, DTYPE_Q3_K, DTYPE_Q4_0, DTYPE_Q4_1, DTYPE_Q4_K, DTYPE_Q5_0,
+                   DTYPE_Q5_1, DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_Q8_0, QUANT_DTYPES)
 
 
 def _ggml_tables() -> tuple[dict, dict]:
@@ -46,7 +49,10 @@ def _ggml_tables() -> tuple[dict, dict]:
 
     gqt = gguf.GGMLQuantizationType
     types = {DTYPE_F32: gqt.F32, DTYPE_F16: gqt.F16, DTYPE_BF16: gqt.BF16, DTYPE_Q8_0: gqt.Q8_0,
-             DTYPE_Q4_K: gqt.Q4_K, DTYPE_Q5_K: gqt.Q5_K, DTYPE_Q6_K: gqt.Q6_K}
+             DTYPE_Q4_K: gqt.Q4_K, DTYPE_Q5_K: gqt.Q5_K, DTYPE_Q6_K: gqt.Q6_K,
+             DTYPE_Q4_0: gqt.Q4_0, DTYPE_Q4_1: gqt.Q4_1, DTYPE_Q5_0: gqt.Q5_0,
+             DTYPE_Q5_1: gqt.Q5_1, DTYPE_Q2_K: gqt.Q2_K, DTYPE_Q3_K: gqt.Q3_K,
+             DTYPE_IQ4_NL: gqt.IQ4_NL, DTYPE_IQ4_XS: gqt.IQ4_XS}
     if hasattr(gqt, "MXFP4"):  # GGML_TYPE_MXFP4 = 39 (gguf >= 0.17)
         types[DTYPE_MXFP4] = gqt.MXFP4
     return types, {v: k for k, v in types.items()}
@@ -146,11 +152,11 @@ def _q8_0_blocks(x: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- Q4_K / Q5_K
 
 def _make_qkx2(X: np.ndarray, W: np.ndarray, nmax: int, rmin: float, rdelta: float,
-               nstep: int):
-    """make_qkx2_quants(32, nmax, x, weights, L, &the_min, Laux, rmin, rdelta, nstep,
-    use_mad=false) for every sub-block at once. X, W: [32, ns] (element-major, so that a
+               nstep: int, use_mad: bool = False):
+    """make_qkx2_quants(n, nmax, x, weights, L, &the_min, Laux, rmin, rdelta, nstep,
+    use_mad) for every sub-block at once. X, W: [n, ns] (element-major, so that a
     reduction over axis 0 is the C code's element-by-element sum). Returns
-    (scale [ns], the_min [ns], L [32, ns] float32 holding 0..nmax)."""
+    (scale [ns], the_min [ns], L [n, ns] float32 holding 0..nmax)."""
     f32 = np.float32
     add = np.add.reduce
     mn = np.minimum(X.min(axis=0), _F0)          # if (min > 0) min = 0
@@ -167,7 +173,10 @@ def _make_qkx2(X: np.ndarray, W: np.ndarray, nmax: int, rmin: float, rdelta: flo
         diff = scale * L
         diff += mn
         diff -= X
-        diff *= diff
+        if use_mad:
+            np.abs(diff, out=diff)
+        else:
+            diff *= diff
         diff *= W
         best = add(diff, axis=0)
         # The L of the best step is recomputed at the end from that step's iscale and
@@ -197,7 +206,10 @@ def _make_qkx2(X: np.ndarray, W: np.ndarray, nmax: int, rmin: float, rdelta: flo
             np.multiply(La, ts, out=diff)
             diff += tm
             diff -= X
-            diff *= diff
+            if use_mad:
+                np.abs(diff, out=diff)
+            else:
+                diff *= diff
             diff *= W
             cur = add(diff, axis=0)
             better = (D > 0) & (cur < best)
@@ -270,6 +282,143 @@ def _qk_blocks(x: np.ndarray, nmax: int) -> np.ndarray:
         qh = (((lo >> 4) & 1) << sh) | (((hi >> 4) & 1) << (sh + 1))
         out[:, 16:48] = np.bitwise_or.reduce(qh, axis=1)
         out[:, 48:176] = ((lo & 0xF) | ((hi & 0xF) << 4)).reshape(nb, 128)
+    return out
+
+
+# --------------------------------------------------------------------------- Q2_K / Q3_K
+
+def _q2_k_blocks(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q2_K_ref over blocks [nb, 256] -> [nb, 84]: per sub-block of 16,
+    make_qkx2_quants(16, 3, weights |x|, rmin -0.5, rdelta 0.1, 15 steps, mean absolute
+    error); the scales and mins as 4-bit multiples of max / 15; the codes requantized with
+    the stored f16 scales (a sub-block whose scale is 0 keeps its codes)."""
+    f32 = np.float32
+    nb = x.shape[0]
+    ns = nb * 16
+    X = np.ascontiguousarray(x.reshape(ns, 16).T)           # [16, ns]
+    scales, mins, L = _make_qkx2(X, np.abs(X), 3, -0.5, 0.1, 15, use_mad=True)
+    scales = scales.reshape(nb, 16)
+    mins = mins.reshape(nb, 16)
+    max_scale = np.maximum(scales.max(axis=1), _F0)
+    max_min = np.maximum(mins.max(axis=1), _F0)
+    q4 = f32(15)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        isc = np.where(max_scale > 0, q4 / max_scale, _F0).astype(f32)
+        imn = np.where(max_min > 0, q4 / max_min, _F0).astype(f32)
+    ls = np.where((max_scale > 0)[:, None], _nearest_int(isc[:, None] * scales), 0)
+    lm = np.where((max_min > 0)[:, None], _nearest_int(imn[:, None] * mins), 0)
+    sc = ((ls & 0xFF) | ((lm << 4) & 0xFF)).astype(np.uint8)
+    dq = np.where(max_scale > 0, max_scale / q4, _F0).astype(f32)
+    dmq = np.where(max_min > 0, max_min / q4, _F0).astype(f32)
+    d = _f16_round(dq)[:, None] * (sc & np.uint8(0xF)).astype(f32)          # [nb, 16]
+    dm = _f16_round(dmq)[:, None] * (sc >> np.uint8(4)).astype(f32)
+    with np.errstate(all="ignore"):
+        lq = _nearest_int((x.reshape(nb, 16, 16) + dm[:, :, None]) / d[:, :, None])
+    np.clip(lq, 0, 3, out=lq)
+    Lf = np.where((d != 0)[:, :, None], lq, L.T.reshape(nb, 16, 16).astype(np.int32)).astype(np.uint8)
+    Lf = Lf.reshape(nb, 2, 4, 32)                                            # [block, half, c, l]
+    out = np.empty((nb, 84), np.uint8)
+    out[:, 0:16] = sc
+    out[:, 16:80] = (Lf[:, :, 0] | (Lf[:, :, 1] << 2) | (Lf[:, :, 2] << 4) | (Lf[:, :, 3] << 6)).reshape(nb, 64)
+    out[:, 80:82] = _f16_bytes(dq)
+    out[:, 82:84] = _f16_bytes(dmq)
+    return out
+
+
+def _make_q3_rmse(X: np.ndarray, nmax: int):
+    """make_q3_quants(16, nmax, x, L, do_rmse=true) for every group at once. X: [16, ng].
+    Returns (scale [ng], L [16, ng] int32 holding 0..2*nmax-1; 0 for an all-zero group). The
+    element-by-element refinement runs in the C code's order, every group in step, a group
+    leaving the loop after a pass that changed none of its codes."""
+    f32 = np.float32
+    n, ng = X.shape
+    A = np.abs(X)
+    idx = np.argmax(A, axis=0)                         # the first largest |x| (strict >)
+    cols = np.arange(ng)
+    amax = A[idx, cols]
+    mx = X[idx, cols]
+    zero = amax < GROUP_MAX_EPS
+    with np.errstate(all="ignore"):
+        iscale = f32(-nmax) / mx
+        L = np.clip(_nearest_int(iscale * X), -nmax, nmax - 1)      # [16, ng] int32
+        Lf = L.astype(f32)
+        W = X * X
+        sumlx = np.zeros(ng, f32)
+        suml2 = np.zeros(ng, f32)
+        for i in range(n):
+            sumlx = sumlx + (W[i] * X[i]) * Lf[i]
+            suml2 = suml2 + (W[i] * Lf[i]) * Lf[i]
+        active = ~zero
+        for _ in range(5):
+            changed = np.zeros(ng, bool)
+            for i in range(n):
+                w, xi, li = W[i], X[i], Lf[i]
+                slx = sumlx - (w * xi) * li
+                sl2 = suml2 - (w * li) * li
+                new_l = np.clip(_nearest_int((xi * sl2) / slx), -nmax, nmax - 1)
+                nl = new_l.astype(f32)
+                slx2 = slx + (w * xi) * nl
+                sl22 = sl2 + (w * nl) * nl
+                take = (active & (slx > 0) & (new_l != L[i]) & (sl22 > 0)
+                        & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22))
+                if take.any():
+                    L[i] = np.where(take, new_l, L[i])
+                    Lf[i] = np.where(take, nl, Lf[i])
+                    sumlx = np.where(take, slx2, sumlx)
+                    suml2 = np.where(take, sl22, suml2)
+                    changed |= take
+            active &= changed
+            if not active.any():
+                break
+        scale = np.where(suml2 > 0, sumlx / suml2, _F0).astype(f32)
+    L = L + nmax
+    if zero.any():
+        L[:, zero] = 0
+        scale = np.where(zero, _F0, scale)
+    return scale, L
+
+
+def _q3_k_blocks(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q3_K_ref over blocks [nb, 256] -> [nb, 110]: per sub-block of 16,
+    make_q3_quants(16, 4, rmse); the scales as 6-bit multiples of the largest-magnitude one
+    / -32; the codes requantized with the stored scales (a zero scale keeps its codes), their
+    bit 2 into hmask."""
+    f32 = np.float32
+    nb = x.shape[0]
+    X = np.ascontiguousarray(x.reshape(nb * 16, 16).T)      # [16, nb*16]
+    scales, L = _make_q3_rmse(X, 4)
+    scales = scales.reshape(nb, 16)
+    a = np.abs(scales)
+    ib = np.argmax(a, axis=1)
+    rows = np.arange(nb)
+    max_scale = np.where(a[rows, ib] > 0, scales[rows, ib], _F0)
+    has = max_scale != 0
+    with np.errstate(all="ignore"):
+        iscale = np.where(has, f32(-32) / max_scale, _F0).astype(f32)
+        l = np.clip(_nearest_int(iscale[:, None] * scales).astype(np.int8).astype(np.int32), -32, 31) + 32
+        l = np.where(has[:, None], l, 0).astype(np.uint8)          # [nb, 16], 0..63
+        dq = np.where(has, f32(1) / iscale, _F0).astype(f32)
+    sc12 = np.zeros((nb, 12), np.uint8)
+    sc12[:, 0:8] = (l[:, 0:8] & 0xF) | ((l[:, 8:16] & 0xF) << 4)
+    hi = l >> 4                                                    # [nb, 16], 0..3
+    for j in range(16):
+        sc12[:, 8 + j % 4] |= hi[:, j] << np.uint8(2 * (j // 4))
+    sc12 = np.where(has[:, None], sc12, 0).astype(np.uint8)
+    d = _f16_round(dq)[:, None] * (l.astype(np.int32) - 32).astype(f32)    # [nb, 16]
+    with np.errstate(all="ignore"):
+        lq = _nearest_int(x.reshape(nb, 16, 16) / d[:, :, None])
+    lq = np.clip(lq, -4, 3) + 4
+    Lf = np.where((d != 0)[:, :, None], lq, L.T.reshape(nb, 16, 16)).astype(np.uint8).reshape(nb, 256)
+    hb = (Lf > 3).reshape(nb, 8, 32)                               # bit b of hmask[m]: element 32b + m
+    hmask = np.zeros((nb, 32), np.uint8)
+    for b in range(8):
+        hmask |= hb[:, b].astype(np.uint8) << np.uint8(b)
+    Lf = np.where(Lf > 3, Lf - 4, Lf).reshape(nb, 2, 4, 32)
+    out = np.empty((nb, 110), np.uint8)
+    out[:, 0:32] = hmask
+    out[:, 32:96] = (Lf[:, :, 0] | (Lf[:, :, 1] << 2) | (Lf[:, :, 2] << 4) | (Lf[:, :, 3] << 6)).reshape(nb, 64)
+    out[:, 96:108] = sc12
+    out[:, 108:110] = _f16_bytes(dq)
     return out
 
 
@@ -371,12 +520,63 @@ def _q6_k_blocks(x: np.ndarray) -> np.ndarray:
     return out
 
 
+# --------------------------------------------------------------------------- Q4_0 / Q4_1 / Q5_0 / Q5_1
+
+def _first_absmax(x: np.ndarray) -> np.ndarray:
+    """The value of largest magnitude of each block [nb, 32] (the first one on a tie: the C
+    scan's strict `amax < fabsf(v)`), shape [nb, 1]."""
+    return np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
+
+
+def _nibble_pairs(q: np.ndarray) -> np.ndarray:
+    """Codes [nb, 32] (0..31) -> 16 bytes: element j < 16 in the low nibble, j + 16 in the
+    high one (the fifth bit dropped: it goes to qh)."""
+    return (q[:, :16] & np.uint8(0x0F)) | (q[:, 16:] << np.uint8(4))
+
+
+def _high_bits(q: np.ndarray) -> np.ndarray:
+    """The fifth bit of each of 32 codes as Q5_0/Q5_1's qh: bit j of a little-endian uint32."""
+    return np.packbits((q >> np.uint8(4)) & np.uint8(1), axis=1, bitorder="little")
+
+
+def _legacy_blocks(x: np.ndarray, nbits: int, with_min: bool) -> np.ndarray:
+    """quantize_row_q4_0_ref / q4_1 / q5_0 / q5_1 over blocks [nb, 32]: Q4_0 / Q5_0 take
+    d = max / -8 (-16) of the value of largest magnitude and q = min(top, (int)(x / d +
+    8.5 (16.5))); Q4_1 / Q5_1 d = (max - min) / 15 (31), m = min, q = (int)((x - min) / d +
+    0.5); the reciprocal 1 / d multiplies (0 for d = 0), float32 throughout, as the C code
+    and gguf-py's quantize_blocks."""
+    f32 = np.float32
+    top = (1 << nbits) - 1
+    with np.errstate(divide="ignore"):
+        if with_min:
+            mn = x.min(axis=1, keepdims=True)
+            mx = x.max(axis=1, keepdims=True)
+            d = (mx - mn) / f32(top)
+            idv = np.where(d == 0, _F0, f32(1) / d).astype(f32)
+            q = np.trunc((x - mn) * idv + f32(0.5))
+        else:
+            d = _first_absmax(x) / f32(-(1 << (nbits - 1)))
+            idv = np.where(d == 0, _F0, f32(1) / d).astype(f32)
+            q = np.trunc(x * idv + f32((1 << (nbits - 1)) + 0.5))
+    q = np.clip(q, 0, top).astype(np.uint8)
+    parts = [_f16_bytes(d[:, 0])]
+    if with_min:
+        parts.append(_f16_bytes(mn[:, 0]))
+    if nbits == 5:
+        parts.append(_high_bits(q))
+    parts.append(_nibble_pairs(q))
+    return np.concatenate(parts, axis=1)
+
+
+
 # --------------------------------------------------------------------------- MXFP4
 
 #: e2m1 values doubled, indexed by the 4-bit code (ggml's kvalues_mxfp4): bit 3 is the sign,
 #: bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}; code 8 (-0) is 0
 MXFP4_K2 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 QK_MXFP4 = 32
+#: ggml's kvalues_iq4nl: the value of an IQ4_NL / IQ4_XS 4-bit code, times the scale
+IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 def e8m0_to_f32_half(e: np.ndarray) -> np.ndarray:
@@ -454,20 +654,32 @@ def mxfp4_from_hf(blocks, scales) -> np.ndarray:
 
 _BLOCK_FN = {DTYPE_Q8_0: _q8_0_blocks, DTYPE_Q4_K: lambda b: _qk_blocks(b, 15),
              DTYPE_Q5_K: lambda b: _qk_blocks(b, 31), DTYPE_Q6_K: _q6_k_blocks,
-             DTYPE_MXFP4: _mxfp4_blocks}
+             DTYPE_MXFP4: _mxfp4_blocks,
+             DTYPE_Q4_0: lambda b: _legacy_blocks(b, 4, False),
+             DTYPE_Q4_1: lambda b: _legacy_blocks(b, 4, True),
+             DTYPE_Q5_0: lambda b: _legacy_blocks(b, 5, False),
+             DTYPE_Q5_1: lambda b: _legacy_blocks(b, 5, True),
+             DTYPE_Q2_K: _q2_k_blocks, DTYPE_Q3_K: _q3_k_blocks}
+#: the block types `quantize` writes (llama.cpp's reference quantizers); IQ4_NL and IQ4_XS
+#: are read (GGUF import) but not written here
+WRITABLE_DTYPES = tuple(_BLOCK_FN)
 
 
 # --------------------------------------------------------------------------- public API
 
 def quantize(x: np.ndarray, dtype: int, *, threads: int | None = None) -> np.ndarray:
     """float32 rows [rows, n] -> the stored bytes [rows, row_nbytes] (uint8) of quantized
-    `dtype` (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4), byte for byte llama.cpp's reference quantizer (no
-    importance matrix). n must be a whole number of the dtype's blocks. Values must be
+    `dtype` (one of WRITABLE_DTYPES), byte for byte llama.cpp's reference quantizer (no
+    importance matrix); NotImplementedError for a block type only read. n must be a whole number of the dtype's blocks. Values must be
     finite. A float dtype (f32, f16, bf16) gives its storage array instead (`to_stored`).
     `threads`: worker threads (default `default_threads()`); the bytes do not depend on it.
     """
     if dtype not in QUANT_DTYPES:
         return to_stored(x, dtype)
+    if dtype not in _BLOCK_FN:
+        raise NotImplementedError(f"quantize: {fmt.DTYPE_NAMES[dtype]} blocks are read (GGUF "
+                                  f"import) but not written; writable block types: "
+                                  f"{', '.join(fmt.DTYPE_NAMES[d] for d in _BLOCK_FN)}")
     x = _as_rows(x)
     rows, n = x.shape
     be, bb = fmt.DTYPE_BLOCKS[dtype]
@@ -522,6 +734,54 @@ def _dequantize_blocks(b: np.ndarray, dtype: int) -> np.ndarray:
         qs = b[:, 1:17]
         code = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
         return MXFP4_K2[code].astype(f32) * d
+    if dtype in (DTYPE_Q4_0, DTYPE_Q4_1, DTYPE_Q5_0, DTYPE_Q5_1, DTYPE_IQ4_NL):
+        # f16 d [, f16 m] [, qh: bit j of a little-endian uint32] then 16 nibble bytes
+        d = b[:, 0:2].copy().view("<f2").astype(f32)                   # [nb, 1]
+        one = dtype in (DTYPE_Q4_1, DTYPE_Q5_1)
+        five = dtype in (DTYPE_Q5_0, DTYPE_Q5_1)
+        o = 4 if one else 2
+        qs = b[:, o + (4 if five else 0):]
+        q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)     # [nb, 32]
+        if five:
+            q = q | (np.unpackbits(b[:, o:o + 4], axis=1, bitorder="little") << np.uint8(4))
+        if dtype == DTYPE_IQ4_NL:
+            return d * IQ4NL_VALUES[q].astype(f32)
+        if one:
+            return (d * q.astype(f32)) + b[:, 2:4].copy().view("<f2").astype(f32)
+        return d * (q.astype(np.int8) - np.int8(16 if five else 8)).astype(f32)
+    if dtype == DTYPE_Q2_K:
+        sc = b[:, 0:16]
+        qs = b[:, 16:80].reshape(nb, 2, 1, 32)
+        d = b[:, 80:82].copy().view("<f2").astype(f32)
+        dmin = b[:, 82:84].copy().view("<f2").astype(f32)
+        dl = (d * (sc & np.uint8(0xF)).astype(f32))[:, :, None]          # [nb, 16, 1]
+        ml = (dmin * (sc >> np.uint8(4)).astype(f32))[:, :, None]
+        q = (qs >> np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]) & np.uint8(3)
+        return dl * q.reshape(nb, 16, 16).astype(f32) - ml
+    if dtype == DTYPE_Q3_K:
+        hm = b[:, 0:32].reshape(nb, 1, 32)
+        qs = b[:, 32:96].reshape(nb, 2, 1, 32)
+        s = b[:, 96:108]
+        d = b[:, 108:110].copy().view("<f2").astype(f32)
+        lo = np.concatenate([s[:, 0:8] & np.uint8(0xF), s[:, 0:8] >> np.uint8(4)], axis=1)
+        hi = (s[:, None, 8:12] >> np.array([0, 2, 4, 6], np.uint8)[None, :, None]) & np.uint8(3)
+        scale = (lo | (hi.reshape(nb, 16) << np.uint8(4))).astype(np.int8) - np.int8(32)
+        dl = (d * scale.astype(f32))[:, :, None]                          # [nb, 16, 1]
+        low = (qs >> np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]) & np.uint8(3)
+        hbit = (hm >> np.arange(8, dtype=np.uint8)[None, :, None]) & np.uint8(1)   # [nb, 8, 32]
+        q = low.reshape(nb, 256).astype(np.int8) - ((hbit ^ np.uint8(1)) << np.uint8(2)).reshape(nb, 256).astype(np.int8)
+        return dl * q.reshape(nb, 16, 16).astype(f32)
+    if dtype == DTYPE_IQ4_XS:
+        d = b[:, 0:2].copy().view("<f2").astype(f32)
+        sh = b[:, 2:4].copy().view("<u2")                                  # [nb, 1]
+        sl = b[:, 4:8]
+        lo = np.stack([sl & np.uint8(0xF), sl >> np.uint8(4)], axis=2).reshape(nb, 8)
+        hi = ((sh >> (2 * np.arange(8, dtype=np.uint16))[None, :]) & np.uint16(3)).astype(np.uint8)
+        scale = (lo | (hi << np.uint8(4))).astype(np.int8) - np.int8(32)
+        dl = (d * scale.astype(f32))[:, :, None]                          # [nb, 8, 1]
+        qs = b[:, 8:136].reshape(nb, 8, 16)
+        q = np.concatenate([qs & np.uint8(0xF), qs >> np.uint8(4)], axis=2)   # [nb, 8, 32]
+        return dl * IQ4NL_VALUES[q].astype(f32)
     if dtype == DTYPE_Q8_0:
         d = b[:, 0:2].copy().view("<f2").astype(f32)                   # [nb, 1]
         q = b[:, 2:].view(np.int8).astype(f32)

@@ -43,15 +43,32 @@ DTYPE_Q5_K = 9
 DTYPE_Q6_K = 10
 # OCP MXFP4 as ggml's block_mxfp4: an e8m0 scale byte, then 16 bytes of e2m1 nibbles
 DTYPE_MXFP4 = 11
+# ggml's legacy blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1), its Q2_K / Q3_K super-blocks and its
+# non-linear 4-bit IQ4_NL (blocks of 32) / IQ4_XS (super-blocks of 256)
+DTYPE_Q4_0 = 12
+DTYPE_Q4_1 = 13
+DTYPE_Q5_0 = 14
+DTYPE_Q5_1 = 15
+DTYPE_Q2_K = 16
+DTYPE_Q3_K = 17
+DTYPE_IQ4_NL = 18
+DTYPE_IQ4_XS = 19
 DTYPE_NAMES = {DTYPE_F32: "f32", DTYPE_F16: "f16", DTYPE_BF16: "bf16", DTYPE_I8: "i8",
                DTYPE_Q8_0: "q8_0", DTYPE_Q4_K: "q4_k", DTYPE_Q5_K: "q5_k", DTYPE_Q6_K: "q6_k",
-               DTYPE_MXFP4: "mxfp4"}
+               DTYPE_MXFP4: "mxfp4", DTYPE_Q4_0: "q4_0", DTYPE_Q4_1: "q4_1", DTYPE_Q5_0: "q5_0",
+               DTYPE_Q5_1: "q5_1", DTYPE_Q2_K: "q2_k", DTYPE_Q3_K: "q3_k", DTYPE_IQ4_NL: "iq4_nl",
+               DTYPE_IQ4_XS: "iq4_xs"}
 DTYPE_IDS = {v: k for k, v in DTYPE_NAMES.items()}
 # elements per block and bytes per block; a float type is a block of one element
 DTYPE_BLOCKS = {DTYPE_F32: (1, 4), DTYPE_F16: (1, 2), DTYPE_BF16: (1, 2), DTYPE_I8: (1, 1),
                 DTYPE_Q8_0: (32, 34), DTYPE_Q4_K: (256, 144), DTYPE_Q5_K: (256, 176),
-                DTYPE_Q6_K: (256, 210), DTYPE_MXFP4: (32, 17)}
-QUANT_DTYPES = (DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_MXFP4)
+                DTYPE_Q6_K: (256, 210), DTYPE_MXFP4: (32, 17), DTYPE_Q4_0: (32, 18),
+                DTYPE_Q4_1: (32, 20), DTYPE_Q5_0: (32, 22), DTYPE_Q5_1: (32, 24),
+                DTYPE_Q2_K: (256, 84), DTYPE_Q3_K: (256, 110), DTYPE_IQ4_NL: (32, 18),
+                DTYPE_IQ4_XS: (256, 136)}
+QUANT_DTYPES = (DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_MXFP4, DTYPE_Q4_0,
+                DTYPE_Q4_1, DTYPE_Q5_0, DTYPE_Q5_1, DTYPE_Q2_K, DTYPE_Q3_K, DTYPE_IQ4_NL,
+                DTYPE_IQ4_XS)
 # bytes per element of the element types (the block types have no element size)
 DTYPE_SIZES = {d: bb for d, (be, bb) in DTYPE_BLOCKS.items() if be == 1}
 # numpy storage type of each dtype (bf16 is kept as its raw uint16 bits; a quantized

@@ -386,12 +386,27 @@ typedef enum colibri_dtype {
     COLIBRI_DTYPE_Q6_K = 10,
     /* OCP MXFP4: blocks of 32 e2m1 values sharing one e8m0 scale byte, ggml's block_mxfp4
      * (17 bytes: the scale byte e, then 16 bytes of nibbles; docs/format.md) */
-    COLIBRI_DTYPE_MXFP4 = 11
+    COLIBRI_DTYPE_MXFP4 = 11,
+    /* ggml's legacy blocks of 32 (f16 d [, f16 m] [, 32 high bits] then 16 bytes of nibbles):
+     * Q4_0 d * (q - 8) (18 bytes), Q4_1 d * q + m (20), Q5_0 d * (q - 16) (22), Q5_1
+     * d * q + m (24) */
+    COLIBRI_DTYPE_Q4_0 = 12,
+    COLIBRI_DTYPE_Q4_1 = 13,
+    COLIBRI_DTYPE_Q5_0 = 14,
+    COLIBRI_DTYPE_Q5_1 = 15,
+    /* ggml's Q2_K (84 bytes) and Q3_K (110 bytes) super-blocks of 256, sub-blocks of 16 */
+    COLIBRI_DTYPE_Q2_K = 16,
+    COLIBRI_DTYPE_Q3_K = 17,
+    /* ggml's non-linear 4-bit blocks (the kvalues_iq4nl table times a scale): IQ4_NL blocks
+     * of 32 (18 bytes), IQ4_XS super-blocks of 256 with 6-bit sub-block scales (136 bytes) */
+    COLIBRI_DTYPE_IQ4_NL = 18,
+    COLIBRI_DTYPE_IQ4_XS = 19
 } colibri_dtype;
 
-/* Dequantize (or widen) n elements of a weight row of dtype dt (F32, F16, BF16, Q8_0, Q4_K,
- * Q5_K, Q6_K, MXFP4) from src into dst, as the engine's reference kernels see them. n must be
- * a whole number of the dtype's blocks (32 for Q8_0 and MXFP4, 256 for the K types). Returns
+/* Dequantize (or widen) n elements of a weight row of dtype dt (F32, F16, BF16 or a block
+ * type) from src into dst, as the engine's reference kernels see them, bit for bit the `gguf`
+ * package's gguf.quants.dequantize. n must be a whole number of the dtype's blocks (32 for
+ * Q8_0, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL, 256 for the K types and IQ4_XS). Returns
  * COLIBRI_E_INVALID_ARG (and writes nothing) otherwise or for another dtype.
  * MXFP4 gives ggml's dequantize_row_mxfp4 bits: element j of a block is
  * (float)k2[code] * 2^(e - 128) with k2 = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, ..., -12} (the

@@ -792,8 +792,10 @@ static void test_down_parts(const cb_kernels *K) {
 /* ---- block-quantized weights ---- */
 
 static const uint32_t QTYPES[] = {COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K, COLIBRI_DTYPE_Q5_K, COLIBRI_DTYPE_Q6_K,
-                                  COLIBRI_DTYPE_MXFP4};
-/* The block types of the fast mode's int8 path (MXFP4 runs the exact kernels there: fast.h) */
+                                  COLIBRI_DTYPE_MXFP4, COLIBRI_DTYPE_Q4_0, COLIBRI_DTYPE_Q4_1, COLIBRI_DTYPE_Q5_0,
+                                  COLIBRI_DTYPE_Q5_1, COLIBRI_DTYPE_Q2_K, COLIBRI_DTYPE_Q3_K, COLIBRI_DTYPE_IQ4_NL,
+                                  COLIBRI_DTYPE_IQ4_XS};
+/* The block types of the fast mode's int8 path (the others run the exact kernels there: fast.h) */
 static const uint32_t FAST_QTYPES[] = {COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K, COLIBRI_DTYPE_Q5_K,
                                        COLIBRI_DTYPE_Q6_K};
 
@@ -826,6 +828,16 @@ static wbuf make_q(uint32_t dt, int64_t rows, int64_t K) {
         if (dt == COLIBRI_DTYPE_Q8_0) put_f16(blk, (float)(urand() * 0.004));
         else if (dt == COLIBRI_DTYPE_MXFP4) blk[0] = mx_scale();
         else if (dt == COLIBRI_DTYPE_Q6_K) put_f16(blk + 208, (float)(urand() * 0.0001));
+        else if (dt == COLIBRI_DTYPE_Q4_0 || dt == COLIBRI_DTYPE_Q5_0) put_f16(blk, (float)(urand() * 0.03));
+        else if (dt == COLIBRI_DTYPE_Q4_1 || dt == COLIBRI_DTYPE_Q5_1) {
+            put_f16(blk, (float)(urand() * 0.015));
+            put_f16(blk + 2, (float)(urand() * 0.25));
+        } else if (dt == COLIBRI_DTYPE_Q2_K) {
+            put_f16(blk + 80, (float)(urand() * 0.01));
+            put_f16(blk + 82, (float)(urand() * 0.02));
+        } else if (dt == COLIBRI_DTYPE_Q3_K) put_f16(blk + 108, (float)(urand() * 0.004));
+        else if (dt == COLIBRI_DTYPE_IQ4_NL) put_f16(blk, (float)(urand() * 0.004));
+        else if (dt == COLIBRI_DTYPE_IQ4_XS) put_f16(blk, (float)(urand() * 0.0001));
         else {
             put_f16(blk, (float)(urand() * 0.0005));
             put_f16(blk + 2, (float)(urand() * 0.0005));
@@ -870,10 +882,13 @@ static void test_quant(const cb_kernels *K) {
          * batch's bits (decode tiles, few-token tiles, the widened prefill path, long rows) */
         const int64_t Ts[] = {1, 2, 3, 4, 5, 13, 17};
         const int64_t Ns[] = {1, 7, 67};
-        const int64_t Kq[] = {256, 768, 4352, 32, 96, 288}; /* the last three: Q8_0 only */
+        const int64_t Kq[] = {256, 768, 4352, 32, 96, 288}; /* the last three: 32-element blocks only */
         for (size_t c = 0; c < 6; c++) {
             int64_t Kd = Kq[c];
             if (Kd % blk) continue;
+            /* the byte-decoded types share one tile: K = 96 covers their odd sizes (keeps the
+             * emulated aarch64 run short) */
+            if ((Kd == 32 || Kd == 288) && dt != COLIBRI_DTYPE_Q8_0 && dt != COLIBRI_DTYPE_MXFP4) continue;
             for (size_t b = 0; b < 3; b++)
                 for (size_t a = 0; a < 7; a++) {
                     int64_t T = Ts[a], N = Ns[b];
@@ -969,9 +984,15 @@ static void check_fast_token(const cb_fast_kernels *F, uint32_t dt, const float 
  * reference itself against the exact product. */
 static void test_fast(const cb_fast_kernels *F) {
     const cb_fast_kernels *R = cb_fast_ref();
-    n_check++;
-    if (cb_fast_takes(F, COLIBRI_DTYPE_MXFP4, 2880))
-        FAIL("[fast %s] takes MXFP4 matrices: it has no MXFP4 path (the exact kernels run them)", F->name);
+    for (size_t qi = 0; qi < sizeof QTYPES / sizeof QTYPES[0]; qi++) { /* the others run the exact kernels */
+        uint32_t dt = QTYPES[qi];
+        int fast_type = 0;
+        for (size_t j = 0; j < sizeof FAST_QTYPES / sizeof FAST_QTYPES[0]; j++) fast_type |= FAST_QTYPES[j] == dt;
+        n_check++;
+        if (!fast_type && cb_fast_takes(F, dt, 2560))
+            FAIL("[fast %s] takes %s matrices: it has no int8 path for them (the exact kernels run them)", F->name,
+                 cb_dtype_name(dt));
+    }
     for (size_t qi = 0; qi < sizeof FAST_QTYPES / sizeof FAST_QTYPES[0]; qi++) {
         uint32_t dt = FAST_QTYPES[qi];
         int64_t blk = cb_dtype_block(dt);

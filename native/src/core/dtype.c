@@ -32,6 +32,14 @@ static const struct {
     [COLIBRI_DTYPE_Q5_K] = {"q5_k", 256, 176, 1, 1, cb_dequant_q5_k},
     [COLIBRI_DTYPE_Q6_K] = {"q6_k", 256, 210, 1, 1, cb_dequant_q6_k},
     [COLIBRI_DTYPE_MXFP4] = {"mxfp4", 32, 17, 1, 1, cb_dequant_mxfp4},
+    [COLIBRI_DTYPE_Q4_0] = {"q4_0", 32, 18, 1, 1, cb_dequant_q4_0},
+    [COLIBRI_DTYPE_Q4_1] = {"q4_1", 32, 20, 1, 1, cb_dequant_q4_1},
+    [COLIBRI_DTYPE_Q5_0] = {"q5_0", 32, 22, 1, 1, cb_dequant_q5_0},
+    [COLIBRI_DTYPE_Q5_1] = {"q5_1", 32, 24, 1, 1, cb_dequant_q5_1},
+    [COLIBRI_DTYPE_Q2_K] = {"q2_k", 256, 84, 1, 1, cb_dequant_q2_k},
+    [COLIBRI_DTYPE_Q3_K] = {"q3_k", 256, 110, 1, 1, cb_dequant_q3_k},
+    [COLIBRI_DTYPE_IQ4_NL] = {"iq4_nl", 32, 18, 1, 1, cb_dequant_iq4_nl},
+    [COLIBRI_DTYPE_IQ4_XS] = {"iq4_xs", 256, 136, 1, 1, cb_dequant_iq4_xs},
 };
 #define N_DTYPES (sizeof dtype_table / sizeof dtype_table[0])
 

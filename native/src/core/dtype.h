@@ -23,7 +23,8 @@ uint32_t cb_dtype_block_bytes(uint32_t dt);
 uint64_t cb_row_bytes(uint32_t dt, uint64_t n);
 /* 1 for the dtypes a weight matrix may have: F32, F16, BF16 and the block types. */
 int cb_dtype_is_weight(uint32_t dt);
-/* 1 for the block-quantized types (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4). */
+/* 1 for the block-quantized types (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1,
+ * Q2_K, Q3_K, IQ4_NL, IQ4_XS). */
 int cb_dtype_is_quant(uint32_t dt);
 
 /* The reference dequantize-row of a weight dtype: n elements (whole blocks) of src into
@@ -31,7 +32,8 @@ int cb_dtype_is_quant(uint32_t dt);
 typedef void (*cb_dequant_fn)(float *dst, const void *src, int64_t n);
 cb_dequant_fn cb_dtype_dequant(uint32_t dt);
 /* Its name ("f32", "f16", "bf16", "int8", "i32", "i64", "u64", "q8_0", "q4_k", "q5_k",
- * "q6_k", "mxfp4"); "unknown" otherwise. */
+ * "q6_k", "mxfp4", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "iq4_nl", "iq4_xs");
+ * "unknown" otherwise. */
 const char *cb_dtype_name(uint32_t dt);
 /* 1 when a tensor of a .colibri file may have this dtype (docs/format.md, "Tensor
  * directory section"): f32, f16, bf16, int8 and the block types. The array-only types are
@@ -54,6 +56,21 @@ void cb_dequant_q4_k(float *dst, const void *src, int64_t n);
 void cb_dequant_q5_k(float *dst, const void *src, int64_t n);
 void cb_dequant_q6_k(float *dst, const void *src, int64_t n);
 void cb_dequant_mxfp4(float *dst, const void *src, int64_t n);
+void cb_dequant_q4_0(float *dst, const void *src, int64_t n);
+void cb_dequant_q4_1(float *dst, const void *src, int64_t n);
+void cb_dequant_q5_0(float *dst, const void *src, int64_t n);
+void cb_dequant_q5_1(float *dst, const void *src, int64_t n);
+void cb_dequant_q2_k(float *dst, const void *src, int64_t n);
+void cb_dequant_q3_k(float *dst, const void *src, int64_t n);
+void cb_dequant_iq4_nl(float *dst, const void *src, int64_t n);
+void cb_dequant_iq4_xs(float *dst, const void *src, int64_t n);
+
+/* IQ4_NL / IQ4_XS: the value of a 4-bit code (ggml's kvalues_iq4nl), times the block's or
+ * sub-block's scale. */
+static inline int8_t cb_iq4nl_value(unsigned code) {
+    static const int8_t kv[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+    return kv[code & 15u];
+}
 
 /* MXFP4 (ggml's block_mxfp4: e, then qs[16]; element j < 16 the low nibble of qs[j], j + 16
  * its high nibble): the doubled e2m1 value of a 4-bit code (ggml's kvalues_mxfp4: bit 3 the

@@ -1,6 +1,7 @@
 /*
  * quant.c — the reference dequantizers of the block types (docs/format.md, "Version 2"):
- * ggml's Q8_0, Q4_K, Q5_K, Q6_K and MXFP4 blocks, read byte by byte (no alignment assumed).
+ * ggml's Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL and IQ4_XS
+ * blocks, read byte by byte (no alignment assumed).
  *
  * These are the definition the engine's kernels are tested against, and they give the bits
  * of the `gguf` package's gguf.quants.dequantize (tests/test_quant_native.py): float32
@@ -100,6 +101,147 @@ void cb_dequant_mxfp4(float *dst, const void *src, int64_t n) {
         for (int j = 0; j < 16; j++) {
             dst[i + j] = (float)cb_mxfp4_k2(qs[j] & 0xF) * d;
             dst[i + j + 16] = (float)cb_mxfp4_k2(qs[j] >> 4) * d;
+        }
+    }
+}
+
+/* Q4_0: f16 d, 16 bytes of nibbles (element j < 16 the low nibble of qs[j], j + 16 its high
+ * nibble); value d * (q - 8). */
+void cb_dequant_q4_0(float *dst, const void *src, int64_t n) {
+    const uint8_t *b = (const uint8_t *)src;
+    for (int64_t i = 0; i < n; i += 32, b += 18) {
+        float d = rd_f16(b);
+        const uint8_t *qs = b + 2;
+        for (int j = 0; j < 16; j++) {
+            dst[i + j] = d * (float)((int)(qs[j] & 0xF) - 8);
+            dst[i + j + 16] = d * (float)((int)(qs[j] >> 4) - 8);
+        }
+    }
+}
+
+/* Q4_1: f16 d, f16 m, 16 bytes of nibbles as Q4_0; value (d * q) + m. */
+void cb_dequant_q4_1(float *dst, const void *src, int64_t n) {
+    const uint8_t *b = (const uint8_t *)src;
+    for (int64_t i = 0; i < n; i += 32, b += 20) {
+        float d = rd_f16(b), m = rd_f16(b + 2);
+        const uint8_t *qs = b + 4;
+        for (int j = 0; j < 16; j++) {
+            dst[i + j] = d * (float)(qs[j] & 0xF) + m;
+            dst[i + j + 16] = d * (float)(qs[j] >> 4) + m;
+        }
+    }
+}
+
+/* The 32 high bits of a Q5_0/Q5_1 block (little-endian): bit j is element j's fifth bit. */
+static inline uint32_t rd_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+/* Q5_0: f16 d, 4 bytes qh, 16 bytes of nibbles; value d * (q - 16). */
+void cb_dequant_q5_0(float *dst, const void *src, int64_t n) {
+    const uint8_t *b = (const uint8_t *)src;
+    for (int64_t i = 0; i < n; i += 32, b += 22) {
+        float d = rd_f16(b);
+        uint32_t qh = rd_u32(b + 2);
+        const uint8_t *qs = b + 6;
+        for (int j = 0; j < 16; j++) {
+            int q0 = (int)((qs[j] & 0xF) | (((qh >> j) & 1) << 4)) - 16;
+            int q1 = (int)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16;
+            dst[i + j] = d * (float)q0;
+            dst[i + j + 16] = d * (float)q1;
+        }
+    }
+}
+
+/* Q5_1: f16 d, f16 m, 4 bytes qh, 16 bytes of nibbles; value (d * q) + m. */
+void cb_dequant_q5_1(float *dst, const void *src, int64_t n) {
+    const uint8_t *b = (const uint8_t *)src;
+    for (int64_t i = 0; i < n; i += 32, b += 24) {
+        float d = rd_f16(b), m = rd_f16(b + 2);
+        uint32_t qh = rd_u32(b + 4);
+        const uint8_t *qs = b + 8;
+        for (int j = 0; j < 16; j++) {
+            uint32_t q0 = (qs[j] & 0xFu) | (((qh >> j) & 1u) << 4);
+            uint32_t q1 = (qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4);
+            dst[i + j] = d * (float)q0 + m;
+            dst[i + j + 16] = d * (float)q1 + m;
+        }
+    }
+}
+
+/* Q2_K: 16 scale bytes (low nibble the scale, high nibble the min of a sub-block of 16),
+ * 64 bytes of 2-bit codes, f16 d, f16 dmin. Element 128h + 32j + l (h < 2, j < 4, l < 32)
+ * is bits 2j..2j+1 of qs[32h + l]; value (d * sc) * q - (dmin * m). */
+void cb_dequant_q2_k(float *dst, const void *src, int64_t n) {
+    const uint8_t *b = (const uint8_t *)src;
+    for (int64_t i = 0; i < n; i += 256, b += 84) {
+        const uint8_t *sc = b, *qs = b + 16;
+        float d = rd_f16(b + 80), dmin = rd_f16(b + 82);
+        float *y = dst + i;
+        for (int e = 0; e < 256; e++) {
+            int h = e / 128, j = (e / 32) % 4, l = e % 32;
+            float dl = d * (float)(sc[e / 16] & 0xF), ml = dmin * (float)(sc[e / 16] >> 4);
+            y[e] = dl * (float)((qs[32 * h + l] >> (2 * j)) & 3) - ml;
+        }
+    }
+}
+
+/* Q3_K: 32 bytes hmask, 64 bytes of 2-bit codes, 12 bytes of 6-bit scales, f16 d. Element
+ * 128h + 32j + l: low bits 2j..2j+1 of qs[32h + l], minus 4 where bit 4h + j of hmask[l] is
+ * clear; the scale of sub-block s (of 16) has its low four bits from byte s (s < 8) or the
+ * high nibble of byte s - 8, its top two from bits 2 (s / 4) of byte 8 + s % 4, minus 32;
+ * value (d * scale) * q. */
+void cb_dequant_q3_k(float *dst, const void *src, int64_t n) {
+    const uint8_t *b = (const uint8_t *)src;
+    for (int64_t i = 0; i < n; i += 256, b += 110) {
+        const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
+        float d = rd_f16(b + 108);
+        float dl[16];
+        for (int k = 0; k < 16; k++) {
+            int lo = k < 8 ? (s[k] & 0xF) : (s[k - 8] >> 4);
+            int hi = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
+            dl[k] = d * (float)((lo | (hi << 4)) - 32);
+        }
+        float *y = dst + i;
+        for (int e = 0; e < 256; e++) {
+            int h = e / 128, j = (e / 32) % 4, l = e % 32;
+            int q = (int)((qs[32 * h + l] >> (2 * j)) & 3) - (((hm[l] >> (4 * h + j)) & 1) ? 0 : 4);
+            y[e] = dl[e / 16] * (float)q;
+        }
+    }
+}
+
+/* IQ4_NL: f16 d, 16 bytes of codes as Q4_0; value d * kvalues_iq4nl[code]. */
+void cb_dequant_iq4_nl(float *dst, const void *src, int64_t n) {
+    const uint8_t *b = (const uint8_t *)src;
+    for (int64_t i = 0; i < n; i += 32, b += 18) {
+        float d = rd_f16(b);
+        const uint8_t *qs = b + 2;
+        for (int j = 0; j < 16; j++) {
+            dst[i + j] = d * (float)cb_iq4nl_value(qs[j] & 0xF);
+            dst[i + j + 16] = d * (float)cb_iq4nl_value(qs[j] >> 4);
+        }
+    }
+}
+
+/* IQ4_XS: f16 d, u16 scales_h, 4 bytes scales_l, 128 bytes of codes. Sub-block s (of 32):
+ * scale (nibble s % 2 of scales_l[s / 2]) | (bits 2s..2s+1 of scales_h) << 4, minus 32; its
+ * codes are qs[16s .. 16s + 16) as Q4_0's; value (d * scale) * kvalues_iq4nl[code]. */
+void cb_dequant_iq4_xs(float *dst, const void *src, int64_t n) {
+    const uint8_t *b = (const uint8_t *)src;
+    for (int64_t i = 0; i < n; i += 256, b += 136) {
+        float d = rd_f16(b);
+        unsigned sh = (unsigned)b[2] | ((unsigned)b[3] << 8);
+        const uint8_t *sl = b + 4, *qs = b + 8;
+        for (int s = 0; s < 8; s++) {
+            int ls = (int)(((sl[s / 2] >> (4 * (s % 2))) & 0xF) | (((sh >> (2 * s)) & 3) << 4)) - 32;
+            float dl = d * (float)ls;
+            float *y = dst + i + 32 * s;
+            const uint8_t *q = qs + 16 * s;
+            for (int j = 0; j < 16; j++) {
+                y[j] = dl * (float)cb_iq4nl_value(q[j] & 0xF);
+                y[j + 16] = dl * (float)cb_iq4nl_value(q[j] >> 4);
+            }
         }
     }
 }

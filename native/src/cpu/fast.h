@@ -4,8 +4,9 @@
  * instructions (VNNI, AVX512_BF16) that the exact tables do not need, so cb_fast_best()
  * picks this table separately from cb_kernels_best().
  *
- * What fast mode computes, for a weight matrix of a block type (Q8_0, Q4_K, Q5_K, Q6_K; not
- * MXFP4, which cb_fast_takes hands to the exact kernels):
+ * What fast mode computes, for a weight matrix of a block type with an int8 path (Q8_0, Q4_K,
+ * Q5_K, Q6_K; not MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL or IQ4_XS, which
+ * cb_fast_takes hands to the exact kernels):
  *
  *  - each token's activation row is quantized in blocks of 32 (cb_fast_quant_act): d =
  *    amax / 127, q = round-to-nearest-even(x * (127 / amax)) in [-127, 127], and the sums of
@@ -152,13 +153,18 @@ void cb_neonbf16_gateup_packed(float *h, const float *x, const void *expert, int
                                int64_t B, int64_t i0, int64_t i1);
 void cb_neonbf16_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
                              int64_t c0, int64_t c1);
+/* 1 for the block types of the int8 path: the int8 packs (cb_fast_unpack and each table's
+ * own) know only Q8_0, Q4_K, Q5_K and Q6_K. */
+static inline int cb_fast_int8_type(uint32_t dt) {
+    return dt == COLIBRI_DTYPE_Q8_0 || dt == COLIBRI_DTYPE_Q4_K || dt == COLIBRI_DTYPE_Q5_K || dt == COLIBRI_DTYPE_Q6_K;
+}
 /* 1 when the fast table computes a matrix of dtype dt with rows of K (else the exact
- * kernels run it, on bf16-rounded activations for BF16). MXFP4 is not a fast-mode type: the
- * int8 packs (cb_fast_unpack and each table's own) know only Q8_0, Q4_K, Q5_K and Q6_K, so
- * in fast mode an MXFP4 matrix runs the exact kernels (kernels_simd.inc: its values looked
- * up and multiplied by the block scale, then the f32 dot), on the unrounded activations. */
+ * kernels run it, on bf16-rounded activations for BF16). The other block types (MXFP4,
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS) are not fast-mode types: in fast mode
+ * their matrices run the exact kernels (kernels_simd.inc: the block's values decoded, then the
+ * f32 dot), on the unrounded activations. */
 static inline int cb_fast_takes(const cb_fast_kernels *f, uint32_t dt, int64_t K) {
-    return f && ((cb_dtype_is_quant(dt) && dt != COLIBRI_DTYPE_MXFP4) ||
+    return f && (cb_fast_int8_type(dt) ||
                  (dt == COLIBRI_DTYPE_BF16 && f->native_bf16 && cb_fast_bf16_k_ok(K)));
 }
 /* 1 when the fast table runs the attention of head size D (whole 16-lane vectors; else the

@@ -334,7 +334,8 @@ colibri_status cb_file_tensors(cb_file *f, char *err, size_t len) {
         const char *NM = (const char *)t->name;
         if (!cb_dtype_in_file(t->dtype)) {
             cb_set_err(err, len, "tensor '%.*s' has dtype %u, which this build does not know "
-                       "(known: 0 f32, 1 f16, 2 bf16, 3 i8, 7 q8_0, 8 q4_k, 9 q5_k, 10 q6_k, 11 mxfp4); use a newer "
+                       "(known: 0 f32, 1 f16, 2 bf16, 3 i8, 7 q8_0, 8 q4_k, 9 q5_k, 10 q6_k, 11 mxfp4, "
+                       "12 q4_0, 13 q4_1, 14 q5_0, 15 q5_1, 16 q2_k, 17 q3_k, 18 iq4_nl, 19 iq4_xs); use a newer "
                        "Colibri or " RECONVERT, NL, NM, t->dtype);
             return COLIBRI_E_UNSUPPORTED;
         }

@@ -62,7 +62,8 @@ static colibri_status want_mat(const cb_file *f, const char *name, uint64_t rows
     const cb_tensor *t = cb_file_tensor(f, name);
     if (t && !cb_dtype_is_weight(t->dtype)) {
         cb_set_err(err, len, "tensor '%s' has dtype %s, which a weight matrix cannot have (f32, f16, bf16, "
-                   "q8_0, q4_k, q5_k, q6_k, mxfp4); " RECONVERT, name, cb_dtype_name(t->dtype));
+                   "q8_0, q4_k, q5_k, q6_k, mxfp4, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, iq4_nl, iq4_xs); " RECONVERT,
+                   name, cb_dtype_name(t->dtype));
         return COLIBRI_E_FORMAT;
     }
     const void *p = NULL;
