@@ -42,6 +42,7 @@ colibri_status colibri_trace_create(const colibri_ctx *ctx, int64_t capacity, co
         {(void **)&tr->pred_ids, lc, 4 * K, "predicted_ids"},
         {(void **)&tr->cache_stats, L * CB_EC_N_STATS, 8, "cache_stats"},
         {(void **)&tr->shared_gate, lc, 4, "shared_gate"},
+        {(void **)&tr->margins, lc, 8, "routing_margins"},
         {(void **)&tr->token_ids, C, 4, "token_ids"},
         {(void **)&tr->seq_ids, C, 4, "seq_ids"},
     };
@@ -141,6 +142,7 @@ colibri_status colibri_trace_array(const colibri_trace *tr, const char *name, co
         {"predicted_ids", tr->pred_ids, COLIBRI_DTYPE_I32, 3, {L, C, K}},
         {"cache_stats", tr->cache_stats, COLIBRI_DTYPE_I64, 2, {L, CB_EC_N_STATS, 0}},
         {"shared_gate", tr->shared_gate, COLIBRI_DTYPE_F32, 2, {L, C, 0}},
+        {"routing_margins", tr->margins, COLIBRI_DTYPE_F32, 3, {L, C, 2}},
         {"group_sizes", tr->group_sizes, COLIBRI_DTYPE_I64, 2, {L, E, 0}},
         {"padded_group_sizes", tr->padded_sizes, COLIBRI_DTYPE_I64, 2, {L, E, 0}},
         {"layer_ns", tr->layer_ns, COLIBRI_DTYPE_U64, 2, {L, 5, 0}},
@@ -187,6 +189,14 @@ colibri_status colibri_stage_tensor(colibri_ctx *ctx, const char *name, const vo
     if (!name || !data || !dtype || !ndim || !shape)
         return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_stage_tensor: NULL argument");
     return cb_stage_tensor(ctx, name, data, dtype, ndim, shape);
+}
+
+colibri_status colibri_lens(colibri_ctx *ctx, const float *resid, int64_t n, float *logits) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (!ctx->be->interventions)
+        return cb_fail(ctx, COLIBRI_E_UNSUPPORTED, "colibri_lens: the %s backend does not take host rows into its "
+                       "LM head; use the CPU backend", ctx->be->name);
+    return cb_lens(ctx, resid, n, logits);
 }
 
 colibri_status colibri_stage_tensor_device(colibri_ctx *ctx, const char *name, const void **data) {
