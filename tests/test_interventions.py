@@ -436,3 +436,106 @@ def test_dense_layer_refused(engines):
     with pytest.raises(ColibriError, match="already active"):
         with eng.intervene(ablate={0: [0]}), eng.intervene(ablate={2: [0]}):
             pass
+
+
+# ---- readouts -------------------------------------------------------------------------
+
+
+def test_routing_margins_equal_numpy(engines):
+    """The trace's routing margins are the k-th minus (k+1)-th router logit and probability
+    of each token, as numpy computes them from a stage run's router tensors."""
+    eng = engines("qwen2_moe")
+    K = SHAPES["qwen2_moe"].top_k
+    ids = random_ids(SHAPES["qwen2_moe"].vocab, N, seed=17)
+    with eng.trace() as tr:
+        eng.forward(ids)
+    run = eng.stages(ids)
+    run.embedding()
+    for layer in range(SHAPES["qwen2_moe"].layers):
+        run.attention()
+        r = run.router()
+        if layer not in moe_layers("qwen2_moe"):
+            assert np.isnan(tr.routing_margins[layer]).all()
+        else:
+            for j, name in enumerate(("router_logits", "router_probs")):
+                v = -np.sort(-r[name], axis=-1)
+                np.testing.assert_array_equal(tr.routing_margins[layer, :, j], v[:, K - 1] - v[:, K])
+        run.run_layer()
+    run.finish()
+    frac = tr.near_tie_fraction(gap=0.05)
+    assert np.isnan(frac[1]) and 0.0 <= frac[0] <= 1.0
+
+
+def test_logit_lens_table(models, engines):
+    from colibri_lab.runtime.interventions import logit_lens
+
+    eng = engines("mixtral")
+    ids = random_ids(SHAPES["mixtral"].vocab, N, seed=18)
+    full = eng.forward(ids)
+    target = int(np.argmax(full[5]))
+    ll = logit_lens(eng, ids, [5, 9], target=target, k=4)
+    L = SHAPES["mixtral"].layers
+    assert ll["top_ids"].shape == (L, 2, 4)
+    np.testing.assert_array_equal(ll["logits"][L - 1], full[[5, 9]])
+    assert ll["target_rank"][L - 1, 0] == 0
+    lg = ll["logits"]
+    np.testing.assert_array_equal(ll["target_rank"], (lg > lg[..., target][..., None]).sum(-1))
+
+
+@pytest.mark.parametrize("key", ["mixtral", "qwen2_moe"])
+def test_expert_attribution_equals_numpy(models, engines, key):
+    """Each chosen expert's weighted output . the target's unembedding / rms(final residual),
+    against numpy on a stage run's expert outputs and the transformers model's weights."""
+    from colibri_lab.runtime.interventions import expert_attribution
+
+    model, _ = models(key)
+    eng = engines(key)
+    L, K = SHAPES[key].layers, SHAPES[key].top_k
+    ids = random_ids(SHAPES[key].vocab, N, seed=19)
+    pos, target = 7, 11
+    got = expert_attribution(eng, ids, pos, target)
+    run = eng.stages(ids)
+    run.embedding()
+    ref = np.zeros((L, K))
+    outs = {}
+    for layer in range(L):
+        run.attention()
+        if layer in moe_layers(key):
+            r = run.router()
+            tk, tw = r["topk_ids"][pos].copy(), r["topk_weights"][pos].copy()
+            g = run.grouping()
+            off, tok = g["expert_offset"].copy(), g["row_token"].copy()
+            ex = run.expert_ffn()["ex_out"]
+            for j, e in enumerate(tk):
+                rows = [i for i in range(off[e], off[e + 1]) if tok[i] == pos]
+                outs[layer, j] = (tw[j], ex[rows[0]].astype(np.float64))
+        run.run_layer()
+    x = run.tensor("x")[pos].astype(np.float64)
+    run.finish()
+    w_head = model.get_output_embeddings().weight
+    u = model.model.norm.weight.detach().double().numpy() * w_head[target].detach().double().numpy()
+    rms = np.sqrt(np.mean(x * x) + model.config.rms_norm_eps)
+    for (layer, j), (w, out) in outs.items():
+        ref[layer, j] = w * out @ u / rms
+    np.testing.assert_allclose(got["attribution"], ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["rms"], rms, rtol=1e-5)
+    assert abs(ref).max() > 1e-3
+
+
+def test_viz_figures(engines):
+    from colibri_lab.analysis import viz
+    from colibri_lab.runtime.interventions import expert_attribution, logit_lens
+
+    eng = engines("mixtral")
+    ids = random_ids(SHAPES["mixtral"].vocab, 12, seed=20)
+    with eng.trace() as tr:
+        eng.forward(ids)
+    fig = viz.routing_margins(tr)
+    assert len(fig.data) == 2 and np.array_equal(np.asarray(fig.data[1].z), tr.routing_margins[..., 1])
+    ll = logit_lens(eng, ids, [3], target=5, k=3)
+    table = viz.logit_lens_table(ll)
+    assert len(table.data[0].cells.values) == 1 + 3 + 1
+    attr = expert_attribution(eng, ids, 4, 5)
+    bars = viz.expert_attribution(attr)
+    assert len(bars.data) == SHAPES["mixtral"].top_k
+    np.testing.assert_array_equal(np.asarray(bars.data[0].y), attr["attribution"][:, 0])

@@ -177,6 +177,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     ),
     "colibri_iv_clear": (c_int, [ctx_p, c_int32]),
     "colibri_lens": (c_int, [ctx_p, POINTER(c_float), c_int64, POINTER(c_float)]),
+    "colibri_unembedding": (c_int, [ctx_p, c_int32, POINTER(c_float)]),
     "colibri_get_tokenizer": (tok_p, [ctx_p]),
     "colibri_tokenizer_from_memory": (
         c_int,

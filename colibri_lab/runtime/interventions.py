@@ -163,3 +163,78 @@ def lens(engine, resid) -> np.ndarray:
         check(lib.colibri_lens(ctx, part.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), len(part),
                                out[i:i + B].ctypes.data_as(ctypes.POINTER(ctypes.c_float))), ctx=ctx)  # fmt: skip
     return out
+
+
+def unembedding(engine, token: int) -> np.ndarray:
+    """The unembedding direction of ``token``: final-norm weight * its LM-head row, float32
+    ``[hidden]`` (its logit is ``u . x / rms(x)`` for a final residual ``x``)."""
+    ctx = engine._c()
+    out = np.empty(engine.config.hidden_size, dtype=np.float32)
+    check(lib.colibri_unembedding(ctx, int(token), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))), ctx=ctx)
+    return out
+
+
+def logit_lens(engine, token_ids, positions, *, target: int | None = None, k: int = 5) -> dict:
+    """The logit lens at ``positions`` of one forward of ``token_ids`` (run here, as a new
+    sequence 0): the residual after each layer (entering the next, the last one entering the
+    final norm) through the final norm and LM head, by the engine.
+
+    Returns ``layers`` (``[L]``: 0 .. L-1, the layer just done), ``positions``, ``top_ids``
+    ``[L, P, k]`` and ``top_logits`` (best first), and with ``target`` its ``target_rank``
+    ``[L, P]`` (0 = top) and ``target_logit``. The last layer's row is the model's own logits.
+    """
+    L = engine.config.n_layers
+    positions = [int(p) for p in positions]
+    keys = [("resid", layer + 1, p) for layer in range(L) for p in positions]
+    with Intervention(engine, record=keys) as rec:
+        engine.forward(token_ids)
+    rows = np.stack([rec.recorded[key] for key in keys]) if keys else np.zeros((0, engine.config.hidden_size))
+    logits = lens(engine, rows).reshape(L, len(positions), -1)
+    order = np.argsort(-logits, axis=-1, kind="stable")[..., :k]
+    out = {
+        "layers": np.arange(L),
+        "positions": np.array(positions),
+        "top_ids": order,
+        "top_logits": np.take_along_axis(logits, order, axis=-1),
+        "logits": logits,
+    }
+    if target is not None:
+        t = logits[..., int(target)]
+        out["target_rank"] = (logits > t[..., None]).sum(axis=-1)
+        out["target_logit"] = t
+    return out
+
+
+def expert_attribution(engine, token_ids, pos: int, target: int) -> dict:
+    """Direct logit attribution at position ``pos`` of one forward of ``token_ids`` (run
+    here, as sequence 0): for each MoE layer and each expert the token chose, its weighted
+    output projected on ``target``'s unembedding direction, divided by the RMS of the final
+    residual at ``pos`` (the final norm's scale, held fixed), so that it is that expert's
+    additive share of the target's logit.
+
+    Returns ``ids`` and ``weights`` ``[L, K]`` (-1 / 0 in dense layers), ``outputs`` ``[L, K,
+    hidden]`` (the experts' outputs before their weight, recorded by the engine),
+    ``attribution`` ``[L, K]``, ``rms`` and the ``logit`` of the target at ``pos``.
+    """
+    cfg = engine.config
+    L, E, K, H = cfg.n_layers, cfg.n_experts, cfg.top_k, cfg.hidden_size
+    moe = engine._layer_is_moe()
+    pos = int(pos)
+    keys = [("expert_out", layer, pos, e) for layer in range(L) if moe[layer] for e in range(E)]
+    keys.append(("resid", L, pos))
+    with Intervention(engine, record=keys) as rec, engine.trace() as tr:
+        logits = engine.forward(token_ids)
+    row = int(np.flatnonzero(tr.positions == pos)[0])
+    ids = tr.topk_ids[:, row].copy()
+    w = tr.topk_weights[:, row].copy()
+    outputs = np.zeros((L, K, H), np.float32)
+    for layer in range(L):
+        for j in range(K):
+            if moe[layer]:
+                outputs[layer, j] = rec.recorded[("expert_out", layer, pos, int(ids[layer, j]))]
+    x = rec.recorded[("resid", L, pos)].astype(np.float64)
+    rms = float(np.sqrt(np.mean(x * x) + engine._get_float("rms_norm_eps")))
+    u = unembedding(engine, target).astype(np.float64)
+    attribution = (w[..., None] * outputs).astype(np.float64) @ u / rms
+    return {"ids": ids, "weights": w, "outputs": outputs, "attribution": attribution, "rms": rms,
+            "logit": float(logits[pos, int(target)])}  # fmt: skip

@@ -472,6 +472,10 @@ COLIBRI_API colibri_status colibri_iv_clear(colibri_ctx *ctx, int32_t seq);
  * COLIBRI_POINT_RESID): logits [n, vocab] (the logit lens). Uses the context's kernels and
  * scratch (n <= max_batch; not during a stage run). */
 COLIBRI_API colibri_status colibri_lens(colibri_ctx *ctx, const float *resid, int64_t n, float *logits);
+/* The unembedding direction of a token: out [hidden] = final-norm weight * LM-head row of
+ * `token` (as the engine reads it), so that the token's logit is out . x / rms(x) for a final
+ * residual x (direct logit attribution). */
+COLIBRI_API colibri_status colibri_unembedding(colibri_ctx *ctx, int32_t token, float *out);
 
 /* ---- Tokenizer, usable with or without an engine: SentencePiece-BPE (tokenizer section
  * type 1) or byte-level BPE from a Hugging Face tokenizer.json (type 2, GPT-2 / Qwen2 /

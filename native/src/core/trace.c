@@ -199,6 +199,20 @@ colibri_status colibri_lens(colibri_ctx *ctx, const float *resid, int64_t n, flo
     return cb_lens(ctx, resid, n, logits);
 }
 
+colibri_status colibri_unembedding(colibri_ctx *ctx, int32_t token, float *out) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    const int64_t H = ctx->cfg.hidden;
+    if (!out) return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_unembedding: out must not be NULL");
+    if (token < 0 || token >= (int64_t)ctx->cfg.vocab)
+        return cb_fail(ctx, COLIBRI_E_TOKEN_RANGE, "colibri_unembedding: token id %d is out of range [0, %u)", token,
+                       ctx->cfg.vocab);
+    cb_mat W = ctx->w.lm_head;
+    size_t rb = (size_t)cb_row_bytes(W.dt, (uint64_t)H);
+    ctx->kern->dequant_row(out, (const uint8_t *)W.w + (size_t)token * rb, W.dt, H);
+    for (int64_t i = 0; i < H; i++) out[i] *= ctx->w.out_norm[i];
+    return COLIBRI_OK;
+}
+
 colibri_status colibri_stage_tensor_device(colibri_ctx *ctx, const char *name, const void **data) {
     if (!ctx) return COLIBRI_E_INVALID_ARG;
     if (!name || !data) return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_stage_tensor_device: NULL argument");

@@ -1,0 +1,157 @@
+"""The full ablation sweep of a model: every expert of every MoE layer excluded in turn
+(Engine.intervene(ablate=...)), the mean next-token loss on held-out tokens for each, timed;
+and the same sweep through StageRun (the ablation done from Python between the router and
+the grouping stages: the routing recomputed in numpy from the router's logits and written
+into the stage tensors), timed, with the losses of both compared. Times are wall-clock
+seconds of the whole sweep; run on a quiet machine, or say that the figures were taken
+under load.
+
+    python tools/ablation_sweep.py --model tiny.colibri [--tokens 2000] [--threads 2]
+
+Without --model it converts data/tiny-mixtral into a temporary folder. The held-out text is
+the tiny model's held-out split (data/README.md: the standard library's .py files whose
+path hash falls in the held-out 3 %), read in file order up to --tokens tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def heldout_ids(tok, n: int, permille: int = 30) -> np.ndarray:
+    sys.path.insert(0, str(REPO / "data"))
+    import train_tiny_moe as T
+
+    root, ids = T.stdlib_root(), []
+    for rel in T.list_sources(root):
+        if not T.is_heldout(rel, permille):
+            continue
+        text = T.read_text(os.path.join(root, rel))
+        if text and text.strip():
+            ids += tok.encode(text)
+        if len(ids) >= n:
+            break
+    return np.array(ids[:n], dtype=np.int32)
+
+
+def losses(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Next-token cross-entropy of each position but the last."""
+    lg = logits[:-1].astype(np.float64)
+    m = lg.max(-1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(lg - m).sum(-1))
+    return lse - lg[np.arange(len(ids) - 1), ids[1:]]
+
+
+def forward_chunks(eng, ids: np.ndarray, chunk: int) -> np.ndarray:
+    """Logits of independent windows of `chunk` tokens (each a new sequence)."""
+    return np.concatenate([eng.forward(ids[i:i + chunk]) for i in range(0, len(ids), chunk)])
+
+
+def sweep_engine(eng, ids, chunk):
+    cfg = eng.config
+    moe = eng._layer_is_moe()
+    out = {}
+    for layer in range(cfg.n_layers):
+        if not moe[layer]:
+            continue
+        for e in range(cfg.n_experts):
+            with eng.intervene(ablate={layer: [e]}):
+                out[layer, e] = float(losses(forward_chunks(eng, ids, chunk), ids).mean())
+    return out
+
+
+def _route_ablated(logits: np.ndarray, e: int, k: int, renorm: bool):
+    """Mixtral's routing (softmax, top-k, renormalised) with expert e's logit at -inf."""
+    lg = logits.astype(np.float32).copy()
+    lg[:, e] = -np.inf
+    p = np.exp(lg - lg.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, ids, axis=-1)
+    if renorm:
+        w = w / w.sum(-1, keepdims=True)
+    return ids.astype(np.int32), w.astype(np.float32)
+
+
+def sweep_stagerun(eng, ids, chunk):
+    cfg = eng.config
+    moe = eng._layer_is_moe()
+    out = {}
+    for layer in range(cfg.n_layers):
+        if not moe[layer]:
+            continue
+        for e in range(cfg.n_experts):
+            parts = []
+            for i in range(0, len(ids), chunk):
+                run = eng.stages(ids[i:i + chunk])
+                run.embedding()
+                run.run_to(layer)
+                run.attention()
+                r = run.router()
+                tk, tw = _route_ablated(r["router_logits"], e, cfg.top_k, cfg.norm_topk_prob)
+                r["topk_ids"][:] = tk
+                r["topk_weights"][:] = tw
+                parts.append(run.finish())
+            out[layer, e] = float(losses(np.concatenate(parts), ids).mean())
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help=".colibri file (default: data/tiny-mixtral converted)")
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--chunk", type=int, default=0, help="tokens per window (default: max_batch)")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args(argv)
+    import colibri_lab
+
+    tmp = None
+    model = a.model
+    if not model:
+        tmp = tempfile.TemporaryDirectory()
+        model = os.path.join(tmp.name, "tiny.colibri")
+        colibri_lab.convert(REPO / "data" / "tiny-mixtral", model, progress=False)
+    with colibri_lab.Engine(model, num_threads=a.threads or None) as eng:
+        chunk = a.chunk or eng.config.max_batch
+        ids = heldout_ids(eng.tokenizer, a.tokens)
+        base = float(losses(forward_chunks(eng, ids, chunk), ids).mean())
+        t0 = time.perf_counter()
+        fast = sweep_engine(eng, ids, chunk)
+        t_engine = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        slow = sweep_stagerun(eng, ids, chunk)
+        t_stage = time.perf_counter() - t0
+        kernels = eng.config.kernels
+        threads = eng.config.num_threads
+    diff = max(abs(fast[k] - slow[k]) for k in fast)
+    res = {
+        "model": str(model), "tokens": len(ids), "window": chunk, "ablations": len(fast),
+        "baseline_loss": base, "engine_s": t_engine, "stagerun_s": t_stage, "ratio": t_stage / t_engine,
+        "max_loss_difference": diff, "threads": threads, "kernels": kernels, "machine": platform.processor()
+        or platform.machine(), "loss": {f"{l}/{e}": v for (l, e), v in fast.items()},
+    }  # fmt: skip
+    print(f"{len(ids)} held-out tokens in windows of {chunk}, {len(fast)} ablations, {threads} threads, "
+          f"kernels {kernels}")  # fmt: skip
+    print(f"baseline loss {base:.4f}; engine sweep {t_engine:.2f} s; StageRun sweep {t_stage:.2f} s "
+          f"({t_stage / t_engine:.1f}x); max |loss difference| {diff:.2e}")  # fmt: skip
+    worst = sorted(fast.items(), key=lambda kv: -kv[1])[:5]
+    print("largest loss increases: " + ", ".join(f"layer {l} expert {e}: +{v - base:.3f}" for (l, e), v in worst))
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
