@@ -46,10 +46,10 @@ def heldout_ids(tok, n: int, permille: int = 30) -> np.ndarray:
 
 
 def losses(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Next-token cross-entropy of each position but the last."""
-    lg = logits[:-1].astype(np.float64)
+    """Next-token cross-entropy of each position but the last (float32 softmax, float64 sums)."""
+    lg = logits[:-1]
     m = lg.max(-1, keepdims=True)
-    lse = m[:, 0] + np.log(np.exp(lg - m).sum(-1))
+    lse = m[:, 0].astype(np.float64) + np.log(np.exp(lg - m).sum(-1, dtype=np.float64))
     return lse - lg[np.arange(len(ids) - 1), ids[1:]]
 
 
@@ -59,16 +59,25 @@ def forward_chunks(eng, ids: np.ndarray, chunk: int) -> np.ndarray:
 
 
 def sweep_engine(eng, ids, chunk):
+    """{(layer, expert): mean loss}, and the seconds spent in the forwards."""
     cfg = eng.config
     moe = eng._layer_is_moe()
-    out = {}
+    out, secs = {}, 0.0
     for layer in range(cfg.n_layers):
         if not moe[layer]:
             continue
         for e in range(cfg.n_experts):
+            t0 = time.perf_counter()
             with eng.intervene(ablate={layer: [e]}):
-                out[layer, e] = float(losses(forward_chunks(eng, ids, chunk), ids).mean())
-    return out
+                logits = forward_chunks(eng, ids, chunk)
+            secs += time.perf_counter() - t0
+            out[layer, e] = float(losses(logits, ids).mean())
+    return out, secs
+
+
+def generate_engine(eng, prompt, n_new, layer, e):
+    with eng.intervene(ablate={layer: [e]}):
+        return [t.id for t in eng.generate(prompt, max_new_tokens=n_new, stop_at_eos=False)]
 
 
 def _route_ablated(logits: np.ndarray, e: int, k: int, renorm: bool):
@@ -84,27 +93,46 @@ def _route_ablated(logits: np.ndarray, e: int, k: int, renorm: bool):
     return ids.astype(np.int32), w.astype(np.float32)
 
 
+def _stage_forward(eng, ids, start, layer, e):
+    """One chunk through a stage run with expert e of `layer` excluded from Python."""
+    cfg = eng.config
+    run = eng.stages(ids, start)
+    run.embedding()
+    run.run_to(layer)
+    run.attention()
+    r = run.router()
+    tk, tw = _route_ablated(r["router_logits"], e, cfg.top_k, cfg.norm_topk_prob)
+    r["topk_ids"][:] = tk
+    r["topk_weights"][:] = tw
+    return run.finish()
+
+
 def sweep_stagerun(eng, ids, chunk):
     cfg = eng.config
     moe = eng._layer_is_moe()
-    out = {}
+    out, secs = {}, 0.0
     for layer in range(cfg.n_layers):
         if not moe[layer]:
             continue
         for e in range(cfg.n_experts):
-            parts = []
-            for i in range(0, len(ids), chunk):
-                run = eng.stages(ids[i:i + chunk])
-                run.embedding()
-                run.run_to(layer)
-                run.attention()
-                r = run.router()
-                tk, tw = _route_ablated(r["router_logits"], e, cfg.top_k, cfg.norm_topk_prob)
-                r["topk_ids"][:] = tk
-                r["topk_weights"][:] = tw
-                parts.append(run.finish())
-            out[layer, e] = float(losses(np.concatenate(parts), ids).mean())
-    return out
+            t0 = time.perf_counter()
+            logits = np.concatenate([_stage_forward(eng, ids[i:i + chunk], 0, layer, e)
+                                     for i in range(0, len(ids), chunk)])  # fmt: skip
+            secs += time.perf_counter() - t0
+            out[layer, e] = float(losses(logits, ids).mean())
+    return out, secs
+
+
+def generate_stagerun(eng, prompt, n_new, layer, e):
+    """Greedy decoding, every step a stage run of one token with the ablation done from Python."""
+    seq = list(prompt)
+    logits = _stage_forward(eng, np.array(seq, np.int32), 0, layer, e)
+    for _ in range(n_new):
+        seq.append(int(np.argmax(logits[-1])))
+        if len(seq) - len(prompt) == n_new:
+            break
+        logits = _stage_forward(eng, np.array(seq[-1:], np.int32), len(seq) - 1, layer, e)
+    return seq[len(prompt):]
 
 
 def main(argv=None) -> int:
@@ -113,6 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--chunk", type=int, default=0, help="tokens per window (default: max_batch)")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--new", type=int, default=32, help="greedy tokens generated under each ablation")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     import colibri_lab
@@ -128,24 +157,42 @@ def main(argv=None) -> int:
         ids = heldout_ids(eng.tokenizer, a.tokens)
         base = float(losses(forward_chunks(eng, ids, chunk), ids).mean())
         t0 = time.perf_counter()
-        fast = sweep_engine(eng, ids, chunk)
+        fast, fast_fw = sweep_engine(eng, ids, chunk)
         t_engine = time.perf_counter() - t0
         t0 = time.perf_counter()
-        slow = sweep_stagerun(eng, ids, chunk)
+        slow, slow_fw = sweep_stagerun(eng, ids, chunk)
         t_stage = time.perf_counter() - t0
+        # generation under each ablation: a 64-token prompt, a.new greedy tokens
+        prompt = [int(t) for t in ids[:64]]
+        t_gen_engine = t_gen_stage = 0.0
+        same = True
+        for layer, e in fast:
+            t0 = time.perf_counter()
+            g1 = generate_engine(eng, prompt, a.new, layer, e)
+            t_gen_engine += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            g2 = generate_stagerun(eng, prompt, a.new, layer, e)
+            t_gen_stage += time.perf_counter() - t0
+            same &= g1 == g2
         kernels = eng.config.kernels
         threads = eng.config.num_threads
     diff = max(abs(fast[k] - slow[k]) for k in fast)
     res = {
         "model": str(model), "tokens": len(ids), "window": chunk, "ablations": len(fast),
-        "baseline_loss": base, "engine_s": t_engine, "stagerun_s": t_stage, "ratio": t_stage / t_engine,
+        "baseline_loss": base, "engine_s": t_engine, "stagerun_s": t_stage, "engine_forward_s": fast_fw,
+        "stagerun_forward_s": slow_fw, "generate_tokens": a.new, "generate_engine_s": t_gen_engine,
+        "generate_stagerun_s": t_gen_stage, "generations_equal": same,
         "max_loss_difference": diff, "threads": threads, "kernels": kernels, "machine": platform.processor()
         or platform.machine(), "loss": {f"{l}/{e}": v for (l, e), v in fast.items()},
     }  # fmt: skip
     print(f"{len(ids)} held-out tokens in windows of {chunk}, {len(fast)} ablations, {threads} threads, "
           f"kernels {kernels}")  # fmt: skip
-    print(f"baseline loss {base:.4f}; engine sweep {t_engine:.2f} s; StageRun sweep {t_stage:.2f} s "
-          f"({t_stage / t_engine:.1f}x); max |loss difference| {diff:.2e}")  # fmt: skip
+    print(f"baseline loss {base:.4f}; sweep through intervene {t_engine:.2f} s (forwards {fast_fw:.2f} s), "
+          f"through StageRun {t_stage:.2f} s (forwards {slow_fw:.2f} s): {slow_fw / fast_fw:.2f}x in the "
+          f"forwards; max |loss difference| {diff:.2e}")  # fmt: skip
+    print(f"greedy generation of {a.new} tokens after a 64-token prompt under each ablation: intervene "
+          f"{t_gen_engine:.2f} s, StageRun {t_gen_stage:.2f} s ({t_gen_stage / t_gen_engine:.1f}x); "
+          f"same tokens: {same}")  # fmt: skip
     worst = sorted(fast.items(), key=lambda kv: -kv[1])[:5]
     print("largest loss increases: " + ", ".join(f"layer {l} expert {e}: +{v - base:.3f}" for (l, e), v in worst))
     if a.json:
