@@ -152,7 +152,9 @@ def main(argv=None) -> int:
         tmp = tempfile.TemporaryDirectory()
         model = os.path.join(tmp.name, "tiny.colibri")
         colibri_lab.convert(REPO / "data" / "tiny-mixtral", model, progress=False)
-    with colibri_lab.Engine(model, num_threads=a.threads or None) as eng:
+    # prefix_cache off: a stage run whose tensors were edited from Python would offer its KV
+    # blocks to the prefix cache as if computed plainly (the engine's own interventions never do)
+    with colibri_lab.Engine(model, num_threads=a.threads or None, prefix_cache=False) as eng:
         chunk = a.chunk or eng.config.max_batch
         ids = heldout_ids(eng.tokenizer, a.tokens)
         base = float(losses(forward_chunks(eng, ids, chunk), ids).mean())
