@@ -58,21 +58,13 @@ def forward_chunks(eng, ids: np.ndarray, chunk: int) -> np.ndarray:
     return np.concatenate([eng.forward(ids[i:i + chunk]) for i in range(0, len(ids), chunk)])
 
 
-def sweep_engine(eng, ids, chunk):
-    """{(layer, expert): mean loss}, and the seconds spent in the forwards."""
-    cfg = eng.config
-    moe = eng._layer_is_moe()
-    out, secs = {}, 0.0
-    for layer in range(cfg.n_layers):
-        if not moe[layer]:
-            continue
-        for e in range(cfg.n_experts):
-            t0 = time.perf_counter()
-            with eng.intervene(ablate={layer: [e]}):
-                logits = forward_chunks(eng, ids, chunk)
-            secs += time.perf_counter() - t0
-            out[layer, e] = float(losses(logits, ids).mean())
-    return out, secs
+def ablated_losses_engine(eng, ids, chunk, layer, e):
+    """Mean loss with expert e of `layer` excluded by the engine, and the forwards' seconds."""
+    t0 = time.perf_counter()
+    with eng.intervene(ablate={layer: [e]}):
+        logits = forward_chunks(eng, ids, chunk)
+    secs = time.perf_counter() - t0
+    return float(losses(logits, ids).mean()), secs
 
 
 def generate_engine(eng, prompt, n_new, layer, e):
@@ -107,20 +99,13 @@ def _stage_forward(eng, ids, start, layer, e):
     return run.finish()
 
 
-def sweep_stagerun(eng, ids, chunk):
-    cfg = eng.config
-    moe = eng._layer_is_moe()
-    out, secs = {}, 0.0
-    for layer in range(cfg.n_layers):
-        if not moe[layer]:
-            continue
-        for e in range(cfg.n_experts):
-            t0 = time.perf_counter()
-            logits = np.concatenate([_stage_forward(eng, ids[i:i + chunk], 0, layer, e)
-                                     for i in range(0, len(ids), chunk)])  # fmt: skip
-            secs += time.perf_counter() - t0
-            out[layer, e] = float(losses(logits, ids).mean())
-    return out, secs
+def ablated_losses_stagerun(eng, ids, chunk, layer, e):
+    """The same through stage runs, the exclusion done from Python."""
+    t0 = time.perf_counter()
+    logits = np.concatenate([_stage_forward(eng, ids[i:i + chunk], 0, layer, e)
+                             for i in range(0, len(ids), chunk)])  # fmt: skip
+    secs = time.perf_counter() - t0
+    return float(losses(logits, ids).mean()), secs
 
 
 def generate_stagerun(eng, prompt, n_new, layer, e):
@@ -158,23 +143,32 @@ def main(argv=None) -> int:
         chunk = a.chunk or eng.config.max_batch
         ids = heldout_ids(eng.tokenizer, a.tokens)
         base = float(losses(forward_chunks(eng, ids, chunk), ids).mean())
-        t0 = time.perf_counter()
-        fast, fast_fw = sweep_engine(eng, ids, chunk)
-        t_engine = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        slow, slow_fw = sweep_stagerun(eng, ids, chunk)
-        t_stage = time.perf_counter() - t0
-        # generation under each ablation: a 64-token prompt, a.new greedy tokens
-        prompt = [int(t) for t in ids[:64]]
+        # the two ways alternate, ablation by ablation, the order swapped each time (a loaded
+        # machine's drift then falls on both): whole-step and forward-only seconds per side
+        moe = eng._layer_is_moe()
+        pairs = [(l, e) for l in range(eng.config.n_layers) if moe[l] for e in range(eng.config.n_experts)]
+        fast, slow = {}, {}
+        t_engine = t_stage = fast_fw = slow_fw = 0.0
         t_gen_engine = t_gen_stage = 0.0
+        prompt = [int(t) for t in ids[:64]]
         same = True
-        for layer, e in fast:
-            t0 = time.perf_counter()
-            g1 = generate_engine(eng, prompt, a.new, layer, e)
-            t_gen_engine += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            g2 = generate_stagerun(eng, prompt, a.new, layer, e)
-            t_gen_stage += time.perf_counter() - t0
+        for n, (layer, e) in enumerate(pairs):
+            for side in ((0, 1) if n % 2 == 0 else (1, 0)):
+                t0 = time.perf_counter()
+                if side == 0:
+                    fast[layer, e], s = ablated_losses_engine(eng, ids, chunk, layer, e)
+                    t_engine += time.perf_counter() - t0
+                    fast_fw += s
+                    t0 = time.perf_counter()
+                    g1 = generate_engine(eng, prompt, a.new, layer, e)
+                    t_gen_engine += time.perf_counter() - t0
+                else:
+                    slow[layer, e], s = ablated_losses_stagerun(eng, ids, chunk, layer, e)
+                    t_stage += time.perf_counter() - t0
+                    slow_fw += s
+                    t0 = time.perf_counter()
+                    g2 = generate_stagerun(eng, prompt, a.new, layer, e)
+                    t_gen_stage += time.perf_counter() - t0
             same &= g1 == g2
         kernels = eng.config.kernels
         threads = eng.config.num_threads
