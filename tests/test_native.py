@@ -43,6 +43,12 @@ def test_no_allocation_in_fast_forward(native_tests, model_file):
     run_ok(native_tests / "test_noalloc", model_file, "fast")
 
 
+def test_no_allocation_under_interventions(native_tests, model_file):
+    """Expert masks (both meanings), a router bias, forced routing and activation patches set
+    before the forward: the forward, batches and sequence calls still allocate nothing."""
+    run_ok(native_tests / "test_noalloc", model_file, "interv")
+
+
 def test_no_allocation_with_expert_cache(native_tests, model_file):
     """Through a 1-slot expert cache with prefetch: misses wait for the I/O thread's reads,
     and neither thread allocates."""

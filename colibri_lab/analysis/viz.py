@@ -747,3 +747,73 @@ def quality_vs_size(reports, bits: dict[str, float]) -> go.Figure:
 
 
 __all__ += ["expert_load_shift", "quality_vs_size", "routing_flip_heatmap"]
+
+
+# ---- interventions and readouts (colibri_lab.runtime.interventions) -------------------------
+
+
+def routing_margins(trace: Trace, by: str = "prob") -> go.Figure:
+    """The routing margin of every (layer, token) beside the routing heatmap: left, the expert
+    at rank 1 (as :func:`routing_heatmap`); right, the k-th minus (k+1)-th router probability
+    (``by="prob"``) or logit (``by="logit"``), dark where the token was close to being routed
+    to another expert. Dense layers are blank."""
+    if trace.n_tokens == 0 or trace.routing_margins is None:
+        return _empty("Routing margins", "the trace holds no tokens or no routing margins")
+    L, T = trace.n_layers, trace.n_tokens
+    m = trace.routing_margins[..., 0 if by == "logit" else 1].astype(float)
+    texts = _texts(trace)
+    hover = [[f"token {t} <b>{_esc(repr(texts[t]))}</b><br>{_layer_label(trace, l)}<br>margin {m[l, t]:.4g}"
+              for t in range(T)] for l in range(L)]  # fmt: skip
+    left = routing_heatmap(trace)
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08,
+                        subplot_titles=("expert at rank 1", f"margin ({by}): k-th − (k+1)-th"))  # fmt: skip
+    fig.add_trace(left.data[0], row=1, col=1)
+    fig.add_trace(go.Heatmap(z=m, x=list(range(T)), y=list(range(L)), text=hover, colorscale="Viridis",
+                             hovertemplate="%{text}<extra></extra>", xgap=1, ygap=1,
+                             colorbar=dict(title="margin", x=1.02), name="margin"), row=1, col=2)  # fmt: skip
+    ticks = dict(tickmode="array", tickvals=list(range(L)), ticktext=[_layer_label(trace, l) for l in range(L)],
+                 autorange="reversed")  # fmt: skip
+    fig.update_yaxes(**ticks)
+    frac = trace.near_tie_fraction(gap=0.01 if by == "prob" else 0.05, by=by)
+    fig.update_layout(title=f"Routing and its margins, {T} tokens × {L} layers; near-ties per layer: "
+                      + ", ".join("–" if np.isnan(f) else f"{100 * f:.0f} %" for f in frac),
+                      height=max(260, 120 + 28 * L))  # fmt: skip
+    return fig
+
+
+def logit_lens_table(lens: dict, tokenizer=None, position: int | None = None) -> go.Figure:
+    """The logit lens (``interventions.logit_lens``) as a table: one row per layer, the top-k
+    tokens after that layer at one position (the first asked by default) with their logits, and
+    the target's rank when one was given."""
+    p = 0 if position is None else list(lens["positions"]).index(int(position))
+    top, lg = lens["top_ids"][:, p], lens["top_logits"][:, p]
+
+    def name(i: int) -> str:
+        return repr(tokenizer.piece(int(i))) if tokenizer is not None else str(int(i))
+
+    cols = {"layer": [f"after layer {int(l)}" for l in lens["layers"]]}
+    for j in range(top.shape[1]):
+        cols[f"top {j + 1}"] = [f"{name(top[l, j])} ({lg[l, j]:.2f})" for l in range(top.shape[0])]
+    if "target_rank" in lens:
+        cols["target rank"] = [int(r) for r in lens["target_rank"][:, p]]
+    fig = go.Figure(go.Table(header=dict(values=list(cols)), cells=dict(values=list(cols.values()))))
+    fig.update_layout(title=f"Logit lens at position {int(lens['positions'][p])}",
+                      height=120 + 30 * top.shape[0])  # fmt: skip
+    return fig
+
+
+def expert_attribution(attr: dict) -> go.Figure:
+    """Direct logit attribution (``interventions.expert_attribution``): per layer, one bar per
+    chosen expert (rank order), its weighted output's share of the target's logit."""
+    a, ids = np.asarray(attr["attribution"]), np.asarray(attr["ids"])
+    L, K = a.shape
+    colours = expert_colours(int(max(ids.max(), 0)) + 1)
+    fig = go.Figure()
+    for j in range(K):
+        fig.add_trace(go.Bar(x=[f"layer {l}" for l in range(L)], y=a[:, j], name=f"rank {j + 1}",
+                             marker_color=[colours[i] if i >= 0 else DENSE_COLOUR for i in ids[:, j]],
+                             text=[f"e{i}" if i >= 0 else "" for i in ids[:, j]],
+                             hovertemplate="%{x}, %{text}: %{y:.4g}<extra></extra>"))  # fmt: skip
+    fig.update_layout(barmode="group", title=f"Expert attribution to the target's logit ({attr['logit']:.3g})",
+                      yaxis_title="weighted output · unembedding / rms", height=360)  # fmt: skip
+    return fig

@@ -213,6 +213,19 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
         c_int,
         [ctx_p, c_char_p, POINTER(c_void_p), POINTER(c_int32), POINTER(c_int32), POINTER(c_int64)],
     ),
+    "colibri_iv_mask": (c_int, [ctx_p, c_int32, c_int32, POINTER(c_int32), c_int32, c_int32]),
+    "colibri_iv_router_bias": (c_int, [ctx_p, c_int32, c_int32, POINTER(c_float)]),
+    "colibri_iv_force": (
+        c_int,
+        [ctx_p, c_int32, c_int32, c_int64, POINTER(c_int32), POINTER(c_float), c_int32],
+    ),
+    "colibri_iv_patch": (
+        c_int,
+        [ctx_p, c_int32, c_int32, c_int32, c_int32, c_int64, c_int32, POINTER(c_float)],
+    ),
+    "colibri_iv_clear": (c_int, [ctx_p, c_int32]),
+    "colibri_lens": (c_int, [ctx_p, POINTER(c_float), c_int64, POINTER(c_float)]),
+    "colibri_unembedding": (c_int, [ctx_p, c_int32, POINTER(c_float)]),
     "colibri_get_tokenizer": (tok_p, [ctx_p]),
     "colibri_tokenizer_from_memory": (
         c_int,

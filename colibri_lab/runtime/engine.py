@@ -453,6 +453,7 @@ class Engine:
         self._config: EngineConfig | None = None
         self._tokenizer: Tokenizer | None = None
         self._moe_layers: np.ndarray | None = None
+        self._interventions: list = []  # the active Engine.intervene blocks
 
     # -- lifetime -------------------------------------------------------------------
 
@@ -868,6 +869,26 @@ class Engine:
         """Run one forward (at most ``max_batch`` tokens) one stage at a time; see :class:`StageRun`."""
         return StageRun(self, token_ids, start_pos)
 
+    # -- interventions --------------------------------------------------------------
+
+    def intervene(self, *, ablate=None, zero=None, mode: str = "exclude", force=None, router_bias=None,
+                  patch=None, add=None, record=None, seq: int | None = None):  # fmt: skip
+        """Interventions applied by the engine inside a ``with`` block: expert masks
+        (``ablate``, ``zero``), forced routing (``force``), router bias (``router_bias``) and
+        activation patching (``patch``, ``add``, ``record``), for every sequence or one
+        (``seq``); see :class:`colibri_lab.runtime.interventions.Intervention`."""
+        from .interventions import Intervention
+
+        return Intervention(self, ablate=ablate, zero=zero, mode=mode, force=force, router_bias=router_bias,
+                            patch=patch, add=add, record=record, seq=seq)  # fmt: skip
+
+    def lens(self, resid) -> np.ndarray:
+        """Final norm and LM head on residual rows ``[n, hidden]`` (the logit lens), by the
+        engine; see :func:`colibri_lab.runtime.interventions.lens`."""
+        from .interventions import lens
+
+        return lens(self, resid)
+
     def _has_tokenizer(self) -> bool:
         return bool(lib.colibri_get_tokenizer(self._c()))
 
@@ -1033,6 +1054,7 @@ class _TraceRecorder:
         (tr.cache_hits, tr.cache_misses, tr.cache_prefetches, tr.cache_prefetch_hits,
          tr.cache_wasted_prefetches) = (cs[:, i].copy() for i in range(5))  # fmt: skip
         tr.shared_gate = a("shared_gate")[:, :n].copy()
+        tr.routing_margins = a("routing_margins")[:, :n].copy()
         tr.group_sizes = a("group_sizes").copy()
         tr.padded_group_sizes = a("padded_group_sizes").copy()
         tr.timings_ns = a("layer_ns").copy()

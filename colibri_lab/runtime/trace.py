@@ -21,6 +21,10 @@ Shapes (L layers, T traced tokens, E experts, K = top-k)::
     cache_hits, cache_misses, cache_prefetches, cache_prefetch_hits, cache_wasted_prefetches
                        [L]        int64   the expert cache's counters while traced (zeros
                                           without a cache; docs/expert_cache.md)
+    routing_margins    [L, T, 2]  float32 how close each token was to being routed otherwise: the
+                                          k-th minus the (k+1)-th largest router logit ([..., 0])
+                                          and router probability ([..., 1]), computed by the
+                                          engine (NaN in dense layers); see near_tie_fraction
     shared_gate        [L, T]     float32 the shared expert's scale sigmoid(g . x), 1.0 for an
                                           ungated shared expert, NaN where a layer has none
     group_sizes        [L, E]     int64   rows routed to each expert, summed over chunks
@@ -72,6 +76,7 @@ _OPTIONAL_ARRAYS = (
     "cache_prefetches",
     "cache_prefetch_hits",
     "cache_wasted_prefetches",
+    "routing_margins",
 )
 _SCALARS = (
     "dropped",
@@ -117,12 +122,26 @@ class Trace:
     cache_prefetches: np.ndarray | None = None
     cache_prefetch_hits: np.ndarray | None = None
     cache_wasted_prefetches: np.ndarray | None = None
+    routing_margins: np.ndarray | None = None  # [L, T, 2]; None in traces saved before it
 
     def __post_init__(self):
         if self.seq_ids is None:
             self.seq_ids = np.zeros(self.token_ids.shape[0], np.int32)
 
     # ---- shape facts -------------------------------------------------------------------
+    def near_tie_fraction(self, gap: float = 1e-3, by: str = "prob") -> np.ndarray:
+        """Per layer, the fraction of traced tokens whose routing margin (``by`` "prob" or
+        "logit") is below ``gap``: tokens a last-bit change of the router's input could send
+        to another expert (NaN for dense layers)."""
+        if self.routing_margins is None:
+            raise ValueError("this trace has no routing margins (saved before the engine recorded them)")
+        m = self.routing_margins[..., 0 if by == "logit" else 1]
+        with np.errstate(invalid="ignore"):
+            out = (m < gap).mean(axis=1) if m.shape[1] else np.full(m.shape[0], np.nan)
+        out = out.astype(np.float64)
+        out[~np.asarray(self.layer_is_moe, bool)] = np.nan
+        return out
+
     @property
     def n_layers(self) -> int:
         return int(self.router_probs.shape[0])

@@ -466,6 +466,9 @@ COLIBRI_API colibri_status colibri_trace_get_int(const colibri_trace *tr, const 
  *   "token_ids" I32 [C]  "seq_ids" I32 [C]  "positions" I64 [C]  "router_probs" F32 [L, C, E] (NaN in dense layers)
  *   "topk_ids" I32 [L, C, K] (-1 in dense layers)  "topk_weights" F32 [L, C, K]
  *   "shared_gate" F32 [L, C] (sigmoid(g . x); 1 for an ungated shared expert; NaN: none)
+ *   "routing_margins" F32 [L, C, 2]: the k-th minus the (k+1)-th largest router logit (after
+ *   interventions) and router probability of each token (NaN in dense layers and when
+ *   top_k = n_experts): how close the token was to being routed otherwise
  *   "group_sizes" I64 [L, E]  "padded_group_sizes" I64 [L, E]  (summed over chunks)
  *   "layer_ns" U64 [L, 5] (ATTENTION..COMBINE)  "stage_ns" U64 [7] (every stage, all layers)
  *   "predicted_ids" I32 [L, C, K]: the expert predictor's top-k for each MoE layer l >= 1 (layer
@@ -517,6 +520,74 @@ COLIBRI_API colibri_status colibri_stage_tensor(colibri_ctx *ctx, const char *na
  * colibri_stage_tensor's. COLIBRI_E_UNSUPPORTED for a backend that keeps its stage tensors
  * on the host (the CPU: use colibri_stage_tensor) or one that has none of that name. */
 COLIBRI_API colibri_status colibri_stage_tensor_device(colibri_ctx *ctx, const char *name, const void **data);
+
+/* ---- Interventions: change what the forward computes, for experiments ----------------
+ *
+ * Set on a context for every sequence (seq = COLIBRI_IV_ALL_SEQS) or for one sequence; a
+ * sequence with settings of its own uses those and not the context-wide ones. They apply
+ * in colibri_forward*, colibri_batch (each row by its own sequence, so a sequence's results
+ * stay independent of what else is batched with it) and stage runs, until cleared. The
+ * setters take the memory they need (outside any forward: the forward allocates nothing);
+ * with none set the forward does what it does without this API, bit for bit. The KV
+ * positions a sequence computes under interventions are never offered to the prefix cache.
+ * Only the CPU backend applies them: on another the setters return COLIBRI_E_UNSUPPORTED.
+ *
+ * Expert masks, per MoE layer and expert, in one of two meanings:
+ *   COLIBRI_MASK_EXCLUDE: the router may not choose the expert: its router logit is -inf
+ *     before the top-k (and, for a sigmoid router, its choice value too: masks apply before
+ *     the group selection), then the family's own weights and renormalisation; at least
+ *     top_k experts of a layer must stay choosable.
+ *   COLIBRI_MASK_ZERO: the router chooses as usual (the weights keep their values and their
+ *     renormalisation), but the expert's output is zeroed for the tokens that chose it.
+ * Router bias: an additive bias per expert on a MoE layer's router logits (after the
+ * model's own logit bias, before the softmax / sigmoid / top-k).
+ * Forced routing: at (layer, pos) (pos: the position in the sequence) use exactly these
+ * top_k distinct expert ids and weights instead of the router's choice (the router still
+ * runs and is traced; the trace's topk_ids / topk_weights show the forced ones).
+ * Activation patches, per (point, layer, pos) and for EXPERT_OUT an expert id:
+ *   COLIBRI_POINT_RESID: the residual stream entering layer `layer` (layer = n_layers: the
+ *     residual entering the final norm and LM head), [hidden];
+ *   COLIBRI_POINT_ATTN_OUT: layer `layer`'s attention output after the output projection,
+ *     before it is added to the residual, [hidden];
+ *   COLIBRI_POINT_EXPERT_OUT: expert `expert`'s output for the token (before its routing
+ *     weight), applied when the token chose that expert, [hidden];
+ * in mode COLIBRI_PATCH_RECORD (the value is copied into vec, the caller's hidden floats,
+ * which must stay valid until the patch is cleared; the last forward that saw that position
+ * wins), COLIBRI_PATCH_REPLACE (the value becomes vec) or COLIBRI_PATCH_ADD (vec is added:
+ * steering); REPLACE and ADD copy vec at the call. Setters check everything and change
+ * nothing when they refuse. */
+#define COLIBRI_IV_ALL_SEQS (-1)
+#define COLIBRI_MASK_EXCLUDE 1
+#define COLIBRI_MASK_ZERO 2
+#define COLIBRI_POINT_RESID 0
+#define COLIBRI_POINT_ATTN_OUT 1
+#define COLIBRI_POINT_EXPERT_OUT 2
+#define COLIBRI_PATCH_RECORD 0
+#define COLIBRI_PATCH_REPLACE 1
+#define COLIBRI_PATCH_ADD 2
+/* Mask experts[0..n) of MoE layer `layer` with mode COLIBRI_MASK_EXCLUDE or _ZERO (an
+ * expert masked again takes the new mode). */
+COLIBRI_API colibri_status colibri_iv_mask(colibri_ctx *ctx, int32_t seq, int32_t layer, const int32_t *experts,
+                                           int32_t n, int32_t mode);
+/* bias: n_experts floats added to MoE layer `layer`'s router logits (replaces an earlier bias). */
+COLIBRI_API colibri_status colibri_iv_router_bias(colibri_ctx *ctx, int32_t seq, int32_t layer, const float *bias);
+/* Force the routing of position pos at MoE layer `layer`: k = top_k distinct ids and their
+ * weights (finite); replaces an earlier forcing of the same (layer, pos). */
+COLIBRI_API colibri_status colibri_iv_force(colibri_ctx *ctx, int32_t seq, int32_t layer, int64_t pos,
+                                            const int32_t *ids, const float *weights, int32_t k);
+/* An activation patch (see above); expert is ignored (pass -1) but for EXPERT_OUT. */
+COLIBRI_API colibri_status colibri_iv_patch(colibri_ctx *ctx, int32_t seq, int32_t point, int32_t layer,
+                                            int32_t expert, int64_t pos, int32_t mode, float *vec);
+/* Forget the settings of one sequence, or with COLIBRI_IV_ALL_SEQS every setting. */
+COLIBRI_API colibri_status colibri_iv_clear(colibri_ctx *ctx, int32_t seq);
+/* Final norm and LM head on n caller rows of the residual (resid [n, hidden], as recorded at
+ * COLIBRI_POINT_RESID): logits [n, vocab] (the logit lens). Uses the context's kernels and
+ * scratch (n <= max_batch; not during a stage run). */
+COLIBRI_API colibri_status colibri_lens(colibri_ctx *ctx, const float *resid, int64_t n, float *logits);
+/* The unembedding direction of a token: out [hidden] = final-norm weight * LM-head row of
+ * `token` (as the engine reads it), so that the token's logit is out . x / rms(x) for a final
+ * residual x (direct logit attribution). */
+COLIBRI_API colibri_status colibri_unembedding(colibri_ctx *ctx, int32_t token, float *out);
 
 /* ---- Tokenizer, usable with or without an engine: SentencePiece-BPE (tokenizer section
  * type 1) or byte-level BPE from a Hugging Face tokenizer.json (type 2, GPT-2 / Qwen2 /

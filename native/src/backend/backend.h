@@ -79,6 +79,9 @@ typedef struct cb_backend {
      * at init (model/kv.h), so a forked sequence's copy-on-write copies its blocks. */
     colibri_status (*status)(struct colibri_ctx *ctx);
     void (*facts)(const struct colibri_ctx *ctx, cb_backend_facts *out);
+    /* 1: the stages apply the context's interventions (core/interv.h); 0: the setters refuse
+     * them with COLIBRI_E_UNSUPPORTED. */
+    int interventions;
 } cb_backend;
 
 /* backend/cpu/stages.c */

@@ -55,6 +55,7 @@ colibri_status colibri_init(const char *path, colibri_ctx **out) {
 void colibri_free(colibri_ctx *ctx) {
     if (!ctx) return;
     if (ctx->trace) ctx->trace->owner = NULL; /* the trace outlives its context */
+    cb_iv_free(ctx);
     if (ctx->be && ctx->be->free) ctx->be->free(ctx); /* before the arena and the mapping it reads */
     cb_pool_free(ctx->pool);
     cb_ecache_free(ctx->ecache); /* before the mapping and the file it reads */
@@ -588,6 +589,7 @@ colibri_status colibri_seq_reuse_prefix(colibri_ctx *ctx, int32_t seq, const int
                        "%lld more would pass max_seq_len %lld", seq, (long long)kv->len[seq], (long long)n,
                        (long long)ctx->max_seq_len);
     ctx->run.stage = -1;
+    if (cb_iv_seq_active(ctx, seq)) return COLIBRI_OK; /* its positions are computed under interventions */
     *n_reused = cb_kv_reuse_prefix(kv, seq, ids, n);
     if (ctx->trace) ctx->trace->prefix_cached += *n_reused;
     return COLIBRI_OK;

@@ -4,7 +4,8 @@
  * the run settings and the kernel table; the arena and what is carved from it
  * (model/forward.h: scratch, session, the current chunk); the attached trace; the
  * tokenizer; the last error. Every pointer says its shape; heap allocations happen at
- * init only (colibri_init_ex) and are freed by colibri_free.
+ * init only (colibri_init_ex) and in the intervention setters (core/interv.c), outside any
+ * forward, and are freed by colibri_free.
  */
 #ifndef COLIBRI_CORE_CONTEXT_H
 #define COLIBRI_CORE_CONTEXT_H
@@ -14,6 +15,7 @@
 #include "colibri.h"
 #include "backend/backend.h"
 #include "core/error.h"
+#include "core/interv.h"
 #include "core/threadpool.h"
 #include "cpu/fast.h"
 #include "cpu/kernels.h"
@@ -56,6 +58,7 @@ struct colibri_ctx {
     cb_session sess;
     cb_run run;
     colibri_trace *trace;    /* attached trace, or NULL (no tracing work at all) */
+    struct cb_interv *iv;    /* interventions (core/interv.h), heap, set by colibri_iv_*; NULL: none */
     /* tokenizer */
     colibri_tokenizer *tok;  /* cb_tokenizer_struct_size() bytes, heap; NULL when the model has none */
     int tok_loaded;

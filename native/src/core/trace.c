@@ -42,6 +42,7 @@ colibri_status colibri_trace_create(const colibri_ctx *ctx, int64_t capacity, co
         {(void **)&tr->pred_ids, lc, 4 * K, "predicted_ids"},
         {(void **)&tr->cache_stats, L * CB_EC_N_STATS, 8, "cache_stats"},
         {(void **)&tr->shared_gate, lc, 4, "shared_gate"},
+        {(void **)&tr->margins, lc, 8, "routing_margins"},
         {(void **)&tr->token_ids, C, 4, "token_ids"},
         {(void **)&tr->seq_ids, C, 4, "seq_ids"},
     };
@@ -141,6 +142,7 @@ colibri_status colibri_trace_array(const colibri_trace *tr, const char *name, co
         {"predicted_ids", tr->pred_ids, COLIBRI_DTYPE_I32, 3, {L, C, K}},
         {"cache_stats", tr->cache_stats, COLIBRI_DTYPE_I64, 2, {L, CB_EC_N_STATS, 0}},
         {"shared_gate", tr->shared_gate, COLIBRI_DTYPE_F32, 2, {L, C, 0}},
+        {"routing_margins", tr->margins, COLIBRI_DTYPE_F32, 3, {L, C, 2}},
         {"group_sizes", tr->group_sizes, COLIBRI_DTYPE_I64, 2, {L, E, 0}},
         {"padded_group_sizes", tr->padded_sizes, COLIBRI_DTYPE_I64, 2, {L, E, 0}},
         {"layer_ns", tr->layer_ns, COLIBRI_DTYPE_U64, 2, {L, 5, 0}},
@@ -187,6 +189,28 @@ colibri_status colibri_stage_tensor(colibri_ctx *ctx, const char *name, const vo
     if (!name || !data || !dtype || !ndim || !shape)
         return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_stage_tensor: NULL argument");
     return cb_stage_tensor(ctx, name, data, dtype, ndim, shape);
+}
+
+colibri_status colibri_lens(colibri_ctx *ctx, const float *resid, int64_t n, float *logits) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (!ctx->be->interventions)
+        return cb_fail(ctx, COLIBRI_E_UNSUPPORTED, "colibri_lens: the %s backend does not take host rows into its "
+                       "LM head; use the CPU backend", ctx->be->name);
+    return cb_lens(ctx, resid, n, logits);
+}
+
+colibri_status colibri_unembedding(colibri_ctx *ctx, int32_t token, float *out) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    const int64_t H = ctx->cfg.hidden;
+    if (!out) return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_unembedding: out must not be NULL");
+    if (token < 0 || token >= (int64_t)ctx->cfg.vocab)
+        return cb_fail(ctx, COLIBRI_E_TOKEN_RANGE, "colibri_unembedding: token id %d is out of range [0, %u)", token,
+                       ctx->cfg.vocab);
+    cb_mat W = ctx->w.lm_head;
+    size_t rb = (size_t)cb_row_bytes(W.dt, (uint64_t)H);
+    ctx->kern->dequant_row(out, (const uint8_t *)W.w + (size_t)token * rb, W.dt, H);
+    for (int64_t i = 0; i < H; i++) out[i] *= ctx->w.out_norm[i];
+    return COLIBRI_OK;
 }
 
 colibri_status colibri_stage_tensor_device(colibri_ctx *ctx, const char *name, const void **data) {

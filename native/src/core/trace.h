@@ -24,6 +24,7 @@ struct colibri_trace {
     int32_t *topk_ids;          /* [L, C, K] */
     float *topk_w;              /* [L, C, K] */
     float *shared_gate;         /* [L, C] */
+    float *margins;             /* [L, C, 2] routing margins: k-th minus (k+1)-th router logit, probability */
     int64_t *group_sizes;       /* [L, E] */
     int64_t *padded_sizes;      /* [L, E] */
     uint64_t *layer_ns;         /* [L, 5] ATTENTION..COMBINE */

@@ -26,6 +26,22 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* The k-th minus the (k+1)-th largest of v[0..E) (k = 1..E-1; ties count once each), by
+ * k+1 passes of an argmax over the values not yet taken (taken: [E] scratch). */
+static float kth_gap(const float *v, int64_t E, int64_t k, uint8_t *taken) {
+    float a = 0.0f, b = 0.0f;
+    memset(taken, 0, (size_t)E);
+    for (int64_t j = 0; j <= k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (!taken[e] && (best < 0 || v[e] > v[best])) best = e;
+        taken[best] = 1;
+        if (j == k - 1) a = v[best];
+        if (j == k) b = v[best];
+    }
+    return a - b;
+}
+
 /* Record what `stage` of layer l just produced; tokens past the capacity are dropped. */
 static void trace_record(colibri_ctx *ctx, int32_t stage, uint32_t l) {
     colibri_trace *tr = ctx->trace;
@@ -52,11 +68,17 @@ static void trace_record(colibri_ctx *ctx, int32_t stage, uint32_t l) {
             memcpy(pred, s->pred_ids, (size_t)(keep * K) * sizeof(int32_t));
         else
             for (int64_t i = 0; i < keep * K; i++) pred[i] = -1;
+        float *mg = tr->margins + ((int64_t)l * C + base) * 2;
         if (L->moe) {
             memcpy(probs, s->router_probs, (size_t)(keep * E) * sizeof(float));
             memcpy(ids, s->topk_ids, (size_t)(keep * K) * sizeof(int32_t));
             memcpy(w, s->topk_w, (size_t)(keep * K) * sizeof(float));
+            for (int64_t t = 0; t < keep; t++) { /* route_skip is free after the ROUTER stage */
+                mg[2 * t] = K < E ? kth_gap(s->router_logits + t * E, E, K, s->route_skip) : NAN;
+                mg[2 * t + 1] = K < E ? kth_gap(s->router_probs + t * E, E, K, s->route_skip) : NAN;
+            }
         } else {
+            for (int64_t i = 0; i < keep * 2; i++) mg[i] = NAN;
             for (int64_t i = 0; i < keep * E; i++) probs[i] = NAN;
             for (int64_t i = 0; i < keep * K; i++) { ids[i] = -1; w[i] = 0.0f; }
         }
@@ -241,7 +263,9 @@ static void seq0_prepare(colibri_ctx *ctx, const int32_t *ids, int64_t start_pos
 /* The chunk's keys and values are computed: the prefix cache registers the blocks it filled. */
 static void chunk_written(colibri_ctx *ctx) {
     if (!ctx->sess.kv.prefix) return;
-    for (int64_t t = 0; t < ctx->run.T; t++) cb_kv_written(&ctx->sess.kv, ctx->s.row_seq[t], ctx->s.row_pos[t]);
+    for (int64_t t = 0; t < ctx->run.T; t++) /* never what interventions changed */
+        if (!ctx->iv || !cb_iv_for(ctx->iv, ctx->s.row_seq[t]))
+            cb_kv_written(&ctx->sess.kv, ctx->s.row_seq[t], ctx->s.row_pos[t]);
 }
 
 /* Caller (colibri_forward_at) guarantees ctx, ids, logits non-NULL, n >= 1, start_pos >= 0.
@@ -484,4 +508,30 @@ colibri_status cb_stage_tensor(colibri_ctx *ctx, const char *name, const void **
     }
     return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_stage_tensor: unknown name '%s'; see colibri.h for the list",
                    name);
+}
+
+/* colibri_lens: the final norm and LM head on caller rows, through the LM_HEAD stage's
+ * code on a chunk of n rows whose residual is the caller's (x and xn are overwritten; no
+ * stage run is active). */
+colibri_status cb_lens(colibri_ctx *ctx, const float *resid, int64_t n, float *logits) {
+    const int64_t H = ctx->cfg.hidden;
+    if (!resid || !logits || n <= 0 || n > ctx->max_batch)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_lens: resid and logits must be non-NULL and n (%lld) in "
+                       "[1, max_batch = %lld]", (long long)n, (long long)ctx->max_batch);
+    if (ctx->run.stage >= 0)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_lens: a stage run is active; finish it first");
+    cb_scratch *s = &ctx->s;
+    memcpy(s->x, resid, (size_t)(n * H) * sizeof(float));
+    for (int64_t t = 0; t < n; t++) {
+        s->head_idx[t] = (int32_t)t;
+        s->row_seq[t] = -1;
+    }
+    ctx->run.T = n;
+    ctx->run.head_rows = n;
+    struct cb_interv *iv = ctx->iv; /* no patch applies to these rows */
+    ctx->iv = NULL;
+    if (ctx->be->begin_chunk) ctx->be->begin_chunk(ctx);
+    ctx->be->lm_head(ctx, logits);
+    ctx->iv = iv;
+    return ctx->be->status ? ctx->be->status(ctx) : COLIBRI_OK;
 }

@@ -121,5 +121,7 @@ colibri_status cb_stage_begin(colibri_ctx *ctx, const int32_t *ids, int64_t n, i
 colibri_status cb_stage_run(colibri_ctx *ctx, int32_t stage, float *logits);
 colibri_status cb_stage_tensor(colibri_ctx *ctx, const char *name, const void **data,
                                int32_t *dtype, int32_t *ndim, int64_t shape[4]);
+/* colibri_lens (ctx != NULL). */
+colibri_status cb_lens(colibri_ctx *ctx, const float *resid, int64_t n, float *logits);
 
 #endif

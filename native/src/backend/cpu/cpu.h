@@ -42,6 +42,19 @@ typedef struct cb_mm_task {
 } cb_mm_task;
 void cb_cpu_par_matmul(colibri_ctx *ctx, cb_mm_task *m);
 
+/* ---- interv.c: the interventions (core/interv.h), applied where the stages compute what
+ * they change; each is called only when ctx->iv is set ---------------------------------- */
+
+/* Router bias and COLIBRI_MASK_EXCLUDE on the chunk's router logits of MoE layer l. */
+void cb_cpu_iv_router_logits(colibri_ctx *ctx, uint32_t l);
+/* Forced routing: the chunk's topk_ids / topk_w of MoE layer l replaced where forced. */
+void cb_cpu_iv_force(colibri_ctx *ctx, uint32_t l);
+/* COLIBRI_MASK_ZERO: the grouped rows of zeroed experts get weight 0 (after grouping). */
+void cb_cpu_iv_zero(colibri_ctx *ctx, uint32_t l);
+/* Activation patches of `point` at layer l on buf: [T, H] rows of the chunk (RESID, ATTN_OUT)
+ * or the grouped expert rows (EXPERT_OUT: s->ex_out). */
+void cb_cpu_iv_patch(colibri_ctx *ctx, int32_t point, uint32_t l, float *buf);
+
 /* ---- bind.c: the operations that read a weight, chosen once per weight at start-up ---- */
 
 /* How a matrix is multiplied (cb_mat.op): rows n0 .. n1 of job b's y = x W^T with the

@@ -160,6 +160,7 @@ void cb_mla_attention(colibri_ctx *ctx, uint32_t l) {
     cb_pool_run(T * nh * dv * r < CB_PAR_MIN_WORK_MLA ? NULL : ctx->pool, value_chunk, &a, nh);
     cb_cpu_fast_round(ctx, s->att, T * nh * dv, L->wo.dt == COLIBRI_DTYPE_BF16);
     cb_matmul_par(ctx, s->delta, s->att, L->wo, T, H, nh * dv);
+    if (ctx->iv) cb_cpu_iv_patch(ctx, COLIBRI_POINT_ATTN_OUT, l, s->delta);
     for (int64_t i = 0; i < T * H; i++) s->x[i] = s->x[i] + s->delta[i];
     K->rmsnorm(s->xn, s->x, L->ffn_norm, T, H, eps);
 }

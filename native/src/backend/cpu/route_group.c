@@ -54,6 +54,9 @@ void cb_route_grouped(colibri_ctx *ctx, uint32_t l, int64_t T) {
         if (sigmoid) {
             for (int64_t e = 0; e < E; e++) p[e] = 1.0f / (1.0f + expf(-lg[e]));
             for (int64_t e = 0; e < E; e++) choice[e] = bias ? p[e] + bias[e] : p[e];
+            if (ctx->iv) /* an excluded expert (logit -inf) is never chosen, whatever its bias */
+                for (int64_t e = 0; e < E; e++)
+                    if (lg[e] == -INFINITY) choice[e] = -INFINITY;
         } else {
             memcpy(p, lg, (size_t)E * sizeof(float));
             ctx->kern->softmax(p, E);

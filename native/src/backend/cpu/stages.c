@@ -167,6 +167,7 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
     cb_kv *kv = &ctx->sess.kv;
 
     ctx->run.att_layer = (int32_t)l;
+    if (ctx->iv) cb_cpu_iv_patch(ctx, COLIBRI_POINT_RESID, l, s->x);
     if (c->attention == CB_ATTN_MLA) { /* multi-head latent attention (mla.c) */
         cb_mla_attention(ctx, l);
         return;
@@ -221,6 +222,7 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
     cb_cpu_fast_round(ctx, s->att, T * Nq, L->wo.dt == COLIBRI_DTYPE_BF16);
     cb_matmul_par(ctx, s->delta, s->att, L->wo, T, H, Nq);
     if (L->bo) add_bias(s->delta, L->bo, T, H);
+    if (ctx->iv) cb_cpu_iv_patch(ctx, COLIBRI_POINT_ATTN_OUT, l, s->delta);
     add_inplace(s->x, s->delta, T * H);
     K->rmsnorm(s->xn, s->x, L->ffn_norm, T, H, eps);
 }
@@ -238,10 +240,12 @@ static void stage_router(colibri_ctx *ctx, uint32_t l) {
     else
         ctx->kern->matmul(s->router_logits, s->xn, L->router, c->router_dtype, T, c->n_experts, c->hidden);
     if (L->router_b) add_bias(s->router_logits, L->router_b, T, c->n_experts); /* gpt-oss's logit bias */
+    if (ctx->iv) cb_cpu_iv_router_logits(ctx, l); /* router bias, excluded experts (interv.c) */
     if (c->routing == CB_ROUTE_TOPK_SOFTMAX) route_topk_softmax(ctx, T);
     else if (c->routing == CB_ROUTE_SIGMOID_TOPK || c->n_group > 1 || c->routed_scale != 1.0f)
         cb_route_grouped(ctx, l, T); /* route_group.c */
     else route(ctx, T);
+    if (ctx->iv) cb_cpu_iv_force(ctx, l);
 }
 
 /* Group the (token, slot) pairs by expert and gather each group's input rows. */
@@ -252,6 +256,7 @@ static void stage_grouping(colibri_ctx *ctx, uint32_t l) {
     if (!L->moe) return;
     if (cb_cpu_moe_input_bf16(ctx, l)) cb_round_bf16(s->xn, ctx->run.T * H);
     group_tokens(ctx, ctx->run.T);
+    if (ctx->iv) cb_cpu_iv_zero(ctx, l); /* zeroed experts' rows weigh 0 (interv.c) */
     int64_t rows = s->expert_offset[E];
     for (int64_t r = 0; r < rows; r++) {
         int32_t t = s->row_token[r];
@@ -386,6 +391,7 @@ static void stage_combine(colibri_ctx *ctx, uint32_t l) {
     cb_scratch *s = &ctx->s;
     int64_t T = ctx->run.T, H = c->hidden, E = c->n_experts;
     if (L->moe) {
+        if (ctx->iv) cb_cpu_iv_patch(ctx, COLIBRI_POINT_EXPERT_OUT, l, s->ex_out);
         cb_combine_task m = {ctx, s->expert_offset[E], H};
         if (m.rows * H < CB_PAR_MIN_WORK) {
             cb_cpu_combine_chunk(&m, 0, 0);
@@ -412,6 +418,7 @@ static void stage_lm_head(colibri_ctx *ctx, float *logits) {
     const cb_config *c = &ctx->cfg;
     cb_scratch *s = &ctx->s;
     int64_t R = ctx->run.head_rows, H = c->hidden;
+    if (ctx->iv) cb_cpu_iv_patch(ctx, COLIBRI_POINT_RESID, c->n_layers, s->x); /* the final residual */
     if (R <= 0) return;
     for (int64_t i = 0; i < R; i++) /* head_idx ascends, so row i is written after it is read */
         ctx->kern->rmsnorm(s->xn + i * H, s->x + (int64_t)s->head_idx[i] * H, ctx->w.out_norm, 1, H,
@@ -448,4 +455,5 @@ const cb_backend cb_backend_cpu = {
     .combine = stage_combine,
     .lm_head = stage_lm_head,
     .facts = cpu_facts,
+    .interventions = 1,
 };

@@ -1282,6 +1282,7 @@ const cb_backend cuda_table = {
     cu_device_tensor,
     cu_status,
     cu_facts,
+    0, /* interventions: not applied here; the setters return COLIBRI_E_UNSUPPORTED */
 };
 
 } // namespace
