@@ -146,3 +146,22 @@ def test_reuse_prefix_arguments(family_files):
         assert s.reuse_prefix(_ids(20, 1)) == 0
         with pytest.raises(colibri_lab.ColibriInvalidArgError):
             Engine(family_files("mixtral"), prefix_cache=2)
+
+
+def test_an_edited_stage_run_is_never_reused(family_files):
+    """A stage run whose residual was edited between stages leaves nothing in the prefix
+    cache: the same prompt generated afterwards equals a fresh engine's generation, and took
+    no position from the cache."""
+    path = family_files("mixtral")
+    p = _ids(33, 5)
+    with _open(path, "exact", 1) as eng:
+        want = [t.id for t in eng.generate(p, 6, stop_at_eos=False)]
+    with _open(path, "exact", 1) as eng:
+        run = eng.stages(p)
+        run.embedding()
+        run.run_to(layer=1)
+        run.tensor("x")[:] *= 3.0  # the residual entering layer 1, edited
+        run.finish()
+        got = [t.id for t in eng.generate(p, 6, stop_at_eos=False)]
+        assert eng.last_cached_tokens == 0
+    assert got == want

@@ -1129,6 +1129,8 @@ class StageRun:
     writable, to try an intervention) until the next stage or forward; ``.copy()`` what
     you keep. Running every stage gives exactly the fused forward's logits, and the KV
     cache then holds the tokens (``cached_len`` = start_pos + n), so decoding can go on.
+    A stage run's blocks are never offered to the prefix cache (its tensors may have been
+    edited), so a later prompt never reuses what an edited run computed.
 
         run = eng.stages(ids)
         run.embedding()

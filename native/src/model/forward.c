@@ -411,10 +411,10 @@ colibri_status cb_stage_run(colibri_ctx *ctx, int32_t stage, float *logits) {
             return st;
         }
     }
-    if (stage == COLIBRI_STAGE_LM_HEAD) {
-        chunk_written(ctx); /* every layer of the chunk ran */
-        return check_logits(ctx, logits, r->T, 0);
-    }
+    /* a stage run's blocks are not offered to the prefix cache: its caller may have written
+     * into any stage tensor between stages (colibri_stage_tensor hands out writable views),
+     * so its keys and values need not be what its tokens compute */
+    if (stage == COLIBRI_STAGE_LM_HEAD) return check_logits(ctx, logits, r->T, 0);
     return COLIBRI_OK;
 }
 
