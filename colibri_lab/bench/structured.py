@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import statistics
 import time
@@ -85,7 +86,7 @@ def decode_timing(model: Path, schema, tokens: int = 64, reps: int = 3, seed: in
                 stamps = [time.perf_counter()]
                 for _ in eng.generate("Hello", tokens, temperature=1.0, seed=seed + r, **kw):
                     stamps.append(time.perf_counter())
-                res[kind] += [(b - a) * 1e3 for a, b in zip(stamps[1:], stamps[2:])]
+                res[kind] += [(b - a) * 1e3 for a, b in itertools.pairwise(stamps[1:])]
         plain, sch = statistics.median(res["plain"]), statistics.median(res["schema"])
         return {"plain_ms_per_token": plain, "schema_ms_per_token": sch, "ratio": sch / plain,
                 "tokens": {k: len(v) for k, v in res.items()}}

@@ -48,6 +48,23 @@ typedef struct cb_trie {
     int32_t n;
 } cb_trie;
 
+/* The token tables of a tokenizer, built once and kept with it (cb_tokenizer_cache): bytes
+ * of each token (tok_off/tok_len into tok_bytes), special flags; a byte trie of the
+ * non-special tokens, and a second one without the "inside" tokens: those whose bytes are
+ * whole UTF-8 characters with no quote, backslash or control character, which any string
+ * body with room for them takes (tok_inside[id] = 1). */
+typedef struct cb_gtokens {
+    int32_t V, max_tok_len;
+    uint8_t *tok_bytes;
+    int64_t *tok_off;
+    int32_t *tok_len;
+    uint8_t *tok_special;
+    int32_t *special_ids;
+    int32_t n_special;
+    cb_trie all, edge;
+    uint8_t *tok_inside;
+} cb_gtokens;
+
 struct colibri_grammar {
     cb_gnode *nodes;
     int32_t n_nodes, cap_nodes;
@@ -61,19 +78,7 @@ struct colibri_grammar {
     int64_t text_len, text_cap;
     int32_t root;                        /* the GK_ROOT node */
     int32_t prefix_off, prefix_len, suffix_off, suffix_len;
-    /* the tokens: bytes of each (tok_off/tok_len into tok_bytes), special flags; a byte
-     * trie of the non-special ones, and a second one without the "inside" tokens: those
-     * whose bytes are whole UTF-8 characters with no quote, backslash or control character,
-     * which any string body with room for them takes (tok_inside[id] = 1) */
-    int32_t V, max_tok_len;
-    uint8_t *tok_bytes;
-    int64_t *tok_off;
-    int32_t *tok_len;
-    uint8_t *tok_special;
-    int32_t *special_ids;
-    int32_t n_special;
-    cb_trie all, edge;
-    uint8_t *tok_inside;
+    const cb_gtokens *tk;                /* the tokenizer's token tables (kept by the tokenizer) */
 };
 
 /* A matcher: the state of one sequence in a grammar, with all its scratch (allocated once). */

@@ -593,11 +593,11 @@ colibri_status cb_matcher_create(const colibri_grammar *g, cb_matcher **out) {
     if (!m) return COLIBRI_E_NOMEM;
     m->g = g;
     /* two committed regions, then the walk's frames: a few per stack per byte of a token */
-    int64_t cap = 2 * (int64_t)COMMIT_FRAMES + ((int64_t)g->max_tok_len + 2) * MAX_STACKS * 8 + 65536;
+    int64_t cap = 2 * (int64_t)COMMIT_FRAMES + ((int64_t)g->tk->max_tok_len + 2) * MAX_STACKS * 8 + 65536;
     if (cap > (1 << 24)) cap = 1 << 24;
     m->pool_cap = (int32_t)cap;
     m->pool = malloc((size_t)cap * sizeof(gframe));
-    m->dfs_tops = malloc(((size_t)g->max_tok_len + 2) * MAX_STACKS * sizeof(int32_t));
+    m->dfs_tops = malloc(((size_t)g->tk->max_tok_len + 2) * MAX_STACKS * sizeof(int32_t));
     if (!m->pool || !m->dfs_tops) {
         cb_matcher_free(m);
         return COLIBRI_E_NOMEM;
@@ -660,9 +660,9 @@ static int step_bytes(cb_matcher *m, const uint8_t *bytes, int32_t len, int spec
 
 int cb_matcher_accept(cb_matcher *m, int32_t id) {
     const colibri_grammar *g = m->g;
-    if (id < 0 || id >= g->V || g->tok_len[id] == 0) return -1;
+    if (id < 0 || id >= g->tk->V || g->tk->tok_len[id] == 0) return -1;
     int32_t out[MAX_STACKS];
-    int n = step_bytes(m, g->tok_bytes + g->tok_off[id], g->tok_len[id], g->tok_special[id], out);
+    int n = step_bytes(m, g->tk->tok_bytes + g->tk->tok_off[id], g->tk->tok_len[id], g->tk->tok_special[id], out);
     if (n == 0) {
         m->pool_top = 2 * COMMIT_FRAMES;
         return -1;
@@ -682,7 +682,7 @@ int cb_matcher_complete(cb_matcher *m) {
 /* The trie walk, depth first with an explicit stack of (next child to try, state, pool mark). */
 static void walk(cb_matcher *m, const cb_trie *t, uint8_t *allowed, int32_t nv) {
     const colibri_grammar *g = m->g;
-    int32_t max_d = g->max_tok_len + 1;
+    int32_t max_d = g->tk->max_tok_len + 1;
     typedef struct {
         int32_t child, pool_mark, n;
     } lvl;
@@ -723,7 +723,7 @@ static int in_free_string(const cb_matcher *m) {
         const gframe *f = &m->pool[m->tops[s]];
         const cb_gnode *n = &m->g->nodes[f->node];
         if (n->kind != GK_STRING || f->phase != S_BODY) return 0;
-        if (n->hi >= 0 && n->hi - f->i < m->g->max_tok_len) return 0;
+        if (n->hi >= 0 && n->hi - f->i < m->g->tk->max_tok_len) return 0;
     }
     return m->n_tops > 0;
 }
@@ -732,19 +732,19 @@ int cb_matcher_mask(cb_matcher *m, uint8_t *allowed, int32_t n) {
     const colibri_grammar *g = m->g;
     int32_t save = m->pool_top;
     if (in_free_string(m)) {
-        memcpy(allowed, g->tok_inside, (size_t)(n < g->V ? n : g->V));
-        if (n > g->V) memset(allowed + g->V, 0, (size_t)(n - g->V));
-        walk(m, &g->edge, allowed, n);
+        memcpy(allowed, g->tk->tok_inside, (size_t)(n < g->tk->V ? n : g->tk->V));
+        if (n > g->tk->V) memset(allowed + g->tk->V, 0, (size_t)(n - g->tk->V));
+        walk(m, &g->tk->edge, allowed, n);
     } else {
         memset(allowed, 0, (size_t)n);
-        walk(m, &g->all, allowed, n);
+        walk(m, &g->tk->all, allowed, n);
     }
     m->pool_top = save;
     int32_t out[MAX_STACKS];
-    for (int32_t s = 0; s < g->n_special; s++) {
-        int32_t id = g->special_ids[s];
+    for (int32_t s = 0; s < g->tk->n_special; s++) {
+        int32_t id = g->tk->special_ids[s];
         if (id >= n) continue;
-        if (step_bytes(m, g->tok_bytes + g->tok_off[id], g->tok_len[id], 1, out) > 0) allowed[id] = 1;
+        if (step_bytes(m, g->tk->tok_bytes + g->tk->tok_off[id], g->tk->tok_len[id], 1, out) > 0) allowed[id] = 1;
         m->pool_top = save;
     }
     return cb_matcher_complete(m);

@@ -848,10 +848,10 @@ static int build_any(compiler *c) {
 }
 
 /* ---- the tokens ---- */
-static const colibri_grammar *sort_g;
+static const cb_gtokens *sort_g;
 static int tok_cmp(const void *pa, const void *pb) {
     int32_t a = *(const int32_t *)pa, b = *(const int32_t *)pb;
-    const colibri_grammar *g = sort_g;
+    const cb_gtokens *g = sort_g;
     int32_t la = g->tok_len[a], lb = g->tok_len[b], n = la < lb ? la : lb;
     int r = memcmp(g->tok_bytes + g->tok_off[a], g->tok_bytes + g->tok_off[b], (size_t)n);
     if (r) return r;
@@ -863,7 +863,7 @@ static int tok_cmp(const void *pa, const void *pb) {
 static pthread_mutex_t sort_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* Whole UTF-8 characters, none of them a quote, a backslash or a control character. */
-static int inside_token(const colibri_grammar *g, int32_t id) {
+static int inside_token(const cb_gtokens *g, int32_t id) {
     const uint8_t *b = g->tok_bytes + g->tok_off[id];
     int32_t n = g->tok_len[id], i = 0;
     while (i < n) {
@@ -901,7 +901,7 @@ static void trie_free(cb_trie *t) {
 }
 
 /* The trie of the sorted tokens order[0..n) (skip_inside: without the inside tokens). */
-static colibri_status build_trie(colibri_grammar *g, cb_trie *t, const int32_t *order, int32_t n, int skip_inside) {
+static colibri_status build_trie(cb_gtokens *g, cb_trie *t, const int32_t *order, int32_t n, int skip_inside) {
     int64_t max_nodes = 1;
     for (int32_t i = 0; i < n; i++)
         if (!(skip_inside && g->tok_inside[order[i]])) max_nodes += g->tok_len[order[i]];
@@ -953,7 +953,7 @@ static colibri_status build_trie(colibri_grammar *g, cb_trie *t, const int32_t *
     return COLIBRI_OK;
 }
 
-static colibri_status build_tokens(colibri_grammar *g, colibri_tokenizer *tok, char *err, size_t err_len) {
+static colibri_status build_tokens(cb_gtokens *g, colibri_tokenizer *tok, char *err, size_t err_len) {
     int32_t V = colibri_tokenizer_vocab_size(tok);
     if (V <= 0) {
         cb_set_err(err, err_len, "colibri_grammar_compile: the tokenizer has no vocabulary");
@@ -1022,13 +1022,9 @@ nomem:
     return COLIBRI_E_NOMEM;
 }
 
-void colibri_grammar_free(colibri_grammar *g) {
+static void tokens_free(void *p) {
+    cb_gtokens *g = p;
     if (!g) return;
-    free(g->nodes);
-    free(g->props);
-    free(g->lits);
-    free(g->alts);
-    free(g->text);
     free(g->tok_bytes);
     free(g->tok_off);
     free(g->tok_len);
@@ -1040,7 +1036,29 @@ void colibri_grammar_free(colibri_grammar *g) {
     free(g);
 }
 
-int32_t cb_grammar_vocab(const colibri_grammar *g) { return g->V; }
+/* The token tables of tok (cb_tokenizer_cache builds them once per tokenizer). */
+static void *tokens_build(colibri_tokenizer *tok) {
+    cb_gtokens *g = calloc(1, sizeof *g);
+    if (!g) return NULL;
+    char err[8];
+    if (build_tokens(g, tok, err, sizeof err) != COLIBRI_OK) {
+        tokens_free(g);
+        return NULL;
+    }
+    return g;
+}
+
+void colibri_grammar_free(colibri_grammar *g) {
+    if (!g) return;
+    free(g->nodes);
+    free(g->props);
+    free(g->lits);
+    free(g->alts);
+    free(g->text);
+    free(g);
+}
+
+int32_t cb_grammar_vocab(const colibri_grammar *g) { return g->tk->V; }
 
 colibri_status colibri_grammar_compile(colibri_tokenizer *tok, const char *json_schema, const char *prefix,
                                        const char *suffix, colibri_grammar **out, char *err, size_t err_len) {
@@ -1111,7 +1129,11 @@ colibri_status colibri_grammar_compile(colibri_tokenizer *tok, const char *json_
         st = c.st;
         goto done;
     }
-    st = build_tokens(g, tok, err, err_len);
+    g->tk = cb_tokenizer_cache(tok, tokens_build, tokens_free);
+    if (!g->tk) {
+        cb_set_err(err, err_len, "colibri_grammar_compile: out of memory for the token tables");
+        st = COLIBRI_E_NOMEM;
+    }
 done:
     free(c.ref_src);
     free(c.ref_node);

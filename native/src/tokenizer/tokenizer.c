@@ -35,6 +35,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <pthread.h>
 #include <string.h>
 
 /* ---- section constants (docs/format.md) ---- */
@@ -84,6 +85,8 @@ struct colibri_tokenizer {
     int owned_by_ctx;
     uint32_t type;             /* TOK_TYPE_SENTENCEPIECE_BPE or CB_BPE_TYPE (byte-level BPE, bpe.c) */
     cb_bpe bpe;                /* the byte-level BPE tokenizer when type == CB_BPE_TYPE */
+    void *cache;               /* cb_tokenizer_cache's object (the grammar's token tables), NULL until built */
+    void (*cache_free)(void *);
     char err[256];
 };
 
@@ -495,8 +498,24 @@ fail:
     return st;
 }
 
+/* one lock for every tokenizer's cache: it is taken once per grammar compile */
+static pthread_mutex_t cache_mu = PTHREAD_MUTEX_INITIALIZER;
+
+void *cb_tokenizer_cache(colibri_tokenizer *tok, void *(*build)(colibri_tokenizer *), void (*free_fn)(void *)) {
+    pthread_mutex_lock(&cache_mu);
+    if (!tok->cache) {
+        tok->cache = build(tok);
+        tok->cache_free = tok->cache ? free_fn : NULL;
+    }
+    void *c = tok->cache;
+    pthread_mutex_unlock(&cache_mu);
+    return c;
+}
+
 void cb_tokenizer_unload(colibri_tokenizer *tok) {
-    (void)tok; /* nothing allocated: everything is borrowed from the section */
+    /* the section is borrowed; only cb_tokenizer_cache's object was allocated */
+    if (tok && tok->cache && tok->cache_free) tok->cache_free(tok->cache);
+    if (tok) tok->cache = NULL;
 }
 
 /* ---- public object functions ---- */

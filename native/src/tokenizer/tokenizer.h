@@ -27,6 +27,11 @@ colibri_status cb_tokenizer_load(colibri_tokenizer *tok, const uint8_t *data, ui
 int cb_token_bytes(const colibri_tokenizer *tok, int32_t id, uint8_t *buf, uint32_t cap, uint32_t *len,
                    int *special);
 
+/* Something built once from a tokenizer and kept with it until it is freed (the grammar's
+ * token tables): the cached pointer, or build(tok) made now under a lock (NULL when build
+ * fails; nothing is cached then). free_fn releases it when the tokenizer goes. */
+void *cb_tokenizer_cache(colibri_tokenizer *tok, void *(*build)(colibri_tokenizer *), void (*free_fn)(void *));
+
 /* Release whatever cb_tokenizer_load allocated (not the struct itself). */
 void cb_tokenizer_unload(colibri_tokenizer *tok);
 
