@@ -25,9 +25,18 @@ from ..format import spec as fmt
 from ..format.spec import DTYPE_F32, LAYOUT_ROW_MAJOR
 from . import deepseek as _deepseek
 from .families import yarn_parameters
-from .gguf import (
-    _FLOAT_TYPES, SUPPORTED_GGML_TYPES, GgufFile, GTensor, Rows, _check_type, _copy_producer,
-    _dequantize, _f32_producer, _f32_value, _int,
+from .gguf_file import (
+    _FLOAT_TYPES,
+    SUPPORTED_GGML_TYPES,
+    GgufFile,
+    GTensor,
+    Rows,
+    _check_type,
+    _copy_producer,
+    _dequantize,
+    _f32_producer,
+    _f32_value,
+    _int,
 )
 from .spec import ConversionError, ModelSpec, PlannedTensor
 
