@@ -1546,7 +1546,24 @@ static void test_table(const cb_kernels *K) {
     if (K->panels) test_panels(K->panels, NULL, K);
 }
 
-int main(void) {
+/* --probe: which tables this CPU can run (the registry's run-time check), nothing checked;
+ * for a run on an emulated CPU that lacks some extensions (tests/test_aarch64.py). */
+static int probe(void) {
+    size_t n_tables;
+    const cb_table_entry *tables = cb_registry(&n_tables);
+    for (size_t i = 0; i < n_tables; i++) {
+        if (tables[i].exact)
+            printf("test_kernels: table %s %s\n", tables[i].name,
+                   cb_kernels_by_name(tables[i].name) ? "usable" : "skipped (not built, or this CPU lacks it)");
+        if (tables[i].fast)
+            printf("test_kernels: fast table %s %s\n", tables[i].name,
+                   cb_fast_by_name(tables[i].name) ? "usable" : "skipped (not built, or this CPU lacks it)");
+    }
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "--probe")) return probe();
     test_conversions();
     test_table(cb_kernels_ref());
     size_t n_tables;
