@@ -18,8 +18,9 @@ from .files import _model_key
 LLAMA_TARGETS = ("llama-bench", "llama-quantize", "llama-completion", "llama-server")
 
 #: The benchmark's quantized dtypes and the llama-quantize type that makes each.
-QUANT_TYPES = {"q8_0": "Q8_0", "q4_k_m": "Q4_K_M", "q4_0": "Q4_0", "q5_0": "Q5_0",
-               "q3_k_m": "Q3_K_M", "q2_k": "Q2_K", "iq4_xs": "IQ4_XS"}
+QUANT_TYPES = {"q8_0": "Q8_0", "q4_k_m": "Q4_K_M", "q4_0": "Q4_0", "q4_1": "Q4_1",
+               "q5_0": "Q5_0", "q5_1": "Q5_1", "q3_k_m": "Q3_K_M", "q2_k": "Q2_K",
+               "iq4_nl": "IQ4_NL", "iq4_xs": "IQ4_XS"}
 #: The outtypes of convert_hf_to_gguf.py a quantized GGUF can be made from.
 QUANT_BASES = ("f32", "bf16")
 

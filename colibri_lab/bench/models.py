@@ -87,6 +87,18 @@ DEEPSEEK_V3_800M = dict(
     norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
     bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 
+#: Qwen3-30B-A3B's MoE shape with 3 layers instead of 48 (transformers config keys): 128
+#: experts of width 768, top-8, hidden 2048, 32 query / 4 KV heads of 128; the vocabulary is
+#: the Mixtral tokenizer's 32000 (not Qwen's 151936), so that the experts, not the LM head,
+#: dominate a decode token's bytes as they do in the 48-layer model. About 2.0 G parameters
+#: (8 GB in f32 while it is generated), about 235 M of them active per token.
+QWEN3_MOE_A3B_3L = dict(
+    vocab_size=32000, hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
+    num_hidden_layers=3, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=False)
+
 #: A tiny random model of every family the converter knows (transformers config keys, for
 #: :func:`make_family_model`): sizes that are not multiples of 8, the family's own choices
 #: switched on (Qwen2-MoE's gated shared expert, OLMoE's q/k norms, DeepSeek's latent

@@ -75,7 +75,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .models import DEEPSEEK_V3_800M, MIXTRAL_791M, make_family_model, make_model
+from .models import DEEPSEEK_V3_800M, MIXTRAL_791M, QWEN3_MOE_A3B_3L, make_family_model, make_model
 from .tuning import (decode_roofline, file_decode_roofline, machine_info, measure_bandwidth, measure_read_bandwidth,
                      read_hf_config)
 from .common import DTYPES, ENGINES, SMOKE_SHAPE, _say, default_cache_dir
@@ -85,7 +85,8 @@ from .llama_cpp import (NO_REPACK, QUANT_BASES, QUANT_TYPES, LlamaBenchCrash, en
                         gguf_file, run_llama_bench)
 
 # --make-model FAMILY: the random models of other families (transformers config keys)
-FAMILY_MODELS = {"deepseek_v3": DEEPSEEK_V3_800M}
+FAMILY_MODELS = {"deepseek_v3": ("deepseek_v3-800m", "deepseek_v3", DEEPSEEK_V3_800M),
+                 "qwen3_moe_a3b": ("qwen3_moe-a3b-3l", "qwen3_moe", QWEN3_MOE_A3B_3L)}
 
 #: Every dtype the benchmark runs: the float ones and llama.cpp's quantized types.
 BENCH_DTYPES = tuple(DTYPES) + tuple(QUANT_TYPES)
@@ -426,8 +427,9 @@ def run(args) -> dict:
     else:
         which = args.make_model or "mixtral"
         if which != "mixtral":
-            model_dir = make_family_model(cache / "models" / f"{which}-800m", which,
-                                          FAMILY_MODELS[which], seed=args.seed, log=_say)
+            folder, family, config = FAMILY_MODELS[which]
+            model_dir = make_family_model(cache / "models" / folder, family, config,
+                                          seed=args.seed, log=_say)
         else:
             if not args.make_model and not (cache / "models" / "mixtral-791m" / "config.json").is_file():
                 raise SystemExit("bench: no model: pass --model-dir DIR, or --make-model to generate "
@@ -824,9 +826,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--make-model", nargs="?", const="mixtral", default=None,
                      choices=["mixtral", *FAMILY_MODELS],
                      help="generate a random model (seeded) into the cache and use it: the 791 M "
-                          "Mixtral (no value), or deepseek_v3 (about 800 M, models.DEEPSEEK_V3_800M)")
+                          "Mixtral (no value), deepseek_v3 (about 800 M, models.DEEPSEEK_V3_800M) or "
+                          "qwen3_moe_a3b (Qwen3-30B-A3B's MoE shape, 3 layers, 2.0 G: "
+                          "models.QWEN3_MOE_A3B_3L)")
     p.add_argument("--dtype", default="f32",
-                   help="comma-separated f32, bf16, q8_0, q4_k_m, q4_0, q5_0, q3_k_m, q2_k, iq4_xs "
+                   help="comma-separated f32, bf16, q8_0, q4_k_m, q4_0, q4_1, q5_0, q5_1, q3_k_m, q2_k, "
+                        "iq4_nl, iq4_xs "
                         "(llama.cpp's quantized types; Colibri runs the same GGUF, imported), "
                         "e.g. f32,bf16 (default f32)")
     p.add_argument("--quant-from", default="f32", choices=QUANT_BASES,
