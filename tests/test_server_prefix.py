@@ -153,7 +153,7 @@ def api_server(server_path, model, tmp_path_factory):
 
 def test_completions_with_a_list_of_prompts(api_server):
     """OpenAI's shape: prompt i's choices are indices i*n .. i*n + n-1, usage summed; strings
-    and token-id lists alike, each answer the one it gets alone."""
+    and token-id lists alike, each answer the one it gets alone; streamed alike."""
     client = api_server.client()
     texts = ["def main", "import os\n", "class Foo:"]
     alone = [client.completions.create(model="tiny-mixtral", prompt=p, max_tokens=6, temperature=0) for p in texts]
@@ -168,9 +168,22 @@ def test_completions_with_a_list_of_prompts(api_server):
     assert [c.index for c in r2.choices] == [0, 1, 2, 3]
     one = client.completions.create(model="tiny-mixtral", prompt=ids[1], max_tokens=5, temperature=0.8, seed=3, n=2)
     assert [c.text for c in r2.choices[2:]] == [c.text for c in one.choices]
-    # streaming a list is refused with a clear message; a bad element too
-    status, body = post(api_server.port, "/v1/completions", {"prompt": texts, "stream": True, "max_tokens": 2})
-    assert status == 400 and "stream false" in body["error"]["message"]
+    # streamed: the prompts' events interleaved, each choice's text the same, one id, the
+    # usage summed in the last event, then one [DONE]
+    stream = client.completions.create(model="tiny-mixtral", prompt=ids, max_tokens=5, temperature=0.8, seed=3,
+                                       n=2, stream=True)
+    got, ids_seen, usage = {}, set(), None
+    for ev in stream:
+        ids_seen.add(ev.id)
+        for c in ev.choices:
+            got[c.index] = got.get(c.index, "") + c.text
+        if ev.usage is not None:
+            assert usage is None and not ev.choices, "one usage event, the last, with no choices"
+            usage = ev.usage
+    assert len(ids_seen) == 1
+    assert [got[i] for i in range(4)] == [c.text for c in r2.choices]
+    assert usage.prompt_tokens == r2.usage.prompt_tokens
+    assert usage.completion_tokens == r2.usage.completion_tokens
     status, body = post(api_server.port, "/v1/completions", {"prompt": ["a", 5], "max_tokens": 2})
     assert status == 400 and "element 1" in body["error"]["message"]
 

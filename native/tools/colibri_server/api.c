@@ -65,6 +65,9 @@ struct cs_job {
     char id[64];
     int64_t created;
     int n_finished;
+    /* one prompt of a streamed list (cs_job_join_stream): its choices are numbered from
+     * index_base, and the combined stream (http.c) sends the usage and [DONE] once */
+    int index_base, stream_part;
     /* chat: the template's output syntax and the request's tools */
     const cs_chat_format *fmt;
     int structured;      /* reasoning / tool calls are taken out of the text */
@@ -412,7 +415,7 @@ static json_t *text_json(const char *s, size_t n) {
 static json_t *chunk(cs_job *j, int c, const char *delta, size_t dlen, json_t *lp, const char *finish,
                      json_t *usage, int role) {
     json_t *choice = json_object();
-    json_object_set_new(choice, "index", json_integer(c));
+    json_object_set_new(choice, "index", json_integer(j->index_base + c));
     if (j->kind == CS_API_CHAT) {
         json_t *d = json_object();
         if (role) json_object_set_new(d, "role", json_string("assistant"));
@@ -435,7 +438,7 @@ static uint64_t random_seed(cs_server *srv);
 
 /* A chat stream chunk with a ready delta object (taken). */
 static json_t *chunk_delta(cs_job *j, int c, json_t *delta, const char *finish, json_t *usage) {
-    json_t *choice = json_pack("{s:i, s:o, s:n, s:o}", "index", c, "delta", delta, "logprobs", "finish_reason",
+    json_t *choice = json_pack("{s:i, s:o, s:n, s:o}", "index", j->index_base + c, "delta", delta, "logprobs", "finish_reason",
                                finish ? json_string(finish) : json_null());
     json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[o]}", "id", j->id, "object", "chat.completion.chunk", "created",
                           (json_int_t)j->created, "model", j->srv->model_id, "choices", choice);
@@ -726,14 +729,14 @@ static void cb_finish(cs_request *r, int c, cs_finish why) {
             }
             if (ch->parsed.n_calls && why == CS_FINISH_STOP) fin = "tool_calls";
         }
-        sse(j, chunk_delta(j, c, json_object(), fin, last ? usage_json(j) : NULL));
+        sse(j, chunk_delta(j, c, json_object(), fin, last && !j->stream_part ? usage_json(j) : NULL));
         pthread_cond_broadcast(&j->cv);
         pthread_mutex_unlock(&j->mu);
     } else if (j->stream) {
         int last = j->n_finished == r->n;
         pthread_mutex_lock(&j->mu);
         sse(j, chunk(j, c, ch->text ? ch->text + from : "", ch->emitted - from, NULL, finish_name(why),
-                     last ? usage_json(j) : NULL, 0));
+                     last && !j->stream_part ? usage_json(j) : NULL, 0));
         pthread_cond_broadcast(&j->cv);
         pthread_mutex_unlock(&j->mu);
     }
@@ -762,7 +765,7 @@ static void cb_done(cs_request *r, const char *error) {
                 free(s);
             }
         }
-        sse_raw(j, "data: [DONE]\n\n");
+        if (!j->stream_part) sse_raw(j, "data: [DONE]\n\n");
     }
     pthread_cond_broadcast(&j->cv);
     pthread_mutex_unlock(&j->mu);
@@ -1662,6 +1665,39 @@ long cs_job_read_stream(cs_job *j, char *buf, size_t max, int wait_ms) {
     return got;
 }
 
+void cs_job_join_stream(cs_job *j, const cs_job *first, int part) {
+    j->index_base = part * j->req.n;
+    j->stream_part = 1;
+    memcpy(j->id, first->id, sizeof j->id);
+    j->created = first->created;
+}
+
+char *cs_api_stream_usage(cs_job *const *jobs, int n, size_t *len) {
+    json_int_t pt = 0, ct = 0, cached = 0;
+    for (int i = 0; i < n; i++) {
+        pt += (json_int_t)jobs[i]->n_prompt;
+        ct += (json_int_t)jobs[i]->req.completion_tokens;
+        cached += (json_int_t)jobs[i]->req.cached_tokens;
+    }
+    json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[], s:{s:I, s:I, s:I, s:{s:I}}}", "id", jobs[0]->id, "object",
+                          "text_completion", "created", (json_int_t)jobs[0]->created, "model",
+                          jobs[0]->srv->model_id, "choices", "usage", "prompt_tokens", pt, "completion_tokens", ct,
+                          "total_tokens", pt + ct, "prompt_tokens_details", "cached_tokens", cached);
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (!s) return NULL;
+    size_t m = strlen(s);
+    char *out = malloc(m + 9);
+    if (out) {
+        memcpy(out, "data: ", 6);
+        memcpy(out + 6, s, m);
+        memcpy(out + 6 + m, "\n\n", 3);
+        *len = m + 8;
+    }
+    free(s);
+    return out;
+}
+
 char *cs_job_response(cs_job *j, size_t *len, int *status) {
     if (j->error) {
         cs_api_error e;
@@ -1863,13 +1899,6 @@ int cs_api_split_prompts(cs_server *srv, const char *body, size_t len, char ***b
     if (!first || !(json_is_string(first) || json_is_array(first))) {
         json_decref(root);
         return 0; /* one prompt: a string, ids, or a list of one */
-    }
-    json_t *st = field(root, "stream");
-    if (st && json_is_true(st)) {
-        BAD("stream", "a list of %zu prompts is answered with stream false only; send one request per prompt "
-            "to stream each", n);
-        json_decref(root);
-        return -1;
     }
     if (n > CS_MAX_PROMPTS) {
         BAD("prompt", "at most %d prompts per request, got %zu", CS_MAX_PROMPTS, n);

@@ -174,6 +174,116 @@ static void stream_free(void *cls) {
     free(sc);
 }
 
+/* A streamed list of prompts: the jobs' events interleaved as they come, whole events only
+ * (an event read in part keeps its job until the rest is out), then the summed usage and one
+ * [DONE]. */
+typedef struct multi_stream {
+    cs_job **jobs;
+    int n, fd;
+    int next;     /* the job to ask first */
+    int sticky;   /* -1, or the job whose event was sent in part */
+    uint8_t *ended;
+    int tail;     /* 0 streaming, 1 the usage and [DONE] are out */
+} multi_stream;
+
+static ssize_t multi_read(void *cls, uint64_t pos, char *buf, size_t max) {
+    multi_stream *ms = cls;
+    (void)pos;
+    if (ms->tail) return MHD_CONTENT_READER_END_OF_STREAM;
+    for (int round = 0; round < 1500; round++) { /* up to 15 s, then a keep-alive comment */
+        int open = 0;
+        for (int k = 0; k < ms->n; k++) {
+            int i = ms->sticky >= 0 ? ms->sticky : (ms->next + k) % ms->n;
+            if (ms->ended[i]) continue;
+            open++;
+            long got = cs_job_read_stream(ms->jobs[i], buf, max, 0);
+            if (got < 0) {
+                ms->ended[i] = 1;
+                if (ms->sticky == i) ms->sticky = -1;
+                continue;
+            }
+            if (got == 0) {
+                if (ms->sticky == i) break; /* the rest of its event is not written yet */
+                continue;
+            }
+            /* events end with a blank line and never hold one */
+            ms->sticky = got >= 2 && buf[got - 1] == '\n' && buf[got - 2] == '\n' ? -1 : i;
+            ms->next = (i + 1) % ms->n;
+            return (ssize_t)got;
+        }
+        if (!open) {
+            size_t len = 0;
+            char *u = cs_api_stream_usage(ms->jobs, ms->n, &len);
+            static const char done[] = "data: [DONE]\n\n";
+            size_t need = (u ? len : 0) + sizeof done - 1;
+            if (need > max) { /* MHD's buffer (16 KiB) always holds it */
+                free(u);
+                return MHD_CONTENT_READER_END_WITH_ERROR;
+            }
+            if (u) memcpy(buf, u, len);
+            memcpy(buf + (u ? len : 0), done, sizeof done - 1);
+            free(u);
+            ms->tail = 1;
+            return (ssize_t)need;
+        }
+        if (ms->fd >= 0 && round % 20 == 19 && client_gone(ms->fd)) {
+            for (int i = 0; i < ms->n; i++) cs_job_cancel(ms->jobs[i]);
+            return MHD_CONTENT_READER_END_WITH_ERROR;
+        }
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    static const char ka[] = ": keep-alive\n\n";
+    if (ms->sticky >= 0 || max < sizeof ka - 1) return 0;
+    memcpy(buf, ka, sizeof ka - 1);
+    return (ssize_t)(sizeof ka - 1);
+}
+
+static void multi_free(void *cls) {
+    multi_stream *ms = cls;
+    for (int i = 0; i < ms->n; i++) {
+        cs_job_cancel(ms->jobs[i]); /* no-ops once they are done; else the client went away */
+        cs_job_unref(ms->jobs[i]);
+    }
+    free(ms->jobs);
+    free(ms->ended);
+    free(ms);
+}
+
+/* Hands the submitted jobs to a streamed response (taken, also on failure). */
+static enum MHD_Result stream_prompt_list(struct MHD_Connection *c, cs_job **jobs, int n) {
+    multi_stream *ms = calloc(1, sizeof *ms);
+    uint8_t *ended = calloc((size_t)n, 1);
+    struct MHD_Response *r = NULL;
+    if (ms && ended) {
+        ms->jobs = jobs;
+        ms->n = n;
+        ms->fd = conn_fd(c);
+        ms->sticky = -1;
+        ms->ended = ended;
+        r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, multi_read, ms, multi_free);
+    }
+    if (!r) {
+        if (ms && ended) {
+            multi_free(ms);
+        } else {
+            for (int i = 0; i < n; i++) {
+                cs_job_cancel(jobs[i]);
+                cs_job_unref(jobs[i]);
+            }
+            free(jobs);
+            free(ms);
+            free(ended);
+        }
+        return fail(c, 500, "server_error", NULL, "out of memory");
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    enum MHD_Result ok = MHD_queue_response(c, 200, r);
+    MHD_destroy_response(r);
+    return ok;
+}
+
 /* ---- the handler ----------------------------------------------------------------------- */
 
 static enum route route_of(const char *url) {
@@ -232,7 +342,7 @@ static enum MHD_Result handle_metrics(cs_server *srv, struct MHD_Connection *c) 
 }
 
 /* /v1/completions with a list of prompts: a job per prompt, all queued at once (they batch
- * together), one answer with every prompt's choices. */
+ * together), one answer with every prompt's choices (or one stream of all their events). */
 static enum MHD_Result handle_prompt_list(cs_server *srv, struct MHD_Connection *c, char **bodies, size_t *lens,
                                           int n) {
     cs_api_error err;
@@ -252,11 +362,20 @@ static enum MHD_Result handle_prompt_list(cs_server *srv, struct MHD_Connection 
             break;
         }
         cs_job_set_fd(jobs[i], conn_fd(c));
+        if (cs_job_stream(jobs[i])) cs_job_join_stream(jobs[i], jobs[0], i);
         if (cs_api_submit(jobs[i], &err)) {
             cs_job_unref(jobs[i]);
             jobs[i] = NULL;
             failed = i;
         }
+    }
+    if (failed < 0 && cs_job_stream(jobs[0])) {
+        for (int i = 0; i < n; i++) free(bodies[i]);
+        free(bodies);
+        free(lens);
+        free(res);
+        free(res_len);
+        return stream_prompt_list(c, jobs, n);
     }
     for (int i = 0; jobs && i < n && jobs[i]; i++) {
         if (failed >= 0) cs_job_cancel(jobs[i]); /* the request as a whole failed */

@@ -123,6 +123,13 @@ char *cs_job_response(cs_job *j, size_t *len, int *status);
  * `wait_ms`. Returns bytes copied (> 0), 0 when nothing came yet, -1 at the end of the
  * stream (everything was sent). */
 long cs_job_read_stream(cs_job *j, char *buf, size_t max, int wait_ms);
+/* A streamed list of prompts: job j answers prompt `part` of the list whose first job is
+ * `first` (call before cs_api_submit): its choices are numbered from part * n, it shares the
+ * first job's id, and it sends neither usage nor [DONE] (the combined stream does, once). */
+void cs_job_join_stream(cs_job *j, const cs_job *first, int part);
+/* The combined stream's last event but [DONE]: "data: {...}\n\n" with no choices and the
+ * usage of all n jobs summed (malloc'd; NULL when out of memory). */
+char *cs_api_stream_usage(cs_job *const *jobs, int n, size_t *len);
 
 char *cs_api_error_json(const cs_api_error *e, size_t *len);
 void cs_api_set_error(cs_api_error *e, int status, const char *type, const char *param, const char *code,
