@@ -35,21 +35,23 @@ def colibri_file(model_dir: Path, dtype: str, cache: Path) -> Path:
     return out
 
 
-def colibri_from_gguf(gguf: Path, cache: Path) -> Path:
+def colibri_from_gguf(gguf: Path, cache: Path, tokenizer: str = "auto") -> Path:
     """The GGUF imported into .colibri by :func:`colibri_lab.conversion.gguf.convert_gguf`
     (the GGUF's bytes copied, not requantized: both engines run the same weights), cached
-    under cache/converted by the GGUF's name, size and modification time."""
+    under cache/converted by the GGUF's name, size and modification time. ``tokenizer``
+    "none" imports the weights without the vocabulary (the bench feeds token ids: the GGUFs
+    of its random BPE models name llama.cpp's fallback pre-tokenizer, which colibri refuses)."""
     from ..conversion.gguf import convert_gguf
 
     gguf = Path(gguf)
     st = gguf.stat()
     stamp = f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}"
     key = hashlib.sha256(stamp.encode()).hexdigest()[:8]
-    out = cache / "converted" / f"{gguf.stem}-gguf{key}.colibri"
+    out = cache / "converted" / f"{gguf.stem}-gguf{key}{'-notok' if tokenizer == 'none' else ''}.colibri"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         _say(f"importing {gguf} to {out}")
-        convert_gguf(gguf, out, progress=False)
+        convert_gguf(gguf, out, progress=False, tokenizer=tokenizer)
     return out
 
 

@@ -129,12 +129,14 @@ _BPE_STAND_IN = (
     "runpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 
-def _needs_bpe_stand_in(model_dir: Path) -> bool:
-    try:
-        mt = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return False
-    return mt in ("deepseek_v2", "deepseek_v3") and (Path(model_dir) / "colibri_bench_shape.json").is_file()
+def needs_bpe_stand_in(model_dir: Path) -> bool:
+    """Whether `model_dir` is one of the bench's random models with a byte-level BPE
+    (tokenizer.json, no SentencePiece model): its GGUF is made with the "default"
+    pre-tokenizer (see _BPE_STAND_IN), which colibri's importer refuses, so colibri imports
+    its weights only."""
+    d = Path(model_dir)
+    return ((d / "colibri_bench_shape.json").is_file() and (d / "tokenizer.json").is_file()
+            and not (d / "tokenizer.model").is_file())
 
 
 def gguf_file(src: Path, model_dir: Path, dtype: str, cache: Path, *, quant_from: str = "f32",
@@ -153,7 +155,7 @@ def gguf_file(src: Path, model_dir: Path, dtype: str, cache: Path, *, quant_from
     tmp = out.with_suffix(".tmp")
     _say(f"converting {model_dir} to {out}")
     argv = [str(src / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", dtype, "--outfile", str(tmp)]
-    if _needs_bpe_stand_in(model_dir):
+    if needs_bpe_stand_in(model_dir):
         argv = ["-c", _BPE_STAND_IN, *argv]
     r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=False)
     if r.returncode != 0 or not tmp.is_file():

@@ -81,12 +81,15 @@ from .tuning import (decode_roofline, file_decode_roofline, machine_info, measur
 from .common import DTYPES, ENGINES, SMOKE_SHAPE, _say, default_cache_dir
 from .files import (colibri_file, colibri_from_gguf, drop_from_page_cache, hugepage_fraction,
                     source_info)
-from .llama_cpp import (NO_REPACK, QUANT_BASES, QUANT_TYPES, LlamaBenchCrash, ensure_llama_cpp,
-                        gguf_file, run_llama_bench)
+from .llama_cpp import (NO_REPACK, QUANT_BASES, QUANT_TYPES, LlamaBenchCrash, needs_bpe_stand_in,
+                        ensure_llama_cpp, gguf_file, run_llama_bench)
 
 # --make-model FAMILY: the random models of other families (transformers config keys)
-FAMILY_MODELS = {"deepseek_v3": ("deepseek_v3-800m", "deepseek_v3", DEEPSEEK_V3_800M),
-                 "qwen3_moe_a3b": ("qwen3_moe-a3b-3l", "qwen3_moe", QWEN3_MOE_A3B_3L)}
+# (folder, family, config, tokenizer): byte-level BPE where llama.cpp's converter for the
+# family reads tokenizer.json (DeepSeek; Qwen's reads a SentencePiece model only through a
+# tokenizer whose ids it then checks against the vocabulary size)
+FAMILY_MODELS = {"deepseek_v3": ("deepseek_v3-800m", "deepseek_v3", DEEPSEEK_V3_800M, "auto"),
+                 "qwen3_moe_a3b": ("qwen3_moe-a3b-3l", "qwen3_moe", QWEN3_MOE_A3B_3L, "bpe")}
 
 #: Every dtype the benchmark runs: the float ones and llama.cpp's quantized types.
 BENCH_DTYPES = tuple(DTYPES) + tuple(QUANT_TYPES)
@@ -332,7 +335,8 @@ def _model_files(engines, dtype: str, model_dir: Path, cache: Path, llama_src, l
         if "colibri" in engines:
             if isinstance(gguf, Path):
                 try:
-                    files["colibri"] = colibri_from_gguf(gguf, cache)
+                    files["colibri"] = colibri_from_gguf(gguf, cache,
+                                                         "none" if needs_bpe_stand_in(model_dir) else "auto")
                     info["colibri_source"] = f"gguf_import of {gguf.name} (llama.cpp's bytes)"
                 except Exception as e:  # no fallback: the engines would run different weights
                     files["colibri"] = RuntimeError(f"importing {gguf.name} failed: {e}")
@@ -427,9 +431,9 @@ def run(args) -> dict:
     else:
         which = args.make_model or "mixtral"
         if which != "mixtral":
-            folder, family, config = FAMILY_MODELS[which]
+            folder, family, config, tokenizer = FAMILY_MODELS[which]
             model_dir = make_family_model(cache / "models" / folder, family, config,
-                                          seed=args.seed, log=_say)
+                                          seed=args.seed, log=_say, tokenizer=tokenizer)
         else:
             if not args.make_model and not (cache / "models" / "mixtral-791m" / "config.json").is_file():
                 raise SystemExit("bench: no model: pass --model-dir DIR, or --make-model to generate "
