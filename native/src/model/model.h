@@ -152,6 +152,11 @@ typedef struct cb_layer {
     /* per-layer options, from the metadata at load */
     int moe;                   /* 1: MoE block (router, experts); 0: dense MLP (`dense`) */
     int64_t window;            /* attention window in tokens, 0 = full */
+    /* how the CPU backend computes this layer's router (its logits from the router's dtype,
+     * the family's routing; MoE layers) and its attention (the exact or the fast table's),
+     * chosen once when the backend starts (backend/cpu/bind.c); NULL before */
+    const struct cb_router_op *router_op;
+    const struct cb_att_op *att_op;
 } cb_layer;
 
 typedef struct cb_weights {

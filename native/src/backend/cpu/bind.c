@@ -4,8 +4,12 @@
  * copy (panels.c) is read by the panel kernels of the running table, one the fast table takes
  * (cpu/fast.h: a block type, or BF16 where it has native BF16 kernels) by the fast table, any
  * other by the exact table; and each FFN's (experts, dense MLP, shared expert) the same way
- * (cb_cpu_bind_ffn, parallel.c). The stages' parallel sections (parallel.c) then call the
- * weight's own operation without asking (cb_mat.op, cb_ffn.op).
+ * (cb_cpu_bind_ffn, parallel.c); each layer's attention (cb_cpu_bind_attention, parallel.c:
+ * fast mode's kernel where the scratch has its work area, else the exact table's) and each
+ * MoE layer's router (cb_cpu_bind_router, stages.c: its logits by the router's dtype, its
+ * routing by the family's). The stages and their parallel sections (parallel.c) then call
+ * the weight's or the layer's own operation without asking (cb_mat.op, cb_ffn.op,
+ * cb_layer.att_op, cb_layer.router_op).
  */
 #include "backend/cpu/cpu.h"
 
@@ -44,6 +48,8 @@ colibri_status cb_cpu_bind(colibri_ctx *ctx, const cb_backend_request *req, char
         cb_mat *mats[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->shared_gate, &L->wq_a, &L->wq_b, &L->wkv_a,
                           &L->wkv_b};
         for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) bind_mat(ctx, mats[i]);
+        cb_cpu_bind_attention(ctx, L);
+        if (L->moe) cb_cpu_bind_router(ctx, L);
         if (L->moe) cb_cpu_bind_ffn(ctx, &L->experts, ctx->cfg.activation == CB_ACT_CLAMPED_SWIGLU);
         else cb_cpu_bind_ffn(ctx, &L->dense, 0);
         if (L->has_shared) cb_cpu_bind_ffn(ctx, &L->shared, 0);

@@ -93,6 +93,17 @@ typedef struct cb_att_task {
 int64_t cb_cpu_att_chunks(const cb_config *c);
 void cb_cpu_att_chunk(void *arg, int64_t ch, int tid);
 
+/* How a layer's attention heads are computed (cb_layer.att_op): query heads h0 .. h1 of the
+ * segment whose rows start at r0 (T rows) over its sequence's cache, on thread tid's own
+ * work rows: fast mode's kernel (its work area, cpu/fast.h) or the exact table's. */
+typedef struct cb_att_op {
+    void (*heads)(const cb_att_task *a, const cb_kv_view *kv, int64_t r0, int64_t T, int64_t h0, int64_t h1,
+                  int tid);
+} cb_att_op;
+/* Sets L->att_op from the context's tables and scratch (the fast kernel where the scratch
+ * carved its work area: model/scratch.c). */
+void cb_cpu_bind_attention(const colibri_ctx *ctx, cb_layer *L);
+
 /* One FFN job: a group of rows through one expert's weights (cb_ffn, packed or split). */
 typedef struct cb_ffn_job {
     float *y;          /* [R, H] */
@@ -143,5 +154,19 @@ void cb_mla_attention(colibri_ctx *ctx, uint32_t l);
 
 /* ---- route_group.c: softmax/sigmoid routers with groups, bias and scaling ------------- */
 void cb_route_grouped(colibri_ctx *ctx, uint32_t l, int64_t T);
+
+/* ---- stages.c: the router of a MoE layer --------------------------------------------- */
+
+/* How a MoE layer's router runs (cb_layer.router_op): its logits y [T, E] from the normed
+ * input x [T, H] (the router's dtype: an int8 row-quantised router or a float one), and the
+ * routing of the chunk's logits into probabilities, top-k ids and weights (the family's:
+ * softmax then top-k, top-k then softmax, or the grouped / sigmoid / scaled routers of
+ * route_group.c). */
+typedef struct cb_router_op {
+    void (*logits)(const colibri_ctx *ctx, const cb_layer *L, float *y, const float *x, int64_t T);
+    void (*route)(colibri_ctx *ctx, uint32_t l, int64_t T);
+} cb_router_op;
+/* Sets L->router_op from the model's config (router dtype, routing, groups, scaling). */
+void cb_cpu_bind_router(const colibri_ctx *ctx, cb_layer *L);
 
 #endif

@@ -44,7 +44,8 @@ static void topk_desc(const float *v, int64_t E, int64_t K, int32_t *ids, float 
 
 /* Route T tokens: softmax over experts, top-k (highest first, lower id wins ties),
  * optional renormalisation. logits: [T, E] -> probs [T, E], ids/w [T, K]. */
-static void route(colibri_ctx *ctx, int64_t T) {
+static void route_softmax_topk(colibri_ctx *ctx, uint32_t l, int64_t T) {
+    (void)l;
     const cb_config *c = &ctx->cfg;
     cb_scratch *s = &ctx->s;
     int64_t E = c->n_experts, K = c->top_k;
@@ -66,7 +67,8 @@ static void route(colibri_ctx *ctx, int64_t T) {
 /* Route T tokens as transformers' GptOssTopKRouter (model.routing topk_softmax): top-k of
  * the logits (highest first, lower id wins ties), then softmax over the k selected logits.
  * router_probs gets the softmax over all experts, for observation only. */
-static void route_topk_softmax(colibri_ctx *ctx, int64_t T) {
+static void route_topk_softmax(colibri_ctx *ctx, uint32_t l, int64_t T) {
+    (void)l;
     const cb_config *c = &ctx->cfg;
     cb_scratch *s = &ctx->s;
     int64_t E = c->n_experts, K = c->top_k;
@@ -227,24 +229,45 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
     K->rmsnorm(s->xn, s->x, L->ffn_norm, T, H, eps);
 }
 
-/* Router logits, softmax and top-k (MoE layers). */
+/* The router's logits: an int8 row-quantised router, or a float one (F32/F16/BF16). */
+static void router_logits_i8(const colibri_ctx *ctx, const cb_layer *L, float *y, const float *x, int64_t T) {
+    const cb_config *c = &ctx->cfg;
+    ctx->kern->matmul_i8(y, x, (const int8_t *)L->router, L->router_scale, L->router_zero, T, c->n_experts, c->hidden);
+}
+
+static void router_logits_float(const colibri_ctx *ctx, const cb_layer *L, float *y, const float *x, int64_t T) {
+    const cb_config *c = &ctx->cfg;
+    ctx->kern->matmul(y, x, L->router, c->router_dtype, T, c->n_experts, c->hidden);
+}
+
+/* [int8 router][routing]: 0 softmax then top-k, 1 top-k then softmax, 2 grouped / sigmoid /
+ * scaled (route_group.c) */
+static const cb_router_op router_ops[2][3] = {
+    {{router_logits_float, route_softmax_topk}, {router_logits_float, route_topk_softmax},
+     {router_logits_float, cb_route_grouped}},
+    {{router_logits_i8, route_softmax_topk}, {router_logits_i8, route_topk_softmax},
+     {router_logits_i8, cb_route_grouped}},
+};
+
+void cb_cpu_bind_router(const colibri_ctx *ctx, cb_layer *L) {
+    const cb_config *c = &ctx->cfg;
+    int routing = c->routing == CB_ROUTE_TOPK_SOFTMAX ? 1
+                  : c->routing == CB_ROUTE_SIGMOID_TOPK || c->n_group > 1 || c->routed_scale != 1.0f ? 2
+                                                                                                      : 0;
+    L->router_op = &router_ops[c->router_int8 ? 1 : 0][routing];
+}
+
+/* Router logits, softmax and top-k (MoE layers), by the layer's router op (bound once). */
 static void stage_router(colibri_ctx *ctx, uint32_t l) {
     const cb_config *c = &ctx->cfg;
     const cb_layer *L = &ctx->w.layers[l];
     cb_scratch *s = &ctx->s;
     int64_t T = ctx->run.T;
     if (!L->moe) return;
-    if (c->router_int8)
-        ctx->kern->matmul_i8(s->router_logits, s->xn, (const int8_t *)L->router, L->router_scale,
-                             L->router_zero, T, c->n_experts, c->hidden);
-    else
-        ctx->kern->matmul(s->router_logits, s->xn, L->router, c->router_dtype, T, c->n_experts, c->hidden);
+    L->router_op->logits(ctx, L, s->router_logits, s->xn, T);
     if (L->router_b) add_bias(s->router_logits, L->router_b, T, c->n_experts); /* gpt-oss's logit bias */
     if (ctx->iv) cb_cpu_iv_router_logits(ctx, l); /* router bias, excluded experts (interv.c) */
-    if (c->routing == CB_ROUTE_TOPK_SOFTMAX) route_topk_softmax(ctx, T);
-    else if (c->routing == CB_ROUTE_SIGMOID_TOPK || c->n_group > 1 || c->routed_scale != 1.0f)
-        cb_route_grouped(ctx, l, T); /* route_group.c */
-    else route(ctx, T);
+    L->router_op->route(ctx, l, T);
     if (ctx->iv) cb_cpu_iv_force(ctx, l);
 }
 
@@ -290,11 +313,7 @@ static void predict_next(colibri_ctx *ctx, uint32_t l) {
     const cb_layer *N = &ctx->w.layers[l + 1];
     int64_t T = ctx->run.T, H = c->hidden, E = c->n_experts, K = c->top_k;
     ctx->kern->rmsnorm(s->pred_xn, s->x, N->ffn_norm, T, H, (float)c->rms_norm_eps);
-    if (c->router_int8)
-        ctx->kern->matmul_i8(s->pred_logits, s->pred_xn, (const int8_t *)N->router, N->router_scale,
-                             N->router_zero, T, E, H);
-    else
-        ctx->kern->matmul(s->pred_logits, s->pred_xn, N->router, c->router_dtype, T, E, H);
+    N->router_op->logits(ctx, N, s->pred_logits, s->pred_xn, T);
     for (int64_t t = 0; t < T; t++) {
         float *row = s->pred_logits + t * E;
         for (int64_t e = 0; e < E; e++)
