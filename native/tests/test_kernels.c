@@ -796,8 +796,10 @@ static const uint32_t QTYPES[] = {COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K, COLIBR
                                   COLIBRI_DTYPE_Q5_1, COLIBRI_DTYPE_Q2_K, COLIBRI_DTYPE_Q3_K, COLIBRI_DTYPE_IQ4_NL,
                                   COLIBRI_DTYPE_IQ4_XS};
 /* The block types of the fast mode's int8 path (the others run the exact kernels there: fast.h) */
-static const uint32_t FAST_QTYPES[] = {COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K, COLIBRI_DTYPE_Q5_K,
-                                       COLIBRI_DTYPE_Q6_K};
+static const uint32_t FAST_QTYPES[] = {COLIBRI_DTYPE_Q8_0,   COLIBRI_DTYPE_Q4_K, COLIBRI_DTYPE_Q5_K,
+                                       COLIBRI_DTYPE_Q6_K,   COLIBRI_DTYPE_Q4_0, COLIBRI_DTYPE_Q4_1,
+                                       COLIBRI_DTYPE_Q5_0,   COLIBRI_DTYPE_Q5_1, COLIBRI_DTYPE_Q2_K,
+                                       COLIBRI_DTYPE_Q3_K,   COLIBRI_DTYPE_IQ4_NL, COLIBRI_DTYPE_IQ4_XS};
 
 /* MXFP4 scale bytes of make_q: 0, typical ones (weights up to 0.75, as the float tests'), or
  * the extremes a matmul can still sum finitely (subnormal 2^-128 .. 2^-125 scales, 2^0, 2^33) */

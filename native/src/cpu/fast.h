@@ -4,17 +4,20 @@
  * instructions (VNNI, AVX512_BF16) that the exact tables do not need, so cb_fast_best()
  * picks this table separately from cb_kernels_best().
  *
- * What fast mode computes, for a weight matrix of a block type with an int8 path (Q8_0, Q4_K,
- * Q5_K, Q6_K; not MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL or IQ4_XS, which
- * cb_fast_takes hands to the exact kernels):
+ * What fast mode computes, for a weight matrix of a block type with an int8 path (every
+ * block type but MXFP4, which cb_fast_takes hands to the exact kernels):
  *
  *  - each token's activation row is quantized in blocks of 32 (cb_fast_quant_act): d =
  *    amax / 127, q = round-to-nearest-even(x * (127 / amax)) in [-127, 127], and the sums of
  *    q over each half and the whole block, already multiplied by d;
  *  - each weight row is read as unsigned bytes u with, per sub-block g of G weights (G = 16
- *    for Q6_K, 32 otherwise), a scale ws[g] and an offset wm[g] such that the weight is
- *    ws[g] * u + wm[g] (cb_fast_unpack: Q8_0 u = q + 128, wm = -128 ws; Q4_K/Q5_K ws = d sc,
- *    wm = -dmin m; Q6_K ws = d sc, wm = -32 ws);
+ *    for Q6_K, Q2_K and Q3_K, 32 otherwise), a scale ws[g] and an offset wm[g] such that the
+ *    weight is ws[g] * u + wm[g] (cb_fast_unpack: Q8_0 u = q + 128, wm = -128 ws; Q4_K/Q5_K
+ *    ws = d sc, wm = -dmin m; Q6_K ws = d sc, wm = -32 ws; Q4_0 ws = d, wm = -8 d; Q5_0
+ *    ws = d, wm = -16 d; Q4_1/Q5_1 ws = d, wm = m; IQ4_NL u = kvalue + 128, ws = d,
+ *    wm = -128 d; IQ4_XS the same with ws = d (ls - 32); Q3_K u = q + 4, ws = d (sc - 32),
+ *    wm = -4 ws; Q2_K ws = d sc, wm = -dmin m; every product rounded to float as the
+ *    reference dequantizer rounds it, so that ws u + wm is the weight up to one rounding);
  *  - y[t, n] is ONE float chain over the sub-blocks in ascending order, starting at 0:
  *        acc = fma((float)isum_g, ws[g] * d_b, acc);  acc = fma(wm[g], dS_g, acc)
  *    where isum_g = sum of u * q over the sub-block (an exact integer, |isum| < 2^24), d_b
@@ -153,16 +156,30 @@ void cb_neonbf16_gateup_packed(float *h, const float *x, const void *expert, int
                                int64_t B, int64_t i0, int64_t i1);
 void cb_neonbf16_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
                              int64_t c0, int64_t c1);
-/* 1 for the block types of the int8 path: the int8 packs (cb_fast_unpack and each table's
- * own) know only Q8_0, Q4_K, Q5_K and Q6_K. */
+/* 1 for the block types of the int8 path: every block type but MXFP4 (whose e2m1 values
+ * times a power of two are no bytes times one scale plus an offset with |u * q| sums
+ * in int32 bounds worth the decode: it runs the exact kernels). */
 static inline int cb_fast_int8_type(uint32_t dt) {
-    return dt == COLIBRI_DTYPE_Q8_0 || dt == COLIBRI_DTYPE_Q4_K || dt == COLIBRI_DTYPE_Q5_K || dt == COLIBRI_DTYPE_Q6_K;
+    switch (dt) {
+    case COLIBRI_DTYPE_Q8_0:
+    case COLIBRI_DTYPE_Q4_K:
+    case COLIBRI_DTYPE_Q5_K:
+    case COLIBRI_DTYPE_Q6_K:
+    case COLIBRI_DTYPE_Q4_0:
+    case COLIBRI_DTYPE_Q4_1:
+    case COLIBRI_DTYPE_Q5_0:
+    case COLIBRI_DTYPE_Q5_1:
+    case COLIBRI_DTYPE_Q2_K:
+    case COLIBRI_DTYPE_Q3_K:
+    case COLIBRI_DTYPE_IQ4_NL:
+    case COLIBRI_DTYPE_IQ4_XS: return 1;
+    default: return 0;
+    }
 }
 /* 1 when the fast table computes a matrix of dtype dt with rows of K (else the exact
- * kernels run it, on bf16-rounded activations for BF16). The other block types (MXFP4,
- * Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS) are not fast-mode types: in fast mode
- * their matrices run the exact kernels (kernels_simd.inc: the block's values decoded, then the
- * f32 dot), on the unrounded activations. */
+ * kernels run it, on bf16-rounded activations for BF16). MXFP4 is not a fast-mode type: in
+ * fast mode its matrices run the exact kernels (kernels_simd.inc: the block's values
+ * decoded, then the f32 dot), on the unrounded activations. */
 static inline int cb_fast_takes(const cb_fast_kernels *f, uint32_t dt, int64_t K) {
     return f && (cb_fast_int8_type(dt) ||
                  (dt == COLIBRI_DTYPE_BF16 && f->native_bf16 && cb_fast_bf16_k_ok(K)));
@@ -196,7 +213,14 @@ const cb_fast_kernels *cb_fast_avx512bf16(void);
 const cb_fast_kernels *cb_fast_neon_bf16(void);
 
 /* Weights per sub-block (its own scale and offset) of a block type in fast mode. */
-static inline int64_t cb_fast_group(uint32_t dt) { return dt == COLIBRI_DTYPE_Q6_K ? 16 : 32; }
+static inline int64_t cb_fast_group(uint32_t dt) {
+    return dt == COLIBRI_DTYPE_Q6_K || dt == COLIBRI_DTYPE_Q2_K || dt == COLIBRI_DTYPE_Q3_K ? 16 : 32;
+}
+/* 1 when a block type's bytes u reach 128 or more (Q8_0, IQ4_NL, IQ4_XS): the tables whose
+ * integer dot multiplies signed bytes split them (fast_simd.inc's WIDE). */
+static inline int cb_fast_wide(uint32_t dt) {
+    return dt == COLIBRI_DTYPE_Q8_0 || dt == COLIBRI_DTYPE_IQ4_NL || dt == COLIBRI_DTYPE_IQ4_XS;
+}
 
 /* ---- the shared definitions: inline, so that each kernel file compiles (and vectorizes)
  * them for its own instruction set, the same C and therefore the same results ---------- */
@@ -237,7 +261,8 @@ static inline float cb_fast_f16(const uint8_t *p) { return cb_f16_to_f32((uint16
 static inline void cb_fast_unpack(const void *row, uint32_t dt, int64_t k0, int64_t kc, uint8_t *u, float *ws,
                                   float *wm) {
     const uint8_t *r = (const uint8_t *)row;
-    if (dt == COLIBRI_DTYPE_Q8_0) {
+    switch (dt) {
+    case COLIBRI_DTYPE_Q8_0: {
         const uint8_t *b = r + k0 / 32 * 34;
         for (int64_t g = 0; g < kc / 32; g++, b += 34) {
             float d = cb_fast_f16(b);
@@ -245,7 +270,10 @@ static inline void cb_fast_unpack(const void *row, uint32_t dt, int64_t k0, int6
             wm[g] = -128.0f * d;
             for (int i = 0; i < 32; i++) u[g * 32 + i] = (uint8_t)(b[2 + i] ^ 0x80u);
         }
-    } else if (dt == COLIBRI_DTYPE_Q4_K || dt == COLIBRI_DTYPE_Q5_K) {
+        return;
+    }
+    case COLIBRI_DTYPE_Q4_K:
+    case COLIBRI_DTYPE_Q5_K: {
         int q5 = dt == COLIBRI_DTYPE_Q5_K;
         int64_t bb = q5 ? 176 : 144;
         const uint8_t *b = r + k0 / 256 * bb;
@@ -272,7 +300,9 @@ static inline void cb_fast_unpack(const void *row, uint32_t dt, int64_t k0, int6
                 }
             }
         }
-    } else { /* Q6_K */
+        return;
+    }
+    case COLIBRI_DTYPE_Q6_K: {
         const uint8_t *b = r + k0 / 256 * 210;
         for (int64_t s = 0; s < kc / 256; s++, b += 210) {
             const uint8_t *ql = b, *qh = b + 128;
@@ -295,6 +325,101 @@ static inline void cb_fast_unpack(const void *row, uint32_t dt, int64_t k0, int6
                 }
             }
         }
+        return;
+    }
+    case COLIBRI_DTYPE_Q4_0:   /* f16 d, 16 bytes of nibbles: u = q, ws = d, wm = -8 d */
+    case COLIBRI_DTYPE_Q4_1:   /* f16 d, f16 m, nibbles: u = q, ws = d, wm = m */
+    case COLIBRI_DTYPE_IQ4_NL: /* f16 d, nibbles: u = kvalue + 128, ws = d, wm = -128 d */
+    case COLIBRI_DTYPE_Q5_0:   /* f16 d, 4 bytes qh, nibbles: u = q (5 bits), ws = d, wm = -16 d */
+    case COLIBRI_DTYPE_Q5_1: { /* f16 d, f16 m, 4 bytes qh, nibbles: u = q, ws = d, wm = m */
+        int64_t bb = (int64_t)cb_dtype_block_bytes(dt);
+        int has_m = dt == COLIBRI_DTYPE_Q4_1 || dt == COLIBRI_DTYPE_Q5_1;
+        int q5 = dt == COLIBRI_DTYPE_Q5_0 || dt == COLIBRI_DTYPE_Q5_1;
+        const uint8_t *b = r + k0 / 32 * bb;
+        for (int64_t g = 0; g < kc / 32; g++, b += bb) {
+            float d = cb_fast_f16(b);
+            const uint8_t *qs = b + 2 + 2 * has_m + 4 * q5;
+            uint8_t *ug = u + g * 32;
+            ws[g] = d;
+            if (dt == COLIBRI_DTYPE_IQ4_NL) {
+                wm[g] = -128.0f * d;
+                for (int j = 0; j < 16; j++) {
+                    ug[j] = (uint8_t)(cb_iq4nl_value(qs[j] & 0xF) + 128);
+                    ug[j + 16] = (uint8_t)(cb_iq4nl_value(qs[j] >> 4) + 128);
+                }
+                continue;
+            }
+            wm[g] = has_m ? cb_fast_f16(b + 2) : (q5 ? -16.0f : -8.0f) * d;
+            uint32_t qh = 0;
+            if (q5) {
+                const uint8_t *h = b + 2 + 2 * has_m;
+                qh = (uint32_t)h[0] | ((uint32_t)h[1] << 8) | ((uint32_t)h[2] << 16) | ((uint32_t)h[3] << 24);
+            }
+            for (int j = 0; j < 16; j++) {
+                ug[j] = (uint8_t)((qs[j] & 0xF) | (((qh >> j) & 1) << 4));
+                ug[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+            }
+        }
+        return;
+    }
+    case COLIBRI_DTYPE_IQ4_XS: { /* sub-blocks of 32: u = kvalue + 128, ws = d (ls - 32), wm = -128 ws */
+        const uint8_t *b = r + k0 / 256 * 136;
+        for (int64_t s = 0; s < kc / 256; s++, b += 136) {
+            float d = cb_fast_f16(b);
+            unsigned sh = (unsigned)b[2] | ((unsigned)b[3] << 8);
+            const uint8_t *sl = b + 4, *qs = b + 8;
+            for (int j = 0; j < 8; j++) {
+                int ls = (int)(((sl[j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+                float w = d * (float)ls;
+                ws[s * 8 + j] = w;
+                wm[s * 8 + j] = -128.0f * w;
+                const uint8_t *q = qs + 16 * j;
+                uint8_t *ug = u + s * 256 + 32 * j;
+                for (int i = 0; i < 16; i++) {
+                    ug[i] = (uint8_t)(cb_iq4nl_value(q[i] & 0xF) + 128);
+                    ug[i + 16] = (uint8_t)(cb_iq4nl_value(q[i] >> 4) + 128);
+                }
+            }
+        }
+        return;
+    }
+    case COLIBRI_DTYPE_Q2_K: /* sub-blocks of 16: u = q (2 bits), ws = d sc, wm = -(dmin m) */
+    case COLIBRI_DTYPE_Q3_K: { /* sub-blocks of 16: u = q + 4 (3 bits), ws = d (sc - 32), wm = -4 ws */
+        int q3 = dt == COLIBRI_DTYPE_Q3_K;
+        int64_t bb = q3 ? 110 : 84;
+        const uint8_t *b = r + k0 / 256 * bb;
+        for (int64_t s = 0; s < kc / 256; s++, b += bb) {
+            const uint8_t *hm = b, *qs = b + (q3 ? 32 : 16);
+            if (q3) {
+                const uint8_t *sc = b + 96;
+                float d = cb_fast_f16(b + 108);
+                for (int k = 0; k < 16; k++) {
+                    int lo = k < 8 ? (sc[k] & 0xF) : (sc[k - 8] >> 4);
+                    int hi = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
+                    float w = d * (float)((lo | (hi << 4)) - 32);
+                    ws[s * 16 + k] = w;
+                    wm[s * 16 + k] = -4.0f * w;
+                }
+            } else {
+                float d = cb_fast_f16(b + 80), dmin = cb_fast_f16(b + 82);
+                for (int k = 0; k < 16; k++) {
+                    ws[s * 16 + k] = d * (float)(b[k] & 0xF);
+                    wm[s * 16 + k] = -(dmin * (float)(b[k] >> 4));
+                }
+            }
+            uint8_t *us = u + s * 256; /* element 128h + 32j + l: bits 2j..2j+1 of qs[32h + l] */
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 4; j++)
+                    for (int l = 0; l < 32; l++) {
+                        uint8_t q = (uint8_t)((qs[32 * h + l] >> (2 * j)) & 3);
+                        if (q3) q |= (uint8_t)(((hm[l] >> (4 * h + j)) & 1) << 2);
+                        us[128 * h + 32 * j + l] = q;
+                    }
+        }
+        return;
+    }
+    default:
+        return;
     }
 }
 
