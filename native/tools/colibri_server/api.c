@@ -1015,7 +1015,8 @@ static int parse_tools(cs_job *j, json_t *root, cs_chat_opts *opts, cs_api_error
     }
     j->parse_tools = choice != TC_NONE && j->n_tool_names > 0 && j->fmt && j->fmt->tools != CS_TOOLS_NONE;
     /* a forced call starts at once: no reasoning block is written before it */
-    j->thinking = j->fmt && j->fmt->starts_thinking && opts->enable_thinking == 1 && !j->forced_call;
+    j->thinking = j->fmt && j->fmt->starts_thinking && (opts->enable_thinking == 1 || j->fmt->starts_thinking == 2) &&
+                  !j->forced_call;
     j->structured = j->fmt && (j->parse_tools || j->fmt->think_open);
     return 0;
 }
