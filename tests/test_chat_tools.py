@@ -342,8 +342,9 @@ def test_required_call_constraint_is_the_rendered_call(driver, tmp_path, templat
     tpl = template(templates, fname)
     one = call(1, "add", {"a": 2, "b": 3.5})
     text = _assistant_text(hf, tpl, [U1, {"role": "assistant", "content": "", "tool_calls": [one]}])
-    out = run(driver, tmp_path, [f"tpl {hx(tpl)}", f"constraint {hx(json.dumps({'tools': TOOLS, 'only': 'add'}))}",
-                                 f"constraint {hx(json.dumps({'tools': TOOLS}))}"])
+    out = run(driver, tmp_path, [f"tpl {hx(tpl)}",
+                                 f"constraint {hx(json.dumps({'tools': TOOLS, 'only': 'add', 'call_id': 'call00001'}))}",
+                                 f"constraint {hx(json.dumps({'tools': TOOLS, 'call_id': 'call00001'}))}"])
     named = json.loads(bytes.fromhex(out[0].split(" ", 1)[1]))
     schema = json.loads(named["schema"])
     if "deepseek" in fname or "Small-3.2" in fname or "Devstral" in fname:
@@ -359,9 +360,11 @@ def test_required_call_constraint_is_the_rendered_call(driver, tmp_path, templat
     body = json.dumps(obj, ensure_ascii=False)
     if "Nemo" in fname:   # the template adds the id inside the object
         body = body[:-1] + ', "id": "call00001"}'
-    if "Small-3.2" in fname:   # the call id (the server's to choose) is not part of the constraint
-        assert named["prefix"] == "[TOOL_CALLS]add[ARGS]" and "[TOOL_CALLS]add[CALL_ID]call00001[ARGS]" + body in text
-        return
+    if "Small-3.2" in fname:   # the call id, the server's to choose (9 of [a-zA-Z0-9]), is written by the prefix
+        assert named["prefix"] == "[TOOL_CALLS]add[CALL_ID]call00001[ARGS]"
+        bad = run(driver, tmp_path, [f"tpl {hx(tpl)}",
+                                     f"constraint {hx(json.dumps({'tools': TOOLS, 'only': 'add', 'call_id': 'call_0001'}))}"])
+        assert bad[0].startswith("err ") and "9 letters and digits" in answer(bad[0])
     assert named["prefix"] + body + named["suffix"] in text, (named, text)
 
 

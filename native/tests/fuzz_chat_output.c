@@ -62,7 +62,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         json_t *t = json_loadb(text, n, 0, NULL);
         if (json_is_array(t)) {
             char *pre = NULL, *suf = NULL, *sch = NULL, err[256];
-            if (cs_tool_call_constraint(f, t, NULL, &pre, &suf, &sch, err, sizeof err) == 0) {
+            if (cs_tool_call_constraint(f, t, NULL, "abcDEF123", &pre, &suf, &sch, err, sizeof err) == 0) {
                 free(pre);
                 free(suf);
                 free(sch);

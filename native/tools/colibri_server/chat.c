@@ -371,7 +371,7 @@ static const variant VARIANTS[] = {
      .system_default = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."},
     /* Mistral-Nemo-Instruct-2407 (v3-tekken, [AVAILABLE_TOOLS] / [TOOL_CALLS] / [TOOL_RESULTS]) */
     {.name = "mistral-v3-tekken", .family = FAM_MISTRAL_TEKKEN, .src = T_MISTRAL_NEMO,
-     .fmt = {.name = "mistral-v3-tekken", .tools = CS_TOOLS_MISTRAL}},
+     .fmt = {.name = "mistral-v3-tekken", .tools = CS_TOOLS_MISTRAL, .call_id_len = 9}},
     /* DeepSeek-V3.1 (thinking switch, tool calls in <｜tool▁calls▁begin｜> ...) */
     {.name = "deepseek-v3.1", .family = FAM_DEEPSEEK3, .src = T_DEEPSEEK_V31,
      .fmt = {.name = "deepseek-v3.1", .tools = CS_TOOLS_DEEPSEEK, .think_open = "<think>",
@@ -379,7 +379,7 @@ static const variant VARIANTS[] = {
     /* Mistral-Small-3.2-24B-Instruct-2506 ([SYSTEM_PROMPT] with today's date, [CALL_ID]) */
     {.name = "mistral-small-3.2", .family = FAM_MISTRAL_SMALL32, .src = T_MISTRAL_SMALL_32,
      .system_default = T_MISTRAL_SMALL_32_SYS_A, .system_default_b = T_MISTRAL_SMALL_32_SYS_B,
-     .fmt = {.name = "mistral-small-3.2", .tools = CS_TOOLS_MISTRAL_V11}},
+     .fmt = {.name = "mistral-small-3.2", .tools = CS_TOOLS_MISTRAL_V11, .call_id_len = 9}},
     /* gpt-oss (harmony): reasoning on the analysis channel, the answer on the final one */
     {.name = "gpt-oss", .family = FAM_HARMONY, .src = T_GPT_OSS,
      .fmt = {.name = "gpt-oss", .tools = CS_TOOLS_HARMONY, .think_open = "<|channel|>analysis<|message|>",

@@ -110,6 +110,8 @@ typedef struct cs_chat_format {
     const char *content_open; /* the content starts after this (harmony's final channel), or NULL */
     const char *const *markers; /* the format's marker tokens, when they are not the ones of its
                                  * tool syntax and think markers (tools.c cs_output_markers) */
+    int call_id_len;          /* the template's tool call ids are this many [a-zA-Z0-9] (its
+                               * raise_exception otherwise), or 0: any id */
 } cs_chat_format;
 
 /* Token ids of `msgs` rendered with `template_src` (the model's chat template) followed by the

@@ -328,6 +328,16 @@ static const parse_fn PARSE[] = {
     [CS_TOOLS_DEEPSEEK_R1] = parse_deepseek_r1,
 };
 
+int cs_valid_call_id(const cs_chat_format *fmt, const char *id) {
+    if (!id || !*id) return 0;
+    if (!fmt || !fmt->call_id_len) return 1;
+    size_t k = 0;
+    for (; id[k]; k++)
+        if (!((id[k] >= 'a' && id[k] <= 'z') || (id[k] >= 'A' && id[k] <= 'Z') || (id[k] >= '0' && id[k] <= '9')))
+            return 0;
+    return k == (size_t)fmt->call_id_len;
+}
+
 int cs_output_parse(const cs_chat_format *fmt, int thinking, int parse_tools, const char *const *tool_names,
                     int n_names, const char *text, size_t n, int final, cs_parsed *out) {
     memset(out, 0, sizeof *out);
@@ -411,6 +421,11 @@ int cs_output_parse(const cs_chat_format *fmt, int thinking, int parse_tools, co
         out->has_content = cn > 0;
         return 0;
     }
+    for (int k = 0; k < out->n_calls; k++)
+        if (out->calls[k].id && !cs_valid_call_id(fmt, out->calls[k].id)) {
+            free(out->calls[k].id);
+            out->calls[k].id = NULL;
+        }
     out->content_len = before;
     out->has_content = before > 0;
     return 0;
@@ -423,8 +438,8 @@ static int set_err(char *err, size_t len, const char *msg) {
     return -1;
 }
 
-int cs_tool_call_constraint(const cs_chat_format *fmt, const json_t *tools, const char *only, char **prefix,
-                            char **suffix, char **schema, char *err, size_t err_len) {
+int cs_tool_call_constraint(const cs_chat_format *fmt, const json_t *tools, const char *only, const char *call_id,
+                            char **prefix, char **suffix, char **schema, char *err, size_t err_len) {
     *prefix = *suffix = *schema = NULL;
     if (!fmt || fmt->tools == CS_TOOLS_NONE)
         return set_err(err, err_len, "the model's chat template has no tool calls");
@@ -506,8 +521,15 @@ int cs_tool_call_constraint(const cs_chat_format *fmt, const json_t *tools, cons
             return set_err(err, err_len, "this Mistral tool-call syntax writes the function name outside the JSON: "
                                          "a required call needs one function (name it in tool_choice)");
         }
-        /* the call id of Mistral-Small-3.2 is the server's to choose: not constrained here */
-        snprintf(ds_pre, sizeof ds_pre, "[TOOL_CALLS]%s[ARGS]", single);
+        /* Mistral-Small-3.2 writes [CALL_ID]id: the id is the caller's, written by the prefix */
+        if (fmt->call_id_len && !cs_valid_call_id(fmt, call_id)) {
+            json_decref(any);
+            return set_err(err, err_len, "this Mistral tool-call syntax needs a call id of 9 letters and digits");
+        }
+        if (fmt->call_id_len)
+            snprintf(ds_pre, sizeof ds_pre, "[TOOL_CALLS]%s[CALL_ID]%s[ARGS]", single, call_id);
+        else
+            snprintf(ds_pre, sizeof ds_pre, "[TOOL_CALLS]%s[ARGS]", single);
         pre = ds_pre;
         suf = "";
         sch = json_incref(single_params);
