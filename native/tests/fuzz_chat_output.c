@@ -30,8 +30,9 @@ static const cs_chat_format FORMATS[8] = {
     {.name = "mistral-v11", .tools = CS_TOOLS_MISTRAL_V11},
     {.name = "harmony", .tools = CS_TOOLS_HARMONY, .think_open = "<|channel|>analysis<|message|>",
      .think_close = "<|end|>", .content_open = "<|channel|>final<|message|>", .markers = HARMONY},
-    {.name = "none"},
-    {.name = "none"},
+    {.name = "deepseek-r1", .tools = CS_TOOLS_DEEPSEEK_R1, .think_open = "<think>", .think_close = "</think>",
+     .starts_thinking = 2},
+    {.name = "mistral-small-3.2", .tools = CS_TOOLS_MISTRAL_V11, .call_id_len = 9},
 };
 static const char *const NAMES[] = {"get_weather", "add", "f"};
 
