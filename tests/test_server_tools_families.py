@@ -72,7 +72,7 @@ def family_files(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         toks[kind] = (tok, cfg)
     vocab = max(t.get_vocab_size() for t, _ in toks.values())
     shape = FamilyShape("qwen3_moe", vocab=vocab, hidden=32, inter=16, layers=1, heads=2, kv_heads=1, head_dim=16,
-                        experts=4, top_k=2, seed=11)
+                        experts=4, top_k=2, max_pos=4096, seed=11)
     model = build_model(shape)
     out = {}
     for name, (file, kind, _) in FORMS.items():
@@ -92,7 +92,7 @@ def family_files(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 def form(request, server_path, family_files, tmp_path_factory):
     name = request.param
     path, hf_dir = family_files[name]
-    s = Server(server_path, path, tmp_path_factory.mktemp("logs") / f"{name}.log", "--max_seq_len", "2048")
+    s = Server(server_path, path, tmp_path_factory.mktemp("logs") / f"{name}.log", "--max_seq_len", "4096")
     yield name, s, hf_dir
     assert s.stop() == 0, s.text()
 
@@ -124,7 +124,7 @@ def test_required_and_named_calls_are_valid(form):
     for tools, choice in _choices(name):
         offered = [t["function"]["name"] for t in tools]
         for seed in range(2):
-            ch = c.chat.completions.create(model="m", messages=USER, tools=tools, tool_choice=choice,
+            ch = c.chat.completions.create(model=name, messages=USER, tools=tools, tool_choice=choice,
                                            temperature=1.0, seed=seed, max_tokens=160).choices[0]
             assert ch.finish_reason == "tool_calls", (name, ch)
             (call,) = ch.message.tool_calls
@@ -134,7 +134,7 @@ def test_required_and_named_calls_are_valid(form):
             _check(call.function.name, call.function.arguments)
             if name in ("nemo", "small-3.2"):   # the templates' rule for ids
                 assert re.fullmatch(r"[a-zA-Z0-9]{9}", call.id), call.id
-        calls, finish = _stream(c, model="m", messages=USER, tools=tools, tool_choice=choice, temperature=1.0,
+        calls, finish = _stream(c, model=name, messages=USER, tools=tools, tool_choice=choice, temperature=1.0,
                                 seed=5, max_tokens=160)
         assert finish == "tool_calls" and len(calls) == 1 and calls[0]["name"] in offered and calls[0]["id"]
         _check(calls[0]["name"], calls[0]["arguments"])
@@ -148,7 +148,7 @@ def test_call_and_result_render_back(form):
     name, s, hf_dir = form
     c = s.client()
     tools, choice = _choices(name)[0]
-    msg = c.chat.completions.create(model="m", messages=USER, tools=tools, tool_choice=choice, temperature=0,
+    msg = c.chat.completions.create(model=name, messages=USER, tools=tools, tool_choice=choice, temperature=0,
                                     max_tokens=160).choices[0].message
     (call,) = msg.tool_calls
     convo = USER + [
@@ -156,7 +156,7 @@ def test_call_and_result_render_back(form):
             {"id": call.id, "type": "function", "function": {"name": call.function.name,
                                                              "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"sum": 3}'}]
-    r = c.chat.completions.create(model="m", messages=convo, tools=tools, temperature=0, max_tokens=2)
+    r = c.chat.completions.create(model=name, messages=convo, tools=tools, temperature=0, max_tokens=2)
     assert r.choices[0].finish_reason in ("stop", "length")
     hf = AutoTokenizer.from_pretrained(str(hf_dir))
     ref = [dict(m) for m in convo]
