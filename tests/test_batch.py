@@ -276,3 +276,25 @@ def test_generate_many_equals_generate_alone(models, temperature):
                  for p, s in zip(prompts, seeds)]
         many = eng.generate_many(prompts, 12, temperature=temperature, top_k=40, top_p=0.95, seeds=seeds)
     assert many == alone
+
+
+@pytest.mark.parametrize("controls", [
+    {"min_p": 0.05, "presence_penalty": 0.8, "frequency_penalty": 0.5, "repetition_penalty": 1.3,
+     "repetition_last_n": 8, "logit_bias": {5: 4.0, 7: -100.0}, "stop_ids": [9, 17], "ignore_eos": True},
+    {"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                     "required": ["a"]}},
+])
+def test_generate_many_sampling_controls_equal_generate_alone(models, controls):
+    """generate_many takes generate's sampling controls: per prompt the same ids as alone."""
+    prompts = ["def main():", "import os\n", "class A:\n    def"]
+    seeds = [5, 6, 7]
+    with Engine(models["bf16"], num_threads=2, max_seqs=3) as eng:
+        alone = [[t.id for t in eng.generate(p, 16, temperature=0.9, top_k=40, seed=s, **controls)]
+                 for p, s in zip(prompts, seeds)]
+        many = eng.generate_many(prompts, 16, temperature=0.9, top_k=40, seeds=seeds, **controls)
+        plain = eng.generate_many(prompts, 16, temperature=0.9, top_k=40, seeds=seeds)
+    assert many == alone
+    assert many != plain   # the controls changed something
+    if "stop_ids" in controls:
+        assert all(7 not in ids for ids in many)
+        assert all(ids[-1] in (9, 17) or len(ids) == 16 for ids in many)

@@ -480,6 +480,8 @@ def family(name: str) -> str:
         return "mistral_v11"
     if name == "gpt-oss":
         return "harmony"
+    if name == "deepseek-v2":   # "User: " / "Assistant: " turns: the Tulu renderer with its own prefixes
+        return "tulu"
     if name.startswith("deepseek"):
         return "deepseek"
     if name == "qwen2.5":

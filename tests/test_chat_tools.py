@@ -37,8 +37,12 @@ SHIPPED = {  # file -> the name chat.c gives it
     "Mistral-Small-3.2-24B-Instruct-2506.jinja": "mistral-small-3.2",
     "unsloth-mistral-Devstral-Small-2507.jinja": "devstral",
     "openai-gpt-oss-120b.jinja": "gpt-oss",
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "deepseek-r1",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "deepseek-r1-distill-qwen",
 }
-NOT_RENDERED = ["deepseek-ai-DeepSeek-V3.2.jinja", "moonshotai-Kimi-K2.jinja"]  # other families
+# other families, and DeepSeek's DSML tool-call format (V3.2, V4), which chat.c does not render
+NOT_RENDERED = ["deepseek-ai-DeepSeek-V3.2.jinja", "deepseek-ai-DeepSeek-V4.jinja",
+                "deepseek-ai-DeepSeek-V4-Flash-0731.jinja", "moonshotai-Kimi-K2.jinja"]
 
 
 def templates_folder() -> Path:
@@ -81,7 +85,8 @@ TEKKEN_SPECIAL = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS
                   "[CALL_ID]", "[ARGS]", "[TOOL_CONTENT]"]
 DEEPSEEK_SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
                     "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
-                    "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]
+                    "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+                    "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"]
 
 
 @pytest.fixture(scope="module")
@@ -337,8 +342,9 @@ def test_required_call_constraint_is_the_rendered_call(driver, tmp_path, templat
     tpl = template(templates, fname)
     one = call(1, "add", {"a": 2, "b": 3.5})
     text = _assistant_text(hf, tpl, [U1, {"role": "assistant", "content": "", "tool_calls": [one]}])
-    out = run(driver, tmp_path, [f"tpl {hx(tpl)}", f"constraint {hx(json.dumps({'tools': TOOLS, 'only': 'add'}))}",
-                                 f"constraint {hx(json.dumps({'tools': TOOLS}))}"])
+    out = run(driver, tmp_path, [f"tpl {hx(tpl)}",
+                                 f"constraint {hx(json.dumps({'tools': TOOLS, 'only': 'add', 'call_id': 'call00001'}))}",
+                                 f"constraint {hx(json.dumps({'tools': TOOLS, 'call_id': 'call00001'}))}"])
     named = json.loads(bytes.fromhex(out[0].split(" ", 1)[1]))
     schema = json.loads(named["schema"])
     if "deepseek" in fname or "Small-3.2" in fname or "Devstral" in fname:
@@ -354,9 +360,11 @@ def test_required_call_constraint_is_the_rendered_call(driver, tmp_path, templat
     body = json.dumps(obj, ensure_ascii=False)
     if "Nemo" in fname:   # the template adds the id inside the object
         body = body[:-1] + ', "id": "call00001"}'
-    if "Small-3.2" in fname:   # the call id (the server's to choose) is not part of the constraint
-        assert named["prefix"] == "[TOOL_CALLS]add[ARGS]" and "[TOOL_CALLS]add[CALL_ID]call00001[ARGS]" + body in text
-        return
+    if "Small-3.2" in fname:   # the call id, the server's to choose (9 of [a-zA-Z0-9]), is written by the prefix
+        assert named["prefix"] == "[TOOL_CALLS]add[CALL_ID]call00001[ARGS]"
+        bad = run(driver, tmp_path, [f"tpl {hx(tpl)}",
+                                     f"constraint {hx(json.dumps({'tools': TOOLS, 'only': 'add', 'call_id': 'call_0001'}))}"])
+        assert bad[0].startswith("err ") and "9 letters and digits" in answer(bad[0])
     assert named["prefix"] + body + named["suffix"] in text, (named, text)
 
 
@@ -396,9 +404,10 @@ def test_harmony_renders_as_transformers(driver, tmp_path, templates, harmony_to
         for label, (conv, tools) in convs.items():
             cmds.append(chatj(conv, tools, **kw))
             cases.append((label, kw, conv, tools))
-    nested = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
-        "type": "object", "properties": {"o": {"type": "object", "properties": {"x": {"type": "string"}}}}}}}]
-    cmds.append(f"chatj {hx(json.dumps({'messages': [U1], 'tools': nested}))}")
+    # an enum item that is a list: Jinja's join writes Python's repr of it, which chat.c does not
+    odd = [{"type": "function", "function": {"name": "pick", "description": "d", "parameters": {
+        "type": "object", "properties": {"o": {"type": "string", "enum": ["a", ["b", 1]]}}}}}]
+    cmds.append(f"chatj {hx(json.dumps({'messages': [U1], 'tools': odd}))}")
     out = run(driver, tmp_path, cmds)
     assert out[0] == "ok"
     rendered, bad = 0, []
@@ -415,7 +424,68 @@ def test_harmony_renders_as_transformers(driver, tmp_path, templates, harmony_to
     assert not bad, "\n".join(bad)
     assert rendered >= 2 * (len(convs) - 2)
     err = answer(out[-1])
-    assert isinstance(err, str) and "nested object" in err
+    assert isinstance(err, str) and "function pick" in err and "enum" in err, err
+    assert isinstance(theirs(hf, tpl, [U1], False), list)
+
+
+def _fn(name, params, desc="A function."):
+    return {"type": "function", "function": {"name": name, "description": desc, "parameters": params}}
+
+
+# parameter schemas as agents send them: nested objects, arrays of objects, oneOf / anyOf,
+# enums, descriptions, defaults, nullable, type lists, $ref
+HARMONY_TOOLS = [
+    _fn("create_event", {"type": "object", "properties": {
+        "title": {"type": "string", "description": "The event's title"},
+        "when": {"type": "object", "description": "Start and end", "properties": {
+            "start": {"type": "string", "description": "ISO 8601"}, "end": {"type": "string"},
+            "all_day": {"type": "boolean", "default": False}}, "required": ["start"]},
+        "attendees": {"type": "array", "items": {"type": "object", "properties": {
+            "email": {"type": "string"}, "optional": {"type": "boolean"}}, "required": ["email"]}},
+        "tags": {"type": "array", "items": {"type": "string"}, "nullable": True},
+        "priority": {"type": "string", "enum": ["low", "normal", "high"], "default": "normal"},
+        "reminder": {"oneOf": [{"type": "integer", "description": "minutes before"},
+                               {"type": "string", "enum": ["none", "default"], "default": "default"}]},
+        "location": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "repeat": {"oneOf": [{"type": "object", "properties": {"every": {"type": "integer"}}},
+                             {"type": "object", "properties": {"cron": {"type": "string"}}}], "default": "none"},
+        "ratio": {"type": "number", "default": 0.25, "minimum": 0},
+        "grid": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+        "kind": {"type": ["string", "null"]},
+        "meta": {"type": "object", "additionalProperties": {"type": "string"}},
+        "ref": {"$ref": "#/$defs/x"},
+        "levels": {"type": "integer", "enum": [1, 2, 3]},
+        "note": {"type": "string", "nullable": True, "description": "Free text"},
+    }, "required": ["title", "when"]}),
+    _fn("no_params", {"type": "object", "properties": {}}),
+    _fn("deep", {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {
+        "type": "object", "properties": {"c": {"type": "array", "items": {"type": "object", "properties": {
+            "d": {"type": "string", "enum": ["x", "y"]}}}}}, "required": ["c"]}}}}}),
+    _fn("short_objects", {"type": "object", "properties": {
+        "pairs": {"type": "array", "items": {"type": ["object", "object"]}},
+        "ids": {"type": "array", "items": {"oneOf": [{"type": "string"}, {"type": "integer"}]}},
+        "any_items": {"type": "array", "items": {}},
+        "untyped": {"description": "anything"}}}),
+]
+
+
+def test_harmony_tool_types_render_as_transformers(driver, tmp_path, templates, harmony_tok):
+    """The TypeScript namespace of gpt-oss for nested parameter schemas, ids equal."""
+    hf, section = harmony_tok
+    tpl = template(templates, "openai-gpt-oss-120b.jinja")
+    cases = [[t] for t in HARMONY_TOOLS] + [HARMONY_TOOLS]
+    cmds = [f"tok {hx(str(section))}", f"tpl {hx(tpl)}"]
+    cmds += [f"chatj {hx(json.dumps({'messages': [U1], 'tools': tools}))}" for tools in cases]
+    out = run(driver, tmp_path, cmds)
+    assert out[0] == "ok"
+    for tools, line in zip(cases, out[1:]):
+        want = hf.apply_chat_template([U1], tools=tools, chat_template=tpl, tokenize=True,
+                                      add_generation_prompt=True, return_dict=False)
+        got = answer(line)
+        assert got == want, (tools[0]["function"]["name"], got if isinstance(got, str) else hf.decode(got),
+                             hf.decode(want))
+    text = hf.decode(answer(out[-1]))
+    assert "when: {\nstart: \n                string, end?: \n                string" in text
 
 
 def test_harmony_call_parse_and_constraint(driver, tmp_path, templates, harmony_tok):
@@ -450,3 +520,156 @@ def test_harmony_channels_split(driver, tmp_path, templates):
         pr, pc = r, c
     assert (pr, pc) == ("The user greets.", "Bonjour.")
     assert got[-1]["reasoning"] is None and got[-1]["content"] == "Direct."
+
+
+# ---------------------------------------------------------------------------------------
+# DeepSeek-V2 and DeepSeek-R1.
+
+
+def llama_cpp_test_template(templates: Path, name: str) -> str:
+    """A template string of llama.cpp's tests/test-chat-template.cpp (the hub models' texts)."""
+    import ast
+    import re
+
+    src = (templates.parent.parent / "tests" / "test-chat-template.cpp").read_text("utf-8")
+    m = re.search(r'/\* \.name= \*/ "' + re.escape(name) + r'",\s*/\* \.template_str= \*/ (?:U8C\()?("(?:[^"\\]|\\.)*")',
+                  src)
+    assert m, name
+    return ast.literal_eval(m.group(1))
+
+
+def test_deepseek_v2_renders_as_transformers(driver, tmp_path, templates, deepseek_tok):
+    from test_chat_template import BPE_SPECIALS, COMMON, compare
+
+    hf, section = deepseek_tok
+    tpl = llama_cpp_test_template(templates, "DeepSeek-V2")
+    assert run(driver, tmp_path, [f"tpl {hx(tpl)}", "name", "stop"]) == ["name deepseek-v2", "stop"]
+    got = compare(driver, tmp_path, hf, section, "deepseek-v2", tpl, {**COMMON, **BPE_SPECIALS})
+    assert hf.decode(got[list(COMMON).index("system+multi-turn")]) == (
+        "<｜begin▁of▁sentence｜>You are a terse assistant. Answer in one line.\n\nUser: What is 2 + 2?\n\n"
+        "Assistant: 4.<｜end▁of▁sentence｜>User: And 3 + 3? Explain it step by step.\n\nAssistant:")
+    err = answer(run(driver, tmp_path, [f"tok {hx(str(section))}", f"tpl {hx(tpl)}", chatj([U1], True)])[1])
+    assert isinstance(err, str) and "deepseek-v2 has no tools" in err
+
+
+R1_FILES = {  # file -> arguments | tojson (else concatenated as text)
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": False,
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": True,
+}
+A_CALL_NONE = {"role": "assistant", "content": None, "tool_calls": [CALL1]}
+A_TWO_NONE = {"role": "assistant", "content": None, "tool_calls": [CALL1, CALL2]}
+
+
+def text_args(conv):
+    """The calls' arguments as JSON text (what OpenAI clients send; the first R1 template
+    concatenates them)."""
+    out = []
+    for m in conv:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": a if isinstance(
+                a := c["function"]["arguments"], str) else json.dumps(a, ensure_ascii=False)}} for c in m["tool_calls"]]}
+        out.append(m)
+    return out
+
+
+R1_CONVS = {
+    "call, content none": ([U1, A_CALL_NONE, R1], True),
+    "parallel, content none": ([SYS, U1, A_TWO_NONE, R1, R2, A_END, U2], True),
+    "two calling turns": ([U1, A_CALL_NONE, R1, A_END, U2, A_TWO_NONE, R1, R2], True),
+    "arguments as text": (text_args([U1, A_TWO_NONE, R1, R2, A_END]), True),
+    "two systems, think": ([SYS, U1, {"role": "assistant", "content": "<think>a</think>b</think>c"},
+                            {"role": "system", "content": "Later system."}, U2], False),
+    "result then text": ([U1, A_CALL_NONE, R1, {"role": "assistant", "content": "<think>x</think>done"}], True),
+}
+
+
+def theirs_none_kept(hf, tpl, conv, tools, **kw):
+    """The reference for messages whose content is None: transformers now drops None keys, and
+    the R1 templates then fail on the missing content; before, it passed None through, and
+    `content is none` is where the templates render tool calls. So: the template rendered in
+    transformers' own Jinja environment with None kept, the text tokenized as it tokenizes."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    text = _compile_jinja_template(tpl).render(messages=conv, tools=TOOLS if tools else None, bos_token=hf.bos_token,
+                                               eos_token=hf.eos_token, add_generation_prompt=True, **kw)
+    return hf.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("fname", list(R1_FILES))
+def test_deepseek_r1_renders_as_transformers(driver, tmp_path, templates, deepseek_tok, fname):
+    """Both R1 forms on every conversation; where the first release concatenates the
+    arguments, arguments given as an object render as their json.dumps text does."""
+    hf, section = deepseek_tok
+    tpl, tojson = template(templates, fname), R1_FILES[fname]
+    cmds, cases = [f"tok {hx(str(section))}", f"tpl {hx(tpl)}"], []
+    for kw in ({}, {"enable_thinking": True}, {"enable_thinking": False}):
+        for label, (conv, tools) in {**CONVS, **R1_CONVS}.items():
+            cmds.append(chatj(conv, tools, **kw))
+            cases.append((label, kw, conv if tojson else text_args(conv), tools))
+    out = run(driver, tmp_path, cmds)
+    assert out[0] == "ok", answer(out[0])
+    bad, calls = [], 0
+    for (label, kw, ref, tools), line in zip(cases, out[1:]):
+        none = any(m.get("content", "") is None for m in ref)
+        got, want = answer(line), (theirs_none_kept if none else theirs)(hf, tpl, ref, tools, **kw)
+        assert not isinstance(want, Exception), (label, want)
+        calls += "<｜tool▁call▁begin｜>" in hf.decode(want)
+        if got != want:
+            bad.append(f"{label} {kw}: chat.c {hf.decode(got) if isinstance(got, list) else got!r}\n"
+                       f"    transformers {hf.decode(want)!r}")
+    assert not bad, "\n".join(bad)
+    assert calls >= 3 * 5
+    err = answer(run(driver, tmp_path, [f"tok {hx(str(section))}", f"tpl {hx(tpl)}",
+                                        chatj([U1, {"role": "robot", "content": "x"}], False)])[1])
+    assert isinstance(err, str) and '"robot"' in err   # the template would drop it
+
+
+def _r1_output(hf, tpl, msg) -> str:
+    """What the model writes for `msg` after <｜Assistant｜> (the block, without the EOS)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    t = _compile_jinja_template(tpl)
+    head = t.render(messages=[U1], bos_token=hf.bos_token, eos_token=hf.eos_token)
+    full = t.render(messages=[U1, msg], bos_token=hf.bos_token, eos_token=hf.eos_token)
+    assert full.startswith(head + "<｜Assistant｜>"), full
+    t = full[len(head + "<｜Assistant｜>"):]
+    return t.removesuffix("<｜end▁of▁sentence｜>")
+
+
+@pytest.mark.parametrize("fname", list(R1_FILES))
+def test_deepseek_r1_parse_and_constraint(driver, tmp_path, templates, deepseek_tok, fname):
+    hf, _ = deepseek_tok
+    tpl, tojson = template(templates, fname), R1_FILES[fname]
+    texts = []
+    for msg in (A_CALL_NONE, A_TWO_NONE):
+        t = _r1_output(hf, tpl, msg if tojson else text_args([msg])[0])
+        assert t.startswith("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"), t
+        texts.append((msg, t))
+    reqs = [{"text": t, "final": True, "names": ["get_weather", "add"]} for _, t in texts]
+    reqs.append({"text": "Paris, then.</think>\n\n" + texts[1][1], "final": True, "thinking": True})
+    reqs.append({"text": texts[0][1], "final": True, "names": ["add"]})   # not offered: content
+    reqs.append({"text": texts[0][1].replace("function<", "method<"), "final": True})   # not a function call
+    got = parse(driver, tmp_path, tpl, reqs)
+    for (msg, _), g in zip(texts, got):
+        want = [[c["function"]["name"], json.dumps(c["function"]["arguments"]), None] for c in msg["tool_calls"]]
+        assert g["calls"] == want and g["content"] is None, g
+    th = got[2]
+    assert th["reasoning"] == "Paris, then." and th["content"] is None and len(th["calls"]) == 2, th
+    assert got[3]["calls"] == [] and got[3]["content"] == texts[0][1]
+    assert got[4]["calls"] == []
+    # the constraint of a named call is the rendered call
+    out = run(driver, tmp_path, [f"tpl {hx(tpl)}", f"constraint {hx(json.dumps({'tools': TOOLS, 'only': 'add'}))}",
+                                 f"constraint {hx(json.dumps({'tools': TOOLS}))}"])
+    named = json.loads(bytes.fromhex(out[0].split(" ", 1)[1]))
+    assert json.loads(named["schema"]) == TOOLS[1]["function"]["parameters"]
+    assert out[1].startswith("err ")   # the name is outside the JSON: one function
+    one = call(1, "add", {"a": 2, "b": 3.5})
+    msg = {"role": "assistant", "content": None, "tool_calls": [one]}
+    rendered = _r1_output(hf, tpl, msg if tojson else text_args([msg])[0])
+    body = json.dumps(one["function"]["arguments"])
+    if tojson:
+        assert named["prefix"] + body + named["suffix"] == rendered
+    else:   # the first release ends the block only after a second call
+        assert named["prefix"] + body + named["suffix"] == rendered + "<｜tool▁calls▁end｜>"
+    parsed = parse(driver, tmp_path, tpl, [{"text": named["prefix"] + body + named["suffix"], "final": True}])[0]
+    assert parsed["calls"] == [["add", body, None]]

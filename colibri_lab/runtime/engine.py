@@ -778,12 +778,21 @@ class Engine:
             pos += 1
 
     def generate_many(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                      top_p: float = 1.0, seeds=None, stop_at_eos: bool = True) -> list[list[int]]:
+                      top_p: float = 1.0, seeds=None, stop_at_eos: bool = True, *, min_p: float = 0.0,
+                      presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                      repetition_penalty: float = 1.0, repetition_last_n: int = 0, logit_bias=None,
+                      stop_ids=(), ignore_eos: bool = False, json_schema=None) -> list[list[int]]:  # fmt: skip
         """Generate for several prompts at once, one sequence each (0 .. len(prompts)-1, which
         are cleared first): every step is one :meth:`batch` with the prompts still going, and
-        each sequence samples with its own xorshift state seeded by ``seeds[i]`` (default
-        ``i``), so every prompt gets exactly the ids :meth:`generate` gives it alone with
-        that seed. Returns the generated ids of each prompt."""
+        each sequence samples with its own sampler (the settings of :meth:`generate`: min-p,
+        penalties, ``logit_bias``, ``stop_ids``, ``ignore_eos``, ``json_schema``, the same for
+        every prompt; the schema compiled once) and its own xorshift state seeded by
+        ``seeds[i]`` (default ``i``), so every prompt gets exactly the ids :meth:`generate`
+        gives it alone with that seed and those settings. A prompt ends as in :meth:`generate`
+        (``max_new_tokens``; EOS when ``stop_at_eos``; a stop id; the end of the schema's
+        JSON). Returns the generated ids of each prompt."""
+        from .sampling import FINISH_EOS, FINISH_GRAMMAR, FINISH_STOP_ID, Grammar, Sampler
+
         self._c()
         n = len(prompts)
         if n == 0:
@@ -792,11 +801,30 @@ class Engine:
             raise _native.ColibriInvalidArgError(
                 f"{n} prompts need {n} sequences; open the Engine with max_seqs >= {n}")
         seeds = list(range(n)) if seeds is None else [int(s) for s in seeds]
+        if len(seeds) != n:
+            raise _native.ColibriInvalidArgError(f"{len(seeds)} seeds for {n} prompts")
         ids = [self.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else [int(x) for x in _as_ids(p)]
                for p in prompts]
         if any(not p for p in ids):
             raise _native.ColibriInvalidArgError("a prompt is empty: give text or an id")
-        eos = self.tokenizer.eos_id if self._has_tokenizer() else -1
+        max_new_tokens = int(max_new_tokens)
+        if max_new_tokens <= 0:
+            return [[] for _ in range(n)]
+        tok = self.tokenizer if self._has_tokenizer() else None
+        grammar = None
+        if json_schema is not None and json_schema is not False:
+            if tok is None:
+                raise NotImplementedError("json_schema needs the model's tokenizer; this file has none")
+            grammar = Grammar(tok, json_schema)
+        samplers = []
+        for s in range(n):
+            sp = Sampler(self._vocab, tok.eos_id if tok is not None else -1, temperature=temperature, top_k=top_k,
+                         top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
+                         frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                         repetition_last_n=repetition_last_n, ignore_eos=ignore_eos, logit_bias=logit_bias,
+                         stop_ids=stop_ids, grammar=grammar)  # fmt: skip
+            sp.add_prompt(ids[s])
+            samplers.append(sp)
         rngs = [ctypes.c_uint64(s & 0xFFFFFFFFFFFFFFFF) for s in seeds]
         cached = []
         for s in range(n):
@@ -804,12 +832,15 @@ class Engine:
             cached.append(self.sequence(s).reuse_prefix(ids[s]))
         out: list[list[int]] = [[] for _ in range(n)]
         rows = dict(zip(range(n), (r[0] for r in self.batch([(s, ids[s][cached[s]:]) for s in range(n)]))))
-        while rows and int(max_new_tokens) > 0:
+        while rows:
             work = []
             for s, row in rows.items():
-                nxt = self._sample(row, temperature, top_k, top_p, rngs[s])
+                nxt = samplers[s].sample(row, rngs[s])
+                fin = samplers[s].finished
                 out[s].append(nxt)
-                if len(out[s]) < int(max_new_tokens) and not (stop_at_eos and nxt == eos):
+                done = (len(out[s]) >= max_new_tokens or (stop_at_eos and fin == FINISH_EOS)
+                        or fin in (FINISH_STOP_ID, FINISH_GRAMMAR))  # fmt: skip
+                if not done:
                     work.append((s, [nxt]))
             rows = dict(zip((s for s, _ in work), (r[0] for r in self.batch(work)))) if work else {}
         return out

@@ -30,8 +30,9 @@ static const cs_chat_format FORMATS[8] = {
     {.name = "mistral-v11", .tools = CS_TOOLS_MISTRAL_V11},
     {.name = "harmony", .tools = CS_TOOLS_HARMONY, .think_open = "<|channel|>analysis<|message|>",
      .think_close = "<|end|>", .content_open = "<|channel|>final<|message|>", .markers = HARMONY},
-    {.name = "none"},
-    {.name = "none"},
+    {.name = "deepseek-r1", .tools = CS_TOOLS_DEEPSEEK_R1, .think_open = "<think>", .think_close = "</think>",
+     .starts_thinking = 2},
+    {.name = "mistral-small-3.2", .tools = CS_TOOLS_MISTRAL_V11, .call_id_len = 9},
 };
 static const char *const NAMES[] = {"get_weather", "add", "f"};
 
@@ -62,7 +63,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         json_t *t = json_loadb(text, n, 0, NULL);
         if (json_is_array(t)) {
             char *pre = NULL, *suf = NULL, *sch = NULL, err[256];
-            if (cs_tool_call_constraint(f, t, NULL, &pre, &suf, &sch, err, sizeof err) == 0) {
+            if (cs_tool_call_constraint(f, t, NULL, "abcDEF123", &pre, &suf, &sch, err, sizeof err) == 0) {
                 free(pre);
                 free(suf);
                 free(sch);

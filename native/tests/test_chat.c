@@ -20,7 +20,7 @@
  *     parse HEXJSON            cs_output_parse with the template's format of {"text", "final",
  *                              "thinking", "tools": bool, "names": [...]} -> "parsed HEXJSON"
  *                              ({"reasoning", "content", "in_tools", "calls": [[name, args, id]]})
- *     constraint HEXJSON       cs_tool_call_constraint of {"tools", "only"} -> "constraint
+ *     constraint HEXJSON       cs_tool_call_constraint of {"tools", "only", "call_id"} -> "constraint
  *                              HEXJSON" ({"prefix", "suffix", "schema"}) | "err HEX"
  */
 #include "../tools/colibri_server/chat.c"
@@ -341,7 +341,8 @@ static int run_commands(const char *path) {
             json_t *root = json_loads(js.p ? js.p : "", 0, NULL);
             char *pre = NULL, *suf = NULL, *sch = NULL, err[512];
             if (cs_tool_call_constraint(cs_chat_template_format(tpl.p), json_object_get(root, "tools"),
-                                        json_string_value(json_object_get(root, "only")), &pre, &suf, &sch, err,
+                                        json_string_value(json_object_get(root, "only")),
+                                        json_string_value(json_object_get(root, "call_id")), &pre, &suf, &sch, err,
                                         sizeof err) == 0) {
                 json_t *res = json_pack("{s:s, s:s, s:s}", "prefix", pre, "suffix", suf, "schema", sch);
                 char *dumped = json_dumps(res, JSON_COMPACT);

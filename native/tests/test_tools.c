@@ -140,17 +140,37 @@ int main(void) {
                                    "{\"type\": \"object\"}}}, {\"type\": \"function\", \"function\": {\"name\": "
                                    "\"get_weather\"}}]", 0, NULL);
         char *pre, *suf, *sch, err[256];
-        CHECK(cs_tool_call_constraint(&HERMES, tools, NULL, &pre, &suf, &sch, err, sizeof err) == 0, "%s", err);
+        CHECK(cs_tool_call_constraint(&HERMES, tools, NULL, NULL, &pre, &suf, &sch, err, sizeof err) == 0, "%s", err);
         CHECK(!strcmp(pre, "<tool_call>\n") && !strcmp(suf, "\n</tool_call>") && strstr(sch, "\"anyOf\""), "%s %s %s",
               pre, suf, sch);
         free(pre), free(suf), free(sch);
-        CHECK(cs_tool_call_constraint(&DEEPSEEK, tools, NULL, &pre, &suf, &sch, err, sizeof err) == -1 &&
+        CHECK(cs_tool_call_constraint(&DEEPSEEK, tools, NULL, NULL, &pre, &suf, &sch, err, sizeof err) == -1 &&
                   strstr(err, "one function"), "deepseek, two functions: %s", err);
-        CHECK(cs_tool_call_constraint(&DEEPSEEK, tools, "get_weather", &pre, &suf, &sch, err, sizeof err) == 0 &&
+        CHECK(cs_tool_call_constraint(&DEEPSEEK, tools, "get_weather", NULL, &pre, &suf, &sch, err, sizeof err) == 0 &&
                   strstr(pre, "get_weather<｜tool▁sep｜>") && !strcmp(sch, "{\"type\":\"object\"}"), "%s", sch);
         free(pre), free(suf), free(sch);
+        /* Mistral-Small-3.2: the caller's call id is written by the prefix; ids are 9 of [a-zA-Z0-9] */
+        static const cs_chat_format SMALL = {.name = "mistral-small-3.2", .tools = CS_TOOLS_MISTRAL_V11,
+                                             .call_id_len = 9};
+        CHECK(cs_tool_call_constraint(&SMALL, tools, "add", "abcDEF123", &pre, &suf, &sch, err, sizeof err) == 0 &&
+                  !strcmp(pre, "[TOOL_CALLS]add[CALL_ID]abcDEF123[ARGS]") && !strcmp(suf, ""), "%s", pre);
+        free(pre), free(suf), free(sch);
+        CHECK(cs_tool_call_constraint(&SMALL, tools, "add", "call_1234", &pre, &suf, &sch, err, sizeof err) == -1 &&
+                  strstr(err, "9 letters and digits"), "a bad id: %s", err);
+        CHECK(cs_tool_call_constraint(&SMALL, tools, "add", NULL, &pre, &suf, &sch, err, sizeof err) == -1, "no id");
+        CHECK(cs_valid_call_id(&SMALL, "Z9z9Z9z9Z") && !cs_valid_call_id(&SMALL, "Z9z9Z9z9") &&
+                  !cs_valid_call_id(&SMALL, "Z9z9Z9z9Z9") && !cs_valid_call_id(&SMALL, "Z9z9Z9z9-") &&
+                  cs_valid_call_id(&HERMES, "call_x") && !cs_valid_call_id(&HERMES, ""), "cs_valid_call_id");
+        {
+            const char *out = "[TOOL_CALLS]add[CALL_ID]abcDEF123[ARGS]{\"a\": 1}[TOOL_CALLS]add[CALL_ID]bad-id[ARGS]{}";
+            cs_parsed pp;
+            CHECK(cs_output_parse(&SMALL, 0, 1, NULL, 0, out, strlen(out), 1, &pp) == 0 && pp.n_calls == 2 &&
+                      pp.calls[0].id && !strcmp(pp.calls[0].id, "abcDEF123") && !pp.calls[1].id,
+                  "the ids parsed: a valid one kept, an invalid one dropped");
+            cs_parsed_free(&pp);
+        }
         static const cs_chat_format NONE = {.name = "chatml"};
-        CHECK(cs_tool_call_constraint(&NONE, tools, NULL, &pre, &suf, &sch, err, sizeof err) == -1, "no tools");
+        CHECK(cs_tool_call_constraint(&NONE, tools, NULL, NULL, &pre, &suf, &sch, err, sizeof err) == -1, "no tools");
         json_decref(tools);
     }
 

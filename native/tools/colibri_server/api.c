@@ -467,9 +467,10 @@ static void stream_split(cs_job *j, int c, const cs_parsed *p) {
 static void make_call_id(cs_job *j, char *out, size_t cap) {
     static const char ALNUM[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
     uint64_t x = random_seed(j->srv), y = random_seed(j->srv);
-    if (j->fmt && j->fmt->tools == CS_TOOLS_MISTRAL) { /* its template wants 9 alphanumerics */
-        for (int k = 0; k < 9; k++, x /= 62) out[k] = ALNUM[x % 62];
-        out[9] = 0;
+    if (j->fmt && j->fmt->call_id_len > 0 && (size_t)j->fmt->call_id_len < cap && j->fmt->call_id_len <= 10) {
+        /* its template wants that many alphanumerics (Mistral: 9) */
+        for (int k = 0; k < j->fmt->call_id_len; k++, x /= 62) out[k] = ALNUM[x % 62];
+        out[j->fmt->call_id_len] = 0;
     } else {
         snprintf(out, cap, "call_%016" PRIx64 "%08" PRIx64, x, y & 0xFFFFFFFFu);
     }
@@ -986,8 +987,9 @@ static int parse_tools(cs_job *j, json_t *root, cs_chat_opts *opts, cs_api_error
         return -1;
     }
     if (j->fmt && (choice == TC_REQUIRED || choice == TC_NAMED)) { /* no format: the template is refused */
-        char *pre = NULL, *suf = NULL, *sch = NULL, msg[256];
-        if (cs_tool_call_constraint(j->fmt, j->tools, named, &pre, &suf, &sch, msg, sizeof msg) != 0) {
+        char *pre = NULL, *suf = NULL, *sch = NULL, msg[256], cid[40];
+        make_call_id(j, cid, sizeof cid); /* where the syntax writes an id outside the JSON, the prefix writes this */
+        if (cs_tool_call_constraint(j->fmt, j->tools, named, cid, &pre, &suf, &sch, msg, sizeof msg) != 0) {
             BAD("tool_choice", "%s", msg);
             return -1;
         }
@@ -1018,7 +1020,8 @@ static int parse_tools(cs_job *j, json_t *root, cs_chat_opts *opts, cs_api_error
     }
     j->parse_tools = choice != TC_NONE && j->n_tool_names > 0 && j->fmt && j->fmt->tools != CS_TOOLS_NONE;
     /* a forced call starts at once: no reasoning block is written before it */
-    j->thinking = j->fmt && j->fmt->starts_thinking && opts->enable_thinking == 1 && !j->forced_call;
+    j->thinking = j->fmt && j->fmt->starts_thinking && (opts->enable_thinking == 1 || j->fmt->starts_thinking == 2) &&
+                  !j->forced_call;
     j->structured = j->fmt && (j->parse_tools || j->fmt->think_open);
     return 0;
 }

@@ -284,7 +284,7 @@ static const char T_OLMO2_INSTRUCT[] =
     "{% endif %}\n"
     "{% endfor %}";
 
-enum { FAM_MISTRAL, FAM_CHATML, FAM_QWEN3, FAM_TULU, FAM_QWEN25, FAM_MISTRAL_TEKKEN, FAM_DEEPSEEK3, FAM_MISTRAL_SMALL32, FAM_DEVSTRAL, FAM_HARMONY, N_FAMILIES };
+enum { FAM_MISTRAL, FAM_CHATML, FAM_QWEN3, FAM_TULU, FAM_QWEN25, FAM_MISTRAL_TEKKEN, FAM_DEEPSEEK3, FAM_MISTRAL_SMALL32, FAM_DEVSTRAL, FAM_HARMONY, FAM_DEEPSEEK_R1, N_FAMILIES };
 
 typedef struct variant {
     const char *name;
@@ -298,11 +298,16 @@ typedef struct variant {
     const char *role_err;
     /* FAM_CHATML */
     int default_system;        /* the template's literal at @@SYSTEM_PROMPT@@ */
-    /* FAM_TULU */
+    /* FAM_TULU (user_prefix / asst_prefix too; NULL: Tulu's "<|user|>\n", "<|assistant|>\n") */
     int bos;                   /* starts with {{ bos_token }} */
+    const char *system_prefix; /* NULL: "<|system|>\n" */
     const char *system_end, *user_end;     /* after the content */
     const char *asst_end, *asst_end_last;  /* after EOS: not the last message / the last */
     const char *generation;                /* the generation prompt */
+    /* FAM_DEEPSEEK_R1: tool calls when tool_calls is truthy, arguments | tojson, a `tool▁calls▁end`
+     * after each calling message and the thinking switch (else: when content is none,
+     * arguments as text, the end only after a second call, the prompt always thinking) */
+    int r1_tojson;
     /* FAM_QWEN25, FAM_DEVSTRAL: the default system prompt; FAM_MISTRAL_SMALL32: its text
      * before the date, and system_default_b after it */
     const char *system_default, *system_default_b;
@@ -366,7 +371,7 @@ static const variant VARIANTS[] = {
      .system_default = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."},
     /* Mistral-Nemo-Instruct-2407 (v3-tekken, [AVAILABLE_TOOLS] / [TOOL_CALLS] / [TOOL_RESULTS]) */
     {.name = "mistral-v3-tekken", .family = FAM_MISTRAL_TEKKEN, .src = T_MISTRAL_NEMO,
-     .fmt = {.name = "mistral-v3-tekken", .tools = CS_TOOLS_MISTRAL}},
+     .fmt = {.name = "mistral-v3-tekken", .tools = CS_TOOLS_MISTRAL, .call_id_len = 9}},
     /* DeepSeek-V3.1 (thinking switch, tool calls in <｜tool▁calls▁begin｜> ...) */
     {.name = "deepseek-v3.1", .family = FAM_DEEPSEEK3, .src = T_DEEPSEEK_V31,
      .fmt = {.name = "deepseek-v3.1", .tools = CS_TOOLS_DEEPSEEK, .think_open = "<think>",
@@ -374,12 +379,24 @@ static const variant VARIANTS[] = {
     /* Mistral-Small-3.2-24B-Instruct-2506 ([SYSTEM_PROMPT] with today's date, [CALL_ID]) */
     {.name = "mistral-small-3.2", .family = FAM_MISTRAL_SMALL32, .src = T_MISTRAL_SMALL_32,
      .system_default = T_MISTRAL_SMALL_32_SYS_A, .system_default_b = T_MISTRAL_SMALL_32_SYS_B,
-     .fmt = {.name = "mistral-small-3.2", .tools = CS_TOOLS_MISTRAL_V11}},
+     .fmt = {.name = "mistral-small-3.2", .tools = CS_TOOLS_MISTRAL_V11, .call_id_len = 9}},
     /* gpt-oss (harmony): reasoning on the analysis channel, the answer on the final one */
     {.name = "gpt-oss", .family = FAM_HARMONY, .src = T_GPT_OSS,
      .fmt = {.name = "gpt-oss", .tools = CS_TOOLS_HARMONY, .think_open = "<|channel|>analysis<|message|>",
              .think_close = "<|end|>",
              .content_open = "<|channel|>final<|message|>", .markers = HARMONY_MARKERS}},
+    /* DeepSeek-V2-Chat / V2-Lite-Chat: "User: ...\n\n", "Assistant: ..." + EOS, no tools */
+    {.name = "deepseek-v2", .fmt = FMT_NONE("deepseek-v2"), .family = FAM_TULU, .src = T_DEEPSEEK_V2, .bos = 1,
+     .system_prefix = "", .user_prefix = "User: ", .asst_prefix = "Assistant: ", .system_end = "\n\n",
+     .user_end = "\n\n", .asst_end = "", .asst_end_last = "", .generation = "Assistant:"},
+    /* DeepSeek-R1 as first released (R1-Distill-Llama-8B): the prompt always opens <think> */
+    {.name = "deepseek-r1", .family = FAM_DEEPSEEK_R1, .src = T_DEEPSEEK_R1,
+     .fmt = {.name = "deepseek-r1", .tools = CS_TOOLS_DEEPSEEK_R1, .think_open = "<think>",
+             .think_close = "</think>", .starts_thinking = 2}},
+    /* DeepSeek-R1-Distill-Qwen-32B as llama.cpp ships it (arguments | tojson, thinking switch) */
+    {.name = "deepseek-r1-distill-qwen", .family = FAM_DEEPSEEK_R1, .src = T_DEEPSEEK_R1_TOJSON, .r1_tojson = 1,
+     .fmt = {.name = "deepseek-r1-distill-qwen", .tools = CS_TOOLS_DEEPSEEK_R1, .think_open = "<think>",
+             .think_close = "</think>", .starts_thinking = 1}},
     /* Devstral-Small-2507 (Unsloth's template: [TOOL_CALLS]name[ARGS]) */
     {.name = "devstral", .family = FAM_DEVSTRAL, .src = T_DEVSTRAL_UNSLOTH, .system_default = T_DEVSTRAL_SYS,
      .fmt = {.name = "devstral", .tools = CS_TOOLS_MISTRAL_V11}},
@@ -389,7 +406,8 @@ static const variant VARIANTS[] = {
 
 #define SUPPORTED                                                                            \
     "colibri_server renders the chat templates of Mixtral/Mistral-Instruct, Mistral-Nemo, "  \
-    "Mistral-Small-3.2, Devstral, ChatML/Qwen2, Qwen2.5, Qwen3, DeepSeek-V3.1, gpt-oss and OLMoE/Tulu: "
+    "Mistral-Small-3.2, Devstral, ChatML/Qwen2, Qwen2.5, Qwen3, DeepSeek-V2, DeepSeek-R1, DeepSeek-V3.1, "  \
+    "gpt-oss and OLMoE/Tulu: "
 #define USE_COMPLETIONS "; format the prompt yourself and send it to /v1/completions instead"
 
 /* ------------------------------------------------------------------ small buffers */
@@ -1429,81 +1447,180 @@ static void render_mistral_v11(render *r, const variant *v, const cs_message *m,
     }
 }
 
-/* render_typescript_type of the gpt-oss template for the parameter schemas it writes flat:
- * string (an enum of strings), number, integer, boolean, an object without properties,
- * arrays of those, a list of types, anything else as "any". A nested object with properties
- * or a oneOf (whose whitespace the template writes in odd places) is refused. */
-static void harmony_type(render *r, const variant *v, const json_t *spec, const char *fname) {
-    const json_t *type = json_object_get(spec, "type");
-    const json_t *nullable = json_object_get(spec, "nullable");
-    int null_ok = nullable && !json_is_false(nullable) && !json_is_null(nullable) &&
-                  !(json_is_string(nullable) && json_string_length(nullable) == 0);
-    const char *t = json_is_string(type) ? json_string_value(type) : NULL;
-    if (json_object_get(spec, "oneOf")) {
-        fail(r, "chat template %s: function %s: a parameter with oneOf is not rendered by colibri_server", v->name,
-             fname);
-    } else if (is(t, "array")) {
-        const json_t *items = json_object_get(spec, "items");
-        if (items && json_is_object(items) && json_object_size(items)) {
-            const char *it = json_string_value(json_object_get(items, "type"));
-            if (is(it, "string")) emit(r, "string[]");
-            else if (is(it, "number") || is(it, "integer")) emit(r, "number[]");
-            else if (is(it, "boolean")) emit(r, "boolean[]");
-            else
-                fail(r, "chat template %s: function %s: arrays of %s are not rendered by colibri_server", v->name,
-                     fname, it ? it : "untyped items");
-        } else {
-            emit(r, "any[]");
-        }
-        if (null_ok) emit(r, " | null");
-    } else if (json_is_array(type) && json_array_size(type) > 0) {
-        for (size_t k = 0; k < json_array_size(type); k++) {
-            const json_t *e = json_array_get(type, k);
-            if (!json_is_string(e)) {
-                fail(r, "chat template %s: function %s: a type list of non-strings", v->name, fname);
-                return;
-            }
-            if (k) emit(r, " | ");
-            emit(r, json_string_value(e));
-        }
-    } else if (is(t, "string")) {
-        const json_t *en = json_object_get(spec, "enum");
-        if (json_is_array(en) && json_array_size(en)) {
-            emit(r, "\"");
-            for (size_t k = 0; k < json_array_size(en); k++) {
-                if (!json_is_string(json_array_get(en, k))) {
-                    fail(r, "chat template %s: function %s: an enum of non-strings", v->name, fname);
-                    return;
-                }
-                if (k) emit(r, "\" | \"");
-                emit(r, json_string_value(json_array_get(en, k)));
-            }
-            emit(r, "\"");
-        } else {
-            emit(r, "string");
-            if (null_ok) emit(r, " | null");
-        }
-    } else if (is(t, "number") || is(t, "integer")) {
-        emit(r, "number");
-    } else if (is(t, "boolean")) {
-        emit(r, "boolean");
-    } else if (is(t, "object")) {
-        const json_t *props = json_object_get(spec, "properties");
-        if (json_is_object(props) && json_object_size(props))
-            fail(r, "chat template %s: function %s: a nested object with properties is not rendered by colibri_server",
-                 v->name, fname);
-        else
-            emit(r, "object");
-    } else {
-        emit(r, "any");
+/* Jinja's truth of a JSON value (NULL: undefined) */
+static int truthy(const json_t *x) {
+    switch (x ? json_typeof(x) : JSON_NULL) {
+    case JSON_OBJECT: return json_object_size(x) > 0;
+    case JSON_ARRAY: return json_array_size(x) > 0;
+    case JSON_STRING: return json_string_length(x) > 0;
+    case JSON_INTEGER: return json_integer_value(x) != 0;
+    case JSON_REAL: return json_real_value(x) != 0;
+    case JSON_TRUE: return 1;
+    default: return 0;
     }
 }
 
+/* str(x) as Python writes a JSON scalar (what Jinja's join and {{ }} print); 0: not a scalar */
+static int py_str(sbuf *b, const json_t *x) {
+    char num[32];
+    switch (json_typeof(x)) {
+    case JSON_STRING: sb_add(b, json_string_value(x), json_string_length(x)); return 1;
+    case JSON_INTEGER:
+        snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(x));
+        sb_adds(b, num);
+        return 1;
+    case JSON_REAL: py_real(b, json_real_value(x)); return 1;
+    case JSON_TRUE: sb_adds(b, "True"); return 1;
+    case JSON_FALSE: sb_adds(b, "False"); return 1;
+    case JSON_NULL: sb_adds(b, "None"); return 1;
+    default: return 0;
+    }
+}
+
+/* `name in required` (a list: an element equal to it; a string: a substring, as Python's `in`) */
 static int in_required(const json_t *req, const char *name) {
+    if (json_is_string(req)) return strstr(json_string_value(req), name) != NULL;
     for (size_t k = 0; k < json_array_size(req); k++)
         if (json_is_string(json_array_get(req, k)) && !strcmp(json_string_value(json_array_get(req, k)), name))
             return 1;
     return 0;
+}
+
+/* Characters (code points) of UTF-8 text: Jinja's |length of a string. */
+static size_t utf8_chars(const char *s, size_t n) {
+    size_t c = 0;
+    for (size_t k = 0; k < n; k++) c += ((unsigned char)s[k] & 0xC0) != 0x80;
+    return c;
+}
+
+/* render_typescript_type of the gpt-oss template, whitespace as its tags leave it: arrays (of
+ * scalars; of other types as `inner[]`, or any[] when that is longer than 50 characters or
+ * "object | object"), type lists joined by " | ", oneOf (each variant, its "// description",
+ * its default on a new indented line, " | \n" between: the template's `set` inside the loop
+ * never reaches the check for object variants), strings (an enum as "a" | "b"), numbers,
+ * booleans, objects with properties as "{\nname?: \n                type, ...}", and "any".
+ * What Jinja would refuse (a description or an enum item that is not text) fails. */
+static void ts_type(render *r, const variant *v, const json_t *spec, const char *fname, sbuf *o, int depth) {
+    if (depth > 32) {
+        fail(r, "chat template %s: function %s: parameter types nested deeper than 32 levels", v->name, fname);
+        return;
+    }
+    if (!json_is_object(spec)) {
+        sb_adds(o, "any");
+        return;
+    }
+    const json_t *type = json_object_get(spec, "type");
+    const char *t = json_is_string(type) ? json_string_value(type) : NULL;
+    const json_t *one_of = json_object_get(spec, "oneOf");
+    if (is(t, "array")) {
+        const json_t *items = json_object_get(spec, "items");
+        if (truthy(items)) {
+            const char *it = json_is_object(items) ? json_string_value(json_object_get(items, "type")) : NULL;
+            if (is(it, "string")) sb_adds(o, "string[]");
+            else if (is(it, "number") || is(it, "integer")) sb_adds(o, "number[]");
+            else if (is(it, "boolean")) sb_adds(o, "boolean[]");
+            else {
+                sbuf inner = {0};
+                ts_type(r, v, items, fname, &inner, depth + 1);
+                const char *in = inner.p ? inner.p : "";
+                if (!strcmp(in, "object | object") || utf8_chars(in, inner.n) > 50) sb_adds(o, "any[]");
+                else {
+                    sb_add(o, in, inner.n);
+                    sb_adds(o, "[]");
+                }
+                if (inner.oom) o->oom = 1;
+                sb_free(&inner);
+            }
+        } else {
+            sb_adds(o, "any[]");
+        }
+        if (truthy(json_object_get(spec, "nullable"))) sb_adds(o, " | null");
+    } else if (json_is_array(type) && json_array_size(type) > 0) {
+        for (size_t k = 0; k < json_array_size(type); k++) {
+            if (k) sb_adds(o, " | ");
+            if (!py_str(o, json_array_get(type, k))) {
+                fail(r, "chat template %s: function %s: a type list holds a list or an object", v->name, fname);
+                return;
+            }
+        }
+    } else if (truthy(one_of)) {
+        if (!json_is_array(one_of)) {
+            fail(r, "chat template %s: function %s: oneOf must be a list", v->name, fname);
+            return;
+        }
+        for (size_t k = 0; k < json_array_size(one_of) && !r->failed; k++) {
+            const json_t *var = json_array_get(one_of, k);
+            const json_t *d = json_is_object(var) ? json_object_get(var, "description") : NULL;
+            const json_t *def = json_is_object(var) ? json_object_get(var, "default") : NULL;
+            ts_type(r, v, var, fname, o, depth + 1);
+            if (truthy(d)) {
+                if (!json_is_string(d)) {
+                    fail(r, "chat template %s: function %s: a oneOf description must be text", v->name, fname);
+                    return;
+                }
+                sb_adds(o, "// ");
+                sb_add(o, json_string_value(d), json_string_length(d));
+            }
+            if (def) {
+                sb_adds(o, "                    // default: ");
+                cs_py_tojson(o, def);
+            }
+            if (k + 1 < json_array_size(one_of)) sb_adds(o, " | \n");
+        }
+    } else if (is(t, "string")) {
+        const json_t *en = json_object_get(spec, "enum");
+        if (truthy(en)) {
+            if (!json_is_array(en)) {
+                fail(r, "chat template %s: function %s: enum must be a list", v->name, fname);
+                return;
+            }
+            sb_addc(o, '"');
+            for (size_t k = 0; k < json_array_size(en); k++) {
+                if (k) sb_adds(o, "\" | \"");
+                if (!py_str(o, json_array_get(en, k))) {
+                    fail(r, "chat template %s: function %s: an enum holds a list or an object", v->name, fname);
+                    return;
+                }
+            }
+            sb_addc(o, '"');
+        } else {
+            sb_adds(o, "string");
+            if (truthy(json_object_get(spec, "nullable"))) sb_adds(o, " | null");
+        }
+    } else if (is(t, "number") || is(t, "integer")) {
+        sb_adds(o, "number");
+    } else if (is(t, "boolean")) {
+        sb_adds(o, "boolean");
+    } else if (is(t, "object")) {
+        const json_t *props = json_object_get(spec, "properties");
+        if (truthy(props)) {
+            const json_t *req = json_object_get(spec, "required");
+            const char *pname;
+            json_t *pspec;
+            size_t left = json_object_size(props);
+            if (!json_is_object(props)) {
+                fail(r, "chat template %s: function %s: properties must be an object", v->name, fname);
+                return;
+            }
+            sb_adds(o, "{\n");
+            json_object_foreach((json_t *)props, pname, pspec) {
+                sb_adds(o, pname);
+                if (!in_required(req, pname)) sb_addc(o, '?');
+                sb_adds(o, ": \n                ");
+                ts_type(r, v, pspec, fname, o, depth + 1);
+                if (--left) sb_adds(o, ", ");
+            }
+            sb_addc(o, '}');
+        } else {
+            sb_adds(o, "object");
+        }
+    } else {
+        sb_adds(o, "any");
+    }
+}
+
+static void harmony_type(render *r, const variant *v, const json_t *spec, const char *fname) {
+    ts_type(r, v, spec, fname, &r->text, 0);
 }
 
 /* render_tool_namespace("functions", tools) of the gpt-oss template */
@@ -1531,7 +1648,11 @@ static void harmony_tools(render *r, const variant *v, const json_t *tools) {
             emit(r, "(_: {\n");
             json_object_foreach((json_t *)props, pname, pspec) {
                 const json_t *pd = json_object_get(pspec, "description");
-                if (json_is_string(pd) && json_string_length(pd)) {
+                if (truthy(pd) && !json_is_string(pd)) {
+                    fail(r, "chat template %s: function %s: a parameter description must be text", v->name, name);
+                    return;
+                }
+                if (truthy(pd)) {
                     emit(r, "// ");
                     emit(r, json_string_value(pd));
                     emit(r, "\n");
@@ -1540,14 +1661,16 @@ static void harmony_tools(render *r, const variant *v, const json_t *tools) {
                 if (!in_required(req, pname)) emit(r, "?");
                 emit(r, ": ");
                 harmony_type(r, v, pspec, name);
-                const json_t *def = json_object_get(pspec, "default");
+                const json_t *def = json_is_object(pspec) ? json_object_get(pspec, "default") : NULL;
                 if (def) {
-                    if (json_object_get(pspec, "enum")) {
+                    int en = truthy(json_object_get(pspec, "enum")), one = !en && truthy(json_object_get(pspec, "oneOf"));
+                    if (en || one) { /* the template concatenates the default as text */
                         if (!json_is_string(def)) {
-                            fail(r, "chat template %s: function %s: the default of an enum must be a string", v->name, name);
+                            fail(r, "chat template %s: function %s: the default of a parameter with %s must be a "
+                                    "string (the template writes it as text)", v->name, name, en ? "enum" : "oneOf");
                             return;
                         }
-                        emit(r, ", // default: ");
+                        emit(r, en ? ", // default: " : "// default: ");
                         emit(r, json_string_value(def));
                     } else {
                         emit(r, ", // default: ");
@@ -1910,15 +2033,15 @@ static void render_tulu(render *r, const variant *v, const cs_message *m, size_t
     if (v->bos) emit_id(r, r->bos);
     for (size_t i = 0; i < n && !r->failed; i++) {
         if (is(m[i].role, "system")) {
-            emit(r, "<|system|>\n");
+            emit(r, v->system_prefix ? v->system_prefix : "<|system|>\n");
             emit(r, content_of(&m[i]));
             emit(r, v->system_end);
         } else if (is(m[i].role, "user")) {
-            emit(r, "<|user|>\n");
+            emit(r, v->user_prefix ? v->user_prefix : "<|user|>\n");
             emit(r, content_of(&m[i]));
             emit(r, v->user_end);
         } else if (is(m[i].role, "assistant")) {
-            emit(r, "<|assistant|>\n");
+            emit(r, v->asst_prefix ? v->asst_prefix : "<|assistant|>\n");
             emit(r, content_of(&m[i]));
             emit_id(r, r->eos);
             emit(r, i == n - 1 ? v->asst_end_last : v->asst_end);
@@ -1928,6 +2051,111 @@ static void render_tulu(render *r, const variant *v, const cs_message *m, size_t
         }
     }
     emit(r, v->generation);
+}
+
+/* content is none: null, or no "content" at all (OpenAI clients leave it out beside tool_calls) */
+static int content_is_none(const cs_message *m) {
+    if (!m->json) return m->content == NULL;
+    const json_t *c = mget(m, "content");
+    return !c || json_is_null(c);
+}
+
+#define R1_CALLS "<｜tool▁calls▁begin｜>"
+#define R1_CALL "<｜tool▁call▁begin｜>"
+#define R1_CALL_END "<｜tool▁call▁end｜>"
+#define R1_CALLS_END "<｜tool▁calls▁end｜>"
+#define R1_EOS "<｜end▁of▁sentence｜>"
+
+/* DeepSeek-R1 and its distills: the last system message first, <｜User｜> turns, calls as
+ * <｜tool▁call▁begin｜>TYPE<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>, tool results in
+ * <｜tool▁outputs▁begin｜> ... <｜tool▁outputs▁end｜>, the generation prompt opening <think>. The
+ * template's own quirks are kept: its `is_first` / `is_output_first` are set once a
+ * conversation (a later calling message starts with "\n", later results too), the first
+ * release renders calls only when content is none and ends the block only after a second
+ * call, and the tools are not shown to the model (the template does not render them).
+ * Arguments given as an object where the first release concatenates text are written as
+ * json.dumps writes them (the client's string, parsed by the server). */
+static void render_deepseek_r1(render *r, const variant *v, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    int is_first = 0, is_tool = 0, output_first = 1;
+    const char *system = "";
+    for (size_t i = 0; i < n; i++)
+        if (is(m[i].role, "system")) system = content_of(&m[i]);
+    emit_id(r, r->bos);
+    emit(r, system);
+    for (size_t i = 0; i < n && !r->failed; i++) {
+        const char *c = content_of(&m[i]);
+        if (is(m[i].role, "user")) {
+            is_tool = 0;
+            emit(r, "<｜User｜>");
+            emit(r, c);
+        } else if (is(m[i].role, "assistant")) {
+            int none = content_is_none(&m[i]);
+            const json_t *calls = NULL;
+            if (v->r1_tojson) {
+                calls = tool_calls_of(&m[i]);
+            } else if (none) {
+                calls = mget(&m[i], "tool_calls");
+                if (calls && !json_is_array(calls)) {
+                    fail(r, "chat template %s: messages[%zu].tool_calls must be a list (the template iterates it)",
+                         v->name, i);
+                    break;
+                }
+            }
+            if (calls) {
+                is_tool = 0;
+                for (size_t k = 0; k < json_array_size(calls) && !r->failed; k++) {
+                    const json_t *call = json_array_get(calls, k);
+                    const json_t *fn = json_is_object(call) ? json_object_get(call, "function") : NULL;
+                    const json_t *type = json_is_object(call) ? json_object_get(call, "type") : NULL;
+                    const json_t *args = call_arguments(fn);
+                    const char *name = call_name(r, fn, i, k);
+                    if (!json_is_string(type)) {
+                        fail(r, "chat template %s: messages[%zu].tool_calls[%zu] has no type (the template writes it)",
+                             v->name, i, k);
+                        break;
+                    }
+                    emit(r, is_first ? "\n" R1_CALL : "<｜Assistant｜>" R1_CALLS R1_CALL);
+                    emit(r, json_string_value(type));
+                    emit(r, "<｜tool▁sep｜>");
+                    emit(r, name);
+                    emit(r, "\n```json\n");
+                    if (!v->r1_tojson && json_is_string(args)) emit_n(r, json_string_value(args), json_string_length(args));
+                    else emit_json(r, args);
+                    emit(r, "\n```" R1_CALL_END);
+                    if (is_first && !v->r1_tojson) emit(r, R1_CALLS_END R1_EOS);
+                    is_first = 1;
+                }
+                if (v->r1_tojson) emit(r, R1_CALLS_END R1_EOS);
+            }
+            if (!none) {
+                if (is_tool) {
+                    emit(r, "<｜tool▁outputs▁end｜>");
+                    emit(r, c);
+                    is_tool = 0;
+                } else {
+                    const char *end = find_last(c, strlen(c), "</think>");
+                    emit(r, "<｜Assistant｜>");
+                    emit(r, end ? end + strlen("</think>") : c);
+                }
+                emit(r, R1_EOS);
+            }
+        } else if (is(m[i].role, "tool")) {
+            is_tool = 1;
+            emit(r, output_first ? "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>" : "\n<｜tool▁output▁begin｜>");
+            output_first = 0;
+            emit(r, c);
+            emit(r, "<｜tool▁output▁end｜>");
+        } else if (!is(m[i].role, "system")) {
+            fail(r, "chat template %s: messages[%zu] has role \"%s\"; the template renders only "
+                    "system, user, assistant and tool messages", v->name, i, m[i].role);
+        }
+    }
+    if (is_tool) {
+        emit(r, "<｜tool▁outputs▁end｜>");
+    } else {
+        emit(r, "<｜Assistant｜><think>\n");
+        if (v->r1_tojson && !(o && o->enable_thinking == 1)) emit(r, "</think>");
+    }
 }
 
 /* One renderer a family (the variant rows above name their family). Families without tools
@@ -1971,10 +2199,16 @@ static void r_harmony(render *r, const variant *v, const char *s, const cs_messa
     (void)s;
     render_harmony(r, v, m, n, o);
 }
+static void r_deepseek_r1(render *r, const variant *v, const char *s, const cs_message *m, size_t n,
+                          const cs_chat_opts *o) {
+    (void)s;
+    render_deepseek_r1(r, v, m, n, o);
+}
 static const render_fn RENDER[N_FAMILIES] = {
     [FAM_MISTRAL] = r_mistral, [FAM_CHATML] = r_chatml, [FAM_QWEN3] = r_qwen3, [FAM_TULU] = r_tulu,
     [FAM_QWEN25] = r_qwen25, [FAM_MISTRAL_TEKKEN] = r_tekken, [FAM_DEEPSEEK3] = r_deepseek3,
     [FAM_MISTRAL_SMALL32] = r_mistral_v11, [FAM_DEVSTRAL] = r_mistral_v11, [FAM_HARMONY] = r_harmony,
+    [FAM_DEEPSEEK_R1] = r_deepseek_r1,
 };
 
 /* ------------------------------------------------------------------ the interface */

@@ -27,11 +27,17 @@
  *            [TOOL_CALLS]name([CALL_ID]id)[ARGS]{...}, no generation prompt
  *   gpt-oss  gpt-oss (harmony): the system message (date, reasoning effort), a first system /
  *            developer message as the developer's instructions, user turns and final-channel
- *            answers, tools as its TypeScript namespace (flat parameter types; nested objects
- *            and oneOf refused), calls on the commentary channel and their results
+ *            answers, tools as its TypeScript namespace (render_typescript_type: nested objects,
+ *            arrays, oneOf, enums, descriptions, defaults), calls on the commentary channel and
+ *            their results
  *   deepseek-v3.1  DeepSeek-V3.1: system prompts joined first, <｜User｜> / <｜Assistant｜>,
  *            tool calls in its tool tokens, the thinking switch
- * Qwen3, Qwen2.5, the three Mistral tool formats and DeepSeek-V3.1 take tools (cs_chat_opts), assistant
+ *   deepseek-v2  DeepSeek-V2-Chat / V2-Lite-Chat: "User: ...", "Assistant: ..." + EOS, no tools
+ *   deepseek-r1, deepseek-r1-distill-qwen  DeepSeek-R1 as first released and the
+ *            R1-Distill-Qwen form llama.cpp ships: the last system message first, <｜User｜> /
+ *            <｜Assistant｜>, calls as TYPE<｜tool▁sep｜>NAME and a ```json block, tool outputs,
+ *            the prompt opening <think> (the second: closing it unless thinking is on)
+ * Qwen3, Qwen2.5, the three Mistral tool formats and DeepSeek-V3.1 / R1 take tools (cs_chat_opts), assistant
  * tool_calls and tool results (cs_message.json); the others refuse tools.
  *
  * Any other template, an edited one included (the default system prompt of the Qwen template
@@ -90,6 +96,8 @@ typedef enum cs_tool_syntax {
     CS_TOOLS_MISTRAL_V11, /* [TOOL_CALLS]N[CALL_ID]id[ARGS]{...} or [TOOL_CALLS]N[ARGS]{...}
                            * (Mistral-Small-3.2, Devstral) */
     CS_TOOLS_HARMONY,   /* to=functions.N<|channel|>commentary json<|message|>{...} (gpt-oss) */
+    CS_TOOLS_DEEPSEEK_R1, /* <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\n```json\n{...}\n```
+                           * <｜tool▁call▁end｜>... (DeepSeek-R1) */
 } cs_tool_syntax;
 
 typedef struct cs_chat_format {
@@ -97,11 +105,13 @@ typedef struct cs_chat_format {
     cs_tool_syntax tools;
     const char *think_open;  /* the reasoning block's markers ("<think>", "</think>"), or NULL */
     const char *think_close;
-    int starts_thinking;     /* the generation prompt opens the reasoning block itself
-                              * (when thinking is on) */
+    int starts_thinking;     /* the generation prompt opens the reasoning block itself: 1 when
+                              * thinking is on, 2 always */
     const char *content_open; /* the content starts after this (harmony's final channel), or NULL */
     const char *const *markers; /* the format's marker tokens, when they are not the ones of its
                                  * tool syntax and think markers (tools.c cs_output_markers) */
+    int call_id_len;          /* the template's tool call ids are this many [a-zA-Z0-9] (its
+                               * raise_exception otherwise), or 0: any id */
 } cs_chat_format;
 
 /* Token ids of `msgs` rendered with `template_src` (the model's chat template) followed by the

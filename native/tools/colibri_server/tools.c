@@ -9,6 +9,8 @@
  *             [TOOL_CALLS]f[ARGS]{...} (Devstral), one a call
  *   deepseek  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
  *             <｜tool▁calls▁end｜> (DeepSeek-V3.1)
+ *   deepseek-r1  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{...}\n```
+ *             <｜tool▁call▁end｜>, "\n" between calls, <｜tool▁calls▁end｜> (DeepSeek-R1)
  * Reasoning: the text between the format's think markers at the start of the output (or from
  * the start, when the prompt opened the block), leading newlines and trailing whitespace
  * dropped; the content after it starts at its first non-whitespace character.
@@ -38,6 +40,7 @@ static const syntax SYNTAX[] = {
     [CS_TOOLS_DEEPSEEK] = {DS_BEGIN, {DS_BEGIN, DS_CALL, DS_SEP, DS_CALL_END, DS_END, NULL}},
     [CS_TOOLS_MISTRAL_V11] = {"[TOOL_CALLS]", {"[TOOL_CALLS]", "[CALL_ID]", "[ARGS]", NULL}},
     [CS_TOOLS_HARMONY] = {"to=functions.", {NULL}},
+    [CS_TOOLS_DEEPSEEK_R1] = {DS_BEGIN, {DS_BEGIN, DS_CALL, DS_SEP, DS_CALL_END, DS_END, NULL}},
 };
 
 const char *const *cs_output_markers(const cs_chat_format *fmt) {
@@ -52,7 +55,8 @@ const char *const *cs_output_markers(const cs_chat_format *fmt) {
     switch (fmt->tools) {
     case CS_TOOLS_HERMES: return think ? HERMES_THINK : SYNTAX[CS_TOOLS_HERMES].markers;
     case CS_TOOLS_MISTRAL: return SYNTAX[CS_TOOLS_MISTRAL].markers;
-    case CS_TOOLS_DEEPSEEK: return think ? DS_THINK : SYNTAX[CS_TOOLS_DEEPSEEK].markers;
+    case CS_TOOLS_DEEPSEEK:
+    case CS_TOOLS_DEEPSEEK_R1: return think ? DS_THINK : SYNTAX[CS_TOOLS_DEEPSEEK].markers;
     case CS_TOOLS_MISTRAL_V11: return SYNTAX[CS_TOOLS_MISTRAL_V11].markers;
     default: return think ? THINK : NONE;
     }
@@ -274,6 +278,45 @@ static int parse_harmony(cs_parsed *p, const char *s, size_t n, const char *cons
     return 0;
 }
 
+/* DeepSeek-R1: <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>,
+ * whitespace between calls, then <｜tool▁calls▁end｜> (optional: the first release writes it only
+ * after a second call) and nothing else */
+static int parse_deepseek_r1(cs_parsed *p, const char *s, size_t n, const char *const *names, int n_names) {
+    size_t at = strlen(DS_BEGIN);
+    for (;;) {
+        while (at < n && ws(s[at])) at++;
+        if (at == n || starts(s + at, n - at, DS_END)) break;
+        if (!starts(s + at, n - at, DS_CALL)) return 1;
+        at += strlen(DS_CALL);
+        const char *sep = find(s + at, n - at, DS_SEP);
+        if (!sep || (size_t)(sep - (s + at)) != strlen("function") || !starts(s + at, n - at, "function")) return 1;
+        at = (size_t)(sep - s) + strlen(DS_SEP);
+        const char *nl = find(s + at, n - at, "\n");
+        if (!nl) return 1;
+        const char *name = s + at;
+        size_t name_len = (size_t)(nl - name);
+        at = (size_t)(nl - s) + 1;
+        if (!starts(s + at, n - at, "```json\n")) return 1;
+        at += strlen("```json\n");
+        const char *end = find(s + at, n - at, DS_CALL_END);
+        if (!end) return 1;
+        size_t len = (size_t)(end - (s + at));
+        while (len > 0 && ws(s[at + len - 1])) len--;
+        if (len < 3 || memcmp(s + at + len - 3, "```", 3)) return 1;
+        json_t *args = load(s + at, len - 3);
+        int rc = add_call(p, name, name_len, args, NULL, names, n_names);
+        json_decref(args);
+        if (rc) return rc;
+        at = (size_t)(end - s) + strlen(DS_CALL_END);
+    }
+    if (at < n) {
+        at += strlen(DS_END);
+        while (at < n && ws(s[at])) at++;
+        if (at < n) return 1;
+    }
+    return p->n_calls ? 0 : 1;
+}
+
 typedef int (*parse_fn)(cs_parsed *p, const char *s, size_t n, const char *const *names, int n_names);
 static const parse_fn PARSE[] = {
     [CS_TOOLS_NONE] = NULL,
@@ -282,7 +325,18 @@ static const parse_fn PARSE[] = {
     [CS_TOOLS_DEEPSEEK] = parse_deepseek,
     [CS_TOOLS_MISTRAL_V11] = parse_mistral_v11,
     [CS_TOOLS_HARMONY] = parse_harmony,
+    [CS_TOOLS_DEEPSEEK_R1] = parse_deepseek_r1,
 };
+
+int cs_valid_call_id(const cs_chat_format *fmt, const char *id) {
+    if (!id || !*id) return 0;
+    if (!fmt || !fmt->call_id_len) return 1;
+    size_t k = 0;
+    for (; id[k]; k++)
+        if (!((id[k] >= 'a' && id[k] <= 'z') || (id[k] >= 'A' && id[k] <= 'Z') || (id[k] >= '0' && id[k] <= '9')))
+            return 0;
+    return k == (size_t)fmt->call_id_len;
+}
 
 int cs_output_parse(const cs_chat_format *fmt, int thinking, int parse_tools, const char *const *tool_names,
                     int n_names, const char *text, size_t n, int final, cs_parsed *out) {
@@ -367,6 +421,11 @@ int cs_output_parse(const cs_chat_format *fmt, int thinking, int parse_tools, co
         out->has_content = cn > 0;
         return 0;
     }
+    for (int k = 0; k < out->n_calls; k++)
+        if (out->calls[k].id && !cs_valid_call_id(fmt, out->calls[k].id)) {
+            free(out->calls[k].id);
+            out->calls[k].id = NULL;
+        }
     out->content_len = before;
     out->has_content = before > 0;
     return 0;
@@ -379,8 +438,8 @@ static int set_err(char *err, size_t len, const char *msg) {
     return -1;
 }
 
-int cs_tool_call_constraint(const cs_chat_format *fmt, const json_t *tools, const char *only, char **prefix,
-                            char **suffix, char **schema, char *err, size_t err_len) {
+int cs_tool_call_constraint(const cs_chat_format *fmt, const json_t *tools, const char *only, const char *call_id,
+                            char **prefix, char **suffix, char **schema, char *err, size_t err_len) {
     *prefix = *suffix = *schema = NULL;
     if (!fmt || fmt->tools == CS_TOOLS_NONE)
         return set_err(err, err_len, "the model's chat template has no tool calls");
@@ -434,6 +493,17 @@ int cs_tool_call_constraint(const cs_chat_format *fmt, const json_t *tools, cons
         suf = DS_CALL_END DS_END;
         sch = json_incref(single_params);
         break;
+    case CS_TOOLS_DEEPSEEK_R1:
+        if (count != 1) {
+            json_decref(any);
+            return set_err(err, err_len, "DeepSeek-R1's tool-call syntax writes the function name outside the "
+                                         "JSON: a required call needs one function (name it in tool_choice)");
+        }
+        snprintf(ds_pre, sizeof ds_pre, DS_BEGIN DS_CALL "function" DS_SEP "%s\n```json\n", single);
+        pre = ds_pre;
+        suf = "\n```" DS_CALL_END DS_END;
+        sch = json_incref(single_params);
+        break;
     case CS_TOOLS_HARMONY:
         if (count != 1) {
             json_decref(any);
@@ -451,8 +521,15 @@ int cs_tool_call_constraint(const cs_chat_format *fmt, const json_t *tools, cons
             return set_err(err, err_len, "this Mistral tool-call syntax writes the function name outside the JSON: "
                                          "a required call needs one function (name it in tool_choice)");
         }
-        /* the call id of Mistral-Small-3.2 is the server's to choose: not constrained here */
-        snprintf(ds_pre, sizeof ds_pre, "[TOOL_CALLS]%s[ARGS]", single);
+        /* Mistral-Small-3.2 writes [CALL_ID]id: the id is the caller's, written by the prefix */
+        if (fmt->call_id_len && !cs_valid_call_id(fmt, call_id)) {
+            json_decref(any);
+            return set_err(err, err_len, "this Mistral tool-call syntax needs a call id of 9 letters and digits");
+        }
+        if (fmt->call_id_len)
+            snprintf(ds_pre, sizeof ds_pre, "[TOOL_CALLS]%s[CALL_ID]%s[ARGS]", single, call_id);
+        else
+            snprintf(ds_pre, sizeof ds_pre, "[TOOL_CALLS]%s[ARGS]", single);
         pre = ds_pre;
         suf = "";
         sch = json_incref(single_params);

@@ -43,7 +43,8 @@ typedef struct cs_parsed {
     cs_parsed_call calls[CS_MAX_TOOL_CALLS];
 } cs_parsed;
 
-/* Take text[0..n) apart. fmt: the template's output syntax (NULL: all content).
+/* Take text[0..n) apart. A call id the template would refuse (cs_valid_call_id) is dropped
+ * (NULL: the caller gives the call one). fmt: the template's output syntax (NULL: all content).
  * thinking: the output begins inside the reasoning block (the prompt opened it).
  * tool_names / n_names: the functions offered (calls of others are not calls); parse_tools 0:
  * no tool calls are looked for (tool_choice "none", or no tools). Returns 0, -1 when out of
@@ -60,10 +61,18 @@ const char *const *cs_output_markers(const cs_chat_format *fmt);
 /* What constrained decoding needs so that the output is one call of one of the given tools:
  * the text before the call object, the text after it, and the JSON schema of the call object
  * ({"name": {"const": f}, "arguments": <f's parameters>}, anyOf over the functions; `only`:
- * just that function). Each malloc'd. Returns 0, or -1 with a message (a family without tool
- * calls, a tool without a name, out of memory). */
+ * just that function). Each malloc'd. Where the syntax writes a call id outside the JSON
+ * (Mistral-Small-3.2's [CALL_ID]), `call_id` is the id the prefix writes: fmt->call_id_len
+ * characters of [a-zA-Z0-9] (cs_valid_call_id), chosen by the caller. Returns 0, or -1 with a
+ * message (a family without tool calls, a tool without a name, a missing or invalid call id,
+ * out of memory). */
 int cs_tool_call_constraint(const cs_chat_format *fmt, const struct json_t *tools, const char *only,
-                            char **prefix, char **suffix, char **schema, char *err, size_t err_len);
+                            const char *call_id, char **prefix, char **suffix, char **schema, char *err,
+                            size_t err_len);
+
+/* An id the template takes: fmt->call_id_len characters of [a-zA-Z0-9] (any non-empty id
+ * when the template has no rule). */
+int cs_valid_call_id(const cs_chat_format *fmt, const char *id);
 
 #ifdef __cplusplus
 }
