@@ -2,9 +2,10 @@
  * cpu.h — inside the CPU backend (backend/cpu/; its table is cb_backend_cpu, backend/backend.h):
  * what its files share. stages.c runs the seven stages of a forward chunk; parallel.c holds
  * their parallel sections (matmuls, attention chunks, the FFN jobs, the combine), split by
- * output rows or columns so that results do not depend on the thread count; mla.c is
- * multi-head latent attention's stage, route_group.c the grouped routers, panels.c the panel
- * copies of the BF16 weights. Every file here sees the whole context (core/context.h); no
+ * output rows or columns so that results do not depend on the thread count; bind.c binds
+ * the operations that read each weight; mla.c is multi-head latent attention's stage,
+ * router.c a MoE layer's router (its logits and the plain routings), route_group.c the
+ * grouped routers, panels.c the panel copies of the BF16 weights. Every file here sees the whole context (core/context.h); no
  * file outside backend/ includes this header.
  */
 #ifndef COLIBRI_BACKEND_CPU_H
@@ -155,7 +156,11 @@ void cb_mla_attention(colibri_ctx *ctx, uint32_t l);
 /* ---- route_group.c: softmax/sigmoid routers with groups, bias and scaling ------------- */
 void cb_route_grouped(colibri_ctx *ctx, uint32_t l, int64_t T);
 
-/* ---- stages.c: the router of a MoE layer --------------------------------------------- */
+/* ---- router.c: the router of a MoE layer ---------------------------------------------- */
+
+/* The K largest of v[0..E), highest first, into ids (and their values into w): strict >
+ * keeps the lower id on ties; NaN never wins unless all are NaN. */
+void cb_cpu_topk_desc(const float *v, int64_t E, int64_t K, int32_t *ids, float *w);
 
 /* How a MoE layer's router runs (cb_layer.router_op): its logits y [T, E] from the normed
  * input x [T, H] (the router's dtype: an int8 row-quantised router or a float one), and the

@@ -14,7 +14,7 @@
  * counting sort and a prefix sum (no qsort, no allocation), gathers each group's rows, runs
  * the expert FFN once per non-empty expert, and scatter-adds weight * output into each
  * token's residual delta, in expert order as transformers does. Multi-head latent attention
- * (mla.c) and grouped routing (route_group.c) are this backend's too, its parallel sections
+ * (mla.c) and the routers (router.c, route_group.c) are this backend's too, its parallel sections
  * are parallel.c's (backend/cpu/cpu.h).
  */
 #define _GNU_SOURCE
@@ -25,63 +25,6 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu.h"
-
-/* The K largest of v[0..E), highest first, into ids (and their values into w): strict >
- * keeps the lower id on ties; NaN never wins unless all are NaN. */
-static void topk_desc(const float *v, int64_t E, int64_t K, int32_t *ids, float *w) {
-    for (int64_t k = 0; k < K; k++) {
-        int32_t best = -1;
-        for (int64_t e = 0; e < E; e++) {
-            int taken = 0;
-            for (int64_t j = 0; j < k; j++) taken |= ids[j] == (int32_t)e;
-            if (taken) continue;
-            if (best < 0 || v[e] > v[best]) best = (int32_t)e;
-        }
-        ids[k] = best;
-        w[k] = v[best];
-    }
-}
-
-/* Route T tokens: softmax over experts, top-k (highest first, lower id wins ties),
- * optional renormalisation. logits: [T, E] -> probs [T, E], ids/w [T, K]. */
-static void route_softmax_topk(colibri_ctx *ctx, uint32_t l, int64_t T) {
-    (void)l;
-    const cb_config *c = &ctx->cfg;
-    cb_scratch *s = &ctx->s;
-    int64_t E = c->n_experts, K = c->top_k;
-    memcpy(s->router_probs, s->router_logits, (size_t)(T * E) * sizeof(float));
-    for (int64_t t = 0; t < T; t++) {
-        float *p = s->router_probs + t * E;
-        ctx->kern->softmax(p, E);
-        int32_t *ids = s->topk_ids + t * K;
-        float *w = s->topk_w + t * K;
-        topk_desc(p, E, K, ids, w);
-        if (c->norm_topk_prob) {
-            float sum = 0.0f;
-            for (int64_t k = 0; k < K; k++) sum += w[k];
-            for (int64_t k = 0; k < K; k++) w[k] /= sum;
-        }
-    }
-}
-
-/* Route T tokens as transformers' GptOssTopKRouter (model.routing topk_softmax): top-k of
- * the logits (highest first, lower id wins ties), then softmax over the k selected logits.
- * router_probs gets the softmax over all experts, for observation only. */
-static void route_topk_softmax(colibri_ctx *ctx, uint32_t l, int64_t T) {
-    (void)l;
-    const cb_config *c = &ctx->cfg;
-    cb_scratch *s = &ctx->s;
-    int64_t E = c->n_experts, K = c->top_k;
-    memcpy(s->router_probs, s->router_logits, (size_t)(T * E) * sizeof(float));
-    for (int64_t t = 0; t < T; t++) {
-        const float *lg = s->router_logits + t * E;
-        int32_t *ids = s->topk_ids + t * K;
-        float *w = s->topk_w + t * K;
-        topk_desc(lg, E, K, ids, w);
-        ctx->kern->softmax(w, K);
-        ctx->kern->softmax(s->router_probs + t * E, E);
-    }
-}
 
 /* Group (token, slot) pairs by expert: counting sort + prefix sum into the row map.
  * Each group is padded with zero rows (token -1, weight 0) to a multiple of group_pad. */
@@ -229,34 +172,6 @@ static void stage_attention(colibri_ctx *ctx, uint32_t l) {
     K->rmsnorm(s->xn, s->x, L->ffn_norm, T, H, eps);
 }
 
-/* The router's logits: an int8 row-quantised router, or a float one (F32/F16/BF16). */
-static void router_logits_i8(const colibri_ctx *ctx, const cb_layer *L, float *y, const float *x, int64_t T) {
-    const cb_config *c = &ctx->cfg;
-    ctx->kern->matmul_i8(y, x, (const int8_t *)L->router, L->router_scale, L->router_zero, T, c->n_experts, c->hidden);
-}
-
-static void router_logits_float(const colibri_ctx *ctx, const cb_layer *L, float *y, const float *x, int64_t T) {
-    const cb_config *c = &ctx->cfg;
-    ctx->kern->matmul(y, x, L->router, c->router_dtype, T, c->n_experts, c->hidden);
-}
-
-/* [int8 router][routing]: 0 softmax then top-k, 1 top-k then softmax, 2 grouped / sigmoid /
- * scaled (route_group.c) */
-static const cb_router_op router_ops[2][3] = {
-    {{router_logits_float, route_softmax_topk}, {router_logits_float, route_topk_softmax},
-     {router_logits_float, cb_route_grouped}},
-    {{router_logits_i8, route_softmax_topk}, {router_logits_i8, route_topk_softmax},
-     {router_logits_i8, cb_route_grouped}},
-};
-
-void cb_cpu_bind_router(const colibri_ctx *ctx, cb_layer *L) {
-    const cb_config *c = &ctx->cfg;
-    int routing = c->routing == CB_ROUTE_TOPK_SOFTMAX ? 1
-                  : c->routing == CB_ROUTE_SIGMOID_TOPK || c->n_group > 1 || c->routed_scale != 1.0f ? 2
-                                                                                                      : 0;
-    L->router_op = &router_ops[c->router_int8 ? 1 : 0][routing];
-}
-
 /* Router logits, softmax and top-k (MoE layers), by the layer's router op (bound once). */
 static void stage_router(colibri_ctx *ctx, uint32_t l) {
     const cb_config *c = &ctx->cfg;
@@ -318,7 +233,7 @@ static void predict_next(colibri_ctx *ctx, uint32_t l) {
         float *row = s->pred_logits + t * E;
         for (int64_t e = 0; e < E; e++)
             row[e] += (N->router_b ? N->router_b[e] : 0.0f) + (N->router_bias ? N->router_bias[e] : 0.0f);
-        topk_desc(row, E, K, s->pred_ids + t * K, s->pred_w + t * K);
+        cb_cpu_topk_desc(row, E, K, s->pred_ids + t * K, s->pred_w + t * K);
     }
     ctx->run.pred_layer = (int32_t)(l + 1);
     if (prefetch) cb_ecache_prefetch(ctx->ecache, l + 1, s->pred_ids, (int)(T * K));
