@@ -3,7 +3,7 @@
 - Any thread count gives bit-identical logits: the pool splits output rows/columns and
   every output element is summed in the same order whatever the split (docs/kernels.md).
   This is the one test of it for the fused forward (prefill and decode steps): f32, bf16,
-  q8_0 and q4_k_m weights, exact and fast precision, a Mixtral of odd sizes (tails in every
+  q8_0, q4_k_m, q5_1 and q2_k weights, exact and fast precision, a Mixtral of odd sizes (tails in every
   kernel) and of even ones (full vector panels), gpt-oss (fast mode's own attention) and a
   Qwen2-MoE with a shared expert and a dense layer. The batch API's is
   tests/test_batch.py's test_batch_invariance.
@@ -55,6 +55,7 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("key, dtype, precision", [
     ("odd", "f32", "exact"), ("odd", "bf16", "exact"), ("even", "f32", "exact"), ("even", "bf16", "exact"),
     ("odd", "bf16", "fast"), ("even", "bf16", "fast"), ("even", "q8_0", "fast"), ("kquant", "q4_k_m", "fast"),
+    ("even", "q5_1", "fast"), ("kquant", "q2_k", "fast"),
     ("gptoss", "bf16", "exact"), ("gptoss", "bf16", "fast"), ("qwen2", "f32", "exact"),
 ])  # fmt: skip
 def test_thread_count_changes_no_bit(models, key, dtype, precision):
@@ -63,6 +64,10 @@ def test_thread_count_changes_no_bit(models, key, dtype, precision):
         from colibri_lab.format import reader
 
         assert {"q4_k", "q5_k", "q6_k"} <= {t.dtype for t in reader.inspect(path).tensors}
+    if dtype == "q2_k":  # the int8 path's sub-blocks of 16 of the K types it adds
+        from colibri_lab.format import reader
+
+        assert {"q2_k", "q3_k"} <= {t.dtype for t in reader.inspect(path).tensors}
     ids = random_ids(SHAPES[key].vocab, 37, seed=5)
     got = {}
     for n in (1, 2, 3):

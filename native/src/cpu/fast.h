@@ -156,9 +156,11 @@ void cb_neonbf16_gateup_packed(float *h, const float *x, const void *expert, int
                                int64_t B, int64_t i0, int64_t i1);
 void cb_neonbf16_down_packed(float *y, const float *h, const void *expert, int64_t R, int64_t H, int64_t I,
                              int64_t c0, int64_t c1);
-/* 1 for the block types of the int8 path: every block type but MXFP4 (whose e2m1 values
- * times a power of two are no bytes times one scale plus an offset with |u * q| sums
- * in int32 bounds worth the decode: it runs the exact kernels). */
+/* 1 for the block types of the int8 path: every block type but MXFP4 (which runs the exact
+ * kernels). Measured against the exact kernels (docs/performance.md, the h512 Mixtral on 2
+ * AVX2 cores, loaded): decode 1.6-2.2x for Q4_0 / Q4_1 / Q5_0 / Q5_1, 5-7.5x for IQ4_NL /
+ * IQ4_XS, 1.25-1.34x for Q3_K / Q2_K; prefill 512 1.17-1.64x, except Q3_K / Q2_K at 0.9x
+ * (sub-blocks of 16), kept here for their decode. */
 static inline int cb_fast_int8_type(uint32_t dt) {
     switch (dt) {
     case COLIBRI_DTYPE_Q8_0:
