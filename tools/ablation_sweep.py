@@ -83,6 +83,8 @@ def sweep_readout(eng, ids, chunk, pairs) -> dict:
     log-probability read out by the engine (the last token of the text has no target)."""
     targets = np.append(ids[1:], -1)
     total = np.zeros(len(pairs))
+    for q in range(len(pairs)):
+        eng.sequence(q).clear()
     with contextlib.ExitStack() as stack:
         for q, (layer, e) in enumerate(pairs):
             stack.enter_context(eng.intervene(ablate={layer: [e]}, seq=q))
