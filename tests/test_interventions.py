@@ -539,3 +539,157 @@ def test_viz_figures(engines):
     bars = viz.expert_attribution(attr)
     assert len(bars.data) == SHAPES["mixtral"].top_k
     np.testing.assert_array_equal(np.asarray(bars.data[0].y), attr["attribution"][:, 0])
+
+
+# ---- the shared expert's output -----------------------------------------------------
+
+
+@contextlib.contextmanager
+def hf_shared(model, layer, replace=None, add=None, got=None):
+    """transformers' shared expert of `layer` hooked: its gated output (Qwen2-MoE: sigmoid
+    gate times the shared MLP's output; DeepSeek: the shared experts' output) captured in
+    got["gated"] [T, H], replaced by or added to a vector at positions (the hook changes the
+    MLP's output by vec / gate, so that the gated value is the vector)."""
+    replace, add = replace or {}, add or {}
+    mlp = model.model.layers[layer].mlp
+    mod = getattr(mlp, "shared_expert", None) or mlp.shared_experts
+    gate = getattr(mlp, "shared_expert_gate", None)
+
+    def post(m, args, out):
+        x = args[0]
+        o = out.clone()
+        flat = o.view(-1, o.shape[-1])
+        g = torch.sigmoid(gate(x)).reshape(-1, 1) if gate is not None else torch.ones(flat.shape[0], 1)
+        if got is not None:
+            got["gated"] = (g * flat).detach().clone().numpy()
+        for pos, vec in replace.items():
+            flat[pos] = torch.tensor(np.asarray(vec, np.float32)) / g[pos]
+        for pos, vec in add.items():
+            flat[pos] = flat[pos] + torch.tensor(np.asarray(vec, np.float32)) / g[pos]
+        return o
+
+    h = mod.register_forward_hook(post)
+    try:
+        yield
+    finally:
+        h.remove()
+
+
+@pytest.mark.parametrize("key", ["qwen2_moe", "deepseek_v3"])
+def test_shared_expert_output(models, engines, key):
+    """Record the shared expert's output (after Qwen2-MoE's sigmoid gate) and replace or add to
+    it, against transformers with a forward hook on the shared-expert module."""
+    model, _ = models(key)
+    eng = engines(key)
+    H = SHAPES[key].hidden
+    layer = moe_layers(key)[-1]
+    a = random_ids(SHAPES[key].vocab, N, seed=21)
+    b = random_ids(SHAPES[key].vocab, N, seed=22)
+    got = {}
+    with hf_shared(model, layer, got=got), torch.no_grad():
+        model(torch.tensor([list(a)]))
+    with eng.intervene(record=[("shared_out", layer, 5), ("shared_out", layer, 11)]) as rec:
+        plain = eng.forward(a)
+    for pos in (5, 11):
+        np.testing.assert_allclose(rec.recorded[("shared_out", layer, pos)], got["gated"][pos], rtol=0, atol=TOL)
+    assert np.array_equal(plain, eng.forward(a))  # recording changes nothing: a plain forward's bits
+    steer = np.random.default_rng(23).standard_normal(H).astype(np.float32)
+    src = rec.recorded[("shared_out", layer, 5)]
+    with hf_shared(model, layer, replace={9: src}, add={3: steer}), torch.no_grad():
+        out = model(torch.tensor([list(b)]), output_router_logits=True)
+    ref, rl = out.logits[0].float().numpy(), out.router_logits
+    with eng.intervene(patch={("shared_out", layer, 9): src}, add={("shared_out", layer, 3): steer}):
+        patched = eng.forward(b)
+    check(ref, rl, patched, key, "shared_out")
+    assert np.max(np.abs(patched - eng.forward(b))) > 1e-3, "the patch changes nothing"
+
+
+def test_shared_expert_output_refused_without_one(engines):
+    eng = engines("mixtral")  # no shared expert
+    zero = np.zeros(SHAPES["mixtral"].hidden)
+    with pytest.raises(ColibriError, match="no shared expert"), eng.intervene(add={("shared_out", 0, 1): zero}):
+        pass
+    eng2 = engines("qwen2_moe")  # layer 1 is a dense MLP
+    with pytest.raises(ColibriError, match="no shared expert"), eng2.intervene(record=[("shared_out", 1, 1)]):
+        pass
+
+
+# ---- target log-probabilities (colibri_batch_logprobs) ------------------------------
+
+
+def _log_softmax64(logits):
+    x = logits.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def test_logprobs_equal_numpy(engines):
+    """The engine's log-probability of each next token equals float64 numpy on the engine's own
+    float32 logits (within float32 rounding: the engine sums in float32), under an ablation
+    too; the last token has no target (NaN)."""
+    eng = engines("mixtral")
+    V = SHAPES["mixtral"].vocab
+    ids = random_ids(V, N, seed=30)
+    tg = np.append(ids[1:], -1)
+    for q in (0, 1, 2):
+        eng.sequence(q).clear()
+    for iv in ({}, {"ablate": {0: [2]}}):
+        with eng.intervene(**iv):
+            logits = eng.batch([(0, ids)], logits="all")[0]
+            eng.sequence(0).clear()
+            (lp,) = eng.logprobs([(0, ids, tg)])
+            eng.sequence(0).clear()
+        ref = _log_softmax64(logits)[np.arange(N - 1), ids[1:]]
+        assert np.isnan(lp[-1])
+        np.testing.assert_allclose(lp[:-1], ref, rtol=0, atol=2e-6)
+
+
+def test_logprobs_bitwise_batch_independent(models, engines):
+    """Several ablations as separate sequences of one batch (each sequence its own): every
+    sequence's log-probabilities are bitwise what it gets alone, with other chunkings (a
+    context of max_batch 5) and with one thread."""
+    eng = engines("mixtral")
+    V = SHAPES["mixtral"].vocab
+    ids = random_ids(V, N, seed=31)
+    tg = np.append(ids[1:], -1)
+    ablations = [{0: [1]}, {1: [4]}, {0: [0, 5]}]
+    for q in range(3):
+        eng.sequence(q).clear()
+    alone = []
+    for q, ab in enumerate(ablations):
+        with eng.intervene(ablate=ab, seq=q):
+            alone.append(eng.logprobs([(q, ids, tg)])[0])
+        eng.sequence(q).clear()
+    with contextlib.ExitStack() as st:
+        for q, ab in enumerate(ablations):
+            st.enter_context(eng.intervene(ablate=ab, seq=q))
+        both = eng.logprobs([(q, ids, tg) for q in range(3)])
+    for q in range(3):
+        eng.sequence(q).clear()
+        assert np.array_equal(both[q], alone[q], equal_nan=True)
+    assert not np.array_equal(alone[0], alone[1], equal_nan=True)
+    _, path = models("mixtral")
+    with colibri_lab.Engine(path, max_batch=5, num_threads=1, max_seqs=3) as small:
+        with contextlib.ExitStack() as st:
+            for q, ab in enumerate(ablations):
+                st.enter_context(small.intervene(ablate=ab, seq=q))
+            split = small.logprobs([(q, ids[:7], tg[:7]) for q in range(3)])  # two calls per sequence
+            rest = small.logprobs([(q, ids[7:], tg[7:]) for q in range(3)])
+        assert small.config.max_batch == 5
+        for q in range(3):
+            assert np.array_equal(np.concatenate([split[q], rest[q]]), alone[q], equal_nan=True)
+
+
+def test_logprobs_refused(engines):
+    eng = engines("mixtral")
+    V = SHAPES["mixtral"].vocab
+    ids = random_ids(V, 6, seed=32)
+    eng.sequence(0).clear()
+    with pytest.raises(ColibriError, match="out of range"):
+        eng.logprobs([(0, ids, [1, 2, V, 3, 4, 5])])
+    assert len(eng.sequence(0)) == 0  # a refused batch changes nothing
+    with pytest.raises(ColibriError, match="one id per token"):
+        eng.logprobs([(0, ids, [1, 2])])
+    with pytest.raises(ColibriError, match="neither a token id"):
+        eng.logprobs([(0, ids, [1, 2, -3, 3, 4, 5])])
+    assert 1 <= eng._get_int("logprob_rows") <= eng.config.max_batch

@@ -1,12 +1,23 @@
-"""The full ablation sweep of a model: every expert of every MoE layer excluded in turn
-(Engine.intervene(ablate=...)), the mean next-token loss on held-out tokens for each, timed;
-and the same sweep through StageRun (the ablation done from Python between the router and
-the grouping stages: the routing recomputed in numpy from the router's logits and written
-into the stage tensors), timed, with the losses of both compared. Times are wall-clock
-seconds of the whole sweep; run on a quiet machine, or say that the figures were taken
-under load.
+"""The full ablation sweep of a model: every expert of every MoE layer excluded in turn, the
+mean next-token loss on held-out tokens for each, three ways, timed:
 
-    python tools/ablation_sweep.py --model tiny.colibri [--tokens 2000] [--threads 2]
+- readout: the engine does everything: the ablations run as separate sequences of one batched
+  forward per window (each sequence carries its own Engine.intervene(ablate=..., seq=q)), and
+  the engine reduces each position's logits to the next token's log-probability
+  (Engine.logprobs, colibri_batch_logprobs): no logits row comes to Python;
+- logits: one ablation at a time through Engine.intervene, the logits of every position
+  copied to numpy and the loss computed there (log-softmax over the vocabulary);
+- stagerun: the same through StageRun (the ablation done from Python between the router and
+  the grouping stages: the routing recomputed in numpy from the router's logits and written
+  into the stage tensors), the loss in numpy.
+
+The losses of the three are compared. With --reps R the three sweeps run R times in rotation
+(the order shifted each time, so that a loaded machine's drift falls on all of them) and the
+medians are reported. Times are wall-clock seconds of a whole sweep; run on a quiet machine,
+or say that the figures were taken under load. Then greedy generation under each ablation,
+through intervene and through StageRun (a stage run per token), timed once and compared.
+
+    python tools/ablation_sweep.py --model tiny.colibri [--tokens 2000] [--threads 2] [--reps 3]
 
 Without --model it converts data/tiny-mixtral into a temporary folder. The held-out text is
 the tiny model's held-out split (data/README.md: the standard library's .py files whose
@@ -16,6 +27,7 @@ path hash falls in the held-out 3 %), read in file order up to --tokens tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -59,12 +71,38 @@ def forward_chunks(eng, ids: np.ndarray, chunk: int) -> np.ndarray:
 
 
 def ablated_losses_engine(eng, ids, chunk, layer, e):
-    """Mean loss with expert e of `layer` excluded by the engine, and the forwards' seconds."""
-    t0 = time.perf_counter()
+    """Mean loss with expert e of `layer` excluded by the engine, the logits to numpy."""
     with eng.intervene(ablate={layer: [e]}):
         logits = forward_chunks(eng, ids, chunk)
-    secs = time.perf_counter() - t0
-    return float(losses(logits, ids).mean()), secs
+    return float(losses(logits, ids).mean())
+
+
+def sweep_readout(eng, ids, chunk, pairs) -> dict:
+    """Every ablation's mean loss, the engine doing it all: per window of `chunk` tokens one
+    batched forward whose sequence q carries ablation pairs[q], each position's next-token
+    log-probability read out by the engine (the last token of the text has no target)."""
+    targets = np.append(ids[1:], -1)
+    total = np.zeros(len(pairs))
+    for q in range(len(pairs)):
+        eng.sequence(q).clear()
+    with contextlib.ExitStack() as stack:
+        for q, (layer, e) in enumerate(pairs):
+            stack.enter_context(eng.intervene(ablate={layer: [e]}, seq=q))
+        for i in range(0, len(ids), chunk):
+            w, t = ids[i:i + chunk], targets[i:i + chunk]
+            lps = eng.logprobs([(q, w, t) for q in range(len(pairs))])
+            for q, lp in enumerate(lps):
+                total[q] -= lp[t >= 0].astype(np.float64).sum()
+                eng.sequence(q).clear()
+    return {pair: float(v) / (len(ids) - 1) for pair, v in zip(pairs, total)}
+
+
+def sweep_logits(eng, ids, chunk, pairs) -> dict:
+    return {(layer, e): ablated_losses_engine(eng, ids, chunk, layer, e) for layer, e in pairs}
+
+
+def sweep_stagerun(eng, ids, chunk, pairs) -> dict:
+    return {(layer, e): ablated_losses_stagerun(eng, ids, chunk, layer, e) for layer, e in pairs}
 
 
 def generate_engine(eng, prompt, n_new, layer, e):
@@ -101,11 +139,9 @@ def _stage_forward(eng, ids, start, layer, e):
 
 def ablated_losses_stagerun(eng, ids, chunk, layer, e):
     """The same through stage runs, the exclusion done from Python."""
-    t0 = time.perf_counter()
     logits = np.concatenate([_stage_forward(eng, ids[i:i + chunk], 0, layer, e)
                              for i in range(0, len(ids), chunk)])  # fmt: skip
-    secs = time.perf_counter() - t0
-    return float(losses(logits, ids).mean()), secs
+    return float(losses(logits, ids).mean())
 
 
 def generate_stagerun(eng, prompt, n_new, layer, e):
@@ -120,15 +156,23 @@ def generate_stagerun(eng, prompt, n_new, layer, e):
     return seq[len(prompt):]
 
 
+SIDES = {"readout": sweep_readout, "logits": sweep_logits, "stagerun": sweep_stagerun}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help=".colibri file (default: data/tiny-mixtral converted)")
     ap.add_argument("--tokens", type=int, default=2000)
-    ap.add_argument("--chunk", type=int, default=0, help="tokens per window (default: max_batch)")
+    ap.add_argument("--chunk", type=int, default=512, help="tokens per window (each window a new sequence)")
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--new", type=int, default=32, help="greedy tokens generated under each ablation")
+    ap.add_argument("--reps", type=int, default=1, help="sweeps per way, in rotation; medians reported")
+    ap.add_argument("--sides", default="readout,logits,stagerun", help="which ways to run (comma-separated)")
+    ap.add_argument("--new", type=int, default=32, help="greedy tokens generated under each ablation (0: none)")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
+    sides = [x for x in a.sides.split(",") if x]
+    if not sides or any(x not in SIDES for x in sides):
+        ap.error(f"--sides takes some of {', '.join(SIDES)}")
     import colibri_lab
 
     tmp = None
@@ -137,59 +181,63 @@ def main(argv=None) -> int:
         tmp = tempfile.TemporaryDirectory()
         model = os.path.join(tmp.name, "tiny.colibri")
         colibri_lab.convert(REPO / "data" / "tiny-mixtral", model, progress=False)
-    # prefix_cache off: a stage run whose tensors were edited from Python would offer its KV
-    # blocks to the prefix cache as if computed plainly (the engine's own interventions never do)
-    with colibri_lab.Engine(model, num_threads=a.threads or None, prefix_cache=False) as eng:
-        chunk = a.chunk or eng.config.max_batch
+    with colibri_lab.Engine(model, num_threads=a.threads or None) as probe:
+        moe = probe._layer_is_moe()
+        n_layers, n_experts = probe.config.n_layers, probe.config.n_experts
+    pairs = [(l, e) for l in range(n_layers) if moe[l] for e in range(n_experts)]
+    chunk = a.chunk
+    # one sequence per ablation, each as long as a window; prefix_cache off: a stage run whose
+    # tensors were edited from Python would offer its KV blocks to the prefix cache as if
+    # computed plainly (the engine's own interventions never do)
+    with colibri_lab.Engine(model, num_threads=a.threads or None, prefix_cache=False, max_seqs=len(pairs),
+                            max_seq_len=max(chunk, a.new + 64), max_batch=chunk) as eng:  # fmt: skip
         ids = heldout_ids(eng.tokenizer, a.tokens)
         base = float(losses(forward_chunks(eng, ids, chunk), ids).mean())
-        # the two ways alternate, ablation by ablation, the order swapped each time (a loaded
-        # machine's drift then falls on both): whole-step and forward-only seconds per side
-        moe = eng._layer_is_moe()
-        pairs = [(l, e) for l in range(eng.config.n_layers) if moe[l] for e in range(eng.config.n_experts)]
-        fast, slow = {}, {}
-        t_engine = t_stage = fast_fw = slow_fw = 0.0
+        secs = {x: [] for x in sides}
+        loss = {}
+        for r in range(a.reps):
+            for x in sides[r % len(sides):] + sides[:r % len(sides)]:
+                t0 = time.perf_counter()
+                loss[x] = SIDES[x](eng, ids, chunk, pairs)
+                secs[x].append(time.perf_counter() - t0)
         t_gen_engine = t_gen_stage = 0.0
-        prompt = [int(t) for t in ids[:64]]
         same = True
-        for n, (layer, e) in enumerate(pairs):
+        prompt = [int(t) for t in ids[:64]]
+        for n, (layer, e) in enumerate(pairs if a.new > 0 else []):
             for side in ((0, 1) if n % 2 == 0 else (1, 0)):
                 t0 = time.perf_counter()
                 if side == 0:
-                    fast[layer, e], s = ablated_losses_engine(eng, ids, chunk, layer, e)
-                    t_engine += time.perf_counter() - t0
-                    fast_fw += s
-                    t0 = time.perf_counter()
                     g1 = generate_engine(eng, prompt, a.new, layer, e)
                     t_gen_engine += time.perf_counter() - t0
                 else:
-                    slow[layer, e], s = ablated_losses_stagerun(eng, ids, chunk, layer, e)
-                    t_stage += time.perf_counter() - t0
-                    slow_fw += s
-                    t0 = time.perf_counter()
                     g2 = generate_stagerun(eng, prompt, a.new, layer, e)
                     t_gen_stage += time.perf_counter() - t0
             same &= g1 == g2
         kernels = eng.config.kernels
         threads = eng.config.num_threads
-    diff = max(abs(fast[k] - slow[k]) for k in fast)
+        lp_rows = eng._get_int("logprob_rows")
+    med = {x: float(np.median(v)) for x, v in secs.items()}
+    ref = loss[sides[0]]
+    diff = {x: max(abs(loss[x][k] - ref[k]) for k in ref) for x in sides[1:]}
     res = {
-        "model": str(model), "tokens": len(ids), "window": chunk, "ablations": len(fast),
-        "baseline_loss": base, "engine_s": t_engine, "stagerun_s": t_stage, "engine_forward_s": fast_fw,
-        "stagerun_forward_s": slow_fw, "generate_tokens": a.new, "generate_engine_s": t_gen_engine,
-        "generate_stagerun_s": t_gen_stage, "generations_equal": same,
-        "max_loss_difference": diff, "threads": threads, "kernels": kernels, "machine": platform.processor()
-        or platform.machine(), "loss": {f"{l}/{e}": v for (l, e), v in fast.items()},
+        "model": str(model), "tokens": len(ids), "window": chunk, "ablations": len(pairs), "reps": a.reps,
+        "baseline_loss": base, "seconds": secs, "median_s": med, "logprob_rows": lp_rows,
+        "max_loss_difference_vs_" + sides[0]: diff, "generate_tokens": a.new, "generate_engine_s": t_gen_engine,
+        "generate_stagerun_s": t_gen_stage, "generations_equal": same, "threads": threads, "kernels": kernels,
+        "machine": platform.processor() or platform.machine(),
+        "loss": {f"{l}/{e}": v for (l, e), v in ref.items()},
     }  # fmt: skip
-    print(f"{len(ids)} held-out tokens in windows of {chunk}, {len(fast)} ablations, {threads} threads, "
-          f"kernels {kernels}")  # fmt: skip
-    print(f"baseline loss {base:.4f}; sweep through intervene {t_engine:.2f} s (forwards {fast_fw:.2f} s), "
-          f"through StageRun {t_stage:.2f} s (forwards {slow_fw:.2f} s): {slow_fw / fast_fw:.2f}x in the "
-          f"forwards; max |loss difference| {diff:.2e}")  # fmt: skip
-    print(f"greedy generation of {a.new} tokens after a 64-token prompt under each ablation: intervene "
-          f"{t_gen_engine:.2f} s, StageRun {t_gen_stage:.2f} s ({t_gen_stage / t_gen_engine:.1f}x); "
-          f"same tokens: {same}")  # fmt: skip
-    worst = sorted(fast.items(), key=lambda kv: -kv[1])[:5]
+    print(f"{len(ids)} held-out tokens in windows of {chunk}, {len(pairs)} ablations, {threads} threads, "
+          f"kernels {kernels}, {a.reps} sweep(s) per way in rotation")  # fmt: skip
+    print(f"baseline loss {base:.4f}; median seconds of a whole sweep: "
+          + ", ".join(f"{x} {med[x]:.2f} s" for x in sides))  # fmt: skip
+    for x in sides[1:]:
+        print(f"  {x} / {sides[0]}: {med[x] / med[sides[0]]:.1f}x; max |loss difference| {diff[x]:.2e}")
+    if a.new > 0:
+        print(f"greedy generation of {a.new} tokens after a 64-token prompt under each ablation: intervene "
+              f"{t_gen_engine:.2f} s, StageRun {t_gen_stage:.2f} s ({t_gen_stage / t_gen_engine:.1f}x); "
+              f"same tokens: {same}")  # fmt: skip
+    worst = sorted(ref.items(), key=lambda kv: -kv[1])[:5]
     print("largest loss increases: " + ", ".join(f"layer {l} expert {e}: +{v - base:.3f}" for (l, e), v in worst))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))

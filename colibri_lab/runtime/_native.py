@@ -40,7 +40,7 @@ from pathlib import Path
 from .errors import *  # noqa: F401,F403  (the statuses and exceptions, re-exported for the binding's callers)
 from .errors import ERRORS, OK, ColibriError
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 LIB_NAME = "libcolibri.so" if sys.platform != "darwin" else "libcolibri.dylib"
 
 
@@ -155,6 +155,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     ),
     "colibri_cached_len": (c_int64, [ctx_p]),
     "colibri_batch": (c_int, [ctx_p, c_void_p, c_int64, POINTER(c_float)]),
+    "colibri_batch_logprobs": (c_int, [ctx_p, c_void_p, c_int64, POINTER(c_int32), POINTER(c_float)]),
     "colibri_seq_len": (c_int64, [ctx_p, c_int32]),
     "colibri_seq_clear": (c_int, [ctx_p, c_int32]),
     "colibri_seq_truncate": (c_int, [ctx_p, c_int32, c_int64]),

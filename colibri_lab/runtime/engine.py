@@ -913,6 +913,15 @@ class Engine:
         return Intervention(self, ablate=ablate, zero=zero, mode=mode, force=force, router_bias=router_bias,
                             patch=patch, add=add, record=record, seq=seq)  # fmt: skip
 
+    def logprobs(self, work) -> list:
+        """Log-probabilities of given target tokens, computed by the engine (no logits row
+        comes back): ``work`` is a list of ``(seq, token_ids, targets)``, each continued at
+        the sequence's end as in :meth:`batch`; see
+        :func:`colibri_lab.runtime.interventions.target_logprobs`."""
+        from .interventions import target_logprobs
+
+        return target_logprobs(self, work)
+
     def lens(self, resid) -> np.ndarray:
         """Final norm and LM head on residual rows ``[n, hidden]`` (the logit lens), by the
         engine; see :func:`colibri_lab.runtime.interventions.lens`."""

@@ -16,8 +16,9 @@ clears them::
 
 Keys of activation points are ``(point, layer, pos)`` with point ``"resid"`` (the residual
 entering ``layer``; ``layer = n_layers`` is the residual entering the final norm),
-``"attn_out"`` (the attention output after its projection, before the residual add), or
-``(point, layer, pos, expert)`` with point ``"expert_out"`` (that expert's output for the
+``"attn_out"`` (the attention output after its projection, before the residual add),
+``"shared_out"`` (a MoE layer's shared-expert output as it is added to the routed sum: after
+Qwen2-MoE's sigmoid gate), or ``(point, layer, pos, expert)`` with point ``"expert_out"`` (that expert's output for the
 token, before its routing weight; applied only where the token chose the expert). Positions are
 positions in the sequence.
 """
@@ -33,7 +34,7 @@ from ._native import check, lib
 
 ALL_SEQS = -1
 MASK_MODES = {"exclude": 1, "zero": 2}
-POINTS = {"resid": 0, "attn_out": 1, "expert_out": 2}
+POINTS = {"resid": 0, "attn_out": 1, "expert_out": 2, "shared_out": 3}
 _RECORD, _REPLACE, _ADD = 0, 1, 2
 
 
@@ -238,3 +239,63 @@ def expert_attribution(engine, token_ids, pos: int, target: int) -> dict:
     attribution = (w[..., None] * outputs).astype(np.float64) @ u / rms
     return {"ids": ids, "weights": w, "outputs": outputs, "attribution": attribution, "rms": rms,
             "logit": float(logits[pos, int(target)])}  # fmt: skip
+
+
+def target_logprobs(engine, work) -> list:
+    """Log-probabilities of target tokens, computed by the engine (``colibri_batch_logprobs``):
+    ``work`` is a list of ``(seq, token_ids, targets)``; each item's tokens continue sequence
+    ``seq`` at its end (as :meth:`Engine.batch <colibri_lab.runtime.engine.Engine.batch>`; all
+    items run in one batched forward), and ``targets[i]`` (same length as ``token_ids``; -1:
+    none) is the token whose log-probability after ``token_ids[i]`` is wanted, e.g. the next
+    token. Returns per item float32 ``[len(token_ids)]``: ``log softmax(logits)[target]``, NaN
+    where the target is -1; no logits row leaves the engine. The values of one sequence are
+    bitwise the same whatever else is in the batch (each sequence keeps its own interventions),
+    and -mean(values) is the next-token loss when the targets are the next tokens.
+    """
+    from .engine import _ENTRY_DTYPE, _as_ids
+
+    ctx = engine._c()
+    items = []
+    for seq, ids, targets in work:
+        ids = _as_ids(ids)
+        tg = np.ascontiguousarray(np.asarray(targets, dtype=np.int64).reshape(-1))
+        if tg.shape != ids.shape:
+            raise _native.ColibriInvalidArgError(
+                f"targets must have one id per token ({len(ids)}), got {tg.shape[0]}"
+            )
+        items.append((int(seq), ids, tg))
+    n = sum(len(ids) for _, ids, _ in items)
+    if n == 0:
+        raise _native.ColibriInvalidArgError("the batch has no tokens")
+    entries = np.zeros(n, dtype=_ENTRY_DTYPE)
+    nxt: dict[int, int] = {}
+    i = 0
+    for seq, ids, tg in items:
+        k = len(ids)
+        start = nxt.get(seq)
+        if start is None:
+            start = int(lib.colibri_seq_len(ctx, seq))
+            if start < 0:
+                raise _native.ColibriInvalidArgError(
+                    f"sequence {seq} is not in [0, {engine.config.max_seqs}); open the Engine with a larger max_seqs"
+                )
+        e = entries[i:i + k]
+        e["token"], e["seq"], e["pos"], e["logits"] = ids, seq, np.arange(start, start + k), tg != -1
+        nxt[seq] = start + k
+        i += k
+    all_targets = np.concatenate([tg for _, _, tg in items])
+    want = all_targets != -1
+    if ((all_targets < -1) | (all_targets > np.iinfo(np.int32).max)).any():
+        bad = int(all_targets[(all_targets < -1) | (all_targets > np.iinfo(np.int32).max)][0])
+        raise _native.ColibriInvalidArgError(f"target {bad} is neither a token id nor -1 (none)")
+    tgt = np.ascontiguousarray(all_targets[want], dtype=np.int32)
+    out = np.empty(len(tgt), dtype=np.float32)
+    check(lib.colibri_batch_logprobs(ctx, entries.ctypes.data, n, tgt.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                     out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))), ctx=ctx)  # fmt: skip
+    full = np.full(n, np.nan, dtype=np.float32)
+    full[want] = out
+    res, r = [], 0
+    for _, ids, _ in items:
+        res.append(full[r:r + len(ids)])
+        r += len(ids)
+    return res

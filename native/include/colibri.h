@@ -28,7 +28,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or the meaning of an argument changes; bindings check it. */
-#define COLIBRI_ABI_VERSION 9
+#define COLIBRI_ABI_VERSION 10
 /* The newest .colibri format version this build reads (it reads every older one too, from 1). */
 #define COLIBRI_FORMAT_VERSION 2
 
@@ -179,6 +179,19 @@ typedef struct colibri_batch_entry {
  * would pass max_seq_len gives COLIBRI_E_SEQ_TOO_LONG. */
 COLIBRI_API colibri_status colibri_batch(colibri_ctx *ctx, const colibri_batch_entry *entries,
                                          int64_t n, float *logits);
+/* colibri_batch, but each entry with logits = 1 gives one number instead of its logits row:
+ * logprobs[j] = log softmax(logits)[targets[j]], the natural-log probability of token
+ * targets[j] (j counts those entries in entry order; e.g. the next token, so that -logprobs
+ * is the loss). Computed by the engine from the float32 logits the LM head computes, as
+ * (logit[target] - max) - log(sum_i exp(logit[i] - max)) with the kernel table's float32
+ * softmax sum (docs/workbench.md, "Readouts"); no logits row leaves the engine. The logit rows
+ * go to a buffer of the arena (colibri_get_int "logprob_rows" rows: an internal chunk holds at
+ * most that many entries with logits = 1). A sequence's values are bitwise the same whatever
+ * else is in the batch and however the calls are split. Checks as colibri_batch, and every
+ * target in [0, vocab_size) (COLIBRI_E_TOKEN_RANGE); targets must not be NULL, logprobs
+ * only when no entry asks for logits. */
+COLIBRI_API colibri_status colibri_batch_logprobs(colibri_ctx *ctx, const colibri_batch_entry *entries, int64_t n,
+                                                  const int32_t *targets, float *logprobs);
 /* Positions held by sequence `seq` (-1 when seq is out of range). */
 COLIBRI_API int64_t colibri_seq_len(const colibri_ctx *ctx, int32_t seq);
 /* Forget every position of `seq`; its blocks go back to the cache. */
@@ -213,7 +226,7 @@ COLIBRI_API colibri_status colibri_seq_reuse_prefix(colibri_ctx *ctx, int32_t se
 /* Integer and float facts about the loaded model and run settings, by name:
  * ints: "n_layers" "hidden_size" "intermediate_size" "vocab_size" "n_heads" "n_kv_heads"
  *       "head_dim" "n_experts" "top_k" "max_seq_len" (effective) "file_max_seq_len"
- *       "max_batch" "num_threads" (requested) "threads_used" (by the forward) "group_pad" "sliding_window" "bos_id" "eos_id"
+ *       "max_batch" "logprob_rows" (colibri_batch_logprobs) "num_threads" (requested) "threads_used" (by the forward) "group_pad" "sliding_window" "bos_id" "eos_id"
  *       "arena_bytes" "file_size" "format_version" "router_int8" "tie_word_embeddings"
  *       "norm_topk_prob" "max_seqs" "kv_block_tokens" "kv_blocks_total" "kv_blocks_used" (held by
  *       sequences) "kv_blocks_cached" (prefix cache, held by none; as good as free) "prefix_cache"
@@ -551,6 +564,9 @@ COLIBRI_API colibri_status colibri_stage_tensor_device(colibri_ctx *ctx, const c
  *     before it is added to the residual, [hidden];
  *   COLIBRI_POINT_EXPERT_OUT: expert `expert`'s output for the token (before its routing
  *     weight), applied when the token chose that expert, [hidden];
+ *   COLIBRI_POINT_SHARED_OUT: the shared expert's output of MoE layer `layer` as it is added
+ *     to the routed sum (Qwen2-MoE: after its sigmoid gate, sigmoid(g . x) * shared(x);
+ *     DeepSeek: the shared experts' output), [hidden]; a layer without one is refused;
  * in mode COLIBRI_PATCH_RECORD (the value is copied into vec, the caller's hidden floats,
  * which must stay valid until the patch is cleared; the last forward that saw that position
  * wins), COLIBRI_PATCH_REPLACE (the value becomes vec) or COLIBRI_PATCH_ADD (vec is added:
@@ -562,6 +578,7 @@ COLIBRI_API colibri_status colibri_stage_tensor_device(colibri_ctx *ctx, const c
 #define COLIBRI_POINT_RESID 0
 #define COLIBRI_POINT_ATTN_OUT 1
 #define COLIBRI_POINT_EXPERT_OUT 2
+#define COLIBRI_POINT_SHARED_OUT 3
 #define COLIBRI_PATCH_RECORD 0
 #define COLIBRI_PATCH_REPLACE 1
 #define COLIBRI_PATCH_ADD 2

@@ -6,7 +6,8 @@
  * This executable replaces malloc, calloc, realloc, free, posix_memalign, aligned_alloc
  * and memalign with versions that forward to glibc's __libc_* functions and count calls
  * while counting is on. It inits the model given as argv[1], turns counting on, runs a
- * prefill of more than one chunk, decode steps and samples, and fails (exit 1, printing
+ * prefill of more than one chunk, decode steps and samples, batches (target log-probabilities
+ * included), and fails (exit 1, printing
  * the count) if anything allocated. Without argv[1] (or on a non-glibc libc) it skips
  * (prints a note and returns 77, which ctest reports as skipped: SKIP_RETURN_CODE in
  * native/CMakeLists.txt), so that ctest without a model file stays green. An argv[2] of
@@ -188,6 +189,14 @@ int main(int argc, char **argv) {
         colibri_batch_entry b1 = {ids[reused], 1, reused, 1, 0};
         ok = check(colibri_batch(ctx, &b1, 1, logits), ctx, "batch after reuse");
     }
+    /* target log-probabilities (colibri_batch_logprobs): the logit rows stay in the arena */
+    ok = ok && check(colibri_seq_clear(ctx, 2), ctx, "clear 2");
+    if (ok && S >= 3) {
+        colibri_batch_entry b2[3] = {{ids[6], 2, 0, 1, 0}, {ids[7], 2, 1, 0, 0}, {ids[8], 2, 2, 1, 0}};
+        int32_t targets[2] = {ids[7], ids[9]};
+        float lp[2];
+        ok = check(colibri_batch_logprobs(ctx, b2, 3, targets, lp), ctx, "batch logprobs");
+    }
     long count = n_alloc;
     counting = 0;
 
@@ -205,7 +214,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     printf("test_noalloc: OK (0 heap calls in prefill, %lld decode steps and samples, a batch over 3 "
-           "sequences, fork, truncate, clear, a prefix-cache reuse of %lld positions%s)\n",
+           "sequences, fork, truncate, clear, a prefix-cache reuse of %lld positions, target log-probabilities%s)\n",
            (long long)(pos - n_prompt), (long long)reused, interv ? ", under every kind of intervention" : "");
     return 0;
 }

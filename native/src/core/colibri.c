@@ -528,6 +528,13 @@ colibri_status colibri_batch(colibri_ctx *ctx, const colibri_batch_entry *entrie
     return cb_batch(ctx, entries, n, logits);
 }
 
+colibri_status colibri_batch_logprobs(colibri_ctx *ctx, const colibri_batch_entry *entries, int64_t n,
+                                      const int32_t *targets, float *logprobs) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    ctx->run.stage = -1; /* a forward abandons any unfinished stage run */
+    return cb_batch_logprobs(ctx, entries, n, targets, logprobs);
+}
+
 int64_t colibri_seq_len(const colibri_ctx *ctx, int32_t seq) {
     if (!ctx || seq < 0 || seq >= ctx->max_seqs) return -1;
     return ctx->sess.kv.len[seq];
@@ -627,6 +634,7 @@ colibri_status colibri_get_int(const colibri_ctx *ctx, const char *name, int64_t
         {"max_seq_len", ctx->max_seq_len},
         {"file_max_seq_len", (int64_t)c->file_max_seq_len},
         {"max_batch", ctx->max_batch},
+        {"logprob_rows", ctx->s.lp_rows},
         {"num_threads", ctx->num_threads},
         {"threads_used", cb_pool_threads(ctx->pool)},
         {"group_pad", ctx->group_pad},

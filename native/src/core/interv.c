@@ -197,9 +197,10 @@ colibri_status colibri_iv_patch(colibri_ctx *ctx, int32_t seq, int32_t point, in
                                 int64_t pos, int32_t mode, float *vec) {
     if (!ctx) return COLIBRI_E_INVALID_ARG;
     const int64_t H = ctx->cfg.hidden, E = ctx->cfg.n_experts;
-    if (point != COLIBRI_POINT_RESID && point != COLIBRI_POINT_ATTN_OUT && point != COLIBRI_POINT_EXPERT_OUT)
+    if (point != COLIBRI_POINT_RESID && point != COLIBRI_POINT_ATTN_OUT && point != COLIBRI_POINT_EXPERT_OUT &&
+        point != COLIBRI_POINT_SHARED_OUT)
         return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_iv_patch: point %d is not COLIBRI_POINT_RESID (0), "
-                       "_ATTN_OUT (1) or _EXPERT_OUT (2)", point);
+                       "_ATTN_OUT (1), _EXPERT_OUT (2) or _SHARED_OUT (3)", point);
     if (mode != COLIBRI_PATCH_RECORD && mode != COLIBRI_PATCH_REPLACE && mode != COLIBRI_PATCH_ADD)
         return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_iv_patch: mode %d is not COLIBRI_PATCH_RECORD (0), "
                        "_REPLACE (1) or _ADD (2)", mode);
@@ -214,9 +215,13 @@ colibri_status colibri_iv_patch(colibri_ctx *ctx, int32_t seq, int32_t point, in
         for (int64_t i = 0; i < H; i++)
             if (!isfinite(vec[i]))
                 return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_iv_patch: vec[%lld] is not finite", (long long)i);
+    if (point == COLIBRI_POINT_SHARED_OUT && layer >= 0 && (uint32_t)layer < ctx->cfg.n_layers &&
+        !(ctx->w.layers[layer].moe && ctx->w.layers[layer].has_shared))
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_iv_patch: layer %d has no shared expert (COLIBRI_POINT_"
+                       "SHARED_OUT is a MoE layer's shared expert output)", layer);
     cb_iv_set *s;
     colibri_status st = get_set(ctx, "colibri_iv_patch", seq, layer,
-                                point == COLIBRI_POINT_RESID ? 2 : point == COLIBRI_POINT_EXPERT_OUT ? 1 : 0, &s);
+                                point == COLIBRI_POINT_RESID ? 2 : point == COLIBRI_POINT_ATTN_OUT ? 0 : 1, &s);
     if (st != COLIBRI_OK) return st;
     float *v = vec;
     if (mode != COLIBRI_PATCH_RECORD) {

@@ -295,8 +295,11 @@ colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64
 }
 
 /* colibri_batch: check every entry and the room in the cache, grow every sequence, then run
- * the entries in chunks of at most max_batch rows. */
-colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t n, float *logits) {
+ * the entries in chunks of at most max_batch rows. With targets (colibri_batch_logprobs) the
+ * LM head writes into the arena's lp_logits, so a chunk also ends at lp_rows entries with
+ * logits, and each row becomes its target's log-probability in logprobs. */
+static colibri_status batch_run(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t n, float *logits,
+                                const int32_t *targets, float *logprobs) {
     cb_kv *kv = &ctx->sess.kv;
     cb_scratch *s = &ctx->s;
     const int64_t V = ctx->cfg.vocab;
@@ -328,9 +331,18 @@ colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t 
         (*next)++;
         n_logits += e[i].logits;
     }
-    if (n_logits > 0 && !logits)
+    if (n_logits > 0 && !logits && !targets)
         return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_batch: %lld entries ask for logits but the logits "
                        "buffer is NULL", (long long)n_logits);
+    if (targets) {
+        if (n_logits > 0 && !logprobs)
+            return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_batch_logprobs: %lld entries ask for a "
+                           "log-probability but logprobs is NULL", (long long)n_logits);
+        for (int64_t j = 0; j < n_logits; j++)
+            if (targets[j] < 0 || targets[j] >= V)
+                return cb_fail(ctx, COLIBRI_E_TOKEN_RANGE, "colibri_batch_logprobs: target %lld is token id %d, "
+                               "out of range [0, %lld)", (long long)j, targets[j], (long long)V);
+    }
     int64_t need = 0;
     for (int32_t q = 0; q < ctx->max_seqs; q++) need += cb_kv_blocks_needed(kv, q, kv->len[q], s->seq_next[q]);
     if (need > cb_kv_available(kv))
@@ -340,15 +352,15 @@ colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t 
                        (long long)cb_kv_available(kv), (long long)kv->block_len, (long long)need);
     for (int32_t q = 0; q < ctx->max_seqs; q++) cb_kv_grow(kv, q, s->seq_next[q]);
     for (int64_t i = 0; kv->prefix && i < n; i++) cb_kv_set_token(kv, e[i].seq, e[i].pos, e[i].token);
-    int64_t done_logits = 0;
-    for (int64_t c0 = 0; c0 < n; c0 += ctx->max_batch) {
-        int64_t T = n - c0 < ctx->max_batch ? n - c0 : ctx->max_batch, R = 0;
-        for (int64_t t = 0; t < T; t++) {
-            const colibri_batch_entry *x = &e[c0 + t];
-            s->run_ids[t] = x->token;
-            s->row_seq[t] = x->seq;
-            s->row_pos[t] = x->pos;
-            if (x->logits) s->head_idx[R++] = (int32_t)t;
+    int64_t done_logits = 0, max_rows = targets ? s->lp_rows : ctx->max_batch;
+    for (int64_t c0 = 0, T = 0; c0 < n; c0 += T) {
+        int64_t R = 0;
+        for (T = 0; c0 + T < n && T < ctx->max_batch && R < max_rows; T++) {
+            const colibri_batch_entry *x = &e[c0 + T];
+            s->run_ids[T] = x->token;
+            s->row_seq[T] = x->seq;
+            s->row_pos[T] = x->pos;
+            if (x->logits) s->head_idx[R++] = (int32_t)T;
         }
         ctx->run.T = T;
         ctx->run.stage = COLIBRI_STAGE_EMBEDDING;
@@ -357,16 +369,28 @@ colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t 
         ctx->run.att_layer = -1;
         ctx->run.pred_layer = -1;
         run_segments(ctx);
-        float *lg = R ? logits + done_logits * V : NULL;
+        float *lg = !R ? NULL : targets ? s->lp_logits : logits + done_logits * V;
         run_chunk(ctx, lg);
         colibri_status st = ctx->be->status ? ctx->be->status(ctx) : COLIBRI_OK;
         if (st != COLIBRI_OK) return st;
         chunk_written(ctx);
         st = check_logits(ctx, lg, R, done_logits);
         if (st != COLIBRI_OK) return st;
+        if (targets && R) cb_logprob_rows(ctx, lg, R, targets + done_logits, logprobs + done_logits);
         done_logits += R;
     }
     return COLIBRI_OK;
+}
+
+colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t n, float *logits) {
+    return batch_run(ctx, e, n, logits, NULL, NULL);
+}
+
+colibri_status cb_batch_logprobs(colibri_ctx *ctx, const colibri_batch_entry *e, int64_t n, const int32_t *targets,
+                                 float *logprobs) {
+    if (!targets)
+        return cb_fail(ctx, COLIBRI_E_INVALID_ARG, "colibri_batch_logprobs: targets must not be NULL");
+    return batch_run(ctx, e, n, NULL, targets, logprobs);
 }
 
 /* ---- stage-by-stage execution (colibri_stage_*) -------------------------------------- */

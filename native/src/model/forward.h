@@ -88,6 +88,10 @@ typedef struct cb_scratch {
     float *pred_w;       /* [B, top_k] */
     int64_t down_part_rows;
     int64_t max_rows;    /* R */
+    /* colibri_batch_logprobs (logprob.c): the logits of up to lp_rows rows of a chunk, each
+     * reduced to its target's log-probability */
+    float *lp_logits;    /* [lp_rows, V] */
+    int64_t lp_rows;
 } cb_scratch;
 
 /* The chunk being run, stage by stage: the fused forward and colibri_stage_* share it. */
@@ -114,6 +118,13 @@ colibri_status cb_forward(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64
                           float *logits, int last_only);
 /* colibri_batch (arguments not yet checked beyond ctx != NULL). */
 colibri_status cb_batch(colibri_ctx *ctx, const colibri_batch_entry *entries, int64_t n, float *logits);
+/* colibri_batch_logprobs (ctx != NULL): colibri_batch whose entries with logits = 1 give
+ * logprobs[j] = log softmax(their logits)[targets[j]] instead of their logits. */
+colibri_status cb_batch_logprobs(colibri_ctx *ctx, const colibri_batch_entry *entries, int64_t n,
+                                 const int32_t *targets, float *logprobs);
+/* logprob.c: out[i] = log softmax(logits[i])[targets[i]] of R rows [R, V] (the rows are
+ * overwritten: the softmax is computed in place). */
+void cb_logprob_rows(colibri_ctx *ctx, float *logits, int64_t R, const int32_t *targets, float *out);
 /* Checks shared by colibri_forward_at and colibri_stage_begin (nothing is changed). */
 colibri_status cb_check_input(colibri_ctx *ctx, const int32_t *ids, int64_t n, int64_t start_pos);
 /* Stage-by-stage execution (colibri_stage_*). */

@@ -95,6 +95,13 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     uint64_t split_rows = (E < CB_FFN_BATCH ? E : CB_FFN_BATCH) * CB_SPLIT_MAX_ROWS;
     if (split_rows > R) split_rows = R;
     s->down_part_rows = (int64_t)(split_rows * nblk_i + CB_SPLIT_MAX_ROWS * nblk_f);
+    /* colibri_batch_logprobs' logit rows: about 8 MiB of them (at least 16 rows, at most B),
+     * a multiple of 8 rows when more than 8 */
+    uint64_t LB = (8u << 20) / (4 * (V ? V : 1));
+    if (LB < 16) LB = 16;
+    if (LB > 8) LB = LB / 8 * 8;
+    if (LB > B) LB = B;
+    s->lp_rows = (int64_t)LB;
     uint64_t BH = B * H; /* B <= 2^32 and H <= 2^24: cannot overflow */
     cb_arena_item items[] = {
         {(void **)&kc->k, kv, 4, "K cache"},
@@ -164,6 +171,7 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&s->pred_logits, B * E, 4, "pred_logits"},
         {(void **)&s->pred_ids, B * K, 4, "pred_ids"},
         {(void **)&s->pred_w, B * K, 4, "pred_w"},
+        {(void **)&s->lp_logits, LB * V, 4, "logprob logits"},
     };
     const size_t n_items = sizeof items / sizeof items[0];
     uint64_t offs[sizeof items / sizeof items[0]];

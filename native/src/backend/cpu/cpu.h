@@ -55,6 +55,9 @@ void cb_cpu_iv_zero(colibri_ctx *ctx, uint32_t l);
 /* Activation patches of `point` at layer l on buf: [T, H] rows of the chunk (RESID, ATTN_OUT)
  * or the grouped expert rows (EXPERT_OUT: s->ex_out). */
 void cb_cpu_iv_patch(colibri_ctx *ctx, int32_t point, uint32_t l, float *buf);
+/* COLIBRI_POINT_SHARED_OUT patches of MoE layer l (with a shared expert), before COMBINE adds
+ * the shared expert: a patched row of s->sh_out becomes its gated value (and its gate 1). */
+void cb_cpu_iv_shared(colibri_ctx *ctx, uint32_t l);
 
 /* ---- bind.c: the operations that read a weight, chosen once per weight at start-up ---- */
 

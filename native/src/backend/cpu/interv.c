@@ -82,3 +82,25 @@ void cb_cpu_iv_patch(colibri_ctx *ctx, int32_t point, uint32_t l, float *buf) {
             }
         }
 }
+
+void cb_cpu_iv_shared(colibri_ctx *ctx, uint32_t l) {
+    cb_scratch *s = &ctx->s;
+    const int gated = ctx->w.layers[l].shared_gate.w != NULL;
+    int64_t T = ctx->run.T, H = ctx->cfg.hidden;
+    for (int64_t t = 0; t < T; t++) {
+        const cb_iv_set *v = cb_iv_for(ctx->iv, s->row_seq[t]);
+        int gated_now = 0;
+        for (int64_t i = 0; v && i < v->n_patch; i++) {
+            const cb_iv_patch *p = &v->patch[i];
+            if (p->point != COLIBRI_POINT_SHARED_OUT || p->layer != (int32_t)l || p->pos != s->row_pos[t]) continue;
+            float *y = s->sh_out + t * H;
+            if (gated && !gated_now) { /* the value COMBINE would add: g * y, then g = 1 (1 * v == v) */
+                float g = s->sh_gate[t];
+                for (int64_t j = 0; j < H; j++) y[j] = g * y[j];
+                s->sh_gate[t] = 1.0f;
+            }
+            gated_now = 1;
+            patch_row(p, y, H);
+        }
+    }
+}

@@ -334,6 +334,7 @@ static void stage_combine(colibri_ctx *ctx, uint32_t l) {
             cb_pool_run(ctx->pool, cb_cpu_combine_chunk, &m, (H + m.len - 1) / m.len);
         }
         if (L->has_shared) {
+            if (ctx->iv) cb_cpu_iv_shared(ctx, l);
             for (int64_t t = 0; t < T; t++) {
                 float g = L->shared_gate.w ? s->sh_gate[t] : 1.0f;
                 float *d = s->delta + t * H;
