@@ -69,7 +69,7 @@ SHAPES = {
         rope=(("rope_type", "yarn"), ("rope_theta", 10000.0), ("factor", 4.0),
               ("original_max_position_embeddings", 64), ("beta_fast", 32.0), ("beta_slow", 1.0))),
 }
-PRE = {"deepseek_v3": "deepseek-v3", "deepseek_v2": "deepseek-v3", "gpt_oss": "gpt-4o"}
+PRE = {"deepseek_v3": "deepseek-v3", "deepseek_v2": "deepseek-llm", "gpt_oss": "gpt-4o"}
 STYLE = {"deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "gpt_oss": "o200k"}
 OUTTYPES = {"deepseek_v3": ("f32", "bf16", "q8_0"), "deepseek_v2": ("f32", "q8_0"),
             "gpt_oss": ("f32", "bf16", "q8_0")}
@@ -80,6 +80,14 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 def _checkpoint(fam: str, folder: Path):
     tok = byte_level_bpe(_corpus(), 600, SPECIALS, style=STYLE[fam])
+    if fam == "deepseek_v2":   # DeepSeek-V2's own pre-tokenizer: six splits (its merges as trained)
+        from tokenizers import Regex, pre_tokenizers
+
+        from colibri_lab.conversion.bpe import DEEPSEEK_LLM_SPLITS
+
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            *(pre_tokenizers.Split(Regex(rx), behavior="isolated", invert=False) for rx in DEEPSEEK_LLM_SPLITS),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     shape = SHAPES[fam]
     import dataclasses
 
@@ -338,9 +346,9 @@ def test_gptoss_mxfp4_experts(models, tmp_path):
 
 # --------------------------------------------------------------------------- tokenizer
 
-@pytest.mark.parametrize("fam", ["deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("fam", ["deepseek_v3", "deepseek_v2", "gpt_oss"])
 def test_tokenizer_pre_tokenizers(models, imported, fam):
-    """tokenizer.ggml.pre `deepseek-v3` / `gpt-4o`: the section rebuilt from the GGUF is the
+    """tokenizer.ggml.pre `deepseek-v3` / `deepseek-llm` / `gpt-4o`: the section rebuilt from the GGUF is the
     Hugging Face converter's byte for byte, and encodes as `tokenizers` does (code, CJK,
     digits, emoji, whitespace runs, special tokens)."""
     got = fmt_reader.inspect(imported(fam, "f32"))
@@ -360,13 +368,13 @@ def test_tokenizer_pre_tokenizers(models, imported, fam):
 def test_unsupported_pre_tokenizer_is_refused_by_name(models, tmp_path, capsys):
     from colibri_lab.conversion.cli import main
 
-    g = rewrite_gguf(models["deepseek_v2"]["gguf"]["f32"], tmp_path / "llm.gguf",
-                     fields=lambda k, v: "deepseek-llm" if k == "tokenizer.ggml.pre" else v)
-    with pytest.raises(ConversionError, match=r"tokenizer\.ggml\.pre = 'deepseek-llm' \(DeepSeek"):
+    g = rewrite_gguf(models["deepseek_v2"]["gguf"]["f32"], tmp_path / "coder.gguf",
+                     fields=lambda k, v: "deepseek-coder" if k == "tokenizer.ggml.pre" else v)
+    with pytest.raises(ConversionError, match=r"tokenizer\.ggml\.pre = 'deepseek-coder' \(DeepSeek"):
         convert_gguf(g, tmp_path / "x.colibri", progress=False)
     assert main(["--model_name_or_path", str(g), "--output_path", str(tmp_path / "y.colibri"),
                  "--quiet"]) == 1
-    assert "deepseek-llm" in capsys.readouterr().err
+    assert "deepseek-coder" in capsys.readouterr().err
     assert not (tmp_path / "y.colibri").exists()
     info = fmt_reader.inspect(convert_gguf(g, tmp_path / "z.colibri", progress=False,
                                            tokenizer="none"))
