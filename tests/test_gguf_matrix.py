@@ -113,8 +113,10 @@ PROMPTS = {"mixtral": "The router sends each token"}
 PROMPT = "def forward(self, x):"
 N_NEW = 10
 # a greedy choice llama.cpp may make differently: the engine's top logits within this share of
-# the logit scale (see test_llama_quantize_file)
-NEAR = 0.05
+# the logit scale (see test_llama_quantize_file). Measured: llama.cpp's own log-probabilities
+# (llama-server's n_probs) on the gpt-oss IQ4_XS file lie up to 0.3 (6% of the scale) from the
+# exact ones at the first token, where it picks the engine's second choice 0.46 below its first
+NEAR = 0.1
 
 
 def _bpe(style: str, toks: dict):
