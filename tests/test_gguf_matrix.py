@@ -9,11 +9,13 @@ multiples of 256 (Q4_K_M falling back to Q5_0 / Q8_0). For each file:
 * the engine's exact-mode logits equal transformers' on the dequantized weights (the
   checkpoint with every tensor llama-quantize changed replaced by its gguf.quants values)
   within 1e-4 x the logit scale;
-* llama.cpp's llama-completion on the file and the engine on its import generate the same
-  greedy tokens, up to a step where llama.cpp picks the engine's second choice (or lower)
-  within NEAR x the logit scale of the engine's first: llama.cpp multiplies these blocks with
-  8-bit-quantized activations (Q8_0 / Q8_K), the exact mode with f32 ones, and such near-ties
-  of random tiny models fall either way (its f32 KV cache gives the same text as its f16 one).
+* llama.cpp's llama-completion on the F32 file of the same values (the file's tensors
+  dequantized with gguf.quants) and the engine on the quantized import generate the same
+  greedy tokens;
+* on the quantized file itself llama.cpp multiplies these blocks with 8-bit-quantized
+  activations (Q8_0 / Q8_K), the exact mode with f32 ones: the texts are the same up to a
+  step where llama.cpp picks another of the engine's TOP first choices (near-ties of random
+  tiny models fall either way; its f32 KV cache gives the same text as its f16 one).
   llama.cpp's bytes are read back as tokens through the engine's logits (teacher forcing), so
   the first differing token, its rank and its gap are known.
 
@@ -53,7 +55,7 @@ from colibri_lab.conversion.gguf import convert_gguf  # noqa: E402
 from colibri_lab.format import reader as fmt_reader  # noqa: E402
 from test_gguf_import import (  # noqa: E402
     CHATML, MIXTRAL_TEMPLATE, SPECIALS, _corpus, _llama_program, _llama_root, _native_or_fail,
-    llama_cpp_source, make_ggufs,
+    dequantized, llama_cpp_source, make_ggufs, rewrite_gguf,
 )
 
 TOL = 1e-4
@@ -112,11 +114,11 @@ BASE = 0x3F800000   # index checkpoint: value bits = BASE + position (floats 1.0
 PROMPTS = {"mixtral": "The router sends each token"}
 PROMPT = "def forward(self, x):"
 N_NEW = 10
-# a greedy choice llama.cpp may make differently: the engine's top logits within this share of
-# the logit scale (see test_llama_quantize_file). Measured: llama.cpp's own log-probabilities
-# (llama-server's n_probs) on the gpt-oss IQ4_XS file lie up to 0.3 (6% of the scale) from the
-# exact ones at the first token, where it picks the engine's second choice 0.46 below its first
-NEAR = 0.1
+# on a quantized file llama.cpp's greedy choice where the texts part is among the engine's top
+# TOP (measured: its own log-probabilities, llama-server's n_probs, on the gpt-oss IQ4_XS file
+# lie up to 0.3 from the exact ones; the worst first divergence seen is the engine's #4, 13% of
+# the logit scale below its #1, on gpt-oss Q2_K, whose F32 values give llama.cpp the engine's text)
+TOP = 5
 
 
 def _bpe(style: str, toks: dict):
@@ -330,13 +332,18 @@ def test_llama_quantize_file(models, fam, ftype, tmp_path, record_property):
     _native_or_fail()
     prompt = PROMPTS.get(fam, PROMPT)
     piece = _piece_bytes(m["tok"], m["folder"])
-    theirs = _llama_completion(models["completion"], q, prompt)
-    assert prompt.encode() in theirs, theirs
-    cont = theirs.split(prompt.encode(), 1)[1]
+    # llama.cpp on the file itself, and on the same values as F32 (rewritten with gguf.quants)
+    conts = {}
+    for kind, path in (("file", q), ("values", rewrite_gguf(q, tmp_path / "deq.gguf", tensors=dequantized))):
+        theirs = _llama_completion(models["completion"], path, prompt)
+        assert prompt.encode() in theirs, theirs
+        conts[kind] = theirs.split(prompt.encode(), 1)[1]
+    cont = conts["file"]
     with colibri_lab.Engine(out) as eng:
         got = eng.forward(ids)
         gen = [t.id for t in eng.generate(prompt, max_new_tokens=N_NEW, stop_at_eos=False)]
         steps = _follow(eng, prompt, cont, piece)
+        same_values = _follow(eng, prompt, conts["values"], piece)
     scale = max(1.0, float(np.abs(ref).max()))
     delta = float(np.abs(got - ref).max())
     mine = b"".join(piece(i) for i in gen)
@@ -344,19 +351,23 @@ def test_llama_quantize_file(models, fam, ftype, tmp_path, record_property):
     record_property("scale", f"{scale:.3g}")
     record_property("greedy_equal", str(all(r == 0 for r, _, _ in steps)))
     record_property("steps", json.dumps(steps))
+    record_property("same_values_ranks", json.dumps([r for r, _, _ in same_values]))
     record_property("ours", repr(mine))
     record_property("theirs", repr(cont))
     print(f"{fam} {ftype}: types {types}, max |Δ logits| {delta:.3g} (scale {scale:.3g}), llama.cpp's "
-          f"tokens' ranks / gaps {steps}")
+          f"tokens' ranks / gaps {steps}, on the F32 values {[r for r, _, _ in same_values]}")
     assert delta <= TOL * scale, f"{fam} {ftype}: max |Δ logits| vs transformers {delta:.3g} (scale {scale:.3g})"
-    # greedy: the same tokens up to the first step where llama.cpp picks another one; that
-    # one must be a near-tie in the engine's logits (llama.cpp multiplies these blocks with
-    # 8-bit-quantized activations, the exact mode with the f32 ones); after it the two texts
-    # continue from different contexts and are not compared
+    # greedy on the same values: llama.cpp's text on the F32 file of the dequantized weights is
+    # the engine's on the quantized import, token for token
+    assert all(r == 0 for r, _, _ in same_values), (same_values, conts["values"], mine)
+    assert conts["values"].startswith(mine), (conts["values"], mine)
+    # on the quantized file itself llama.cpp multiplies with 8-bit-quantized activations (Q8_0 /
+    # Q8_K): the texts are the same up to the first step where llama.cpp takes another of the
+    # engine's top choices (a near-tie of these random tiny models; its gap is reported)
     first = next((k for k, (r, _, _) in enumerate(steps) if r), None)
     if first is None:
         assert cont.startswith(mine), (cont, mine)
     else:
         rank, gap, _ = steps[first]
-        assert gap <= NEAR * scale, (f"{fam} {ftype}: at token {first} llama.cpp's choice is the engine's "
-                                     f"#{rank + 1}, {gap:.3g} below its top (scale {scale:.3g})", steps, cont, mine)
+        assert rank < TOP, (f"{fam} {ftype}: at token {first} llama.cpp's choice is the engine's #{rank + 1}, "
+                            f"{gap:.3g} below its top (scale {scale:.3g})", steps, cont, mine)
