@@ -11,7 +11,7 @@ multiples of 256 (Q4_K_M falling back to Q5_0 / Q8_0). For each file:
   within 1e-4 x the logit scale;
 * llama.cpp's llama-completion on the F32 file of the same values (the file's tensors
   dequantized with gguf.quants) and the engine on the quantized import generate the same
-  greedy tokens;
+  greedy tokens (up to a tie within TIE x the logit scale, which rounding decides);
 * on the quantized file itself llama.cpp multiplies these blocks with 8-bit-quantized
   activations (Q8_0 / Q8_K), the exact mode with f32 ones: the texts are the same up to a
   step where llama.cpp picks another of the engine's TOP first choices (near-ties of random
@@ -119,6 +119,9 @@ N_NEW = 10
 # lie up to 0.3 from the exact ones; the worst first divergence seen is the engine's #4, 13% of
 # the logit scale below its #1, on gpt-oss Q2_K, whose F32 values give llama.cpp the engine's text)
 TOP = 5
+# ... and on the F32 file of the same values, where llama.cpp differs by rounding alone: a tie
+# (measured: a top-2 margin of 0.001, 2e-4 of the scale, on Qwen3-MoE Q5_0's values)
+TIE = 1e-3
 
 
 def _bpe(style: str, toks: dict):
@@ -358,9 +361,15 @@ def test_llama_quantize_file(models, fam, ftype, tmp_path, record_property):
           f"tokens' ranks / gaps {steps}, on the F32 values {[r for r, _, _ in same_values]}")
     assert delta <= TOL * scale, f"{fam} {ftype}: max |Δ logits| vs transformers {delta:.3g} (scale {scale:.3g})"
     # greedy on the same values: llama.cpp's text on the F32 file of the dequantized weights is
-    # the engine's on the quantized import, token for token
-    assert all(r == 0 for r, _, _ in same_values), (same_values, conts["values"], mine)
-    assert conts["values"].startswith(mine), (conts["values"], mine)
+    # the engine's on the quantized import, token for token, up to a tie (the engine's top two
+    # within TIE x the logit scale: rounding decides it, llama.cpp keeps its KV cache in f16)
+    tie = next((k for k, (r, _, _) in enumerate(same_values) if r), None)
+    if tie is None:
+        assert conts["values"].startswith(mine), (conts["values"], mine)
+    else:
+        assert same_values[tie][1] <= TIE * scale, (f"{fam} {ftype}: on the F32 values llama.cpp's token "
+                                                    f"{tie} is the engine's #{same_values[tie][0] + 1}",
+                                                    same_values, conts["values"], mine)
     # on the quantized file itself llama.cpp multiplies with 8-bit-quantized activations (Q8_0 /
     # Q8_K): the texts are the same up to the first step where llama.cpp takes another of the
     # engine's top choices (a near-tie of these random tiny models; its gap is reported)
