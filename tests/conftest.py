@@ -107,6 +107,19 @@ def make_model(tmp_path_factory, tokenizer_model):
     return make
 
 
+@pytest.fixture(scope="session")
+def gguf_models(tmp_path_factory):
+    """The GGUFs llama.cpp's convert_hf_to_gguf.py makes for test_gguf_import.py and
+    test_gguf_families.py: one converter process per session, whichever xdist worker asks
+    first (tests/gguf_shared.py)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("gguf")
+    from gguf_shared import shared_ggufs
+
+    return shared_ggufs(tmp_path_factory)
+
+
 def find_tool(name: str, env_var: str, how: str) -> str:
     """A program of the package: $env_var, else beside this Python (pip puts the package's
     programs in the venv's bin/), else on PATH; a test failure saying `how` to get it."""

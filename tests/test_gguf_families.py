@@ -1,5 +1,6 @@
 """GGUF import of DeepSeek-V2/V3 (`deepseek2`) and gpt-oss (`gpt-oss`): GGUFs made by
-llama.cpp's own convert_hf_to_gguf.py (as tests/test_gguf_import.py fetches and runs it)
+llama.cpp's own convert_hf_to_gguf.py (as tests/test_gguf_import.py fetches and runs it; one
+converter process per pytest session makes both files' GGUFs: conftest's gguf_models)
 from tiny random checkpoints, imported and compared with transformers and with the
 Hugging Face converter's file of the same checkpoint.
 
@@ -37,8 +38,7 @@ from colibri_lab.conversion.gguf import convert_gguf  # noqa: E402
 from colibri_lab.conversion.spec import ConversionError  # noqa: E402
 from colibri_lab.format import reader as fmt_reader  # noqa: E402
 from test_gguf_import import (  # noqa: E402
-    CHATML, TEXTS, _corpus, _engine, _llama_root, _native_or_fail, dequantized, llama_cpp_source,
-    make_ggufs, no_vocab, rewrite_gguf, section_bytes,
+    CHATML, TEXTS, _corpus, _engine, _native_or_fail, dequantized, no_vocab, rewrite_gguf, section_bytes,
 )
 
 TOL = 1e-4
@@ -69,7 +69,7 @@ SHAPES = {
         rope=(("rope_type", "yarn"), ("rope_theta", 10000.0), ("factor", 4.0),
               ("original_max_position_embeddings", 64), ("beta_fast", 32.0), ("beta_slow", 1.0))),
 }
-PRE = {"deepseek_v3": "deepseek-v3", "deepseek_v2": "deepseek-v3", "gpt_oss": "gpt-4o"}
+PRE = {"deepseek_v3": "deepseek-v3", "deepseek_v2": "deepseek-llm", "gpt_oss": "gpt-4o"}
 STYLE = {"deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "gpt_oss": "o200k"}
 OUTTYPES = {"deepseek_v3": ("f32", "bf16", "q8_0"), "deepseek_v2": ("f32", "q8_0"),
             "gpt_oss": ("f32", "bf16", "q8_0")}
@@ -80,6 +80,14 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 def _checkpoint(fam: str, folder: Path):
     tok = byte_level_bpe(_corpus(), 600, SPECIALS, style=STYLE[fam])
+    if fam == "deepseek_v2":   # DeepSeek-V2's own pre-tokenizer: six splits (its merges as trained)
+        from tokenizers import Regex, pre_tokenizers
+
+        from colibri_lab.conversion.bpe import DEEPSEEK_LLM_SPLITS
+
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            *(pre_tokenizers.Split(Regex(rx), behavior="isolated", invert=False) for rx in DEEPSEEK_LLM_SPLITS),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     shape = SHAPES[fam]
     import dataclasses
 
@@ -98,33 +106,56 @@ def _checkpoint(fam: str, folder: Path):
     return tok
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """family -> dict(folder, tok, hf (the HF converter's f32 file), gguf {outtype: path})."""
-    work = tmp_path_factory.mktemp("gguf-families")
-    src = llama_cpp_source(_llama_root())
-    out, jobs = {"src": src}, []
+def model_jobs(work: Path) -> tuple[list[dict], dict]:
+    """The checkpoints of this file under `work` and the converter jobs that make their
+    GGUFs: (jobs, state), state JSON-able for load_models."""
+    state, jobs = {}, []
     for fam in FAMILIES:
         folder = work / fam
-        tok = _checkpoint(fam, folder)
+        _checkpoint(fam, folder)
         hf = work / f"{fam}-hf.colibri"
         colibri_lab.convert(folder, hf, dtype="f32", progress=False)
         files = {}
         for t in OUTTYPES[fam]:
-            files[t] = work / f"{fam}-{t}.gguf"
-            jobs.append({"model": str(folder), "outtype": t, "outfile": str(files[t]),
-                         "pre": PRE[fam]})
-        out[fam] = dict(folder=folder, tok=tok, hf=hf, gguf=files)
-    out["gpt_oss_mxfp4"] = _hub_mxfp4_checkpoint(work / "gpt_oss_mxfp4", jobs)
-    make_ggufs(src, jobs, work)
+            files[t] = str(work / f"{fam}-{t}.gguf")
+            jobs.append({"model": str(folder), "outtype": t, "outfile": files[t], "pre": PRE[fam]})
+        state[fam] = {"folder": str(folder), "hf": str(hf), "gguf": files}
+    state["gpt_oss_mxfp4"] = _hub_mxfp4_checkpoint(work / "gpt_oss_mxfp4", jobs)
+    return jobs, state
+
+
+def load_models(state: dict, src: Path) -> dict:
+    """family -> dict(folder, tok, hf (the HF converter's f32 file), gguf {outtype: path});
+    "gpt_oss_mxfp4" -> dict(folder, hf, blocks {(layer, name): ggml MXFP4 rows}, gguf)."""
+    from tokenizers import Tokenizer
+
+    out = {"src": src}
+    for fam in FAMILIES:
+        st = state[fam]
+        out[fam] = {"folder": Path(st["folder"]), "hf": Path(st["hf"]),
+                    "gguf": {k: Path(v) for k, v in st["gguf"].items()},
+                    "tok": Tokenizer.from_file(str(Path(st["folder"]) / "tokenizer.json"))}
+    st = state["gpt_oss_mxfp4"]
+    with np.load(st["blocks"]) as z:
+        blocks = {(int(k.split(":")[0]), k.split(":")[1]): z[k] for k in z.files}
+    out["gpt_oss_mxfp4"] = {"folder": Path(st["folder"]), "hf": Path(st["hf"]), "blocks": blocks,
+                            "gguf": Path(st["gguf"])}
     return out
+
+
+@pytest.fixture(scope="module")
+def models(gguf_models):
+    """The GGUFs of this file, made by the session's one converter process (conftest's
+    gguf_models, shared with test_gguf_import.py)."""
+    return load_models(gguf_models["families"], gguf_models["src"])
 
 
 def _hub_mxfp4_checkpoint(folder: Path, jobs: list) -> dict:
     """gpt-oss as the hub ships it: experts as *_blocks / *_scales (MXFP4, rows = outputs,
     gate/up interleaved) and quantization_config mxfp4, for which llama.cpp's converter
-    repacks the blocks into ggml's MXFP4 instead of writing floats. Returns dict(folder,
-    hf (the HF converter's f32 file), blocks {(layer, name): ggml MXFP4 rows}, gguf)."""
+    repacks the blocks into ggml's MXFP4 instead of writing floats. Returns the state
+    dict(folder, hf (the HF converter's f32 file), blocks (an .npz of the ggml MXFP4 rows by
+    "layer:name"), gguf)."""
     from safetensors.torch import load_file, save_file
 
     from colibri_lab.format import blocks as quants
@@ -155,7 +186,9 @@ def _hub_mxfp4_checkpoint(folder: Path, jobs: list) -> dict:
     colibri_lab.convert(folder, hf, dtype="f32", progress=False, tokenizer="none")
     g = folder.parent / "gpt_oss_mxfp4.gguf"
     jobs.append({"model": str(folder), "outtype": "f32", "outfile": str(g), "pre": "gpt-4o"})
-    return {"folder": folder, "hf": hf, "blocks": ours, "gguf": g}
+    blocks = folder.parent / "gpt_oss_mxfp4-blocks.npz"
+    np.savez(blocks, **{f"{n}:{name}": v for (n, name), v in ours.items()})
+    return {"folder": str(folder), "hf": str(hf), "blocks": str(blocks), "gguf": str(g)}
 
 
 @pytest.fixture(scope="module")
@@ -338,9 +371,9 @@ def test_gptoss_mxfp4_experts(models, tmp_path):
 
 # --------------------------------------------------------------------------- tokenizer
 
-@pytest.mark.parametrize("fam", ["deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("fam", ["deepseek_v3", "deepseek_v2", "gpt_oss"])
 def test_tokenizer_pre_tokenizers(models, imported, fam):
-    """tokenizer.ggml.pre `deepseek-v3` / `gpt-4o`: the section rebuilt from the GGUF is the
+    """tokenizer.ggml.pre `deepseek-v3` / `deepseek-llm` / `gpt-4o`: the section rebuilt from the GGUF is the
     Hugging Face converter's byte for byte, and encodes as `tokenizers` does (code, CJK,
     digits, emoji, whitespace runs, special tokens)."""
     got = fmt_reader.inspect(imported(fam, "f32"))
@@ -360,13 +393,13 @@ def test_tokenizer_pre_tokenizers(models, imported, fam):
 def test_unsupported_pre_tokenizer_is_refused_by_name(models, tmp_path, capsys):
     from colibri_lab.conversion.cli import main
 
-    g = rewrite_gguf(models["deepseek_v2"]["gguf"]["f32"], tmp_path / "llm.gguf",
-                     fields=lambda k, v: "deepseek-llm" if k == "tokenizer.ggml.pre" else v)
-    with pytest.raises(ConversionError, match=r"tokenizer\.ggml\.pre = 'deepseek-llm' \(DeepSeek"):
+    g = rewrite_gguf(models["deepseek_v2"]["gguf"]["f32"], tmp_path / "coder.gguf",
+                     fields=lambda k, v: "deepseek-coder" if k == "tokenizer.ggml.pre" else v)
+    with pytest.raises(ConversionError, match=r"tokenizer\.ggml\.pre = 'deepseek-coder' \(DeepSeek"):
         convert_gguf(g, tmp_path / "x.colibri", progress=False)
     assert main(["--model_name_or_path", str(g), "--output_path", str(tmp_path / "y.colibri"),
                  "--quiet"]) == 1
-    assert "deepseek-llm" in capsys.readouterr().err
+    assert "deepseek-coder" in capsys.readouterr().err
     assert not (tmp_path / "y.colibri").exists()
     info = fmt_reader.inspect(convert_gguf(g, tmp_path / "z.colibri", progress=False,
                                            tokenizer="none"))
@@ -392,8 +425,9 @@ def test_greedy_text_equals_llama_cpp(models, imported, fam):
     sinks, sliding layers, biases, clamped SwiGLU, YaRN; both tokenizers). Compared as
     bytes: random weights produce bytes that are not UTF-8. Needs llama.cpp's
     llama-completion (the benchmarks build it); skipped without it. This llama-completion
-    now and then exits (status 0) part way, without its closing performance summary; it is
-    run up to five times until a run finishes. Not DeepSeek-V2: llama.cpp refuses a `deepseek2`
+    writes its output from a log thread that main() does not wait for, so on a busy machine a
+    run can lose its tail (status 0, no closing performance summary); it is run up to 20
+    times until a run is whole. Not DeepSeek-V2: llama.cpp refuses a `deepseek2`
     file without q LoRA unless it has one of its "lite" layer counts."""
     import subprocess
 
@@ -402,7 +436,7 @@ def test_greedy_text_equals_llama_cpp(models, imported, fam):
 
     exe = _llama_program(models["src"], "llama-completion")
     prompt = "def forward(self, x):"
-    for _ in range(5):
+    for _ in range(20):
         r = subprocess.run([str(exe), "-m", str(models[fam]["gguf"]["f32"]), "-p", prompt,
                             "-n", "12", "--temp", "0", "--ignore-eos", "-no-cnv", "-t", "2",
                             "--no-warmup", "-c", "256"], capture_output=True, timeout=300,

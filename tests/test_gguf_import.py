@@ -6,8 +6,9 @@ The llama.cpp source comes from the llama-cpp-python sdist (pip download, cached
 $COLIBRI_LAB_CACHE/llama.cpp, default ~/.cache/colibri-lab/llama.cpp, as the benchmarks
 use it); a failed download skips these tests, and the tests that run llama.cpp's own
 programs (llama-quantize, llama-completion) skip, naming the missing program, where that
-tree has no build. All GGUFs are made by one converter process (the imports of torch and
-transformers dominate its time).
+tree has no build. The GGUFs of this file and of tests/test_gguf_families.py are made by one
+converter process per pytest session (conftest's gguf_models, tests/gguf_shared.py: the
+imports of torch and transformers dominate a conversion's time).
 
 Checked per family (Mixtral = GGUF `llama` with experts, Qwen2-MoE with a dense layer and a
 shared expert, Qwen3-MoE with q/k head norms, OLMoE with full q/k norms and clip_qkv):
@@ -219,15 +220,14 @@ def _make_checkpoint(family: str, folder: Path):
     return tok
 
 
-def build_models(work: Path) -> dict:
-    """family -> dict(folder, tok, hf (the HF converter's f32 file), gguf {outtype: path});
-    "kquant" -> dict(folder, gguf {"f32": path}) of the 256-wide checkpoint; "src" -> the
-    llama.cpp source tree."""
-    src = llama_cpp_source(_llama_root())
-    out, jobs = {"src": src}, []
+def model_jobs(work: Path) -> tuple[list[dict], dict]:
+    """The checkpoints of this file under `work` and the converter jobs that make their
+    GGUFs: (jobs, state), state JSON-able for load_models. Every family's checkpoint, its
+    tokenizer and the Hugging Face converter's f32 file; "kquant": the 256-wide checkpoint."""
+    state, jobs = {}, []
     for fam in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         folder = work / fam
-        tok = _make_checkpoint(fam, folder)
+        _make_checkpoint(fam, folder)
         hf = work / f"{fam}-hf-f32.colibri"
         colibri_lab.convert(folder, hf, dtype="f32", progress=False)
         files = {}
@@ -239,7 +239,7 @@ def build_models(work: Path) -> dict:
             files["fused"] = work / f"{fam}-{FUSED[fam]}-fused.gguf"
             jobs.append({"model": str(folder), "outtype": FUSED[fam], "outfile": str(files["fused"]),
                          "pre": PRE[fam], "args": ["--fuse-qkv"]})
-        out[fam] = dict(folder=folder, tok=tok, hf=hf, gguf=files)
+        state[fam] = {"folder": str(folder), "hf": str(hf), "gguf": {k: str(v) for k, v in files.items()}}
     folder = work / "kquant"
     tok = _bpe_tokenizer("qwen", 400)
     save_checkpoint(build_model(FamilyShape(vocab=tok.get_vocab_size(), **KQUANT_SHAPE)),
@@ -247,16 +247,36 @@ def build_models(work: Path) -> dict:
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": None, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
-    out["kquant"] = dict(folder=folder, gguf={"f32": work / "kquant-f32.gguf"})
+    state["kquant"] = {"folder": str(folder), "gguf": {"f32": str(work / "kquant-f32.gguf")}}
     jobs.append({"model": str(folder), "outtype": "f32", "outfile": str(work / "kquant-f32.gguf"),
                  "pre": "qwen2"})
-    make_ggufs(src, jobs, work)
+    return jobs, state
+
+
+def load_models(state: dict, src: Path) -> dict:
+    """family -> dict(folder, tok (the reference tokenizer), hf (the HF converter's f32 file),
+    gguf {outtype: path}); "kquant" -> dict(folder, gguf {"f32": path}); "src" -> the
+    llama.cpp source tree."""
+    import sentencepiece as spm
+    from tokenizers import Tokenizer
+
+    out = {"src": src}
+    for fam, st in state.items():
+        folder = Path(st["folder"])
+        m = {"folder": folder, "gguf": {k: Path(v) for k, v in st["gguf"].items()}}
+        if "hf" in st:
+            m["hf"] = Path(st["hf"])
+            m["tok"] = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model")) \
+                if fam == "mixtral" else Tokenizer.from_file(str(folder / "tokenizer.json"))
+        out[fam] = m
     return out
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return build_models(tmp_path_factory.mktemp("gguf-import"))
+def models(gguf_models):
+    """The GGUFs of this file, made by the session's one converter process (conftest's
+    gguf_models, shared with test_gguf_families.py)."""
+    return load_models(gguf_models["import"], gguf_models["src"])
 
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -842,7 +862,9 @@ def test_greedy_text_equals_llama_cpp(models, imported, fam):
     do not load the attention biases these checkpoints have."""
     exe = _llama_program(models["src"], "llama-completion")
     prompt = "The router sends each token"
-    for _ in range(5):   # llama-completion now and then exits part way (status 0, no summary)
+    # llama-completion's log (stdout too) is written by a thread main() does not wait for: a busy
+    # machine loses the tail of a run's output (status 0, no closing summary); run again until one is whole
+    for _ in range(20):
         r = subprocess.run([str(exe), "-m", str(models[fam]["gguf"]["f32"]), "-p", prompt, "-n",
                             "12", "--temp", "0", "--ignore-eos", "-no-cnv", "-t", "2",
                             "--no-warmup", "-c", "256"], capture_output=True, timeout=300,

@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 
 import colibri_lab
-from colibri_lab.conversion.bpe import (DEEPSEEK_V3_SPLITS, LLAMA3_PATTERN, O200K_PATTERN, QWEN2_PATTERN,
+from colibri_lab.conversion.bpe import (DEEPSEEK_LLM_SPLITS, DEEPSEEK_V3_SPLITS, LLAMA3_PATTERN, O200K_PATTERN, QWEN2_PATTERN,
                               build_bpe_tokenizer_section)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -466,6 +466,72 @@ def test_dsv3_refusals(tmp_path, dsv3_style):
         p = tmp_path / "tokenizer.json"
         p.write_text(json.dumps(tj), encoding="utf-8")
         with pytest.raises(ValueError, match="sequence of .* pre-tokenizer splits"):
+            build_bpe_tokenizer_section(p)
+
+
+# ---------------------------------------------------------------------------------
+# DeepSeek-LLM / DeepSeek-V2 (a sequence of six splits, pattern id 7).
+
+# the edges of its classes: letters in and out of split 2's ranges (U+01BB, U+0294 out; the
+# Greek extended, Ohm and Kelvin signs in, by code point, not NFC), split 3's ASCII letters,
+# fullwidth forms and U+3000 (both \s and punctuation), trailing whitespace, Hangul and the
+# U+0800..U+4E00 stretch, numbers of other scripts
+DSLLM_BITS = ["\u01bb\u01c5\u0294\u0295", "\u1f7d\u03ce", "\u2126\u03a9", "\u212aK", "\u1fbe\u03b9", "µm", "ǅungla",
+              "ΣΊΣΥΦΟΣ", "Привет", "Ǆ", "ＡＢＣ！", "Ｆ１２", "“quoted”", "‘x’", "…", "\u3000x", "x\u3000", " \u3000.",
+              "\u3000\u3000", "。、", "한국어", "ࠀࡀ", "㐀", "龥龦", "カタカナ", "ひらがな", "नमस्ते", "مرحبا", "١٢٣", "²³",
+              "Ⅻx", "🙂x", "x🙂", "👩\u200d💻", "a  ", "a \t", "a\u00a0", " ", "\t\t", "\r\n\r\n", " \n ", "a\r\nb",
+              "!!\r\n", "x.y", " .x", "$USD", "@user", "don't", "I'M", "12345", "3.14159", "a1b2", "_x_", "`y`"]
+
+
+def _dsllm_doc(rng: random.Random) -> str:
+    if rng.random() < 0.4:
+        return _dsv3_doc(rng)
+    return "".join(rng.choice(DSLLM_BITS) + rng.choice(["", "", " ", "  ", "\n", ", ", "1", "12345", "\t"])
+                   for _ in range(rng.randint(20, 200)))
+
+
+@pytest.fixture(scope="module")
+def dsllm_style(tmp_path_factory, train_texts):
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    pt = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
+                                  for r in DEEPSEEK_LLM_SPLITS]
+                                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    rng = random.Random(79)
+    tok = _train(pt, normalizers.Sequence([]), train_texts + [_dsllm_doc(rng) for _ in range(300)], 5000,
+                 specials=DSV3_SPECIALS)
+    d = tmp_path_factory.mktemp("dsllm")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<｜begin▁of▁sentence｜>",
+                                                         "eos_token": "<｜end▁of▁sentence｜>"}))
+    return d / "tokenizer.json"
+
+
+def test_dsllm_style_parity(dsllm_style):
+    tj = json.loads(dsllm_style.read_text(encoding="utf-8"))
+    pts = tj["pre_tokenizer"]["pretokenizers"]  # the structure DeepSeek-V2's tokenizer.json has
+    assert [p["pattern"]["Regex"] for p in pts[:6]] == list(DEEPSEEK_LLM_SPLITS)
+    hf, ct, meta = _pair(dsllm_style)
+    assert meta["tokenizer.pattern"] == "deepseek_llm" and meta["tokenizer.normalizer"] == "none"
+    rng = random.Random(9)
+    extra = DSLLM_BITS + [_dsllm_doc(rng) for _ in range(1500)]
+    assert _parity(hf, ct, 10, "deepseek_llm", extra_docs=extra) >= 1_400_000
+    for text in DSLLM_BITS + ["<｜User｜>你好，世界！123456<｜Assistant｜>", "trailing\t \u3000", "\n\n\n"]:
+        ids = ct.encode(text.encode("utf-8"), add_bos=False)
+        assert ids == hf.encode(text, add_special_tokens=False).ids, text
+        assert ct.decode_bytes(ids).decode("utf-8") == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_dsllm_refusals(tmp_path, dsllm_style):
+    """A sequence that is not exactly DeepSeek-LLM's six splits is refused, naming both supported."""
+    base = json.loads(dsllm_style.read_text(encoding="utf-8"))
+    for mut in (lambda pts: pts.pop(3), lambda pts: pts[4]["pattern"].update(Regex="[一-龥]+"),
+                lambda pts: pts.insert(0, pts[0])):
+        tj = json.loads(json.dumps(base))
+        mut(tj["pre_tokenizer"]["pretokenizers"])
+        p = tmp_path / "tokenizer.json"
+        p.write_text(json.dumps(tj), encoding="utf-8")
+        with pytest.raises(ValueError, match="sequence of .* pre-tokenizer splits.*deepseek_v3.*deepseek_llm"):
             build_bpe_tokenizer_section(p)
 
 

@@ -13,7 +13,8 @@ exactly is accepted; anything else is refused with a ValueError naming the reaso
 * pre-tokenizer: ByteLevel(add_prefix_space=False, use_regex=True) (the GPT-2 pattern), or
   Sequence([Split(Regex(P), "Isolated", invert=False), ByteLevel(add_prefix_space=False,
   use_regex=False)]) where P is one of SUPPORTED_PATTERNS (GPT-2, Qwen2, Llama-3, o200k), or
-  DeepSeek-V3's Sequence of three Splits (DEEPSEEK_V3_SPLITS) and ByteLevel(use_regex=False);
+  one of SPLIT_SEQUENCES (DeepSeek-V3's three Splits, DeepSeek-LLM / DeepSeek-V2's six) and
+  ByteLevel(use_regex=False);
 * decoder: ByteLevel;
 * added tokens with lstrip / rstrip / single_word = false (those options are refused).
 
@@ -68,6 +69,33 @@ DEEPSEEK_V3_SPLITS = (
     "[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
 )
 DEEPSEEK_V3_PATTERN_ID = 6
+# DeepSeek-LLM's and DeepSeek-V2's tokenizer.json (llama.cpp's `deepseek-llm`): six Isolated
+# splits in sequence, then ByteLevel(use_regex=False): [\r\n]; \s? and a class of cased letters
+# of many scripts (written by code point here: the file's characters, not their NFC forms); \s?
+# and ASCII / fullwidth / CJK punctuation (`:-~` holds the ASCII letters too); \s+$; CJK and
+# Hangul; \p{N}+.
+DEEPSEEK_LLM_SPLITS = (
+    "[\r\n]",
+    "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5"
+    "\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba"
+    "\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45"
+    "\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-"
+    "\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107"
+    "\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f"
+    "\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+    "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17"
+    "\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb"
+    "\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    "\\s+$",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    "\\p{N}+",
+)
+DEEPSEEK_LLM_PATTERN_ID = 7
+# sequences of several Split regexes -> (id in the section, name)
+SPLIT_SEQUENCES = {DEEPSEEK_V3_SPLITS: (DEEPSEEK_V3_PATTERN_ID, "deepseek_v3"),
+                   DEEPSEEK_LLM_SPLITS: (DEEPSEEK_LLM_PATTERN_ID, "deepseek_llm")}
 # mistral-common tekken_*.json (tiktoken `pat_str`)
 TEKKEN_PATTERN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"""
                   r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"""
@@ -145,11 +173,12 @@ def _parse_pre_tokenizer(pt, path: str) -> int:
                                      f"(got {sp.get('behavior')!r}, invert={sp.get('invert')!r})")
                 regexes.append(pat["Regex"])
             _check_byte_level(items[-1], path, use_regex=False)
-            if tuple(regexes) == DEEPSEEK_V3_SPLITS:
-                return DEEPSEEK_V3_PATTERN_ID
+            if tuple(regexes) in SPLIT_SEQUENCES:
+                return SPLIT_SEQUENCES[tuple(regexes)][0]
             if len(regexes) > 1:
                 raise ValueError(f"{path}: unsupported sequence of {len(regexes)} pre-tokenizer splits {regexes!r}; "
-                                 f"the supported sequence is DeepSeek-V3's {list(DEEPSEEK_V3_SPLITS)!r}")
+                                 "the supported sequences are " +
+                                 "; ".join(f"{name}: {list(seq)!r}" for seq, (_i, name) in SPLIT_SEQUENCES.items()))
             regex = regexes[0]
             if regex not in SUPPORTED_PATTERNS:
                 raise ValueError(f"{path}: unsupported pre-tokenizer split pattern {regex!r}; "
@@ -413,7 +442,7 @@ def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
 
     The metadata has the keys of colibri_lab.conversion.spm.build_tokenizer_section's
     (tokenizer.type = "byte_level_bpe", tokenizer.bos_id / eos_id / unk_id / pad_id,
-    n_pieces) plus "tokenizer.pattern" (gpt2 / qwen2 / llama3 / o200k / deepseek_v3), "tokenizer.normalizer"
+    n_pieces) plus "tokenizer.pattern" (gpt2 / qwen2 / llama3 / o200k / deepseek_v3 / deepseek_llm), "tokenizer.normalizer"
     (none / NFC) and "tokenizer.special_source" (where bos/eos came from). For a tekken file
     the pattern is "tekken" and the special ids are those of <s>, </s>, <unk>, <pad>.
 
@@ -559,7 +588,7 @@ def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
         sorted(added_ids, key=lambda i: (-len(piece_b[i]), i)), [vocab[b2u[b]] for b in range(256)],
         (bos, eos, unk, pad), hflags, pattern)
 
-    pattern_name = {v[0]: v[1] for v in SUPPORTED_PATTERNS.values()}.get(pattern, "deepseek_v3")
+    pattern_name = {i: name for i, name in (*SUPPORTED_PATTERNS.values(), *SPLIT_SEQUENCES.values())}[pattern]
     meta = {
         "tokenizer.type": "byte_level_bpe",
         "tokenizer.bos_id": bos,

@@ -97,13 +97,14 @@ BPE_PRE_TOKENIZERS = {
     "gpt-4o": ("o200k", False, False),
     # DeepSeek-V3 / R1: three splits in sequence (bpe.DEEPSEEK_V3_SPLITS); no normalizer
     "deepseek-v3": ("deepseek_v3", False, False),
+    # DeepSeek-LLM / DeepSeek-V2: six splits in sequence (bpe.DEEPSEEK_LLM_SPLITS); no normalizer
+    "deepseek-llm": ("deepseek_llm", False, False),
 }
 # Pre-tokenizers llama.cpp knows that colibri's tokenizer has no kind for: refused by name
 # with what they are (the weights can still be imported with tokenizer='none').
 UNSUPPORTED_PRE_TOKENIZERS = {
     "default": "llama.cpp's fallback for files without a pre-tokenizer name (four GPT-2-era "
                "regexes in sequence)",
-    "deepseek-llm": "DeepSeek-LLM / DeepSeek-V2's six-regex sequence",
     "deepseek-coder": "DeepSeek-Coder's regex sequence",
 }
 
@@ -668,7 +669,7 @@ def _bpe_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
     default), as colibri adds bos_id on request; UNK is none (byte-level BPE never produces
     one)."""
     from .bpe import (
-        DEEPSEEK_V3_SPLITS,
+        SPLIT_SEQUENCES,
         SUPPORTED_PATTERNS,
         build_bpe_tokenizer_section,
         bytes_to_unicode,
@@ -709,10 +710,11 @@ def _bpe_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
     if pattern_name == "gpt2":
         pre_tok = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                    "use_regex": True}
-    elif pattern_name == "deepseek_v3":
+    elif pattern is None:   # a sequence of splits (DeepSeek)
+        splits = next(seq for seq, (_i, name) in SPLIT_SEQUENCES.items() if name == pattern_name)
         pre_tok = {"type": "Sequence", "pretokenizers": [
             *({"type": "Split", "pattern": {"Regex": rx}, "behavior": "Isolated", "invert": False}
-              for rx in DEEPSEEK_V3_SPLITS),
+              for rx in splits),
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
              "use_regex": False}]}
     else:

@@ -54,7 +54,8 @@
 #define BF_SPECIAL_SPLITS_DECODE 0x4u /* decode: each run of non-special tokens is made valid UTF-8 on its own */
 #define BF_KNOWN 0x7u
 
-enum { PAT_GPT2 = 1, PAT_QWEN2 = 2, PAT_LLAMA3 = 3, PAT_TEKKEN = 4, PAT_O200K = 5, PAT_DEEPSEEK_V3 = 6 };
+enum { PAT_GPT2 = 1, PAT_QWEN2 = 2, PAT_LLAMA3 = 3, PAT_TEKKEN = 4, PAT_O200K = 5, PAT_DEEPSEEK_V3 = 6,
+       PAT_DEEPSEEK_LLM = 7 };
 
 #define EMPTY64 UINT64_MAX
 #define EMPTY32 UINT32_MAX
@@ -167,10 +168,10 @@ colibri_status cb_bpe_load(cb_bpe *b, const uint8_t *data, uint64_t size, char *
         return fail(err, err_len, COLIBRI_E_UNSUPPORTED,
                     "tokenizer section: unknown byte-level BPE flag bits 0x%x (written by a newer converter?)",
                     flags & ~BF_KNOWN);
-    if (pattern < PAT_GPT2 || pattern > PAT_DEEPSEEK_V3)
+    if (pattern < PAT_GPT2 || pattern > PAT_DEEPSEEK_LLM)
         return fail(err, err_len, COLIBRI_E_UNSUPPORTED,
                     "tokenizer section: pre-tokenizer pattern %u is not supported by this build "
-                    "(1 gpt2, 2 qwen2, 3 llama3, 4 tekken, 5 o200k, 6 deepseek_v3)",
+                    "(1 gpt2, 2 qwen2, 3 llama3, 4 tekken, 5 o200k, 6 deepseek_v3, 7 deepseek_llm)",
                     pattern);
     if (reserved != 0) return fail(err, err_len, F, "tokenizer section: reserved header bytes are not zero");
     if (merges_log2 < 1 || merges_log2 > 31 || vocab_log2 > 31 || n_merges >= ((uint64_t)1 << merges_log2) ||
@@ -925,10 +926,113 @@ static int ds_pretok(benc_t *e, const uint8_t *s, uint64_t len) {
     return 1;
 }
 
+/* DeepSeek-LLM / DeepSeek-V2 (llama.cpp's `deepseek-llm`): six Isolated splits in sequence, each
+ * applied to the pieces of the one before (as DeepSeek-V3's above):
+ *   1. [\r\n]
+ *   2. \s?[...]+  with the tokenizer.json's class of cased letters (DSL_LETTERS, by code point)
+ *   3. \s?[...]+  with ASCII !-/ and :-~ (the ASCII letters too), fullwidth U+FF01..FF0F and
+ *                 U+FF1A..FF5E, U+2018..201F, U+3000..3002 (DSL_PUNCT)
+ *   4. \s+$       a piece's trailing whitespace (no \n is left inside a piece after split 1, so
+ *                 Oniguruma's end-of-line $ is the piece's end)
+ *   5. [...]+      U+4E00..9FA5, U+0800..4E00, U+AC00..D7FF
+ *   6. \p{N}+
+ * A \s? followed by a character of the class starts the match at the space. */
+typedef struct { uint32_t lo, hi; } cp_range;
+static const cp_range DSL_LETTERS[] = {
+    {0x41, 0x5A}, {0x61, 0x7A}, {0xB5, 0xB5}, {0xC0, 0xD6}, {0xD8, 0xF6}, {0xF8, 0x1BA}, {0x1BC, 0x1BF},
+    {0x1C4, 0x293}, {0x295, 0x2AF}, {0x370, 0x373}, {0x376, 0x376}, {0x377, 0x377}, {0x37B, 0x37D},
+    {0x37F, 0x37F}, {0x386, 0x386}, {0x388, 0x38A}, {0x38C, 0x38C}, {0x38E, 0x3A1}, {0x3A3, 0x3F5},
+    {0x3F7, 0x481}, {0x48A, 0x52F}, {0x531, 0x556}, {0x10A0, 0x10C5}, {0x13A0, 0x13F5}, {0x13F8, 0x13FD},
+    {0x1C90, 0x1CBA}, {0x1CBD, 0x1CBF}, {0x1D00, 0x1D2B}, {0x1D6B, 0x1D77}, {0x1D79, 0x1D9A},
+    {0x1E00, 0x1F15}, {0x1F18, 0x1F1D}, {0x1F20, 0x1F45}, {0x1F48, 0x1F4D}, {0x1F50, 0x1F57},
+    {0x1F59, 0x1F59}, {0x1F5B, 0x1F5B}, {0x1F5D, 0x1F5D}, {0x1F5F, 0x1F7D}, {0x1F80, 0x1FB4},
+    {0x1FB6, 0x1FBC}, {0x1FBE, 0x1FBE}, {0x1FC2, 0x1FC4}, {0x1FC6, 0x1FCC}, {0x1FD0, 0x1FD3},
+    {0x1FD6, 0x1FDB}, {0x1FE0, 0x1FEC}, {0x1FF2, 0x1FF4}, {0x1FF6, 0x1FFC}, {0x2102, 0x2102},
+    {0x2107, 0x2107}, {0x210A, 0x2113}, {0x2115, 0x2115}, {0x2119, 0x211D}, {0x2124, 0x2124},
+    {0x2126, 0x2126}, {0x2128, 0x2128}, {0x212A, 0x212D}, {0x212F, 0x2134}, {0x2139, 0x2139},
+    {0x213C, 0x213F}, {0x2145, 0x2149}, {0x214E, 0x214E}, {0x2183, 0x2183}, {0x2184, 0x2184},
+    {0x2C00, 0x2C7B}, {0x2C7E, 0x2CE4}, {0x2CEB, 0x2CEE}, {0x2CF2, 0x2CF2}, {0x2CF3, 0x2CF3},
+    {0xA640, 0xA66D}, {0xA680, 0xA69B}, {0xA722, 0xA76F}, {0xA771, 0xA787}, {0xA78B, 0xA78E},
+    {0xAB70, 0xABBF}, {0xFB00, 0xFB06}, {0xFB13, 0xFB17}, {0xFF21, 0xFF3A}, {0xFF41, 0xFF5A},
+    {0x10400, 0x1044F}, {0x104B0, 0x104D3}, {0x104D8, 0x104FB}, {0x10C80, 0x10CB2}, {0x10CC0, 0x10CF2},
+    {0x118A0, 0x118DF}, {0x1E900, 0x1E943}
+};
+static const cp_range DSL_PUNCT[] = {
+    {0x21, 0x2F}, {0x3A, 0x7E}, {0x2018, 0x201F}, {0x3000, 0x3002}, {0xFF01, 0xFF0F}, {0xFF1A, 0xFF5E}
+};
+static int in_ranges(const cp_range *r, size_t n, uint32_t cp) { /* r sorted, disjoint */
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (cp < r[mid].lo) hi = mid;
+        else if (cp > r[mid].hi) lo = mid + 1;
+        else return 1;
+    }
+    return 0;
+}
+static int dsl_letter(uint32_t cp) { return in_ranges(DSL_LETTERS, sizeof DSL_LETTERS / sizeof DSL_LETTERS[0], cp); }
+static int dsl_punct(uint32_t cp) { return in_ranges(DSL_PUNCT, sizeof DSL_PUNCT / sizeof DSL_PUNCT[0], cp); }
+static int dsl_cjk(uint32_t cp) { return (cp >= 0x0800 && cp <= 0x9FA5) || (cp >= 0xAC00 && cp <= 0xD7FF); }
+static int dsl_newline(uint32_t cp) { return cp == '\r' || cp == '\n'; }
+
+static uint64_t run_of(const uint8_t *s, uint64_t len, uint64_t p, int (*in)(uint32_t)) {
+    uint32_t cp;
+    while (p < len) { uint32_t l = dec(s, p, &cp); if (!in(cp)) break; p += l; }
+    return p;
+}
+
+/* The first match of split k (1..6) at or after pos in s[0..len): [*ms, *me); 0 when none. */
+static int dsl_find(int k, const uint8_t *s, uint64_t len, uint64_t pos, uint64_t *ms, uint64_t *me) {
+    if (k == 4) { /* \s+$: the whitespace run that ends the piece, from its first character */
+        uint64_t start = len, p = pos;
+        uint32_t cp;
+        while (p < len) {
+            uint32_t l = dec(s, p, &cp);
+            if (!is_S(cp)) start = len;
+            else if (start == len) start = p;
+            p += l;
+        }
+        if (start == len) return 0;
+        *ms = start, *me = len;
+        return 1;
+    }
+    int (*cls)(uint32_t) = k == 1 ? dsl_newline : k == 2 ? dsl_letter : k == 3 ? dsl_punct : k == 5 ? dsl_cjk : is_N;
+    while (pos < len) {
+        uint32_t c0, c1;
+        uint32_t l0 = dec(s, pos, &c0);
+        if (k == 1) {
+            if (cls(c0)) { *ms = pos, *me = pos + l0; return 1; }
+        } else if ((k == 2 || k == 3) && is_S(c0) && pos + l0 < len && (dec(s, pos + l0, &c1), cls(c1))) {
+            *ms = pos, *me = run_of(s, len, pos + l0, cls); /* \s? then the class */
+            return 1;
+        } else if (cls(c0)) {
+            *ms = pos, *me = run_of(s, len, pos, cls);
+            return 1;
+        }
+        pos += l0;
+    }
+    return 0;
+}
+
+/* Split k over a piece: its matches and the unmatched stretches between them go to split
+ * k + 1; after split 6, each piece is a word. */
+static int dsl_split(benc_t *e, int k, const uint8_t *s, uint64_t len) {
+    if (k > 6) return bpe_word(e, s, len);
+    uint64_t gap = 0, ms, me;
+    while (gap < len && dsl_find(k, s, len, gap, &ms, &me)) {
+        if (ms > gap && !dsl_split(e, k + 1, s + gap, ms - gap)) return 0;
+        if (!dsl_split(e, k + 1, s + ms, me - ms)) return 0;
+        gap = me;
+    }
+    if (len > gap && !dsl_split(e, k + 1, s + gap, len - gap)) return 0;
+    return 1;
+}
+
 /* Pre-tokenize and BPE a piece of normalized text without added tokens. */
 static int pretok(benc_t *e, const uint8_t *s, uint64_t len) {
     uint64_t pos = 0;
     if (e->b->pattern == PAT_DEEPSEEK_V3) return ds_pretok(e, s, len);
+    if (e->b->pattern == PAT_DEEPSEEK_LLM) return dsl_split(e, 1, s, len);
     while (pos < len) {
         uint64_t end;
         switch (e->b->pattern) {
