@@ -1012,7 +1012,7 @@ static void test_fast(const cb_fast_kernels *F) {
             for (size_t b = 0; b < 5; b++)
                 for (size_t a = 0; a < 6; a++) {
                     int64_t T = Ts[a], N = Ns[b], ldy = N + 3;
-                    if (lite && (a == 1 || a == 3 || a == 4 || b == 1 || b == 3)) continue;
+                    if (lite && (a == 1 || a == 3 || a == 4 || b == 1 || b == 3 || (T == 37 && Kd != 256))) continue;
                     if (Kd > 1000 && (N > 17 || (T > 3 && T != 37))) continue; /* keep the long rows quick */
                     wbuf w = make_q(dt, N, Kd);
                     float *x = malloc((size_t)(T * Kd) * 4), *y = malloc((size_t)(T * ldy) * 4);
