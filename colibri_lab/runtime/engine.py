@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import _native
+from .ids import ENTRY_DTYPE, INT32_MAX, INT32_MIN, as_ids
 from .trace import ALL_STAGES, STAGES, Trace
 from ._native import (
     ColibriClosedError,
@@ -31,7 +32,7 @@ from ._native import (
     lib,
 )
 
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_INT32_MIN, _INT32_MAX = INT32_MIN, INT32_MAX
 _FFFD = "\ufffd"
 
 
@@ -126,33 +127,8 @@ _CONFIG_STRINGS = {"family": "architecture", "name": "name",
 
 
 # colibri_batch_entry (colibri.h) as a numpy record: 24 bytes, the C layout.
-_ENTRY_DTYPE = np.dtype([("token", "<i4"), ("seq", "<i4"), ("pos", "<i8"), ("logits", "<i4"),
-                         ("reserved", "<i4")])
-
-
-def _as_ids(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Token ids as a contiguous int32 array, checking only what int32 needs."""
-    arr = np.asarray(token_ids)
-    if arr.ndim != 1:
-        raise _native.ColibriInvalidArgError(
-            f"token ids must be a 1-D sequence, got an array of shape {arr.shape}"
-        )
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int32)
-    if arr.dtype == object:
-        try:
-            vals = [int(x) for x in arr.tolist()]
-        except (TypeError, ValueError) as e:
-            raise _native.ColibriInvalidArgError(f"token ids must be integers: {e}") from None
-        lo, hi = min(vals), max(vals)
-    elif arr.dtype.kind in "iu":
-        lo, hi = int(arr.min()), int(arr.max())
-    else:
-        raise _native.ColibriInvalidArgError(f"token ids must be integers, got dtype {arr.dtype}")
-    if lo < _INT32_MIN or hi > _INT32_MAX:
-        bad = lo if lo < _INT32_MIN else hi
-        raise ColibriTokenRangeError(f"token id {bad} does not fit in int32")
-    return np.ascontiguousarray(arr, dtype=np.int32)
+_ENTRY_DTYPE = ENTRY_DTYPE  # the names the engine's callers (and tests) use
+_as_ids = as_ids
 
 
 def _i32_ptr(arr: np.ndarray):

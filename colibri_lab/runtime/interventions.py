@@ -31,6 +31,7 @@ import numpy as np
 
 from . import _native
 from ._native import check, lib
+from .ids import ENTRY_DTYPE, as_ids
 
 ALL_SEQS = -1
 MASK_MODES = {"exclude": 1, "zero": 2}
@@ -252,12 +253,11 @@ def target_logprobs(engine, work) -> list:
     bitwise the same whatever else is in the batch (each sequence keeps its own interventions),
     and -mean(values) is the next-token loss when the targets are the next tokens.
     """
-    from .engine import _ENTRY_DTYPE, _as_ids
 
     ctx = engine._c()
     items = []
     for seq, ids, targets in work:
-        ids = _as_ids(ids)
+        ids = as_ids(ids)
         tg = np.ascontiguousarray(np.asarray(targets, dtype=np.int64).reshape(-1))
         if tg.shape != ids.shape:
             raise _native.ColibriInvalidArgError(
@@ -267,7 +267,7 @@ def target_logprobs(engine, work) -> list:
     n = sum(len(ids) for _, ids, _ in items)
     if n == 0:
         raise _native.ColibriInvalidArgError("the batch has no tokens")
-    entries = np.zeros(n, dtype=_ENTRY_DTYPE)
+    entries = np.zeros(n, dtype=ENTRY_DTYPE)
     nxt: dict[int, int] = {}
     i = 0
     for seq, ids, tg in items:
