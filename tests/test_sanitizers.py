@@ -142,6 +142,17 @@ def test_python_slice_under_asan_ubsan(asan_build, tmp_path):
     """The slice against the sanitized library: every test passes, no ASan error, no UBSan
     runtime error (leaks: test_binding_leaks_nothing below)."""
     env = _python_env(asan_build, tmp_path, leaks=False)
+    # HF's reference ids of the tokenizer parity tests, from an unsanitized run of those tests
+    # (tests/test_tokenizer_bpe.py _reference): the sanitized run then only runs the engine
+    refs = tmp_path / "refs"
+    refs.mkdir()
+    env["COLIBRI_TEST_REF_CACHE"] = str(refs)
+    parity = [t for t in SLICE if "_parity" in t]
+    plain = dict(os.environ, COLIBRI_TEST_REF_CACHE=str(refs))
+    plain.pop("PYTEST_ADDOPTS", None)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *parity], cwd=REPO,
+                       env=plain, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     junit = tmp_path / "slice.xml"
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                         # the tokenizer's speed report measures nothing under ASan

@@ -33,6 +33,7 @@ message.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -259,14 +260,33 @@ def _pair(path: Path):
 # Parity.
 
 
+def _reference(hf, docs):
+    """HF's ids and decoded texts of docs. With COLIBRI_TEST_REF_CACHE (a folder) they are
+    read from, or written to, a file named by the tokenizer and the corpus: the sanitized run of
+    these tests (test_sanitizers.py) takes them from an unsanitized run of the same tests, so
+    only the engine runs under the sanitizers (HF's tokenizer is many times slower there)."""
+    cache = os.environ.get("COLIBRI_TEST_REF_CACHE")
+    path = None
+    if cache:
+        key = hashlib.sha256(hf.to_str().encode("utf-8") + b"\0" + "\0".join(docs).encode("utf-8")).hexdigest()
+        path = Path(cache) / f"{key[:32]}.json"
+        if path.exists():
+            ref = json.loads(path.read_text(encoding="utf-8"))
+            return ref["ids"], ref["decoded"]
+    want = [e.ids for e in hf.encode_batch(docs, add_special_tokens=False)]
+    decoded = hf.decode_batch(want, skip_special_tokens=True)
+    if path is not None:
+        path.write_text(json.dumps({"ids": want, "decoded": decoded}), encoding="utf-8")
+    return want, decoded
+
+
 def _parity(hf, ct, seed: int, label: str, extra_docs=()):
     docs = make_corpus(seed) + list(extra_docs)
     n_bytes = sum(len(d.encode("utf-8")) for d in docs)
-    want = [e.ids for e in hf.encode_batch(docs, add_special_tokens=False)]
+    want, hf_dec = _reference(hf, docs)
     data = [d.encode("utf-8") for d in docs]
     got = [ct.encode(d, add_bos=False) for d in data]
     assert_same_ids(got, want, label, hf.id_to_token)
-    hf_dec = hf.decode_batch(want, skip_special_tokens=True)
     bad_dec = [i for i in range(len(docs)) if ct.decode_bytes(want[i]).decode("utf-8") != hf_dec[i]]
     assert not bad_dec, f"{label}: decode differs for {len(bad_dec)} documents (first {bad_dec[0]})"
     return n_bytes
