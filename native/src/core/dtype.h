@@ -67,10 +67,11 @@ void cb_dequant_iq4_xs(float *dst, const void *src, int64_t n);
 
 /* IQ4_NL / IQ4_XS: the value of a 4-bit code (ggml's kvalues_iq4nl), times the block's or
  * sub-block's scale. */
-static inline int8_t cb_iq4nl_value(unsigned code) {
+static inline const int8_t *cb_iq4nl_table(void) {
     static const int8_t kv[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-    return kv[code & 15u];
+    return kv;
 }
+static inline int8_t cb_iq4nl_value(unsigned code) { return cb_iq4nl_table()[code & 15u]; }
 
 /* MXFP4 (ggml's block_mxfp4: e, then qs[16]; element j < 16 the low nibble of qs[j], j + 16
  * its high nibble): the doubled e2m1 value of a 4-bit code (ggml's kvalues_mxfp4: bit 3 the

@@ -223,6 +223,22 @@ static inline int64_t cb_fast_group(uint32_t dt) {
 static inline int cb_fast_wide(uint32_t dt) {
     return dt == COLIBRI_DTYPE_Q8_0 || dt == COLIBRI_DTYPE_IQ4_NL || dt == COLIBRI_DTYPE_IQ4_XS;
 }
+/* The largest byte u of a type's weights (cb_fast_unpack): the bound a table's 16-bit partial
+ * sums of u * q products are kept under (fast_simd.inc, FS_I16_DOT). */
+static inline int cb_fast_umax(uint32_t dt) {
+    switch (dt) {
+    case COLIBRI_DTYPE_Q2_K: return 3;
+    case COLIBRI_DTYPE_Q3_K: return 7;
+    case COLIBRI_DTYPE_Q4_0:
+    case COLIBRI_DTYPE_Q4_1:
+    case COLIBRI_DTYPE_Q4_K: return 15;
+    case COLIBRI_DTYPE_Q5_0:
+    case COLIBRI_DTYPE_Q5_1:
+    case COLIBRI_DTYPE_Q5_K: return 31;
+    case COLIBRI_DTYPE_Q6_K: return 63;
+    default: return 255;
+    }
+}
 
 /* ---- the shared definitions: inline, so that each kernel file compiles (and vectorizes)
  * them for its own instruction set, the same C and therefore the same results ---------- */

@@ -55,4 +55,13 @@ static inline __attribute__((always_inline)) vf vload_w(const void *p, int64_t k
 static inline __attribute__((always_inline)) void vprefetch(const void *p) { __builtin_prefetch(p, 0, 3); }
 static inline __attribute__((always_inline)) void vprefetch_l2(const void *p) { __builtin_prefetch(p, 0, 2); }
 
+/* q[j] = t[qs[j] & 15], q[j + 16] = t[qs[j] >> 4] for j < 16: a 16-entry table looked up by
+ * the nibbles of 16 bytes (TBL) */
+static inline __attribute__((always_inline)) void vlut16_nibbles(int8_t *q, const uint8_t *qs, const int8_t *t) {
+    int8x16_t tab = vld1q_s8(t);
+    uint8x16_t x = vld1q_u8(qs);
+    vst1q_s8(q, vqtbl1q_s8(tab, vandq_u8(x, vdupq_n_u8(0x0F))));
+    vst1q_s8(q + 16, vqtbl1q_s8(tab, vshrq_n_u8(x, 4)));
+}
+
 #endif

@@ -108,4 +108,13 @@ static inline __attribute__((always_inline)) void tr16x16_epi32(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = o[i];
 }
 
+/* q[j] = t[qs[j] & 15], q[j + 16] = t[qs[j] >> 4] for j < 16: a 16-entry table looked up by
+ * the nibbles of 16 bytes (pshufb) */
+static inline __attribute__((always_inline)) void vlut16_nibbles(int8_t *q, const uint8_t *qs, const int8_t *t) {
+    const __m128i m4 = _mm_set1_epi8(0x0F), tab = _mm_loadu_si128((const __m128i *)(const void *)t);
+    __m128i x = _mm_loadu_si128((const __m128i *)(const void *)qs);
+    _mm_storeu_si128((__m128i *)(void *)q, _mm_shuffle_epi8(tab, _mm_and_si128(x, m4)));
+    _mm_storeu_si128((__m128i *)(void *)(q + 16), _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+}
+
 #endif
