@@ -4,12 +4,12 @@
  * copy (panels.c) is read by the panel kernels of the running table, one the fast table takes
  * (cpu/fast.h: a block type, or BF16 where it has native BF16 kernels) by the fast table, any
  * other by the exact table; and each FFN's (experts, dense MLP, shared expert) the same way
- * (cb_cpu_bind_ffn, parallel.c); each layer's attention (cb_cpu_bind_attention, parallel.c:
- * fast mode's kernel where the scratch has its work area, else the exact table's) and each
- * MoE layer's router (cb_cpu_bind_router, stages.c: its logits by the router's dtype, its
- * routing by the family's). The stages and their parallel sections (parallel.c) then call
- * the weight's or the layer's own operation without asking (cb_mat.op, cb_ffn.op,
- * cb_layer.att_op, cb_layer.router_op).
+ * (cb_cpu_bind_ffn, parallel.c); each layer's attention (bind_attention: the stage of its
+ * kind, grouped-query gqa.c or multi-head latent mla.c, and for GQA fast mode's heads kernel
+ * where the scratch has its work area, else the exact table's) and each MoE layer's router
+ * (cb_cpu_bind_router, router.c: its logits by the router's dtype, its routing by the
+ * family's). The stages and their parallel sections then call the weight's or the layer's
+ * own operation without asking (cb_mat.op, cb_ffn.op, cb_layer.att_op, cb_layer.router_op).
  */
 #include "backend/cpu/cpu.h"
 
@@ -38,6 +38,14 @@ static void bind_mat(const colibri_ctx *ctx, cb_mat *m) {
     m->op = m->pan ? &op_panels : cb_fast_takes(ctx->fast, m->dt, m->cols) ? &op_fast : &op_exact;
 }
 
+/* A layer's attention: its kind's stage (the file's model.attention), and for GQA fast mode's
+ * heads kernel where the scratch carved its work area (cpu/fast.h), else the exact table's. */
+static void bind_attention(const colibri_ctx *ctx, cb_layer *L) {
+    L->att_op = ctx->cfg.attention == CB_ATTN_MLA ? &cb_cpu_att_mla
+                : ctx->s.att_work_bytes           ? &cb_cpu_att_gqa_fast
+                                                  : &cb_cpu_att_gqa_exact;
+}
+
 colibri_status cb_cpu_bind(colibri_ctx *ctx, const cb_backend_request *req, char *err, size_t err_len) {
     (void)req, (void)err, (void)err_len;
     cb_weights *w = &ctx->w;
@@ -48,7 +56,7 @@ colibri_status cb_cpu_bind(colibri_ctx *ctx, const cb_backend_request *req, char
         cb_mat *mats[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->shared_gate, &L->wq_a, &L->wq_b, &L->wkv_a,
                           &L->wkv_b};
         for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) bind_mat(ctx, mats[i]);
-        cb_cpu_bind_attention(ctx, L);
+        bind_attention(ctx, L);
         if (L->moe) cb_cpu_bind_router(ctx, L);
         if (L->moe) cb_cpu_bind_ffn(ctx, &L->experts, ctx->cfg.activation == CB_ACT_CLAMPED_SWIGLU);
         else cb_cpu_bind_ffn(ctx, &L->dense, 0);

@@ -1,9 +1,10 @@
 /*
  * cpu.h — inside the CPU backend (backend/cpu/; its table is cb_backend_cpu, backend/backend.h):
  * what its files share. stages.c runs the seven stages of a forward chunk; parallel.c holds
- * their parallel sections (matmuls, attention chunks, the FFN jobs, the combine), split by
- * output rows or columns so that results do not depend on the thread count; bind.c binds
- * the operations that read each weight; mla.c is multi-head latent attention's stage,
+ * their parallel sections (matmuls, the FFN jobs, the combine), split by output rows or
+ * columns so that results do not depend on the thread count; bind.c binds the operations
+ * that read each weight and each layer's attention; gqa.c is grouped-query attention's
+ * stage (with its attention chunks), mla.c multi-head latent attention's,
  * router.c a MoE layer's router (its logits and the plain routings), route_group.c the
  * grouped routers, panels.c the panel copies of the BF16 weights. Every file here sees the whole context (core/context.h); no
  * file outside backend/ includes this header.
@@ -84,29 +85,42 @@ static inline void cb_cpu_fast_round(const colibri_ctx *ctx, float *x, int64_t n
     if (ctx->fast && bf16) cb_round_bf16(x, n);
 }
 
+/* x[t, :] += b for t < T. x: [T, n]; b: [n]. */
+static inline void cb_cpu_add_bias(float *x, const float *b, int64_t T, int64_t n) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < n; i++) x[t * n + i] += b[i];
+}
+
+/* x[i] += d[i] for i < n. */
+static inline void cb_cpu_add_inplace(float *x, const float *d, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] + d[i];
+}
+
 /* 1 when an FFN's gate/up weights are BF16 (their input is rounded in fast mode). */
 static inline int cb_cpu_ffn_bf16(const cb_ffn *f) { return f->dt == COLIBRI_DTYPE_BF16; }
 
-/* The attention of one layer's chunk: cb_cpu_att_chunks(c) chunks per attention segment,
- * chunk ch = (segment, range of query heads of one KV group) (cb_pool_run). */
+/* The attention of one layer's chunk, as a grouped-query layer's chunks see it (gqa.c). */
 typedef struct cb_att_task {
     colibri_ctx *ctx;
     uint32_t layer;
     int64_t window;
 } cb_att_task;
-int64_t cb_cpu_att_chunks(const cb_config *c);
-void cb_cpu_att_chunk(void *arg, int64_t ch, int tid);
 
-/* How a layer's attention heads are computed (cb_layer.att_op): query heads h0 .. h1 of the
- * segment whose rows start at r0 (T rows) over its sequence's cache, on thread tid's own
- * work rows: fast mode's kernel (its work area, cpu/fast.h) or the exact table's. */
+/* How a layer's attention is computed (cb_layer.att_op), bound once per layer (bind.c): the
+ * stage of the layer's kind, grouped-query (gqa.c) or multi-head latent (mla.c), which adds
+ * o_proj(attention(norm(x))) to the chunk's x and leaves xn = ffn_norm(x); and, for a GQA
+ * layer, its heads kernel: query heads h0 .. h1 of the segment whose rows start at r0 (T
+ * rows) over its sequence's cache, on thread tid's own work rows, by fast mode's kernel (its
+ * work area, cpu/fast.h) or the exact table's (NULL for MLA, whose stage has its own). */
 typedef struct cb_att_op {
+    void (*stage)(colibri_ctx *ctx, uint32_t l);
     void (*heads)(const cb_att_task *a, const cb_kv_view *kv, int64_t r0, int64_t T, int64_t h0, int64_t h1,
                   int tid);
 } cb_att_op;
-/* Sets L->att_op from the context's tables and scratch (the fast kernel where the scratch
- * carved its work area: model/scratch.c). */
-void cb_cpu_bind_attention(const colibri_ctx *ctx, cb_layer *L);
+/* gqa.c: fast mode's heads kernel (where the scratch carved its work area: model/scratch.c)
+ * or the exact table's; mla.c: multi-head latent attention. */
+extern const cb_att_op cb_cpu_att_gqa_fast, cb_cpu_att_gqa_exact;
+extern const cb_att_op cb_cpu_att_mla;
 
 /* One FFN job: a group of rows through one expert's weights (cb_ffn, packed or split). */
 typedef struct cb_ffn_job {
@@ -152,9 +166,6 @@ typedef struct cb_combine_task {
     int64_t rows, len;
 } cb_combine_task;
 void cb_cpu_combine_chunk(void *arg, int64_t c, int tid);
-
-/* ---- mla.c: the attention stage of a layer of an MLA file (model.attention "mla") ----- */
-void cb_mla_attention(colibri_ctx *ctx, uint32_t l);
 
 /* ---- route_group.c: softmax/sigmoid routers with groups, bias and scaling ------------- */
 void cb_route_grouped(colibri_ctx *ctx, uint32_t l, int64_t T);

@@ -113,7 +113,8 @@ static void value_chunk(void *arg, int64_t h, int tid) {
     ctx->kern->matmul_ld(s->att + h * dv, nh * dv, s->mla_olat + h * T * r, wv, L->wkv_b.dt, T, dv, r);
 }
 
-void cb_mla_attention(colibri_ctx *ctx, uint32_t l) {
+/* The attention stage of an MLA layer (cb_att_op.stage). */
+static void mla_stage(colibri_ctx *ctx, uint32_t l) {
     const cb_config *c = &ctx->cfg;
     const cb_kernels *K = ctx->kern;
     const cb_layer *L = &ctx->w.layers[l];
@@ -164,3 +165,6 @@ void cb_mla_attention(colibri_ctx *ctx, uint32_t l) {
     for (int64_t i = 0; i < T * H; i++) s->x[i] = s->x[i] + s->delta[i];
     K->rmsnorm(s->xn, s->x, L->ffn_norm, T, H, eps);
 }
+
+/* MLA's stage computes its own latent attention (latent_att_chunk): no heads kernel. */
+const cb_att_op cb_cpu_att_mla = {mla_stage, NULL};

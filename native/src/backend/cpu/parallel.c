@@ -1,10 +1,10 @@
 /*
- * parallel.c — the CPU backend's parallel sections (core/threadpool.h): the matmuls, the
- * attention chunks, the FFN jobs and the combine of the stages (stages.c, mla.c). Each
- * splits OUTPUT rows or columns into chunks that the threads claim, so every thread streams
- * its own part of the weights once and every output element is computed by exactly one
- * chunk, in the same order whatever the chunking (the kernels guarantee it), so results do
- * not depend on num_threads.
+ * parallel.c — the CPU backend's parallel sections (core/threadpool.h): the matmuls, the FFN
+ * jobs and the combine of the stages (stages.c, gqa.c, mla.c; the attention chunks are
+ * gqa.c's and mla.c's own). Each splits OUTPUT rows or columns into chunks that the threads
+ * claim, so every thread streams its own part of the weights once and every output element
+ * is computed by exactly one chunk, in the same order whatever the chunking (the kernels
+ * guarantee it), so results do not depend on num_threads.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -75,60 +75,6 @@ void cb_matmul_par2(colibri_ctx *ctx, const float *x, int64_t T, int64_t K, floa
 
 
 
-
-/* Attention chunks of one segment (rows of one sequence at consecutive positions):
- * CB_ATT_HEADS query heads of one KV group per chunk (fewer at the end of a group), so the
- * kernel shares each key and value load between them; the running thread's own score rows. */
-int64_t cb_cpu_att_chunks(const cb_config *c) {
-    int64_t group = c->n_heads / c->n_kv_heads;
-    return c->n_kv_heads * ((group + CB_ATT_HEADS - 1) / CB_ATT_HEADS);
-}
-
-static void att_fast(const cb_att_task *a, const cb_kv_view *kv, int64_t r0, int64_t T, int64_t h0, int64_t h1,
-                     int tid) {
-    const colibri_ctx *ctx = a->ctx;
-    const cb_config *c = &ctx->cfg;
-    const cb_scratch *s = &ctx->s;
-    int64_t Nq = (int64_t)c->n_heads * c->head_dim;
-    ctx->fast->attention_heads(s->att + r0 * Nq, s->q + r0 * Nq, kv, s->att_work + (size_t)tid * s->att_work_bytes, T,
-                               s->row_pos[r0], c->n_heads, c->n_kv_heads, c->head_dim, a->window,
-                               ctx->w.layers[a->layer].sinks, h0, h1);
-}
-
-static void att_exact(const cb_att_task *a, const cb_kv_view *kv, int64_t r0, int64_t T, int64_t h0, int64_t h1,
-                      int tid) {
-    const colibri_ctx *ctx = a->ctx;
-    const cb_config *c = &ctx->cfg;
-    const cb_scratch *s = &ctx->s;
-    int64_t Nq = (int64_t)c->n_heads * c->head_dim;
-    ctx->kern->attention_heads(s->att + r0 * Nq, s->q + r0 * Nq, kv,
-                               s->att_scores + (int64_t)tid * ctx->max_seq_len * CB_ATT_HEADS, T, s->row_pos[r0],
-                               c->n_heads, c->n_kv_heads, c->head_dim, a->window, ctx->w.layers[a->layer].sinks, h0,
-                               h1);
-}
-
-static const cb_att_op op_att_fast = {att_fast};
-static const cb_att_op op_att_exact = {att_exact};
-
-void cb_cpu_bind_attention(const colibri_ctx *ctx, cb_layer *L) {
-    L->att_op = ctx->s.att_work_bytes ? &op_att_fast : &op_att_exact; /* fast mode's (cpu/fast.h) */
-}
-
-/* Chunk ch = (segment, head range): the segment's queries over its own sequence's cache. */
-void cb_cpu_att_chunk(void *arg, int64_t ch, int tid) {
-    const cb_att_task *a = (const cb_att_task *)arg;
-    colibri_ctx *ctx = a->ctx;
-    const cb_config *c = &ctx->cfg;
-    const cb_scratch *s = &ctx->s;
-    int64_t nch = cb_cpu_att_chunks(c), seg = ch / nch;
-    ch %= nch;
-    int64_t group = c->n_heads / c->n_kv_heads, per = (group + CB_ATT_HEADS - 1) / CB_ATT_HEADS;
-    int64_t h0 = ch / per * group + ch % per * CB_ATT_HEADS;
-    int64_t h1 = h0 + CB_ATT_HEADS < (ch / per + 1) * group ? h0 + CB_ATT_HEADS : (ch / per + 1) * group;
-    int64_t r0 = s->seg_row[seg], T = s->seg_row[seg + 1] - r0;
-    cb_kv_view kv = cb_kv_layer_view(&ctx->sess.kv, s->row_seq[r0], a->layer);
-    ctx->w.layers[a->layer].att_op->heads(a, &kv, r0, T, h0, h1, tid);
-}
 
 /* Every non-empty expert group of a layer (or one dense/shared FFN). Section 0: every
  * job's gate/up chunks (by intermediate columns), then the split jobs' down blocks, then

@@ -2,9 +2,11 @@
  * stages.c — the CPU backend (backend/backend.h): the seven stages of a forward chunk over the
  * host arena (model/forward.h, cb_scratch) and the mapped weights, one decoder for every
  * supported family, parameterised by the options read from the file's metadata at load
- * (cb_config, cb_layer): q/k/v and output biases, q/k RMSNorm per head or over the whole
- * projection, q/k/v clipping, per-layer attention windows, dense MLP layers among MoE layers
- * and a (gated) shared expert. Nothing here tests the family.
+ * (cb_config, cb_layer): per-layer attention of the file's kind (grouped-query, gqa.c: q/k/v
+ * and output biases, q/k RMSNorm per head or over the whole projection, q/k/v clipping,
+ * attention windows and sinks; or multi-head latent, mla.c), dense MLP layers among MoE
+ * layers and a (gated) shared expert. Nothing here tests the family: what differs is bound
+ * once per layer (bind.c) and called without asking.
  *
  * Inside a chunk each stage runs on the whole batch [T, width] through the kernel table
  * (cpu/kernels.h), and the large steps are split between the context's threads
@@ -13,9 +15,9 @@
  * num_threads (docs/kernels.md). The MoE block groups (token, slot) pairs by expert with a
  * counting sort and a prefix sum (no qsort, no allocation), gathers each group's rows, runs
  * the expert FFN once per non-empty expert, and scatter-adds weight * output into each
- * token's residual delta, in expert order as transformers does. Multi-head latent attention
- * (mla.c) and the routers (router.c, route_group.c) are this backend's too, its parallel sections
- * are parallel.c's (backend/cpu/cpu.h).
+ * token's residual delta, in expert order as transformers does. The attention stages (gqa.c,
+ * mla.c) and the routers (router.c, route_group.c) are this backend's too, its parallel
+ * sections are parallel.c's (backend/cpu/cpu.h).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -57,24 +59,6 @@ static void group_tokens(colibri_ctx *ctx, int64_t T) {
     }
 }
 
-/* x[t, :] += b for t < T. x: [T, n]; b: [n]. */
-static void add_bias(float *x, const float *b, int64_t T, int64_t n) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < n; i++) x[t * n + i] += b[i];
-}
-
-/* Clamp to [-c, c] as torch.clamp_ (NaN stays NaN). */
-static void clamp_inplace(float *x, int64_t n, float c) {
-    for (int64_t i = 0; i < n; i++) {
-        if (x[i] < -c) x[i] = -c;
-        else if (x[i] > c) x[i] = c;
-    }
-}
-
-static void add_inplace(float *x, const float *d, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] = x[i] + d[i];
-}
-
 /* ---- the stages of a forward (colibri.h, "Observation"); each works on the chunk in
  * ctx->run: T rows, row t = token s->run_ids[t] of sequence s->row_seq[t] at position
  * s->row_pos[t] ------------------------------------------------------------------------ */
@@ -99,77 +83,13 @@ static void stage_embedding(colibri_ctx *ctx) {
     }
 }
 
-/* x += o_proj(attention(norm(x))); then xn = ffn_norm(x), the input of the FFN stages. */
+/* The layer's attention (its residual patch first): the stage of the layer's kind, grouped-query
+ * (gqa.c) or multi-head latent (mla.c), bound once (cb_layer.att_op, bind.c). Each adds
+ * o_proj(attention(norm(x))) to x and leaves xn = ffn_norm(x), the input of the FFN stages. */
 static void stage_attention(colibri_ctx *ctx, uint32_t l) {
-    const cb_config *c = &ctx->cfg;
-    const cb_kernels *K = ctx->kern;
-    const cb_layer *L = &ctx->w.layers[l];
-    cb_scratch *s = &ctx->s;
-    int64_t T = ctx->run.T;
-    int64_t H = c->hidden, hd = c->head_dim;
-    int64_t Nq = (int64_t)c->n_heads * hd, Nkv = (int64_t)c->n_kv_heads * hd;
-    float eps = (float)c->rms_norm_eps;
-    cb_kv *kv = &ctx->sess.kv;
-
     ctx->run.att_layer = (int32_t)l;
-    if (ctx->iv) cb_cpu_iv_patch(ctx, COLIBRI_POINT_RESID, l, s->x);
-    if (c->attention == CB_ATTN_MLA) { /* multi-head latent attention (mla.c) */
-        cb_mla_attention(ctx, l);
-        return;
-    }
-    K->rmsnorm(s->xn, s->x, L->attn_norm, T, H, eps);
-    {
-        cb_cpu_fast_round(ctx, s->xn, T * H, L->wq.dt == COLIBRI_DTYPE_BF16 || L->wk.dt == COLIBRI_DTYPE_BF16 ||
-                                          L->wv.dt == COLIBRI_DTYPE_BF16);
-        cb_mm_task m = {K, ctx->fast, ctx->pan, T, 3, {{s->q, s->xn, L->wq, Nq, H, 0, 0},
-                               {s->k, s->xn, L->wk, Nkv, H, 0, 0},
-                               {s->v, s->xn, L->wv, Nkv, H, 0, 0}}};
-        cb_cpu_par_matmul(ctx, &m);
-    }
-    if (L->bq) {
-        add_bias(s->q, L->bq, T, Nq);
-        add_bias(s->k, L->bk, T, Nkv);
-        add_bias(s->v, L->bv, T, Nkv);
-    }
-    if (c->qk_norm == CB_QKNORM_HEAD) { /* RMSNorm over each head's head_dim values */
-        K->rmsnorm(s->q, s->q, L->q_norm, T * c->n_heads, hd, eps);
-        K->rmsnorm(s->k, s->k, L->k_norm, T * c->n_kv_heads, hd, eps);
-    } else if (c->qk_norm == CB_QKNORM_FULL) { /* RMSNorm over the whole projection */
-        K->rmsnorm(s->q, s->q, L->q_norm, T, Nq, eps);
-        K->rmsnorm(s->k, s->k, L->k_norm, T, Nkv, eps);
-    }
-    if (c->clip_qkv > 0.0f) {
-        clamp_inplace(s->q, T * Nq, c->clip_qkv);
-        clamp_inplace(s->k, T * Nkv, c->clip_qkv);
-        clamp_inplace(s->v, T * Nkv, c->clip_qkv);
-    }
-    K->rope(s->q, T, c->n_heads, hd, s->rope_cos, s->rope_sin);
-    K->rope(s->k, T, c->n_kv_heads, hd, s->rope_cos, s->rope_sin);
-    /* each row's keys and values into its sequence's blocks (a KV head's positions are
-     * contiguous inside a block: [Hkv, block_len, hd] per layer) */
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t g = 0; g < c->n_kv_heads; g++) {
-            int64_t off = cb_kv_offset(kv, s->row_seq[t], l, g, s->row_pos[t]);
-            memcpy(kv->k + off, s->k + t * Nkv + g * hd, (size_t)hd * sizeof(float));
-            memcpy(kv->v + off, s->v + t * Nkv + g * hd, (size_t)hd * sizeof(float));
-        }
-    {
-        cb_att_task a = {ctx, l, L->window};
-        int64_t work = 0; /* query-key pairs of the chunk */
-        for (int64_t g = 0; g < ctx->run.n_seg; g++) {
-            int64_t r0 = s->seg_row[g], n = s->seg_row[g + 1] - r0;
-            work += n * (s->row_pos[r0] + n);
-        }
-        /* a decode step over a short cache is a few microseconds: not worth a section */
-        cb_pool_run(work * c->n_heads * hd < CB_PAR_MIN_WORK ? NULL : ctx->pool, cb_cpu_att_chunk, &a,
-                    ctx->run.n_seg * cb_cpu_att_chunks(c));
-    }
-    cb_cpu_fast_round(ctx, s->att, T * Nq, L->wo.dt == COLIBRI_DTYPE_BF16);
-    cb_matmul_par(ctx, s->delta, s->att, L->wo, T, H, Nq);
-    if (L->bo) add_bias(s->delta, L->bo, T, H);
-    if (ctx->iv) cb_cpu_iv_patch(ctx, COLIBRI_POINT_ATTN_OUT, l, s->delta);
-    add_inplace(s->x, s->delta, T * H);
-    K->rmsnorm(s->xn, s->x, L->ffn_norm, T, H, eps);
+    if (ctx->iv) cb_cpu_iv_patch(ctx, COLIBRI_POINT_RESID, l, ctx->s.x);
+    ctx->w.layers[l].att_op->stage(ctx, l);
 }
 
 /* Router logits, softmax and top-k (MoE layers), by the layer's router op (bound once). */
@@ -180,7 +100,7 @@ static void stage_router(colibri_ctx *ctx, uint32_t l) {
     int64_t T = ctx->run.T;
     if (!L->moe) return;
     L->router_op->logits(ctx, L, s->router_logits, s->xn, T);
-    if (L->router_b) add_bias(s->router_logits, L->router_b, T, c->n_experts); /* gpt-oss's logit bias */
+    if (L->router_b) cb_cpu_add_bias(s->router_logits, L->router_b, T, c->n_experts); /* gpt-oss's logit bias */
     if (ctx->iv) cb_cpu_iv_router_logits(ctx, l); /* router bias, excluded experts (interv.c) */
     L->router_op->route(ctx, l, T);
     if (ctx->iv) cb_cpu_iv_force(ctx, l);
@@ -343,7 +263,7 @@ static void stage_combine(colibri_ctx *ctx, uint32_t l) {
             }
         }
     }
-    add_inplace(s->x, s->delta, T * H);
+    cb_cpu_add_inplace(s->x, s->delta, T * H);
 }
 
 /* Final norm and logits of the rows s->head_idx[0 .. head_rows) (every row, the last one,
