@@ -183,6 +183,30 @@ def test_panel_copies_give_the_same_bits(files, dtype, precision):
         assert np.array_equal(steps, full[20:]), k
 
 
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_k_m"])
+def test_interleaved_int8_copies_give_the_same_bits(files, dtype):
+    """A fast table that reads interleaved copies of block-type weights (cpu/qpanel.h: the
+    256-bit x86 tables) gets them at load when the weights are populated ("int8 <table>
+    panels" in config.kernels); prefill, chunked prefill and decode steps then equal an engine
+    that maps the file lazily (populate=False: no copy) bit for bit. The q4_k_m file holds
+    Q4_K, Q5_K, Q6_K and Q8_0 matrices (routed experts, attention, LM head)."""
+    ids = _ids(files[dtype], 41, seed=8)
+    out = {}
+    for populate in (True, False):
+        with Engine(files[dtype], num_threads=2, precision="fast", populate=populate, max_batch=16) as eng:
+            kernels = eng.config.kernels
+            table = kernels.split("fast(int8 ")[1].split(",")[0].split()[0]
+            reads = table in ("avx2", "avxvnni")
+            assert (f"int8 {table} panels," in kernels) == (populate and reads), kernels
+            full = eng.forward(ids)
+            steps = np.concatenate([eng.forward(ids[i:i + 1], start_pos=i) for i in range(24, len(ids))])
+            out[populate] = (full, steps)
+    for k, (full, steps) in out.items():
+        assert np.array_equal(full, out[False][0]), k
+        assert np.array_equal(steps, out[False][1]), k
+        assert np.array_equal(steps, full[24:]), k
+
+
 _TABLE_SCRIPT = """
 import json, sys
 import numpy as np
@@ -208,7 +232,7 @@ def test_every_int8_table_gives_the_reference_bits(files, dtype, tmp_path):
                            timeout=120)
         assert r.returncode == 0, r.stderr
         kernels = r.stdout.strip()
-        if f"fast(int8 {name}," in kernels:   # else this CPU (or build) lacks the table
+        if f"fast(int8 {name}," in kernels or f"fast(int8 {name} panels," in kernels:  # else this CPU lacks it
             got[name] = np.load(npy)
     assert "reference" in got
     for name, lg in got.items():

@@ -1079,6 +1079,116 @@ static void test_fast(const cb_fast_kernels *F) {
     }
 }
 
+/* Interleaved copies (cpu/qpanel.h): cb_qpanel_pack's placement against the layout's
+ * definition, and a table's kernels on them (cb_fast_kernels.qpanels) against its matmul_ld
+ * and gateup on the row-major blocks, bit for bit: odd token counts, rows of one and of
+ * several passes, a part of the rows from a group's start, gate/up column ranges. */
+static void test_qpanels(const cb_fast_kernels *F) {
+    const cb_qpanel_kernels *Q = F->qpanels;
+    for (size_t qi = 0; qi < sizeof FAST_QTYPES / sizeof FAST_QTYPES[0]; qi++) {
+        uint32_t dt = FAST_QTYPES[qi];
+        int64_t blk = cb_dtype_block(dt);
+        const char *dn = cb_dtype_name(dt);
+        { /* placement: dword j of row 8g + r's padded block b at ((g nb + b) 8 bbp) + (8 j + r) 4 */
+            int64_t N = 16, K = 2 * (blk == 32 ? 64 : 256);
+            wbuf w = make_q(dt, N, K);
+            size_t rp = (size_t)cb_qpanel_row_bytes(dt, (uint64_t)K), rb = (size_t)cb_row_bytes(dt, (uint64_t)K);
+            size_t bb = cb_dtype_block_bytes(dt), bbp = cb_qpanel_block_bytes(dt), lead = cb_qpanel_lead(dt);
+            int64_t nb = K / blk;
+            uint8_t *c = malloc((size_t)N * rp);
+            memset(c, 0xA5, (size_t)N * rp);
+            cb_qpanel_pack(c, w.raw, dt, N, K);
+            n_check++;
+            if (bbp % 4 || bbp < bb + lead || (lead && (bb + lead) % 4))
+                FAIL("qpanel %s: padded block %zu bytes for %zu (+%zu lead)", dn, bbp, bb, lead);
+            int bad = 0;
+            for (int64_t n = 0; n < N && !bad; n++)
+                for (int64_t b = 0; b < nb && !bad; b++)
+                    for (size_t i = 0; i < bbp && !bad; i++) {
+                        size_t at = (size_t)((n / 8) * nb + b) * 8 * bbp + (8 * (i / 4) + (size_t)(n % 8)) * 4 + i % 4;
+                        uint8_t want = i >= lead && i < lead + bb ? ((const uint8_t *)w.raw)[(size_t)n * rb + (size_t)b * bb + i - lead] : 0;
+                        bad = c[at] != want;
+                    }
+            n_check++;
+            if (bad) FAIL("cb_qpanel_pack %s: a byte misplaced", dn);
+            free(c);
+            free_w(&w);
+        }
+        const int64_t Ts[] = {1, 3, 5, 37};
+        const int64_t Ns[] = {8, 24, 40};
+        const int64_t Kq[] = {256, 768, 4352, 96, 2080}; /* the last two: 32-element blocks only */
+        for (size_t c = 0; c < 5; c++) {
+            int64_t Kd = Kq[c];
+            if (Kd % blk) continue;
+            for (size_t b = 0; b < 3; b++)
+                for (size_t a = 0; a < 4; a++) {
+                    int64_t T = Ts[a], N = Ns[b], ldy = N + 3;
+                    if (Kd > 1000 && (N > 24 || T == 5)) continue;
+                    wbuf w = make_q(dt, N, Kd);
+                    size_t rp = (size_t)cb_qpanel_row_bytes(dt, (uint64_t)Kd);
+                    uint8_t *cp = malloc((size_t)N * rp);
+                    cb_qpanel_pack(cp, w.raw, dt, N, Kd);
+                    float *x = malloc((size_t)(T * Kd) * 4), *y = malloc((size_t)(T * ldy) * 4);
+                    float *yr = malloc((size_t)(T * ldy) * 4);
+                    fill(x, T * Kd, 2.0);
+                    for (int64_t i = 0; i < T * ldy; i++) y[i] = yr[i] = SENTINEL;
+                    F->matmul_ld(yr, ldy, x, w.raw, dt, T, N, Kd);
+                    Q->matmul(y, ldy, x, cp, dt, T, N, Kd);
+                    n_check++;
+                    if (memcmp(y, yr, (size_t)(T * ldy) * 4) != 0)
+                        FAIL("[fast %s] qpanels matmul %s T%lld N%lld K%lld differs from matmul_ld", F->name, dn,
+                             (long long)T, (long long)N, (long long)Kd);
+                    for (int64_t i = 0; i < T * ldy; i++) y[i] = SENTINEL;
+                    Q->matmul(y + 8, ldy, x, cp + 8 * rp, dt, T, N - 8, Kd); /* rows 8 .. N */
+                    int bad = 0;
+                    for (int64_t t = 0; t < T; t++)
+                        for (int64_t n = 0; n < ldy; n++)
+                            bad |= n < 8 || n >= N ? y[t * ldy + n] != SENTINEL
+                                                   : memcmp(&y[t * ldy + n], &yr[t * ldy + n], 4) != 0;
+                    n_check++;
+                    if (bad)
+                        FAIL("[fast %s] qpanels matmul %s T%lld N%lld K%lld: rows from 8 differ (or writes outside)",
+                             F->name, dn, (long long)T, (long long)N, (long long)Kd);
+                    free(x);
+                    free(y);
+                    free(yr);
+                    free(cp);
+                    free_w(&w);
+                }
+        }
+        for (int wide_h = 0; wide_h < 2; wide_h++) { /* rows of one pass, and of two */
+            int64_t H = wide_h ? 2304 : blk == 32 ? 288 : 512, I = 296, i0 = 8, i1 = 288;
+            wbuf g = make_q(dt, I, H), u = make_q(dt, I, H);
+            size_t rp = (size_t)cb_qpanel_row_bytes(dt, (uint64_t)H);
+            uint8_t *gq = malloc((size_t)I * rp), *uq = malloc((size_t)I * rp);
+            cb_qpanel_pack(gq, g.raw, dt, I, H);
+            cb_qpanel_pack(uq, u.raw, dt, I, H);
+            const int64_t Rs[] = {1, 5, 35};
+            for (size_t a = 0; a < 3; a++) {
+                int64_t Rr = Rs[a];
+                if (wide_h && a == 1) continue;
+                float *x = malloc((size_t)(Rr * H) * 4), *h = malloc((size_t)(Rr * I) * 4);
+                float *hr = malloc((size_t)(Rr * I) * 4);
+                fill(x, Rr * H, 1.0);
+                for (int64_t k = 0; k < Rr * I; k++) h[k] = hr[k] = SENTINEL;
+                F->gateup(hr, x, g.raw, u.raw, dt, Rr, H, I, i0, i1);
+                Q->gateup(h, x, gq, uq, dt, Rr, H, I, i0, i1);
+                n_check++;
+                if (memcmp(h, hr, (size_t)(Rr * I) * 4) != 0)
+                    FAIL("[fast %s] qpanels gateup %s R%lld H%lld differs from gateup", F->name, dn, (long long)Rr,
+                         (long long)H);
+                free(x);
+                free(h);
+                free(hr);
+            }
+            free(gq);
+            free(uq);
+            free_w(&g);
+            free_w(&u);
+        }
+    }
+}
+
 /* A fast table's attention (fast.h attention_heads, where it has one): against a double loop
  * (float32: 2e-5 of the weighted values' magnitude, as the exact kernels'); the paged cache
  * = a contiguous one, each query alone (a decode step) = the batch, one head at a time = the
@@ -1599,6 +1709,7 @@ int main(int argc, char **argv) {
             test_fast(F);
             if (F->native_bf16) test_fast_bf16(F);
             if (F->panels) test_panels(F->panels, F, NULL);
+            if (F->qpanels) test_qpanels(F);
             if (F->attention_heads) test_fast_attention(F);
             printf("test_kernels: fast table %s checked (%s)\n", name, n_fail == before ? "ok" : "FAILED");
         } else {

@@ -312,6 +312,7 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     ctx->precision = opt.precision;
     ctx->fast = opt.precision == COLIBRI_PRECISION_FAST ? cb_fast_best() : NULL;
     ctx->pan = ctx->fast ? ctx->fast->panels : ctx->kern->panels;
+    ctx->qpan = ctx->fast ? ctx->fast->qpanels : NULL;
 
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
@@ -421,8 +422,8 @@ colibri_status colibri_init_ex(const char *path, const colibri_options *opt_in,
     if (!ctx->fast) /* the tables, and in fast mode which of its paths run */
         snprintf(ctx->kernels_desc, sizeof ctx->kernels_desc, "%s%s", ctx->kern->name, ctx->panels ? " panels" : "");
     else
-        snprintf(ctx->kernels_desc, sizeof ctx->kernels_desc, "%s fast(int8 %s, bf16 %s%s%s)", ctx->kern->name,
-                 ctx->fast->name, ctx->fast->bf16, ctx->panels ? " panels" : "",
+        snprintf(ctx->kernels_desc, sizeof ctx->kernels_desc, "%s fast(int8 %s%s, bf16 %s%s%s)", ctx->kern->name,
+                 ctx->fast->name, ctx->panels_int8 ? " panels" : "", ctx->fast->bf16, ctx->panels_bf16 ? " panels" : "",
                  ctx->s.att_work_bytes ? ", attention avx512" : "");
     ctx->run.stage = -1; /* no stage run active */
     ctx->run.layer = -1;

@@ -29,8 +29,10 @@ struct colibri_ctx {
     int fd;
     const uint8_t *map;      /* [file_size] read-only mapping */
     uint64_t map_size;
-    void *panels;            /* the panel copies of the BF16 weights (backend/cpu/panels.c), or NULL */
+    void *panels;            /* the panel copies of the BF16 weights and the interleaved copies of the
+                              * int8 ones (backend/cpu/panels.c), or NULL */
     size_t panels_size;      /* the whole anonymous mapping holding them */
+    int panels_bf16, panels_int8; /* 1: it holds copies of that kind */
     /* parsed */
     cb_file file;            /* the container read (format/container.h): metadata, tensor directory */
     cb_config cfg;
@@ -45,6 +47,7 @@ struct colibri_ctx {
     int32_t precision;       /* COLIBRI_PRECISION_EXACT / _FAST */
     const cb_fast_kernels *fast; /* fast mode's table (cpu/fast.h); NULL in exact mode */
     const cb_panel_kernels *pan; /* the running table's panel kernels (cpu/panel.h), or NULL */
+    const cb_qpanel_kernels *qpan; /* fast mode's kernels on interleaved int8 copies (cpu/qpanel.h), or NULL */
     char kernels_desc[96];   /* colibri_get_string "kernels": the table, and in fast mode its fast paths */
     cb_pool *pool;           /* num_threads threads (the caller is thread 0), heap (init-time) */
     cb_ecache *ecache;       /* the expert cache (model/expert_cache.h), or NULL: experts mapped */

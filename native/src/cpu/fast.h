@@ -46,6 +46,7 @@
 #include "cpu/bf16.h" /* cb_round_bf16 */
 #include "cpu/kernels.h" /* cb_kv_view, CB_ATT_HEADS */
 #include "cpu/panel.h"
+#include "cpu/qpanel.h"
 
 /* One activation block of 32: its scale and its sums of q (times d), for the offsets. */
 typedef struct cb_fast_ablk {
@@ -95,6 +96,9 @@ typedef struct cb_fast_kernels {
      * the bits of matmul_ld, gateup_packed, down_packed and down_part on the row-major
      * weights. */
     const cb_panel_kernels *panels;
+    /* NULL, or: the int8 kernels also read interleaved copies of block-type matrices
+     * (cpu/qpanel.h), with the bits of matmul_ld and gateup on the row-major blocks. */
+    const cb_qpanel_kernels *qpanels;
 } cb_fast_kernels;
 
 /* The most rows a fast table's down_part takes. */

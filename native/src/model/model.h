@@ -88,7 +88,8 @@ typedef struct cb_config {
 typedef struct cb_mat {
     const void *w;
     uint32_t dt;
-    const void *pan; /* the panel copy of w (backend/cpu/panels.c), or NULL */
+    const void *pan; /* the panel copy of w (BF16; backend/cpu/panels.c), or NULL */
+    const void *qpan; /* the interleaved copy of w (an int8 type; cpu/qpanel.h), or NULL */
     int64_t cols;    /* K: the length of a row */
     /* how the CPU backend multiplies by it (backend/cpu/bind.c: its layout and kernels),
      * chosen once when the backend starts; NULL before */
@@ -103,6 +104,9 @@ typedef struct cb_ffn {
     const void *pan;           /* packed BF16: the panel copy (backend/cpu/panels.c), or NULL */
     uint64_t stride;           /* packed: bytes per expert */
     const void *gate, *up, *down; /* split */
+    /* split, int8 types: the interleaved copies (cpu/qpanel.h) of gate, up [E I, H] and down
+     * [E H, I] (backend/cpu/panels.c), or NULL (gate_q and up_q are set together) */
+    const void *gate_q, *up_q, *down_q;
     uint64_t gu_stride, down_stride; /* split: bytes per expert of gate (= up) and of down */
     uint32_t dt;               /* packed: its dtype; split: the gate's and up's */
     uint32_t down_dt;          /* split: the down projection's dtype */

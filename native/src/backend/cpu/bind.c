@@ -1,7 +1,8 @@
 /*
  * bind.c — the operations that read each weight matrix, chosen once when the CPU backend
  * starts (cb_cpu_bind, its cb_backend.init) rather than at every call: a matrix with a panel
- * copy (panels.c) is read by the panel kernels of the running table, one the fast table takes
+ * copy (panels.c) is read by the panel kernels of the running table, one with an interleaved
+ * int8 copy (cpu/qpanel.h) by the fast table's kernels on it, one the fast table takes
  * (cpu/fast.h: a block type, or BF16 where it has native BF16 kernels) by the fast table, any
  * other by the exact table; and each FFN's (experts, dense MLP, shared expert) the same way
  * (cb_cpu_bind_ffn, parallel.c); each layer's attention (bind_attention: the stage of its
@@ -17,6 +18,12 @@ static void rows_panels(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int
     m->pan->matmul_panels(b->y + n0, b->N, b->x, b->w.pan, m->T, b->N, b->K, n0, n1);
 }
 
+static void rows_qpanels(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int64_t n1) {
+    size_t row = (size_t)cb_qpanel_row_bytes(b->w.dt, (uint64_t)b->K); /* n0: a multiple of 8 (the decode tile) */
+    m->fast->qpanels->matmul(b->y + n0, b->N, b->x, (const uint8_t *)b->w.qpan + (size_t)n0 * row, b->w.dt, m->T,
+                             n1 - n0, b->K);
+}
+
 static void rows_fast(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int64_t n1) {
     size_t row = (size_t)cb_row_bytes(b->w.dt, (uint64_t)b->K);
     m->fast->matmul_ld(b->y + n0, b->N, b->x, (const uint8_t *)b->w.w + (size_t)n0 * row, b->w.dt, m->T, n1 - n0,
@@ -30,12 +37,16 @@ static void rows_exact(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int6
 }
 
 static const cb_matmul_op op_panels = {rows_panels, 1};
+static const cb_matmul_op op_qpanels = {rows_qpanels, 0};
 static const cb_matmul_op op_fast = {rows_fast, 0};
 static const cb_matmul_op op_exact = {rows_exact, 0};
 
 static void bind_mat(const colibri_ctx *ctx, cb_mat *m) {
     if (!m->w) return;
-    m->op = m->pan ? &op_panels : cb_fast_takes(ctx->fast, m->dt, m->cols) ? &op_fast : &op_exact;
+    m->op = m->pan                                  ? &op_panels
+            : m->qpan                                 ? &op_qpanels
+            : cb_fast_takes(ctx->fast, m->dt, m->cols) ? &op_fast
+                                                      : &op_exact;
 }
 
 /* A layer's attention: its kind's stage (the file's model.attention), and for GQA fast mode's

@@ -30,11 +30,12 @@
 #include "model/family.h"
 
 typedef struct pan_job {
-    const cb_panel_kernels *pk;
+    const cb_panel_kernels *pk; /* BF16 panels; NULL: an interleaved int8 copy (cpu/qpanel.h) */
     const void *src;
     uint8_t *dst;
     int64_t N, K;  /* a matrix [N, K]; N == 0: one packed expert of hidden K, intermediate I */
     int64_t I, B;
+    uint32_t dt;   /* the int8 copy's block type */
 } pan_job;
 
 typedef struct pan_plan {
@@ -42,37 +43,76 @@ typedef struct pan_plan {
     pan_job *jobs;   /* NULL: count only */
     int64_t n_jobs;
     uint64_t bytes;
+    int bf16, int8;  /* copies of each kind planned */
 } pan_plan;
 
 #define PAN_ALIGN 4096u
 
-/* Reserve a matrix's copy: its bytes (and, when the plan has a destination, its job). */
-static void plan_mat(pan_plan *p, cb_mat *m, int64_t N, int64_t K, uint8_t *base) {
-    if (!m->w || m->dt != COLIBRI_DTYPE_BF16 || !cb_panel_takes(N, K)) return;
-    uint64_t n = (uint64_t)N * (uint64_t)K * 2u;
+/* A job's place: its bytes (rounded to whole pages) reserved, and its job where the plan has a
+ * destination. */
+static uint8_t *plan_job(pan_plan *p, pan_job j, uint64_t n, uint8_t *base) {
+    uint8_t *dst = base ? base + p->bytes : NULL;
     if (base) {
-        p->jobs[p->n_jobs] = (pan_job){p->ctx->pan, m->w, base + p->bytes, N, K, 0, 0};
-        m->pan = base + p->bytes;
+        j.dst = dst;
+        p->jobs[p->n_jobs] = j;
     }
     p->n_jobs++;
     p->bytes += (n + PAN_ALIGN - 1) / PAN_ALIGN * PAN_ALIGN;
+    return dst;
 }
 
-/* A packed BF16 FFN of E experts: one job per expert, the copy's experts at the same stride. */
+/* An int8 matrix [N, K] of dt (src: its row-major blocks): its interleaved copy, or NULL where
+ * the fast table reads none or the matrix has no copy. */
+static const void *plan_int8(pan_plan *p, const void *src, uint32_t dt, int64_t N, int64_t K, uint8_t *base) {
+    if (!src || !p->ctx->qpan || !cb_qpanel_takes(dt, N, K)) return NULL;
+    p->int8 = 1;
+    return plan_job(p, (pan_job){NULL, src, NULL, N, K, 0, 0, dt}, (uint64_t)N * cb_qpanel_row_bytes(dt, (uint64_t)K),
+                    base);
+}
+
+/* Reserve a matrix's copy: a BF16 panel copy or an int8 interleaved one. */
+static void plan_mat(pan_plan *p, cb_mat *m, int64_t N, int64_t K, uint8_t *base) {
+    if (!m->w) return;
+    if (m->dt != COLIBRI_DTYPE_BF16) {
+        const void *q = plan_int8(p, m->w, m->dt, N, K, base);
+        if (base) m->qpan = q;
+        return;
+    }
+    if (!p->ctx->pan || !cb_panel_takes(N, K)) return;
+    p->bf16 = 1;
+    uint8_t *d = plan_job(p, (pan_job){p->ctx->pan, m->w, NULL, N, K, 0, 0, 0}, (uint64_t)N * (uint64_t)K * 2u, base);
+    if (base) m->pan = d;
+}
+
+/* A packed BF16 FFN of E experts: one job per expert, the copy's experts at the same stride;
+ * a split int8 FFN: its gate, up [E I, H] and down [E H, I] as matrices. */
 static void plan_ffn(pan_plan *p, cb_ffn *f, int64_t E, uint8_t *base) {
     int64_t H = p->ctx->cfg.hidden, I = f->inter;
-    if (!f->packed || f->dt != COLIBRI_DTYPE_BF16 || !cb_panel_takes_expert(p->ctx->pan, H, I) ||
+    if (f->gate && !f->packed) {
+        int ok = f->gu_stride == cb_row_bytes(f->dt, (uint64_t)H) * (uint64_t)I &&
+                 f->down_stride == cb_row_bytes(f->down_dt, (uint64_t)I) * (uint64_t)H;
+        const void *g = ok ? plan_int8(p, f->gate, f->dt, E * I, H, base) : NULL;
+        const void *u = ok ? plan_int8(p, f->up, f->dt, E * I, H, base) : NULL; /* with gate's, as both */
+        const void *d = ok ? plan_int8(p, f->down, f->down_dt, E * H, I, base) : NULL;
+        if (base) f->gate_q = g, f->up_q = u, f->down_q = d;
+        return;
+    }
+    if (!p->ctx->pan || !f->packed || f->dt != COLIBRI_DTYPE_BF16 || !cb_panel_takes_expert(p->ctx->pan, H, I) ||
         f->stride != (uint64_t)(3 * I * H * 2))
         return;
-    if (base) {
-        for (int64_t e = 0; e < E; e++)
-            p->jobs[p->n_jobs + e] = (pan_job){p->ctx->pan, (const uint8_t *)f->packed + (size_t)e * f->stride,
-                                               base + p->bytes + (size_t)e * f->stride, 0, H, I,
-                                               p->ctx->cfg.block_size};
-        f->pan = base + p->bytes;
+    p->bf16 = 1;
+    uint8_t *first = NULL;
+    for (int64_t e = 0; e < E; e++) { /* the experts' pages rounded up together: one reservation */
+        pan_job j = {p->ctx->pan, (const uint8_t *)f->packed + (size_t)e * f->stride, NULL, 0, H, I, p->ctx->cfg.block_size, 0};
+        if (base) {
+            j.dst = base + p->bytes + (size_t)e * f->stride;
+            p->jobs[p->n_jobs] = j;
+            if (e == 0) first = j.dst;
+        }
+        p->n_jobs++;
     }
-    p->n_jobs += E;
     p->bytes += ((uint64_t)E * f->stride + PAN_ALIGN - 1) / PAN_ALIGN * PAN_ALIGN;
+    if (base) f->pan = first;
 }
 
 /* Every copy, in one order for the count (base NULL) and the assignment. */
@@ -87,6 +127,17 @@ static void plan_all(pan_plan *p, uint8_t *base) {
             plan_mat(p, &L->wk, Nkv, H, base);
             plan_mat(p, &L->wv, Nkv, H, base);
             plan_mat(p, &L->wo, H, Nq, base);
+        } else { /* the projections MLA multiplies as whole matrices (not wkv_b: mla.c reads its rows) */
+            int64_t ql = c->q_lora_rank, Dq = (int64_t)c->qk_nope_dim + c->head_dim;
+            int64_t Dc = (int64_t)c->kv_lora_rank + c->head_dim;
+            if (ql) {
+                plan_mat(p, &L->wq_a, ql, H, base);
+                plan_mat(p, &L->wq_b, (int64_t)c->n_heads * Dq, ql, base);
+            } else {
+                plan_mat(p, &L->wq, (int64_t)c->n_heads * Dq, H, base);
+            }
+            plan_mat(p, &L->wkv_a, Dc, H, base);
+            plan_mat(p, &L->wo, H, (int64_t)c->n_heads * c->v_head_dim, base);
         }
         if (L->moe) plan_ffn(p, &L->experts, c->n_experts, base);
         else plan_ffn(p, &L->dense, 1, base);
@@ -96,8 +147,8 @@ static void plan_all(pan_plan *p, uint8_t *base) {
 }
 
 uint64_t cb_panels_bytes(colibri_ctx *ctx) {
-    if (!ctx->pan || ctx->ecache) return 0;
-    pan_plan p = {ctx, NULL, 0, 0};
+    if ((!ctx->pan && !ctx->qpan) || ctx->ecache) return 0;
+    pan_plan p = {ctx, NULL, 0, 0, 0, 0};
     plan_all(&p, NULL);
     return p.bytes;
 }
@@ -105,7 +156,8 @@ uint64_t cb_panels_bytes(colibri_ctx *ctx) {
 static void pack_chunk(void *arg, int64_t c, int tid) {
     (void)tid;
     const pan_job *j = &((const pan_job *)arg)[c];
-    if (j->N) cb_panel_pack_matrix(j->pk, j->dst, j->src, j->N, j->K);
+    if (!j->pk) cb_qpanel_pack(j->dst, j->src, j->dt, j->N, j->K);
+    else if (j->N) cb_panel_pack_matrix(j->pk, j->dst, j->src, j->N, j->K);
     else cb_panel_pack_expert(j->pk, j->dst, j->src, j->K, j->I, j->B);
 }
 
@@ -126,23 +178,27 @@ void cb_panels_make(colibri_ctx *ctx, uint64_t bytes) {
 #ifdef MADV_HUGEPAGE
     (void)madvise(base, (size_t)bytes, MADV_HUGEPAGE);
 #endif
-    pan_plan count = {ctx, NULL, 0, 0};
+    pan_plan count = {ctx, NULL, 0, 0, 0, 0};
     plan_all(&count, NULL);
     pan_job *jobs = malloc((size_t)count.n_jobs * sizeof *jobs);
     if (!jobs) {
         munmap(r, size);
         return;
     }
-    pan_plan p = {ctx, jobs, 0, 0};
+    pan_plan p = {ctx, jobs, 0, 0, 0, 0};
     plan_all(&p, base); /* sets the pointers: the copies are made before any forward runs */
     cb_pool_run(ctx->pool, pack_chunk, jobs, p.n_jobs);
     for (int64_t i = 0; i < p.n_jobs; i++) {
         const pan_job *j = &jobs[i];
         if (j->src == ctx->w.tok_embd.w) continue; /* a tied LM head: the embedding lookups read it */
-        drop_pages(j->src, j->N ? (uint64_t)j->N * (uint64_t)j->K * 2u : (uint64_t)3 * (uint64_t)j->I * (uint64_t)j->K * 2u);
+        drop_pages(j->src, !j->pk ? (uint64_t)j->N * cb_row_bytes(j->dt, (uint64_t)j->K)
+                           : j->N ? (uint64_t)j->N * (uint64_t)j->K * 2u
+                                  : (uint64_t)3 * (uint64_t)j->I * (uint64_t)j->K * 2u);
     }
     free(jobs);
     (void)mprotect(base, (size_t)bytes, PROT_READ);
     ctx->panels = r;
     ctx->panels_size = size;
+    ctx->panels_bf16 = p.bf16;
+    ctx->panels_int8 = p.int8;
 }

@@ -109,18 +109,29 @@ static void round_h(const cb_ffn_job *b, int64_t lo, int64_t hi) {
     if (b->f->round_h) cb_round_bf16_cols(b->h, b->R, b->I, lo, hi);
 }
 
+/* Expert e's rows lo.. of an interleaved copy (cpu/qpanel.h) of a split FFN's [E n, K]
+ * matrix of dt (lo a multiple of 8). */
+static const uint8_t *copy_rows(const void *q, uint32_t dt, int64_t e, int64_t n, int64_t lo, int64_t K) {
+    return (const uint8_t *)q + (size_t)(e * n + lo) * (size_t)cb_qpanel_row_bytes(dt, (uint64_t)K);
+}
+
+/* Which kernels read a split FFN's gate/up or down (the op table's index). */
+enum { SPLIT_EXACT, SPLIT_FAST, SPLIT_COPY };
+
 /* clamped_swiglu (gpt-oss, transformers' GptOssExperts._apply_gate) for intermediate
  * columns lo..hi of a split FFN job: g = x Wg^T + bg, u = x Wu^T + bu (plain matmuls by the
- * table `fast` when not NULL, else the exact one, then the biases), g = min(g, limit),
- * u = clamp(u, -limit, limit), h = (u + 1) * (g * sigmoid(g * alpha)). */
-static void gateup_clamped(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi,
-                           const cb_fast_kernels *fast) {
+ * kernels `by` names, then the biases), g = min(g, limit), u = clamp(u, -limit, limit),
+ * h = (u + 1) * (g * sigmoid(g * alpha)). */
+static void gateup_clamped(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi, int by) {
     const cb_ffn *w = b->f;
     int64_t H = f->H, I = b->I;
     const uint8_t *g = split_rows(b, w->gate, lo, H), *u = split_rows(b, w->up, lo, H);
-    if (fast) {
-        fast->matmul_ld(b->h + lo, I, b->x, g, w->dt, b->R, hi - lo, H);
-        fast->matmul_ld(b->u + lo, I, b->x, u, w->dt, b->R, hi - lo, H);
+    if (by == SPLIT_COPY) {
+        f->fast->qpanels->matmul(b->h + lo, I, b->x, copy_rows(w->gate_q, w->dt, b->e, I, lo, H), w->dt, b->R, hi - lo, H);
+        f->fast->qpanels->matmul(b->u + lo, I, b->x, copy_rows(w->up_q, w->dt, b->e, I, lo, H), w->dt, b->R, hi - lo, H);
+    } else if (by == SPLIT_FAST) {
+        f->fast->matmul_ld(b->h + lo, I, b->x, g, w->dt, b->R, hi - lo, H);
+        f->fast->matmul_ld(b->u + lo, I, b->x, u, w->dt, b->R, hi - lo, H);
     } else {
         f->kern->matmul_ld(b->h + lo, I, b->x, g, w->dt, b->R, hi - lo, H);
         f->kern->matmul_ld(b->u + lo, I, b->x, u, w->dt, b->R, hi - lo, H);
@@ -142,11 +153,14 @@ static void gateup_clamped(const ffn_task *f, const cb_ffn_job *b, int64_t lo, i
     }
     round_h(b, lo, hi);
 }
+static void gu_clamped_copy(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    gateup_clamped(f, b, lo, hi, SPLIT_COPY);
+}
 static void gu_clamped_fast(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
-    gateup_clamped(f, b, lo, hi, f->fast);
+    gateup_clamped(f, b, lo, hi, SPLIT_FAST);
 }
 static void gu_clamped_exact(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
-    gateup_clamped(f, b, lo, hi, NULL);
+    gateup_clamped(f, b, lo, hi, SPLIT_EXACT);
 }
 
 /* h[:, lo..hi) of job b: gate/up and the activation, by layout and table. */
@@ -169,6 +183,12 @@ static void gu_split_fast(const ffn_task *f, const cb_ffn_job *b, int64_t lo, in
     const cb_ffn *w = b->f;
     f->fast->gateup(b->h, b->x, split_rows(b, w->gate, 0, f->H), split_rows(b, w->up, 0, f->H), w->dt, b->R, f->H, b->I,
                     lo, hi);
+    round_h(b, lo, hi);
+}
+static void gu_split_copy(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    const cb_ffn *w = b->f;
+    f->fast->qpanels->gateup(b->h, b->x, copy_rows(w->gate_q, w->dt, b->e, b->I, 0, f->H),
+                             copy_rows(w->up_q, w->dt, b->e, b->I, 0, f->H), w->dt, b->R, f->H, b->I, lo, hi);
     round_h(b, lo, hi);
 }
 static void gu_split_exact(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
@@ -202,12 +222,16 @@ static void dc_packed_fast(const ffn_task *f, const cb_ffn_job *b, int64_t lo, i
 static void dc_packed_exact(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
     f->kern->expert_down(b->y, b->h, packed_expert(b), b->f->dt, b->R, f->H, b->I, lo, hi);
 }
-/* split FFN: output rows lo..hi of the down matrix [H, I], then its bias */
-static void split_down(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi, const cb_fast_kernels *fast) {
+/* split FFN: output rows lo..hi of the down matrix [H, I] by the kernels `by` names, then
+ * its bias */
+static void split_down(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi, int by) {
     const cb_ffn *w = b->f;
     size_t rb = (size_t)cb_row_bytes(w->down_dt, (uint64_t)b->I);
     const uint8_t *wd = (const uint8_t *)w->down + (size_t)b->e * w->down_stride + (size_t)lo * rb;
-    if (fast) fast->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
+    if (by == SPLIT_COPY)
+        f->fast->qpanels->matmul(b->y + lo, f->H, b->h, copy_rows(w->down_q, w->down_dt, b->e, f->H, lo, b->I),
+                                 w->down_dt, b->R, hi - lo, b->I);
+    else if (by == SPLIT_FAST) f->fast->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
     else f->kern->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
     if (w->down_bias) {
         const float *db = w->down_bias + b->e * f->H;
@@ -215,25 +239,36 @@ static void split_down(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64
             for (int64_t k = lo; k < hi; k++) b->y[r * f->H + k] += db[k];
     }
 }
+static void dc_split_copy(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
+    split_down(f, b, lo, hi, SPLIT_COPY);
+}
 static void dc_split_fast(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
-    split_down(f, b, lo, hi, f->fast);
+    split_down(f, b, lo, hi, SPLIT_FAST);
 }
 static void dc_split_exact(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
-    split_down(f, b, lo, hi, NULL);
+    split_down(f, b, lo, hi, SPLIT_EXACT);
 }
 
 /* The operations: packed FFNs (a panel copy, the fast table's packed kernels with or without
- * its down blocks, the exact table's), then split FFNs by [clamped][gate/up fast][down fast]. */
+ * its down blocks, the exact table's), then split FFNs by [clamped][gate/up by][down by]
+ * (SPLIT_EXACT, SPLIT_FAST, SPLIT_COPY). */
 static const cb_ffn_op op_panels = {gu_panels, db_panels, dc_panels};
 static const cb_ffn_op op_packed_fast = {gu_packed_fast, db_fast, dc_packed_fast};
 static const cb_ffn_op op_packed_fast_whole = {gu_packed_fast, NULL, dc_packed_fast};
 static const cb_ffn_op op_packed_exact = {gu_packed_exact, db_exact, dc_packed_exact};
-static const cb_ffn_op op_split[2][2][2] = {
-    {{{gu_split_exact, NULL, dc_split_exact}, {gu_split_exact, NULL, dc_split_fast}},
-     {{gu_split_fast, NULL, dc_split_exact}, {gu_split_fast, NULL, dc_split_fast}}},
-    {{{gu_clamped_exact, NULL, dc_split_exact}, {gu_clamped_exact, NULL, dc_split_fast}},
-     {{gu_clamped_fast, NULL, dc_split_exact}, {gu_clamped_fast, NULL, dc_split_fast}}},
+#define SPLIT_DOWNS(CL, GU)                                                                  \
+    {{CL##GU, NULL, dc_split_exact}, {CL##GU, NULL, dc_split_fast}, {CL##GU, NULL, dc_split_copy}}
+static const cb_ffn_op op_split[2][3][3] = {
+    {SPLIT_DOWNS(gu_split_, exact), SPLIT_DOWNS(gu_split_, fast), SPLIT_DOWNS(gu_split_, copy)},
+    {SPLIT_DOWNS(gu_clamped_, exact), SPLIT_DOWNS(gu_clamped_, fast), SPLIT_DOWNS(gu_clamped_, copy)},
 };
+#undef SPLIT_DOWNS
+
+/* The kernels of a split FFN's matrix of dt, rows of K: its copy's, the fast table's, or
+ * the exact table's. */
+static int split_by(const colibri_ctx *ctx, const void *copy, uint32_t dt, int64_t K) {
+    return copy ? SPLIT_COPY : cb_fast_takes(ctx->fast, dt, K) ? SPLIT_FAST : SPLIT_EXACT;
+}
 
 void cb_cpu_bind_ffn(const colibri_ctx *ctx, cb_ffn *w, int clamped) {
     const cb_fast_kernels *fast = ctx->fast;
@@ -248,7 +283,7 @@ void cb_cpu_bind_ffn(const colibri_ctx *ctx, cb_ffn *w, int clamped) {
     } else if (w->packed) {
         w->op = &op_packed_exact;
     } else {
-        w->op = &op_split[clamped != 0][cb_fast_takes(fast, w->dt, H)][cb_fast_takes(fast, w->down_dt, I)];
+        w->op = &op_split[clamped != 0][split_by(ctx, w->gate_q, w->dt, H)][split_by(ctx, w->down_q, w->down_dt, I)];
     }
     w->round_h = fast && w->down_dt == COLIBRI_DTYPE_BF16 && !gu_rounds;
 }
