@@ -53,6 +53,8 @@ typedef struct cb_fast_ablk {
     float d;        /* amax / 127 (0 for an all-zero block) */
     float ds32;     /* d * sum of the 32 q */
     float ds16[2];  /* d * sum of q[0..16), of q[16..32) */
+    int32_t s32;    /* the sum of the 32 q (a table that multiplies the wide types' bytes as
+                     * signed adds 128 s32 back: fast_x86_256.inc) */
 } cb_fast_ablk;
 
 typedef struct cb_fast_kernels {
@@ -264,6 +266,7 @@ static inline void cb_fast_quant_act(const float *x, int64_t n, int8_t *q, cb_fa
         for (int i = 16; i < 32; i++) s1 += qb[i];
         a[b].d = d;
         a[b].ds32 = d * (float)(s0 + s1);
+        a[b].s32 = s0 + s1;
         a[b].ds16[0] = d * (float)s0;
         a[b].ds16[1] = d * (float)s1;
     }

@@ -1,5 +1,6 @@
 /*
- * panels.c — the panel copies of the BF16 weights (cpu/panel.h).
+ * panels.c — the panel copies of the BF16 weights (cpu/panel.h) and the interleaved copies of
+ * the block-type ones (cpu/qpanel.h).
  *
  * A table whose kernels read a panel layout (its cb_panel_kernels: fast mode's avx512bf16
  * table, exact mode's avx512 table) gets, at load, a copy of every BF16 matrix and packed
@@ -11,6 +12,13 @@
  * sequential stream of the same bytes). Measured by tools/kernel_bench.c; figures in
  * docs/kernels.md, "Panel copies" and "Exact panel copies". Same bits as the row-major kernels
  * (test_kernels), so results do not depend on whether the copy was made.
+ *
+ * A fast table whose int8 kernels read interleaved copies (cb_fast_kernels.qpanels: the
+ * 256-bit x86 tables) gets one of every matrix of a block type it multiplies whole (the
+ * attention projections, MLA's but wkv_b, the LM head) and of the split FFNs' gate, up and
+ * down ([E I, H], [E H, I]), where the rows come in whole groups of 8: a group's same four
+ * bytes are one vector load, where the row-major kernels load 8 rows and transpose them
+ * (docs/kernels.md, "Interleaved int8 copies").
  *
  * The copy is one anonymous mapping (2 MiB-aligned, transparent huge pages asked for), made by
  * the thread pool; the mapping's pages of what was copied are then dropped (MADV_DONTNEED:

@@ -108,6 +108,7 @@ static void quant_act(const float *x, int64_t n, int8_t *q, cb_fast_ablk *a) {
         int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
         a[b].d = d;
         a[b].ds32 = d * (float)(s0 + s1);
+        a[b].s32 = s0 + s1;
         a[b].ds16[0] = d * (float)s0;
         a[b].ds16[1] = d * (float)s1;
     }
