@@ -937,7 +937,10 @@ static void walk_dense(colibri_ctx *ctx, cu_state *st, bump *b) {
         D->q_norm = c->qk_norm ? put_f32(st, b, L->q_norm, qn) : NULL;
         D->k_norm = c->qk_norm ? put_f32(st, b, L->k_norm, kn) : NULL;
         if (L->moe) {
-            cb_mat r = {L->router, c->router_dtype, NULL, (int64_t)H, NULL};
+            cb_mat r = {};
+            r.w = L->router;
+            r.dt = c->router_dtype;
+            r.cols = (int64_t)H;
             D->router = put_mat(st, b, r, E, H);
             ffn_meta(&D->experts, &L->experts, c->inter, E, c->block_size);
             D->experts.tab = (const void **)take(b, (uint64_t)(3 * E) * sizeof(void *));
