@@ -153,6 +153,24 @@ def test_fast_incremental_equals_full(files, dtype):
     assert np.array_equal(last[0], full[-1])
 
 
+def _populated_equals_lazy(path, ids, start, check_kernels, **opts):
+    """A populated engine (with the copies its table reads) and a lazily mapped one
+    (populate=False: none) give the same bits: the prompt's prefill and the decode steps from
+    `start`, each step also equal to the prefill's row; check_kernels(config.kernels, populate)
+    asserts what each says it runs."""
+    out = {}
+    for populate in (True, False):
+        with Engine(path, num_threads=2, populate=populate, **opts) as eng:
+            check_kernels(eng.config.kernels, populate)
+            full = eng.forward(ids)
+            steps = np.concatenate([eng.forward(ids[i:i + 1], start_pos=i) for i in range(start, len(ids))])
+            out[populate] = (full, steps)
+    for k, (full, steps) in out.items():
+        assert np.array_equal(full, out[False][0]), k
+        assert np.array_equal(steps, out[False][1]), k
+        assert np.array_equal(steps, full[start:]), k
+
+
 @pytest.mark.parametrize("precision", ["exact", "fast"])
 @pytest.mark.parametrize("dtype", ["bf16", "gptoss_bf16"])
 def test_panel_copies_give_the_same_bits(files, dtype, precision):
@@ -161,50 +179,32 @@ def test_panel_copies_give_the_same_bits(files, dtype, precision):
     populated ("panels" in config.kernels), and computes the row-major kernels' bits with it:
     prefill and decode steps equal an engine that maps the file lazily (populate=False: no
     copy)."""
-    ids = _ids(files[dtype], 37, seed=6)
-    out = {}
-    for populate in (True, False):
-        with Engine(files[dtype], num_threads=2, precision=precision, populate=populate) as eng:
-            kernels = eng.config.kernels
-            if precision == "fast":
-                reads = "bf16 avx512bf16" in kernels
-                assert (" panels" in kernels) == (populate and reads), kernels
-                if populate and reads:
-                    assert "bf16 avx512bf16 panels" in kernels, kernels
-            else:
-                reads = kernels.split()[0] == "avx512"
-                assert kernels == ("avx512 panels" if populate and reads else kernels.split()[0]), kernels
-            full = eng.forward(ids)
-            steps = np.concatenate([eng.forward(ids[i:i + 1], start_pos=i) for i in range(20, len(ids))])
-            out[populate] = (full, steps)
-    for k, (full, steps) in out.items():
-        assert np.array_equal(full, out[False][0]), k
-        assert np.array_equal(steps, out[False][1]), k
-        assert np.array_equal(steps, full[20:]), k
+    def check(kernels, populate):
+        if precision == "fast":
+            reads = "bf16 avx512bf16" in kernels
+            assert (" panels" in kernels) == (populate and reads), kernels
+            if populate and reads:
+                assert "bf16 avx512bf16 panels" in kernels, kernels
+        else:
+            reads = kernels.split()[0] == "avx512"
+            assert kernels == ("avx512 panels" if populate and reads else kernels.split()[0]), kernels
+
+    _populated_equals_lazy(files[dtype], _ids(files[dtype], 37, seed=6), 20, check, precision=precision)
 
 
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_k_m"])
 def test_interleaved_int8_copies_give_the_same_bits(files, dtype):
     """A fast table that reads interleaved copies of block-type weights (cpu/qpanel.h: the
     256-bit x86 tables) gets them at load when the weights are populated ("int8 <table>
-    panels" in config.kernels); prefill, chunked prefill and decode steps then equal an engine
-    that maps the file lazily (populate=False: no copy) bit for bit. The q4_k_m file holds
-    Q4_K, Q5_K, Q6_K and Q8_0 matrices (routed experts, attention, LM head)."""
-    ids = _ids(files[dtype], 41, seed=8)
-    out = {}
-    for populate in (True, False):
-        with Engine(files[dtype], num_threads=2, precision="fast", populate=populate, max_batch=16) as eng:
-            kernels = eng.config.kernels
-            table = kernels.split("fast(int8 ")[1].split(",")[0].split()[0]
-            reads = table in ("avx2", "avxvnni")
-            assert (f"int8 {table} panels," in kernels) == (populate and reads), kernels
-            full = eng.forward(ids)
-            steps = np.concatenate([eng.forward(ids[i:i + 1], start_pos=i) for i in range(24, len(ids))])
-            out[populate] = (full, steps)
-    for k, (full, steps) in out.items():
-        assert np.array_equal(full, out[False][0]), k
-        assert np.array_equal(steps, out[False][1]), k
-        assert np.array_equal(steps, full[24:]), k
+    panels" in config.kernels); prefill, chunked prefill (max_batch 16) and decode steps then
+    equal an engine that maps the file lazily (populate=False: no copy) bit for bit. The
+    q4_k_m file holds Q4_K, Q5_K, Q6_K and Q8_0 matrices (routed experts, attention, LM head)."""
+    def check(kernels, populate):
+        table = kernels.split("fast(int8 ")[1].split(",")[0].split()[0]
+        reads = table in ("avx2", "avxvnni")
+        assert (f"int8 {table} panels," in kernels) == (populate and reads), kernels
+
+    _populated_equals_lazy(files[dtype], _ids(files[dtype], 41, seed=8), 24, check, precision="fast", max_batch=16)
 
 
 _TABLE_SCRIPT = """
