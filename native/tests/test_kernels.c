@@ -1189,6 +1189,93 @@ static void test_qpanels(const cb_fast_kernels *F) {
     }
 }
 
+/* Rows quantized beforehand (fast.h cb_fast_qrows): quant_rows gives cb_fast_quant_act's
+ * bytes over whole rows, and matmul_q8 / gateup_q8 on them give matmul_ld's / gateup's bits
+ * on the float rows (and, with il, the interleaved copy's kernels'): token counts past one
+ * tile of either path, rows of one and of several passes, gate/up column ranges. */
+static void test_fast_q8(const cb_fast_kernels *F) {
+    for (size_t qi = 0; qi < sizeof FAST_QTYPES / sizeof FAST_QTYPES[0]; qi++) {
+        uint32_t dt = FAST_QTYPES[qi];
+        int64_t blk = cb_dtype_block(dt);
+        const char *dn = cb_dtype_name(dt);
+        const int64_t Ks[] = {256, 4352, 96};
+        const int64_t Ts[] = {1, 3, 37, 70};
+        for (size_t c = 0; c < 3; c++) {
+            int64_t K = Ks[c], N = 40;
+            if (K % blk) continue;
+            for (size_t a = 0; a < 4; a++) {
+                int64_t T = Ts[a], ldy = N + 3;
+                if (K > 1000 && T > 3 && T != 70) continue;
+                if (qi >= 4 && (a == 1 || (K > 1000 && a == 3))) continue; /* fewer shapes past the first four types */
+                wbuf w = make_q(dt, N, K);
+                float *x = malloc((size_t)(T * K) * 4), *y = malloc((size_t)(T * ldy) * 4);
+                float *yr = malloc((size_t)(T * ldy) * 4);
+                int8_t *q = malloc((size_t)(T * K)), *qr = malloc((size_t)K);
+                cb_fast_ablk *ab = malloc((size_t)(T * K / 32) * sizeof *ab), *abr = malloc((size_t)(K / 32) * sizeof *abr);
+                fill(x, T * K, 2.0);
+                F->quant_rows(q, ab, x, T, K);
+                int bad = 0;
+                for (int64_t t = 0; t < T; t++) {
+                    cb_fast_quant_act(x + t * K, K, qr, abr);
+                    bad |= memcmp(qr, q + t * K, (size_t)K) != 0 ||
+                           memcmp(abr, ab + t * (K / 32), (size_t)(K / 32) * sizeof *abr) != 0;
+                }
+                n_check++;
+                if (bad) FAIL("[fast %s] quant_rows T%lld K%lld: not cb_fast_quant_act's bytes", F->name, (long long)T,
+                              (long long)K);
+                cb_fast_qrows xq = {q, ab};
+                for (int il = 0; il <= (F->qpanels ? 1 : 0); il++) {
+                    const void *wm = w.raw;
+                    uint8_t *cp = NULL;
+                    if (il) {
+                        cp = malloc((size_t)N * cb_qpanel_row_bytes(dt, (uint64_t)K));
+                        cb_qpanel_pack(cp, w.raw, dt, N, K);
+                        wm = cp;
+                    }
+                    for (int64_t i = 0; i < T * ldy; i++) y[i] = yr[i] = SENTINEL;
+                    F->matmul_ld(yr, ldy, x, w.raw, dt, T, N, K);
+                    F->matmul_q8(y, ldy, &xq, wm, il, dt, T, N, K);
+                    n_check++;
+                    if (memcmp(y, yr, (size_t)(T * ldy) * 4) != 0)
+                        FAIL("[fast %s] matmul_q8 %s%s T%lld K%lld differs from matmul_ld", F->name, dn,
+                             il ? " (copy)" : "", (long long)T, (long long)K);
+                    free(cp);
+                }
+                free(x), free(y), free(yr), free(q), free(qr), free(ab), free(abr);
+                free_w(&w);
+            }
+        }
+        int64_t H = blk == 32 ? 288 : 512, I = 296, i0 = 8, i1 = 288;
+        wbuf g = make_q(dt, I, H), u = make_q(dt, I, H);
+        const int64_t Rs[] = {1, 70};
+        for (size_t a = 0; a < 2; a++) {
+            int64_t Rr = Rs[a];
+            float *x = malloc((size_t)(Rr * H) * 4), *h = malloc((size_t)(Rr * I) * 4), *hr = malloc((size_t)(Rr * I) * 4);
+            int8_t *q = malloc((size_t)(Rr * H));
+            cb_fast_ablk *ab = malloc((size_t)(Rr * H / 32) * sizeof *ab);
+            fill(x, Rr * H, 1.0);
+            F->quant_rows(q, ab, x, Rr, H);
+            cb_fast_qrows xq = {q, ab};
+            for (int il = 0; il <= (F->qpanels ? 1 : 0); il++) {
+                size_t rp = (size_t)cb_qpanel_row_bytes(dt, (uint64_t)H);
+                uint8_t *gq = il ? malloc((size_t)I * rp) : NULL, *uq = il ? malloc((size_t)I * rp) : NULL;
+                if (il) cb_qpanel_pack(gq, g.raw, dt, I, H), cb_qpanel_pack(uq, u.raw, dt, I, H);
+                for (int64_t k = 0; k < Rr * I; k++) h[k] = hr[k] = SENTINEL;
+                F->gateup(hr, x, g.raw, u.raw, dt, Rr, H, I, i0, i1);
+                F->gateup_q8(h, &xq, il ? gq : g.raw, il ? uq : u.raw, il, dt, Rr, H, I, i0, i1);
+                n_check++;
+                if (memcmp(h, hr, (size_t)(Rr * I) * 4) != 0)
+                    FAIL("[fast %s] gateup_q8 %s%s R%lld differs from gateup", F->name, dn, il ? " (copy)" : "",
+                         (long long)Rr);
+                free(gq), free(uq);
+            }
+            free(x), free(h), free(hr), free(q), free(ab);
+        }
+        free_w(&g);
+        free_w(&u);
+    }
+}
+
 /* A fast table's attention (fast.h attention_heads, where it has one): against a double loop
  * (float32: 2e-5 of the weighted values' magnitude, as the exact kernels'); the paged cache
  * = a contiguous one, each query alone (a decode step) = the batch, one head at a time = the
@@ -1710,6 +1797,7 @@ int main(int argc, char **argv) {
             if (F->native_bf16) test_fast_bf16(F);
             if (F->panels) test_panels(F->panels, F, NULL);
             if (F->qpanels) test_qpanels(F);
+            test_fast_q8(F);
             if (F->attention_heads) test_fast_attention(F);
             printf("test_kernels: fast table %s checked (%s)\n", name, n_fail == before ? "ok" : "FAILED");
         } else {

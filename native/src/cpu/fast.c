@@ -24,20 +24,24 @@ static float ref_chain(float acc, const uint8_t *u, const float *ws, const float
     return acc;
 }
 
-static void matmul_ld_ref(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T,
-                          int64_t N, int64_t K) {
+/* x float rows, or (x NULL) rows quantized beforehand */
+static void matmul_ref(float *y, int64_t ldy, const float *x, const cb_fast_qrows *xq, const void *w, uint32_t dt,
+                       int64_t T, int64_t N, int64_t K) {
     size_t rb = (size_t)cb_row_bytes(dt, (uint64_t)K);
     int64_t G = cb_fast_group(dt);
     uint8_t u[REF_KC];
     float ws[REF_KC / 16], wm[REF_KC / 16];
-    int8_t q[REF_KC];
-    cb_fast_ablk a[REF_KC / 32];
+    int8_t qb[REF_KC];
+    cb_fast_ablk ab[REF_KC / 32];
     for (int64_t t = 0; t < T; t++)
         for (int64_t n = 0; n < N; n++) y[t * ldy + n] = 0.0f;
     for (int64_t k0 = 0; k0 < K; k0 += REF_KC) {
         int64_t kc = K - k0 < REF_KC ? K - k0 : REF_KC;
         for (int64_t t = 0; t < T; t++) {
-            cb_fast_quant_act(x + t * K + k0, kc, q, a);
+            const int8_t *q = qb;
+            const cb_fast_ablk *a = ab;
+            if (x) cb_fast_quant_act(x + t * K + k0, kc, qb, ab);
+            else q = xq->q + t * K + k0, a = xq->a + t * (K / 32) + k0 / 32;
             for (int64_t n = 0; n < N; n++) {
                 cb_fast_unpack((const uint8_t *)w + (size_t)n * rb, dt, k0, kc, u, ws, wm);
                 y[t * ldy + n] = ref_chain(y[t * ldy + n], u, ws, wm, q, a, kc, G);
@@ -45,21 +49,48 @@ static void matmul_ld_ref(float *y, int64_t ldy, const float *x, const void *w, 
         }
     }
 }
+static void matmul_ld_ref(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T,
+                          int64_t N, int64_t K) {
+    matmul_ref(y, ldy, x, NULL, w, dt, T, N, K);
+}
 
 /* Intermediate columns per pass of the gate/up reference. */
 #define REF_GU_COLS 16
 
-static void gateup_ref(float *h, const float *x, const void *gate, const void *up, uint32_t dt, int64_t R,
-                       int64_t H, int64_t I, int64_t i0, int64_t i1) {
+static void gateup_ref_src(float *h, const float *x, const cb_fast_qrows *xq, const void *gate, const void *up,
+                           uint32_t dt, int64_t R, int64_t H, int64_t I, int64_t i0, int64_t i1) {
     size_t rb = (size_t)cb_row_bytes(dt, (uint64_t)H);
     float g[REF_GU_COLS], v[REF_GU_COLS];
-    for (int64_t r = 0; r < R; r++)
+    for (int64_t r = 0; r < R; r++) {
+        cb_fast_qrows row = {0};
+        if (!x) row = (cb_fast_qrows){xq->q + r * H, xq->a + r * (H / 32)};
+        const float *xr = x ? x + r * H : NULL;
         for (int64_t c = i0; c < i1; c += REF_GU_COLS) {
             int64_t n = i1 - c < REF_GU_COLS ? i1 - c : REF_GU_COLS;
-            matmul_ld_ref(g, n, x + r * H, (const uint8_t *)gate + (size_t)c * rb, dt, 1, n, H);
-            matmul_ld_ref(v, n, x + r * H, (const uint8_t *)up + (size_t)c * rb, dt, 1, n, H);
+            matmul_ref(g, n, xr, &row, (const uint8_t *)gate + (size_t)c * rb, dt, 1, n, H);
+            matmul_ref(v, n, xr, &row, (const uint8_t *)up + (size_t)c * rb, dt, 1, n, H);
             for (int64_t i = 0; i < n; i++) h[r * I + c + i] = cb_fast_silu_mul(g[i], v[i]);
         }
+    }
+}
+static void gateup_ref(float *h, const float *x, const void *gate, const void *up, uint32_t dt, int64_t R,
+                       int64_t H, int64_t I, int64_t i0, int64_t i1) {
+    gateup_ref_src(h, x, NULL, gate, up, dt, R, H, I, i0, i1);
+}
+
+static void quant_rows_ref(int8_t *q, cb_fast_ablk *a, const float *x, int64_t T, int64_t K) {
+    for (int64_t t = 0; t < T; t++) cb_fast_quant_act(x + t * K, K, q + t * K, a + t * (K / 32));
+}
+/* the reference reads no interleaved copies: il is always 0 here */
+static void matmul_q8_ref(float *y, int64_t ldy, const cb_fast_qrows *x, const void *w, int il, uint32_t dt,
+                          int64_t T, int64_t N, int64_t K) {
+    (void)il;
+    matmul_ref(y, ldy, NULL, x, w, dt, T, N, K);
+}
+static void gateup_q8_ref(float *h, const cb_fast_qrows *x, const void *gate, const void *up, int il, uint32_t dt,
+                          int64_t R, int64_t H, int64_t I, int64_t i0, int64_t i1) {
+    (void)il;
+    gateup_ref_src(h, NULL, x, gate, up, dt, R, H, I, i0, i1);
 }
 
 static const cb_fast_kernels fast_ref = {
@@ -68,6 +99,9 @@ static const cb_fast_kernels fast_ref = {
     .native_bf16 = 0,
     .matmul_ld = matmul_ld_ref,
     .gateup = gateup_ref,
+    .quant_rows = quant_rows_ref,
+    .matmul_q8 = matmul_q8_ref,
+    .gateup_q8 = gateup_q8_ref,
 };
 
 const cb_fast_kernels *cb_fast_ref(void) { return &fast_ref; }
@@ -88,11 +122,25 @@ const cb_fast_kernels *cb_fast_ref(void) { return &fast_ref; }
         if (dt == COLIBRI_DTYPE_BF16) P##_gateup_split(h, x, gate, up, R, H, I, i0, i1);                       \
         else INT8()->gateup(h, x, gate, up, dt, R, H, I, i0, i1);                                               \
     }                                                                                                            \
+    static void TAB##_quant_rows(int8_t *q, cb_fast_ablk *a, const float *x, int64_t T, int64_t K) {            \
+        INT8()->quant_rows(q, a, x, T, K);                                                                       \
+    }                                                                                                            \
+    static void TAB##_matmul_q8(float *y, int64_t ldy, const cb_fast_qrows *x, const void *w, int il, uint32_t dt, \
+                                int64_t T, int64_t N, int64_t K) {                                              \
+        INT8()->matmul_q8(y, ldy, x, w, il, dt, T, N, K);                                                       \
+    }                                                                                                            \
+    static void TAB##_gateup_q8(float *h, const cb_fast_qrows *x, const void *gate, const void *up, int il,     \
+                                uint32_t dt, int64_t R, int64_t H, int64_t I, int64_t i0, int64_t i1) {         \
+        INT8()->gateup_q8(h, x, gate, up, il, dt, R, H, I, i0, i1);                                             \
+    }                                                                                                            \
     static const cb_fast_kernels TAB = {.name = NAME,                                                           \
                                         .bf16 = BF16NAME,                                                       \
                                         .native_bf16 = 1,                                                       \
                                         .matmul_ld = TAB##_matmul_ld,                                           \
                                         .gateup = TAB##_gateup,                                                 \
+                                        .quant_rows = TAB##_quant_rows,                                         \
+                                        .matmul_q8 = TAB##_matmul_q8,                                           \
+                                        .gateup_q8 = TAB##_gateup_q8,                                           \
                                         .gateup_packed = P##_gateup_packed,                                     \
                                         .down_packed = P##_down_packed,                                         \
                                         .down_part = PART,                                                      \

@@ -59,6 +59,15 @@ typedef struct cb_fast_ablk {
                      * signed adds 128 s32 back: fast_x86_256.inc) */
 } cb_fast_ablk;
 
+/* Activation rows quantized beforehand (cb_fast_kernels.quant_rows, whole rows of K: the
+ * bytes and blocks cb_fast_quant_act gives pass by pass): row t's q at q + t K, its blocks at
+ * a + t K / 32. Quantizing a layer's input once for every matrix, expert and chunk that
+ * reads it saves the re-quantization of each call. */
+typedef struct cb_fast_qrows {
+    const int8_t *q;
+    const cb_fast_ablk *a;
+} cb_fast_qrows;
+
 typedef struct cb_fast_kernels {
     const char *name;   /* the int8 path's instructions: "reference", "avx2", "avxvnni", "avx512vnni" */
     const char *bf16;   /* the BF16 path: "amx" (AMX-BF16 tiles), "avx512bf16" (vdpbf16ps) or
@@ -72,6 +81,16 @@ typedef struct cb_fast_kernels {
      * up [I, H] in dt (as expert_gateup with up != NULL), each dot as matmul_ld computes it. */
     void (*gateup)(float *h, const float *x, const void *gate, const void *up, uint32_t dt, int64_t R,
                    int64_t H, int64_t I, int64_t i0, int64_t i1);
+    /* The int8 path on rows quantized beforehand (every table): quant_rows quantizes x [T, K]
+     * (K a multiple of 32) into q [T, K] and a [T, K / 32]; matmul_q8 and gateup_q8 are
+     * matmul_ld and gateup (block types only, not BF16) on such rows, with their bits, reading
+     * the row-major blocks (il 0) or, in tables with qpanels, an interleaved copy (il 1: the
+     * bits of qpanels' kernels). */
+    void (*quant_rows)(int8_t *q, cb_fast_ablk *a, const float *x, int64_t T, int64_t K);
+    void (*matmul_q8)(float *y, int64_t ldy, const cb_fast_qrows *x, const void *w, int il, uint32_t dt, int64_t T,
+                      int64_t N, int64_t K);
+    void (*gateup_q8)(float *h, const cb_fast_qrows *x, const void *gate, const void *up, int il, uint32_t dt,
+                      int64_t R, int64_t H, int64_t I, int64_t i0, int64_t i1);
     /* native_bf16 only (else NULL): a BF16 packed expert (docs/format.md, EXPERTS_PACKED):
      * gate/up for columns i0 <= i < i1 of h [R, I] (blocks of B rows), h rounded as
      * cb_round_bf16 rounds it (it is the input of the expert's BF16 down projection), and the down

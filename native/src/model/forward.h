@@ -52,6 +52,15 @@ typedef struct cb_scratch {
     int32_t *row_token;  /* [R] token index in chunk of each grouped row, -1 for padding */
     float *row_weight;   /* [R] routing weight of each grouped row, 0 for padding */
     float *ex_in;        /* [R, H] gathered expert inputs */
+    /* fast mode's int8 kernels (cpu/fast.h cb_fast_qrows): a matmul's input quantized once
+     * for all its chunks [B, x_q_cols] (then the chunk's xn for the experts), xn's rows
+     * gathered like ex_in [R, H], and ex_h's rows quantized once [R, I], with their blocks of
+     * 32; q8_rows: 1 when carved (fast mode), so that each matrix, expert and chunk reads
+     * them instead of quantizing its own */
+    int q8_rows;
+    int64_t x_q_cols;
+    int8_t *x_q, *ex_in_q, *ex_h_q;
+    struct cb_fast_ablk *x_qa, *ex_in_qa, *ex_h_qa;
     float *ex_h;         /* [R, I] silu(gate)*up */
     float *ex_up;        /* [R, I] the up projection (clamped_swiglu only; else NULL) */
     float *sink_share;   /* [B, Hq] attention sinks' share of the softmax, filled on request

@@ -119,6 +119,9 @@ typedef struct cb_ffn {
      * down projection after gate/up (fast mode, a BF16 down matrix, a kernel that does not) */
     const struct cb_ffn_op *op;
     int round_h;
+    /* fast mode's int8 kernels read its gate/up input (q8_in) and its down input h (q8_h) as
+     * rows quantized once (cpu/fast.h cb_fast_qrows) where a job carries them */
+    int q8_in, q8_h;
 } cb_ffn;
 
 /* Pointers of one decoder layer, all into the mmap. */

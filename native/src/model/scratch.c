@@ -11,6 +11,7 @@
 #include "core/arena.h"
 #include "core/checked.h"
 #include "core/context.h"
+#include "cpu/fast.h"
 
 /* 1 when fast mode's own attention runs for this model: the fast table has one for its
  * head size, and every layer's q projection is a matrix fast mode computes (BF16 or a block
@@ -102,7 +103,11 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     if (LB > 8) LB = LB / 8 * 8;
     if (LB > B) LB = B;
     s->lp_rows = (int64_t)LB;
-    uint64_t BH = B * H; /* B <= 2^32 and H <= 2^24: cannot overflow */
+    uint64_t BH = B * H;
+    /* the quantized rows of fast mode's int8 expert kernels (forward.h q8_rows) */
+    uint64_t q8 = ctx->fast && H % 32 == 0 && I % 32 == 0, XQ = H > Natt_buf ? H : Natt_buf;
+    s->q8_rows = (int)q8;
+    s->x_q_cols = (int64_t)XQ; /* B <= 2^32 and H <= 2^24: cannot overflow */
     cb_arena_item items[] = {
         {(void **)&kc->k, kv, 4, "K cache"},
         {(void **)&kc->v, mla ? 0 : kv, 4, "V cache"},
@@ -150,6 +155,12 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&s->row_token, R, 4, "row_token"},
         {(void **)&s->row_weight, R, 4, "row_weight"},
         {(void **)&s->ex_in, R * H, 4, "ex_in"},
+        {(void **)&s->x_q, q8 * B * XQ, 1, "x_q"},
+        {(void **)&s->x_qa, q8 * B * (XQ / 32), sizeof(cb_fast_ablk), "x_qa"},
+        {(void **)&s->ex_in_q, q8 * R * H, 1, "ex_in_q"},
+        {(void **)&s->ex_in_qa, q8 * R * (H / 32), sizeof(cb_fast_ablk), "ex_in_qa"},
+        {(void **)&s->ex_h_q, q8 * R * I, 1, "ex_h_q"},
+        {(void **)&s->ex_h_qa, q8 * R * (I / 32), sizeof(cb_fast_ablk), "ex_h_qa"},
         {(void **)&s->ex_h, R * I, 4, "ex_h"},
         {(void **)&s->sink_share, c->attn_sinks ? B * (uint64_t)c->n_heads : 0, 4, "sink_share"},
         {(void **)&s->ex_up, c->activation == CB_ACT_CLAMPED_SWIGLU ? R * I : 0, 4, "ex_up"},

@@ -20,14 +20,16 @@ static void rows_panels(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int
 
 static void rows_qpanels(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int64_t n1) {
     size_t row = (size_t)cb_qpanel_row_bytes(b->w.dt, (uint64_t)b->K); /* n0: a multiple of 8 (the decode tile) */
-    m->fast->qpanels->matmul(b->y + n0, b->N, b->x, (const uint8_t *)b->w.qpan + (size_t)n0 * row, b->w.dt, m->T,
-                             n1 - n0, b->K);
+    const uint8_t *w = (const uint8_t *)b->w.qpan + (size_t)n0 * row;
+    if (b->xq.q) m->fast->matmul_q8(b->y + n0, b->N, &b->xq, w, 1, b->w.dt, m->T, n1 - n0, b->K);
+    else m->fast->qpanels->matmul(b->y + n0, b->N, b->x, w, b->w.dt, m->T, n1 - n0, b->K);
 }
 
 static void rows_fast(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int64_t n1) {
     size_t row = (size_t)cb_row_bytes(b->w.dt, (uint64_t)b->K);
-    m->fast->matmul_ld(b->y + n0, b->N, b->x, (const uint8_t *)b->w.w + (size_t)n0 * row, b->w.dt, m->T, n1 - n0,
-                       b->K);
+    const uint8_t *w = (const uint8_t *)b->w.w + (size_t)n0 * row;
+    if (b->xq.q) m->fast->matmul_q8(b->y + n0, b->N, &b->xq, w, 0, b->w.dt, m->T, n1 - n0, b->K);
+    else m->fast->matmul_ld(b->y + n0, b->N, b->x, w, b->w.dt, m->T, n1 - n0, b->K);
 }
 
 static void rows_exact(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int64_t n1) {
@@ -36,10 +38,10 @@ static void rows_exact(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int6
                        b->K);
 }
 
-static const cb_matmul_op op_panels = {rows_panels, 1};
-static const cb_matmul_op op_qpanels = {rows_qpanels, 0};
-static const cb_matmul_op op_fast = {rows_fast, 0};
-static const cb_matmul_op op_exact = {rows_exact, 0};
+static const cb_matmul_op op_panels = {rows_panels, 1, 0};
+static const cb_matmul_op op_qpanels = {rows_qpanels, 0, 1};
+static const cb_matmul_op op_fast = {rows_fast, 0, 1};
+static const cb_matmul_op op_exact = {rows_exact, 0, 0};
 
 static void bind_mat(const colibri_ctx *ctx, cb_mat *m) {
     if (!m->w) return;

@@ -32,6 +32,7 @@ typedef struct cb_mm_job {
     cb_mat w;          /* [N, K] in w.dt, and its panel copy in fast mode */
     int64_t N, K;
     int64_t len, nch;  /* rows per chunk, chunks */
+    cb_fast_qrows xq;  /* set by cb_cpu_par_matmul: x quantized once (fast mode's int8 path), or q NULL */
 } cb_mm_job;
 
 typedef struct cb_mm_task {
@@ -43,6 +44,9 @@ typedef struct cb_mm_task {
     cb_mm_job jobs[3];
 } cb_mm_task;
 void cb_cpu_par_matmul(colibri_ctx *ctx, cb_mm_task *m);
+/* x [T, K] quantized for fast mode's int8 kernels (cpu/fast.h quant_rows) into q, a, by the
+ * context's threads. */
+void cb_cpu_quant_rows(colibri_ctx *ctx, int8_t *q, cb_fast_ablk *a, const float *x, int64_t T, int64_t K);
 
 /* ---- interv.c: the interventions (core/interv.h), applied where the stages compute what
  * they change; each is called only when ctx->iv is set ---------------------------------- */
@@ -68,6 +72,7 @@ void cb_cpu_iv_shared(colibri_ctx *ctx, uint32_t l);
 typedef struct cb_matmul_op {
     void (*rows)(const cb_mm_task *m, const cb_mm_job *b, int64_t n0, int64_t n1);
     int panel_groups;
+    int q8; /* 1: fast mode's int8 kernels, which read x quantized once (cb_mm_job.xq) for a block type */
 } cb_matmul_op;
 /* cb_backend_cpu.init: every weight matrix's op, from the running tables (ctx->kern,
  * ctx->fast, ctx->pan) and the panel copies made (or not) at load. */
@@ -132,6 +137,9 @@ typedef struct cb_ffn_job {
     int64_t R, I;
     float *u;           /* NULL: silu_glu; else clamped_swiglu (split FFN) with this [R, I]
                          * scratch for the up projection */
+    /* x's rows quantized for fast mode's int8 kernels (f->q8_in), and the room for h's
+     * (f->q8_h; quantized between gate/up and down); q NULL: the kernels quantize their own */
+    cb_fast_qrows xq, hq;
     /* set by cb_cpu_par_ffn */
     int64_t len0, nch0; /* gate/up: intermediate columns per chunk, chunks (split: blocks) */
     int64_t len1, nch1; /* down, jobs not split: output columns per chunk, chunks */

@@ -84,9 +84,9 @@ static void gqa_stage(colibri_ctx *ctx, uint32_t l) {
     {
         cb_cpu_fast_round(ctx, s->xn, T * H, L->wq.dt == COLIBRI_DTYPE_BF16 || L->wk.dt == COLIBRI_DTYPE_BF16 ||
                                           L->wv.dt == COLIBRI_DTYPE_BF16);
-        cb_mm_task m = {K, ctx->fast, ctx->pan, T, 3, {{s->q, s->xn, L->wq, Nq, H, 0, 0},
-                               {s->k, s->xn, L->wk, Nkv, H, 0, 0},
-                               {s->v, s->xn, L->wv, Nkv, H, 0, 0}}};
+        cb_mm_task m = {K, ctx->fast, ctx->pan, T, 3, {{.y = s->q, .x = s->xn, .w = L->wq, .N = Nq, .K = H},
+                               {.y = s->k, .x = s->xn, .w = L->wk, .N = Nkv, .K = H},
+                               {.y = s->v, .x = s->xn, .w = L->wv, .N = Nkv, .K = H}}};
         cb_cpu_par_matmul(ctx, &m);
     }
     if (L->bq) {

@@ -45,8 +45,47 @@ static void mm_chunk(void *arg, int64_t c, int tid) {
     b->w.op->rows(m, b, n0, n1);
 }
 
+/* Rows per chunk of cb_cpu_quant_rows. */
+#define QUANT_ROWS 16
+typedef struct {
+    const cb_fast_kernels *fast;
+    int8_t *q;
+    cb_fast_ablk *a;
+    const float *x;
+    int64_t T, K;
+} quant_rows_task;
+static void quant_rows_chunk(void *arg, int64_t c, int tid) {
+    (void)tid;
+    const quant_rows_task *m = (const quant_rows_task *)arg;
+    int64_t t0 = c * QUANT_ROWS, n = m->T - t0 < QUANT_ROWS ? m->T - t0 : QUANT_ROWS;
+    m->fast->quant_rows(m->q + t0 * m->K, m->a + t0 * (m->K / 32), m->x + t0 * m->K, n, m->K);
+}
+void cb_cpu_quant_rows(colibri_ctx *ctx, int8_t *q, cb_fast_ablk *a, const float *x, int64_t T, int64_t K) {
+    quant_rows_task m = {ctx->fast, q, a, x, T, K};
+    cb_pool_run(T > QUANT_ROWS ? ctx->pool : NULL, quant_rows_chunk, &m, (T + QUANT_ROWS - 1) / QUANT_ROWS);
+}
+
+/* The jobs whose matrices take fast mode's int8 path on the first such job's input x: x
+ * quantized once (the scratch's x_q) for every chunk of them, instead of once a chunk. */
+static void quantize_input(colibri_ctx *ctx, cb_mm_task *m) {
+    cb_scratch *s = &ctx->s;
+    const float *x = NULL;
+    int64_t K = 0;
+    for (int j = 0; j < m->n_jobs; j++) {
+        cb_mm_job *b = &m->jobs[j];
+        b->xq = (cb_fast_qrows){0};
+        if (!s->q8_rows || !b->w.op->q8 || !cb_fast_int8_type(b->w.dt) || b->K > s->x_q_cols) continue;
+        if (!x) {
+            x = b->x, K = b->K;
+            cb_cpu_quant_rows(ctx, s->x_q, s->x_qa, x, m->T, K);
+        }
+        if (b->x == x && b->K == K) b->xq = (cb_fast_qrows){s->x_q, s->x_qa};
+    }
+}
+
 void cb_cpu_par_matmul(colibri_ctx *ctx, cb_mm_task *m) {
     int64_t rows = 0, total = 0;
+    quantize_input(ctx, m);
     for (int j = 0; j < m->n_jobs; j++) rows += m->jobs[j].N;
     for (int j = 0; j < m->n_jobs; j++) {
         cb_mm_job *b = &m->jobs[j];
@@ -63,13 +102,13 @@ void cb_cpu_par_matmul(colibri_ctx *ctx, cb_mm_task *m) {
 
 
 void cb_matmul_par(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t T, int64_t N, int64_t K) {
-    cb_mm_task m = {ctx->kern, ctx->fast, ctx->pan, T, 1, {{y, x, w, N, K, 0, 0}}};
+    cb_mm_task m = {ctx->kern, ctx->fast, ctx->pan, T, 1, {{.y = y, .x = x, .w = w, .N = N, .K = K}}};
     cb_cpu_par_matmul(ctx, &m);
 }
 
 void cb_matmul_par2(colibri_ctx *ctx, const float *x, int64_t T, int64_t K, float *y1, cb_mat w1, int64_t N1,
                     float *y2, cb_mat w2, int64_t N2) {
-    cb_mm_task m = {ctx->kern, ctx->fast, ctx->pan, T, 2, {{y1, x, w1, N1, K, 0, 0}, {y2, x, w2, N2, K, 0, 0}}};
+    cb_mm_task m = {ctx->kern, ctx->fast, ctx->pan, T, 2, {{.y = y1, .x = x, .w = w1, .N = N1, .K = K}, {.y = y2, .x = x, .w = w2, .N = N2, .K = K}}};
     cb_cpu_par_matmul(ctx, &m);
 }
 
@@ -126,7 +165,13 @@ static void gateup_clamped(const ffn_task *f, const cb_ffn_job *b, int64_t lo, i
     const cb_ffn *w = b->f;
     int64_t H = f->H, I = b->I;
     const uint8_t *g = split_rows(b, w->gate, lo, H), *u = split_rows(b, w->up, lo, H);
-    if (by == SPLIT_COPY) {
+    if (by != SPLIT_EXACT && b->xq.q) {
+        int il = by == SPLIT_COPY;
+        const void *gm = il ? copy_rows(w->gate_q, w->dt, b->e, I, lo, H) : g;
+        const void *um = il ? copy_rows(w->up_q, w->dt, b->e, I, lo, H) : u;
+        f->fast->matmul_q8(b->h + lo, I, &b->xq, gm, il, w->dt, b->R, hi - lo, H);
+        f->fast->matmul_q8(b->u + lo, I, &b->xq, um, il, w->dt, b->R, hi - lo, H);
+    } else if (by == SPLIT_COPY) {
         f->fast->qpanels->matmul(b->h + lo, I, b->x, copy_rows(w->gate_q, w->dt, b->e, I, lo, H), w->dt, b->R, hi - lo, H);
         f->fast->qpanels->matmul(b->u + lo, I, b->x, copy_rows(w->up_q, w->dt, b->e, I, lo, H), w->dt, b->R, hi - lo, H);
     } else if (by == SPLIT_FAST) {
@@ -181,14 +226,16 @@ static void gu_packed_exact(const ffn_task *f, const cb_ffn_job *b, int64_t lo, 
 }
 static void gu_split_fast(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
     const cb_ffn *w = b->f;
-    f->fast->gateup(b->h, b->x, split_rows(b, w->gate, 0, f->H), split_rows(b, w->up, 0, f->H), w->dt, b->R, f->H, b->I,
-                    lo, hi);
+    const void *g = split_rows(b, w->gate, 0, f->H), *u = split_rows(b, w->up, 0, f->H);
+    if (b->xq.q) f->fast->gateup_q8(b->h, &b->xq, g, u, 0, w->dt, b->R, f->H, b->I, lo, hi);
+    else f->fast->gateup(b->h, b->x, g, u, w->dt, b->R, f->H, b->I, lo, hi);
     round_h(b, lo, hi);
 }
 static void gu_split_copy(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
     const cb_ffn *w = b->f;
-    f->fast->qpanels->gateup(b->h, b->x, copy_rows(w->gate_q, w->dt, b->e, b->I, 0, f->H),
-                             copy_rows(w->up_q, w->dt, b->e, b->I, 0, f->H), w->dt, b->R, f->H, b->I, lo, hi);
+    const void *g = copy_rows(w->gate_q, w->dt, b->e, b->I, 0, f->H), *u = copy_rows(w->up_q, w->dt, b->e, b->I, 0, f->H);
+    if (b->xq.q) f->fast->gateup_q8(b->h, &b->xq, g, u, 1, w->dt, b->R, f->H, b->I, lo, hi);
+    else f->fast->qpanels->gateup(b->h, b->x, g, u, w->dt, b->R, f->H, b->I, lo, hi);
     round_h(b, lo, hi);
 }
 static void gu_split_exact(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
@@ -228,7 +275,10 @@ static void split_down(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64
     const cb_ffn *w = b->f;
     size_t rb = (size_t)cb_row_bytes(w->down_dt, (uint64_t)b->I);
     const uint8_t *wd = (const uint8_t *)w->down + (size_t)b->e * w->down_stride + (size_t)lo * rb;
-    if (by == SPLIT_COPY)
+    if (by != SPLIT_EXACT && b->hq.q)
+        f->fast->matmul_q8(b->y + lo, f->H, &b->hq, by == SPLIT_COPY ? copy_rows(w->down_q, w->down_dt, b->e, f->H, lo, b->I) : wd,
+                           by == SPLIT_COPY, w->down_dt, b->R, hi - lo, b->I);
+    else if (by == SPLIT_COPY)
         f->fast->qpanels->matmul(b->y + lo, f->H, b->h, copy_rows(w->down_q, w->down_dt, b->e, f->H, lo, b->I),
                                  w->down_dt, b->R, hi - lo, b->I);
     else if (by == SPLIT_FAST) f->fast->matmul_ld(b->y + lo, f->H, b->h, wd, w->down_dt, b->R, hi - lo, b->I);
@@ -274,6 +324,7 @@ void cb_cpu_bind_ffn(const colibri_ctx *ctx, cb_ffn *w, int clamped) {
     const cb_fast_kernels *fast = ctx->fast;
     int64_t H = ctx->cfg.hidden, I = w->inter;
     int gu_rounds = 0; /* the gate/up kernel rounds h itself */
+    w->q8_in = w->q8_h = 0;
     if (w->pan) {
         w->op = &op_panels;
         gu_rounds = 1;
@@ -283,7 +334,11 @@ void cb_cpu_bind_ffn(const colibri_ctx *ctx, cb_ffn *w, int clamped) {
     } else if (w->packed) {
         w->op = &op_packed_exact;
     } else {
-        w->op = &op_split[clamped != 0][split_by(ctx, w->gate_q, w->dt, H)][split_by(ctx, w->down_q, w->down_dt, I)];
+        int gu = split_by(ctx, w->gate_q, w->dt, H), dn = split_by(ctx, w->down_q, w->down_dt, I);
+        w->op = &op_split[clamped != 0][gu][dn];
+        /* the int8 path of a block type (not fast mode's BF16 kernels) on rows quantized once */
+        w->q8_in = gu != SPLIT_EXACT && cb_fast_int8_type(w->dt);
+        w->q8_h = dn != SPLIT_EXACT && cb_fast_int8_type(w->down_dt);
     }
     w->round_h = fast && w->down_dt == COLIBRI_DTYPE_BF16 && !gu_rounds;
 }
@@ -336,6 +391,30 @@ static void ffn_chunk(void *arg, int64_t c, int tid) {
     }
 }
 
+/* The jobs' h rows (those with hq) quantized for their down projections, QUANT_H_ROWS rows a
+ * chunk (every job's rows in job order). */
+#define QUANT_H_ROWS 16
+typedef struct {
+    const cb_fast_kernels *fast;
+    const cb_ffn_job *jobs;
+    int n_jobs;
+} quant_h_task;
+static void quant_h_chunk(void *arg, int64_t c, int tid) {
+    (void)tid;
+    const quant_h_task *m = (const quant_h_task *)arg;
+    int64_t r0 = c * QUANT_H_ROWS, r1 = r0 + QUANT_H_ROWS;
+    int64_t base = 0;
+    for (int j = 0; j < m->n_jobs && base < r1; j++) {
+        const cb_ffn_job *b = &m->jobs[j];
+        if (!b->nch1 || !b->hq.q) continue;
+        int64_t lo = r0 > base ? r0 - base : 0, hi = r1 - base < b->R ? r1 - base : b->R;
+        if (lo < hi)
+            m->fast->quant_rows((int8_t *)b->hq.q + lo * b->I, (cb_fast_ablk *)b->hq.a + lo * (b->I / 32),
+                                b->h + lo * b->I, hi - lo, b->I);
+        base += b->R;
+    }
+}
+
 _Static_assert(CB_SPLIT_MAX_ROWS <= CB_FAST_PART_MAX_ROWS, "a fast table's down_part takes the split groups");
 _Static_assert(CB_DOWN_BLOCK % CB_PANEL_UNITS == 0 && CB_DOWN_BLOCK % 8 == 0,
                "a split job's gate/up chunks (one down block each) keep the gate/up kernels' alignment");
@@ -380,6 +459,12 @@ void cb_cpu_par_ffn(colibri_ctx *ctx, cb_ffn_job *jobs, int n_jobs) {
     ffn_task f = {ctx->kern, ctx->fast, ctx->pan, H, ctx->cfg.block_size, n_jobs, 0, n_gateup, n_blocks,
                   s->split_stamp, jobs, ctx->cfg.swiglu_limit, ctx->cfg.swiglu_alpha};
     cb_pool_run(ctx->pool, ffn_chunk, &f, n_gateup + n_blocks + n_rows);
+    int64_t hq_rows = 0;
+    for (int j = 0; j < n_jobs; j++) hq_rows += jobs[j].nch1 && jobs[j].hq.q ? jobs[j].R : 0;
+    if (hq_rows > 0) { /* h's rows quantized once for every down chunk */
+        quant_h_task qh = {ctx->fast, jobs, n_jobs};
+        cb_pool_run(hq_rows > QUANT_H_ROWS ? ctx->pool : NULL, quant_h_chunk, &qh, (hq_rows + QUANT_H_ROWS - 1) / QUANT_H_ROWS);
+    }
     if (n1 > 0) {
         f.phase = 1;
         cb_pool_run(ctx->pool, ffn_chunk, &f, n1);

@@ -121,6 +121,21 @@ static void stage_grouping(colibri_ctx *ctx, uint32_t l) {
         if (t >= 0) memcpy(s->ex_in + r * H, s->xn + (int64_t)t * H, (size_t)H * sizeof(float));
         else memset(s->ex_in + r * H, 0, (size_t)H * sizeof(float));
     }
+    if (!s->q8_rows || !L->experts.q8_in) return;
+    /* fast mode's int8 experts: each token's row quantized once, gathered as ex_in (a zero
+     * row's bytes and blocks are all zero, as its quantization gives) */
+    int64_t nb = H / 32;
+    cb_cpu_quant_rows(ctx, s->x_q, s->x_qa, s->xn, ctx->run.T, H);
+    for (int64_t r = 0; r < rows; r++) {
+        int32_t t = s->row_token[r];
+        if (t >= 0) {
+            memcpy(s->ex_in_q + r * H, s->x_q + (int64_t)t * H, (size_t)H);
+            memcpy(s->ex_in_qa + r * nb, s->x_qa + (int64_t)t * nb, (size_t)nb * sizeof(cb_fast_ablk));
+        } else {
+            memset(s->ex_in_q + r * H, 0, (size_t)H);
+            memset(s->ex_in_qa + r * nb, 0, (size_t)nb * sizeof(cb_fast_ablk));
+        }
+    }
 }
 
 /* The job of expert e's group (its rows of ex_in / ex_h / ex_out) through the FFN f. */
@@ -128,8 +143,11 @@ static cb_ffn_job expert_job(const colibri_ctx *ctx, const cb_ffn *f, int64_t e)
     const cb_scratch *s = &ctx->s;
     int64_t H = ctx->cfg.hidden, I = ctx->cfg.inter;
     int64_t r0 = s->expert_offset[e], R = s->expert_offset[e + 1] - r0;
-    return cb_cpu_ffn_job(s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, f, e, R, I,
-                      ctx->cfg.activation == CB_ACT_CLAMPED_SWIGLU ? s->ex_up + r0 * I : NULL);
+    cb_ffn_job j = cb_cpu_ffn_job(s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, f, e, R, I,
+                                  ctx->cfg.activation == CB_ACT_CLAMPED_SWIGLU ? s->ex_up + r0 * I : NULL);
+    if (s->q8_rows && f->q8_in) j.xq = (cb_fast_qrows){s->ex_in_q + r0 * H, s->ex_in_qa + r0 * (H / 32)};
+    if (s->q8_rows && f->q8_h) j.hq = (cb_fast_qrows){s->ex_h_q + r0 * I, s->ex_h_qa + r0 * (I / 32)};
+    return j;
 }
 
 /* The expert predictor: layer l+1's router applied to layer l's FFN input (the residual

@@ -205,10 +205,10 @@ FAI void fused_sub(vf *acc, const vi *q, vf ws, vf wm, const FS(act_tile) *A, in
         vi is = vi_zero();
         for (int i = 0; i < G / 4; i++) {
             int32_t b;
-            memcpy(&b, &A->q[t][g * G + 4 * i], 4);
+            memcpy(&b, FS_AQ(A, t) + g * G + 4 * i, 4);
             is = vi_dot(is, q[i], b, WIDE);
         }
-        const cb_fast_ablk *ab = &A->a[t][g * G / 32];
+        const cb_fast_ablk *ab = FS_AA(A, t) + g * G / 32;
         acc[t] = vfma(vf_cvt(is), vmul(ws, vset1(ab->d)), acc[t]);
         acc[t] = vfma(wm, vset1(G == 32 ? ab->ds32 : ab->ds16[g & 1]), acc[t]);
     }
