@@ -59,8 +59,8 @@ typedef struct cb_scratch {
      * them instead of quantizing its own */
     int q8_rows;
     int64_t x_q_cols;
-    int8_t *x_q, *ex_in_q, *ex_h_q;
-    struct cb_fast_ablk *x_qa, *ex_in_qa, *ex_h_qa;
+    int8_t *x_q, *ex_in_q, *ex_h_q, *ffn_h_q; /* ffn_h_q: ffn_h's rows quantized once [B, F] */
+    struct cb_fast_ablk *x_qa, *ex_in_qa, *ex_h_qa, *ffn_h_qa;
     float *ex_h;         /* [R, I] silu(gate)*up */
     float *ex_up;        /* [R, I] the up projection (clamped_swiglu only; else NULL) */
     float *sink_share;   /* [B, Hq] attention sinks' share of the softmax, filled on request

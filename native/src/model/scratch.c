@@ -104,8 +104,9 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     if (LB > B) LB = B;
     s->lp_rows = (int64_t)LB;
     uint64_t BH = B * H;
-    /* the quantized rows of fast mode's int8 expert kernels (forward.h q8_rows) */
-    uint64_t q8 = ctx->fast && H % 32 == 0 && I % 32 == 0, XQ = H > Natt_buf ? H : Natt_buf;
+    /* the rows quantized once for fast mode's int8 kernels (forward.h q8_rows; only matrices of
+     * a block type read them, whose rows are whole blocks of 32 or 256) */
+    uint64_t q8 = ctx->fast != NULL, XQ = H > Natt_buf ? H : Natt_buf;
     s->q8_rows = (int)q8;
     s->x_q_cols = (int64_t)XQ; /* B <= 2^32 and H <= 2^24: cannot overflow */
     cb_arena_item items[] = {
@@ -161,6 +162,8 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
         {(void **)&s->ex_in_qa, q8 * R * (H / 32), sizeof(cb_fast_ablk), "ex_in_qa"},
         {(void **)&s->ex_h_q, q8 * R * I, 1, "ex_h_q"},
         {(void **)&s->ex_h_qa, q8 * R * (I / 32), sizeof(cb_fast_ablk), "ex_h_qa"},
+        {(void **)&s->ffn_h_q, q8 * B * F, 1, "ffn_h_q"},
+        {(void **)&s->ffn_h_qa, q8 * B * (F / 32), sizeof(cb_fast_ablk), "ffn_h_qa"},
         {(void **)&s->ex_h, R * I, 4, "ex_h"},
         {(void **)&s->sink_share, c->attn_sinks ? B * (uint64_t)c->n_heads : 0, 4, "sink_share"},
         {(void **)&s->ex_up, c->activation == CB_ACT_CLAMPED_SWIGLU ? R * I : 0, 4, "ex_up"},

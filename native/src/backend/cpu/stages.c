@@ -150,6 +150,21 @@ static cb_ffn_job expert_job(const colibri_ctx *ctx, const cb_ffn *f, int64_t e)
     return j;
 }
 
+/* The job of a dense MLP or shared expert f (intermediate I) over the chunk's rows of xn into
+ * y; for fast mode's int8 kernels xn quantized once into x_q (the routed experts' jobs of
+ * the same section read ex_in_q) and the room for h's rows. */
+static cb_ffn_job rows_job(colibri_ctx *ctx, float *y, const cb_ffn *f, int64_t I) {
+    cb_scratch *s = &ctx->s;
+    int64_t T = ctx->run.T, H = ctx->cfg.hidden;
+    cb_ffn_job j = cb_cpu_ffn_job(y, s->ffn_h, s->xn, f, 0, T, I, NULL);
+    if (s->q8_rows && f->q8_in) {
+        cb_cpu_quant_rows(ctx, s->x_q, s->x_qa, s->xn, T, H);
+        j.xq = (cb_fast_qrows){s->x_q, s->x_qa};
+    }
+    if (s->q8_rows && f->q8_h) j.hq = (cb_fast_qrows){s->ffn_h_q, s->ffn_h_qa};
+    return j;
+}
+
 /* The expert predictor: layer l+1's router applied to layer l's FFN input (the residual
  * after layer l's attention, normed with layer l+1's ffn_norm), top-k of its logits plus its
  * choice bias (group limits ignored) into s->pred_ids, for a trace and for the cache's
@@ -225,7 +240,7 @@ static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
     if (!L->moe) {
         predict_next(ctx, l);
         cb_cpu_fast_round(ctx, s->xn, T * H, cb_cpu_ffn_bf16(&L->dense));
-        jobs[0] = cb_cpu_ffn_job(s->delta, s->ffn_h, s->xn, &L->dense, 0, T, c->dense_inter, NULL);
+        jobs[0] = rows_job(ctx, s->delta, &L->dense, c->dense_inter);
         cb_cpu_par_ffn(ctx, jobs, 1);
         return;
     }
@@ -244,8 +259,7 @@ static void stage_expert_ffn(colibri_ctx *ctx, uint32_t l) {
         predict_next(ctx, l);
     }
     /* routed sum + sigmoid(g . x) * shared(x), as transformers' Qwen2-MoE */
-    if (L->has_shared)
-        jobs[n_jobs++] = cb_cpu_ffn_job(s->sh_out, s->ffn_h, s->xn, &L->shared, 0, T, c->shared_inter, NULL);
+    if (L->has_shared) jobs[n_jobs++] = rows_job(ctx, s->sh_out, &L->shared, c->shared_inter);
     if (n_jobs > 0) cb_cpu_par_ffn(ctx, jobs, n_jobs);
     if (L->has_shared) {
         if (L->shared_gate.w) {
