@@ -108,7 +108,8 @@ void cb_matmul_par(colibri_ctx *ctx, float *y, const float *x, cb_mat w, int64_t
 
 void cb_matmul_par2(colibri_ctx *ctx, const float *x, int64_t T, int64_t K, float *y1, cb_mat w1, int64_t N1,
                     float *y2, cb_mat w2, int64_t N2) {
-    cb_mm_task m = {ctx->kern, ctx->fast, ctx->pan, T, 2, {{.y = y1, .x = x, .w = w1, .N = N1, .K = K}, {.y = y2, .x = x, .w = w2, .N = N2, .K = K}}};
+    cb_mm_task m = {ctx->kern, ctx->fast, ctx->pan, T, 2,
+                    {{.y = y1, .x = x, .w = w1, .N = N1, .K = K}, {.y = y2, .x = x, .w = w2, .N = N2, .K = K}}};
     cb_cpu_par_matmul(ctx, &m);
 }
 
@@ -233,7 +234,8 @@ static void gu_split_fast(const ffn_task *f, const cb_ffn_job *b, int64_t lo, in
 }
 static void gu_split_copy(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64_t hi) {
     const cb_ffn *w = b->f;
-    const void *g = copy_rows(w->gate_q, w->dt, b->e, b->I, 0, f->H), *u = copy_rows(w->up_q, w->dt, b->e, b->I, 0, f->H);
+    const void *g = copy_rows(w->gate_q, w->dt, b->e, b->I, 0, f->H);
+    const void *u = copy_rows(w->up_q, w->dt, b->e, b->I, 0, f->H);
     if (b->xq.q) f->fast->gateup_q8(b->h, &b->xq, g, u, 1, w->dt, b->R, f->H, b->I, lo, hi);
     else f->fast->qpanels->gateup(b->h, b->x, g, u, w->dt, b->R, f->H, b->I, lo, hi);
     round_h(b, lo, hi);
@@ -275,9 +277,10 @@ static void split_down(const ffn_task *f, const cb_ffn_job *b, int64_t lo, int64
     const cb_ffn *w = b->f;
     size_t rb = (size_t)cb_row_bytes(w->down_dt, (uint64_t)b->I);
     const uint8_t *wd = (const uint8_t *)w->down + (size_t)b->e * w->down_stride + (size_t)lo * rb;
-    if (by != SPLIT_EXACT && b->hq.q)
-        f->fast->matmul_q8(b->y + lo, f->H, &b->hq, by == SPLIT_COPY ? copy_rows(w->down_q, w->down_dt, b->e, f->H, lo, b->I) : wd,
-                           by == SPLIT_COPY, w->down_dt, b->R, hi - lo, b->I);
+    if (by != SPLIT_EXACT && b->hq.q) {
+        const void *m = by == SPLIT_COPY ? copy_rows(w->down_q, w->down_dt, b->e, f->H, lo, b->I) : wd;
+        f->fast->matmul_q8(b->y + lo, f->H, &b->hq, m, by == SPLIT_COPY, w->down_dt, b->R, hi - lo, b->I);
+    }
     else if (by == SPLIT_COPY)
         f->fast->qpanels->matmul(b->y + lo, f->H, b->h, copy_rows(w->down_q, w->down_dt, b->e, f->H, lo, b->I),
                                  w->down_dt, b->R, hi - lo, b->I);
@@ -463,7 +466,8 @@ void cb_cpu_par_ffn(colibri_ctx *ctx, cb_ffn_job *jobs, int n_jobs) {
     for (int j = 0; j < n_jobs; j++) hq_rows += jobs[j].nch1 && jobs[j].hq.q ? jobs[j].R : 0;
     if (hq_rows > 0) { /* h's rows quantized once for every down chunk */
         quant_h_task qh = {ctx->fast, jobs, n_jobs};
-        cb_pool_run(hq_rows > QUANT_H_ROWS ? ctx->pool : NULL, quant_h_chunk, &qh, (hq_rows + QUANT_H_ROWS - 1) / QUANT_H_ROWS);
+        cb_pool_run(hq_rows > QUANT_H_ROWS ? ctx->pool : NULL, quant_h_chunk, &qh,
+                    (hq_rows + QUANT_H_ROWS - 1) / QUANT_H_ROWS);
     }
     if (n1 > 0) {
         f.phase = 1;
