@@ -5,7 +5,8 @@
  * decode streaming 72 to 256 MiB of bf16, Q8_0, Q4_K and Q6_K weights from memory, for the exact table
  * (cb_kernels_best) beside a fast table (cb_fast_by_name, default: cb_fast_best's), and G
  * weights/s of the fast table's one-token decode of every int8-path type, row-major and on
- * its interleaved copy (cpu/qpanel.h). Best of a few runs; the prefill's weights are reused
+ * its interleaved copy (cpu/qpanel.h), and G multiply-adds/s of its prefill of those types on
+ * the copy (weights in cache). Best of a few runs; the prefill's weights are reused
  * (they sit in L2/L3), the decode's are not.
  * Numbers for docs/kernels.md; the engine's own figures come from colibri_bench.
  *
@@ -191,5 +192,25 @@ int main(int argc, char **argv) {
         free(w), free(c);
     }
     free(x), free(y);
+    /* the int8 types' prefill: 64 tokens through a 256 x 1024 interleaved copy (in L2), the
+     * fast table's micro-kernel and its panel unpacking, G multiply-adds/s */
+    if (F->qpanels) {
+        const int64_t Np = 256, Kp = 1024, Tp = 64;
+        printf("\nprefill, %lld tokens, a %lld x %lld interleaved copy in cache, G multiply-adds/s\n", (long long)Tp,
+               (long long)Np, (long long)Kp);
+        x = acts((size_t)(Tp * Kp)), y = alloc((size_t)(Tp * Np) * 4);
+        for (size_t qi = 0; qi < sizeof qts / sizeof qts[0]; qi++) {
+            uint32_t dt = qts[qi];
+            size_t n = (size_t)Np * (size_t)cb_row_bytes(dt, (uint64_t)Kp);
+            uint8_t *w = alloc(n), *c = alloc((size_t)Np * cb_qpanel_row_bytes(dt, (uint64_t)Kp));
+            for (size_t i = 0; i < n; i++) w[i] = (uint8_t)(next() & 0x3f);
+            cb_qpanel_pack(c, w, dt, Np, Kp);
+            double t;
+            BEST(9, t, F->qpanels->matmul(y, Np, x, c, dt, Tp, Np, Kp));
+            printf("%-6s %6.1f\n", cb_dtype_name(dt), (double)(Tp * Np * Kp) / t / 1e9);
+            free(w), free(c);
+        }
+        free(x), free(y);
+    }
     return 0;
 }
