@@ -55,9 +55,8 @@ typedef struct cb_scratch {
     /* fast mode's int8 kernels (cpu/fast.h cb_fast_qrows): a matmul's input quantized once
      * for all its chunks [B, x_q_cols] (then the chunk's xn for the experts), xn's rows
      * gathered like ex_in [R, H], and ex_h's rows quantized once [R, I], with their blocks of
-     * 32; q8_rows: 1 when carved (fast mode), so that each matrix, expert and chunk reads
-     * them instead of quantizing its own */
-    int q8_rows;
+     * 32: carved in fast mode (where the int8 kernels run), so that each matrix, expert and
+     * chunk reads them instead of quantizing its own */
     int64_t x_q_cols;
     int8_t *x_q, *ex_in_q, *ex_h_q, *ffn_h_q; /* ffn_h_q: ffn_h's rows quantized once [B, F] */
     struct cb_fast_ablk *x_qa, *ex_in_qa, *ex_h_qa, *ffn_h_qa;

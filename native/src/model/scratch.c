@@ -104,10 +104,9 @@ colibri_status cb_scratch_init(colibri_ctx *ctx, char *err, size_t err_len) {
     if (LB > B) LB = B;
     s->lp_rows = (int64_t)LB;
     uint64_t BH = B * H;
-    /* the rows quantized once for fast mode's int8 kernels (forward.h q8_rows; only matrices of
-     * a block type read them, whose rows are whole blocks of 32 or 256) */
+    /* the rows quantized once for fast mode's int8 kernels (forward.h x_q; only matrices of a
+     * block type read them, whose rows are whole blocks of 32 or 256) */
     uint64_t q8 = ctx->fast != NULL, XQ = H > Natt_buf ? H : Natt_buf;
-    s->q8_rows = (int)q8;
     s->x_q_cols = (int64_t)XQ; /* B <= 2^32 and H <= 2^24: cannot overflow */
     cb_arena_item items[] = {
         {(void **)&kc->k, kv, 4, "K cache"},

@@ -74,7 +74,7 @@ static void quantize_input(colibri_ctx *ctx, cb_mm_task *m) {
     for (int j = 0; j < m->n_jobs; j++) {
         cb_mm_job *b = &m->jobs[j];
         b->xq = (cb_fast_qrows){0};
-        if (!s->q8_rows || !b->w.op->q8 || !cb_fast_int8_type(b->w.dt) || b->K > s->x_q_cols) continue;
+        if (!b->w.op->q8 || !cb_fast_int8_type(b->w.dt) || b->K > s->x_q_cols) continue; /* q8: fast mode's ops */
         if (!x) {
             x = b->x, K = b->K;
             cb_cpu_quant_rows(ctx, s->x_q, s->x_qa, x, m->T, K);

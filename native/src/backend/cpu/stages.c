@@ -121,7 +121,7 @@ static void stage_grouping(colibri_ctx *ctx, uint32_t l) {
         if (t >= 0) memcpy(s->ex_in + r * H, s->xn + (int64_t)t * H, (size_t)H * sizeof(float));
         else memset(s->ex_in + r * H, 0, (size_t)H * sizeof(float));
     }
-    if (!s->q8_rows || !L->experts.q8_in) return;
+    if (!L->experts.q8_in) return; /* set in fast mode only (cb_cpu_bind_ffn) */
     /* fast mode's int8 experts: each token's row quantized once, gathered as ex_in (a zero
      * row's bytes and blocks are all zero, as its quantization gives) */
     int64_t nb = H / 32;
@@ -145,8 +145,8 @@ static cb_ffn_job expert_job(const colibri_ctx *ctx, const cb_ffn *f, int64_t e)
     int64_t r0 = s->expert_offset[e], R = s->expert_offset[e + 1] - r0;
     cb_ffn_job j = cb_cpu_ffn_job(s->ex_out + r0 * H, s->ex_h + r0 * I, s->ex_in + r0 * H, f, e, R, I,
                                   ctx->cfg.activation == CB_ACT_CLAMPED_SWIGLU ? s->ex_up + r0 * I : NULL);
-    if (s->q8_rows && f->q8_in) j.xq = (cb_fast_qrows){s->ex_in_q + r0 * H, s->ex_in_qa + r0 * (H / 32)};
-    if (s->q8_rows && f->q8_h) j.hq = (cb_fast_qrows){s->ex_h_q + r0 * I, s->ex_h_qa + r0 * (I / 32)};
+    if (f->q8_in) j.xq = (cb_fast_qrows){s->ex_in_q + r0 * H, s->ex_in_qa + r0 * (H / 32)};
+    if (f->q8_h) j.hq = (cb_fast_qrows){s->ex_h_q + r0 * I, s->ex_h_qa + r0 * (I / 32)};
     return j;
 }
 
@@ -157,11 +157,11 @@ static cb_ffn_job rows_job(colibri_ctx *ctx, float *y, const cb_ffn *f, int64_t 
     cb_scratch *s = &ctx->s;
     int64_t T = ctx->run.T, H = ctx->cfg.hidden;
     cb_ffn_job j = cb_cpu_ffn_job(y, s->ffn_h, s->xn, f, 0, T, I, NULL);
-    if (s->q8_rows && f->q8_in) {
+    if (f->q8_in) {
         cb_cpu_quant_rows(ctx, s->x_q, s->x_qa, s->xn, T, H);
         j.xq = (cb_fast_qrows){s->x_q, s->x_qa};
     }
-    if (s->q8_rows && f->q8_h) j.hq = (cb_fast_qrows){s->ffn_h_q, s->ffn_h_qa};
+    if (f->q8_h) j.hq = (cb_fast_qrows){s->ffn_h_q, s->ffn_h_qa};
     return j;
 }
 
