@@ -1,12 +1,13 @@
 /*
  * kernel_bench.c — the weight kernels alone, one thread, on the 791 M Mixtral's shapes
  * (hidden 1024, intermediate 3584): GFLOP/s of the prefill kernels (a packed bf16 expert's
- * gate/up and down, row-major and as fast mode's panel copy; a 3584 x 1024 matmul) at 1 .. 512 tokens, and GB/s of the one-token
- * decode streaming 72 to 256 MiB of bf16, Q8_0, Q4_K and Q6_K weights from memory, for the exact table
- * (cb_kernels_best) beside a fast table (cb_fast_by_name, default: cb_fast_best's), and G
- * weights/s of the fast table's one-token decode of every int8-path type, row-major and on
- * its interleaved copy (cpu/qpanel.h), and G multiply-adds/s of its prefill of those types on
- * the copy (weights in cache). Best of a few runs; the prefill's weights are reused
+ * gate/up and down, row-major and as fast mode's panel copy; a 3584 x 1024 matmul) at 1 ..
+ * 512 tokens, and GB/s of the one-token decode streaming 72 to 256 MiB of bf16, Q8_0, Q4_K
+ * and Q6_K weights from memory, for the exact table (cb_kernels_best) beside a fast table
+ * (cb_fast_by_name, default: cb_fast_best's); G weights/s of the one-token decode of every
+ * int8-path type: the fast table's, row-major and on its interleaved copy (cpu/qpanel.h),
+ * and the exact table's; and G multiply-adds/s of the fast table's prefill of those types
+ * on the copy (weights in cache). Best of a few runs; the prefill's weights are reused
  * (they sit in L2/L3), the decode's are not.
  * Numbers for docs/kernels.md; the engine's own figures come from colibri_bench.
  *
@@ -167,7 +168,7 @@ int main(int argc, char **argv) {
                             COLIBRI_DTYPE_Q2_K, COLIBRI_DTYPE_Q3_K, COLIBRI_DTYPE_IQ4_NL, COLIBRI_DTYPE_IQ4_XS};
     const int64_t K8 = 2048, N8 = 32768;
     printf("\ndecode, one token, %lld x %lld int8-path weights from memory, G weights/s (fast row-major | on "
-           "the interleaved copy)\n", (long long)N8, (long long)K8);
+           "the interleaved copy | exact)\n", (long long)N8, (long long)K8);
     x = acts((size_t)K8), y = alloc((size_t)N8 * 4);
     for (size_t qi = 0; qi < sizeof qts / sizeof qts[0]; qi++) {
         uint32_t dt = qts[qi];
@@ -175,20 +176,24 @@ int main(int argc, char **argv) {
         uint8_t *w = alloc(n), *c = F->qpanels ? alloc((size_t)N8 * cb_qpanel_row_bytes(dt, (uint64_t)K8)) : NULL;
         for (size_t i = 0; i < n; i++) w[i] = (uint8_t)(next() & 0x3f); /* every f16 scale finite, below 2 */
         if (c) cb_qpanel_pack(c, w, dt, N8, K8);
-        double tr = 1e30, tc = 1e30;
+        double tr = 1e30, tc = 1e30, te = 1e30;
         for (int r = 0; r < 5; r++) {
             double t = now();
             F->matmul_ld(y, N8, x, w, dt, 1, N8, K8);
             t = now() - t;
             if (t < tr) tr = t;
+            t = now();
+            E->matmul_ld(y, N8, x, w, dt, 1, N8, K8);
+            t = now() - t;
+            if (t < te) te = t;
             if (!c) continue;
             t = now();
             F->qpanels->matmul(y, N8, x, c, dt, 1, N8, K8);
             t = now() - t;
             if (t < tc) tc = t;
         }
-        printf("%-6s %6.1f | %6.1f\n", cb_dtype_name(dt), (double)(N8 * K8) / tr / 1e9,
-               c ? (double)(N8 * K8) / tc / 1e9 : 0.0);
+        printf("%-6s %6.1f | %6.1f | %6.1f\n", cb_dtype_name(dt), (double)(N8 * K8) / tr / 1e9,
+               c ? (double)(N8 * K8) / tc / 1e9 : 0.0, (double)(N8 * K8) / te / 1e9);
         free(w), free(c);
     }
     free(x), free(y);

@@ -50,12 +50,22 @@ static inline __attribute__((always_inline)) vf vq4_table(float dl, float ml) {
 static inline __attribute__((always_inline)) vqi vq4_idx(const uint8_t *p) {
     return vmovl_u16(vget_low_u16(vmovl_u8(load4_u8(p))));
 }
+/* the lanes' bits s .. s + log2(m + 1) of i (m a mask of low bits), as float (exact) */
+static inline __attribute__((always_inline)) vf vbits_f(vqi i, int s, int m) {
+    return vcvtq_f32_u32(vandq_u32(vshlq_u32(i, vdupq_n_s32(-s)), vdupq_n_u32((uint32_t)m)));
+}
+/* lane l: bit e0 + l of bits, as float (0 or 1) */
+static inline __attribute__((always_inline)) vf vbit_lanes_f(uint32_t bits, int e0) {
+    const int32_t iota[4] = {0, 1, 2, 3};
+    int32x4_t s = vnegq_s32(vaddq_s32(vdupq_n_s32(e0), vld1q_s32(iota))); /* negative: right shifts */
+    return vcvtq_f32_u32(vandq_u32(vshlq_u32(vdupq_n_u32(bits), s), vdupq_n_u32(1)));
+}
 static inline __attribute__((always_inline)) vf vq4(vqi i, int hi, vf tab, float dl, float ml) {
     (void)tab;
     if (hi) i = vshrq_n_u32(i, 4);
     i = vandq_u32(i, vdupq_n_u32(15));
     vf q = vcvtq_f32_u32(i);
-    return vsubq_f32(vkeep(vmulq_f32(vdupq_n_f32(dl), q)), vdupq_n_f32(ml));
+    return vfmaq_f32(vdupq_n_f32(-ml), vdupq_n_f32(dl), q); /* dl * q exact: one rounding either way */
 }
 /* Q6_K: the 128 6-bit values of one half (docs/format.md) into out[0..128), as bytes in
  * element order, from 64 bytes of ql and 32 of qh, 16 values per step */
@@ -87,7 +97,7 @@ static inline __attribute__((always_inline)) vf vq5(const uint8_t *qs, const uin
     h = vandq_u32(vshlq_u32(h, vdupq_n_s32(-bit)), vdupq_n_u32(1)); /* a negative count shifts right */
     q = vorrq_u32(q, vshlq_n_u32(h, 4));
     vf v = vcvtq_f32_u32(q);
-    return vsubq_f32(vkeep(vmulq_f32(vdupq_n_f32(dl), v)), vdupq_n_f32(ml));
+    return vfmaq_f32(vdupq_n_f32(-ml), vdupq_n_f32(dl), v); /* dl * v exact, as vq4 */
 }
 /* VL int8 values widened to float (exact) */
 static inline __attribute__((always_inline)) vf vcvt_i8(const int8_t *p) {

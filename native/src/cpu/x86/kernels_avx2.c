@@ -35,12 +35,21 @@ static inline __attribute__((always_inline)) vf vq4_table(float dl, float ml) {
 static inline __attribute__((always_inline)) vqi vq4_idx(const uint8_t *p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
+/* the lanes' bits s .. s + log2(m + 1) of i (m a mask of low bits), as float (exact) */
+static inline __attribute__((always_inline)) vf vbits_f(vqi i, int s, int m) {
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(i, s), _mm256_set1_epi32(m)));
+}
+/* lane l: bit e0 + l of bits, as float (0 or 1) */
+static inline __attribute__((always_inline)) vf vbit_lanes_f(uint32_t bits, int e0) {
+    __m256i s = _mm256_add_epi32(_mm256_set1_epi32(e0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)bits), s), _mm256_set1_epi32(1)));
+}
 static inline __attribute__((always_inline)) vf vq4(vqi i, int hi, vf tab, float dl, float ml) {
     (void)tab;
     if (hi) i = _mm256_srli_epi32(i, 4);
     i = _mm256_and_si256(i, _mm256_set1_epi32(15));
     vf q = _mm256_cvtepi32_ps(i);
-    return _mm256_sub_ps(vkeep(_mm256_mul_ps(_mm256_set1_ps(dl), q)), _mm256_set1_ps(ml));
+    return _mm256_fmsub_ps(_mm256_set1_ps(dl), q, _mm256_set1_ps(ml)); /* dl * q exact: one rounding either way */
 }
 /* Q6_K: the 128 6-bit values of one half (docs/format.md) into out[0..128), as bytes in
  * element order, from 64 bytes of ql and 32 of qh, 32 values per four 256-bit operations
@@ -77,7 +86,7 @@ static inline __attribute__((always_inline)) vf vq5(const uint8_t *qs, const uin
     h = _mm256_and_si256(_mm256_srli_epi32(h, bit), _mm256_set1_epi32(1));
     q = _mm256_or_si256(q, _mm256_slli_epi32(h, 4));
     vf v = _mm256_cvtepi32_ps(q);
-    return _mm256_sub_ps(vkeep(_mm256_mul_ps(_mm256_set1_ps(dl), v)), _mm256_set1_ps(ml));
+    return _mm256_fmsub_ps(_mm256_set1_ps(dl), v, _mm256_set1_ps(ml)); /* dl * v exact, as vq4 */
 }
 /* VL int8 values widened to float (exact) */
 static inline __attribute__((always_inline)) vf vcvt_i8(const int8_t *p) {

@@ -39,6 +39,16 @@ static inline __attribute__((always_inline)) vf vq4_table(float dl, float ml);
 static inline __attribute__((always_inline)) vqi vq4_idx(const uint8_t *p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
 }
+/* the lanes' bits s .. s + log2(m + 1) of i (m a mask of low bits), as float (exact) */
+static inline __attribute__((always_inline)) vf vbits_f(vqi i, int s, int m) {
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(i, (unsigned)s), _mm512_set1_epi32(m)));
+}
+/* lane l: bit e0 + l of bits, as float (0 or 1) */
+static inline __attribute__((always_inline)) vf vbit_lanes_f(uint32_t bits, int e0) {
+    __m512i s = _mm512_add_epi32(_mm512_set1_epi32(e0),
+                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)bits), s), _mm512_set1_epi32(1)));
+}
 static inline __attribute__((always_inline)) vf vq4(vqi i, int hi, vf tab, float dl, float ml) {
     (void)dl;
     (void)ml;
