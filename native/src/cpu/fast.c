@@ -111,7 +111,7 @@ const cb_fast_kernels *cb_fast_ref(void) { return &fast_ref; }
  * vdpbf16ps (fast_bf16dp.c); the neon-i8mm table with "neon-bf16" on BFDOT
  * (fast_neon_bf16.c). One definition of the table and its two dispatching entries per BF16
  * back end. */
-#define CB_FAST_BF16_TABLE(TAB, INT8, NAME, BF16NAME, P, PART, ATT, ATT_BYTES, PANELS)                                \
+#define CB_FAST_BF16_TABLE(TAB, INT8, NAME, BF16NAME, P, PART, ATT, ATT_BYTES, PANELS, QPANELS)                       \
     static void TAB##_matmul_ld(float *y, int64_t ldy, const float *x, const void *w, uint32_t dt, int64_t T,   \
                                 int64_t N, int64_t K) {                                                         \
         if (dt == COLIBRI_DTYPE_BF16) P##_matmul_ld(y, ldy, x, w, T, N, K);                                     \
@@ -146,7 +146,8 @@ const cb_fast_kernels *cb_fast_ref(void) { return &fast_ref; }
                                         .down_part = PART,                                                      \
                                         .attention_heads = ATT,                                                 \
                                         .att_work_bytes = ATT_BYTES,                                            \
-                                        .panels = PANELS}
+                                        .panels = PANELS,                                                       \
+                                        .qpanels = QPANELS}
 _Static_assert(CB_PANEL_ROWS <= CB_PANEL_MAX_ROWS && 2 * CB_PANEL_UNITS <= CB_PANEL_MAX_ROWS, "the packers' row pointers");
 const cb_panel_kernels cb_bf16dp_panels = {.name = "avx512bf16",
                                           .rows = CB_PANEL_ROWS,
@@ -158,11 +159,22 @@ const cb_panel_kernels cb_bf16dp_panels = {.name = "avx512bf16",
                                           .gateup_panels = cb_bf16dp_gateup_panels,
                                           .down_panels = cb_bf16dp_down_panels,
                                           .down_part_panels = cb_bf16dp_down_part_panels};
+/* the avx512vnni table's kernels on interleaved copies, for the two tables built on it */
+static void avx512vnni_il_matmul(float *y, int64_t ldy, const float *x, const void *P, uint32_t dt, int64_t T,
+                                 int64_t N, int64_t K) {
+    cb_fast_avx512vnni()->qpanels->matmul(y, ldy, x, P, dt, T, N, K);
+}
+static void avx512vnni_il_gateup(float *h, const float *x, const void *gate, const void *up, uint32_t dt, int64_t R,
+                                 int64_t H, int64_t I, int64_t i0, int64_t i1) {
+    cb_fast_avx512vnni()->qpanels->gateup(h, x, gate, up, dt, R, H, I, i0, i1);
+}
+static const cb_qpanel_kernels avx512vnni_il = {.name = "avx512vnni", .matmul = avx512vnni_il_matmul,
+                                                .gateup = avx512vnni_il_gateup};
 CB_FAST_BF16_TABLE(fast_amx, cb_fast_avx512vnni, "avx512vnni", "amx", cb_amx, NULL, cb_fast_att_avx512,
-                   cb_fast_att_avx512_bytes, NULL);
+                   cb_fast_att_avx512_bytes, NULL, &avx512vnni_il);
 CB_FAST_BF16_TABLE(fast_bf16dp, cb_fast_avx512vnni, "avx512vnni", "avx512bf16", cb_bf16dp, cb_bf16dp_down_part,
-                   cb_fast_att_avx512, cb_fast_att_avx512_bytes, &cb_bf16dp_panels);
-CB_FAST_BF16_TABLE(fast_neonbf16, cb_fast_neon_i8mm, "neon-i8mm", "bfdot", cb_neonbf16, NULL, NULL, NULL, NULL);
+                   cb_fast_att_avx512, cb_fast_att_avx512_bytes, &cb_bf16dp_panels, &avx512vnni_il);
+CB_FAST_BF16_TABLE(fast_neonbf16, cb_fast_neon_i8mm, "neon-i8mm", "bfdot", cb_neonbf16, NULL, NULL, NULL, NULL, NULL);
 
 /* The three tables with native BF16 kernels, where this build has them (registry.c checks
  * the CPU). */

@@ -229,6 +229,11 @@ const cb_fast_kernels *cb_fast_ref(void);
 const cb_fast_kernels *cb_fast_avx2(void);
 const cb_fast_kernels *cb_fast_avxvnni(void);
 const cb_fast_kernels *cb_fast_avx512vnni(void);
+/* fast_avx512vl.c: the 256-bit kernels the avx512vnni table hands a few tokens on
+ * interleaved copies to, and their unpack of one copy's group over columns k0 .. k0 + kc into
+ * a panel of 8 lanes (fast_x86_256.inc's; `ahead`: the bytes on to prefetch) */
+const cb_fast_kernels *cb_fast_avx512vl(void);
+void cb_fast_avx512vl_pack_il(void *panel, const uint8_t *g, size_t ahead, uint32_t dt, int64_t k0, int64_t kc);
 /* AArch64 (fast_neon*.c): plain Advanced SIMD, SDOT (FEAT_DotProd), USDOT (FEAT_I8MM). */
 const cb_fast_kernels *cb_fast_neon(void);
 const cb_fast_kernels *cb_fast_neon_dotprod(void);
