@@ -191,17 +191,22 @@ FVI void k45_group(const uint8_t *const *rp, size_t b, int p, int q5, const vi *
 static int pack_direct(void *panel, const uint8_t *w, size_t rb, uint32_t dt, int64_t rows, int64_t k0, int64_t kc);
 
 /* Interleaved copies (cpu/qpanel.h): a panel of 16 rows is two groups, each unpacked by the
- * 256-bit table of the same instructions (fast_avx512vl.c) and put in its 8 lanes; calls of
- * up to 4 tokens go to that table's kernels, which read a group's four bytes per vector load
- * and multiply them where they are loaded (measured on a Zen 5 EPYC: Q4_0 decode 33 -> 286
- * tok/s, against this table's row-major packs) */
+ * 256-bit table of the same instructions (fast_avx512vl.c) and put in its 8 lanes. Calls of
+ * up to 4 tokens go to that table's kernels on a copy, which read a group's four bytes per
+ * vector load and multiply them where they are loaded, and on the row-major blocks of the
+ * types this table has no fused decode for, which it packs 8 rows at a time straight from the
+ * blocks (measured on a Zen 5 EPYC, Q4_0 decode: 34 tok/s through this table's
+ * cb_fast_unpack packs, 269 on the copies) */
 #define FS_QPANELS 1
-#define FS_IL_FEW cb_fast_avx512vl()
+#define FS_FEW cb_fast_avx512vl()
+#define FS_FEW_TAKES(dt, il)                                                                                     \
+    ((il) || !((dt) == COLIBRI_DTYPE_Q8_0 || (dt) == COLIBRI_DTYPE_Q4_K || (dt) == COLIBRI_DTYPE_Q5_K ||       \
+               (dt) == COLIBRI_DTYPE_Q6_K))
 static void pack_il(void *panel, const uint8_t *g, size_t rb, int64_t rows, uint32_t dt, int64_t k0, int64_t kc);
 static int fused_il(float *y, int first, const uint8_t *w, size_t rb, uint32_t dt, int64_t N, int64_t k0, int64_t kc,
                     const void *tile) {
     (void)y, (void)first, (void)w, (void)rb, (void)dt, (void)N, (void)k0, (void)kc, (void)tile;
-    return 0; /* one token on a copy: FS_IL_FEW's */
+    return 0; /* one token on a copy: FS_FEW's */
 }
 
 #define FS_FUSED_DECODE 1
