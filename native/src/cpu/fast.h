@@ -31,7 +31,7 @@
  * (vdpbf16ps, float32 accumulation in their own order), the others run the exact kernels
  * on the rounded activations (bf16 x bf16 products are exact in float32); the avx512bf16
  * table also reads the engine's panel copies of them (cpu/panel.h), with the same bits, and the
- * 256-bit x86 tables read interleaved copies of the block-type weights (cpu/qpanel.h), also
+ * x86 tables read interleaved copies of the block-type weights (cpu/qpanel.h), also
  * with the row-major kernels' bits. The x86 tables
  * with native BF16 kernels also run attention their own way (float32, keys in lanes:
  * fast_attention_avx512.c); the int8 tables keep the exact kernels' attention.

@@ -14,7 +14,7 @@
  * (test_kernels), so results do not depend on whether the copy was made.
  *
  * A fast table whose int8 kernels read interleaved copies (cb_fast_kernels.qpanels: the
- * 256-bit x86 tables) gets one of every matrix of a block type it multiplies whole (the
+ * x86 tables) gets one of every matrix of a block type it multiplies whole (the
  * attention projections, MLA's but wkv_b, the LM head) and of the split FFNs' gate, up and
  * down ([E I, H], [E H, I]), where the rows come in whole groups of 8: a group's same four
  * bytes are one vector load, where the row-major kernels load 8 rows and transpose them
