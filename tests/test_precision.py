@@ -195,13 +195,13 @@ def test_panel_copies_give_the_same_bits(files, dtype, precision):
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_k_m"])
 def test_interleaved_int8_copies_give_the_same_bits(files, dtype):
     """A fast table that reads interleaved copies of block-type weights (cpu/qpanel.h: the
-    256-bit x86 tables) gets them at load when the weights are populated ("int8 <table>
+    x86 tables) gets them at load when the weights are populated ("int8 <table>
     panels" in config.kernels); prefill, chunked prefill (max_batch 16) and decode steps then
     equal an engine that maps the file lazily (populate=False: no copy) bit for bit. The
     q4_k_m file holds Q4_K, Q5_K, Q6_K and Q8_0 matrices (routed experts, attention, LM head)."""
     def check(kernels, populate):
         table = kernels.split("fast(int8 ")[1].split(",")[0].split()[0]
-        reads = table in ("avx2", "avxvnni")
+        reads = table in ("avx2", "avxvnni", "avx512vnni")
         assert (f"int8 {table} panels," in kernels) == (populate and reads), kernels
 
     _populated_equals_lazy(files[dtype], _ids(files[dtype], 41, seed=8), 24, check, precision="fast", max_batch=16)

@@ -1089,25 +1089,34 @@ static void test_qpanels(const cb_fast_kernels *F) {
         uint32_t dt = FAST_QTYPES[qi];
         int64_t blk = cb_dtype_block(dt);
         const char *dn = cb_dtype_name(dt);
-        { /* placement: dword j of row 8g + r's padded block b at ((g nb + b) 8 bbp) + (8 j + r) 4 */
+        { /* placement: in group g's block b (at (g nb + b) 8 bb), byte i of row 8g + r's block at
+           * (8 (i / 4) + r) 4 + i % 4 — the block without its scale kept apart, where the type
+           * has one (at s: then the 8 rows' scales are 16 bytes, row r's at 2r, before the
+           * dwords when s = 0, after them otherwise) */
             int64_t N = 16, K = 2 * (blk == 32 ? 64 : 256);
             wbuf w = make_q(dt, N, K);
             size_t rp = (size_t)cb_qpanel_row_bytes(dt, (uint64_t)K), rb = (size_t)cb_row_bytes(dt, (uint64_t)K);
-            size_t bb = cb_dtype_block_bytes(dt), bbp = cb_qpanel_block_bytes(dt), lead = cb_qpanel_lead(dt);
+            size_t bb = cb_dtype_block_bytes(dt);
+            int sp = cb_qpanel_split(dt);
             int64_t nb = K / blk;
             uint8_t *c = malloc((size_t)N * rp);
             memset(c, 0xA5, (size_t)N * rp);
             cb_qpanel_pack(c, w.raw, dt, N, K);
             n_check++;
-            if (bbp % 4 || bbp < bb + lead || (lead && (bb + lead) % 4))
-                FAIL("qpanel %s: padded block %zu bytes for %zu (+%zu lead)", dn, bbp, bb, lead);
+            if (rp != rb || (sp < 0 ? bb % 4 : (bb - 2) % 4 || (sp != 0 && (size_t)sp != bb - 2)))
+                FAIL("qpanel %s: %zu row bytes for %zu, scale apart at %d of a %zu-byte block", dn, rp, rb, sp, bb);
             int bad = 0;
             for (int64_t n = 0; n < N && !bad; n++)
                 for (int64_t b = 0; b < nb && !bad; b++)
-                    for (size_t i = 0; i < bbp && !bad; i++) {
-                        size_t at = (size_t)((n / 8) * nb + b) * 8 * bbp + (8 * (i / 4) + (size_t)(n % 8)) * 4 + i % 4;
-                        uint8_t want = i >= lead && i < lead + bb ? ((const uint8_t *)w.raw)[(size_t)n * rb + (size_t)b * bb + i - lead] : 0;
-                        bad = c[at] != want;
+                    for (size_t i = 0; i < bb && !bad; i++) {
+                        size_t g0 = (size_t)((n / 8) * nb + b) * 8 * bb, r = (size_t)(n % 8), at;
+                        if (sp >= 0 && i >= (size_t)sp && i < (size_t)sp + 2) /* the scale */
+                            at = g0 + (sp == 0 ? 0 : 8 * (bb - 2)) + 2 * r + (i - (size_t)sp);
+                        else {
+                            size_t k = sp == 0 ? i - 2 : i; /* the byte's place among the dwords */
+                            at = g0 + (sp == 0 ? 16 : 0) + (8 * (k / 4) + r) * 4 + k % 4;
+                        }
+                        bad = c[at] != ((const uint8_t *)w.raw)[(size_t)n * rb + (size_t)b * bb + i];
                     }
             n_check++;
             if (bad) FAIL("cb_qpanel_pack %s: a byte misplaced", dn);

@@ -13,19 +13,19 @@ int cb_qpanel_takes(uint32_t dt, int64_t N, int64_t K) {
 }
 
 void cb_qpanel_pack(void *dst, const void *src, uint32_t dt, int64_t N, int64_t K) {
-    const uint32_t bb = cb_dtype_block_bytes(dt), bbp = cb_qpanel_block_bytes(dt), lead = cb_qpanel_lead(dt);
+    const uint32_t bb = cb_dtype_block_bytes(dt);
+    const int split = cb_qpanel_split(dt);
+    const uint32_t body = split < 0 ? bb : bb - 2; /* the dwords' bytes */
+    const size_t lead = split == 0 ? 16 : 0;   /* the scales before the dwords */
     const int64_t nb = K / cb_dtype_block(dt);
     const size_t rb = (size_t)cb_row_bytes(dt, (uint64_t)K);
-    uint8_t pad[CB_QPANEL_ROWS][256];
-    for (int64_t g = 0; g < N / CB_QPANEL_ROWS; g++) {
-        uint8_t *d = (uint8_t *)dst + (size_t)g * CB_QPANEL_ROWS * (size_t)nb * bbp;
-        for (int64_t b = 0; b < nb; b++, d += CB_QPANEL_ROWS * bbp) {
+    uint8_t *d = (uint8_t *)dst;
+    for (int64_t g = 0; g < N / CB_QPANEL_ROWS; g++)
+        for (int64_t b = 0; b < nb; b++, d += CB_QPANEL_ROWS * (size_t)bb)
             for (int r = 0; r < CB_QPANEL_ROWS; r++) {
-                memset(pad[r], 0, bbp);
-                memcpy(pad[r] + lead, (const uint8_t *)src + (size_t)(g * CB_QPANEL_ROWS + r) * rb + (size_t)b * bb, bb);
+                const uint8_t *blk = (const uint8_t *)src + (size_t)(g * CB_QPANEL_ROWS + r) * rb + (size_t)b * bb;
+                const uint8_t *rest = blk + (split == 0 ? 2 : 0);
+                for (uint32_t j = 0; j < body / 4; j++) memcpy(d + lead + (8 * (size_t)j + (size_t)r) * 4, rest + 4 * j, 4);
+                if (split >= 0) memcpy(d + (split == 0 ? 0 : 8 * (size_t)body) + 2 * (size_t)r, blk + split, 2);
             }
-            for (uint32_t j = 0; j < bbp / 4; j++)
-                for (int r = 0; r < CB_QPANEL_ROWS; r++) memcpy(d + (8 * (size_t)j + (size_t)r) * 4, pad[r] + 4 * j, 4);
-        }
-    }
 }

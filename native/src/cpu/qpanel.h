@@ -7,12 +7,15 @@
  * widths; only their order changes.
  *
  * The layout of a matrix [N, K] of block type dt (N a multiple of 8, K of the block size):
- * each block is padded to bbp = cb_qpanel_block_bytes(dt) bytes (a multiple of 4), with
- * cb_qpanel_lead(dt) zero bytes before it (2 where a 2-byte scale precedes the quants, so
- * that they start on a 4-byte boundary: Q8_0, Q4_0, Q5_0, IQ4_NL) and zeros after it; group g
- * of rows 8g .. 8g+7 starts at byte g * 8 * rp (rp = cb_qpanel_row_bytes(dt, K) = K / block
- * * bbp: where row 8g starts in a row-major matrix of padded blocks), its block b at b * 8 *
- * bbp in the group, and there dword j of the padded block of row 8g + r at byte (8 j + r) * 4.
+ * group g of rows 8g .. 8g+7 starts at byte g * 8 * rp (rp = cb_qpanel_row_bytes(dt, K), the
+ * row-major row's bytes: the copy is exactly as large as the matrix), and its block b at b * 8
+ * * bb (bb the block's bytes). There a block's bytes are dwords, dword j of row 8g + r at byte
+ * (8 j + r) * 4, except, in the types whose blocks are not whole dwords, their 2-byte f16
+ * scale: at offset s = cb_qpanel_split(dt) of the block (0: Q8_0, Q4_0, Q5_0, IQ4_NL, whose
+ * quants follow d; bb - 2: Q3_K, Q6_K, whose d ends the block), the 8 rows' scales are 16
+ * bytes of their own (row r's at 2r), first when s is 0 (and the dwords then start at byte
+ * 16), last otherwise; the dwords are the block's other bb - 2 bytes in order. The blocks
+ * keep their bytes and bit widths; only their order changes.
  *
  * The engine makes the copies at load (backend/cpu/panels.c) when the running fast table
  * has kernels that read them (cb_fast_kernels.qpanels); they give the bits of the table's
@@ -40,22 +43,21 @@ typedef struct cb_qpanel_kernels {
                    int64_t I, int64_t i0, int64_t i1);
 } cb_qpanel_kernels;
 
-/* Zero bytes before each block in the copy. */
-static inline uint32_t cb_qpanel_lead(uint32_t dt) {
+/* Where a block's 2-byte scale is kept apart in the copy (its offset in the block), or -1 for
+ * the types whose blocks are whole dwords. */
+static inline int cb_qpanel_split(uint32_t dt) {
     switch (dt) {
     case COLIBRI_DTYPE_Q8_0:
     case COLIBRI_DTYPE_Q4_0:
     case COLIBRI_DTYPE_Q5_0:
-    case COLIBRI_DTYPE_IQ4_NL: return 2;
-    default: return 0;
+    case COLIBRI_DTYPE_IQ4_NL: return 0;
+    case COLIBRI_DTYPE_Q3_K:
+    case COLIBRI_DTYPE_Q6_K: return (int)cb_dtype_block_bytes(dt) - 2;
+    default: return -1;
     }
 }
-/* A block's bytes in the copy, padding included. */
-static inline uint32_t cb_qpanel_block_bytes(uint32_t dt) { return (cb_dtype_block_bytes(dt) + 3u) & ~3u; }
-/* A row's bytes in the copy (the offset of group g is g * 8 times this). */
-static inline uint64_t cb_qpanel_row_bytes(uint32_t dt, uint64_t K) {
-    return K / cb_dtype_block(dt) * cb_qpanel_block_bytes(dt);
-}
+/* A row's bytes in the copy (the offset of group g is g * 8 times this): the row-major row's. */
+static inline uint64_t cb_qpanel_row_bytes(uint32_t dt, uint64_t K) { return cb_row_bytes(dt, K); }
 /* 1 when a matrix [N, K] of dt has a copy: a type of the int8 path, whole groups of rows. */
 int cb_qpanel_takes(uint32_t dt, int64_t N, int64_t K);
 /* dst (N * cb_qpanel_row_bytes(dt, K) bytes) = the copy of the row-major src [N, K]. */
