@@ -3,7 +3,8 @@
  * 1) and XCR0 on x86, HWCAP/HWCAP2 on AArch64 Linux, read once. Compiled without
  * instruction-set flags: it only asks.
  *
- * x86 bits: F16C CPUID.1:ECX 29, OSXSAVE CPUID.1:ECX 27; leaf 7 sub-leaf 0: AVX2 EBX 5,
+ * x86 bits: F16C CPUID.1:ECX 29, the family CPUID.1:EAX 8..11 (+ 20..27 when 15) and the
+ * vendor (leaf 0) for the one tuning bit, OSXSAVE CPUID.1:ECX 27; leaf 7 sub-leaf 0: AVX2 EBX 5,
  * AVX512F EBX 16, AVX512BW EBX 30, AVX512VL EBX 31, AVX512_VNNI ECX 11, AMX-BF16 EDX 22,
  * AMX-TILE EDX 24; sub-leaf 1: AVX-VNNI EAX 4, AVX512_BF16 EAX 5; FMA CPUID.1:ECX 12; AVX
  * CPUID.1:ECX 28. The OS saves YMM when XCR0 bits 1, 2 are set, ZMM and opmask with bits 5,
@@ -61,6 +62,11 @@ static unsigned probe(void) {
         f |= CB_CPU_AVX512VNNI;
     if ((f & CB_CPU_AVX2) && ((a1 >> 4) & 1u)) f |= CB_CPU_AVXVNNI;
     if ((f & CB_CPU_AVX512VNNI) && ((a1 >> 5) & 1u)) f |= CB_CPU_AVX512BF16;
+    unsigned vendor[4] = {0}, fam = (a >> 8) & 0xFu;
+    if (fam == 0xF) fam += (a >> 20) & 0xFFu; /* the extended family */
+    __get_cpuid(0, &t, &vendor[0], &vendor[2], &vendor[1]);
+    if (vendor[0] == 0x68747541u && vendor[1] == 0x69746E65u && vendor[2] == 0x444D4163u && fam >= 0x1A)
+        f |= CB_CPU_STREAM_NTA; /* "AuthenticAMD", Zen 5 and later */
 #endif
 #if defined(__aarch64__)
     f |= CB_CPU_NEON;
