@@ -82,7 +82,11 @@ static unsigned probe(void) {
 
 static pthread_once_t feat_once = PTHREAD_ONCE_INIT;
 static unsigned feat;
-static void feat_init(void) { feat = probe(); }
+unsigned char cb_cpu_stream_nta_flag;
+static void feat_init(void) {
+    feat = probe();
+    __atomic_store_n(&cb_cpu_stream_nta_flag, (feat & CB_CPU_STREAM_NTA) != 0, __ATOMIC_RELAXED);
+}
 
 unsigned cb_cpu_features(void) {
     pthread_once(&feat_once, feat_init);

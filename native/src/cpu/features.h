@@ -26,6 +26,10 @@ enum {
 
 /* The CB_CPU_* bits of this CPU, found once per process. */
 unsigned cb_cpu_features(void);
+/* CB_CPU_STREAM_NTA, for the kernels' streaming prefetches (a hint: it changes no result):
+ * 1 once cb_cpu_features() has found it, which the kernel registry asks before a table runs. */
+extern unsigned char cb_cpu_stream_nta_flag;
+static inline int cb_cpu_stream_nta(void) { return __atomic_load_n(&cb_cpu_stream_nta_flag, __ATOMIC_RELAXED); }
 /* 1 when every bit of `want` is set. */
 static inline int cb_cpu_has(unsigned want) { return (cb_cpu_features() & want) == want; }
 /* 1 when AMX-TILE and AMX-BF16 can run: the CPU has them, the OS saves the AVX-512 state,
