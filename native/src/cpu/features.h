@@ -20,7 +20,7 @@ enum {
     CB_CPU_ARM_BF16 = 1u << 8,   /* AArch64 BFDOT/BFMMLA (HWCAP2 BF16) */
     /* a tuning fact, not an instruction set: weights streamed once are best prefetched with
      * prefetchnta rather than into L2 — AMD family 0x1A (Zen 5), where fast mode's decode
-     * measured 1.03-1.14x faster with it; the other CPUs keep the L2 hint they were tuned with */
+     * measured 1.08-1.12x faster with it; the other CPUs keep the L2 hint they were tuned with */
     CB_CPU_STREAM_NTA = 1u << 9,
 };
 

@@ -99,6 +99,12 @@ static inline __attribute__((always_inline)) vf vkeep(vf v) {
     return v;
 }
 
+/* The byte-decoded 4-bit types' values by lookup too (kernels_simd.inc bt_w): 0 + o, 1 + o,
+ * ..., 15 + o */
+#define CB_VTAB16 1
+static inline __attribute__((always_inline)) vf vtab16_iota(float o) {
+    return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(o));
+}
 static inline __attribute__((always_inline)) vf vq4_table(float dl, float ml) {
     const vf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return vsub(vkeep(vmul(vset1(dl), iota)), vset1(ml));
