@@ -105,6 +105,15 @@ static inline __attribute__((always_inline)) vf vkeep(vf v) {
 static inline __attribute__((always_inline)) vf vtab16_iota(float o) {
     return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(o));
 }
+/* Q5_0 / Q5_1: the value of element e0 + l (lane l) whose low 4 bits are the low (or, when hi,
+ * high) nibble of i's lane and whose fifth is bit e0 + l of qh: t0 for codes 0..15, t1 16..31 */
+static inline __attribute__((always_inline)) vf vtab32(vqi i, int hi, vf t0, vf t1, uint32_t qh, int e0) {
+    if (hi) i = _mm512_srli_epi32(i, 4);
+    const __m512i bit = _mm512_sllv_epi32(_mm512_set1_epi32(1), _mm512_add_epi32(_mm512_set1_epi32(e0),
+                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)));
+    __mmask16 k = _mm512_test_epi32_mask(_mm512_set1_epi32((int)qh), bit);
+    return _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(i, t0), k, i, t1);
+}
 static inline __attribute__((always_inline)) vf vq4_table(float dl, float ml) {
     const vf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return vsub(vkeep(vmul(vset1(dl), iota)), vset1(ml));
