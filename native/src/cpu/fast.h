@@ -234,6 +234,8 @@ const cb_fast_kernels *cb_fast_avx512vnni(void);
  * a panel of 8 lanes (fast_x86_256.inc's; `ahead`: the bytes on to prefetch) */
 const cb_fast_kernels *cb_fast_avx512vl(void);
 void cb_fast_avx512vl_pack_il(void *panel, const uint8_t *g, size_t ahead, uint32_t dt, int64_t k0, int64_t kc);
+/* that panel's bytes for passes of fkc columns: a 32-byte vector per quad, two per sub-block of 16 */
+#define CB_FAST_IL8_PANEL_BYTES(fkc) ((size_t)(fkc) / 4 * 32 + 2 * ((size_t)(fkc) / 16) * 32)
 /* AArch64 (fast_neon*.c): plain Advanced SIMD, SDOT (FEAT_DotProd), USDOT (FEAT_I8MM). */
 const cb_fast_kernels *cb_fast_neon(void);
 const cb_fast_kernels *cb_fast_neon_dotprod(void);

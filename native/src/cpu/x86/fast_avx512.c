@@ -443,6 +443,7 @@ typedef struct {
     __m256i u[FKC / 4];
     __m256 ws[FKC / 16], wm[FKC / 16];
 } il8_panel;
+_Static_assert(sizeof(il8_panel) == CB_FAST_IL8_PANEL_BYTES(FKC), "fast_avx512vl.c's panel of one group");
 /* a with its upper 8 lanes b */
 FVI vf ins_hi(vf a, __m256 b) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(a), _mm256_castps_pd(b), 1));

@@ -13,6 +13,7 @@
 #define FS(name) name##_avx512vl
 #define FS_NAME "avx512vnni"
 #include "cpu/x86/fast_x86_256.inc"
+_Static_assert(sizeof(FS(panel)) == CB_FAST_IL8_PANEL_BYTES(FKC), "the panel fast_avx512.c fills from");
 const cb_fast_kernels *cb_fast_avx512vl(void) { return &FS(table); }
 void cb_fast_avx512vl_pack_il(void *panel, const uint8_t *g, size_t ahead, uint32_t dt, int64_t k0, int64_t kc) {
     pack_il_ahead(panel, g, ahead, dt, k0, kc);
