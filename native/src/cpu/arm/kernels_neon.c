@@ -104,6 +104,11 @@ static inline __attribute__((always_inline)) vf vcvt_i8(const int8_t *p) {
     int16x8_t w = vmovl_s8(vreinterpret_s8_u8(load4_u8((const uint8_t *)p)));
     return vcvtq_f32_s32(vmovl_s16(vget_low_s16(w)));
 }
+/* VL of the 16 int8 values held in the little-endian words w[0], w[1] (bytes 0..7, 8..15),
+ * from byte j, widened to float (exact); a 4-byte load inside one 8-byte store forwards */
+static inline __attribute__((always_inline)) vf vcvt_i8_w(const uint64_t w[2], int j) {
+    return vcvt_i8((const int8_t *)w + j);
+}
 
 /* MXFP4: the 32 doubled e2m1 values (cb_mxfp4_k2) of a block's 16 code bytes qs, in element
  * order (the low nibbles, then the high ones), by one 16-entry table lookup per half */

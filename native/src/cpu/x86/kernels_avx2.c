@@ -92,6 +92,12 @@ static inline __attribute__((always_inline)) vf vq5(const uint8_t *qs, const uin
 static inline __attribute__((always_inline)) vf vcvt_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+/* VL of the 16 int8 values held in the little-endian words w[0], w[1] (bytes 0..7, 8..15),
+ * from byte j, widened to float (exact) from registers: a vector load of bytes just stored
+ * by narrower scalar stores waits for them to retire (no store forwarding) */
+static inline __attribute__((always_inline)) vf vcvt_i8_w(const uint64_t w[2], int j) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128((long long)w[j / 8])));
+}
 /* v unchanged, but opaque to the compiler: a product passed through it is rounded on its
  * own and never fused with the next addition into an FMA (GNU C contracts a*b-c) */
 static inline __attribute__((always_inline)) vf vkeep(vf v) {
