@@ -44,6 +44,15 @@ int cb_dtype_in_file(uint32_t dt);
  * f32 -> f16 rounds to nearest, ties to even). */
 float cb_f16_to_f32(uint16_t h);
 uint16_t cb_f32_to_f16(float f);
+/* cb_f16_to_f32 of every binary16, for the SIMD kernels, which convert a block's scale by one
+ * load (F16C's scalar conversion costs a move into a vector register, a conversion and a
+ * broadcast; NEON's is the function call): filled once by cb_f16_table_init (thread-safe),
+ * which each such kernel table's getter calls, so nothing reads it before. 256 KiB of which
+ * a model's scales touch a few lines. */
+extern float cb_f16_table[65536];
+void cb_f16_table_init(void);
+/* the little-endian binary16 at p as a float, from the table */
+static inline float cb_f16_at(const uint8_t *p) { return cb_f16_table[p[0] | (p[1] << 8)]; }
 /* bfloat16 <-> binary32: bf16 is the upper half; f32 -> bf16 rounds to nearest even
  * (nan stays nan). */
 float cb_bf16_to_f32(uint16_t h);

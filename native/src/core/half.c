@@ -3,6 +3,7 @@
  * exact, and the same bits on every CPU. Apart from dtype.c so that the dtype table and the
  * reference dequantizers (quant.c) both call them without calling each other.
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -45,6 +46,13 @@ float cb_f16_to_f32(uint16_t h) {
     }
     return bits_to_f32(bits);
 }
+
+float cb_f16_table[65536];
+static pthread_once_t f16_once = PTHREAD_ONCE_INIT;
+static void f16_fill(void) {
+    for (uint32_t h = 0; h < 65536u; h++) cb_f16_table[h] = cb_f16_to_f32((uint16_t)h);
+}
+void cb_f16_table_init(void) { pthread_once(&f16_once, f16_fill); }
 
 uint16_t cb_f32_to_f16(float f) {
     uint32_t x = f32_to_bits(f);

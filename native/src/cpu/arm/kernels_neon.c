@@ -22,10 +22,6 @@
 #define VL 4
 #define NT_DOT 2 /* (MR_DOT / 2) * NT_DOT <= VL */
 
-/* the little-endian binary16 at p as a float (exact, as cb_f16_to_f32) */
-static inline __attribute__((always_inline)) float f16_at(const uint8_t *p) {
-    return cb_f16_to_f32((uint16_t)(p[0] | (p[1] << 8)));
-}
 /* four bytes at p (no further: the callers' buffers end on them) */
 static inline __attribute__((always_inline)) uint8x8_t load4_u8(const uint8_t *p) {
     uint32_t w;

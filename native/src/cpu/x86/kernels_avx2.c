@@ -18,10 +18,6 @@
 
 #include "cpu/x86/simd_avx2.h"
 
-/* the little-endian binary16 at p as a float, by F16C (exact, as cb_f16_to_f32) */
-static inline __attribute__((always_inline)) float f16_at(const uint8_t *p) {
-    return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
-}
 /* Q4_K: vq4_idx widens VL bytes of nibbles at p into lanes; vq4 gives the values of their
  * low (or, when hi, high) nibbles for a sub-block with value(q) = dl * q - ml, computed as
  * the reference does (AVX2 has no 16-entry permute of floats, so no table: tab is unused) */

@@ -26,10 +26,6 @@
 
 #include "cpu/x86/simd_avx512.h"
 
-/* the little-endian binary16 at p as a float, by F16C (exact, as cb_f16_to_f32) */
-static inline __attribute__((always_inline)) float f16_at(const uint8_t *p) {
-    return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
-}
 /* Q4_K: vq4_idx widens VL bytes of nibbles at p into lanes; vq4 gives the values of their
  * low (or, when hi, high) nibbles for a sub-block with value(q) = dl * q - ml. AVX-512 looks
  * them up in tab (vq4_table: the 16 values, each computed as the reference does), one
@@ -126,8 +122,8 @@ static inline __attribute__((always_inline)) vf vtab32(vqi i, int hi, vf t0, vf 
  * 8 h .. 8 h + 7 of block b, as 32 entries of two vectors: group 8 h + lg, code q at 4 lg + q */
 static inline __attribute__((always_inline)) void vq2k_tables(const uint8_t *b, int h, vf *t0, vf *t1) {
     const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-    const vf a = vmul(vset1(f16_at(b + 80)), _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(15))));
-    const vf c = vmul(vset1(f16_at(b + 82)), _mm512_cvtepi32_ps(_mm512_srli_epi32(sc, 4)));
+    const vf a = vmul(vset1(cb_f16_at(b + 80)), _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(15))));
+    const vf c = vmul(vset1(cb_f16_at(b + 82)), _mm512_cvtepi32_ps(_mm512_srli_epi32(sc, 4)));
     const __m512i g4 = _mm512_add_epi32(_mm512_set1_epi32(8 * h),
                                         _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
     const __m512i g4b = _mm512_add_epi32(g4, _mm512_set1_epi32(4));
