@@ -173,15 +173,18 @@ static inline __attribute__((always_inline)) void vq3k_tables(const float *a, in
 static inline __attribute__((always_inline)) vf vq3k(const uint8_t *idx, vf t0, vf t1) {
     return _mm512_permutex2var_ps(t0, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)idx)), t1);
 }
+/* dl * q - ml for q = 0..15 (vq5_tables: 0..31): one fused operation, the reference's two
+ * (product, then difference) rounded once, since dl * q is exact (dl = d * sc has at most
+ * 17 significant bits, q at most 5) */
 static inline __attribute__((always_inline)) vf vq4_table(float dl, float ml) {
     const vf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return vsub(vkeep(vmul(vset1(dl), iota)), vset1(ml));
+    return _mm512_fmsub_ps(iota, vset1(dl), vset1(ml));
 }
 
 static inline __attribute__((always_inline)) void vq5_tables(float dl, float ml, vf *tab0, vf *tab1) {
     const vf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    *tab0 = vsub(vkeep(vmul(vset1(dl), iota)), vset1(ml));
-    *tab1 = vsub(vkeep(vmul(vset1(dl), vadd(iota, vset1(16.0f)))), vset1(ml));
+    *tab0 = _mm512_fmsub_ps(iota, vset1(dl), vset1(ml));
+    *tab1 = _mm512_fmsub_ps(vadd(iota, vset1(16.0f)), vset1(dl), vset1(ml));
 }
 
 #include "cpu/x86/simd_x86_mx4.h"
