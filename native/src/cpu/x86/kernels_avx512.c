@@ -117,13 +117,10 @@ static inline __attribute__((always_inline)) vf vtab32(vqi i, int hi, vf t0, vf 
     __mmask16 k = _mm512_test_epi32_mask(_mm512_set1_epi32((int)qh), bit);
     return _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(i, t0), k, i, t1);
 }
-/* Q2_K (kernels_simd.inc bt_w): the values a_g q - c_g (q = 0..3; a_g = d * (scale & 15),
- * c_g = dmin * (scale >> 4), each the reference's one product, a_g q exact) of groups
- * 8 h .. 8 h + 7 of block b, as 32 entries of two vectors: group 8 h + lg, code q at 4 lg + q */
-static inline __attribute__((always_inline)) void vq2k_tables(const uint8_t *b, int h, vf *t0, vf *t1) {
-    const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-    const vf a = vmul(vset1(cb_f16_at(b + 80)), _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(15))));
-    const vf c = vmul(vset1(cb_f16_at(b + 82)), _mm512_cvtepi32_ps(_mm512_srli_epi32(sc, 4)));
+/* Q2_K (kernels_simd.inc bt_w): the values a_g q - c_g (q = 0..3; a, c the block's 16 group
+ * factors, kernels_simd.inc q2k_factors; a_g q exact) of groups 8 h .. 8 h + 7, as 32
+ * entries of two vectors: group 8 h + lg, code q at 4 lg + q */
+static inline __attribute__((always_inline)) void vq2k_tables(vf a, vf c, int h, vf *t0, vf *t1) {
     const __m512i g4 = _mm512_add_epi32(_mm512_set1_epi32(8 * h),
                                         _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
     const __m512i g4b = _mm512_add_epi32(g4, _mm512_set1_epi32(4));
