@@ -51,9 +51,13 @@ static inline __attribute__((always_inline)) vf vload_w(const void *p, int64_t k
     if (DT == COLIBRI_DTYPE_BF16) return vreinterpretq_f32_u32(vshll_n_u16(h, 16));
     return vcvt_f32_f16(vreinterpret_f16_u16(h));
 }
-/* PRFM PLDL1KEEP, and PLDL2KEEP for the far-ahead streaming prefetches */
+/* PRFM PLDL1KEEP, and PLDL2KEEP for the far-ahead streaming prefetches (nta: the x86 tables'
+ * non-temporal hint, which no AArch64 CPU sets) */
 static inline __attribute__((always_inline)) void vprefetch(const void *p) { __builtin_prefetch(p, 0, 3); }
-static inline __attribute__((always_inline)) void vprefetch_l2(const void *p) { __builtin_prefetch(p, 0, 2); }
+static inline __attribute__((always_inline)) void vprefetch_l2(const void *p, int nta) {
+    (void)nta;
+    __builtin_prefetch(p, 0, 2);
+}
 
 /* q[j] = t[qs[j] & 15], q[j + 16] = t[qs[j] >> 4] for j < 16: a 16-entry table looked up by
  * the nibbles of 16 bytes (TBL) */

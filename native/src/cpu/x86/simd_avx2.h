@@ -79,9 +79,12 @@ static inline __attribute__((always_inline)) vf vload_w(const void *p, int64_t k
 static inline __attribute__((always_inline)) void vprefetch(const void *p) {
     _mm_prefetch((const char *)p, _MM_HINT_T0);
 }
-/* into L2 only: for far-ahead streaming prefetches, which would evict L1 lines in use */
-static inline __attribute__((always_inline)) void vprefetch_l2(const void *p) {
-    _mm_prefetch((const char *)p, _MM_HINT_T1);
+/* into L2 only: for far-ahead streaming prefetches, which would evict L1 lines in use; or
+ * non-temporal where the CPU streams faster so (nta: cb_cpu_stream_nta(), read once by the
+ * caller) */
+static inline __attribute__((always_inline)) void vprefetch_l2(const void *p, int nta) {
+    if (nta) _mm_prefetch((const char *)p, _MM_HINT_NTA);
+    else _mm_prefetch((const char *)p, _MM_HINT_T1);
 }
 
 

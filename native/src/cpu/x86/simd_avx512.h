@@ -78,10 +78,10 @@ static inline __attribute__((always_inline)) void vprefetch(const void *p) {
     _mm_prefetch((const char *)p, _MM_HINT_T0);
 }
 /* into L2 only: for far-ahead streaming prefetches, which would evict L1 lines in use; or
- * non-temporal where the CPU streams faster so (cpu/features.h CB_CPU_STREAM_NTA: exact decode
- * of a Q4_K_M file 1.12x on a Zen 5) */
-static inline __attribute__((always_inline)) void vprefetch_l2(const void *p) {
-    if (cb_cpu_stream_nta()) _mm_prefetch((const char *)p, _MM_HINT_NTA);
+ * non-temporal where the CPU streams faster so (nta: cb_cpu_stream_nta(), cpu/features.h
+ * CB_CPU_STREAM_NTA, read once by the caller: exact decode of a Q4_K_M file 1.12x on a Zen 5) */
+static inline __attribute__((always_inline)) void vprefetch_l2(const void *p, int nta) {
+    if (nta) _mm_prefetch((const char *)p, _MM_HINT_NTA);
     else _mm_prefetch((const char *)p, _MM_HINT_T1);
 }
 
