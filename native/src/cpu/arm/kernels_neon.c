@@ -105,6 +105,13 @@ static inline __attribute__((always_inline)) vf vcvt_i8(const int8_t *p) {
 static inline __attribute__((always_inline)) vf vcvt_i8_w(const uint64_t w[2], int j) {
     return vcvt_i8((const int8_t *)w + j);
 }
+/* VL of the 16 6-bit scales and mins of a Q4_K / Q5_K block's scale bytes q (cb_k4_unpack's
+ * order), from j, as float */
+static inline __attribute__((always_inline)) vf vk4_scales(const uint8_t *q, int j) {
+    uint8_t sm[16];
+    cb_k4_unpack(q, sm);
+    return vcvt_i8((const int8_t *)sm + j); /* values < 64: the same as unsigned */
+}
 
 /* MXFP4: the 32 doubled e2m1 values (cb_mxfp4_k2) of a block's 16 code bytes qs, in element
  * order (the low nibbles, then the high ones), by one 16-entry table lookup per half */

@@ -101,7 +101,13 @@ static inline __attribute__((always_inline)) vf vkeep(vf v) {
     return v;
 }
 
-#include "cpu/x86/simd_x86_mx4.h"
+#include "cpu/x86/simd_x86_bytes.h"
+
+/* VL of the 16 6-bit scales and mins of a Q4_K / Q5_K block's scale bytes q, from j, as float */
+static inline __attribute__((always_inline)) vf vk4_scales(const uint8_t *q, int j) {
+    const __m128i u = vk4_unpack(q);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(j ? _mm_srli_si128(u, 8) : u));
+}
 #include "cpu/kernels_simd.inc"
 
 #else /* built without the instruction-set flags (not x86), or for the fuzzers: no table */

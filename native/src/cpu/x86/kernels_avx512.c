@@ -184,7 +184,13 @@ static inline __attribute__((always_inline)) void vq5_tables(float dl, float ml,
     *tab1 = _mm512_fmsub_ps(vadd(iota, vset1(16.0f)), vset1(dl), vset1(ml));
 }
 
-#include "cpu/x86/simd_x86_mx4.h"
+#include "cpu/x86/simd_x86_bytes.h"
+
+/* VL of the 16 6-bit scales and mins of a Q4_K / Q5_K block's scale bytes q, from j, as float */
+static inline __attribute__((always_inline)) vf vk4_scales(const uint8_t *q, int j) {
+    (void)j; /* 0: VL is 16 */
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(vk4_unpack(q)));
+}
 #include "cpu/kernels_simd.inc"
 
 #else /* built without the instruction-set flags (not x86), or for the fuzzers: no table */
