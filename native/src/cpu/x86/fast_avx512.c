@@ -449,8 +449,51 @@ FVI vf ins_hi(vf a, __m256 b) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(a), _mm256_castps_pd(b), 1));
 }
 
+/* IQ4_XS: the panel of the groups at g and g + 8 rb (one group: its lanes twice) made at 512
+ * bits, a dword of both groups per vector, with the operations fast_x86_256.inc's
+ * il_xs_scales and il_xs_quads apply to one group (the same panel); by halves and their copy
+ * into the lanes below, the unpacking took a fifth of a Qwen3-A3B-shaped IQ4_XS prefill */
+static void pack_il_xs(FS(panel) *P, const uint8_t *g, size_t rb, int two, int64_t k0, int64_t kc) {
+    const size_t gbb = 8 * (size_t)cb_dtype_block_bytes(COLIBRI_DTYPE_IQ4_XS);
+    const int64_t nb = kc / 256;
+    const uint8_t *b0 = g + (size_t)(k0 / 256) * gbb, *b1 = two ? b0 + 8 * rb : b0;
+    /* the next panel pair's groups (4 groups on) into L2 while this one is read, as pack_il_ahead */
+    for (size_t l = 0; l < (size_t)nb * gbb; l += 64) {
+        _mm_prefetch((const char *)(b0 + 4 * 8 * rb + l), _MM_HINT_T1);
+        if (two) _mm_prefetch((const char *)(b1 + 4 * 8 * rb + l), _MM_HINT_T1);
+    }
+    const vi m4 = _mm512_set1_epi8(0x0F), m4w = _mm512_set1_epi32(0xF), m2 = _mm512_set1_epi32(3);
+    const vi kv = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153,
+                                                       (char)166, (char)181, (char)197, (char)217, (char)241));
+#define IL2(off)                                                                                      \
+    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 8 * (size_t)(off)))), \
+                       _mm256_loadu_si256((const __m256i *)(b1 + 8 * (size_t)(off))), 1)
+    for (int64_t s = 0; s < nb; s++, b0 += gbb, b1 += gbb) {
+        const vi hd = IL2(0), sl = IL2(4), sh = _mm512_srli_epi32(hd, 16);
+        const vf d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hd)); /* each lane's low half: d */
+        for (int j = 0; j < 8; j++) {
+            vi lo = _mm512_and_si512(_mm512_srli_epi32(sl, 4 * (unsigned)j), m4w);
+            vi hi = _mm512_and_si512(_mm512_srli_epi32(sh, 2 * (unsigned)j), m2);
+            vi ls = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+            vf ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(ls));
+            P->ws[s * 8 + j] = ws;
+            P->wm[s * 8 + j] = _mm512_mul_ps(_mm512_set1_ps(-128.0f), ws);
+            for (int c = 0; c < 4; c++) {
+                vi v = IL2(8 + 16 * j + 4 * c);
+                P->u[s * 64 + 8 * j + c] = _mm512_shuffle_epi8(kv, _mm512_and_si512(v, m4));
+                P->u[s * 64 + 8 * j + 4 + c] = _mm512_shuffle_epi8(kv, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+            }
+        }
+    }
+#undef IL2
+}
+
 static void pack_il(void *panel, const uint8_t *g, size_t rb, int64_t rows, uint32_t dt, int64_t k0, int64_t kc) {
     FS(panel) *P = (FS(panel) *)panel;
+    if (dt == COLIBRI_DTYPE_IQ4_XS) {
+        pack_il_xs(P, g, rb, rows > 8, k0, kc);
+        return;
+    }
     il8_panel h;
     const int64_t nq = kc / 4, ng = kc / cb_fast_group(dt);
     for (int half = 0; half < 2; half++) {
