@@ -1752,7 +1752,34 @@ static void test_mxfp4_extremes(const cb_kernels *K) {
     mx_extreme = 0;
 }
 
+/* add_scaled bit for bit against its definition (the product rounded, then the sum: the
+ * reference, compiled without contraction) at odd sizes, nothing written past n. */
+static void test_add_scaled(const cb_kernels *K) {
+    const cb_kernels *R = cb_kernels_ref();
+    const int64_t ns[] = {1, 5, 15, 16, 17, 33, 255, 2048};
+    for (size_t a = 0; a < sizeof ns / sizeof ns[0]; a++) {
+        int64_t n = ns[a];
+        float *y = malloc((size_t)n * 4), *d = malloc((size_t)(n + 4) * 4), *want = malloc((size_t)(n + 4) * 4);
+        fill(y, n, 3.0);
+        fill(d, n + 4, 1.0);
+        memcpy(want, d, (size_t)(n + 4) * 4);
+        const float w = 0.3183099f;
+        R->add_scaled(want, y, w, n);
+        K->add_scaled(d, y, w, n);
+        for (int64_t i = 0; i < n + 4; i++) {
+            n_check++;
+            if (memcmp(&d[i], &want[i], 4) != 0)
+                FAIL("[%s] add_scaled n%lld [%lld]: %.9g vs %.9g", K->name, (long long)n, (long long)i, (double)d[i],
+                     (double)want[i]);
+        }
+        free(y);
+        free(d);
+        free(want);
+    }
+}
+
 static void test_table(const cb_kernels *K) {
+    test_add_scaled(K);
     test_matmul(K);
     test_matmul_i8(K);
     test_rmsnorm(K);

@@ -266,6 +266,11 @@ static void rows_combine_ref(float *o, int64_t ldo, const float *p, int64_t ldp,
     }
 }
 
+/* the library is compiled without contraction (CMakeLists.txt): a product, then a sum */
+static void add_scaled_ref(float *d, const float *y, float w, int64_t n) {
+    for (int64_t i = 0; i < n; i++) d[i] += y[i] * w;
+}
+
 static const cb_kernels k_ref = {
     .name = "reference",
     .dequant_row = dequant_row_ref,
@@ -282,6 +287,7 @@ static const cb_kernels k_ref = {
     .expert_down = expert_down_ref,
     .expert_down_part = expert_down_part_ref,
     .rows_combine = rows_combine_ref,
+    .add_scaled = add_scaled_ref,
 };
 
 const cb_kernels *cb_kernels_ref(void) { return &k_ref; }

@@ -156,6 +156,11 @@ typedef struct cb_kernels {
     void (*rows_combine)(float *o, int64_t ldo, const float *p, int64_t ldp, const float *rows, int64_t ldr,
                          int64_t nh, int64_t n, int64_t D);
 
+    /* d[i] += y[i] * w for i < n, the product rounded on its own, then the sum (never fused:
+     * the MoE combine's weighted expert rows, as transformers multiplies, then index_add_s):
+     * the same bits in every table. */
+    void (*add_scaled)(float *d, const float *y, float w, int64_t n);
+
     /* NULL, or: these kernels also read panel copies of BF16 weights (cpu/panel.h) in this
      * layout, with the bits of matmul_ld, expert_gateup, expert_down and expert_down_part. */
     const struct cb_panel_kernels *panels;

@@ -485,9 +485,6 @@ void cb_cpu_combine_chunk(void *arg, int64_t c, int tid) {
     for (int64_t r = 0; r < m->rows; r++) { /* rows are in expert order, as HF's index_add_ */
         int32_t t = s->row_token[r];
         if (t < 0) continue;
-        float w = s->row_weight[r];
-        float *d = s->delta + (int64_t)t * H;
-        const float *y = s->ex_out + r * H;
-        for (int64_t i = c0; i < c1; i++) d[i] += y[i] * w;
+        m->ctx->kern->add_scaled(s->delta + (int64_t)t * H + c0, s->ex_out + r * H + c0, s->row_weight[r], c1 - c0);
     }
 }

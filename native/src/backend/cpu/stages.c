@@ -289,9 +289,7 @@ static void stage_combine(colibri_ctx *ctx, uint32_t l) {
             if (ctx->iv) cb_cpu_iv_shared(ctx, l);
             for (int64_t t = 0; t < T; t++) {
                 float g = L->shared_gate.w ? s->sh_gate[t] : 1.0f;
-                float *d = s->delta + t * H;
-                const float *y = s->sh_out + t * H;
-                for (int64_t i = 0; i < H; i++) d[i] += g * y[i];
+                ctx->kern->add_scaled(s->delta + t * H, s->sh_out + t * H, g, H); /* g * y, as y * g */
             }
         }
     }
