@@ -16,6 +16,7 @@
 
 #include "cpu/x86/simd_avx512.h"
 #include "cpu/simd_math.h"
+#include "cpu/x86/simd_x86_bytes.h"
 
 #define VL 16
 #define FS(name) name##_avx512vnni
@@ -463,8 +464,7 @@ static void pack_il_xs(FS(panel) *P, const uint8_t *g, size_t rb, int two, int64
         if (two) _mm_prefetch((const char *)(b1 + 4 * 8 * rb + l), _MM_HINT_T1);
     }
     const vi m4 = _mm512_set1_epi8(0x0F), m4w = _mm512_set1_epi32(0xF), m2 = _mm512_set1_epi32(3);
-    const vi kv = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153,
-                                                       (char)166, (char)181, (char)197, (char)217, (char)241));
+    const vi kv = _mm512_broadcast_i32x4(iq4nl_lut128()); /* in all four 128-bit lanes */
 #define IL2(off)                                                                                      \
     _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 8 * (size_t)(off)))), \
                        _mm256_loadu_si256((const __m256i *)(b1 + 8 * (size_t)(off))), 1)

@@ -1,13 +1,22 @@
 /*
- * simd_x86_bytes.h — the byte unpacking the x86 exact tables share (kernels_avx2.c,
- * kernels_avx512.c; both compiled with SSSE3's byte shuffle available): MXFP4's codes and
- * the K-quants' 6-bit scales. kernels_neon.c has its own.
+ * simd_x86_bytes.h — the byte unpacking the x86 tables share (kernels_avx2.c,
+ * kernels_avx512.c, the fast tables; all compiled with SSSE3's byte shuffle available):
+ * MXFP4's codes, the K-quants' 6-bit scales, the IQ4 types' unsigned bytes. kernels_neon.c
+ * has its own.
  */
 #ifndef COLIBRI_CPU_SIMD_X86_BYTES_H
 #define COLIBRI_CPU_SIMD_X86_BYTES_H
 
 #include <immintrin.h>
 #include <stdint.h>
+
+#include "core/dtype.h"
+
+/* kvalues_iq4nl + 128 (cb_iq4nl_table's values as unsigned bytes), 16 bytes: the fast
+ * tables' IQ4 bytes u by code, one vpshufb */
+static inline __attribute__((always_inline)) __m128i iq4nl_lut128(void) {
+    return _mm_xor_si128(_mm_loadu_si128((const __m128i *)cb_iq4nl_table()), _mm_set1_epi8((char)0x80));
+}
 
 /* MXFP4: the 32 doubled e2m1 values (cb_mxfp4_k2) of a block's 16 code bytes qs, in element
  * order (the low nibbles, then the high ones), by one 16-entry byte shuffle per half */
