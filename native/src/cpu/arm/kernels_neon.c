@@ -48,7 +48,9 @@ static inline __attribute__((always_inline)) vqi vq4_idx(const uint8_t *p) {
 }
 /* the lanes' bits s .. s + log2(m + 1) of i (m a mask of low bits), as float (exact) */
 static inline __attribute__((always_inline)) vf vbits_f(vqi i, int s, int m) {
-    return vcvtq_f32_u32(vandq_u32(vshlq_u32(i, vdupq_n_s32(-s)), vdupq_n_u32((uint32_t)m)));
+    uint32x4_t v = vshlq_u32(i, vdupq_n_s32(-s));
+    if ((m + 1) >> (8 - s) == 0) v = vandq_u32(v, vdupq_n_u32((uint32_t)m)); /* as kernels_avx2.c */
+    return vcvtq_f32_u32(v);
 }
 /* lane l: bit e0 + l of bits, as float (0 or 1) */
 static inline __attribute__((always_inline)) vf vbit_lanes_f(uint32_t bits, int e0) {
@@ -58,8 +60,8 @@ static inline __attribute__((always_inline)) vf vbit_lanes_f(uint32_t bits, int 
 }
 static inline __attribute__((always_inline)) vf vq4(vqi i, int hi, vf tab, float dl, float ml) {
     (void)tab;
-    if (hi) i = vshrq_n_u32(i, 4);
-    i = vandq_u32(i, vdupq_n_u32(15));
+    if (hi) i = vshrq_n_u32(i, 4); /* bytes: the high nibble alone */
+    else i = vandq_u32(i, vdupq_n_u32(15));
     vf q = vcvtq_f32_u32(i);
     return vfmaq_f32(vdupq_n_f32(-ml), vdupq_n_f32(dl), q); /* dl * q exact: one rounding either way */
 }
@@ -88,8 +90,8 @@ static inline __attribute__((always_inline)) vf vq5(const uint8_t *qs, const uin
     (void)tab1;
     uint32x4_t q = vmovl_u16(vget_low_u16(vmovl_u8(load4_u8(qs))));
     uint32x4_t h = vmovl_u16(vget_low_u16(vmovl_u8(load4_u8(qh))));
-    if (hi) q = vshrq_n_u32(q, 4);
-    q = vandq_u32(q, vdupq_n_u32(15));
+    if (hi) q = vshrq_n_u32(q, 4); /* bytes: the high nibble alone */
+    else q = vandq_u32(q, vdupq_n_u32(15));
     h = vandq_u32(vshlq_u32(h, vdupq_n_s32(-bit)), vdupq_n_u32(1)); /* a negative count shifts right */
     q = vorrq_u32(q, vshlq_n_u32(h, 4));
     vf v = vcvtq_f32_u32(q);

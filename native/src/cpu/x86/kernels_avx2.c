@@ -31,9 +31,12 @@ static inline __attribute__((always_inline)) vf vq4_table(float dl, float ml) {
 static inline __attribute__((always_inline)) vqi vq4_idx(const uint8_t *p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
-/* the lanes' bits s .. s + log2(m + 1) of i (m a mask of low bits), as float (exact) */
+/* the lanes' bits s .. s + log2(m + 1) of i (m a mask of low bits; i's lanes bytes, as
+ * vq4_idx makes them), as float (exact); no mask where the shift leaves only those bits */
 static inline __attribute__((always_inline)) vf vbits_f(vqi i, int s, int m) {
-    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(i, s), _mm256_set1_epi32(m)));
+    __m256i v = _mm256_srli_epi32(i, s);
+    if ((m + 1) >> (8 - s) == 0) v = _mm256_and_si256(v, _mm256_set1_epi32(m));
+    return _mm256_cvtepi32_ps(v);
 }
 /* lane l: bit e0 + l of bits, as float (0 or 1) */
 static inline __attribute__((always_inline)) vf vbit_lanes_f(uint32_t bits, int e0) {
@@ -42,8 +45,8 @@ static inline __attribute__((always_inline)) vf vbit_lanes_f(uint32_t bits, int 
 }
 static inline __attribute__((always_inline)) vf vq4(vqi i, int hi, vf tab, float dl, float ml) {
     (void)tab;
-    if (hi) i = _mm256_srli_epi32(i, 4);
-    i = _mm256_and_si256(i, _mm256_set1_epi32(15));
+    if (hi) i = _mm256_srli_epi32(i, 4); /* bytes: the high nibble alone */
+    else i = _mm256_and_si256(i, _mm256_set1_epi32(15));
     vf q = _mm256_cvtepi32_ps(i);
     return _mm256_fmsub_ps(_mm256_set1_ps(dl), q, _mm256_set1_ps(ml)); /* dl * q exact: one rounding either way */
 }
@@ -77,8 +80,8 @@ static inline __attribute__((always_inline)) vf vq5(const uint8_t *qs, const uin
     (void)tab1;
     __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
     __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qh));
-    if (hi) q = _mm256_srli_epi32(q, 4);
-    q = _mm256_and_si256(q, _mm256_set1_epi32(15));
+    if (hi) q = _mm256_srli_epi32(q, 4); /* bytes: the high nibble alone */
+    else q = _mm256_and_si256(q, _mm256_set1_epi32(15));
     h = _mm256_and_si256(_mm256_srli_epi32(h, bit), _mm256_set1_epi32(1));
     q = _mm256_or_si256(q, _mm256_slli_epi32(h, 4));
     vf v = _mm256_cvtepi32_ps(q);

@@ -37,7 +37,9 @@ static inline __attribute__((always_inline)) vqi vq4_idx(const uint8_t *p) {
 }
 /* the lanes' bits s .. s + log2(m + 1) of i (m a mask of low bits), as float (exact) */
 static inline __attribute__((always_inline)) vf vbits_f(vqi i, int s, int m) {
-    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(i, (unsigned)s), _mm512_set1_epi32(m)));
+    __m512i v = _mm512_srli_epi32(i, (unsigned)s);
+    if ((m + 1) >> (8 - s) == 0) v = _mm512_and_si512(v, _mm512_set1_epi32(m)); /* as kernels_avx2.c */
+    return _mm512_cvtepi32_ps(v);
 }
 /* lane l: bit e0 + l of bits, as float (0 or 1) */
 static inline __attribute__((always_inline)) vf vbit_lanes_f(uint32_t bits, int e0) {
