@@ -574,7 +574,7 @@ def test_llama_bench_crash_reruns_without_repack(monkeypatch):
 
     calls = []
 
-    def fake(src, gguf, threads, n_pre, n_dec, extra=()):
+    def fake(src, gguf, threads, n_pre, n_dec, extra=(), isa="native"):
         calls.append(tuple(extra))
         if not extra:
             raise LlamaBenchCrash("llama-bench died of SIGILL")
@@ -680,6 +680,35 @@ def test_llama_cpp_isa_flags_keep_amx_off():
     assert got[0] == "-DGGML_NATIVE=OFF"
     assert "-DGGML_AVX512=ON" in got and "-DGGML_AVX512_VNNI=ON" in got and "-DGGML_AVX512_BF16=OFF" in got
     assert "-DGGML_AMX_INT8=OFF" in got and "-DGGML_AMX_TILE=OFF" in got
+    # --isa avx2: an AVX2-only machine's build whatever the CPU lists
+    avx2 = isa_flags("flags\t: avx avx2 fma f16c avx512f avx512_vnni avx512_bf16 avx_vnni\n", isa="avx2")
+    assert avx2[0] == "-DGGML_NATIVE=OFF"
+    assert {"-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF",
+            "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_INT8=OFF"} <= set(avx2)
+
+
+def test_isa_avx2_limits_colibri_to_its_avx2_tables(model, tmp_path, monkeypatch):
+    """--isa avx2 (an AVX2-only machine's kernels on a newer CPU): Colibri's exact and fast rows
+    run the avx2 tables, the result, its table and its caption say so, and the environment
+    that limited them is put back after the run."""
+    if side_by_side.isa_missing("avx2", side_by_side.machine_info().get("simd", [])):
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    monkeypatch.delenv("COLIBRI_KERNELS", raising=False)
+    monkeypatch.setenv("COLIBRI_FAST_KERNELS", "reference")
+    args = side_by_side.build_parser().parse_args([
+        "--smoke", "--engines", "colibri", "--model-dir", str(model[0]), "--cache-dir",
+        str(tmp_path / "cache"), "--prefill", "8", "--decode", "4", "--reps", "1", "--isa", "avx2",
+        "--bandwidth-mib", "8", "--read-bandwidth-mib", "8", "--no-build"])  # fmt: skip
+    args.engines, args.dtype, args.threads = ["colibri"], ["f32"], [2]  # as main() splits them
+    res = side_by_side.run(args)
+    assert res["isa"] == "avx2"
+    (cfg,) = res["configs"]
+    assert cfg["engines"]["colibri"]["kernels"] == "avx2"
+    assert cfg["engines"]["colibri fast"]["kernels"].startswith("avx2 fast")
+    assert not [w for w in res["warnings"] if "kernel table" in w]
+    assert "COLIBRI_KERNELS" not in os.environ and os.environ["COLIBRI_FAST_KERNELS"] == "reference"
+    assert "instruction sets: avx2 only, both engines" in side_by_side.render_table(res)
+    assert "AVX2 only (both engines; the CPU has " in side_by_side.render_summary(res).splitlines()[0]
 
 
 def test_markdown_summary_of_a_saved_run_names_machine_isa_date_and_commit(capsys):

@@ -36,16 +36,32 @@ def _find_llama_src(root: Path) -> Path | None:
     return None
 
 
-def _llama_bin(src: Path, name: str) -> Path:
-    return src / "build" / "bin" / name
+#: The instruction-set limits a benchmark can run both engines under (side_by_side --isa):
+#: "native" is everything the CPU has; "avx2" is an AVX2-only machine's (AVX2, FMA, F16C,
+#: BMI2: a Zen 2/3 or an Intel client core) on a newer CPU. Each has its own llama.cpp build
+#: folder beside the source.
+ISA_BUILDS = {"native": "build", "avx2": "build-avx2"}
+_GGML_X86 = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
+             "GGML_AVX_VNNI": "avx_vnni", "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
+             "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
+_AMX_OFF = ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
-def isa_flags(cpuinfo: str | None = None) -> list[str]:
+def _llama_bin(src: Path, name: str, isa: str = "native") -> Path:
+    return src / ISA_BUILDS[isa] / "bin" / name
+
+
+def isa_flags(cpuinfo: str | None = None, isa: str = "native") -> list[str]:
     """llama.cpp's CMake options for this CPU: -DGGML_NATIVE=ON, except on a CPU that lists
     AMX. There -march=native turns on ggml's AMX kernels, and on VMs that advertise AMX
     without granting its tile state (seen: 2-vCPU Xeons of this project's kind) llama-bench
     dies of SIGILL in its repacked quantized path; so the x86 extensions are named one by
-    one from /proc/cpuinfo, AMX off. `cpuinfo`: the text of /proc/cpuinfo (tests)."""
+    one from /proc/cpuinfo, AMX off. `cpuinfo`: the text of /proc/cpuinfo (tests).
+    isa "avx2": AVX, AVX2, FMA, F16C and BMI2 on, every later extension off (ISA_BUILDS)."""
+    if isa == "avx2":
+        return (["-DGGML_NATIVE=OFF", "-DGGML_BMI2=ON"]
+                + [f"-D{o}={'ON' if f in ('avx', 'avx2', 'fma', 'f16c') else 'OFF'}" for o, f in _GGML_X86.items()]
+                + _AMX_OFF)
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -58,19 +74,36 @@ def isa_flags(cpuinfo: str | None = None) -> list[str]:
             break
     if not any(f.startswith("amx") for f in flags):
         return ["-DGGML_NATIVE=ON"]
-    opts = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
-            "GGML_AVX_VNNI": "avx_vnni", "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
-            "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
-    return (["-DGGML_NATIVE=OFF"] + [f"-D{o}={'ON' if f in flags else 'OFF'}" for o, f in opts.items()]
-            + ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
+    return (["-DGGML_NATIVE=OFF"] + [f"-D{o}={'ON' if f in flags else 'OFF'}" for o, f in _GGML_X86.items()]
+            + _AMX_OFF)
 
 
-def ensure_llama_cpp(root: Path, build: bool) -> Path:
+def _build_isa(root: Path, src: Path, isa: str) -> None:
+    """llama-bench in src/ISA_BUILDS[isa], limited to that instruction set (about 5 min on 2 cores)."""
+    out = src / ISA_BUILDS[isa]
+    _say(f"building llama.cpp's llama-bench for {isa} in {out} (once; about 5 min on 2 cores)")
+    with open(root / f"build-{isa}.log", "ab") as f:
+        subprocess.run(["cmake", "-S", str(src), "-B", str(out), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                        *isa_flags(isa=isa), "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                        "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True, stdout=f, stderr=subprocess.STDOUT)
+        subprocess.run(["cmake", "--build", str(out), "-j", "2", "--target", "llama-bench"], check=True,
+                       stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+    if not _llama_bin(src, "llama-bench", isa).is_file():
+        raise RuntimeError(f"the {isa} llama.cpp build left no llama-bench (see {root / f'build-{isa}.log'})")
+
+
+def ensure_llama_cpp(root: Path, build: bool, isa: str = "native") -> Path:
     """The llama.cpp source tree with llama-bench built; downloads the sdist and builds
-    when `build` (raises RuntimeError saying why when it cannot)."""
+    when `build` (raises RuntimeError saying why when it cannot). isa other than "native":
+    the native build (its converter tools make the GGUFs) and llama-bench for that ISA."""
     root = Path(root).expanduser()
     src = _find_llama_src(root) if root.is_dir() else None
     if src and _llama_bin(src, "llama-bench").is_file():
+        if isa != "native" and not _llama_bin(src, "llama-bench", isa).is_file():
+            if not build:
+                raise RuntimeError(f"llama.cpp's {isa} llama-bench is not built in {src / ISA_BUILDS[isa]} "
+                                   "(a run without --no-build builds it, about 5 min on 2 cores)")
+            _build_isa(root, src, isa)
         return src
     if not build:
         raise RuntimeError(f"llama.cpp is not built in {root} (a full run without --smoke "
@@ -111,6 +144,8 @@ def ensure_llama_cpp(root: Path, build: bool) -> Path:
                         *LLAMA_TARGETS], check=True, stdout=f, stderr=subprocess.STDOUT)
     if not _llama_bin(src, "llama-bench").is_file():
         raise RuntimeError(f"the llama.cpp build left no llama-bench (see {log})")
+    if isa != "native":
+        _build_isa(root, src, isa)
     return src
 
 
@@ -206,11 +241,11 @@ NO_REPACK = ("--repack", "0")
 
 
 def run_llama_bench(src: Path, gguf: Path, threads: int, n_prompt: int, n_gen: int,
-                    extra: tuple | list = ()) -> dict:
+                    extra: tuple | list = (), isa: str = "native") -> dict:
     """One llama-bench repetition: pp at depth 0 and tg at depth n_prompt (-r 1 each,
-    llama-bench's own warm-up run first), with `extra` arguments. Returns tokens/s;
-    raises LlamaBenchCrash when llama-bench dies of a signal."""
-    exe = str(_llama_bin(src, "llama-bench"))
+    llama-bench's own warm-up run first), with `extra` arguments, from the `isa` build.
+    Returns tokens/s; raises LlamaBenchCrash when llama-bench dies of a signal."""
+    exe = str(_llama_bin(src, "llama-bench", isa))
     out = {}
 
     def one(args):

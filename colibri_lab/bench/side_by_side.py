@@ -81,7 +81,7 @@ from .tuning import (decode_roofline, file_decode_roofline, machine_info, measur
 from .common import DTYPES, ENGINES, SMOKE_SHAPE, _say, default_cache_dir
 from .files import (colibri_file, colibri_from_gguf, drop_from_page_cache, hugepage_fraction,
                     source_info)
-from .llama_cpp import (NO_REPACK, QUANT_BASES, QUANT_TYPES, LlamaBenchCrash, needs_bpe_stand_in,
+from .llama_cpp import (ISA_BUILDS, NO_REPACK, QUANT_BASES, QUANT_TYPES, LlamaBenchCrash, needs_bpe_stand_in,
                         ensure_llama_cpp, gguf_file, run_llama_bench)
 
 # --make-model FAMILY: the random models of other families (transformers config keys)
@@ -280,13 +280,14 @@ def _median(reps: list, key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def _llama_rep(ent: dict, src: Path, gguf: Path, threads: int, n_pre: int, n_dec: int) -> dict:
+def _llama_rep(ent: dict, src: Path, gguf: Path, threads: int, n_pre: int, n_dec: int,
+               isa: str = "native") -> dict:
     """One llama-bench repetition. If llama-bench dies of a signal with its defaults, the
     configuration is rerun, now and for its later repetitions, with ``--repack 0``
     (llama_cpp.NO_REPACK says why), and the entry records it (``llama_bench_args``,
     ``llama_bench_note``); the table names the row "llama.cpp (--repack 0)"."""
     try:
-        return run_llama_bench(src, gguf, threads, n_pre, n_dec, ent.get("llama_bench_args", ()))
+        return run_llama_bench(src, gguf, threads, n_pre, n_dec, ent.get("llama_bench_args", ()), isa)
     except LlamaBenchCrash as ex:
         if ent.get("llama_bench_args"):
             raise
@@ -294,7 +295,7 @@ def _llama_rep(ent: dict, src: Path, gguf: Path, threads: int, n_pre: int, n_dec
         ent["llama_bench_note"] = (f"{ex} with its default buffers (AMX / repacked weights); "
                                    f"rerun with {' '.join(NO_REPACK)}")  # fmt: skip
         _say(f"llama.cpp: {ent['llama_bench_note']}")
-        return run_llama_bench(src, gguf, threads, n_pre, n_dec, ent["llama_bench_args"])
+        return run_llama_bench(src, gguf, threads, n_pre, n_dec, ent["llama_bench_args"], isa)
 
 
 def _model_files(engines, dtype: str, model_dir: Path, cache: Path, llama_src, llama_err,
@@ -413,7 +414,41 @@ def _fast_vs_exact(path: Path, args, hf_cfg: dict, threads: int) -> dict:
             if k in r}
 
 
+#: The environment that limits each engine's kernels to an instruction set (--isa): Colibri's
+#: tables (registry: COLIBRI_KERNELS, COLIBRI_FAST_KERNELS), PyTorch's dispatch and oneDNN's.
+#: llama.cpp is limited by its build instead (llama_cpp.ISA_BUILDS).
+ISA_ENV = {"native": {},
+           "avx2": {"COLIBRI_KERNELS": "avx2", "COLIBRI_FAST_KERNELS": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                    "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+#: What the CPU must have for each (its /proc/cpuinfo flags)
+ISA_NEEDS = {"native": (), "avx2": ("avx2", "fma", "f16c")}
+
+
+def isa_missing(isa: str, simd) -> list[str]:
+    """The flags of ISA_NEEDS[isa] that a machine's SIMD flags (tuning.machine_info) lack."""
+    have = {f.lower() for f in simd}
+    return [f for f in ISA_NEEDS[isa] if f not in have]
+
+
 def run(args) -> dict:
+    """The benchmark (main's parsed arguments); under --isa, with ISA_ENV set for the run."""
+    isa = getattr(args, "isa", "native")
+    if isa_missing(isa, machine_info().get("simd", [])):
+        raise SystemExit(f"bench: --isa {isa} needs {', '.join(ISA_NEEDS[isa])}; this CPU lacks "
+                         f"{', '.join(isa_missing(isa, machine_info().get('simd', [])))}")  # fmt: skip
+    saved = {k: os.environ.get(k) for k in ISA_ENV[isa]}
+    os.environ.update(ISA_ENV[isa])  # the spawned workers inherit it
+    try:
+        return _run(args, isa)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run(args, isa: str) -> dict:
     cache = Path(args.cache_dir).expanduser()
     llama_root = Path(args.llama_cpp_dir).expanduser() if args.llama_cpp_dir else cache / "llama.cpp"
     engines, dtypes, threads = args.engines, args.dtype, args.threads
@@ -464,6 +499,7 @@ def run(args) -> dict:
         "reps": args.reps,
         "seed": args.seed,
         "precisions": list(args.precision),
+        "isa": isa,
         "token_ids": "numpy PRNG seeded by (seed, rep), uniform over [3, vocab), BOS first; "
                      "the same ids for colibri and transformers; llama-bench draws its own "
                      "with std::rand()",
@@ -497,7 +533,8 @@ def run(args) -> dict:
         # alone (it runs the same GGUF); only a run of llama.cpp itself builds it
         try:
             llama_src = ensure_llama_cpp(llama_root, build="llama.cpp" in engines
-                                         and not (args.smoke or args.no_build))  # fmt: skip
+                                         and not (args.smoke or args.no_build),
+                                         isa=isa if "llama.cpp" in engines else "native")  # fmt: skip
         except Exception as e:
             llama_err = str(e)
         result["llama_cpp_dir"] = str(llama_src or llama_root)
@@ -571,7 +608,7 @@ def run(args) -> dict:
                     bw_now = _adjacent_read_gbs(read_bw.get(str(nt)), nt, args.read_bandwidth_mib)
                     try:
                         if e == "llama.cpp":
-                            r = _llama_rep(ent, llama_src, files["llama.cpp"], nt, n_pre, n_dec)
+                            r = _llama_rep(ent, llama_src, files["llama.cpp"], nt, n_pre, n_dec, isa)
                         else:
                             r = workers[e].run(prompt, dec)
                     except Exception as ex:
@@ -619,6 +656,11 @@ def run(args) -> dict:
                     ent["roofline_fraction_adjacent"] = _median(ent["reps"], "roofline_fraction_adjacent")
                 if ent["decode_tok_s"] and roof_copy.get("roofline_tok_s"):
                     ent["copy_roofline_fraction"] = ent["decode_tok_s"] / roof_copy["roofline_tok_s"]
+                if (isa != "native" and e.startswith("colibri") and ent.get("kernels")
+                        and not str(ent["kernels"]).startswith(ISA_ENV[isa]["COLIBRI_KERNELS"])):
+                    w = f"{e} {dtype} ran the kernel table {ent['kernels']!r}, not the --isa {isa} one"
+                    result["warnings"].append(w)
+                    _say(f"warning: {w}")
                 if "error" in ent and not ent["reps"]:
                     ent["status"] = f"not available: {ent['error']}"
                 else:
@@ -715,6 +757,8 @@ def render_table(res: dict) -> str:
         f"hidden {res['model']['hidden']}, {res['model']['experts']} experts top-{res['model']['top_k']}, "
         f"vocab {res['model']['vocab']})",
         f"load average (1 min) at start {res['loadavg_start'][0]:.1f}, at end {res['loadavg_end'][0]:.1f}",
+        *([f"instruction sets: {res['isa']} only, both engines (Colibri's {res['isa']} tables; llama.cpp "
+           f"built for it in {ISA_BUILDS[res['isa']]}/)"] if res.get("isa", "native") != "native" else []),
         f"prefill {res['prefill_tokens']} tokens, decode {res['decode_tokens']} tokens after it; "
         f"median of {res['reps']} repetition(s), engines alternating",
         *_quant_lines(res),
@@ -798,7 +842,9 @@ def render_summary(res: dict, machine: str | None = None) -> str:
     date = (res.get("started_utc") or "")[:10] or "undated"
     head = (res.get("source") or {}).get("git_head") or "unknown commit"
     threads = sorted({c["threads"] for c in res["configs"]})
-    lines = [f"**{machine or m.get('cpu', '?')}, {isa_summary(m.get('simd', []))}, "
+    isa = (isa_summary(m.get("simd", [])) if res.get("isa", "native") == "native"
+           else f"{res['isa'].upper()} only (both engines; the CPU has {isa_summary(m.get('simd', []))})")
+    lines = [f"**{machine or m.get('cpu', '?')}, {isa}, "
              f"{'/'.join(map(str, threads))} thread{'s' if threads != [1] else ''}, {date}, commit {head}**",
              "", "| engine, weights | prefill tok/s | decode tok/s |", "|---|---|---|"]
     for c in res["configs"]:
@@ -870,6 +916,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-cpp-dir", default=None,
                    help="llama.cpp cache: an unpacked sdist or source tree (default CACHE/llama.cpp)")
     p.add_argument("--no-build", action="store_true", help="do not download or build llama.cpp")
+    p.add_argument("--isa", default="native", choices=tuple(ISA_ENV),
+                   help="instruction sets both engines may use: native (default: all the CPU has) "
+                        "or avx2 (an AVX2-only machine's, e.g. Zen 3, on a newer CPU: Colibri's "
+                        "avx2 kernel tables, PyTorch's AVX2 dispatch, llama.cpp built again with "
+                        "AVX-512 and AVX-VNNI off in its build-avx2 folder, once, about 5 min)")
     p.add_argument("--bandwidth-mib", type=int, default=512,
                    help="size of the numpy copy bandwidth buffer in MiB (default 512)")
     p.add_argument("--read-bandwidth-mib", type=int, default=READ_BW_MIB,
