@@ -58,6 +58,14 @@ static inline __attribute__((always_inline)) vf vbit_lanes_f(uint32_t bits, int 
     int32x4_t s = vnegq_s32(vaddq_s32(vdupq_n_s32(e0), vld1q_s32(iota))); /* negative: right shifts */
     return vcvtq_f32_u32(vandq_u32(vshlq_u32(vdupq_n_u32(bits), s), vdupq_n_u32(1)));
 }
+/* Q5 codes in lanes, as kernels_avx2.c's */
+static inline __attribute__((always_inline)) vf vq5_lanes(vqi i, int s, uint32_t qh, int e0) {
+    const int32_t iota[4] = {0, 1, 2, 3};
+    uint32x4_t nib = s ? vshlq_u32(i, vdupq_n_s32(-s)) : vandq_u32(i, vdupq_n_u32(15));
+    int32x4_t cnt = vnegq_s32(vaddq_s32(vdupq_n_s32(e0 >= 4 ? e0 - 4 : e0), vld1q_s32(iota))); /* right shifts */
+    uint32x4_t hb = vshlq_u32(vdupq_n_u32(e0 >= 4 ? qh : qh << 4), cnt);
+    return vcvtq_f32_u32(vorrq_u32(nib, vandq_u32(hb, vdupq_n_u32(16))));
+}
 static inline __attribute__((always_inline)) vf vq4(vqi i, int hi, vf tab, float dl, float ml) {
     (void)tab;
     if (hi) i = vshrq_n_u32(i, 4); /* bytes: the high nibble alone */

@@ -43,6 +43,15 @@ static inline __attribute__((always_inline)) vf vbit_lanes_f(uint32_t bits, int 
     __m256i s = _mm256_add_epi32(_mm256_set1_epi32(e0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)bits), s), _mm256_set1_epi32(1)));
 }
+/* Q5_0 / Q5_1 codes of VL lanes as float (exact): lane l the nibble of i's byte (the high one
+ * when s is 4) with bit e0 + l of qh as its bit 4, the bit shifted straight to place (e0 0:
+ * from qh << 4, whose bits 4 .. 11 are qh's 0 .. 7) */
+static inline __attribute__((always_inline)) vf vq5_lanes(vqi i, int s, uint32_t qh, int e0) {
+    __m256i nib = s ? _mm256_srli_epi32(i, s) : _mm256_and_si256(i, _mm256_set1_epi32(15));
+    __m256i cnt = _mm256_add_epi32(_mm256_set1_epi32(e0 >= 4 ? e0 - 4 : e0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i hb = _mm256_srlv_epi32(_mm256_set1_epi32((int)(e0 >= 4 ? qh : qh << 4)), cnt);
+    return _mm256_cvtepi32_ps(_mm256_or_si256(nib, _mm256_and_si256(hb, _mm256_set1_epi32(16))));
+}
 static inline __attribute__((always_inline)) vf vq4(vqi i, int hi, vf tab, float dl, float ml) {
     (void)tab;
     if (hi) i = _mm256_srli_epi32(i, 4); /* bytes: the high nibble alone */

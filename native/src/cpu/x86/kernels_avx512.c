@@ -47,6 +47,15 @@ static inline __attribute__((always_inline)) vf vbit_lanes_f(uint32_t bits, int 
                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)bits), s), _mm512_set1_epi32(1)));
 }
+/* Q5 codes in lanes, as kernels_avx2.c's (the avx512 table's Q5 tiles look their values up
+ * instead: vtab32) */
+static inline __attribute__((always_inline)) vf vq5_lanes(vqi i, int s, uint32_t qh, int e0) {
+    __m512i nib = s ? _mm512_srli_epi32(i, (unsigned)s) : _mm512_and_si512(i, _mm512_set1_epi32(15));
+    __m512i cnt = _mm512_add_epi32(_mm512_set1_epi32(e0 >= 4 ? e0 - 4 : e0),
+                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    __m512i hb = _mm512_srlv_epi32(_mm512_set1_epi32((int)(e0 >= 4 ? qh : qh << 4)), cnt);
+    return _mm512_cvtepi32_ps(_mm512_or_si512(nib, _mm512_and_si512(hb, _mm512_set1_epi32(16))));
+}
 static inline __attribute__((always_inline)) vf vq4(vqi i, int hi, vf tab, float dl, float ml) {
     (void)dl;
     (void)ml;
