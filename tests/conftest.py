@@ -31,6 +31,22 @@ DEFAULT_SHAPE = dict(vocab=32000, hidden=64, inter=96, layers=2, heads=4, kv_hea
                      experts=4, top_k=2, max_pos=256, seed=0)  # fmt: skip
 
 
+def pytest_sessionstart(session):
+    """Refuse to test a library older than the checkout's native sources: an editable install
+    is not rebuilt when native/ changes, and every test of the engine would then pass or fail
+    on code that is not this tree's (runtime._native.library_facts names the newer file)."""
+    if hasattr(session.config, "workerinput"):  # xdist workers: the controller checked
+        return
+    try:
+        from colibri_lab.runtime._native import library_facts
+
+        stale = library_facts()["stale"]
+    except Exception:  # no library at all: the tests that need one say so themselves
+        return
+    if stale:
+        pytest.exit(f"the Colibri library under test is stale: {stale}", returncode=4)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
