@@ -41,6 +41,8 @@ def _find_llama_src(root: Path) -> Path | None:
 #: BMI2: a Zen 2/3 or an Intel client core) on a newer CPU. Each has its own llama.cpp build
 #: folder beside the source.
 ISA_BUILDS = {"native": "build", "avx2": "build-avx2"}
+#: The /proc/cpuinfo flags each limit needs and allows, AVX implied (native: whatever the CPU lists)
+ISA_CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c")}
 _GGML_X86 = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
              "GGML_AVX_VNNI": "avx_vnni", "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
              "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
@@ -58,9 +60,9 @@ def isa_flags(cpuinfo: str | None = None, isa: str = "native") -> list[str]:
     dies of SIGILL in its repacked quantized path; so the x86 extensions are named one by
     one from /proc/cpuinfo, AMX off. `cpuinfo`: the text of /proc/cpuinfo (tests).
     isa "avx2": AVX, AVX2, FMA, F16C and BMI2 on, every later extension off (ISA_BUILDS)."""
-    if isa == "avx2":
+    if isa != "native":
         return (["-DGGML_NATIVE=OFF", "-DGGML_BMI2=ON"]
-                + [f"-D{o}={'ON' if f in ('avx', 'avx2', 'fma', 'f16c') else 'OFF'}" for o, f in _GGML_X86.items()]
+                + [f"-D{o}={'ON' if f in ('avx', *ISA_CPU_FLAGS[isa]) else 'OFF'}" for o, f in _GGML_X86.items()]
                 + _AMX_OFF)
     if cpuinfo is None:
         try:
@@ -78,18 +80,25 @@ def isa_flags(cpuinfo: str | None = None, isa: str = "native") -> list[str]:
             + _AMX_OFF)
 
 
-def _build_isa(root: Path, src: Path, isa: str) -> None:
-    """llama-bench in src/ISA_BUILDS[isa], limited to that instruction set (about 5 min on 2 cores)."""
-    out = src / ISA_BUILDS[isa]
-    _say(f"building llama.cpp's llama-bench for {isa} in {out} (once; about 5 min on 2 cores)")
-    with open(root / f"build-{isa}.log", "ab") as f:
-        subprocess.run(["cmake", "-S", str(src), "-B", str(out), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                        *isa_flags(isa=isa), "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                        "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True, stdout=f, stderr=subprocess.STDOUT)
-        subprocess.run(["cmake", "--build", str(out), "-j", "2", "--target", "llama-bench"], check=True,
-                       stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+def _build(root: Path, src: Path, isa: str, targets) -> None:
+    """`targets` of llama.cpp built in src/ISA_BUILDS[isa] with isa_flags(isa=isa), the log in
+    root; raises RuntimeError when no llama-bench came of it."""
+    log = root / ("build.log" if isa == "native" else f"build-{isa}.log")
+    with open(log, "ab") as f:
+        subprocess.run(["cmake", "-S", str(src), "-B", str(src / ISA_BUILDS[isa]), "-G", "Ninja",
+                        "-DCMAKE_BUILD_TYPE=Release", *isa_flags(isa=isa), "-DLLAMA_OPENSSL=OFF",
+                        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
+                       check=True, stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+        subprocess.run(["cmake", "--build", str(src / ISA_BUILDS[isa]), "-j", "2", "--target", *targets],
+                       check=True, stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
     if not _llama_bin(src, "llama-bench", isa).is_file():
-        raise RuntimeError(f"the {isa} llama.cpp build left no llama-bench (see {root / f'build-{isa}.log'})")
+        raise RuntimeError(f"the {isa} llama.cpp build left no llama-bench (see {log})")
+
+
+def _build_isa(root: Path, src: Path, isa: str) -> None:
+    """llama-bench alone, limited to `isa` (about 5 min on 2 cores, once)."""
+    _say(f"building llama.cpp's llama-bench for {isa} in {src / ISA_BUILDS[isa]} (once; about 5 min on 2 cores)")
+    _build(root, src, isa, ("llama-bench",))
 
 
 def ensure_llama_cpp(root: Path, build: bool, isa: str = "native") -> Path:
@@ -134,16 +143,7 @@ def ensure_llama_cpp(root: Path, build: bool, isa: str = "native") -> Path:
         if src is None:
             raise RuntimeError(f"{sdists[-1]} holds no vendor/llama.cpp")
     _say(f"building llama.cpp in {src}/build (once; about 6.5 min on 2 cores)")
-    log = root / "build.log"
-    with open(log, "ab") as f:
-        subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-G", "Ninja",
-                        "-DCMAKE_BUILD_TYPE=Release", *isa_flags(), "-DLLAMA_OPENSSL=OFF",
-                        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
-                       check=True, stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
-        subprocess.run(["cmake", "--build", str(src / "build"), "-j", "2", "--target",
-                        *LLAMA_TARGETS], check=True, stdout=f, stderr=subprocess.STDOUT)
-    if not _llama_bin(src, "llama-bench").is_file():
-        raise RuntimeError(f"the llama.cpp build left no llama-bench (see {log})")
+    _build(root, src, "native", LLAMA_TARGETS)
     if isa != "native":
         _build_isa(root, src, isa)
     return src

@@ -81,7 +81,7 @@ from .tuning import (decode_roofline, file_decode_roofline, machine_info, measur
 from .common import DTYPES, ENGINES, SMOKE_SHAPE, _say, default_cache_dir
 from .files import (colibri_file, colibri_from_gguf, drop_from_page_cache, hugepage_fraction,
                     source_info)
-from .llama_cpp import (ISA_BUILDS, NO_REPACK, QUANT_BASES, QUANT_TYPES, LlamaBenchCrash, needs_bpe_stand_in,
+from .llama_cpp import (ISA_BUILDS, ISA_CPU_FLAGS, NO_REPACK, QUANT_BASES, QUANT_TYPES, LlamaBenchCrash, needs_bpe_stand_in,
                         ensure_llama_cpp, gguf_file, run_llama_bench)
 
 # --make-model FAMILY: the random models of other families (transformers config keys)
@@ -420,22 +420,22 @@ def _fast_vs_exact(path: Path, args, hf_cfg: dict, threads: int) -> dict:
 ISA_ENV = {"native": {},
            "avx2": {"COLIBRI_KERNELS": "avx2", "COLIBRI_FAST_KERNELS": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
                     "ONEDNN_MAX_CPU_ISA": "AVX2"}}
-#: What the CPU must have for each (its /proc/cpuinfo flags)
-ISA_NEEDS = {"native": (), "avx2": ("avx2", "fma", "f16c")}
 
 
 def isa_missing(isa: str, simd) -> list[str]:
-    """The flags of ISA_NEEDS[isa] that a machine's SIMD flags (tuning.machine_info) lack."""
+    """The flags of llama_cpp.ISA_CPU_FLAGS[isa] that a machine's SIMD flags
+    (tuning.machine_info) lack."""
     have = {f.lower() for f in simd}
-    return [f for f in ISA_NEEDS[isa] if f not in have]
+    return [f for f in ISA_CPU_FLAGS.get(isa, ()) if f not in have]
 
 
 def run(args) -> dict:
     """The benchmark (main's parsed arguments); under --isa, with ISA_ENV set for the run."""
     isa = getattr(args, "isa", "native")
-    if isa_missing(isa, machine_info().get("simd", [])):
-        raise SystemExit(f"bench: --isa {isa} needs {', '.join(ISA_NEEDS[isa])}; this CPU lacks "
-                         f"{', '.join(isa_missing(isa, machine_info().get('simd', [])))}")  # fmt: skip
+    missing = isa_missing(isa, machine_info().get("simd", []))
+    if missing:
+        raise SystemExit(f"bench: --isa {isa} needs {', '.join(ISA_CPU_FLAGS[isa])}; this CPU lacks "
+                         f"{', '.join(missing)}")  # fmt: skip
     saved = {k: os.environ.get(k) for k in ISA_ENV[isa]}
     os.environ.update(ISA_ENV[isa])  # the spawned workers inherit it
     try:
