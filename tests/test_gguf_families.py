@@ -432,7 +432,7 @@ def test_greedy_text_equals_llama_cpp(models, imported, fam):
     import subprocess
 
     from colibri_lab.conversion.bpe import bytes_to_unicode
-    from test_gguf_import import _llama_program
+    from test_gguf_import import _llama_program, llama_eog_ids
 
     exe = _llama_program(models["src"], "llama-completion")
     prompt = "def forward(self, x):"
@@ -444,8 +444,9 @@ def test_greedy_text_equals_llama_cpp(models, imported, fam):
         assert r.returncode == 0, r.stderr[-2000:].decode("utf-8", "replace")
         if b"common_perf_print" in r.stderr:   # its summary: a run that finished
             break
+    ban = {i: -1e9 for i in llama_eog_ids(models[fam]["gguf"]["f32"])}   # as --ignore-eos
     with _engine(imported(fam, "f32")) as eng:
-        ids = [t.id for t in eng.generate(prompt, max_new_tokens=12, stop_at_eos=False)]
+        ids = [t.id for t in eng.generate(prompt, max_new_tokens=12, stop_at_eos=False, logit_bias=ban)]
     inv = {v: k for k, v in bytes_to_unicode().items()}
     tok = models[fam]["tok"]
     got = b"".join(bytes(inv[c] for c in tok.id_to_token(i)) for i in ids)

@@ -652,6 +652,36 @@ def _llama_program(src: Path, name: str) -> Path:
     return exe
 
 
+# The token texts llama.cpp's vocabulary loader counts as end of generation, whatever their
+# ids (src/llama-vocab.cpp, special_eog_ids)
+LLAMA_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+})
+
+
+def llama_eog_ids(path: Path) -> list[int]:
+    """The ids llama.cpp ends generation at for a GGUF, as its loader decides them: the
+    file's EOS, EOT, EOM and FIM pad/repeat/separator ids and every token whose text is in
+    LLAMA_EOG_TEXTS, less "<|end|>" where "<|return|>" and "<|call|>" (or "<|calls|>" and
+    "<|flush|>") are present. `--ignore-eos` bans all of them (a logit bias of -inf), so
+    greedy text compared with llama-completion's under that flag bans them too."""
+    r = gguf.GGUFReader(path)
+    f = r.fields
+    tokens = [str(bytes(f["tokenizer.ggml.tokens"].parts[i]), "utf-8") for i in f["tokenizer.ggml.tokens"].data]
+    eog = {i for i, t in enumerate(tokens) if t in LLAMA_EOG_TEXTS}
+    for k in ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep"):
+        key = f"tokenizer.ggml.{k}_token_id"
+        if key in f:
+            eog.add(int(f[key].parts[f[key].data[0]][0]))
+    texts = {tokens[i] for i in eog if 0 <= i < len(tokens)}
+    if "<|end|>" in texts and ({"<|return|>", "<|call|>"} <= texts or {"<|calls|>", "<|flush|>"} <= texts):
+        eog.discard(tokens.index("<|end|>"))
+    return sorted(i for i in eog if 0 <= i < len(tokens))
+
+
 @pytest.mark.parametrize("qtype", KQUANT_TYPES)
 def test_k_quant_mixes(models, qtype, tmp_path):
     """llama-quantize's Q4_K_M / Q5_K_M / Q6_K files (Q4_K, Q5_K, Q6_K and Q8_0 blocks, as
@@ -874,8 +904,9 @@ def test_greedy_text_equals_llama_cpp(models, imported, fam):
             break
     assert b"common_perf_print" in r.stderr, "llama-completion never finished a run"
     out = r.stdout.decode("utf-8", "replace")   # random weights: any bytes may come out
+    ban = {i: -1e9 for i in llama_eog_ids(models[fam]["gguf"]["f32"])}   # as --ignore-eos
     with _engine(imported(fam, "f32")) as eng:
-        ids = [t.id for t in eng.generate(prompt, max_new_tokens=12, stop_at_eos=False)]
+        ids = [t.id for t in eng.generate(prompt, max_new_tokens=12, stop_at_eos=False, logit_bias=ban)]
         got = eng.tokenizer.decode(ids)
     assert prompt in out
     # (decoding the generated ids alone drops SentencePiece's leading space)

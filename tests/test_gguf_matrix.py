@@ -11,7 +11,8 @@ multiples of 256 (Q4_K_M falling back to Q5_0 / Q8_0). For each file:
   within 1e-4 x the logit scale;
 * llama.cpp's llama-completion on the F32 file of the same values (the file's tensors
   dequantized with gguf.quants) and the engine on the quantized import generate the same
-  greedy tokens (up to a tie within TIE x the logit scale, which rounding decides);
+  greedy tokens (up to a tie within TIE x the logit scale, which rounding decides), both
+  with llama.cpp's end-of-generation tokens banned, as its --ignore-eos bans them;
 * on the quantized file itself llama.cpp multiplies these blocks with 8-bit-quantized
   activations (Q8_0 / Q8_K), the exact mode with f32 ones: its greedy text is recorded (the
   rank and gap of each of its tokens among the engine's logits: the test's "steps" property),
@@ -58,7 +59,7 @@ from colibri_lab.conversion.gguf import convert_gguf  # noqa: E402
 from colibri_lab.format import reader as fmt_reader  # noqa: E402
 from test_gguf_import import (  # noqa: E402
     CHATML, MIXTRAL_TEMPLATE, SPECIALS, _corpus, _llama_program, _llama_root, _native_or_fail,
-    dequantized, llama_cpp_source, make_ggufs, rewrite_gguf,
+    dequantized, llama_cpp_source, llama_eog_ids, make_ggufs, rewrite_gguf,
 )
 
 TOL = 1e-4
@@ -289,16 +290,18 @@ def _piece_bytes(tok, folder: Path):
     return f
 
 
-def _follow(eng, prompt: str, theirs: bytes, piece) -> list[tuple[int, float, float]]:
+def _follow(eng, prompt: str, theirs: bytes, piece, banned: list[int]) -> list[tuple[int, float, float]]:
     """llama.cpp's continuation `theirs` read back as tokens through the engine's own logits
     (teacher forcing): per generated token, (the rank of llama.cpp's token among the engine's
     logits, the engine's top logit minus that token's, the engine's top-2 margin). Rank 0
     everywhere: the same greedy text. llama.cpp's token at a step is the best-ranked of the
-    engine's whose bytes begin what is left of `theirs`."""
+    engine's whose bytes begin what is left of `theirs`; the `banned` ids (what
+    `--ignore-eos` bans: llama_eog_ids) are not candidates."""
     ids = eng.tokenizer.encode(prompt, add_bos=True)
     out, rest = [], theirs
     for _ in range(N_NEW):
         logits = eng.forward(ids)[-1]
+        logits[banned] = -np.inf
         order = np.argsort(-logits, kind="stable")
         for rank, t in enumerate(order[:200]):
             b = piece(int(t))
@@ -343,12 +346,15 @@ def test_llama_quantize_file(models, fam, ftype, tmp_path, record_property):
     cont = conts["file"]
     with colibri_lab.Engine(out) as eng:
         got = eng.forward(ids)
-        gen = [t.id for t in eng.generate(prompt, max_new_tokens=N_NEW, stop_at_eos=False)]
+        # llama-completion --ignore-eos bans its end-of-generation tokens: so does the engine here
+        banned = llama_eog_ids(q)
+        gen = [t.id for t in eng.generate(prompt, max_new_tokens=N_NEW, stop_at_eos=False,
+                                          logit_bias={i: -1e9 for i in banned})]
         try:
-            steps = _follow(eng, prompt, cont, piece)
+            steps = _follow(eng, prompt, cont, piece, banned)
         except AssertionError as e:   # recorded only (see below)
             steps = str(e)
-        same_values = _follow(eng, prompt, conts["values"], piece)
+        same_values = _follow(eng, prompt, conts["values"], piece, banned)
     scale = max(1.0, float(np.abs(ref).max()))
     delta = float(np.abs(got - ref).max())
     mine = b"".join(piece(i) for i in gen)
