@@ -44,7 +44,7 @@ def engine(model):
 
 
 def test_abi_and_version():
-    assert _native.lib.colibri_abi_version() == _native.ABI_VERSION == 10
+    assert _native.lib.colibri_abi_version() == _native.ABI_VERSION == 11
     assert isinstance(colibri_lab.native_version(), str) and colibri_lab.native_version()
     assert _native.lib_path.name == "libcolibri.so"
 

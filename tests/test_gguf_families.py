@@ -219,10 +219,16 @@ def _close(a, b) -> bool:
 def test_metadata_equals_the_hf_converter(models, imported, fam):
     """Hyper-parameters, family options (MLA widths, groups, routing, sinks, windows, YaRN
     frequencies) and the chat template equal the Hugging Face converter's for the same
-    checkpoint; floats read back from the GGUF's f32 values within 1e-6."""
+    checkpoint; floats read back from the GGUF's f32 values within 1e-6. The end tokens are
+    each source's own: llama.cpp's end-of-generation set for the GGUF."""
+    from colibri_lab.conversion.gguf import gguf_end_ids
+
     hf = fmt_reader.inspect(models[fam]["hf"])
     got = fmt_reader.inspect(imported(fam, "f32"), verify=True)
-    own = {"general.name", "convert.source", "model.weight_dtype", "tokenizer.special_source"}
+    eos = got.metadata["tokenizer.eos_id"]
+    assert got.metadata.get("tokenizer.end_ids", []) == \
+        [i for i in gguf_end_ids(str(models[fam]["gguf"]["f32"])) if i != eos]
+    own = {"general.name", "convert.source", "model.weight_dtype", "tokenizer.special_source", "tokenizer.end_ids"}
     keys = (set(hf.metadata) | set(got.metadata)) - own
     diff = {k: (got.metadata.get(k), hf.metadata.get(k)) for k in sorted(keys)
             if not _close(got.metadata.get(k), hf.metadata.get(k))}
@@ -432,7 +438,8 @@ def test_greedy_text_equals_llama_cpp(models, imported, fam):
     import subprocess
 
     from colibri_lab.conversion.bpe import bytes_to_unicode
-    from test_gguf_import import _llama_program, llama_eog_ids
+    from colibri_lab.conversion.gguf import gguf_end_ids
+    from test_gguf_import import _llama_program
 
     exe = _llama_program(models["src"], "llama-completion")
     prompt = "def forward(self, x):"
@@ -444,7 +451,7 @@ def test_greedy_text_equals_llama_cpp(models, imported, fam):
         assert r.returncode == 0, r.stderr[-2000:].decode("utf-8", "replace")
         if b"common_perf_print" in r.stderr:   # its summary: a run that finished
             break
-    ban = {i: -1e9 for i in llama_eog_ids(models[fam]["gguf"]["f32"])}   # as --ignore-eos
+    ban = {i: -1e9 for i in gguf_end_ids(str(models[fam]["gguf"]["f32"]))}   # as --ignore-eos
     with _engine(imported(fam, "f32")) as eng:
         ids = [t.id for t in eng.generate(prompt, max_new_tokens=12, stop_at_eos=False, logit_bias=ban)]
     inv = {v: k for k, v in bytes_to_unicode().items()}

@@ -44,7 +44,7 @@ gguf = pytest.importorskip("gguf")
 import colibri_lab  # noqa: E402
 from colibri_lab.format import reader as fmt_reader, spec as fmt  # noqa: E402
 from colibri_lab.conversion.spec import ConversionError  # noqa: E402
-from colibri_lab.conversion.gguf import convert_gguf  # noqa: E402
+from colibri_lab.conversion.gguf import convert_gguf, gguf_end_ids  # noqa: E402
 from colibri_lab.bench.llama_cpp import _find_llama_src  # noqa: E402
 
 from colibri_lab.bench.models import FamilyShape, MixtralShape, build_model, byte_level_bpe, save_checkpoint  # noqa: E402
@@ -446,17 +446,22 @@ def test_f32_values_equal_the_checkpoint(models, imported, fam):
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_metadata_equals_the_hf_converter(models, imported, fam):
     """Header, hyper-parameters, family options and tokenizer keys equal the Hugging Face
-    converter's for the same checkpoint; only provenance and the dtype names differ."""
+    converter's for the same checkpoint; only provenance, the dtype names and the end tokens
+    differ (the GGUF's are llama.cpp's end-of-generation set; the checkpoint's, those of its
+    generation_config.json)."""
     hf = fmt_reader.inspect(models[fam]["hf"])
     got = fmt_reader.inspect(imported(fam, "f32"))
     assert {k: got.header[k] for k in fmt.HEADER_FIELDS} == \
         {k: hf.header[k] for k in fmt.HEADER_FIELDS}
     assert got.family_options == hf.family_options
-    own = {"general.name", "convert.source", "model.weight_dtype", "tokenizer.special_source"}
+    eos = got.metadata["tokenizer.eos_id"]
+    assert got.metadata.get("tokenizer.end_ids", []) == \
+        [i for i in gguf_end_ids(str(models[fam]["gguf"]["f32"])) if i != eos]
+    own = {"general.name", "convert.source", "model.weight_dtype", "tokenizer.special_source", "tokenizer.end_ids"}
     a = {k: v for k, v in hf.metadata.items() if k not in own}
     b = {k: v for k, v in got.metadata.items() if k not in own}
     assert b == a
-    assert got.metadata_types == {k: t for k, t in hf.metadata_types.items()} | \
+    assert got.metadata_types == {k: t for k, t in hf.metadata_types.items() if k not in own} | \
         {k: got.metadata_types[k] for k in own & set(got.metadata)}
     assert got.metadata["model.weight_dtype"] == "gguf_f32"
     assert got.metadata["convert.source"].startswith("colibri_lab.conversion.gguf ")
@@ -650,36 +655,6 @@ def _llama_program(src: Path, name: str) -> Path:
                     f"colibri_lab.bench.side_by_side builds it, or cmake --build {src / 'build'} "
                     f"--target {name})")
     return exe
-
-
-# The token texts llama.cpp's vocabulary loader counts as end of generation, whatever their
-# ids (src/llama-vocab.cpp, special_eog_ids)
-LLAMA_EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<｜end▁of▁sentence｜>", "[e~[",
-})
-
-
-def llama_eog_ids(path: Path) -> list[int]:
-    """The ids llama.cpp ends generation at for a GGUF, as its loader decides them: the
-    file's EOS, EOT, EOM and FIM pad/repeat/separator ids and every token whose text is in
-    LLAMA_EOG_TEXTS, less "<|end|>" where "<|return|>" and "<|call|>" (or "<|calls|>" and
-    "<|flush|>") are present. `--ignore-eos` bans all of them (a logit bias of -inf), so
-    greedy text compared with llama-completion's under that flag bans them too."""
-    r = gguf.GGUFReader(path)
-    f = r.fields
-    tokens = [str(bytes(f["tokenizer.ggml.tokens"].parts[i]), "utf-8") for i in f["tokenizer.ggml.tokens"].data]
-    eog = {i for i, t in enumerate(tokens) if t in LLAMA_EOG_TEXTS}
-    for k in ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep"):
-        key = f"tokenizer.ggml.{k}_token_id"
-        if key in f:
-            eog.add(int(f[key].parts[f[key].data[0]][0]))
-    texts = {tokens[i] for i in eog if 0 <= i < len(tokens)}
-    if "<|end|>" in texts and ({"<|return|>", "<|call|>"} <= texts or {"<|calls|>", "<|flush|>"} <= texts):
-        eog.discard(tokens.index("<|end|>"))
-    return sorted(i for i in eog if 0 <= i < len(tokens))
 
 
 @pytest.mark.parametrize("qtype", KQUANT_TYPES)
@@ -882,6 +857,32 @@ def test_cli(models, tmp_path, capsys):
     assert "not a GGUF file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_end_ids_are_llama_cpps(models, imported, fam):
+    """The import's end ids (colibri_get_end_ids: EOS, then tokenizer.end_ids) are the
+    end-of-generation tokens llama.cpp lists for the same GGUF when it loads it (its log at
+    -lv 4: "printing all EOG tokens", written as it reads the vocabulary, before the weights:
+    llama.cpp's Qwen3-MoE and OLMoE graphs then refuse these checkpoints' attention biases).
+    Needs llama.cpp's llama-completion; skipped without it."""
+    import re
+
+    exe = _llama_program(models["src"], "llama-completion")
+    theirs = None
+    for _ in range(10):   # its log thread can lose lines on a busy machine: until the list is whole
+        r = subprocess.run([str(exe), "-m", str(models[fam]["gguf"]["f32"]), "-p", "x", "-n", "1", "--temp", "0",
+                            "-no-cnv", "-t", "1", "--no-warmup", "-c", "64", "-lv", "4"],
+                           capture_output=True, timeout=300, stdin=subprocess.DEVNULL, check=False)
+        log = r.stderr.decode("utf-8", "replace")
+        m = re.search(r"printing all EOG tokens:\n((?:.*? - \d+ \('.*?'\)\n)*)(.*)\n", log)
+        if m and m.group(2):   # a line after the list: the list is whole
+            theirs = {int(x) for x in re.findall(r" - (\d+) \('", m.group(1))}
+            break
+    assert theirs, f"llama-completion never printed its end-of-generation tokens: {log[-2000:]}"
+    with _engine(imported(fam, "f32")) as eng:
+        assert set(eng.end_ids) == theirs and len(eng.end_ids) == len(theirs)
+        assert eng.end_ids[0] == eng.tokenizer.eos_id
+
+
 @pytest.mark.parametrize("fam", ["mixtral"])
 def test_greedy_text_equals_llama_cpp(models, imported, fam):
     """llama.cpp itself on the f32 GGUF and the engine on its import generate the same
@@ -904,7 +905,7 @@ def test_greedy_text_equals_llama_cpp(models, imported, fam):
             break
     assert b"common_perf_print" in r.stderr, "llama-completion never finished a run"
     out = r.stdout.decode("utf-8", "replace")   # random weights: any bytes may come out
-    ban = {i: -1e9 for i in llama_eog_ids(models[fam]["gguf"]["f32"])}   # as --ignore-eos
+    ban = {i: -1e9 for i in gguf_end_ids(str(models[fam]["gguf"]["f32"]))}   # as --ignore-eos
     with _engine(imported(fam, "f32")) as eng:
         ids = [t.id for t in eng.generate(prompt, max_new_tokens=12, stop_at_eos=False, logit_bias=ban)]
         got = eng.tokenizer.decode(ids)

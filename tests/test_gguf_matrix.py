@@ -55,11 +55,11 @@ import colibri_lab  # noqa: E402
 from colibri_lab.bench.models import (  # noqa: E402
     DeepseekShape, FamilyShape, MixtralShape, build_model, byte_level_bpe, load_model, save_checkpoint,
 )
-from colibri_lab.conversion.gguf import convert_gguf  # noqa: E402
+from colibri_lab.conversion.gguf import convert_gguf, gguf_end_ids  # noqa: E402
 from colibri_lab.format import reader as fmt_reader  # noqa: E402
 from test_gguf_import import (  # noqa: E402
     CHATML, MIXTRAL_TEMPLATE, SPECIALS, _corpus, _llama_program, _llama_root, _native_or_fail,
-    dequantized, llama_cpp_source, llama_eog_ids, make_ggufs, rewrite_gguf,
+    dequantized, llama_cpp_source, make_ggufs, rewrite_gguf,
 )
 
 TOL = 1e-4
@@ -296,7 +296,7 @@ def _follow(eng, prompt: str, theirs: bytes, piece, banned: list[int]) -> list[t
     logits, the engine's top logit minus that token's, the engine's top-2 margin). Rank 0
     everywhere: the same greedy text. llama.cpp's token at a step is the best-ranked of the
     engine's whose bytes begin what is left of `theirs`; the `banned` ids (what
-    `--ignore-eos` bans: llama_eog_ids) are not candidates."""
+    `--ignore-eos` bans: gguf_end_ids) are not candidates."""
     ids = eng.tokenizer.encode(prompt, add_bos=True)
     out, rest = [], theirs
     for _ in range(N_NEW):
@@ -347,7 +347,7 @@ def test_llama_quantize_file(models, fam, ftype, tmp_path, record_property):
     with colibri_lab.Engine(out) as eng:
         got = eng.forward(ids)
         # llama-completion --ignore-eos bans its end-of-generation tokens: so does the engine here
-        banned = llama_eog_ids(q)
+        banned = gguf_end_ids(str(q))
         gen = [t.id for t in eng.generate(prompt, max_new_tokens=N_NEW, stop_at_eos=False,
                                           logit_bias={i: -1e9 for i in banned})]
         try:

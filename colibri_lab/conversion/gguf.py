@@ -65,7 +65,7 @@ from .gguf_file import (
     _int,
 )
 from .spec import ConversionError, ModelSpec, PlannedTensor, _version
-from .tokenizer import _no_tokenizer, _tokenizer_meta_entries
+from .tokenizer import _no_tokenizer, _tokenizer_meta_entries, end_ids_entry
 from .writer import _Say, family_metadata, spec_metadata, write_colibri
 
 __all__ = ["convert_gguf", "GGUF_ARCHITECTURES", "SUPPORTED_GGML_TYPES"]
@@ -585,7 +585,51 @@ def _gguf_tokenizer(g: GgufFile, say, tokenizer: str) -> tuple[bytes, dict]:
     if isinstance(tpl, str) and tpl and "\x00" not in tpl:
         meta["tokenizer.chat_template"] = tpl
         say(f"chat template: {len(tpl):,} characters from tokenizer.chat_template")
+    meta.update(end_ids_entry(gguf_end_ids(g), meta["tokenizer.eos_id"], info.get("n_pieces"),
+                              "the GGUF's end-of-generation tokens", say))
     return bytes(data), meta
+
+
+# The token texts llama.cpp's vocabulary loader counts as end of generation, whatever their
+# ids (src/llama-vocab.cpp, special_eog_ids)
+LLAMA_END_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+})
+
+
+# The texts by which llama.cpp finds the FIM pad / repeat / separator tokens a GGUF does not
+# name (src/llama-vocab.cpp); they too end its generations
+LLAMA_FIM_TEXTS = {"fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+                   "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+                   "fim_sep": ("<|file_sep|>",)}
+
+
+def gguf_end_ids(g: GgufFile | str) -> list[int]:
+    """The ids after which llama.cpp ends a generation on this GGUF (its end-of-generation
+    set, which it also bans under --ignore-eos): the file's EOS, EOT and EOM ids, its FIM
+    pad/repeat/separator ids (named, else found by LLAMA_FIM_TEXTS), and every token whose text
+    is in LLAMA_END_TEXTS, less "<|end|>" where "<|return|>" and "<|call|>" (or "<|calls|>" and
+    "<|flush|>") are there too (gpt-oss ends a message with <|end|> and goes on). In id order,
+    each once."""
+    if isinstance(g, str):
+        g = GgufFile(g)
+    tokens = g.get("tokenizer.ggml.tokens") or []
+    n = len(tokens)
+    ids = set()
+    for k in ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep"):
+        v = g.get(f"tokenizer.ggml.{k}_token_id")
+        if v is not None and 0 <= int(v) < n:
+            ids.add(int(v))
+        elif k in LLAMA_FIM_TEXTS:
+            ids.update(i for i, t in enumerate(tokens) if t in LLAMA_FIM_TEXTS[k])
+    ids.update(i for i, t in enumerate(tokens) if t in LLAMA_END_TEXTS)
+    texts = {tokens[i] for i in ids}
+    if "<|end|>" in texts and ({"<|return|>", "<|call|>"} <= texts or {"<|calls|>", "<|flush|>"} <= texts):
+        ids.discard(tokens.index("<|end|>"))
+    return sorted(ids)
 
 
 def _special(g: GgufFile, name: str, n: int) -> int | None:

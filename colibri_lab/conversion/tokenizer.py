@@ -65,7 +65,48 @@ def _tokenizer_section(model_dir: str, say: Callable[[str], None], tokenizer: st
         say(f"chat template: {len(template):,} characters from {where}")
     elif where:
         say(f"note: {where}; no chat template written")
+    meta.update(end_ids_entry(read_generation_eos(model_dir, say), meta["tokenizer.eos_id"],
+                              info.get("n_pieces"), "generation_config.json", say))
     return bytes(data), meta
+
+
+def read_generation_eos(model_dir: str, say: Callable[[str], None]) -> list[int]:
+    """The `eos_token_id` of the checkpoint's `generation_config.json` (an id or a list of
+    them: every one ends transformers' generate), [] when there is none."""
+    p = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(p):
+        return []
+    try:
+        with open(p, "r", encoding="utf-8") as f:
+            v = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        say(f"note: generation_config.json could not be read ({e}); its end tokens are not kept")
+        return []
+    v = [v] if isinstance(v, int) and not isinstance(v, bool) else v
+    if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        say(f"note: generation_config.json's eos_token_id {v!r} is not an id or a list of ids; not kept")
+        return []
+    return v
+
+
+def end_ids_entry(ids, eos_id, n_pieces, where: str, say: Callable[[str], None]) -> dict:
+    """{"tokenizer.end_ids": ...} for the ids after which a generation ends besides EOS (in
+    order, each once; ids outside the tokenizer's pieces are left out, said), or {}."""
+    out, skipped = [], []
+    for i in ids:
+        if i == eos_id or i in out:
+            continue
+        (out if n_pieces is None or 0 <= i < n_pieces else skipped).append(int(i))
+    if skipped:
+        say(f"note: end token ids {skipped} of {where} are outside the tokenizer's {n_pieces} pieces; "
+            "not kept")
+    if len(out) > fmt.MAX_END_IDS:
+        raise ConversionError(f"{where} names {len(out)} end tokens besides EOS; the format keeps at "
+                              f"most {fmt.MAX_END_IDS}")
+    if not out:
+        return {}
+    say(f"end tokens besides EOS: {out} (from {where})")
+    return {"tokenizer.end_ids": MetaValue(fmt.MT_ARRAY, out, fmt.MT_I32)}
 
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"          # transformers >= 4.43 / 5 save_pretrained

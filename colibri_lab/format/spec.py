@@ -208,6 +208,7 @@ FAMILY_OPTION_DEFAULTS: dict[str, Any] = {
 QK_NORMS = ("none", "head", "full")
 
 U32_MAX = 0xFFFFFFFF
+MAX_END_IDS = 64   # tokenizer.end_ids: the most a file may name (colibri.h COLIBRI_MAX_END_IDS)
 U64_MAX = 0xFFFFFFFFFFFFFFFF
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from .errors import *  # noqa: F401,F403  (the statuses and exceptions, re-exported for the binding's callers)
 from .errors import ERRORS, OK, ColibriError
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 LIB_NAME = "libcolibri.so" if sys.platform != "darwin" else "libcolibri.dylib"
 
 
@@ -165,6 +165,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "colibri_get_float": (c_int, [ctx_p, c_char_p, POINTER(c_double)]),
     "colibri_get_layer_int": (c_int, [ctx_p, c_int32, c_char_p, POINTER(c_int64)]),
     "colibri_get_string": (c_int, [ctx_p, c_char_p, POINTER(c_char_p)]),
+    "colibri_get_end_ids": (c_int, [ctx_p, POINTER(POINTER(c_int32)), POINTER(c_int32)]),
     "colibri_verify": (c_int, [ctx_p]),
     "colibri_verify_router": (c_int, [ctx_p]),
     "colibri_dequantize": (c_int, [c_int, c_void_p, c_int64, POINTER(c_float)]),
@@ -185,6 +186,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "colibri_sampler_last_error": (c_char_p, [sampler_p]),
     "colibri_sampler_set_logit_bias": (c_int, [sampler_p, POINTER(c_int32), POINTER(c_float), c_int32]),
     "colibri_sampler_set_stop_ids": (c_int, [sampler_p, POINTER(c_int32), c_int32]),
+    "colibri_sampler_set_end_ids": (c_int, [sampler_p, POINTER(c_int32), c_int32]),
     "colibri_sampler_set_grammar": (c_int, [sampler_p, grammar_p]),
     "colibri_sampler_add_prompt": (c_int, [sampler_p, POINTER(c_int32), c_int64]),
     "colibri_sampler_accept": (c_int, [sampler_p, c_int32]),

@@ -668,7 +668,20 @@ class Engine:
                        top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
                        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
                        repetition_last_n=repetition_last_n, ignore_eos=ignore_eos, logit_bias=logit_bias,
-                       stop_ids=stop_ids, grammar=grammar)  # fmt: skip
+                       stop_ids=stop_ids, grammar=grammar, end_ids=self.end_ids)  # fmt: skip
+
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        """The ids after which a generation ends (``colibri_get_end_ids``): EOS first, then
+        the other end tokens the file names (metadata ``tokenizer.end_ids``: its checkpoint's
+        ``generation_config.json`` ``eos_token_id`` list, or the end-of-generation tokens of
+        its GGUF, e.g. Qwen's ``<|im_end|>`` and ``<|endoftext|>``). :meth:`generate`,
+        :meth:`generate_many`, ``colibri_cli`` and ``colibri_server`` stop at any of them."""
+        ctx = self._c()
+        ids = ctypes.POINTER(ctypes.c_int32)()
+        n = ctypes.c_int32()
+        check(lib.colibri_get_end_ids(ctx, ctypes.byref(ids), ctypes.byref(n)), ctx=ctx)
+        return tuple(int(ids[i]) for i in range(n.value))
 
     def generate(
         self,
@@ -704,8 +717,8 @@ class Engine:
         prompt and the generated tokens, the last ``repetition_last_n``, 0 = all), and
         ``json_schema`` (a dict, JSON text, or True for any JSON object) constrains the output
         to compact JSON that validates against it (the JSON ends with EOS).
-        Generation ends after ``max_new_tokens`` or, when ``stop_at_eos``, with EOS (yielded
-        as the last token). ``Token.text`` is the text the token adds; bytes of a character
+        Generation ends after ``max_new_tokens`` or, when ``stop_at_eos``, with EOS or another
+        of the model's :attr:`end_ids` (yielded as the last token). ``Token.text`` is the text the token adds; bytes of a character
         split over byte-fallback tokens are held back until it is complete (the last token
         gets whatever is left).
 
@@ -798,7 +811,7 @@ class Engine:
                          top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
                          frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
                          repetition_last_n=repetition_last_n, ignore_eos=ignore_eos, logit_bias=logit_bias,
-                         stop_ids=stop_ids, grammar=grammar)  # fmt: skip
+                         stop_ids=stop_ids, grammar=grammar, end_ids=self.end_ids)  # fmt: skip
             sp.add_prompt(ids[s])
             samplers.append(sp)
         rngs = [ctypes.c_uint64(s & 0xFFFFFFFFFFFFFFFF) for s in seeds]

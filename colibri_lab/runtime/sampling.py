@@ -69,7 +69,9 @@ class Grammar:
 
 class Sampler:
     """The sampling state of one sequence (see the module docstring). ``logit_bias`` maps
-    token ids to additive biases; ``stop_ids`` end the sequence; ``grammar`` constrains it."""
+    token ids to additive biases; ``stop_ids`` end the sequence; ``end_ids`` end it as EOS does
+    (a model's other end tokens: :attr:`Engine.end_ids`; ``ignore_eos`` applies to them too);
+    ``grammar`` constrains it."""
 
     def __init__(
         self,
@@ -88,6 +90,7 @@ class Sampler:
         logit_bias: Mapping[int, float] | None = None,
         stop_ids: Sequence[int] = (),
         grammar: Grammar | None = None,
+        end_ids: Sequence[int] = (),
     ):
         p = _native.ColibriSamplingParams()
         lib.colibri_sampling_params_init(ctypes.byref(p))
@@ -117,6 +120,10 @@ class Sampler:
             if stop_ids:
                 ids = np.array([int(k) for k in stop_ids], dtype=np.int32)
                 self._check(lib.colibri_sampler_set_stop_ids(
+                    handle, ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(ids)))  # fmt: skip
+            if end_ids:
+                ids = np.array([int(k) for k in end_ids], dtype=np.int32)
+                self._check(lib.colibri_sampler_set_end_ids(
                     handle, ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(ids)))  # fmt: skip
             if grammar is not None:
                 self._check(lib.colibri_sampler_set_grammar(handle, grammar._handle))

@@ -28,7 +28,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or the meaning of an argument changes; bindings check it. */
-#define COLIBRI_ABI_VERSION 10
+#define COLIBRI_ABI_VERSION 11
 /* The newest .colibri format version this build reads (it reads every older one too, from 1). */
 #define COLIBRI_FORMAT_VERSION 2
 
@@ -248,6 +248,13 @@ COLIBRI_API colibri_status colibri_get_layer_int(const colibri_ctx *ctx, int32_t
  * of tokenizer_config.json's chat template, metadata key tokenizer.chat_template; "" when
  * the file has none): a NUL-terminated string owned by the context. */
 COLIBRI_API colibri_status colibri_get_string(const colibri_ctx *ctx, const char *name, const char **out);
+/* The ids after which a generation ends: the EOS id first (when the file has one), then the
+ * file's tokenizer.end_ids (what its checkpoint's generation_config.json or its GGUF names
+ * besides EOS, e.g. Qwen's <|im_end|> and <|endoftext|>, gpt-oss's <|return|>, <|call|> and
+ * <|endoftext|>), at most COLIBRI_MAX_END_IDS + 1 of them, no id twice. *ids is owned by the
+ * context; pass them to colibri_sampler_set_end_ids. */
+#define COLIBRI_MAX_END_IDS 64
+COLIBRI_API colibri_status colibri_get_end_ids(const colibri_ctx *ctx, const int32_t **ids, int32_t *n);
 
 /* Verify every per-tensor CRC-32 and the weight-section CRCs (reads the whole file). */
 COLIBRI_API colibri_status colibri_verify(colibri_ctx *ctx);
@@ -298,13 +305,15 @@ typedef struct colibri_sampling_params {
     float frequency_penalty;    /* [-2, 2]; 0 = off (default) */
     float repetition_penalty;   /* > 0; 1 = off (default) */
     int32_t repetition_last_n;  /* >= 0; window of the repetition penalty; 0 = all (default) */
-    int32_t ignore_eos;         /* 1: EOS is sampled like any token and does not end the sequence
-                                 * (vLLM's meaning), except when it ends a complete grammar */
+    int32_t ignore_eos;         /* 1: EOS (and every end id) is sampled like any token and does not
+                                 * end the sequence (vLLM's meaning), except when it ends a complete
+                                 * grammar */
 } colibri_sampling_params;
 
 /* Why colibri_sampler_finished says the sequence ends after the last sampled token. */
 #define COLIBRI_FINISH_NONE 0
-#define COLIBRI_FINISH_EOS 1      /* the token was the EOS id (ignore_eos off, or it ended a complete grammar) */
+#define COLIBRI_FINISH_EOS 1      /* the token was the EOS id or an end id (ignore_eos off, or it ended a
+                                   * complete grammar) */
 #define COLIBRI_FINISH_STOP_ID 2  /* the token was one of the stop ids */
 #define COLIBRI_FINISH_GRAMMAR 3  /* the grammar is complete and there is no EOS or stop id to end it */
 
@@ -321,6 +330,10 @@ COLIBRI_API colibri_status colibri_sampler_set_logit_bias(colibri_sampler *s, co
                                                           const float *bias, int32_t n);
 /* Replace the stop ids (the sequence ends when one is sampled; allowed to end a grammar). */
 COLIBRI_API colibri_status colibri_sampler_set_stop_ids(colibri_sampler *s, const int32_t *ids, int32_t n);
+/* Replace the end ids: ids that end the sequence as EOS does (COLIBRI_FINISH_EOS; ignore_eos
+ * samples them like any token; a complete grammar may end with them), besides the eos_id given
+ * to colibri_sampler_create, which stays one (colibri_get_end_ids lists a model's). */
+COLIBRI_API colibri_status colibri_sampler_set_end_ids(colibri_sampler *s, const int32_t *ids, int32_t n);
 /* Attach a grammar (NULL detaches); its state starts at the beginning of the grammar. The
  * grammar's vocabulary must be n_vocab or smaller (ids past it are masked). */
 COLIBRI_API colibri_status colibri_sampler_set_grammar(colibri_sampler *s, const colibri_grammar *g);

@@ -79,7 +79,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     }
     int64_t block_tokens = 0;
     colibri_get_int(ctx, "kv_block_tokens", &block_tokens);
-    cs_sched_config cfg = {4, 4, 64, 8, s, block_tokens, v, srv.eos_id, 32};
+    cs_sched_config cfg = {4, 4, 64, 8, s, block_tokens, v, srv.eos_id, 32, NULL, 0};
     srv.sched = cs_sched_create(&cfg, &eng, err, sizeof err);
     if (!srv.sched) {
         fprintf(stderr, "fuzz_server_api: %s\n", err);

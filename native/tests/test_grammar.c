@@ -185,6 +185,30 @@ int main(void) {
         colibri_grammar_free(g);
     }
 
+    /* an end id may end a complete grammar as EOS does (masked before it is one) */
+    {
+        colibri_grammar *g = NULL;
+        colibri_sampler *s = make("{\"type\":\"string\",\"maxLength\":4}", NULL, NULL, &g);
+        CHECK(s != NULL);
+        if (s) {
+            CHECK(feed(s, "\"ab\"") == 0 && colibri_sampler_grammar_complete(s));
+            uint8_t mask[NT];
+            CHECK(colibri_sampler_grammar_mask(s, mask) == COLIBRI_OK && !mask[ID_HE]);
+            float logits[NT];
+            for (int i = 0; i < NT; i++) logits[i] = (float)i * 0.01f;
+            logits[ID_EOT] = -50.0f;
+            logits[ID_HE] = 50.0f;
+            int32_t end = ID_HE;
+            CHECK(colibri_sampler_set_end_ids(s, &end, 1) == COLIBRI_OK);
+            uint64_t rng = 1;
+            int32_t id = -1;
+            CHECK(colibri_sampler_sample(s, logits, &rng, &id) == COLIBRI_OK && id == ID_HE);
+            CHECK(colibri_sampler_finished(s) == COLIBRI_FINISH_EOS);
+        }
+        colibri_sampler_free(s);
+        colibri_grammar_free(g);
+    }
+
     /* the sampler without a grammar: bias, penalties, min-p, stop ids, seeded repeatability */
     {
         colibri_sampling_params p;
@@ -207,6 +231,30 @@ int main(void) {
         CHECK(colibri_sampler_set_stop_ids(s, bid + 1, 1) == COLIBRI_OK);
         CHECK(colibri_sampler_sample(s, logits, &rng, &id) == COLIBRI_OK && colibri_sampler_finished(s) == COLIBRI_FINISH_STOP_ID);
         colibri_sampler_free(s);
+
+        /* end ids: EOS's finish; replaced, not added; EOS stays one; a stop id wins; ignore_eos */
+        CHECK(colibri_sampler_create(NT, ID_EOT, &p, &s, err, sizeof err) == COLIBRI_OK);
+        int32_t ends[2] = {7, 8};
+        CHECK(colibri_sampler_set_end_ids(s, ends, 2) == COLIBRI_OK);
+        CHECK(colibri_sampler_sample(s, logits, &rng, &id) == COLIBRI_OK && id == 7 &&
+              colibri_sampler_finished(s) == COLIBRI_FINISH_EOS);
+        CHECK(colibri_sampler_set_end_ids(s, ends + 1, 1) == COLIBRI_OK);
+        CHECK(colibri_sampler_accept(s, 7) == COLIBRI_OK && colibri_sampler_finished(s) == COLIBRI_FINISH_NONE);
+        CHECK(colibri_sampler_accept(s, 8) == COLIBRI_OK && colibri_sampler_finished(s) == COLIBRI_FINISH_EOS);
+        CHECK(colibri_sampler_accept(s, ID_EOT) == COLIBRI_OK && colibri_sampler_finished(s) == COLIBRI_FINISH_EOS);
+        CHECK(colibri_sampler_set_stop_ids(s, ends + 1, 1) == COLIBRI_OK);
+        CHECK(colibri_sampler_accept(s, 8) == COLIBRI_OK && colibri_sampler_finished(s) == COLIBRI_FINISH_STOP_ID);
+        CHECK(colibri_sampler_set_stop_ids(s, NULL, 0) == COLIBRI_OK);
+        CHECK(colibri_sampler_accept(s, 8) == COLIBRI_OK && colibri_sampler_finished(s) == COLIBRI_FINISH_EOS);
+        int32_t far = NT;
+        CHECK(colibri_sampler_set_end_ids(s, &far, 1) == COLIBRI_E_TOKEN_RANGE);
+        colibri_sampler_free(s);
+        p.ignore_eos = 1;
+        CHECK(colibri_sampler_create(NT, ID_EOT, &p, &s, err, sizeof err) == COLIBRI_OK);
+        CHECK(colibri_sampler_set_end_ids(s, ends, 2) == COLIBRI_OK);
+        CHECK(colibri_sampler_accept(s, 7) == COLIBRI_OK && colibri_sampler_finished(s) == COLIBRI_FINISH_NONE);
+        colibri_sampler_free(s);
+        p.ignore_eos = 0;
 
         /* presence penalty: after 7 is generated, 8 (4.5) wins over 7 (5 - 1) */
         p.presence_penalty = 1.0f;

@@ -192,6 +192,8 @@ typedef struct job {
 static cs_sched *g_sched;
 static int g_eos_allowed;
 static int64_t g_decode_prefill; /* cs_sched_config.decode_prefill_tokens of the next make_sched */
+static const int32_t *g_end_ids;  /* cs_sched_config.end_ids / n_end_ids of the next make_sched */
+static int32_t g_n_end;
 
 static int on_token(cs_request *r, int c, int32_t t, const float *lg) {
     job *j = (job *)r;
@@ -238,7 +240,7 @@ static cs_sched *make_sched(fake *f, int32_t max_seqs, int32_t mbs, int64_t mbt,
     memset(f, 0, sizeof *f);
     memset(g_decoding, 0, sizeof g_decoding);
     f->eos_allowed = g_eos_allowed;
-    cs_sched_config cfg = {max_seqs, mbs, mbt, queue, CTX, BT, V, EOS, g_decode_prefill};
+    cs_sched_config cfg = {max_seqs, mbs, mbt, queue, CTX, BT, V, EOS, g_decode_prefill, g_end_ids, g_n_end};
     cs_engine e = make_engine(f);
     char err[256];
     cs_sched *s = cs_sched_create(&cfg, &e, err, sizeof err);
@@ -482,6 +484,32 @@ int main(void) {
         jobs[7].prompt[2] = V;
         CHECK(cs_sched_check(s, &jobs[7].r, msg, sizeof msg) == CS_E_INVALID && strstr(msg, "out of range"), "range");
         cs_sched_free(s);
+    }
+
+    /* 4b. the model's end ids end a choice as EOS does (finish 'stop', the token not
+     * passed on), unless the request ignores EOS */
+    {
+        job j, ref;
+        job_init(&j, 4242, 7, 12, 0.0f, 1);
+        solo(&j, &ref);
+        CHECK(ref.n_toks[0] == 12, "greedy reference: %d tokens", ref.n_toks[0]);
+        int32_t end[2] = {V - 1 == ref.toks[0][5] ? V - 2 : V - 1, ref.toks[0][5]};
+        int k = 0;
+        while (k < 5 && ref.toks[0][k] != end[1] && ref.toks[0][k] != end[0]) k++;
+        g_end_ids = end;
+        g_n_end = 2;
+        job e;
+        solo(&j, &e);
+        CHECK(e.why[0] == CS_FINISH_STOP && e.n_toks[0] == k && e.r.completion_tokens == k + 1,
+              "end id: finish %d after %d tokens (%lld counted), want stop after %d", e.why[0], e.n_toks[0],
+              (long long)e.r.completion_tokens, k);
+        for (int i = 0; i < e.n_toks[0]; i++) CHECK(e.toks[0][i] == ref.toks[0][i], "end id: token %d differs", i);
+        j.r.ignore_eos = 1;
+        solo(&j, &e);
+        CHECK(e.why[0] == CS_FINISH_LENGTH && same_tokens(&e, &ref, 0), "ignore_eos: finish %d, %d tokens", e.why[0],
+              e.n_toks[0]);
+        g_end_ids = NULL;
+        g_n_end = 0;
     }
 
     /* 5. metrics text */

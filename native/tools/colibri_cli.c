@@ -74,7 +74,7 @@ static void usage(FILE *f) {
             "  --repetition_last_n N  its window: the last N tokens, 0 = all (default 0)\n"
             "  --logit_bias LIST      ID:BIAS,... added to the logits (+-100 forces / bans)\n"
             "  --stop_ids LIST        ID,... token ids that end generation\n"
-            "  --ignore_eos           never sample EOS\n"
+            "  --ignore_eos           EOS and the other end ids do not end the output\n"
             "  --json_schema TEXT     constrain the output to JSON valid for this JSON schema\n"
             "  --json                 constrain the output to any JSON object\n"
             "  --num_threads N        0 = the engine's default (default 0)\n"
@@ -350,7 +350,6 @@ static int32_t parse_list(const char *s, int pairs, int32_t *ids, float *vals, i
 /* The per-sequence sampler of the run, with its bias, stop ids and grammar. 0 or an exit status. */
 static int make_sampler(const args *a, colibri_ctx *ctx, colibri_tokenizer *tok, int32_t vocab, const int32_t *prompt,
                         int64_t n_prompt, colibri_sampler **out, colibri_grammar **gout) {
-    (void)ctx;
     colibri_sampling_params p;
     colibri_sampling_params_init(&p);
     p.temperature = (float)a->temperature;
@@ -365,6 +364,11 @@ static int make_sampler(const args *a, colibri_ctx *ctx, colibri_tokenizer *tok,
     char err[512] = "";
     colibri_status st = colibri_sampler_create(vocab, colibri_tokenizer_eos_id(tok), &p, out, err, sizeof err);
     if (st != COLIBRI_OK) return usage_error("%s", err);
+    const int32_t *end_ids;
+    int32_t n_end;
+    if ((st = colibri_get_end_ids(ctx, &end_ids, &n_end)) != COLIBRI_OK ||
+        (st = colibri_sampler_set_end_ids(*out, end_ids, n_end)) != COLIBRI_OK)
+        return engine_error(ctx, st, "the model's end ids");
     int32_t ids[1024];
     float vals[1024];
     int32_t n;

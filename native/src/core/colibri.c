@@ -715,6 +715,14 @@ colibri_status colibri_get_float(const colibri_ctx *ctx, const char *name, doubl
     return COLIBRI_OK;
 }
 
+colibri_status colibri_get_end_ids(const colibri_ctx *ctx, const int32_t **ids, int32_t *n) {
+    if (!ctx) return COLIBRI_E_INVALID_ARG;
+    if (!ids || !n) return cb_fail((colibri_ctx *)ctx, COLIBRI_E_INVALID_ARG, "colibri_get_end_ids: NULL argument");
+    *ids = ctx->cfg.end_ids;
+    *n = ctx->cfg.n_end_ids;
+    return COLIBRI_OK;
+}
+
 colibri_status colibri_get_string(const colibri_ctx *ctx, const char *name, const char **out) {
     if (!ctx) return COLIBRI_E_INVALID_ARG;
     if (!name || !out) return cb_fail((colibri_ctx *)ctx, COLIBRI_E_INVALID_ARG, "colibri_get_string: NULL argument");

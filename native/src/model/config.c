@@ -543,6 +543,27 @@ colibri_status cb_model_config(const cb_file *f, cb_config *c, char *err, size_t
     c->unk_id = (int32_t)cb_rd_u32(e->value);
     REQ("tokenizer.pad_id", CB_MT_I32);
     c->pad_id = (int32_t)cb_rd_u32(e->value);
+    if ((st = cb_meta_opt(f, "tokenizer.end_ids", CB_MT_ARRAY, CB_MT_I32, &e, err, len))) return st;
+    c->n_end_ids = 0;
+    if (c->eos_id >= 0) c->end_ids[c->n_end_ids++] = c->eos_id;
+    if (e) {
+        if (e->count > COLIBRI_MAX_END_IDS) {
+            cb_set_err(err, len, "tokenizer.end_ids has %llu ids, more than the %d this build keeps; " RECONVERT,
+                       (unsigned long long)e->count, COLIBRI_MAX_END_IDS);
+            return COLIBRI_E_FORMAT;
+        }
+        for (uint64_t i = 0; i < e->count; i++) {
+            int32_t id = (int32_t)cb_rd_u32(e->value + 4 * i);
+            if (id < 0 || (uint32_t)id >= c->vocab) {
+                cb_set_err(err, len, "tokenizer.end_ids[%llu] = %d is outside the vocabulary 0..%u; " RECONVERT,
+                           (unsigned long long)i, id, c->vocab - 1);
+                return COLIBRI_E_FORMAT;
+            }
+            int seen = 0;
+            for (int32_t k = 0; k < c->n_end_ids; k++) seen |= c->end_ids[k] == id;
+            if (!seen) c->end_ids[c->n_end_ids++] = id;
+        }
+    }
     REQ("convert.source", CB_MT_STRING);
     return read_family_options(f, c, err, len);
 }

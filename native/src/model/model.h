@@ -36,6 +36,10 @@ typedef struct cb_config {
     uint32_t weight_dtype;     /* the experts' dtype (the bulk of the file); every matrix has its own */
     uint32_t router_dtype;     /* COLIBRI_DTYPE_F32/F16/BF16/I8 */
     int32_t bos_id, eos_id, unk_id, pad_id;
+    /* the ids after which a generation ends (colibri_get_end_ids): EOS first when there is
+     * one, then tokenizer.end_ids, each once */
+    int32_t end_ids[COLIBRI_MAX_END_IDS + 1];
+    int32_t n_end_ids;
     /* the family's entry and choices (model/family.h); defaults are Mixtral's */
     const cb_family *family;
     int attention;             /* CB_ATTN_* */

@@ -32,6 +32,9 @@ struct colibri_sampler {
     int32_t n_distinct;
     int32_t *stop;      /* [V] stop ids */
     int32_t n_stop;
+    int32_t *end;       /* [V] end ids (colibri_sampler_set_end_ids; EOS apart) */
+    int32_t n_end;
+    uint8_t *kind;      /* [V] END_TOK (EOS or an end id) | STOP_TOK (a stop id), 0 for the others */
     uint8_t *mask;      /* [V] grammar mask */
     int has_bias;
     const colibri_grammar *g;
@@ -39,6 +42,9 @@ struct colibri_sampler {
     int32_t finished;
     char err[CB_ERR_LEN];
 };
+
+#define END_TOK 1
+#define STOP_TOK 2
 
 static colibri_status s_fail(colibri_sampler *s, colibri_status st, const char *fmt, ...) CB_PRINTF(3, 4);
 static colibri_status s_fail(colibri_sampler *s, colibri_status st, const char *fmt, ...) {
@@ -118,13 +124,16 @@ colibri_status colibri_sampler_create(int32_t n_vocab, int32_t eos_id, const col
     s->seen = malloc(V * sizeof(int32_t));
     s->in_seen = calloc(V, 1);
     s->stop = malloc(V * sizeof(int32_t));
+    s->end = malloc(V * sizeof(int32_t));
+    s->kind = calloc(V, 1);
     s->mask = malloc(V);
     if (p->repetition_last_n > 0) s->window = malloc((size_t)p->repetition_last_n * sizeof(int32_t));
     if (!s->lg || !s->idx || !s->prob || !s->bias || !s->gen_count || !s->rep_count || !s->seen || !s->in_seen ||
-        !s->stop || !s->mask || (p->repetition_last_n > 0 && !s->window)) {
+        !s->stop || !s->end || !s->kind || !s->mask || (p->repetition_last_n > 0 && !s->window)) {
         colibri_sampler_free(s);
         goto nomem;
     }
+    if (eos_id >= 0) s->kind[eos_id] = END_TOK;
     *out = s;
     return COLIBRI_OK;
 nomem:
@@ -144,6 +153,8 @@ void colibri_sampler_free(colibri_sampler *s) {
     free(s->seen);
     free(s->in_seen);
     free(s->stop);
+    free(s->end);
+    free(s->kind);
     free(s->mask);
     free(s->window);
     free(s);
@@ -175,8 +186,26 @@ colibri_status colibri_sampler_set_stop_ids(colibri_sampler *s, const int32_t *i
     for (int32_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= s->V)
             return s_fail(s, COLIBRI_E_TOKEN_RANGE, "stop: token id %d is outside 0..%d", ids[i], s->V - 1);
-    memcpy(s->stop, ids, (size_t)n * sizeof(int32_t));
+    for (int32_t i = 0; i < s->n_stop; i++) s->kind[s->stop[i]] &= (uint8_t)~STOP_TOK;
+    if (n) memcpy(s->stop, ids, (size_t)n * sizeof(int32_t));
     s->n_stop = n;
+    for (int32_t i = 0; i < n; i++) s->kind[ids[i]] |= STOP_TOK;
+    return COLIBRI_OK;
+}
+
+colibri_status colibri_sampler_set_end_ids(colibri_sampler *s, const int32_t *ids, int32_t n) {
+    if (!s) return COLIBRI_E_INVALID_ARG;
+    if (n < 0 || n > s->V || (n > 0 && !ids))
+        return s_fail(s, COLIBRI_E_INVALID_ARG, "colibri_sampler_set_end_ids: n %d outside 0..%d or NULL ids", n,
+                      s->V);
+    for (int32_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= s->V)
+            return s_fail(s, COLIBRI_E_TOKEN_RANGE, "end: token id %d is outside 0..%d", ids[i], s->V - 1);
+    for (int32_t i = 0; i < s->n_end; i++)
+        if (s->end[i] != s->eos_id) s->kind[s->end[i]] &= (uint8_t)~END_TOK;
+    if (n) memcpy(s->end, ids, (size_t)n * sizeof(int32_t));
+    s->n_end = n;
+    for (int32_t i = 0; i < n; i++) s->kind[ids[i]] |= END_TOK;
     return COLIBRI_OK;
 }
 
@@ -226,13 +255,8 @@ colibri_status colibri_sampler_add_prompt(colibri_sampler *s, const int32_t *ids
     return COLIBRI_OK;
 }
 
-static int is_stop(const colibri_sampler *s, int32_t id) {
-    for (int32_t i = 0; i < s->n_stop; i++)
-        if (s->stop[i] == id) return 1;
-    return 0;
-}
-
-static int is_end(const colibri_sampler *s, int32_t id) { return id == s->eos_id || is_stop(s, id); }
+/* an id that may end a sequence: EOS, an end id or a stop id */
+static int is_end(const colibri_sampler *s, int32_t id) { return s->kind[id] != 0; }
 
 colibri_status colibri_sampler_accept(colibri_sampler *s, int32_t id) {
     if (!s) return COLIBRI_E_INVALID_ARG;
@@ -247,9 +271,9 @@ colibri_status colibri_sampler_accept(colibri_sampler *s, int32_t id) {
     }
     s->gen_count[id]++;
     window_push(s, id);
-    if (is_stop(s, id)) s->finished = COLIBRI_FINISH_STOP_ID;
-    else if (id == s->eos_id && (!s->p.ignore_eos || (end && complete))) s->finished = COLIBRI_FINISH_EOS;
-    else if (s->m && cb_matcher_complete(s->m) && s->eos_id < 0 && s->n_stop == 0)
+    if (s->kind[id] & STOP_TOK) s->finished = COLIBRI_FINISH_STOP_ID;
+    else if ((s->kind[id] & END_TOK) && (!s->p.ignore_eos || (end && complete))) s->finished = COLIBRI_FINISH_EOS;
+    else if (s->m && cb_matcher_complete(s->m) && s->eos_id < 0 && s->n_end == 0 && s->n_stop == 0)
         s->finished = COLIBRI_FINISH_GRAMMAR;
     else s->finished = COLIBRI_FINISH_NONE;
     return COLIBRI_OK;
@@ -278,16 +302,9 @@ colibri_status colibri_sampler_sample(colibri_sampler *s, const float *logits, u
     }
     if (s->m) {
         int complete = cb_matcher_mask(s->m, s->mask, V);
-        /* complete: the end tokens may follow, with their values */
-        float eos_v = s->eos_id >= 0 ? lg[s->eos_id] : 0.0f;
-        if (complete)
-            for (int32_t i = 0; i < s->n_stop; i++) s->prob[i] = lg[s->stop[i]];
+        /* complete: the end tokens (EOS, end and stop ids) may follow, with their values */
         for (int32_t i = 0; i < V; i++)
-            if (!s->mask[i]) lg[i] = -INFINITY;
-        if (complete) {
-            if (s->eos_id >= 0) lg[s->eos_id] = eos_v;
-            for (int32_t i = 0; i < s->n_stop; i++) lg[s->stop[i]] = s->prob[i];
-        }
+            if (!s->mask[i] && !(complete && s->kind[i])) lg[i] = -INFINITY;
     }
     int32_t id = -1;
     if (cb_sample_row(lg, V, s->p.temperature, s->p.top_k, s->p.top_p, s->p.min_p, s->idx, s->prob, rng, &id) != 0)

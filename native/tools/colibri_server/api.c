@@ -1177,6 +1177,7 @@ static int make_samplers(cs_job *j, cs_api_error *err) {
         colibri_sampler *s = NULL;
         colibri_status st = colibri_sampler_create((int32_t)srv->vocab, srv->eos_id, &j->sp, &s, msg, sizeof msg);
         if (st == COLIBRI_OK && j->n_bias) st = colibri_sampler_set_logit_bias(s, j->bias_ids, j->bias_vals, j->n_bias);
+        if (st == COLIBRI_OK && srv->n_end_ids) st = colibri_sampler_set_end_ids(s, srv->end_ids, srv->n_end_ids);
         if (st == COLIBRI_OK && j->n_stop_ids) st = colibri_sampler_set_stop_ids(s, j->stop_ids, j->n_stop_ids);
         if (st == COLIBRI_OK && j->grammar) st = colibri_sampler_set_grammar(s, j->grammar);
         if (st == COLIBRI_OK) st = colibri_sampler_add_prompt(s, j->prompt, j->n_prompt);

@@ -428,6 +428,10 @@ int main(int argc, char **argv) {
     srv.vocab = vocab;
     srv.bos_id = colibri_tokenizer_bos_id(srv.tok);
     srv.eos_id = colibri_tokenizer_eos_id(srv.tok);
+    if ((st = colibri_get_end_ids(ctx, &srv.end_ids, &srv.n_end_ids)) != COLIBRI_OK) {
+        engine_error(ctx, st, "reading the model's end ids");
+        goto out;
+    }
     srv.max_seqs = (int32_t)max_seqs;
     srv.ctx_len = max_seq < blocks * block_tokens ? max_seq : blocks * block_tokens;
     if (colibri_get_string(ctx, "chat_template", &srv.chat_template) != COLIBRI_OK || !srv.chat_template)
@@ -462,7 +466,8 @@ int main(int argc, char **argv) {
         goto out;
     }
     cs_sched_config cfg = {(int32_t)max_seqs, (int32_t)a.max_batch_size, a.max_batch_tokens, a.max_queue,
-                           srv.ctx_len, block_tokens, vocab, srv.eos_id, a.decode_prefill_tokens};
+                           srv.ctx_len, block_tokens, vocab, srv.eos_id, a.decode_prefill_tokens,
+                           srv.end_ids, srv.n_end_ids};
     cs_sched *sched = cs_sched_create(&cfg, &eng, err, sizeof err);
     if (!sched) {
         fprintf(stderr, "colibri_server: error: %s\n", err);

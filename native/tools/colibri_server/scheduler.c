@@ -298,6 +298,14 @@ static int sample_choice(cs_sched *s, cs_request *r, int c, const float *row, in
     return s->eng.sample(s->eng.self, row, r->temperature, r->top_k, r->top_p, &r->ch[c].rng, tok);
 }
 
+/* EOS or one of the model's end ids */
+static int end_token(const cs_sched_config *cfg, int32_t tok) {
+    if (cfg->eos_id >= 0 && tok == cfg->eos_id) return 1;
+    for (int32_t i = 0; i < cfg->n_end_ids; i++)
+        if (tok == cfg->end_ids[i]) return 1;
+    return 0;
+}
+
 /* A token of choice c (sampled from row): stop rules. */
 static void handle_token(cs_sched *s, cs_request *r, int c, int32_t tok, int end, const float *row, double now,
                          uint64_t *gen, cs_histogram *ttft, cs_histogram *tpot) {
@@ -312,7 +320,7 @@ static void handle_token(cs_sched *s, cs_request *r, int c, int32_t tok, int end
     }
     if (ch->n_gen > 1) cs_hist_observe(tpot, now - ch->t_last);
     ch->t_last = now;
-    if ((s->cfg.eos_id >= 0 && tok == s->cfg.eos_id && !r->ignore_eos) || end == CS_SAMPLE_END_BEFORE) {
+    if ((end_token(&s->cfg, tok) && !r->ignore_eos) || end == CS_SAMPLE_END_BEFORE) {
         finish_choice(s, r, c, CS_FINISH_STOP);
         return;
     }

@@ -101,6 +101,9 @@ typedef struct cs_sched_config {
     int32_t eos_id;            /* -1: none */
     int64_t decode_prefill_tokens; /* prompt tokens a step may add to running decodes; 0: no cap
                                     * (each one makes every running stream's next token later) */
+    const int32_t *end_ids;    /* n_end_ids more ids that end a choice as EOS does (colibri_get_end_ids;
+                                * NULL, 0: none); the caller keeps them alive */
+    int32_t n_end_ids;
 } cs_sched_config;
 
 typedef enum cs_finish {

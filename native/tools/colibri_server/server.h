@@ -75,6 +75,8 @@ typedef struct cs_server {
     pthread_mutex_t tok_mu;
     int64_t vocab, ctx_len;
     int32_t bos_id, eos_id, max_seqs;
+    const int32_t *end_ids;            /* colibri_get_end_ids: EOS first, then the model's other end ids */
+    int32_t n_end_ids;
     const char *chat_template;
     const char *precision;             /* colibri_get_string "precision": "exact" / "fast" (NULL until loaded) */
     const char *kernels;               /* colibri_get_string "kernels" */
