@@ -805,13 +805,13 @@ class Engine:
             if tok is None:
                 raise NotImplementedError("json_schema needs the model's tokenizer; this file has none")
             grammar = Grammar(tok, json_schema)
-        samplers = []
+        samplers, end_ids = [], self.end_ids
         for s in range(n):
             sp = Sampler(self._vocab, tok.eos_id if tok is not None else -1, temperature=temperature, top_k=top_k,
                          top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
                          frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
                          repetition_last_n=repetition_last_n, ignore_eos=ignore_eos, logit_bias=logit_bias,
-                         stop_ids=stop_ids, grammar=grammar, end_ids=self.end_ids)  # fmt: skip
+                         stop_ids=stop_ids, grammar=grammar, end_ids=end_ids)  # fmt: skip
             sp.add_prompt(ids[s])
             samplers.append(sp)
         rngs = [ctypes.c_uint64(s & 0xFFFFFFFFFFFFFFFF) for s in seeds]

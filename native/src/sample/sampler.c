@@ -178,35 +178,31 @@ colibri_status colibri_sampler_set_logit_bias(colibri_sampler *s, const int32_t 
     return COLIBRI_OK;
 }
 
-colibri_status colibri_sampler_set_stop_ids(colibri_sampler *s, const int32_t *ids, int32_t n) {
-    if (!s) return COLIBRI_E_INVALID_ARG;
+/* Replace the ids of one kind (STOP_TOK in s->stop, END_TOK in s->end): checked, the old
+ * ones' flag cleared (EOS stays an end), the new ones' set. fn and what name them in errors. */
+static colibri_status set_ids(colibri_sampler *s, uint8_t flag, int32_t *list, int32_t *count, const int32_t *ids,
+                              int32_t n, const char *fn, const char *what) {
     if (n < 0 || n > s->V || (n > 0 && !ids))
-        return s_fail(s, COLIBRI_E_INVALID_ARG, "colibri_sampler_set_stop_ids: n %d outside 0..%d or NULL ids", n,
-                      s->V);
+        return s_fail(s, COLIBRI_E_INVALID_ARG, "%s: n %d outside 0..%d or NULL ids", fn, n, s->V);
     for (int32_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= s->V)
-            return s_fail(s, COLIBRI_E_TOKEN_RANGE, "stop: token id %d is outside 0..%d", ids[i], s->V - 1);
-    for (int32_t i = 0; i < s->n_stop; i++) s->kind[s->stop[i]] &= (uint8_t)~STOP_TOK;
-    if (n) memcpy(s->stop, ids, (size_t)n * sizeof(int32_t));
-    s->n_stop = n;
-    for (int32_t i = 0; i < n; i++) s->kind[ids[i]] |= STOP_TOK;
+            return s_fail(s, COLIBRI_E_TOKEN_RANGE, "%s: token id %d is outside 0..%d", what, ids[i], s->V - 1);
+    for (int32_t i = 0; i < *count; i++) s->kind[list[i]] &= (uint8_t)~flag;
+    if (s->eos_id >= 0) s->kind[s->eos_id] |= END_TOK;
+    if (n) memcpy(list, ids, (size_t)n * sizeof(int32_t));
+    *count = n;
+    for (int32_t i = 0; i < n; i++) s->kind[ids[i]] |= flag;
     return COLIBRI_OK;
+}
+
+colibri_status colibri_sampler_set_stop_ids(colibri_sampler *s, const int32_t *ids, int32_t n) {
+    if (!s) return COLIBRI_E_INVALID_ARG;
+    return set_ids(s, STOP_TOK, s->stop, &s->n_stop, ids, n, "colibri_sampler_set_stop_ids", "stop");
 }
 
 colibri_status colibri_sampler_set_end_ids(colibri_sampler *s, const int32_t *ids, int32_t n) {
     if (!s) return COLIBRI_E_INVALID_ARG;
-    if (n < 0 || n > s->V || (n > 0 && !ids))
-        return s_fail(s, COLIBRI_E_INVALID_ARG, "colibri_sampler_set_end_ids: n %d outside 0..%d or NULL ids", n,
-                      s->V);
-    for (int32_t i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= s->V)
-            return s_fail(s, COLIBRI_E_TOKEN_RANGE, "end: token id %d is outside 0..%d", ids[i], s->V - 1);
-    for (int32_t i = 0; i < s->n_end; i++)
-        if (s->end[i] != s->eos_id) s->kind[s->end[i]] &= (uint8_t)~END_TOK;
-    if (n) memcpy(s->end, ids, (size_t)n * sizeof(int32_t));
-    s->n_end = n;
-    for (int32_t i = 0; i < n; i++) s->kind[ids[i]] |= END_TOK;
-    return COLIBRI_OK;
+    return set_ids(s, END_TOK, s->end, &s->n_end, ids, n, "colibri_sampler_set_end_ids", "end");
 }
 
 colibri_status colibri_sampler_set_grammar(colibri_sampler *s, const colibri_grammar *g) {
