@@ -1,6 +1,7 @@
 """Build a byte-level BPE tokenizer section (GPT-2 / Qwen2 / Llama-3 style) from a Hugging
-Face `tokenizer.json`, or from a mistral-common tekken (tiktoken-style) `tekken_*.json`
-(see _build_tekken: reproduces mistral_common's Tekkenizer).
+Face `tokenizer.json`, from a mistral-common tekken (tiktoken-style) `tekken_*.json`
+(see _build_tekken: reproduces mistral_common's Tekkenizer), or from a tiktoken vocabulary
+with its tokenizer class (`tiktoken.model`, Kimi's: see build_tiktoken_section).
 
 The layout is specified in docs/format.md, "Tokenizer section encoding", "Byte-level BPE
 (type 2)"; the C reader is native/src/tokenizer/bpe.c. Only what the engine implements
@@ -12,7 +13,7 @@ exactly is accepted; anything else is refused with a ValueError naming the reaso
 * normalizer: none, or NFC (alone or as the only member of a Sequence);
 * pre-tokenizer: ByteLevel(add_prefix_space=False, use_regex=True) (the GPT-2 pattern), or
   Sequence([Split(Regex(P), "Isolated", invert=False), ByteLevel(add_prefix_space=False,
-  use_regex=False)]) where P is one of SUPPORTED_PATTERNS (GPT-2, Qwen2, Llama-3, o200k), or
+  use_regex=False)]) where P is one of SUPPORTED_PATTERNS (GPT-2, Qwen2, Llama-3, o200k, Kimi), or
   one of SPLIT_SEQUENCES (DeepSeek-V3's three Splits, DeepSeek-LLM / DeepSeek-V2's six) and
   ByteLevel(use_regex=False);
 * decoder: ByteLevel;
@@ -33,7 +34,7 @@ import unicodedata
 
 import numpy as np
 
-__all__ = ["build_bpe_tokenizer_section", "SUPPORTED_PATTERNS", "bytes_to_unicode"]
+__all__ = ["build_bpe_tokenizer_section", "build_tiktoken_section", "SUPPORTED_PATTERNS", "bytes_to_unicode"]
 
 from .spm import HEADER_SIZE, SECTION_MAGIC, SECTION_VERSION  # the sub-header both types share
 
@@ -56,9 +57,23 @@ O200K_PATTERN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p
                  r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"""
                  r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
                  r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Moonshot's Kimi (K2, K2.5, Linear: `pat_str` of tokenization_kimi.py's TikTokenTokenizer): o200k's
+# alternatives with Han runs split off first and taken out of the letter classes
+KIMI_K2_PATTERN = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
 # pattern string -> (id in the section, name); id 4 is tekken (tekken_*.json only)
 SUPPORTED_PATTERNS = {GPT2_PATTERN: (1, "gpt2"), QWEN2_PATTERN: (2, "qwen2"), LLAMA3_PATTERN: (3, "llama3"),
-                      O200K_PATTERN: (5, "o200k")}
+                      O200K_PATTERN: (5, "o200k"), KIMI_K2_PATTERN: (8, "kimi_k2")}
 # DeepSeek-V3's tokenizer.json: three Isolated splits in sequence (each split applied to the
 # pieces of the one before), then ByteLevel(use_regex=False). The \r\n inside the third regex's
 # classes are the characters themselves, as the file writes them.
@@ -329,6 +344,26 @@ def _write_section(path, piece_b: list[bytes], bytes_b: list[bytes], flags: list
     return bytes(out)
 
 
+def _rank_merges(tok_bytes: list[bytes], rank_of: dict[bytes, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """tiktoken's byte-pair merging as ranked pair merges (left rank, right rank, rank): for
+    every token of two or more bytes and every split of its bytes into two tokens (a, b), the
+    merge (a, b) ranked by the token's rank. The pair-merge engine then merges, as tiktoken
+    does, the adjacent pair whose concatenation has the lowest rank (leftmost on ties)."""
+    m_left, m_right, m_rank = [], [], []
+    get = rank_of.get
+    for r, b in enumerate(tok_bytes):
+        for k in range(1, len(b)):
+            ra = get(b[:k])
+            if ra is not None:
+                rb = get(b[k:])
+                if rb is not None:
+                    m_left.append(ra)
+                    m_right.append(rb)
+                    m_rank.append(r)
+    return (np.asarray(m_left, dtype=np.int64), np.asarray(m_right, dtype=np.int64),
+            np.asarray(m_rank, dtype=np.int64))
+
+
 def _build_tekken(path: str, tj: dict) -> tuple[bytes, dict]:
     """A mistral-common tekken_*.json (tiktoken ranks, base64 token bytes) as a type-2 section,
     reproducing mistral_common's Tekkenizer (encode(text, bos=False, eos=False), decode(ids)
@@ -397,22 +432,9 @@ def _build_tekken(path: str, tj: dict) -> tuple[bytes, dict]:
     if len(rank_of) != inner:
         raise ValueError(f"{path}: two vocabulary tokens have the same bytes")
 
-    m_left, m_right, m_rank = [], [], []
-    get = rank_of.get
-    for r in range(256, inner):
-        b = tok_bytes[r]
-        for k in range(1, len(b)):
-            ra = get(b[:k])
-            if ra is not None:
-                rb = get(b[k:])
-                if rb is not None:
-                    m_left.append(ra)
-                    m_right.append(rb)
-                    m_rank.append(r)
-    m_rank = np.asarray(m_rank, dtype=np.int64)
+    m_left, m_right, m_rank = _rank_merges(tok_bytes, rank_of)
     m_merged = m_rank + n_special  # ids of the merged tokens
-    m_left = np.asarray(m_left, dtype=np.int64) + n_special
-    m_right = np.asarray(m_right, dtype=np.int64) + n_special
+    m_left, m_right = m_left + n_special, m_right + n_special
 
     piece_b = [nm.encode("utf-8") for nm in names] + \
         [b.decode("utf-8", "replace").encode("utf-8") for b in tok_bytes]
@@ -599,5 +621,157 @@ def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
         "tokenizer.pattern": pattern_name,
         "tokenizer.normalizer": "NFC" if use_nfc else "none",
         "tokenizer.special_source": source,
+    }
+    return out, meta
+
+
+def _tiktoken_code_facts(folder: str, cfg: dict, path: str) -> tuple[str, int, str]:
+    """(split pattern, number of reserved special ids, file) of the tokenizer class a tiktoken
+    vocabulary comes with: the Python file tokenizer_config.json's auto_map names
+    (tokenization_kimi.py's TikTokenTokenizer), read without running it: its `pat_str` (a
+    string, or "|".join of a list of strings) and `num_reserved_special_tokens` (256 if
+    absent)."""
+    import ast
+
+    auto = (cfg.get("auto_map") or {}).get("AutoTokenizer")
+    ref = auto[0] if isinstance(auto, list) and auto else auto
+    if not isinstance(ref, str) or "." not in ref:
+        raise ValueError(f"{path}: a tiktoken vocabulary needs its tokenizer class (tokenizer_config.json "
+                         "auto_map.AutoTokenizer, as Kimi's tokenization_kimi.TikTokenTokenizer) for its split "
+                         "pattern; none is named")
+    module = ref.split("--")[-1].rsplit(".", 1)[0]
+    code_path = os.path.join(folder, module.replace(".", os.sep) + ".py")
+    try:
+        with open(code_path, "r", encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=code_path)
+    except (OSError, SyntaxError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read the tokenizer class's file {code_path} for its split pattern "
+                         f"({e})") from None
+
+    def const(node):
+        if isinstance(node, ast.Constant):
+            return node.value
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join"
+                and isinstance(node.func.value, ast.Constant) and isinstance(node.func.value.value, str)
+                and len(node.args) == 1 and isinstance(node.args[0], (ast.List, ast.Tuple))
+                and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.args[0].elts)):
+            return node.func.value.value.join(e.value for e in node.args[0].elts)
+        return None
+
+    pat, reserved = None, 256
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name, value = node.targets[0].id, const(node.value)
+            if name == "pat_str" and isinstance(value, str):
+                pat = value
+            elif name == "num_reserved_special_tokens" and isinstance(value, int):
+                reserved = value
+    if pat is None:
+        raise ValueError(f"{path}: {code_path} has no literal pat_str (the split pattern)")
+    return pat, reserved, os.path.basename(code_path)
+
+
+def build_tiktoken_section(path: str | os.PathLike) -> tuple[bytes, dict]:
+    """A tiktoken vocabulary (`tiktoken.model`: one "base64(token bytes) rank" line per token,
+    Kimi's) with the tokenizer_config.json and tokenizer class beside it, as a type-2 section
+    reproducing the class's `encode(text)` (tiktoken, every special token allowed in the
+    text) and `decode(ids, skip_special_tokens=True)`:
+
+    * ids: the ranks (0 .. n - 1, every single byte among them), then the class's reserved
+      special ids n .. n + num_reserved_special_tokens - 1, named by tokenizer_config.json's
+      added_tokens_decoder or "<|reserved_token_{id}|>";
+    * merges: as _rank_merges, with ignore_merges (tiktoken looks a whole pre-token up first);
+    * the split pattern: the class's `pat_str`, one of SUPPORTED_PATTERNS (Kimi's is
+      KIMI_K2_PATTERN); any other is refused by name;
+    * special tokens are added and special: matched in the text (leftmost, the longest at a
+      place), skipped by decode;
+    * token strings: the GPT-2 byte-level spelling of the bytes (the class's
+      convert_ids_to_tokens); BOS / EOS / PAD / UNK: tokenizer_config.json's bos_token
+      ("[BOS]" if absent), eos_token ("[EOS]" if absent), pad_token, unk_token.
+
+    Not reproduced: the class cuts texts longer than 400,000 characters, and runs of more than
+    25,000 consecutive whitespace or non-whitespace characters, into parts it encodes apart;
+    here such a run is one text.
+    """
+    import base64
+    import binascii
+
+    path = os.fspath(path)
+    folder = os.path.dirname(path) or "."
+    cfg_path = os.path.join(folder, "tokenizer_config.json")
+    cfg = {}
+    if os.path.exists(cfg_path):
+        with open(cfg_path, "r", encoding="utf-8") as f:
+            cfg = json.load(f)
+    pat, n_reserved, code_file = _tiktoken_code_facts(folder, cfg, path)
+    if pat not in SUPPORTED_PATTERNS:
+        raise ValueError(f"{path}: tiktoken split pattern {pat!r} ({code_file}) is not implemented; supported "
+                         f"patterns are {_pattern_name_list()}")
+    pattern, pattern_name = SUPPORTED_PATTERNS[pat]
+
+    rank_of: dict[bytes, int] = {}
+    with open(path, "rb") as f:
+        for ln, line in enumerate(f, 1):
+            parts = line.split()
+            if not parts:
+                continue
+            try:
+                if len(parts) != 2:
+                    raise ValueError
+                tb, r = base64.b64decode(parts[0], validate=True), int(parts[1])
+            except (ValueError, binascii.Error):
+                raise ValueError(f"{path}: line {ln} is not 'base64(token) rank'") from None
+            if not tb or tb in rank_of:
+                raise ValueError(f"{path}: line {ln}: token {tb!r} is empty or appears twice")
+            rank_of[tb] = r
+    n = len(rank_of)
+    tok_bytes: list[bytes] = [b""] * n
+    for tb, r in rank_of.items():
+        if not 0 <= r < n or tok_bytes[r]:
+            raise ValueError(f"{path}: ranks are not 0..{n - 1}, each once (rank {r} of {tb!r})")
+        tok_bytes[r] = tb
+    missing = [b for b in range(256) if bytes([b]) not in rank_of]
+    if missing:
+        raise ValueError(f"{path}: the vocabulary lacks the single byte {missing[0]:#04x} ({len(missing)} missing)")
+    if not 0 <= n_reserved <= 65536 or n + n_reserved > 0x7FFFFFFF:
+        raise ValueError(f"{path}: {n} tokens and {n_reserved} reserved special ids")
+
+    names = {i: f"<|reserved_token_{i}|>" for i in range(n, n + n_reserved)}
+    for k, at in (cfg.get("added_tokens_decoder") or {}).items():
+        i = int(k)
+        if i not in names:
+            raise ValueError(f"{path}: added token {i} of tokenizer_config.json is outside the special ids "
+                             f"{n}..{n + n_reserved - 1}")
+        content = at.get("content") if isinstance(at, dict) else None
+        if not isinstance(content, str) or not content:
+            raise ValueError(f"{path}: added token {i} of tokenizer_config.json has no content")
+        names[i] = content
+    special_ids = {nm: i for i, nm in names.items()}
+    if len(special_ids) != len(names):
+        raise ValueError(f"{path}: two special ids have the same name")
+
+    m_left, m_right, m_rank = _rank_merges(tok_bytes, rank_of)
+    b2u = bytes_to_unicode()
+    piece_b = ["".join(b2u[x] for x in tb).encode("utf-8") for tb in tok_bytes] + \
+        [names[i].encode("utf-8") for i in range(n, n + n_reserved)]
+    bytes_b = tok_bytes + [names[i].encode("utf-8") for i in range(n, n + n_reserved)]
+    flags = [TF_MODEL] * n + [TF_ADDED | TF_SPECIAL] * n_reserved
+    ids4 = tuple(_token_id(cfg.get(key, default), special_ids)
+                 for key, default in (("bos_token", "[BOS]"), ("eos_token", "[EOS]"), ("unk_token", None),
+                                      ("pad_token", None)))
+    bos, eos, unk, pad = ids4
+    out = _write_section(path, piece_b, bytes_b, flags, m_left, m_right, m_rank, m_rank,
+                         sorted(range(n, n + n_reserved), key=lambda i: (-len(piece_b[i]), i)),
+                         [rank_of[bytes([b])] for b in range(256)], (bos, eos, unk, pad), FLAG_IGNORE_MERGES, pattern)
+    meta = {
+        "tokenizer.type": "byte_level_bpe",
+        "tokenizer.bos_id": bos,
+        "tokenizer.eos_id": eos,
+        "tokenizer.unk_id": unk,
+        "tokenizer.pad_id": pad,
+        "n_pieces": n + n_reserved,
+        "tokenizer.pattern": pattern_name,
+        "tokenizer.normalizer": "none",
+        "tokenizer.special_source": "tokenizer_config.json" if os.path.exists(cfg_path) else "the class's defaults",
     }
     return out, meta

@@ -99,6 +99,9 @@ BPE_PRE_TOKENIZERS = {
     "deepseek-v3": ("deepseek_v3", False, False),
     # DeepSeek-LLM / DeepSeek-V2: six splits in sequence (bpe.DEEPSEEK_LLM_SPLITS); no normalizer
     "deepseek-llm": ("deepseek_llm", False, False),
+    # Kimi-K2 (a deepseek2 file): tokenization_kimi.py's tiktoken pattern (bpe.KIMI_K2_PATTERN);
+    # ignore_merges as tiktoken (a whole pre-token that is a token stays one)
+    "kimi-k2": ("kimi_k2", False, True),
 }
 # Pre-tokenizers llama.cpp knows that colibri's tokenizer has no kind for: refused by name
 # with what they are (the weights can still be imported with tokenizer='none').

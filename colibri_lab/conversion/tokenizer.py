@@ -1,5 +1,5 @@
 """The tokenizer section and chat template of a checkpoint folder: SentencePiece
-`tokenizer.model`, byte-level BPE `tokenizer.json` or Mistral tekken (builders in
+`tokenizer.model`, byte-level BPE `tokenizer.json`, Mistral tekken or a tiktoken vocabulary (builders in
 `spm.py` and `bpe.py`), and the metadata entries they come with."""
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def _tokenizer_section(model_dir: str, say: Callable[[str], None], tokenizer: st
 
     "auto": `tokenizer.model` (SentencePiece BPE: Mixtral, Llama) if present, else
     `tokenizer.json` (byte-level BPE: Qwen, OLMoE, GPT-2 style), else `tekken.json`
-    (Mistral's tiktoken-style vocabulary), else none. "none": write a
+    (Mistral's tiktoken-style vocabulary), else `tiktoken.model` (a tiktoken vocabulary with
+    its tokenizer class: Kimi's), else none. "none": write a
     file without a tokenizer (the engine then runs on token ids only)."""
     none = _no_tokenizer(tokenizer, say)
     if tokenizer == "none":
@@ -42,8 +43,11 @@ def _tokenizer_section(model_dir: str, say: Callable[[str], None], tokenizer: st
     elif os.path.isfile(bpe) or os.path.isfile(os.path.join(model_dir, "tekken.json")):
         from .bpe import build_bpe_tokenizer_section as build  # reads either format
         path = bpe if os.path.isfile(bpe) else os.path.join(model_dir, "tekken.json")
+    elif os.path.isfile(os.path.join(model_dir, "tiktoken.model")):
+        from .bpe import build_tiktoken_section as build
+        path = os.path.join(model_dir, "tiktoken.model")
     else:
-        say(f"note: no tokenizer.model, tokenizer.json or tekken.json in {model_dir}; writing a "
+        say(f"note: no tokenizer.model, tokenizer.json, tekken.json or tiktoken.model in {model_dir}; writing a "
             "file without a tokenizer (the engine then runs on token ids only)")
         return b"", none
     try:

@@ -7,7 +7,7 @@
  *   encode = added tokens (not normalized) split off the raw text, leftmost-longest;
  *            optional NFC normalization of the rest; added tokens (normalized) split off;
  *            the pre-tokenizer split pattern (hand-written matchers of the GPT-2, Qwen2,
- *            Llama-3, Mistral tekken, OpenAI o200k (gpt-oss) regexes and DeepSeek-V3's
+ *            Llama-3, Mistral tekken, OpenAI o200k (gpt-oss), Kimi regexes and DeepSeek-V3's
  *            sequence of three splits, Oniguruma / fancy-regex semantics, Unicode
  *            tables from unicode_tables.c);
  *            BPE per pre-token with the ranked merges (Word::merge_all: a min-heap of
@@ -55,7 +55,7 @@
 #define BF_KNOWN 0x7u
 
 enum { PAT_GPT2 = 1, PAT_QWEN2 = 2, PAT_LLAMA3 = 3, PAT_TEKKEN = 4, PAT_O200K = 5, PAT_DEEPSEEK_V3 = 6,
-       PAT_DEEPSEEK_LLM = 7 };
+       PAT_DEEPSEEK_LLM = 7, PAT_KIMI_K2 = 8 };
 
 #define EMPTY64 UINT64_MAX
 #define EMPTY32 UINT32_MAX
@@ -168,10 +168,10 @@ colibri_status cb_bpe_load(cb_bpe *b, const uint8_t *data, uint64_t size, char *
         return fail(err, err_len, COLIBRI_E_UNSUPPORTED,
                     "tokenizer section: unknown byte-level BPE flag bits 0x%x (written by a newer converter?)",
                     flags & ~BF_KNOWN);
-    if (pattern < PAT_GPT2 || pattern > PAT_DEEPSEEK_LLM)
+    if (pattern < PAT_GPT2 || pattern > PAT_KIMI_K2)
         return fail(err, err_len, COLIBRI_E_UNSUPPORTED,
                     "tokenizer section: pre-tokenizer pattern %u is not supported by this build "
-                    "(1 gpt2, 2 qwen2, 3 llama3, 4 tekken, 5 o200k, 6 deepseek_v3, 7 deepseek_llm)",
+                    "(1 gpt2, 2 qwen2, 3 llama3, 4 tekken, 5 o200k, 6 deepseek_v3, 7 deepseek_llm, 8 kimi_k2)",
                     pattern);
     if (reserved != 0) return fail(err, err_len, F, "tokenizer section: reserved header bytes are not zero");
     if (merges_log2 < 1 || merges_log2 > 31 || vocab_log2 > 31 || n_merges >= ((uint64_t)1 << merges_log2) ||
@@ -534,28 +534,32 @@ static inline int tk_P(uint32_t cp) {
     int c = cb_ucat(cp);
     return !(c >= UC_Lu && c <= UC_Lo) && !(c >= UC_Nd && c <= UC_No);
 }
-static inline uint64_t run_U(const uint8_t *s, uint64_t len, uint64_t p) {
+/* The letter classes with \p{Han} taken out when `han` (Kimi's [\p{Lu}..\p{M}&&[^\p{Han}]]) */
+static inline int tk_U(uint32_t cp, int han) { return cat_U(cb_ucat(cp)) && !(han && cb_uhan(cp)); }
+static inline int tk_W(uint32_t cp, int han) { return cat_W(cb_ucat(cp)) && !(han && cb_uhan(cp)); }
+static inline uint64_t run_U(const uint8_t *s, uint64_t len, uint64_t p, int han) {
     uint32_t cp;
-    while (p < len) { uint32_t l = dec(s, p, &cp); if (!cat_U(cb_ucat(cp))) break; p += l; }
+    while (p < len) { uint32_t l = dec(s, p, &cp); if (!tk_U(cp, han)) break; p += l; }
     return p;
 }
-static inline uint64_t run_W(const uint8_t *s, uint64_t len, uint64_t p) {
+static inline uint64_t run_W(const uint8_t *s, uint64_t len, uint64_t p, int han) {
     uint32_t cp;
-    while (p < len) { uint32_t l = dec(s, p, &cp); if (!cat_W(cb_ucat(cp))) break; p += l; }
+    while (p < len) { uint32_t l = dec(s, p, &cp); if (!tk_W(cp, han)) break; p += l; }
     return p;
 }
 /* [U]*[W]+ at q, with backtracking: the end of the match, or 0 when there is none. U* takes
- * the longest run e; if s[e] is in W (then Ll: Lm, Lo, M would be in the run) W+ runs from e;
- * else U* gives back characters until one in W is last (W+ is then that one character, the
- * next being outside W), i.e. the match ends after the run's last W character. */
-static uint64_t tk_upper_lower(const uint8_t *s, uint64_t len, uint64_t q) {
+ * the longest run e; if s[e] is in W (then Ll: Lm, Lo, M would be in the run, and an Ll is
+ * never Han) W+ runs from e; else U* gives back characters until one in W is last (W+ is
+ * then that one character, the next being outside W), i.e. the match ends after the run's
+ * last W character. */
+static uint64_t tk_upper_lower(const uint8_t *s, uint64_t len, uint64_t q, int han) {
     uint64_t p = q, last_w_end = 0;
     uint32_t cp;
     while (p < len) {
         uint32_t l = dec(s, p, &cp);
         int c = cb_ucat(cp);
-        if (!cat_U(c)) {
-            if (c == UC_Ll) return run_W(s, len, p);
+        if (!cat_U(c) || (han && cb_uhan(cp))) {
+            if (c == UC_Ll) return run_W(s, len, p, han);
             break;
         }
         p += l;
@@ -580,33 +584,45 @@ static uint64_t opt_contraction(const uint8_t *s, uint64_t len, uint64_t p) {
     return p;
 }
 
-/* Tekken (o200k = 0) and OpenAI o200k (o200k = 1, gpt-oss): tekken's pattern with
+/* The tiktoken-style patterns: Mistral's tekken (TK_TEKKEN), OpenAI's o200k (TK_O200K,
+ * gpt-oss) and Moonshot's Kimi (TK_KIMI). o200k is tekken's pattern with
  * (?i:'s|'t|'re|'ve|'m|'ll|'d)? after both letter alternatives and \p{N}{1,3} for \p{N}:
  * [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|...)?|
  * [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|...)?|\p{N}{1,3}|
  *  ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+
- * The optional suffix cannot fail, so it never makes the regex backtrack into the letters:
- * it is appended to the letter match tekken's rules find. */
-static uint64_t match_tekken(const uint8_t *s, uint64_t len, uint64_t pos, int o200k) {
+ * Kimi's puts [\p{Han}]+ first, takes \p{Han} out of the letter classes
+ * ([\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]], [\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]) and ends
+ * the punctuation alternative with [\r\n]* (no '/'). The optional suffix cannot fail, so it
+ * never makes the regex backtrack into the letters: it is appended to the letter match
+ * tekken's rules find. */
+enum { TK_TEKKEN = 0, TK_O200K = 1, TK_KIMI = 2 };
+static uint64_t match_tekken(const uint8_t *s, uint64_t len, uint64_t pos, int kind) {
     uint32_t c0, c1 = 0;
     uint32_t l0 = dec(s, pos, &c0);
+    const int han = kind == TK_KIMI, o200k = kind != TK_TEKKEN;
+    /* [\p{Han}]+ */
+    if (han && cb_uhan(c0)) {
+        uint64_t p = pos + l0;
+        while (p < len) { uint32_t l = dec(s, p, &c1); if (!cb_uhan(c1)) break; p += l; }
+        return p;
+    }
     int p0 = tk_P(c0);
     uint64_t e = 0;
     /* [P]?[U]*[W]+ */
-    if (p0 && pos + l0 < len) e = tk_upper_lower(s, len, pos + l0);
-    if (e == 0) e = tk_upper_lower(s, len, pos);
+    if (p0 && pos + l0 < len) e = tk_upper_lower(s, len, pos + l0, han);
+    if (e == 0) e = tk_upper_lower(s, len, pos, han);
     /* [P]?[U]+[W]* */
-    if (e == 0 && p0 && run_U(s, len, pos + l0) > pos + l0) e = run_W(s, len, run_U(s, len, pos + l0));
-    if (e == 0 && run_U(s, len, pos) > pos) e = run_W(s, len, run_U(s, len, pos));
+    if (e == 0 && p0 && run_U(s, len, pos + l0, han) > pos + l0) e = run_W(s, len, run_U(s, len, pos + l0, han), han);
+    if (e == 0 && run_U(s, len, pos, han) > pos) e = run_W(s, len, run_U(s, len, pos, han), han);
     if (e != 0) return o200k ? opt_contraction(s, len, e) : e;
-    /* \p{N} (tekken) or \p{N}{1,3} (o200k) */
+    /* \p{N} (tekken) or \p{N}{1,3} */
     if (is_N(c0)) return o200k ? run_N(s, len, pos, 3) : pos + l0;
-    /*  ?[^\s\p{L}\p{N}]+[\r\n/]* */
+    /*  ?[^\s\p{L}\p{N}]+[\r\n/]* (Kimi: [\r\n]*) */
     uint64_t p = len + 1;
     if (c0 == ' ' && pos + 1 < len && (dec(s, pos + 1, &c1), is_X(c1))) p = run_X(s, len, pos + 1);
     else if (is_X(c0)) p = run_X(s, len, pos);
     if (p <= len) {
-        while (p < len && (s[p] == '\r' || s[p] == '\n' || s[p] == '/')) p++;
+        while (p < len && (s[p] == '\r' || s[p] == '\n' || (s[p] == '/' && !han))) p++;
         return p;
     }
     /* \s*[\r\n]+|\s+(?!\S)|\s+ */
@@ -1039,8 +1055,9 @@ static int pretok(benc_t *e, const uint8_t *s, uint64_t len) {
         case PAT_GPT2: end = match_gpt2(s, len, pos); break;
         case PAT_QWEN2: end = match_qwen(s, len, pos, 1); break;
         case PAT_LLAMA3: end = match_qwen(s, len, pos, 3); break;
-        case PAT_TEKKEN: end = match_tekken(s, len, pos, 0); break;
-        default: end = match_tekken(s, len, pos, 1); break;
+        case PAT_TEKKEN: end = match_tekken(s, len, pos, TK_TEKKEN); break;
+        case PAT_KIMI_K2: end = match_tekken(s, len, pos, TK_KIMI); break;
+        default: end = match_tekken(s, len, pos, TK_O200K); break;
         }
         if (end <= pos || end > len) end = len; /* cannot happen; keeps the loop finite */
         if (!bpe_word(e, s + pos, end - pos)) return 0;

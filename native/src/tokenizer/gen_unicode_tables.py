@@ -10,6 +10,8 @@ pre-tokenizer matchers and its NFC normalizer:
   search; a direct table for U+0000..U+00FF);
 * White_Space (`\\s` of the Oniguruma / Rust regex engines): a fixed list, checked here
   against `str.isspace()` (which additionally counts U+001C..U+001F);
+* Script=Han (`\\p{Han}`, Kimi's split pattern): a fixed list of the assigned characters,
+  checked here against the `regex` module's `\\p{Han}` when it is installed;
 * canonical combining classes (ranges of non-zero classes);
 * full canonical decompositions (recursively expanded, Hangul syllables excluded: they
   are algorithmic) and the primary-composite pairs (canonical two-character
@@ -29,6 +31,13 @@ CATS = ["Cn", "Lu", "Ll", "Lt", "Lm", "Lo", "Mn", "Mc", "Me", "Nd", "Nl", "No", 
 
 WHITE_SPACE = [(0x09, 0x0D), (0x20, 0x20), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
                (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000)]
+
+# Script=Han, the characters assigned in this Unicode version (radicals, ideographs, the
+# ideographic iteration mark and numerals among them: categories Lo, Lm, Nl, So, Po, Mc)
+HAN = [(0x2E80, 0x2E99), (0x2E9B, 0x2EF3), (0x2F00, 0x2FD5), (0x3005, 0x3005), (0x3007, 0x3007), (0x3021, 0x3029),
+       (0x3038, 0x303B), (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFA6D), (0xFA70, 0xFAD9), (0x16FE2, 0x16FE3),
+       (0x16FF0, 0x16FF1), (0x20000, 0x2A6DF), (0x2A700, 0x2B738), (0x2B740, 0x2B81D), (0x2B820, 0x2CEA1),
+       (0x2CEB0, 0x2EBE0), (0x2F800, 0x2FA1D), (0x30000, 0x3134A)]
 
 MAX_CP = 0x10FFFF
 SBASE, SCOUNT = 0xAC00, 11172
@@ -69,6 +78,16 @@ int cb_uspace(uint32_t cp) {
     if (cp < 0x80) return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20;
     return cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 ||
            cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
+}
+
+int cb_uhan(uint32_t cp) {
+    if (cp < 0x2E80 || cp > 0x3134A) return 0;
+    uint32_t lo = 0, hi = cb_han_n;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (cb_han_ranges[mid][1] < cp) lo = mid + 1; else hi = mid;
+    }
+    return lo < cb_han_n && cb_han_ranges[lo][0] <= cp;
 }
 
 int cb_uccc(uint32_t cp) {
@@ -119,6 +138,19 @@ def main() -> None:
     py_space = {cp for cp in range(MAX_CP + 1) if chr(cp).isspace()}
     assert py_space - ws == set(range(0x1C, 0x20)) and ws <= py_space, "White_Space list out of date"
 
+    han = set()
+    for a, b in HAN:
+        han.update(range(a, b + 1))
+    assert all(cats[cp] != 0 for cp in han), "HAN list holds unassigned code points"
+    try:
+        import regex
+    except ImportError:
+        regex = None
+    if regex is not None:
+        rx = regex.compile(r"\p{Han}")
+        found = {cp for cp in range(MAX_CP + 1) if cats[cp] != 0 and rx.match(chr(cp))}
+        assert found == han, f"HAN list out of date: {sorted(found ^ han)[:8]}"
+
     ccc_ranges = ranges(lambda cp: ud.combining(chr(cp)) or None)
 
     def full_decomp(cp):
@@ -162,6 +194,11 @@ def main() -> None:
     w("\n};\n/* (end << 5) | category */\nconst uint32_t cb_ucat_end_cat[] = {")
     for i, (_a, b, v) in enumerate(cat_ranges):
         w(("\n    " if i % 8 == 0 else " ") + f"0x{(b << 5) | v:X},")
+    w("\n};\n\n")
+    w(f"const uint32_t cb_han_n = {len(HAN)};\n")
+    w("/* Script=Han: first, last code point of each range */\nconst uint32_t cb_han_ranges[][2] = {")
+    for i, (a, b) in enumerate(HAN):
+        w(("\n    " if i % 4 == 0 else " ") + f"{{0x{a:X}, 0x{b:X}}},")
     w("\n};\n\n")
     w(f"const uint32_t cb_ccc_n = {len(ccc_ranges)};\n")
     w("/* (start << 8) | ccc, (end << 8) | ccc */\nconst uint32_t cb_ccc_ranges[][2] = {")

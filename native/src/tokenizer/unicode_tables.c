@@ -851,6 +851,16 @@ const uint32_t cb_ucat_end_cat[] = {
     0x626945, 0x1C0003B, 0x1C00FFB, 0x1C03DE6, 0x1FFFFBD, 0x21FFFBD,
 };
 
+const uint32_t cb_han_n = 20;
+/* Script=Han: first, last code point of each range */
+const uint32_t cb_han_ranges[][2] = {
+    {0x2E80, 0x2E99}, {0x2E9B, 0x2EF3}, {0x2F00, 0x2FD5}, {0x3005, 0x3005},
+    {0x3007, 0x3007}, {0x3021, 0x3029}, {0x3038, 0x303B}, {0x3400, 0x4DBF},
+    {0x4E00, 0x9FFF}, {0xF900, 0xFA6D}, {0xFA70, 0xFAD9}, {0x16FE2, 0x16FE3},
+    {0x16FF0, 0x16FF1}, {0x20000, 0x2A6DF}, {0x2A700, 0x2B738}, {0x2B740, 0x2B81D},
+    {0x2B820, 0x2CEA1}, {0x2CEB0, 0x2EBE0}, {0x2F800, 0x2FA1D}, {0x30000, 0x3134A},
+};
+
 const uint32_t cb_ccc_n = 382;
 /* (start << 8) | ccc, (end << 8) | ccc */
 const uint32_t cb_ccc_ranges[][2] = {
@@ -2236,6 +2246,16 @@ int cb_uspace(uint32_t cp) {
     if (cp < 0x80) return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20;
     return cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 ||
            cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
+}
+
+int cb_uhan(uint32_t cp) {
+    if (cp < 0x2E80 || cp > 0x3134A) return 0;
+    uint32_t lo = 0, hi = cb_han_n;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (cb_han_ranges[mid][1] < cp) lo = mid + 1; else hi = mid;
+    }
+    return lo < cb_han_n && cb_han_ranges[lo][0] <= cp;
 }
 
 int cb_uccc(uint32_t cp) {

@@ -20,6 +20,8 @@ extern const uint8_t cb_ucat_latin1[256];
 extern const uint32_t cb_ucat_n;
 extern const uint32_t cb_ucat_start[];
 extern const uint32_t cb_ucat_end_cat[];
+extern const uint32_t cb_han_n;
+extern const uint32_t cb_han_ranges[][2];
 extern const uint32_t cb_ccc_n;
 extern const uint32_t cb_ccc_ranges[][2];
 extern const uint32_t cb_decomp_n;
@@ -32,6 +34,8 @@ extern const uint64_t cb_comp[][2];
 int cb_ucat(uint32_t cp);
 /* White_Space (the \s of Oniguruma / Rust regex). */
 int cb_uspace(uint32_t cp);
+/* Script=Han (\p{Han}): radicals, ideographs, U+3005, numerals U+3007 / U+3021..U+3029, ... */
+int cb_uhan(uint32_t cp);
 /* Canonical combining class. */
 int cb_uccc(uint32_t cp);
 /* Full canonical decomposition of cp (Hangul excluded): *n code points at *out, or 0. */
