@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from typing import Callable
@@ -24,32 +25,32 @@ def _no_tokenizer(tokenizer: str, say: Callable[[str], None]) -> dict:
             "tokenizer.unk_id": -1, "tokenizer.pad_id": -1}
 
 
+# The tokenizer files of a checkpoint folder, in the order they are looked for, and the
+# builder of each (colibri_lab.conversion.<module>.<function>: (section bytes, metadata))
+TOKENIZER_FILES = (
+    ("tokenizer.model", "spm", "build_tokenizer_section"),      # SentencePiece BPE: Mixtral, Llama
+    ("tokenizer.json", "bpe", "build_bpe_tokenizer_section"),   # byte-level BPE: Qwen, OLMoE, GPT-2 style
+    ("tekken.json", "bpe", "build_bpe_tokenizer_section"),      # Mistral's tiktoken-style vocabulary
+    ("tiktoken.model", "bpe", "build_tiktoken_section"),        # a tiktoken vocabulary and its class: Kimi's
+)
+
+
 def _tokenizer_section(model_dir: str, say: Callable[[str], None], tokenizer: str = "auto"):
     """(section bytes, metadata dict) for the checkpoint's tokenizer.
 
-    "auto": `tokenizer.model` (SentencePiece BPE: Mixtral, Llama) if present, else
-    `tokenizer.json` (byte-level BPE: Qwen, OLMoE, GPT-2 style), else `tekken.json`
-    (Mistral's tiktoken-style vocabulary), else `tiktoken.model` (a tiktoken vocabulary with
-    its tokenizer class: Kimi's), else none. "none": write a
-    file without a tokenizer (the engine then runs on token ids only)."""
+    "auto": the first of TOKENIZER_FILES the folder holds, else none. "none": write a file
+    without a tokenizer (the engine then runs on token ids only)."""
     none = _no_tokenizer(tokenizer, say)
     if tokenizer == "none":
         return b"", none
-    spm = os.path.join(model_dir, "tokenizer.model")
-    bpe = os.path.join(model_dir, "tokenizer.json")
-    if os.path.isfile(spm):
-        from .spm import build_tokenizer_section as build
-        path = spm
-    elif os.path.isfile(bpe) or os.path.isfile(os.path.join(model_dir, "tekken.json")):
-        from .bpe import build_bpe_tokenizer_section as build  # reads either format
-        path = bpe if os.path.isfile(bpe) else os.path.join(model_dir, "tekken.json")
-    elif os.path.isfile(os.path.join(model_dir, "tiktoken.model")):
-        from .bpe import build_tiktoken_section as build
-        path = os.path.join(model_dir, "tiktoken.model")
-    else:
-        say(f"note: no tokenizer.model, tokenizer.json, tekken.json or tiktoken.model in {model_dir}; writing a "
+    found = next((t for t in TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, t[0]))), None)
+    if found is None:
+        say(f"note: no {', '.join(name for name, _m, _f in TOKENIZER_FILES)} in {model_dir}; writing a "
             "file without a tokenizer (the engine then runs on token ids only)")
         return b"", none
+    name, module, function = found
+    build = getattr(importlib.import_module(f".{module}", __package__), function)
+    path = os.path.join(model_dir, name)
     try:
         data, info = build(path)
     except ValueError as e:

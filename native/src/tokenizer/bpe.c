@@ -599,7 +599,7 @@ enum { TK_TEKKEN = 0, TK_O200K = 1, TK_KIMI = 2 };
 static uint64_t match_tekken(const uint8_t *s, uint64_t len, uint64_t pos, int kind) {
     uint32_t c0, c1 = 0;
     uint32_t l0 = dec(s, pos, &c0);
-    const int han = kind == TK_KIMI, o200k = kind != TK_TEKKEN;
+    const int han = kind == TK_KIMI, o200k = kind != TK_TEKKEN, slash = kind != TK_KIMI;
     /* [\p{Han}]+ */
     if (han && cb_uhan(c0)) {
         uint64_t p = pos + l0;
@@ -622,7 +622,7 @@ static uint64_t match_tekken(const uint8_t *s, uint64_t len, uint64_t pos, int k
     if (c0 == ' ' && pos + 1 < len && (dec(s, pos + 1, &c1), is_X(c1))) p = run_X(s, len, pos + 1);
     else if (is_X(c0)) p = run_X(s, len, pos);
     if (p <= len) {
-        while (p < len && (s[p] == '\r' || s[p] == '\n' || (s[p] == '/' && !han))) p++;
+        while (p < len && (s[p] == '\r' || s[p] == '\n' || (slash && s[p] == '/'))) p++;
         return p;
     }
     /* \s*[\r\n]+|\s+(?!\S)|\s+ */
