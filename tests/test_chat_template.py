@@ -480,6 +480,8 @@ def family(name: str) -> str:
         return "mistral_v11"
     if name == "gpt-oss":
         return "harmony"
+    if name == "kimi-k2":   # renders every role as its template does (other roles without a header)
+        return "kimi"
     if name == "deepseek-v2":   # "User: " / "Assistant: " turns: the Tulu renderer with its own prefixes
         return "tulu"
     if name.startswith("deepseek"):
@@ -572,6 +574,16 @@ def test_tulu_templates(driver, tmp_path, variants, tok, request):
     assert len(names) >= 3
     for name in names:
         compare(driver, tmp_path, hf, section, name, variants[name], {**COMMON, **BPE_SPECIALS})
+
+
+@pytest.mark.parametrize("tok", ["qwen_tok", "olmoe_tok"])
+def test_kimi_template(driver, tmp_path, variants, tok, request):
+    """Kimi-K2's turns on the common conversations (tool and unknown roles included: the
+    template renders them, the latter without a header), on tokenizers without its markers."""
+    hf, section = request.getfixturevalue(tok)
+    names = [n for n in variants if family(n) == "kimi"]
+    assert names == ["kimi-k2"]
+    compare(driver, tmp_path, hf, section, names[0], variants[names[0]], {**COMMON, **BPE_SPECIALS})
 
 
 def test_olmoe_instruct_starts_with_endoftext(driver, tmp_path, olmoe_tok):

@@ -1,12 +1,14 @@
 """colibri_server's tool calling in the Mistral tekken forms (Mistral-Nemo, Mistral-Small-3.2,
-Devstral) and DeepSeek's (V3.1, R1), driven with the official `openai` client on 127.0.0.1.
+Devstral), DeepSeek's (V3.1, R1) and Kimi-K2's, driven with the official `openai` client on
+127.0.0.1.
 
 One tiny random Qwen3-MoE, converted once per shipped template (llama.cpp's
 models/templates) with a byte-level BPE tokenizer that has that family's special tokens. The
 weights are random, so the checks are the ones that hold whatever they are: a required or
 named tool_choice gives a call of an offered function whose arguments validate against its
 schema (jsonschema), streamed and not; the call (Mistral-Small-3.2: with its 9-character
-[CALL_ID], chosen by the server and written by the constraint) and a `role: "tool"` result sent
+[CALL_ID], chosen by the server and written by the constraint; Kimi-K2: the functions.NAME:0 id
+the model writes) and a `role: "tool"` result sent
 back render, as many prompt tokens as transformers' apply_chat_template gives that
 conversation.
 """
@@ -28,7 +30,7 @@ jsonschema = pytest.importorskip("jsonschema")
 import colibri_lab  # noqa: E402
 from colibri_lab.bench.models import FamilyShape, build_model, byte_level_bpe, save_checkpoint  # noqa: E402
 from test_chat_template import _corpus  # noqa: E402
-from test_chat_tools import DEEPSEEK_SPECIAL, TEKKEN_SPECIAL, templates_folder  # noqa: E402
+from test_chat_tools import DEEPSEEK_SPECIAL, KIMI_SPECIAL, TEKKEN_SPECIAL, templates_folder  # noqa: E402
 from test_server import Server, server_path  # noqa: E402,F401
 
 FORMS = {  # name -> (template file, tokenizer, several functions in one constraint)
@@ -37,6 +39,7 @@ FORMS = {  # name -> (template file, tokenizer, several functions in one constra
     "devstral": ("unsloth-mistral-Devstral-Small-2507.jinja", "tekken", False),
     "deepseek-v3.1": ("deepseek-ai-DeepSeek-V3.1.jinja", "deepseek", False),
     "deepseek-r1": ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "deepseek", False),
+    "kimi-k2": ("moonshotai-Kimi-K2.jinja", "kimi", False),
 }
 TOOLS = [  # bounded: a model that does not want to stop still ends a string or a number
     {"type": "function", "function": {
@@ -65,7 +68,8 @@ def family_files(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     toks = {}
     for kind, special, cfg in (
             ("tekken", TEKKEN_SPECIAL, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}),
-            ("deepseek", DEEPSEEK_SPECIAL, {"bos_token": DEEPSEEK_SPECIAL[0], "eos_token": DEEPSEEK_SPECIAL[1]})):
+            ("deepseek", DEEPSEEK_SPECIAL, {"bos_token": DEEPSEEK_SPECIAL[0], "eos_token": DEEPSEEK_SPECIAL[1]}),
+            ("kimi", KIMI_SPECIAL, {"bos_token": "[BOS]", "eos_token": "[EOS]"})):
         tok = byte_level_bpe(_corpus(), 600, special)
         if kind == "deepseek":
             tok.add_tokens(["<think>", "</think>"])
@@ -134,6 +138,8 @@ def test_required_and_named_calls_are_valid(form):
             _check(call.function.name, call.function.arguments)
             if name in ("nemo", "small-3.2"):   # the templates' rule for ids
                 assert re.fullmatch(r"[a-zA-Z0-9]{9}", call.id), call.id
+            if name == "kimi-k2":   # the id the model wrote, as the template numbers calls
+                assert call.id == f"functions.{call.function.name}:0", call.id
         calls, finish = _stream(c, model=name, messages=USER, tools=tools, tool_choice=choice, temperature=1.0,
                                 seed=5, max_tokens=160)
         assert finish == "tool_calls" and len(calls) == 1 and calls[0]["name"] in offered and calls[0]["id"]
@@ -166,3 +172,5 @@ def test_call_and_result_render_back(form):
     assert r.usage.prompt_tokens == len(want), (name, r.usage.prompt_tokens, len(want))
     if name == "small-3.2":   # the id goes back in [TOOL_RESULTS]id[TOOL_CONTENT]
         assert f"[TOOL_RESULTS]{call.id}[TOOL_CONTENT]" in hf.decode(want)
+    if name == "kimi-k2":   # the id the model wrote goes back in the result's heading
+        assert f"## Return of {call.id}" in hf.decode(want)

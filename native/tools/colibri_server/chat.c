@@ -284,7 +284,7 @@ static const char T_OLMO2_INSTRUCT[] =
     "{% endif %}\n"
     "{% endfor %}";
 
-enum { FAM_MISTRAL, FAM_CHATML, FAM_QWEN3, FAM_TULU, FAM_QWEN25, FAM_MISTRAL_TEKKEN, FAM_DEEPSEEK3, FAM_MISTRAL_SMALL32, FAM_DEVSTRAL, FAM_HARMONY, FAM_DEEPSEEK_R1, N_FAMILIES };
+enum { FAM_MISTRAL, FAM_CHATML, FAM_QWEN3, FAM_TULU, FAM_QWEN25, FAM_MISTRAL_TEKKEN, FAM_DEEPSEEK3, FAM_MISTRAL_SMALL32, FAM_DEVSTRAL, FAM_HARMONY, FAM_DEEPSEEK_R1, FAM_KIMI, N_FAMILIES };
 
 typedef struct variant {
     const char *name;
@@ -397,6 +397,9 @@ static const variant VARIANTS[] = {
     {.name = "deepseek-r1-distill-qwen", .family = FAM_DEEPSEEK_R1, .src = T_DEEPSEEK_R1_TOJSON, .r1_tojson = 1,
      .fmt = {.name = "deepseek-r1-distill-qwen", .tools = CS_TOOLS_DEEPSEEK_R1, .think_open = "<think>",
              .think_close = "</think>", .starts_thinking = 1}},
+    /* Kimi-K2-Instruct as first released: tools declared as JSON, calls functions.NAME:INDEX */
+    {.name = "kimi-k2", .family = FAM_KIMI, .src = T_KIMI_K2,
+     .fmt = {.name = "kimi-k2", .tools = CS_TOOLS_KIMI}},
     /* Devstral-Small-2507 (Unsloth's template: [TOOL_CALLS]name[ARGS]) */
     {.name = "devstral", .family = FAM_DEVSTRAL, .src = T_DEVSTRAL_UNSLOTH, .system_default = T_DEVSTRAL_SYS,
      .fmt = {.name = "devstral", .tools = CS_TOOLS_MISTRAL_V11}},
@@ -407,7 +410,7 @@ static const variant VARIANTS[] = {
 #define SUPPORTED                                                                            \
     "colibri_server renders the chat templates of Mixtral/Mistral-Instruct, Mistral-Nemo, "  \
     "Mistral-Small-3.2, Devstral, ChatML/Qwen2, Qwen2.5, Qwen3, DeepSeek-V2, DeepSeek-R1, DeepSeek-V3.1, "  \
-    "gpt-oss and OLMoE/Tulu: "
+    "gpt-oss, Kimi-K2 and OLMoE/Tulu: "
 #define USE_COMPLETIONS "; format the prompt yourself and send it to /v1/completions instead"
 
 /* ------------------------------------------------------------------ small buffers */
@@ -1872,6 +1875,55 @@ static void render_deepseek3(render *r, const variant *v, const cs_message *m, s
     }
 }
 
+/* Kimi-K2 (T_KIMI_K2): the tools as one JSON list in a tool_declare turn, a default system turn
+ * when the first message is not one, each turn <|im_ROLE|>ROLE<|im_middle|>...<|im_end|> (no
+ * header for other roles, as the template), an assistant's calls functions.NAME:INDEX (INDEX
+ * counting the message's calls) with their arguments | tojson, a tool result "## Return of ID"
+ * and the two characters \n (the template writes them outside an expression) before it. */
+static void render_kimi(render *r, const variant *v, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    (void)v;
+    if (tools_truthy(o)) {
+        emit(r, "<|im_system|>tool_declare<|im_middle|>");
+        emit_json(r, o->tools);
+        emit(r, "<|im_end|>");
+    }
+    for (size_t i = 0; i < n && !r->failed; i++) {
+        const char *c = content_of(&m[i]);
+        const json_t *calls = tool_calls_of(&m[i]);
+        if (i == 0 && !is(m[0].role, "system"))
+            emit(r, "<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>");
+        if (is(m[i].role, "system")) emit(r, "<|im_system|>system<|im_middle|>");
+        else if (is(m[i].role, "user")) emit(r, "<|im_user|>user<|im_middle|>");
+        else if (is(m[i].role, "assistant")) emit(r, "<|im_assistant|>assistant<|im_middle|>");
+        else if (is(m[i].role, "tool")) emit(r, "<|im_system|>tool<|im_middle|>");
+        if (is(m[i].role, "assistant") && calls) {
+            emit(r, c);
+            emit(r, "<|tool_calls_section_begin|>");
+            for (size_t k = 0; k < json_array_size(calls) && !r->failed; k++) {
+                const json_t *fn = call_function(json_array_get(calls, k));
+                char idx[32];
+                snprintf(idx, sizeof idx, ":%zu", k);
+                emit(r, "<|tool_call_begin|>functions.");
+                emit(r, call_name(r, fn, i, k));
+                emit(r, idx);
+                emit(r, "<|tool_call_argument_begin|>");
+                emit_json(r, call_arguments(fn));
+                emit(r, "<|tool_call_end|>");
+            }
+            emit(r, "<|tool_calls_section_end|>");
+        } else if (is(m[i].role, "tool")) {
+            const json_t *id = mget(&m[i], "tool_call_id");
+            emit(r, "## Return of ");
+            emit(r, json_is_string(id) ? json_string_value(id) : "");
+            emit(r, "\\n");
+            emit(r, c);
+        } else {
+            emit(r, c);
+        }
+        emit(r, "<|im_end|>");
+    }
+    emit(r, "<|im_assistant|>assistant<|im_middle|>");
+}
 
 static void render_mistral(render *r, const variant *v, const cs_message *m, size_t n) {
     const char *system = NULL;
@@ -2204,11 +2256,15 @@ static void r_deepseek_r1(render *r, const variant *v, const char *s, const cs_m
     (void)s;
     render_deepseek_r1(r, v, m, n, o);
 }
+static void r_kimi(render *r, const variant *v, const char *s, const cs_message *m, size_t n, const cs_chat_opts *o) {
+    (void)s;
+    render_kimi(r, v, m, n, o);
+}
 static const render_fn RENDER[N_FAMILIES] = {
     [FAM_MISTRAL] = r_mistral, [FAM_CHATML] = r_chatml, [FAM_QWEN3] = r_qwen3, [FAM_TULU] = r_tulu,
     [FAM_QWEN25] = r_qwen25, [FAM_MISTRAL_TEKKEN] = r_tekken, [FAM_DEEPSEEK3] = r_deepseek3,
     [FAM_MISTRAL_SMALL32] = r_mistral_v11, [FAM_DEVSTRAL] = r_mistral_v11, [FAM_HARMONY] = r_harmony,
-    [FAM_DEEPSEEK_R1] = r_deepseek_r1,
+    [FAM_DEEPSEEK_R1] = r_deepseek_r1, [FAM_KIMI] = r_kimi,
 };
 
 /* ------------------------------------------------------------------ the interface */
@@ -2308,6 +2364,7 @@ int cs_chat_tokenize_ex(colibri_tokenizer *tok, const char *template_src, const 
 static const char *const STOP_NONE[] = {NULL};
 static const char *const STOP_CHATML[] = {"<|im_end|>", "<|endoftext|>", NULL};
 static const char *const STOP_HARMONY[] = {"<|return|>", "<|call|>", NULL};
+static const char *const STOP_KIMI[] = {"<|im_end|>", NULL};
 
 const char *const *cs_chat_stop_strings(const char *template_src) {
     char *system = NULL;
@@ -2317,7 +2374,7 @@ const char *const *cs_chat_stop_strings(const char *template_src) {
     /* a family's end-of-turn strings besides EOS (Mistral, Tulu, DeepSeek: EOS only) */
     static const char *const *const STOPS[N_FAMILIES] = {
         [FAM_CHATML] = STOP_CHATML, [FAM_QWEN3] = STOP_CHATML, [FAM_QWEN25] = STOP_CHATML,
-        [FAM_HARMONY] = STOP_HARMONY,
+        [FAM_HARMONY] = STOP_HARMONY, [FAM_KIMI] = STOP_KIMI,
     };
     return v && STOPS[v->family] ? STOPS[v->family] : STOP_NONE;
 }

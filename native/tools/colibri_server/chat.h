@@ -98,6 +98,8 @@ typedef enum cs_tool_syntax {
     CS_TOOLS_HARMONY,   /* to=functions.N<|channel|>commentary json<|message|>{...} (gpt-oss) */
     CS_TOOLS_DEEPSEEK_R1, /* <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\n```json\n{...}\n```
                            * <｜tool▁call▁end｜>... (DeepSeek-R1) */
+    CS_TOOLS_KIMI,      /* <|tool_calls_section_begin|><|tool_call_begin|>functions.N:0<|tool_call_argument_begin|>{...}
+                         * <|tool_call_end|>...<|tool_calls_section_end|> (Kimi-K2) */
 } cs_tool_syntax;
 
 typedef struct cs_chat_format {

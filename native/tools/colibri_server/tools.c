@@ -11,6 +11,9 @@
  *             <｜tool▁calls▁end｜> (DeepSeek-V3.1)
  *   deepseek-r1  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{...}\n```
  *             <｜tool▁call▁end｜>, "\n" between calls, <｜tool▁calls▁end｜> (DeepSeek-R1)
+ *   kimi      <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{...}
+ *             <|tool_call_end|>...<|tool_calls_section_end|>; the id written (functions.f:0) is the
+ *             call's id (Kimi-K2)
  * Reasoning: the text between the format's think markers at the start of the output (or from
  * the start, when the prompt opened the block), leading newlines and trailing whitespace
  * dropped; the content after it starts at its first non-whitespace character.
@@ -27,6 +30,11 @@
 #define DS_SEP "<｜tool▁sep｜>"
 #define DS_CALL_END "<｜tool▁call▁end｜>"
 #define DS_END "<｜tool▁calls▁end｜>"
+#define KM_BEGIN "<|tool_calls_section_begin|>"
+#define KM_CALL "<|tool_call_begin|>"
+#define KM_ARGS "<|tool_call_argument_begin|>"
+#define KM_CALL_END "<|tool_call_end|>"
+#define KM_END "<|tool_calls_section_end|>"
 
 typedef struct syntax {
     const char *open;          /* the first marker of a tool-call block */
@@ -41,6 +49,7 @@ static const syntax SYNTAX[] = {
     [CS_TOOLS_MISTRAL_V11] = {"[TOOL_CALLS]", {"[TOOL_CALLS]", "[CALL_ID]", "[ARGS]", NULL}},
     [CS_TOOLS_HARMONY] = {"to=functions.", {NULL}},
     [CS_TOOLS_DEEPSEEK_R1] = {DS_BEGIN, {DS_BEGIN, DS_CALL, DS_SEP, DS_CALL_END, DS_END, NULL}},
+    [CS_TOOLS_KIMI] = {KM_BEGIN, {KM_BEGIN, KM_CALL, KM_ARGS, KM_CALL_END, KM_END, NULL}},
 };
 
 const char *const *cs_output_markers(const cs_chat_format *fmt) {
@@ -58,6 +67,7 @@ const char *const *cs_output_markers(const cs_chat_format *fmt) {
     case CS_TOOLS_DEEPSEEK:
     case CS_TOOLS_DEEPSEEK_R1: return think ? DS_THINK : SYNTAX[CS_TOOLS_DEEPSEEK].markers;
     case CS_TOOLS_MISTRAL_V11: return SYNTAX[CS_TOOLS_MISTRAL_V11].markers;
+    case CS_TOOLS_KIMI: return SYNTAX[CS_TOOLS_KIMI].markers;
     default: return think ? THINK : NONE;
     }
 }
@@ -317,6 +327,51 @@ static int parse_deepseek_r1(cs_parsed *p, const char *s, size_t n, const char *
     return p->n_calls ? 0 : 1;
 }
 
+/* Kimi-K2: <|tool_call_begin|>ID<|tool_call_argument_begin|>{...}<|tool_call_end|>, whitespace
+ * between calls, then <|tool_calls_section_end|> and nothing else. ID is functions.NAME:INDEX
+ * (the name is what lies between the "functions." and the last ':'; an ID without them is the
+ * name) and becomes the call's id, as the template numbers them. */
+static int parse_kimi(cs_parsed *p, const char *s, size_t n, const char *const *names, int n_names) {
+    size_t at = strlen(KM_BEGIN);
+    for (;;) {
+        while (at < n && ws(s[at])) at++;
+        if (at == n || starts(s + at, n - at, KM_END)) break;
+        if (!starts(s + at, n - at, KM_CALL)) return 1;
+        at += strlen(KM_CALL);
+        const char *sep = find(s + at, n - at, KM_ARGS);
+        if (!sep) return 1;
+        const char *id = s + at, *name = id;
+        size_t id_len = (size_t)(sep - id), name_len = id_len;
+        if (id_len >= 256) return 1;
+        if (starts(name, name_len, "functions.")) {
+            name += strlen("functions.");
+            name_len -= strlen("functions.");
+        }
+        for (size_t k = name_len; k > 0; k--)
+            if (name[k - 1] == ':') {
+                name_len = k - 1;
+                break;
+            }
+        char idbuf[256];
+        memcpy(idbuf, id, id_len);
+        idbuf[id_len] = 0;
+        at = (size_t)(sep - s) + strlen(KM_ARGS);
+        const char *end = find(s + at, n - at, KM_CALL_END);
+        size_t len = end ? (size_t)(end - (s + at)) : n - at;
+        json_t *args = load(s + at, len);
+        int rc = add_call(p, name, name_len, args, idbuf, names, n_names);
+        json_decref(args);
+        if (rc) return rc;
+        at += len + (end ? strlen(KM_CALL_END) : 0);
+    }
+    if (at < n) {
+        at += strlen(KM_END);
+        while (at < n && ws(s[at])) at++;
+        if (at < n) return 1;
+    }
+    return p->n_calls ? 0 : 1;
+}
+
 typedef int (*parse_fn)(cs_parsed *p, const char *s, size_t n, const char *const *names, int n_names);
 static const parse_fn PARSE[] = {
     [CS_TOOLS_NONE] = NULL,
@@ -326,6 +381,7 @@ static const parse_fn PARSE[] = {
     [CS_TOOLS_MISTRAL_V11] = parse_mistral_v11,
     [CS_TOOLS_HARMONY] = parse_harmony,
     [CS_TOOLS_DEEPSEEK_R1] = parse_deepseek_r1,
+    [CS_TOOLS_KIMI] = parse_kimi,
 };
 
 int cs_valid_call_id(const cs_chat_format *fmt, const char *id) {
@@ -502,6 +558,17 @@ int cs_tool_call_constraint(const cs_chat_format *fmt, const json_t *tools, cons
         snprintf(ds_pre, sizeof ds_pre, DS_BEGIN DS_CALL "function" DS_SEP "%s\n```json\n", single);
         pre = ds_pre;
         suf = "\n```" DS_CALL_END DS_END;
+        sch = json_incref(single_params);
+        break;
+    case CS_TOOLS_KIMI: /* the first call of a message is numbered 0 */
+        if (count != 1) {
+            json_decref(any);
+            return set_err(err, err_len, "Kimi's tool-call syntax writes the function name outside the JSON: "
+                                         "a required call needs one function (name it in tool_choice)");
+        }
+        snprintf(ds_pre, sizeof ds_pre, KM_BEGIN KM_CALL "functions.%s:0" KM_ARGS, single);
+        pre = ds_pre;
+        suf = KM_CALL_END KM_END;
         sch = json_incref(single_params);
         break;
     case CS_TOOLS_HARMONY:
