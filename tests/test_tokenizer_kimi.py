@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import shutil
 import sys
 import unicodedata
 from pathlib import Path
@@ -38,6 +39,7 @@ pytest.importorskip("tokenizers")
 
 sys.path.insert(0, str(Path(__file__).parent))
 import colibri_lab  # noqa: E402
+from colibri_lab.bench.models import KIMI_SPECIAL_TOKENS, kimi_style_tokenizer  # noqa: E402
 from colibri_lab.conversion.bpe import (  # noqa: E402
     KIMI_K2_PATTERN,
     O200K_PATTERN,
@@ -45,7 +47,7 @@ from colibri_lab.conversion.bpe import (  # noqa: E402
     bytes_to_unicode,
 )
 from colibri_lab.conversion.spec import ConversionError  # noqa: E402
-from test_tokenizer_bpe import O200K_WORDS, WORDS, _o200k_docs, _train, assert_same_ids, make_corpus  # noqa: E402
+from test_tokenizer_bpe import O200K_WORDS, WORDS, _o200k_docs, assert_same_ids, make_corpus  # noqa: E402
 
 # tokenization_kimi.py's pat_str, as that file writes it
 KIMI_PARTS = [
@@ -58,9 +60,7 @@ KIMI_PARTS = [
     r"""\s+(?!\S)""",
     r"""\s+""",
 ]
-# Kimi-K2's named special tokens, the first ids after the vocabulary
-KIMI_SPECIALS = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
-                 "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>"]
+KIMI_SPECIALS = list(KIMI_SPECIAL_TOKENS)
 RESERVED = 256
 # Script=Han, the assigned ranges of the Unicode version of Python's unicodedata (the
 # engine's tables), written out here as the reference for the text below
@@ -122,35 +122,20 @@ def kimi_class_file(parts=KIMI_PARTS, reserved: int = RESERVED) -> str:
             '    pat_str = "|".join(\n        [\n' + body + "        ]\n    )\n")
 
 
-def tiktoken_ranks(vocab_size: int, seed_texts: list[str]) -> dict[bytes, int]:
-    """A vocabulary trained on text split by Kimi's pattern, as tiktoken ranks (by id)."""
-    from tokenizers import Regex, pre_tokenizers
-
-    pt = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(KIMI_K2_PATTERN), behavior="isolated", invert=False),
-                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok = _train(pt, None, seed_texts, vocab_size, specials=[])
-    u2b = {c: b for b, c in bytes_to_unicode().items()}
-    ranks: dict[bytes, int] = {}
-    for s, _i in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
-        if all(c in u2b for c in s):
-            ranks.setdefault(bytes(u2b[c] for c in s), len(ranks))
-    return ranks
+def write_kimi_tokenizer(folder: Path, texts: list[str], vocab_size: int) -> dict:
+    """Kimi's tokenizer files (colibri_lab.bench.models.kimi_style_tokenizer) with a class file
+    that writes the pattern as Kimi's does; the ranks."""
+    return kimi_style_tokenizer(texts, vocab_size, folder, kimi_class_file())
 
 
-def write_kimi_tokenizer(folder: Path, ranks: dict[bytes, int], extra_config: dict | None = None) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "tiktoken.model", "w") as f:
-        for b, r in ranks.items():
-            f.write(f"{base64.b64encode(b).decode()} {r}\n")
-    n = len(ranks)
-    cfg = {"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-           "tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]", "eos_token": "[EOS]",
-           "added_tokens_decoder": {str(n + k): {"content": nm, "lstrip": False, "normalized": False, "rstrip": False,
-                                                 "single_word": False, "special": True}
-                                    for k, nm in enumerate(KIMI_SPECIALS)}}
-    cfg.update(extra_config or {})
-    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
-    (folder / "tokenization_kimi.py").write_text(kimi_class_file())
+def copy_tokenizer(src: Path, dst: Path, config: dict | None = None) -> None:
+    """The tokenizer files of src in dst, tokenizer_config.json updated with config."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py"):
+        shutil.copyfile(src / name, dst / name)
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    cfg.update(config or {})
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
 def reference(ranks: dict[bytes, int], pattern: str = KIMI_K2_PATTERN, reserved: int = RESERVED):
@@ -162,16 +147,27 @@ def reference(ranks: dict[bytes, int], pattern: str = KIMI_K2_PATTERN, reserved:
                              special_tokens={nm: i for i, nm in names.items()})
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    return tiktoken_ranks(5000, make_corpus(seed=1234, target=300_000) + kimi_docs(5, 400))
+TRAIN = {"texts": None}
+
+
+def train_texts() -> list[str]:
+    if TRAIN["texts"] is None:
+        TRAIN["texts"] = make_corpus(seed=1234, target=300_000) + kimi_docs(5, 400)
+    return TRAIN["texts"]
 
 
 @pytest.fixture(scope="module")
-def kimi_folder(tmp_path_factory, ranks):
+def kimi_folder(tmp_path_factory):
     d = tmp_path_factory.mktemp("kimi")
-    write_kimi_tokenizer(d, ranks)
+    write_kimi_tokenizer(d, train_texts(), 5000)
     return d
+
+
+@pytest.fixture(scope="module")
+def ranks(kimi_folder):
+    import tiktoken.load
+
+    return tiktoken.load.load_tiktoken_bpe(str(kimi_folder / "tiktoken.model"))
 
 
 def _docs() -> list[str]:
@@ -293,7 +289,7 @@ def test_gguf_kimi_k2_tokenizer_imports(tmp_path, ranks):
                       "kimi-k2 GGUF")
 
 
-def test_kimi_checkpoint_converts_with_its_tokenizer(tmp_path, ranks):
+def test_kimi_checkpoint_converts_with_its_tokenizer(tmp_path, kimi_folder, ranks):
     """A Kimi-K2 checkpoint (model_type kimi_k2, DeepseekV3ForCausalLM) with its tiktoken
     vocabulary converts; the engine tokenizes as tiktoken and stops at generation_config's
     end ids."""
@@ -310,7 +306,7 @@ def test_kimi_checkpoint_converts_with_its_tokenizer(tmp_path, ranks):
     cfg = json.loads((folder / "config.json").read_text())
     cfg["model_type"] = "kimi_k2"
     (folder / "config.json").write_text(json.dumps(cfg))
-    write_kimi_tokenizer(folder, ranks, {"chat_template": "{% for m in messages %}<|im_user|>{{ m['content'] }}"
+    copy_tokenizer(kimi_folder, folder, {"chat_template": "{% for m in messages %}<|im_user|>{{ m['content'] }}"
                                                           "<|im_end|>{% endfor %}<|im_assistant|>"})
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": n + 2}))
     out = colibri_lab.convert(folder, tmp_path / "kimi.colibri", dtype="f32", progress=False)
@@ -329,12 +325,12 @@ def _refused(folder: Path, match: str) -> None:
         build_tiktoken_section(folder / "tiktoken.model")
 
 
-def test_refusals(tmp_path, ranks):
-    small = dict(list(ranks.items())[:400])
+def test_refusals(tmp_path, kimi_folder, ranks):
+    n = len(ranks)
 
     def folder(name, mutate=None, cfg=None, class_file=None):
         d = tmp_path / name
-        write_kimi_tokenizer(d, small, cfg)
+        copy_tokenizer(kimi_folder, d, cfg)
         if class_file is not None:
             (d / "tokenization_kimi.py").write_text(class_file)
         if mutate is not None:
@@ -356,8 +352,8 @@ def test_refusals(tmp_path, ranks):
     _refused(folder("nobyte", mutate=lambda d: (d / "tiktoken.model").write_text(
         "".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(255)))),
         "lacks the single byte 0xff")
-    _refused(folder("outside", cfg={"added_tokens_decoder": {"9999": {"content": "<x>", "special": True}}}),
-             "added token 9999 .* outside the special ids 400..655")
+    _refused(folder("outside", cfg={"added_tokens_decoder": {"99999": {"content": "<x>", "special": True}}}),
+             f"added token 99999 .* outside the special ids {n}..{n + 255}")
     # through the converter: the reason and how to convert without a tokenizer
     from colibri_lab.conversion.tokenizer import _tokenizer_section
 

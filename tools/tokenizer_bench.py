@@ -1,14 +1,20 @@
 """Encode speed of Colibri's C tokenizer against the reference library, one thread each.
 
-    python tools/tokenizer_bench.py [--kind spm,bpe] [--reps 7] [--text FILE]
+    python tools/tokenizer_bench.py [--kind spm,bpe,tiktoken] [--reps 7] [--text FILE]
                                     [--spm-model tokenizer.model] [--bpe-json tokenizer.json]
+                                    [--tiktoken-dir FOLDER]
 
 - spm: the SentencePiece BPE tokenizer (default data/tokenizer.model.v1, Mistral / Mixtral's)
   turned into a tokenizer section (colibri_lab.conversion.spm), against `sentencepiece`;
 - bpe: a byte-level BPE tokenizer.json (default: a Qwen2-style one, NFC + the Qwen2 split
   regex + ByteLevel, 4000 pieces, trained here on the text with `tokenizers` in seconds)
   turned into a section (colibri_lab.conversion.bpe), against `tokenizers` (Tokenizer.encode,
-  one thread: encode_batch would spread the documents over every core).
+  one thread: encode_batch would spread the documents over every core);
+- tiktoken: a tiktoken vocabulary with its tokenizer class (a Kimi checkpoint's
+  tiktoken.model, tokenizer_config.json and tokenization_kimi.py; default: a Kimi-style one,
+  4000 ranks trained here with Kimi's split pattern) turned into a section
+  (colibri_lab.conversion.bpe.build_tiktoken_section), against `tiktoken` with the class's
+  pattern and special tokens (encode(text, allowed_special="all")).
 
 The text (default: the package's own source, colibri_lab/**/*.py, and docs/*.md, about 1 MB)
 is encoded two ways: as one call, and as its documents (split at blank lines) one call each.
@@ -89,6 +95,8 @@ def pair(kind: str, args, text: str, tmp: Path):
         sp = spm.SentencePieceProcessor(model_file=str(model))
         return (f"spm {model.name} vs sentencepiece",
                 lambda s: ct.encode(s, add_bos=False), lambda s: sp.encode(s))
+    if kind == "tiktoken":
+        return tiktoken_pair(args, text, tmp)
     from tokenizers import Tokenizer
 
     from colibri_lab.conversion.bpe import build_bpe_tokenizer_section
@@ -100,6 +108,35 @@ def pair(kind: str, args, text: str, tmp: Path):
     name = path.name if args.bpe_json else "qwen2-style trained here"
     return (f"byte-level bpe {name} vs tokenizers",
             lambda s: ct.encode(s, add_bos=False), lambda s: hf.encode(s, add_special_tokens=False).ids)
+
+
+def tiktoken_pair(args, text: str, tmp: Path):
+    import json
+
+    import tiktoken
+    import tiktoken.load
+
+    import colibri_lab
+    from colibri_lab.bench.models import kimi_style_tokenizer
+    from colibri_lab.conversion.bpe import _tiktoken_code_facts, build_tiktoken_section
+
+    folder = Path(args.tiktoken_dir) if args.tiktoken_dir else tmp / "kimi"
+    if not args.tiktoken_dir:
+        kimi_style_tokenizer(documents(text), 4000, folder)
+    model = folder / "tiktoken.model"
+    section, _ = build_tiktoken_section(model)
+    ct = colibri_lab.Tokenizer.from_section_bytes(section)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    pat, reserved, _ = _tiktoken_code_facts(str(folder), cfg, str(model))
+    ranks = tiktoken.load.load_tiktoken_bpe(str(model))
+    n = len(ranks)
+    names = {i: f"<|reserved_token_{i}|>" for i in range(n, n + reserved)}
+    names.update({int(k): v["content"] for k, v in (cfg.get("added_tokens_decoder") or {}).items()})
+    enc = tiktoken.Encoding(name=model.name, pat_str=pat, mergeable_ranks=ranks,
+                            special_tokens={v: k for k, v in names.items()})
+    name = str(folder) if args.tiktoken_dir else "kimi-style trained here"
+    return (f"tiktoken vocabulary {name} ({n} ranks) vs tiktoken",
+            lambda s: ct.encode(s, add_bos=False), lambda s: enc.encode(s, allowed_special="all"))
 
 
 def bench(label: str, ours, ref, text: str, reps: int) -> None:
@@ -131,16 +168,19 @@ def bench(label: str, ours, ref, text: str, reps: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kind", default="spm,bpe", help="spm, bpe or both (comma-separated; default both)")
+    ap.add_argument("--kind", default="spm,bpe,tiktoken",
+                    help="spm, bpe, tiktoken, comma-separated (default all three)")
     ap.add_argument("--reps", type=int, default=7, help="timed repetitions per tokenizer and case (default 7)")
     ap.add_argument("--text", help="a UTF-8 text file (default: colibri_lab/**/*.py and docs/*.md)")
     ap.add_argument("--spm-model", default=str(REPO / "data" / "tokenizer.model.v1"),
                     help="a SentencePiece BPE model (default data/tokenizer.model.v1)")
     ap.add_argument("--bpe-json", help="a byte-level BPE tokenizer.json (default: one trained on the text)")
+    ap.add_argument("--tiktoken-dir", help="a folder with tiktoken.model, tokenizer_config.json and the tokenizer "
+                                           "class file (default: a Kimi-style one trained on the text)")
     args = ap.parse_args(argv)
     kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
-    if not kinds or set(kinds) - {"spm", "bpe"}:
-        ap.error(f"--kind takes spm, bpe or spm,bpe, got {args.kind!r}")
+    if not kinds or set(kinds) - {"spm", "bpe", "tiktoken"}:
+        ap.error(f"--kind takes spm, bpe, tiktoken or several of them, got {args.kind!r}")
     if args.reps < 1:
         ap.error("--reps must be at least 1")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else default_text()

@@ -401,8 +401,9 @@ def tokenizer_model_file() -> Path | None:
 def byte_level_bpe(texts, vocab_size: int, special_tokens, style: str = "qwen2"):
     """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts``: "qwen2" (Qwen2 / Qwen3:
     NFC, the Qwen2 split pattern, byte-level pieces), "gpt2" (GPT-2 / GPT-NeoX, OLMoE's kind:
-    the GPT-2 regex, no normalizer), "o200k" (gpt-oss's split pattern) or "deepseek_v3"
-    (DeepSeek-V3's three splits), the last two without a normalizer. The tokenizer of the random BPE-family test models and of
+    the GPT-2 regex, no normalizer), "o200k" (gpt-oss's split pattern), "deepseek_v3"
+    (DeepSeek-V3's three splits) or "kimi_k2" (Kimi's split pattern), the last three without a
+    normalizer. The tokenizer of the random BPE-family test models and of
     the tokenizer benchmark."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -416,21 +417,64 @@ def byte_level_bpe(texts, vocab_size: int, special_tokens, style: str = "qwen2")
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     elif style == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif style in ("o200k", "deepseek_v3"):   # gpt-oss's; DeepSeek-V3's three splits
-        from ..conversion.bpe import DEEPSEEK_V3_SPLITS, O200K_PATTERN
+    elif style in ("o200k", "deepseek_v3", "kimi_k2"):   # gpt-oss's; DeepSeek-V3's three splits; Kimi's
+        from ..conversion.bpe import DEEPSEEK_V3_SPLITS, KIMI_K2_PATTERN, O200K_PATTERN
 
-        rxs = (O200K_PATTERN,) if style == "o200k" else DEEPSEEK_V3_SPLITS
+        rxs = {"o200k": (O200K_PATTERN,), "kimi_k2": (KIMI_K2_PATTERN,)}.get(style, DEEPSEEK_V3_SPLITS)
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             *(pre_tokenizers.Split(Regex(rx), behavior="isolated", invert=False) for rx in rxs),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     else:
-        raise ValueError(f"byte_level_bpe: style is 'qwen2', 'gpt2', 'o200k' or 'deepseek_v3', "
+        raise ValueError(f"byte_level_bpe: style is 'qwen2', 'gpt2', 'o200k', 'deepseek_v3' or 'kimi_k2', "
                          f"not {style!r}")
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=list(special_tokens), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     return tok
+
+
+# Kimi-K2's named special tokens, the first of its reserved ids after the vocabulary
+KIMI_SPECIAL_TOKENS = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
+                       "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>")
+
+
+def kimi_style_tokenizer(texts, vocab_size: int, folder: Path, class_source: str | None = None,
+                         config: dict | None = None) -> dict:
+    """A tokenizer folder as Kimi's checkpoints ship theirs: `tiktoken.model` (a byte-level BPE
+    trained on ``texts`` with Kimi's split pattern, its tokens ranked by id), a
+    tokenizer_config.json (KIMI_SPECIAL_TOKENS among 256 reserved ids, auto_map naming the
+    class, ``config`` added) and the class file (``class_source``, or one that states the
+    pattern). Returns the ranks {token bytes: rank} (tiktoken's mergeable_ranks)."""
+    import base64
+    import json
+
+    from ..conversion.bpe import KIMI_K2_PATTERN, bytes_to_unicode
+
+    tok = byte_level_bpe(texts, vocab_size, [], style="kimi_k2")
+    u2b = {c: b for b, c in bytes_to_unicode().items()}
+    ranks: dict[bytes, int] = {}
+    for piece, _i in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
+        if all(c in u2b for c in piece):
+            ranks.setdefault(bytes(u2b[c] for c in piece), len(ranks))
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "tiktoken.model", "w") as f:
+        for b, r in ranks.items():
+            f.write(f"{base64.b64encode(b).decode()} {r}\n")
+    n = len(ranks)
+    cfg = {"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+           "tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]", "eos_token": "[EOS]",
+           "added_tokens_decoder": {str(n + k): {"content": nm, "lstrip": False, "normalized": False, "rstrip": False,
+                                                 "single_word": False, "special": True}
+                                    for k, nm in enumerate(KIMI_SPECIAL_TOKENS)}}
+    cfg.update(config or {})
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if class_source is None:
+        class_source = ("class TikTokenTokenizer:\n    num_reserved_special_tokens = 256\n"
+                        f"    pat_str = {KIMI_K2_PATTERN!r}\n")
+    (folder / "tokenization_kimi.py").write_text(class_source)
+    return ranks
 
 
 def _write_bpe_tokenizer(folder: Path, n_tokens: int) -> None:
