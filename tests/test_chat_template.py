@@ -480,7 +480,7 @@ def family(name: str) -> str:
         return "mistral_v11"
     if name == "gpt-oss":
         return "harmony"
-    if name == "kimi-k2":   # renders every role as its template does (other roles without a header)
+    if name.startswith("kimi-k2"):   # renders every role as its template does
         return "kimi"
     if name == "deepseek-v2":   # "User: " / "Assistant: " turns: the Tulu renderer with its own prefixes
         return "tulu"
@@ -582,8 +582,9 @@ def test_kimi_template(driver, tmp_path, variants, tok, request):
     template renders them, the latter without a header), on tokenizers without its markers."""
     hf, section = request.getfixturevalue(tok)
     names = [n for n in variants if family(n) == "kimi"]
-    assert names == ["kimi-k2"]
-    compare(driver, tmp_path, hf, section, names[0], variants[names[0]], {**COMMON, **BPE_SPECIALS})
+    assert names == ["kimi-k2", "kimi-k2-instruct", "kimi-k2-thinking"]
+    for name in names:
+        compare(driver, tmp_path, hf, section, name, variants[name], {**COMMON, **BPE_SPECIALS})
 
 
 def test_olmoe_instruct_starts_with_endoftext(driver, tmp_path, olmoe_tok):

@@ -13,6 +13,7 @@ a message naming the known formats.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -40,12 +41,12 @@ SHIPPED = {  # file -> the name chat.c gives it
     "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "deepseek-r1",
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "deepseek-r1-distill-qwen",
     "moonshotai-Kimi-K2.jinja": "kimi-k2",
+    "Kimi-K2-Instruct.jinja": "kimi-k2-instruct",
+    "Kimi-K2-Thinking.jinja": "kimi-k2-thinking",
 }
-# other families, DeepSeek's DSML tool-call format (V3.2, V4), and the later Kimi-K2 templates (a
-# tool-call counter and id queue kept with list.append, which transformers' sandbox refuses),
-# which chat.c does not render
+# other families, and DeepSeek's DSML tool-call format (V3.2, V4), which chat.c does not render
 NOT_RENDERED = ["deepseek-ai-DeepSeek-V3.2.jinja", "deepseek-ai-DeepSeek-V4.jinja",
-                "deepseek-ai-DeepSeek-V4-Flash-0731.jinja", "Kimi-K2-Instruct.jinja", "Kimi-K2-Thinking.jinja"]
+                "deepseek-ai-DeepSeek-V4-Flash-0731.jinja"]
 
 
 def templates_folder() -> Path:
@@ -108,6 +109,7 @@ KIMI_SPECIAL = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>
 @pytest.fixture(scope="module")
 def kimi_tok(tmp_path_factory):
     tok = byte_level_bpe(_corpus(), 1500, KIMI_SPECIAL)
+    tok.add_tokens(["<think>", "</think>"])
     return _bpe_folder(tmp_path_factory.mktemp("kimi-tok"), tok,
                        {"bos_token": "[BOS]", "eos_token": "[EOS]", "tokenizer_class": "PreTrainedTokenizerFast"})
 
@@ -175,6 +177,17 @@ KIMI_EXTRA = {
     "result without an id": ([U1, A_CALL, {"role": "tool", "content": "21"}], True),
     "calls without content": ([SYS, U1, {"role": "assistant", "content": None, "tool_calls": [CALL2, CALL1]}, R2, R1],
                               True),
+    # the later templates: calls numbered across turns, results matched in order (one too many
+    # here), roles named by `name`, arguments given as a string, reasoning before answers
+    "two rounds": ([U1, A_TWO, R1, R2, {"role": "assistant", "content": "", "reasoning_content": "more",
+                                         "tool_calls": [CALL1]}, R1, {"role": "tool", "name": "add", "content": "x"}],
+                   True),
+    "names": ([{"role": "system", "name": "rules", "content": "Be brief."}, {"role": "user", "name": "bob", "content": "hi"},
+               {"role": "assistant", "content": "Hello.", "reasoning_content": "greet"}, U2], False),
+    "string arguments": ([U1, {"role": "assistant", "content": "", "tool_calls": [call(3, "add", '{"a": 1, "b": 2}')]},
+                          {"role": "tool", "tool_call_id": "call00003", "content": "3"}], True),
+    "reasoning later": ([U1, {"role": "assistant", "content": "First.", "reasoning_content": "a"}, U2,
+                         {"role": "assistant", "content": "Second.", "reasoning_content": "b"}, U1], False),
 }
 
 
@@ -186,10 +199,29 @@ def chatj(conv, tools, **kw) -> str:
     return f"chatj {hx(json.dumps(o))}"
 
 
+@contextlib.contextmanager
+def kimi_lists_mutable(tpl: str):
+    """The later Kimi-K2 templates number calls and match results with list.append, which
+    transformers' sandboxed Jinja refuses (llama.cpp's Jinja runs them): their reference is
+    transformers' rendering with that one ban lifted (a plain SandboxedEnvironment's rules)."""
+    if "tool_response_queue.ids.append" not in tpl:
+        yield
+        return
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
+
+    orig = ImmutableSandboxedEnvironment.is_safe_attribute
+    ImmutableSandboxedEnvironment.is_safe_attribute = SandboxedEnvironment.is_safe_attribute
+    try:
+        yield
+    finally:
+        ImmutableSandboxedEnvironment.is_safe_attribute = orig
+
+
 def theirs(hf, tpl, conv, tools, **kw):
     try:
-        ids = hf.apply_chat_template(conv, tools=TOOLS if tools else None, chat_template=tpl, tokenize=True,
-                                     add_generation_prompt=True, return_dict=False, **kw)
+        with kimi_lists_mutable(tpl):
+            ids = hf.apply_chat_template(conv, tools=TOOLS if tools else None, chat_template=tpl, tokenize=True,
+                                         add_generation_prompt=True, return_dict=False, **kw)
     except Exception as e:  # raise_exception(...) in the template, or a Jinja error
         return e
     return [int(i) for i in ids]
@@ -204,6 +236,8 @@ FAMILIES = {  # file -> tokenizer fixture, extra conversations, template kwargs 
     "Mistral-Small-3.2-24B-Instruct-2506.jinja": ("tekken_tok", {}, [{}]),
     "unsloth-mistral-Devstral-Small-2507.jinja": ("tekken_tok", {}, [{}]),
     "moonshotai-Kimi-K2.jinja": ("kimi_tok", KIMI_EXTRA, [{}]),
+    "Kimi-K2-Instruct.jinja": ("kimi_tok", KIMI_EXTRA, [{}]),
+    "Kimi-K2-Thinking.jinja": ("kimi_tok", KIMI_EXTRA, [{}]),
 }
 DROPS_CONTENT = ("Nemo", "Small-3.2")   # templates that drop an assistant's text beside its calls
 WRITES_IDS = ("Nemo", "Small-3.2")      # ... that write the call ids into the output
@@ -275,9 +309,10 @@ def test_tools_render_as_transformers(driver, tmp_path, templates, fname, reques
 
 def _assistant_text(hf, tpl, msgs, **kw) -> str:
     """The text of the last assistant turn: render with and without it."""
-    full = hf.apply_chat_template(msgs, tools=TOOLS, chat_template=tpl, tokenize=False, **kw)
-    head = hf.apply_chat_template(msgs[:-1], tools=TOOLS, chat_template=tpl, tokenize=False,
-                                  add_generation_prompt=True, **kw)
+    with kimi_lists_mutable(tpl):
+        full = hf.apply_chat_template(msgs, tools=TOOLS, chat_template=tpl, tokenize=False, **kw)
+        head = hf.apply_chat_template(msgs[:-1], tools=TOOLS, chat_template=tpl, tokenize=False,
+                                      add_generation_prompt=True, **kw)
     assert full.startswith(head), (full, head)
     return full[len(head):]
 

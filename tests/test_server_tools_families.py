@@ -30,7 +30,7 @@ jsonschema = pytest.importorskip("jsonschema")
 import colibri_lab  # noqa: E402
 from colibri_lab.bench.models import FamilyShape, build_model, byte_level_bpe, save_checkpoint  # noqa: E402
 from test_chat_template import _corpus  # noqa: E402
-from test_chat_tools import DEEPSEEK_SPECIAL, KIMI_SPECIAL, TEKKEN_SPECIAL, templates_folder  # noqa: E402
+from test_chat_tools import DEEPSEEK_SPECIAL, KIMI_SPECIAL, TEKKEN_SPECIAL, kimi_lists_mutable, templates_folder  # noqa: E402
 from test_server import Server, server_path  # noqa: E402,F401
 
 FORMS = {  # name -> (template file, tokenizer, several functions in one constraint)
@@ -40,6 +40,7 @@ FORMS = {  # name -> (template file, tokenizer, several functions in one constra
     "deepseek-v3.1": ("deepseek-ai-DeepSeek-V3.1.jinja", "deepseek", False),
     "deepseek-r1": ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "deepseek", False),
     "kimi-k2": ("moonshotai-Kimi-K2.jinja", "kimi", False),
+    "kimi-k2-thinking": ("Kimi-K2-Thinking.jinja", "kimi", False),
 }
 TOOLS = [  # bounded: a model that does not want to stop still ends a string or a number
     {"type": "function", "function": {
@@ -71,7 +72,7 @@ def family_files(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
             ("deepseek", DEEPSEEK_SPECIAL, {"bos_token": DEEPSEEK_SPECIAL[0], "eos_token": DEEPSEEK_SPECIAL[1]}),
             ("kimi", KIMI_SPECIAL, {"bos_token": "[BOS]", "eos_token": "[EOS]"})):
         tok = byte_level_bpe(_corpus(), 600, special)
-        if kind == "deepseek":
+        if kind in ("deepseek", "kimi"):
             tok.add_tokens(["<think>", "</think>"])
         toks[kind] = (tok, cfg)
     vocab = max(t.get_vocab_size() for t, _ in toks.values())
@@ -138,7 +139,7 @@ def test_required_and_named_calls_are_valid(form):
             _check(call.function.name, call.function.arguments)
             if name in ("nemo", "small-3.2"):   # the templates' rule for ids
                 assert re.fullmatch(r"[a-zA-Z0-9]{9}", call.id), call.id
-            if name == "kimi-k2":   # the id the model wrote, as the template numbers calls
+            if name.startswith("kimi"):   # the id the model wrote, as the template numbers calls
                 assert call.id == f"functions.{call.function.name}:0", call.id
         calls, finish = _stream(c, model=name, messages=USER, tools=tools, tool_choice=choice, temperature=1.0,
                                 seed=5, max_tokens=160)
@@ -168,9 +169,15 @@ def test_call_and_result_render_back(form):
     ref = [dict(m) for m in convo]
     ref[1] = {**ref[1], "tool_calls": [{**ref[1]["tool_calls"][0], "function": {
         "name": call.function.name, "arguments": json.loads(call.function.arguments)}}]}
-    want = hf.apply_chat_template(ref, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False)
+    with kimi_lists_mutable(hf.chat_template):
+        want = hf.apply_chat_template(ref, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert r.usage.prompt_tokens == len(want), (name, r.usage.prompt_tokens, len(want))
     if name == "small-3.2":   # the id goes back in [TOOL_RESULTS]id[TOOL_CONTENT]
         assert f"[TOOL_RESULTS]{call.id}[TOOL_CONTENT]" in hf.decode(want)
-    if name == "kimi-k2":   # the id the model wrote goes back in the result's heading
+    if name.startswith("kimi"):   # the id the model wrote goes back in the result's heading
         assert f"## Return of {call.id}" in hf.decode(want)
+        # the next required call is numbered as the template numbers it: the first of its
+        # message (the first release), or after the conversation's calls (the later ones)
+        nxt = c.chat.completions.create(model=name, messages=convo, tools=tools, tool_choice=choice, temperature=0,
+                                        max_tokens=160).choices[0].message.tool_calls[0]
+        assert nxt.id == f"functions.add:{0 if name == 'kimi-k2' else 1}", nxt.id

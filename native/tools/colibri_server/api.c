@@ -43,7 +43,7 @@ typedef struct job_choice {
     size_t sent_reasoning, sent_content; /* bytes of each streamed */
     cs_parsed parsed;    /* the final split (set in cb_finish) */
     int have_parsed;
-    char call_ids[CS_MAX_TOOL_CALLS][40];
+    char call_ids[CS_MAX_TOOL_CALLS][96];
 } job_choice;
 
 enum { TC_AUTO = 0, TC_NONE, TC_REQUIRED, TC_NAMED };
@@ -989,6 +989,15 @@ static int parse_tools(cs_job *j, json_t *root, cs_chat_opts *opts, cs_api_error
     if (j->fmt && (choice == TC_REQUIRED || choice == TC_NAMED)) { /* no format: the template is refused */
         char *pre = NULL, *suf = NULL, *sch = NULL, msg[256], cid[40];
         make_call_id(j, cid, sizeof cid); /* where the syntax writes an id outside the JSON, the prefix writes this */
+        if (j->fmt->tools == CS_TOOLS_KIMI) { /* Kimi's ids number the calls: of this message, or of the conversation */
+            size_t calls = 0;
+            json_t *msgs = field(root, "messages");
+            for (size_t i = 0; j->fmt->calls_numbered && i < json_array_size(msgs); i++) {
+                json_t *tc = json_object_get(json_array_get(msgs, i), "tool_calls");
+                calls += json_is_array(tc) ? json_array_size(tc) : 0;
+            }
+            snprintf(cid, sizeof cid, "%zu", calls);
+        }
         if (cs_tool_call_constraint(j->fmt, j->tools, named, cid, &pre, &suf, &sch, msg, sizeof msg) != 0) {
             BAD("tool_choice", "%s", msg);
             return -1;

@@ -308,6 +308,8 @@ typedef struct variant {
      * after each calling message and the thinking switch (else: when content is none,
      * arguments as text, the end only after a second call, the prompt always thinking) */
     int r1_tojson;
+    /* FAM_KIMI: 0 the first release's template, 1 Kimi-K2-Instruct's, 2 Kimi-K2-Thinking's */
+    int kimi_rev;
     /* FAM_QWEN25, FAM_DEVSTRAL: the default system prompt; FAM_MISTRAL_SMALL32: its text
      * before the date, and system_default_b after it */
     const char *system_default, *system_default_b;
@@ -398,8 +400,15 @@ static const variant VARIANTS[] = {
      .fmt = {.name = "deepseek-r1-distill-qwen", .tools = CS_TOOLS_DEEPSEEK_R1, .think_open = "<think>",
              .think_close = "</think>", .starts_thinking = 1}},
     /* Kimi-K2-Instruct as first released: tools declared as JSON, calls functions.NAME:INDEX */
-    {.name = "kimi-k2", .family = FAM_KIMI, .src = T_KIMI_K2,
+    {.name = "kimi-k2", .family = FAM_KIMI, .src = T_KIMI_K2, .kimi_rev = 0,
      .fmt = {.name = "kimi-k2", .tools = CS_TOOLS_KIMI}},
+    /* Kimi-K2-Instruct now: calls numbered across the conversation, roles named by `name` */
+    {.name = "kimi-k2-instruct", .family = FAM_KIMI, .src = T_KIMI_K2_INSTRUCT, .kimi_rev = 1,
+     .fmt = {.name = "kimi-k2-instruct", .tools = CS_TOOLS_KIMI, .calls_numbered = 1}},
+    /* Kimi-K2-Thinking: the same turns, reasoning in <think> before every answer */
+    {.name = "kimi-k2-thinking", .family = FAM_KIMI, .src = T_KIMI_K2_THINKING, .kimi_rev = 2,
+     .fmt = {.name = "kimi-k2-thinking", .tools = CS_TOOLS_KIMI, .think_open = "<think>", .think_close = "</think>",
+             .calls_numbered = 1}},
     /* Devstral-Small-2507 (Unsloth's template: [TOOL_CALLS]name[ARGS]) */
     {.name = "devstral", .family = FAM_DEVSTRAL, .src = T_DEVSTRAL_UNSLOTH, .system_default = T_DEVSTRAL_SYS,
      .fmt = {.name = "devstral", .tools = CS_TOOLS_MISTRAL_V11}},
@@ -1875,53 +1884,123 @@ static void render_deepseek3(render *r, const variant *v, const cs_message *m, s
     }
 }
 
-/* Kimi-K2 (T_KIMI_K2): the tools as one JSON list in a tool_declare turn, a default system turn
- * when the first message is not one, each turn <|im_ROLE|>ROLE<|im_middle|>...<|im_end|> (no
- * header for other roles, as the template), an assistant's calls functions.NAME:INDEX (INDEX
- * counting the message's calls) with their arguments | tojson, a tool result "## Return of ID"
- * and the two characters \n (the template writes them outside an expression) before it. */
+/* Kimi-K2's templates (T_KIMI_K2, the first release: kimi_rev 0; T_KIMI_K2_INSTRUCT: 1;
+ * T_KIMI_K2_THINKING: 2). All: the tools as one JSON list in a tool_declare turn, turns
+ * <|im_ROLE|>NAME<|im_middle|>...<|im_end|>, an assistant's calls in a tool-call section as
+ * functions.NAME:INDEX with their arguments, a tool result "## Return of ID" and its content.
+ * Rev 0: fixed role names (no header for other roles), INDEX counting the message's calls,
+ * arguments | tojson, the result's id its tool_call_id followed by the two characters \n (the
+ * template writes them outside an expression). Revs 1 and 2: a message's `name` names its
+ * role, INDEX counting the conversation's calls, string arguments as they are, each result
+ * taking the oldest call id not yet answered (else functions.NAME:COUNT, NAME the message's
+ * name or "unknown") and a newline. Rev 2: the default system turn before the messages, and
+ * every assistant answer after <think></think>, or after <think>reasoning_content</think> from
+ * the first assistant message without calls on (the template's "last" such message is the
+ * first: its loop runs backwards). */
+typedef struct kimi_call { const char *name; size_t index; } kimi_call;
+static void kimi_content(render *r, const cs_message *m) {
+    if (m->content) emit(r, m->content);
+}
+static void kimi_header(render *r, const variant *v, const cs_message *m) {
+    if (v->kimi_rev == 0) {
+        if (is(m->role, "system")) emit(r, "<|im_system|>system<|im_middle|>");
+        else if (is(m->role, "user")) emit(r, "<|im_user|>user<|im_middle|>");
+        else if (is(m->role, "assistant")) emit(r, "<|im_assistant|>assistant<|im_middle|>");
+        else if (is(m->role, "tool")) emit(r, "<|im_system|>tool<|im_middle|>");
+        return;
+    }
+    const json_t *nm = mget(m, "name");
+    const char *name = json_is_string(nm) && json_string_length(nm) ? json_string_value(nm) : m->role;
+    emit(r, is(m->role, "user") ? "<|im_user|>" : is(m->role, "assistant") ? "<|im_assistant|>" : "<|im_system|>");
+    emit(r, name);
+    emit(r, "<|im_middle|>");
+}
+static void kimi_id(render *r, const char *name, size_t index) {
+    char idx[32];
+    snprintf(idx, sizeof idx, ":%zu", index);
+    emit(r, "functions.");
+    emit(r, name);
+    emit(r, idx);
+}
 static void render_kimi(render *r, const variant *v, const cs_message *m, size_t n, const cs_chat_opts *o) {
-    (void)v;
+    const int rev = v->kimi_rev;
+    const char *const KIMI_SYS = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>";
+    size_t total = 0, counter = 0, q_head = 0, q_tail = 0, first_answer = n;
+    for (size_t i = 0; i < n; i++) {
+        const json_t *calls = tool_calls_of(&m[i]);
+        total += calls ? json_array_size(calls) : 0;
+        if (is(m[i].role, "assistant") && !calls && first_answer == n) first_answer = i;
+    }
+    kimi_call *queue = total ? malloc(total * sizeof *queue) : NULL;
+    if (total && !queue) {
+        fail(r, "out of memory");
+        return;
+    }
     if (tools_truthy(o)) {
         emit(r, "<|im_system|>tool_declare<|im_middle|>");
         emit_json(r, o->tools);
         emit(r, "<|im_end|>");
     }
+    if (rev == 2 && (n == 0 || !is(m[0].role, "system"))) emit(r, KIMI_SYS);
     for (size_t i = 0; i < n && !r->failed; i++) {
-        const char *c = content_of(&m[i]);
         const json_t *calls = tool_calls_of(&m[i]);
-        if (i == 0 && !is(m[0].role, "system"))
-            emit(r, "<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>");
-        if (is(m[i].role, "system")) emit(r, "<|im_system|>system<|im_middle|>");
-        else if (is(m[i].role, "user")) emit(r, "<|im_user|>user<|im_middle|>");
-        else if (is(m[i].role, "assistant")) emit(r, "<|im_assistant|>assistant<|im_middle|>");
-        else if (is(m[i].role, "tool")) emit(r, "<|im_system|>tool<|im_middle|>");
-        if (is(m[i].role, "assistant") && calls) {
-            emit(r, c);
-            emit(r, "<|tool_calls_section_begin|>");
-            for (size_t k = 0; k < json_array_size(calls) && !r->failed; k++) {
+        if (i == 0 && !is(m[0].role, "system")) {
+            if (rev == 0) emit(r, "<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>");
+            if (rev == 1) {
+                emit(r, KIMI_SYS);
+                emit(r, "\n");
+            }
+        }
+        kimi_header(r, v, &m[i]);
+        if (rev == 2 && is(m[i].role, "assistant")) {
+            emit(r, "<think>");
+            if (first_answer == n || i > first_answer) { /* the template's suffix: its reasoning */
+                const json_t *rc = mget(&m[i], "reasoning_content");
+                if (json_is_string(rc)) emit(r, json_string_value(rc));
+                else if (json_is_null(rc)) emit(r, "None");
+            }
+            emit(r, "</think>");
+        }
+        if (is(m[i].role, "assistant") && (calls || rev == 2)) {
+            kimi_content(r, &m[i]);
+            if (calls) emit(r, "<|tool_calls_section_begin|>");
+            for (size_t k = 0; calls && k < json_array_size(calls) && !r->failed; k++) {
                 const json_t *fn = call_function(json_array_get(calls, k));
-                char idx[32];
-                snprintf(idx, sizeof idx, ":%zu", k);
-                emit(r, "<|tool_call_begin|>functions.");
-                emit(r, call_name(r, fn, i, k));
-                emit(r, idx);
+                const json_t *args = call_arguments(fn);
+                const char *name = call_name(r, fn, i, k);
+                size_t index = rev == 0 ? k : counter++;
+                if (rev > 0) queue[q_tail++] = (kimi_call){name, index};
+                emit(r, "<|tool_call_begin|>");
+                kimi_id(r, name, index);
                 emit(r, "<|tool_call_argument_begin|>");
-                emit_json(r, call_arguments(fn));
+                if (rev > 0 && json_is_string(args)) emit(r, json_string_value(args));
+                else emit_json(r, args);
                 emit(r, "<|tool_call_end|>");
             }
-            emit(r, "<|tool_calls_section_end|>");
+            if (calls) emit(r, "<|tool_calls_section_end|>");
         } else if (is(m[i].role, "tool")) {
-            const json_t *id = mget(&m[i], "tool_call_id");
             emit(r, "## Return of ");
-            emit(r, json_is_string(id) ? json_string_value(id) : "");
-            emit(r, "\\n");
-            emit(r, c);
+            if (rev == 0) {
+                const json_t *id = mget(&m[i], "tool_call_id");
+                emit(r, json_is_string(id) ? json_string_value(id) : "");
+                emit(r, "\\n");
+            } else {
+                if (q_head < q_tail) {
+                    kimi_id(r, queue[q_head].name, queue[q_head].index);
+                    q_head++;
+                } else {
+                    const json_t *nm = mget(&m[i], "name");
+                    kimi_id(r, json_is_string(nm) ? json_string_value(nm) : "unknown", counter);
+                }
+                emit(r, "\n");
+            }
+            kimi_content(r, &m[i]);
         } else {
-            emit(r, c);
+            kimi_content(r, &m[i]);
         }
         emit(r, "<|im_end|>");
     }
+    free(queue);
     emit(r, "<|im_assistant|>assistant<|im_middle|>");
 }
 

@@ -114,6 +114,8 @@ typedef struct cs_chat_format {
                                  * tool syntax and think markers (tools.c cs_output_markers) */
     int call_id_len;          /* the template's tool call ids are this many [a-zA-Z0-9] (its
                                * raise_exception otherwise), or 0: any id */
+    int calls_numbered;       /* Kimi: the template numbers tool calls across the conversation
+                               * (functions.NAME:INDEX), not within a message */
 } cs_chat_format;
 
 /* Token ids of `msgs` rendered with `template_src` (the model's chat template) followed by the

@@ -560,13 +560,15 @@ int cs_tool_call_constraint(const cs_chat_format *fmt, const json_t *tools, cons
         suf = "\n```" DS_CALL_END DS_END;
         sch = json_incref(single_params);
         break;
-    case CS_TOOLS_KIMI: /* the first call of a message is numbered 0 */
+    case CS_TOOLS_KIMI: /* call_id: the call's index (digits; else 0, the first of its message) */
         if (count != 1) {
             json_decref(any);
             return set_err(err, err_len, "Kimi's tool-call syntax writes the function name outside the JSON: "
                                          "a required call needs one function (name it in tool_choice)");
         }
-        snprintf(ds_pre, sizeof ds_pre, KM_BEGIN KM_CALL "functions.%s:0" KM_ARGS, single);
+        snprintf(ds_pre, sizeof ds_pre, KM_BEGIN KM_CALL "functions.%s:%s" KM_ARGS, single,
+                 call_id && *call_id && strspn(call_id, "0123456789") == strlen(call_id) && strlen(call_id) < 12 ? call_id
+                                                                                                                : "0");
         pre = ds_pre;
         suf = KM_CALL_END KM_END;
         sch = json_incref(single_params);

@@ -63,7 +63,8 @@ const char *const *cs_output_markers(const cs_chat_format *fmt);
  * ({"name": {"const": f}, "arguments": <f's parameters>}, anyOf over the functions; `only`:
  * just that function). Each malloc'd. Where the syntax writes a call id outside the JSON
  * (Mistral-Small-3.2's [CALL_ID]), `call_id` is the id the prefix writes: fmt->call_id_len
- * characters of [a-zA-Z0-9] (cs_valid_call_id), chosen by the caller. Returns 0, or -1 with a
+ * characters of [a-zA-Z0-9] (cs_valid_call_id), chosen by the caller; for Kimi's syntax
+ * (functions.NAME:INDEX) it is the INDEX, in digits (anything else writes 0). Returns 0, or -1 with a
  * message (a family without tool calls, a tool without a name, a missing or invalid call id,
  * out of memory). */
 int cs_tool_call_constraint(const cs_chat_format *fmt, const struct json_t *tools, const char *only,
