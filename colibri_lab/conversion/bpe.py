@@ -344,6 +344,15 @@ def _write_section(path, piece_b: list[bytes], bytes_b: list[bytes], flags: list
     return bytes(out)
 
 
+def _section_meta(ids4, n_pieces: int, pattern: str, normalizer: str, source: str) -> dict:
+    """The metadata every byte-level BPE builder returns: (bos, eos, unk, pad) ids, the number of
+    pieces, the pattern's name, the normalizer and where the special ids came from."""
+    bos, eos, unk, pad = ids4
+    return {"tokenizer.type": "byte_level_bpe", "tokenizer.bos_id": bos, "tokenizer.eos_id": eos,
+            "tokenizer.unk_id": unk, "tokenizer.pad_id": pad, "n_pieces": n_pieces, "tokenizer.pattern": pattern,
+            "tokenizer.normalizer": normalizer, "tokenizer.special_source": source}
+
+
 def _rank_merges(tok_bytes: list[bytes], rank_of: dict[bytes, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """tiktoken's byte-pair merging as ranked pair merges (left rank, right rank, rank): for
     every token of two or more bytes and every split of its bytes into two tokens (a, b), the
@@ -445,18 +454,7 @@ def _build_tekken(path: str, tj: dict) -> tuple[bytes, dict]:
     out = _write_section(path, piece_b, bytes_b, flags, m_left, m_right, m_rank, m_merged, [],
                          [n_special + b for b in range(256)], ids4, FLAG_IGNORE_MERGES | FLAG_SPECIAL_SPLITS_DECODE,
                          TEKKEN_PATTERN_ID)
-    meta = {
-        "tokenizer.type": "byte_level_bpe",
-        "tokenizer.bos_id": ids4[0],
-        "tokenizer.eos_id": ids4[1],
-        "tokenizer.unk_id": ids4[2],
-        "tokenizer.pad_id": ids4[3],
-        "n_pieces": vocab_size,
-        "tokenizer.pattern": "tekken",
-        "tokenizer.normalizer": "none",
-        "tokenizer.special_source": "tekken special tokens",
-    }
-    return out, meta
+    return out, _section_meta(ids4, vocab_size, "tekken", "none", "tekken special tokens")
 
 
 def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
@@ -611,18 +609,7 @@ def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
         (bos, eos, unk, pad), hflags, pattern)
 
     pattern_name = {i: name for i, name in (*SUPPORTED_PATTERNS.values(), *SPLIT_SEQUENCES.values())}[pattern]
-    meta = {
-        "tokenizer.type": "byte_level_bpe",
-        "tokenizer.bos_id": bos,
-        "tokenizer.eos_id": eos,
-        "tokenizer.unk_id": unk,
-        "tokenizer.pad_id": pad,
-        "n_pieces": n,
-        "tokenizer.pattern": pattern_name,
-        "tokenizer.normalizer": "NFC" if use_nfc else "none",
-        "tokenizer.special_source": source,
-    }
-    return out, meta
+    return out, _section_meta((bos, eos, unk, pad), n, pattern_name, "NFC" if use_nfc else "none", source)
 
 
 def _tiktoken_code_facts(folder: str, cfg: dict, path: str) -> tuple[str, int, str]:
@@ -759,19 +746,8 @@ def build_tiktoken_section(path: str | os.PathLike) -> tuple[bytes, dict]:
     ids4 = tuple(_token_id(cfg.get(key, default), special_ids)
                  for key, default in (("bos_token", "[BOS]"), ("eos_token", "[EOS]"), ("unk_token", None),
                                       ("pad_token", None)))
-    bos, eos, unk, pad = ids4
     out = _write_section(path, piece_b, bytes_b, flags, m_left, m_right, m_rank, m_rank,
                          sorted(range(n, n + n_reserved), key=lambda i: (-len(piece_b[i]), i)),
-                         [rank_of[bytes([b])] for b in range(256)], (bos, eos, unk, pad), FLAG_IGNORE_MERGES, pattern)
-    meta = {
-        "tokenizer.type": "byte_level_bpe",
-        "tokenizer.bos_id": bos,
-        "tokenizer.eos_id": eos,
-        "tokenizer.unk_id": unk,
-        "tokenizer.pad_id": pad,
-        "n_pieces": n + n_reserved,
-        "tokenizer.pattern": pattern_name,
-        "tokenizer.normalizer": "none",
-        "tokenizer.special_source": "tokenizer_config.json" if os.path.exists(cfg_path) else "the class's defaults",
-    }
-    return out, meta
+                         [rank_of[bytes([b])] for b in range(256)], ids4, FLAG_IGNORE_MERGES, pattern)
+    source = "tokenizer_config.json" if os.path.exists(cfg_path) else "the class's defaults"
+    return out, _section_meta(ids4, n + n_reserved, pattern_name, "none", source)

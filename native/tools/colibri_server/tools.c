@@ -207,32 +207,65 @@ static int parse_mistral(cs_parsed *p, const char *s, size_t n, const char *cons
     return rc;
 }
 
-static int parse_deepseek(cs_parsed *p, const char *s, size_t n, const char *const *names, int n_names) {
-    size_t at = strlen(DS_BEGIN);
+/* A section of calls: BEGIN, then CALL head SEP {...} CALL_END per call (whitespace between),
+ * then END and nothing else. DeepSeek-V3.1's head is the name; Kimi's is an id,
+ * functions.NAME:INDEX (the name is what lies between the "functions." and the last ':'; an id
+ * without them is the name), kept as the call's id, as the template numbers them. */
+typedef struct section_syntax {
+    const char *begin, *call, *sep, *call_end, *end;
+    int head_is_id;
+} section_syntax;
+static const section_syntax DS_SECTION = {DS_BEGIN, DS_CALL, DS_SEP, DS_CALL_END, DS_END, 0};
+static const section_syntax KM_SECTION = {KM_BEGIN, KM_CALL, KM_ARGS, KM_CALL_END, KM_END, 1};
+
+static int parse_section(const section_syntax *x, cs_parsed *p, const char *s, size_t n, const char *const *names,
+                         int n_names) {
+    size_t at = strlen(x->begin);
     for (;;) {
         while (at < n && ws(s[at])) at++;
-        if (at == n || starts(s + at, n - at, DS_END)) break;
-        if (!starts(s + at, n - at, DS_CALL)) return 1;
-        at += strlen(DS_CALL);
-        const char *sep = find(s + at, n - at, DS_SEP);
+        if (at == n || starts(s + at, n - at, x->end)) break;
+        if (!starts(s + at, n - at, x->call)) return 1;
+        at += strlen(x->call);
+        const char *sep = find(s + at, n - at, x->sep);
         if (!sep) return 1;
         const char *name = s + at;
         size_t name_len = (size_t)(sep - name);
-        at = (size_t)(sep - s) + strlen(DS_SEP);
-        const char *end = find(s + at, n - at, DS_CALL_END);
+        char id[256];
+        if (x->head_is_id) {
+            if (name_len >= sizeof id) return 1;
+            memcpy(id, name, name_len);
+            id[name_len] = 0;
+            if (starts(name, name_len, "functions.")) {
+                name += strlen("functions.");
+                name_len -= strlen("functions.");
+            }
+            for (size_t k = name_len; k > 0; k--)
+                if (name[k - 1] == ':') {
+                    name_len = k - 1;
+                    break;
+                }
+        }
+        at = (size_t)(sep - s) + strlen(x->sep);
+        const char *end = find(s + at, n - at, x->call_end);
         size_t len = end ? (size_t)(end - (s + at)) : n - at;
         json_t *args = load(s + at, len);
-        int rc = add_call(p, name, name_len, args, NULL, names, n_names);
+        int rc = add_call(p, name, name_len, args, x->head_is_id ? id : NULL, names, n_names);
         json_decref(args);
         if (rc) return rc;
-        at += len + (end ? strlen(DS_CALL_END) : 0);
+        at += len + (end ? strlen(x->call_end) : 0);
     }
-    if (at < n) { /* <｜tool▁calls▁end｜>, then nothing but whitespace */
-        at += strlen(DS_END);
+    if (at < n) { /* the END marker, then nothing but whitespace */
+        at += strlen(x->end);
         while (at < n && ws(s[at])) at++;
         if (at < n) return 1;
     }
     return p->n_calls ? 0 : 1;
+}
+static int parse_deepseek(cs_parsed *p, const char *s, size_t n, const char *const *names, int n_names) {
+    return parse_section(&DS_SECTION, p, s, n, names, n_names);
+}
+static int parse_kimi(cs_parsed *p, const char *s, size_t n, const char *const *names, int n_names) {
+    return parse_section(&KM_SECTION, p, s, n, names, n_names);
 }
 
 /* [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}, repeated (the [CALL_ID] part optional) */
@@ -321,51 +354,6 @@ static int parse_deepseek_r1(cs_parsed *p, const char *s, size_t n, const char *
     }
     if (at < n) {
         at += strlen(DS_END);
-        while (at < n && ws(s[at])) at++;
-        if (at < n) return 1;
-    }
-    return p->n_calls ? 0 : 1;
-}
-
-/* Kimi-K2: <|tool_call_begin|>ID<|tool_call_argument_begin|>{...}<|tool_call_end|>, whitespace
- * between calls, then <|tool_calls_section_end|> and nothing else. ID is functions.NAME:INDEX
- * (the name is what lies between the "functions." and the last ':'; an ID without them is the
- * name) and becomes the call's id, as the template numbers them. */
-static int parse_kimi(cs_parsed *p, const char *s, size_t n, const char *const *names, int n_names) {
-    size_t at = strlen(KM_BEGIN);
-    for (;;) {
-        while (at < n && ws(s[at])) at++;
-        if (at == n || starts(s + at, n - at, KM_END)) break;
-        if (!starts(s + at, n - at, KM_CALL)) return 1;
-        at += strlen(KM_CALL);
-        const char *sep = find(s + at, n - at, KM_ARGS);
-        if (!sep) return 1;
-        const char *id = s + at, *name = id;
-        size_t id_len = (size_t)(sep - id), name_len = id_len;
-        if (id_len >= 256) return 1;
-        if (starts(name, name_len, "functions.")) {
-            name += strlen("functions.");
-            name_len -= strlen("functions.");
-        }
-        for (size_t k = name_len; k > 0; k--)
-            if (name[k - 1] == ':') {
-                name_len = k - 1;
-                break;
-            }
-        char idbuf[256];
-        memcpy(idbuf, id, id_len);
-        idbuf[id_len] = 0;
-        at = (size_t)(sep - s) + strlen(KM_ARGS);
-        const char *end = find(s + at, n - at, KM_CALL_END);
-        size_t len = end ? (size_t)(end - (s + at)) : n - at;
-        json_t *args = load(s + at, len);
-        int rc = add_call(p, name, name_len, args, idbuf, names, n_names);
-        json_decref(args);
-        if (rc) return rc;
-        at += len + (end ? strlen(KM_CALL_END) : 0);
-    }
-    if (at < n) {
-        at += strlen(KM_END);
         while (at < n && ws(s[at])) at++;
         if (at < n) return 1;
     }
