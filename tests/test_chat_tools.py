@@ -187,7 +187,8 @@ KIMI_EXTRA = {
     "string arguments": ([U1, {"role": "assistant", "content": "", "tool_calls": [call(3, "add", '{"a": 1, "b": 2}')]},
                           {"role": "tool", "tool_call_id": "call00003", "content": "3"}], True),
     "reasoning later": ([U1, {"role": "assistant", "content": "First.", "reasoning_content": "a"}, U2,
-                         {"role": "assistant", "content": "Second.", "reasoning_content": "b"}, U1], False),
+                         {"role": "assistant", "content": "Second.", "reasoning_content": "b"}, U1,
+                         {"role": "assistant", "content": "Third.", "reasoning_content": None}, U2], False),
 }
 
 

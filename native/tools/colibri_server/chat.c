@@ -1955,9 +1955,8 @@ static void render_kimi(render *r, const variant *v, const cs_message *m, size_t
         if (rev == 2 && is(m[i].role, "assistant")) {
             emit(r, "<think>");
             if (first_answer == n || i > first_answer) { /* the template's suffix: its reasoning */
-                const json_t *rc = mget(&m[i], "reasoning_content");
+                const json_t *rc = mget(&m[i], "reasoning_content"); /* null: none (transformers drops None keys) */
                 if (json_is_string(rc)) emit(r, json_string_value(rc));
-                else if (json_is_null(rc)) emit(r, "None");
             }
             emit(r, "</think>");
         }
