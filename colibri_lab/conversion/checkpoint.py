@@ -8,6 +8,15 @@ value is e4m3fn(W[i, j]) * scale[i // bm, j // bn] (one f32 product; edge blocks
 partial). `Checkpoint.get` returns such a weight as an `Fp8SrcTensor`, which reads as f32
 values, dequantized row block by row block as it is read: the producers stream it like
 any f32 tensor, into any output dtype, never holding more than the rows they asked for.
+
+INT4 checkpoints in compressed-tensors' pack-quantized format (Kimi-K2-Thinking's routed
+experts: config.json `quantization_config` {quant_method: compressed-tensors, format:
+pack-quantized, config_groups: weights {num_bits: 4, type: int, symmetric: true, strategy:
+group, group_size: G}}): a weight W [R, C] is stored as `W_packed` (int32 [R, ceil(C / 8)],
+value j at bits 4 (j % 8) of word j // 8, plus 8), `W_scale` [R, ceil(C / G)] and `W_shape`
+([R, C]); its value is compressed-tensors' dequantization, (q - 8) * scale[i, j // G] rounded
+to the scale's dtype (bf16 for Kimi). `Checkpoint.get` returns it as a `PackedIntSrcTensor`,
+read as f32 values row by row like the FP8 weights.
 """
 
 from __future__ import annotations
@@ -125,6 +134,91 @@ class Fp8SrcTensor(SrcTensor):
         return x[off:off + count]
 
 
+@dataclass
+class PackedIntSrcTensor(SrcTensor):
+    """A compressed-tensors pack-quantized INT4 weight with its group scales, read as f32
+    values: value[i, j] = (nibble j of row i - 8) * scale[i, j // group], one f32 product
+    (exact) rounded to the scale's dtype, as compressed-tensors' dequantize computes it in
+    that dtype. `start`/`nbytes` are the packed int32 words'."""
+    scale: SrcTensor | None = None
+    group: int = 32
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype("<f4")
+
+    @property
+    def dtype_id(self) -> int:
+        return DTYPE_F32
+
+    def read_flat(self, first: int, count: int) -> np.ndarray:
+        if first < 0 or count < 0 or first + count > self.numel:
+            raise ConversionError(f"internal: read past tensor {self.name}")
+        C = self.shape[-1]
+        W = -(-C // 8)                      # int32 words a row
+        r0, r1 = first // C, -(-(first + count) // C)
+        raw = SrcTensor(self.name, self.path, "U8", (self.nbytes,), self.start,
+                        self.nbytes).read_flat(r0 * 4 * W, (r1 - r0) * 4 * W).reshape(r1 - r0, 4 * W)
+        q = np.empty((r1 - r0, 8 * W), dtype=np.int8)
+        q[:, 0::2] = raw & 0xF               # little-endian words: the low nibble first
+        q[:, 1::2] = raw >> 4
+        q = q[:, :C].astype(np.float32) - 8.0
+        G = self.group
+        gc = self.scale.shape[-1]
+        sc = fmt.stored_to_f32(self.scale.read_flat(r0 * gc, (r1 - r0) * gc),
+                               self.scale.dtype_id).reshape(r1 - r0, gc)
+        x = (q * np.repeat(sc, G, axis=1)[:, :C]).astype(np.float32)
+        if self.scale.dtype_id == DTYPE_BF16:       # round to nearest even, to bf16
+            u = x.view(np.uint32)
+            u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+            u &= np.uint32(0xFFFF0000)
+        elif self.scale.dtype_id == DTYPE_F16:
+            x = x.astype(np.float16).astype(np.float32)
+        x = x.reshape(-1)
+        off = first - r0 * C
+        return x[off:off + count]
+
+
+def _packed_config(model_dir: str) -> int | None:
+    """config.json's group size of a compressed-tensors pack-quantized INT4 checkpoint, None
+    when it is not one; refuses the compressed-tensors schemes the converter does not read."""
+    p = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(p):
+        return None
+    with open(p) as f:
+        qc = json.load(f).get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        return None
+    what = "config.json: quantization_config (compressed-tensors)"
+    if qc.get("format") != "pack-quantized":
+        raise ConversionError(f"{what} format {qc.get('format')!r}; the converter reads pack-quantized "
+                              "INT4 weights (Kimi-K2-Thinking's)")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConversionError(f"{what} has no config_groups")
+    sizes = set()
+    for gname, g in groups.items():
+        w = g.get("weights") if isinstance(g, dict) else None
+        if not isinstance(w, dict):
+            raise ConversionError(f"{what} group {gname!r} has no weights scheme")
+        if g.get("input_activations") is not None or g.get("output_activations") is not None:
+            raise ConversionError(f"{what} group {gname!r} quantizes activations too; the converter reads "
+                                  "weight-only schemes (activations are not quantized here)")
+        want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "dynamic": False}
+        bad = {k: w.get(k) for k, v in want.items() if w.get(k, v if k == "dynamic" else None) != v}
+        if w.get("actorder") not in (None, False, "static") or bad:
+            raise ConversionError(f"{what} group {gname!r}: {bad or {'actorder': w.get('actorder')}}; the converter "
+                                  "reads symmetric INT4 with group scales (num_bits 4, type int, symmetric, "
+                                  "strategy group)")
+        gs = w.get("group_size")
+        if not (isinstance(gs, int) and gs > 0):
+            raise ConversionError(f"{what} group {gname!r}: group_size {gs!r}")
+        sizes.add(gs)
+    if len(sizes) != 1:
+        raise ConversionError(f"{what}: groups of different sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
 def _fp8_config(model_dir: str) -> tuple[int, int] | None:
     """config.json's FP8 block size (weight_block_size), None when the checkpoint is not
     FP8; refuses the FP8 variants the converter does not read."""
@@ -187,6 +281,7 @@ class Checkpoint:
         self.tensors: dict[str, SrcTensor] = {}
         self.used: set[str] = set()
         self.fp8_block = _fp8_config(model_dir)
+        self.int4_group = _packed_config(model_dir)
         if os.path.exists(idx):
             with open(idx) as f:
                 wmap = json.load(f).get("weight_map")
@@ -221,12 +316,14 @@ class Checkpoint:
 
     def get(self, name: str, shape: tuple[int, ...]) -> SrcTensor:
         t = self.tensors.get(name)
+        if t is None and name + "_packed" in self.tensors:
+            t = self._packed(name, shape)
         if t is None:
             raise ConversionError(f"missing tensor {name!r} in {self.dir} (incomplete "
                                   "checkpoint, or not of the family config.json names)")
         if t.st_dtype == "F8_E4M3":
             t = self._fp8(t)
-        if t.st_dtype not in _ST_DTYPES and not isinstance(t, Fp8SrcTensor):
+        if t.st_dtype not in _ST_DTYPES and not isinstance(t, (Fp8SrcTensor, PackedIntSrcTensor)):
             raise ConversionError(f"tensor {name!r} has dtype {t.st_dtype}; the converter "
                                   "reads F32, F16 and BF16 checkpoints, and FP8 (F8_E4M3) "
                                   "weights with block scales")
@@ -255,6 +352,33 @@ class Checkpoint:
         return Fp8SrcTensor(t.name, t.path, t.st_dtype, t.shape, t.start, t.nbytes, scale=sc,
                             block=(bm, bn))
 
+    def _packed(self, name: str, shape: tuple[int, ...]) -> PackedIntSrcTensor:
+        """A pack-quantized INT4 weight: `<name>_packed`, `<name>_scale`, `<name>_shape`."""
+        if self.int4_group is None:
+            raise ConversionError(f"tensor {name!r} is stored packed ({name}_packed) but config.json has no "
+                                  "quantization_config {quant_method: compressed-tensors, format: pack-quantized}")
+        G = self.int4_group
+        pk, sc, sh = (self.tensors.get(name + x) for x in ("_packed", "_scale", "_shape"))
+        if len(shape) != 2:
+            raise ConversionError(f"packed tensor {name!r}: INT4 weights are 2-D, expected {list(shape)}")
+        R, C = shape
+        if sh is None or sh.st_dtype not in ("I32", "I64") or sh.shape != (2,):
+            raise ConversionError(f"packed tensor {name!r} needs {name}_shape (2 integers)")
+        stored = SrcTensor(sh.name, sh.path, "U8", (sh.nbytes,), sh.start, sh.nbytes).read_flat(0, sh.nbytes)
+        stored = [int(v) for v in stored.view("<i4" if sh.st_dtype == "I32" else "<i8")]
+        want_pk, want_sc = (R, -(-C // 8)), (R, -(-C // G))
+        if stored != [R, C]:
+            raise ConversionError(f"packed tensor {name!r} has {name}_shape {stored}, expected {[R, C]} from "
+                                  "config.json")
+        if pk.st_dtype != "I32" or pk.shape != want_pk or pk.nbytes != 4 * R * want_pk[1]:
+            raise ConversionError(f"packed tensor {name!r}: {name}_packed is {pk.st_dtype} {list(pk.shape)}, "
+                                  f"expected I32 {list(want_pk)}")
+        if sc is None or sc.st_dtype not in _ST_DTYPES or sc.shape != want_sc:
+            raise ConversionError(f"packed tensor {name!r} needs {name}_scale of shape {list(want_sc)} (groups of "
+                                  f"{G}), found {'none' if sc is None else f'{sc.st_dtype} {list(sc.shape)}'}")
+        self.used.update((name + "_packed", name + "_scale", name + "_shape"))
+        return PackedIntSrcTensor(name, pk.path, "I32", (R, C), pk.start, pk.nbytes, scale=sc, group=G)
+
     def get_bytes(self, name: str, shape: tuple[int, ...]) -> SrcTensor:
         """A U8 tensor (an MXFP4 checkpoint's *_blocks / *_scales), read as raw bytes."""
         t = self.tensors.get(name)
@@ -271,7 +395,7 @@ class Checkpoint:
         return sorted(n for n in self.tensors if n not in self.used and not n.endswith(skip))
 
     def has(self, name: str) -> bool:
-        return name in self.tensors
+        return name in self.tensors or name + "_packed" in self.tensors
 
     def skip(self, name: str) -> None:
         """Mark a tensor as deliberately left out (e.g. an empty shared expert)."""
