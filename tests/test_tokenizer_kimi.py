@@ -210,6 +210,55 @@ def test_tiktoken_folder_encodes_as_tiktoken(kimi_folder, ranks):
         assert ct.decode_bytes([n + 2, *enc.encode("hi")]) == b"hi"
 
 
+def class_encode(enc, text: str) -> list[int]:
+    """What Kimi's tokenizer class gives for `tokenizer(text)`: its special tokens split off
+    first, then each stretch between them cut every 400,000 characters and, inside each chunk,
+    before the character that makes a run of whitespace (str.isspace) or of other characters
+    25,001 long (and every 25,000 after), each part encoded by tiktoken on its own."""
+    import re
+
+    names = sorted(enc.special_tokens_set, key=len, reverse=True)
+    ids = []
+    for piece in re.split("(" + "|".join(map(re.escape, names)) + ")", text):
+        if piece in enc.special_tokens_set:
+            ids.append(enc.encode_single_token(piece))
+            continue
+        for c0 in range(0, len(piece), 400_000):
+            chunk, start, run, space = piece[c0:c0 + 400_000], 0, 0, None
+            for i, ch in enumerate(chunk):
+                sp = ch.isspace()
+                if space is None:
+                    space = sp
+                if sp != space:
+                    space, run = sp, 1
+                else:
+                    run += 1
+                    if run > 25_000:
+                        ids += enc.encode(chunk[start:i], disallowed_special=())
+                        start, run = i, 1
+            ids += enc.encode(chunk[start:], disallowed_special=())
+    return ids
+
+
+def test_long_texts_are_encoded_in_the_class_parts(kimi_folder, ranks):
+    """Runs of more than 25,000 (non-)whitespace characters and texts of more than 400,000
+    characters are encoded in the parts Kimi's class cuts them into, between special tokens."""
+    section, _ = build_tiktoken_section(kimi_folder / "tiktoken.model")
+    enc = reference(ranks)
+    rng = random.Random(17)
+    texts = ["abc" * 20_000, " " * 60_001 + "x", "x" + "\u3000\n " * 20_000 + "y", "字" * 50_003,
+             "".join(make_corpus(19, target=500_000))[:420_000] + "<|im_end|>" + "a" * 25_001,
+             "z" * 24_999 + "<|im_user|>" + "z" * 25_001,
+             "".join(rng.choice("ab \x1c\t") for _ in range(80_000)),
+             "token " * 70_000]   # the 400,000th character cuts a word: "toke" | "n token ..."
+    with colibri_lab.Tokenizer.from_section_bytes(section) as ct:
+        for t in texts:
+            want = class_encode(enc, t)
+            assert ct.encode(t.encode("utf-8"), add_bos=False) == want
+        # the cuts change the ids (the parts are not what one tiktoken call gives)
+        assert sum(class_encode(enc, t) != enc.encode(t, allowed_special="all") for t in texts) >= 3
+
+
 def _bpe_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
     """tiktoken's merging of token's bytes with the merges ranked below max_rank."""
     parts = [bytes([b]) for b in token]

@@ -117,6 +117,9 @@ TEKKEN_PATTERN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\
                   r""" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 TEKKEN_PATTERN_ID = 4
 FLAG_SPECIAL_SPLITS_DECODE = 1 << 2
+# Kimi's tiktoken class encodes each stretch between special tokens in parts (every 400,000
+# characters; runs of whitespace or of other characters longer than 25,000 cut)
+FLAG_CHUNKED = 1 << 3
 # mistral-common's Tekkenizer.DEPRECATED_SPECIAL_TOKENS: the control tokens of files without a
 # "special_tokens" list (versions up to v7), ids 0..19
 TEKKEN_DEPRECATED_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
@@ -457,7 +460,7 @@ def _build_tekken(path: str, tj: dict) -> tuple[bytes, dict]:
     return out, _section_meta(ids4, vocab_size, "tekken", "none", "tekken special tokens")
 
 
-def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
+def build_bpe_tokenizer_section(path: str | os.PathLike, extra_flags: int = 0) -> tuple[bytes, dict]:
     """Read a Hugging Face `tokenizer.json` (or a tekken_*.json) and return (section bytes, metadata dict).
 
     The metadata has the keys of colibri_lab.conversion.spm.build_tokenizer_section's
@@ -465,6 +468,8 @@ def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
     n_pieces) plus "tokenizer.pattern" (gpt2 / qwen2 / llama3 / o200k / deepseek_v3 / deepseek_llm), "tokenizer.normalizer"
     (none / NFC) and "tokenizer.special_source" (where bos/eos came from). For a tekken file
     the pattern is "tekken" and the special ids are those of <s>, </s>, <unk>, <pad>.
+    `extra_flags`: header flag bits to set besides those the file implies (FLAG_CHUNKED for a
+    GGUF of Kimi's vocabulary).
 
     BOS / EOS / PAD: from tokenizer_config.json beside tokenizer.json when it exists
     (bos_token, eos_token, pad_token; null there means none), else from well-known special
@@ -600,7 +605,7 @@ def build_bpe_tokenizer_section(path: str | os.PathLike) -> tuple[bytes, dict]:
         source = "well-known special tokens"
     unk = vocab.get(model.get("unk_token") or "", -1) if model.get("unk_token") else -1
 
-    hflags = (FLAG_IGNORE_MERGES if ignore_merges else 0) | (FLAG_NFC if use_nfc else 0)
+    hflags = (FLAG_IGNORE_MERGES if ignore_merges else 0) | (FLAG_NFC if use_nfc else 0) | extra_flags
     ml = sorted(merge_map.items())
     out = _write_section(
         path, piece_b, bytes_b, [flags[i] for i in range(n)],
@@ -676,9 +681,11 @@ def build_tiktoken_section(path: str | os.PathLike) -> tuple[bytes, dict]:
       convert_ids_to_tokens); BOS / EOS / PAD / UNK: tokenizer_config.json's bos_token
       ("[BOS]" if absent), eos_token ("[EOS]" if absent), pad_token, unk_token.
 
-    Not reproduced: the class cuts texts longer than 400,000 characters, and runs of more than
-    25,000 consecutive whitespace or non-whitespace characters, into parts it encodes apart;
-    here such a run is one text.
+    * the class's parts (header flag bit 3): each stretch of text between special tokens is cut
+      every 400,000 characters, and inside each chunk where a run of whitespace (Python's
+      isspace) or of other characters passes 25,000 characters, and the parts are encoded apart,
+      as the class's encode does (through `tokenizer(text)` and apply_chat_template, which split
+      the special tokens off first).
     """
     import base64
     import binascii
@@ -748,6 +755,6 @@ def build_tiktoken_section(path: str | os.PathLike) -> tuple[bytes, dict]:
                                       ("pad_token", None)))
     out = _write_section(path, piece_b, bytes_b, flags, m_left, m_right, m_rank, m_rank,
                          sorted(range(n, n + n_reserved), key=lambda i: (-len(piece_b[i]), i)),
-                         [rank_of[bytes([b])] for b in range(256)], ids4, FLAG_IGNORE_MERGES, pattern)
+                         [rank_of[bytes([b])] for b in range(256)], ids4, FLAG_IGNORE_MERGES | FLAG_CHUNKED, pattern)
     source = "tokenizer_config.json" if os.path.exists(cfg_path) else "the class's defaults"
     return out, _section_meta(ids4, n + n_reserved, pattern_name, "none", source)

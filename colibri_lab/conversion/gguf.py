@@ -716,6 +716,7 @@ def _bpe_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
     default), as colibri adds bos_id on request; UNK is none (byte-level BPE never produces
     one)."""
     from .bpe import (
+        FLAG_CHUNKED,
         SPLIT_SEQUENCES,
         SUPPORTED_PATTERNS,
         build_bpe_tokenizer_section,
@@ -792,7 +793,8 @@ def _bpe_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
     with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, ensure_ascii=False)
     try:
-        data, info = build_bpe_tokenizer_section(path)
+        # Kimi's vocabulary: its tokenizer class's parts too (bpe.build_tiktoken_section)
+        data, info = build_bpe_tokenizer_section(path, FLAG_CHUNKED if pattern_name == "kimi_k2" else 0)
     except ValueError as e:
         raise ValueError(str(e).replace(path, "the rebuilt tokenizer.json")) from None
     info["tokenizer.special_source"] = "GGUF metadata"

@@ -9,7 +9,8 @@
  *            the pre-tokenizer split pattern (hand-written matchers of the GPT-2, Qwen2,
  *            Llama-3, Mistral tekken, OpenAI o200k (gpt-oss), Kimi regexes and DeepSeek-V3's
  *            sequence of three splits, Oniguruma / fancy-regex semantics, Unicode
- *            tables from unicode_tables.c);
+ *            tables from unicode_tables.c), on each stretch whole or, with flag bit 3 (Kimi's
+ *            tiktoken class), in the class's parts;
  *            BPE per pre-token with the ranked merges (Word::merge_all: a min-heap of
  *            (rank, position), stale entries dropped by checking the merged id), or the
  *            whole pre-token when `ignore_merges` is set and it is in the vocabulary;
@@ -52,7 +53,10 @@
 #define BF_IGNORE_MERGES 0x1u
 #define BF_NFC 0x2u
 #define BF_SPECIAL_SPLITS_DECODE 0x4u /* decode: each run of non-special tokens is made valid UTF-8 on its own */
-#define BF_KNOWN 0x7u
+#define BF_CHUNKED 0x8u /* encode each stretch between special tokens in parts, as Kimi's tiktoken class: every
+                         * 400,000 code points, and inside each before the 25,001st code point of a run of
+                         * whitespace (Python's isspace) or of other characters, and every 25,000 after */
+#define BF_KNOWN 0xFu
 
 enum { PAT_GPT2 = 1, PAT_QWEN2 = 2, PAT_LLAMA3 = 3, PAT_TEKKEN = 4, PAT_O200K = 5, PAT_DEEPSEEK_V3 = 6,
        PAT_DEEPSEEK_LLM = 7, PAT_KIMI_K2 = 8 };
@@ -1045,7 +1049,7 @@ static int dsl_split(benc_t *e, int k, const uint8_t *s, uint64_t len) {
 }
 
 /* Pre-tokenize and BPE a piece of normalized text without added tokens. */
-static int pretok(benc_t *e, const uint8_t *s, uint64_t len) {
+static int pretok_whole(benc_t *e, const uint8_t *s, uint64_t len) {
     uint64_t pos = 0;
     if (e->b->pattern == PAT_DEEPSEEK_V3) return ds_pretok(e, s, len);
     if (e->b->pattern == PAT_DEEPSEEK_LLM) return dsl_split(e, 1, s, len);
@@ -1096,6 +1100,40 @@ static int split_added(benc_t *e, int pass, const uint8_t *s, uint64_t len,
         start = p;
     }
     if (len > start && !next(e, s + start, len - start)) return 0;
+    return 1;
+}
+
+/* Python's str.isspace: White_Space and U+001C..U+001F */
+static inline int py_isspace(uint32_t cp) { return cb_uspace(cp) || (cp >= 0x1C && cp <= 0x1F); }
+
+/* BF_CHUNKED: the parts of Kimi's tokenizer class (its encode cuts a text every 400,000
+ * characters, then each chunk where a run of whitespace or of other characters passes 25,000,
+ * and encodes the parts apart), each pre-tokenized on its own. */
+#define CHUNK_CPS 400000u
+#define RUN_CPS 25000u
+static int pretok(benc_t *e, const uint8_t *s, uint64_t len) {
+    if (!(e->b->flags & BF_CHUNKED)) return pretok_whole(e, s, len);
+    uint64_t pos = 0;
+    while (pos < len) {
+        uint64_t part = pos, run = 0, n = 0;
+        int space = -1;
+        for (; pos < len && n < CHUNK_CPS; n++) {
+            uint32_t cp;
+            uint32_t l = dec(s, pos, &cp);
+            int sp = py_isspace(cp);
+            if (space < 0) space = sp;
+            if (sp != space) {
+                space = sp;
+                run = 1;
+            } else if (++run > RUN_CPS) {
+                if (!pretok_whole(e, s + part, pos - part)) return 0;
+                part = pos;
+                run = 1;
+            }
+            pos += l;
+        }
+        if (pos > part && !pretok_whole(e, s + part, pos - part)) return 0;
+    }
     return 1;
 }
 
