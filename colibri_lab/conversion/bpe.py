@@ -57,7 +57,7 @@ O200K_PATTERN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p
                  r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"""
                  r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
                  r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-# Moonshot's Kimi (K2, K2.5, Linear: `pat_str` of tokenization_kimi.py's TikTokenTokenizer): o200k's
+# Moonshot's Kimi (K2; K2.5 and Linear too: `pat_str` of tokenization_kimi.py's TikTokenTokenizer): o200k's
 # alternatives with Han runs split off first and taken out of the letter classes
 KIMI_K2_PATTERN = "|".join([
     r"""[\p{Han}]+""",
