@@ -175,3 +175,31 @@ def test_bad_int4_checkpoints_are_refused(ckpts, tmp_path):
                                                    "input_activations": {"num_bits": 8}}}}, "quantizes activations")
     refused(group(group_size=64), r"needs .*_scale of shape \[96, 1\] \(groups of 64\)")
     assert not (tmp_path / "x.colibri").exists()
+
+
+def test_kimi_k25_wrapper_converts_its_language_model(ckpts, tmp_path):
+    """A Kimi-K2.5-style checkpoint (KimiK25ForConditionalGeneration: the DeepSeek-V3 text
+    model's config under text_config, its weights under language_model., a vision tower and a
+    projector beside it) converts to the very file of its language model; the vision weights
+    are left out with a warning that names them."""
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = ckpts
+    wrap = tmp_path / "k25"
+    wrap.mkdir()
+    sd = {"language_model." + k: v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    sd["vision_tower.encoder.blocks.0.wqkv.weight"] = torch.zeros(48, 16, dtype=torch.bfloat16)
+    sd["mm_projector.proj.0.weight"] = torch.zeros(64, 16, dtype=torch.bfloat16)
+    save_file(sd, str(wrap / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    (wrap / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": cfg,
+        "vision_config": {"hidden_size": 16}, "quantization_config": qc}))
+    a = fmt_reader.inspect(colibri_lab.convert(folder, tmp_path / "a.colibri", dtype="bf16", progress=False))
+    with pytest.warns(RuntimeWarning, match=r"2 checkpoint tensors .* left out: mm_projector.proj.0.weight, "
+                                            r"vision_tower"):
+        b = fmt_reader.inspect(colibri_lab.convert(wrap, tmp_path / "b.colibri", dtype="bf16", progress=False))
+    assert [(t.name, t.dtype, t.shape, t.crc32) for t in a.tensors] == \
+        [(t.name, t.dtype, t.shape, t.crc32) for t in b.tensors]
+    assert b.metadata["general.architecture"] == "deepseek_v3"

@@ -182,11 +182,7 @@ class PackedIntSrcTensor(SrcTensor):
 def _packed_config(model_dir: str) -> int | None:
     """config.json's group size of a compressed-tensors pack-quantized INT4 checkpoint, None
     when it is not one; refuses the compressed-tensors schemes the converter does not read."""
-    p = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(p):
-        return None
-    with open(p) as f:
-        qc = json.load(f).get("quantization_config")
+    qc = _quantization_config(model_dir)
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         return None
     what = "config.json: quantization_config (compressed-tensors)"
@@ -219,14 +215,34 @@ def _packed_config(model_dir: str) -> int | None:
     return sizes.pop()
 
 
+def _config(model_dir: str) -> dict:
+    p = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(p):
+        return {}
+    with open(p) as f:
+        return json.load(f)
+
+
+def _text_wrapper(model_dir: str):
+    from .families import text_wrapper
+
+    return text_wrapper(_config(model_dir))
+
+
+def _quantization_config(model_dir: str):
+    """config.json's quantization_config, or its language model's (a multimodal wrapper's)."""
+    cfg = _config(model_dir)
+    w = _text_wrapper(model_dir)
+    qc = cfg.get("quantization_config")
+    if qc is None and w is not None:
+        qc = cfg[w.config_key].get("quantization_config")
+    return qc
+
+
 def _fp8_config(model_dir: str) -> tuple[int, int] | None:
     """config.json's FP8 block size (weight_block_size), None when the checkpoint is not
     FP8; refuses the FP8 variants the converter does not read."""
-    p = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(p):
-        return None
-    with open(p) as f:
-        qc = json.load(f).get("quantization_config")
+    qc = _quantization_config(model_dir)
     if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
         return None
     if qc.get("fmt", "e4m3") != "e4m3":
@@ -313,6 +329,10 @@ class Checkpoint:
                     if name in self.tensors:
                         raise ConversionError(f"tensor {name} appears in two shards")
                     self.tensors[name] = t
+        wrapper = _text_wrapper(model_dir)
+        if wrapper is not None:   # the language model's weights under their family's names
+            p = wrapper.prefix
+            self.tensors = {(n[len(p):] if n.startswith(p) else n): t for n, t in self.tensors.items()}
 
     def get(self, name: str, shape: tuple[int, ...]) -> SrcTensor:
         t = self.tensors.get(name)
@@ -322,7 +342,7 @@ class Checkpoint:
             raise ConversionError(f"missing tensor {name!r} in {self.dir} (incomplete "
                                   "checkpoint, or not of the family config.json names)")
         if t.st_dtype == "F8_E4M3":
-            t = self._fp8(t)
+            t = self._fp8(t, name)
         if t.st_dtype not in _ST_DTYPES and not isinstance(t, (Fp8SrcTensor, PackedIntSrcTensor)):
             raise ConversionError(f"tensor {name!r} has dtype {t.st_dtype}; the converter "
                                   "reads F32, F16 and BF16 checkpoints, and FP8 (F8_E4M3) "
@@ -333,14 +353,14 @@ class Checkpoint:
         self.used.add(name)
         return t
 
-    def _fp8(self, t: SrcTensor) -> Fp8SrcTensor:
-        """An F8_E4M3 weight with its `<name>_scale_inv` block scales."""
+    def _fp8(self, t: SrcTensor, name: str) -> Fp8SrcTensor:
+        """An F8_E4M3 weight (named `name` here) with its `<name>_scale_inv` block scales."""
         if self.fp8_block is None:
             raise ConversionError(f"tensor {t.name!r} is float8_e4m3fn but config.json has no "
                                   "quantization_config {quant_method: fp8, weight_block_size}")
         if len(t.shape) != 2:
             raise ConversionError(f"tensor {t.name!r}: FP8 weights are 2-D, got {list(t.shape)}")
-        sname = t.name + "_scale_inv"
+        sname = name + "_scale_inv"
         sc = self.tensors.get(sname)
         bm, bn = self.fp8_block
         want = (-(-t.shape[0] // bm), -(-t.shape[1] // bn))

@@ -272,6 +272,35 @@ FAMILIES = {f.name: f.hf_class for f in FAMILY_TABLE}
 SUPPORTED = ", ".join(f"{k} ({v})" for k, v in FAMILIES.items())
 
 
+@dataclass(frozen=True)
+class TextWrapper:
+    """A multimodal checkpoint whose language model is one of FAMILY_TABLE's: its text config
+    (under `config_key`) and its weights (named under `prefix`) convert as that family's; the
+    other parts' weights (vision tower, projector) are left out, and said."""
+    hf_class: str
+    model_type: str
+    family: str
+    config_key: str
+    prefix: str
+
+
+TEXT_WRAPPERS: tuple[TextWrapper, ...] = (
+    # Kimi-K2.5 and later: a DeepSeek-V3 language model beside a vision tower
+    TextWrapper("KimiK25ForConditionalGeneration", "kimi_k25", "deepseek_v3", "text_config", "language_model."),
+)
+
+
+def text_wrapper(cfg: dict) -> TextWrapper | None:
+    """The TEXT_WRAPPERS entry of a config.json (by model_type or architectures), or None."""
+    archs = cfg.get("architectures") or []
+    for w in TEXT_WRAPPERS:
+        if cfg.get("model_type") == w.model_type or w.hf_class in archs:
+            if not isinstance(cfg.get(w.config_key), dict):
+                raise ConversionError(f"config.json of a {w.hf_class}: no {w.config_key} (its language model's)")
+            return w
+    return None
+
+
 def family_of(cfg: dict) -> Family:
     """The family entry of a config.json (by model_type, else by architectures); refuses
     every other family by name."""
@@ -401,7 +430,11 @@ def read_config(model_dir: str) -> ModelSpec:
                               "Face checkpoint")
     with open(p) as f:
         cfg = json.load(f)
-    fam = family_of(cfg)
+    w = text_wrapper(cfg)
+    if w is not None:
+        cfg, fam = cfg[w.config_key], FAMILY_BY_NAME[w.family]
+    else:
+        fam = family_of(cfg)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"config.json: hidden_act {act!r}; colibri runs silu experts only")
