@@ -101,11 +101,10 @@ _E4M3FN = e4m3fn_table()
 
 
 @dataclass
-class Fp8SrcTensor(SrcTensor):
-    """A float8_e4m3fn weight with its block scales, read as f32 values (dtype_id f32):
-    value[i, j] = e4m3fn(byte[i, j]) * scale[i // bm, j // bn], in float32."""
+class _DequantSrcTensor(SrcTensor):
+    """A quantized weight read as f32 values (dtype_id f32), dequantized per row range as the
+    producers read it: subclasses give the rows r0 .. r1 - 1 as float32 [r1 - r0, C]."""
     scale: SrcTensor | None = None
-    block: tuple[int, int] = (128, 128)
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -115,68 +114,65 @@ class Fp8SrcTensor(SrcTensor):
     def dtype_id(self) -> int:
         return DTYPE_F32
 
+    def rows_f32(self, r0: int, r1: int) -> np.ndarray:
+        raise NotImplementedError
+
     def read_flat(self, first: int, count: int) -> np.ndarray:
         if first < 0 or count < 0 or first + count > self.numel:
             raise ConversionError(f"internal: read past tensor {self.name}")
         C = self.shape[-1]
         r0, r1 = first // C, -(-(first + count) // C)
-        raw = SrcTensor(self.name, self.path, "U8", self.shape, self.start,
-                        self.nbytes).read_flat(r0 * C, (r1 - r0) * C).reshape(r1 - r0, C)
-        bm, bn = self.block
-        gc = self.scale.shape[-1]
-        b0, b1 = r0 // bm, -(-r1 // bm)
-        sc = fmt.stored_to_f32(self.scale.read_flat(b0 * gc, (b1 - b0) * gc),
-                               self.scale.dtype_id).reshape(b1 - b0, gc)
-        rows = np.repeat(sc, bm, axis=0)[r0 - b0 * bm:r1 - b0 * bm]
-        scale = np.repeat(rows, bn, axis=1)[:, :C]
-        x = (_E4M3FN[raw] * scale).astype(np.float32).reshape(-1)
+        x = self.rows_f32(r0, r1).reshape(-1)
         off = first - r0 * C
         return x[off:off + count]
 
+    def scale_rows(self, r0: int, r1: int) -> np.ndarray:
+        """Rows r0 .. r1 - 1 of the scale tensor, as f32."""
+        gc = self.scale.shape[-1]
+        return fmt.stored_to_f32(self.scale.read_flat(r0 * gc, (r1 - r0) * gc), self.scale.dtype_id).reshape(r1 - r0, gc)
+
 
 @dataclass
-class PackedIntSrcTensor(SrcTensor):
-    """A compressed-tensors pack-quantized INT4 weight with its group scales, read as f32
-    values: value[i, j] = (nibble j of row i - 8) * scale[i, j // group], one f32 product
-    (exact) rounded to the scale's dtype, as compressed-tensors' dequantize computes it in
-    that dtype. `start`/`nbytes` are the packed int32 words'."""
-    scale: SrcTensor | None = None
+class Fp8SrcTensor(_DequantSrcTensor):
+    """A float8_e4m3fn weight with its block scales: value[i, j] = e4m3fn(byte[i, j]) *
+    scale[i // bm, j // bn], in float32."""
+    block: tuple[int, int] = (128, 128)
+
+    def rows_f32(self, r0: int, r1: int) -> np.ndarray:
+        C = self.shape[-1]
+        raw = SrcTensor(self.name, self.path, "U8", self.shape, self.start,
+                        self.nbytes).read_flat(r0 * C, (r1 - r0) * C).reshape(r1 - r0, C)
+        bm, bn = self.block
+        b0, b1 = r0 // bm, -(-r1 // bm)
+        rows = np.repeat(self.scale_rows(b0, b1), bm, axis=0)[r0 - b0 * bm:r1 - b0 * bm]
+        return (_E4M3FN[raw] * np.repeat(rows, bn, axis=1)[:, :C]).astype(np.float32)
+
+
+@dataclass
+class PackedIntSrcTensor(_DequantSrcTensor):
+    """A compressed-tensors pack-quantized INT4 weight with its group scales: value[i, j] =
+    (nibble j of row i - 8) * scale[i, j // group], one f32 product (exact) rounded to the
+    scale's dtype, as compressed-tensors' dequantize computes it in that dtype.
+    `start`/`nbytes` are the packed int32 words'."""
     group: int = 32
 
-    @property
-    def np_dtype(self) -> np.dtype:
-        return np.dtype("<f4")
-
-    @property
-    def dtype_id(self) -> int:
-        return DTYPE_F32
-
-    def read_flat(self, first: int, count: int) -> np.ndarray:
-        if first < 0 or count < 0 or first + count > self.numel:
-            raise ConversionError(f"internal: read past tensor {self.name}")
+    def rows_f32(self, r0: int, r1: int) -> np.ndarray:
         C = self.shape[-1]
         W = -(-C // 8)                      # int32 words a row
-        r0, r1 = first // C, -(-(first + count) // C)
         raw = SrcTensor(self.name, self.path, "U8", (self.nbytes,), self.start,
                         self.nbytes).read_flat(r0 * 4 * W, (r1 - r0) * 4 * W).reshape(r1 - r0, 4 * W)
         q = np.empty((r1 - r0, 8 * W), dtype=np.int8)
         q[:, 0::2] = raw & 0xF               # little-endian words: the low nibble first
         q[:, 1::2] = raw >> 4
         q = q[:, :C].astype(np.float32) - 8.0
-        G = self.group
-        gc = self.scale.shape[-1]
-        sc = fmt.stored_to_f32(self.scale.read_flat(r0 * gc, (r1 - r0) * gc),
-                               self.scale.dtype_id).reshape(r1 - r0, gc)
-        x = (q * np.repeat(sc, G, axis=1)[:, :C]).astype(np.float32)
+        x = (q * np.repeat(self.scale_rows(r0, r1), self.group, axis=1)[:, :C]).astype(np.float32)
         if self.scale.dtype_id == DTYPE_BF16:       # round to nearest even, to bf16
             u = x.view(np.uint32)
             u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
             u &= np.uint32(0xFFFF0000)
         elif self.scale.dtype_id == DTYPE_F16:
             x = x.astype(np.float16).astype(np.float32)
-        x = x.reshape(-1)
-        off = first - r0 * C
-        return x[off:off + count]
+        return x
 
 
 def _packed_config(model_dir: str) -> int | None:
