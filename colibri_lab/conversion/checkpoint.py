@@ -175,10 +175,9 @@ class PackedIntSrcTensor(_DequantSrcTensor):
         return x
 
 
-def _packed_config(model_dir: str) -> int | None:
-    """config.json's group size of a compressed-tensors pack-quantized INT4 checkpoint, None
+def _packed_config(qc) -> int | None:
+    """The group size of a compressed-tensors pack-quantized INT4 quantization_config, None
     when it is not one; refuses the compressed-tensors schemes the converter does not read."""
-    qc = _quantization_config(model_dir)
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         return None
     what = "config.json: quantization_config (compressed-tensors)"
@@ -219,26 +218,17 @@ def _config(model_dir: str) -> dict:
         return json.load(f)
 
 
-def _text_wrapper(model_dir: str):
-    from .families import text_wrapper
-
-    return text_wrapper(_config(model_dir))
-
-
-def _quantization_config(model_dir: str):
+def _quantization_config(cfg: dict, wrapper):
     """config.json's quantization_config, or its language model's (a multimodal wrapper's)."""
-    cfg = _config(model_dir)
-    w = _text_wrapper(model_dir)
     qc = cfg.get("quantization_config")
-    if qc is None and w is not None:
-        qc = cfg[w.config_key].get("quantization_config")
+    if qc is None and wrapper is not None:
+        qc = cfg[wrapper.config_key].get("quantization_config")
     return qc
 
 
-def _fp8_config(model_dir: str) -> tuple[int, int] | None:
-    """config.json's FP8 block size (weight_block_size), None when the checkpoint is not
+def _fp8_config(qc) -> tuple[int, int] | None:
+    """A quantization_config's FP8 block size (weight_block_size), None when the checkpoint is not
     FP8; refuses the FP8 variants the converter does not read."""
-    qc = _quantization_config(model_dir)
     if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
         return None
     if qc.get("fmt", "e4m3") != "e4m3":
@@ -292,8 +282,13 @@ class Checkpoint:
         single = os.path.join(model_dir, "model.safetensors")
         self.tensors: dict[str, SrcTensor] = {}
         self.used: set[str] = set()
-        self.fp8_block = _fp8_config(model_dir)
-        self.int4_group = _packed_config(model_dir)
+        from .families import text_wrapper
+
+        cfg = _config(model_dir)
+        wrapper = text_wrapper(cfg)
+        qc = _quantization_config(cfg, wrapper)
+        self.fp8_block = _fp8_config(qc)
+        self.int4_group = _packed_config(qc)
         if os.path.exists(idx):
             with open(idx) as f:
                 wmap = json.load(f).get("weight_map")
@@ -325,7 +320,6 @@ class Checkpoint:
                     if name in self.tensors:
                         raise ConversionError(f"tensor {name} appears in two shards")
                     self.tensors[name] = t
-        wrapper = _text_wrapper(model_dir)
         if wrapper is not None:   # the language model's weights under their family's names
             p = wrapper.prefix
             self.tensors = {(n[len(p):] if n.startswith(p) else n): t for n, t in self.tensors.items()}

@@ -1898,9 +1898,6 @@ static void render_deepseek3(render *r, const variant *v, const cs_message *m, s
  * the first assistant message without calls on (the template's "last" such message is the
  * first: its loop runs backwards). */
 typedef struct kimi_call { const char *name; size_t index; } kimi_call;
-static void kimi_content(render *r, const cs_message *m) {
-    if (m->content) emit(r, m->content);
-}
 static void kimi_header(render *r, const variant *v, const cs_message *m) {
     if (v->kimi_rev == 0) {
         if (is(m->role, "system")) emit(r, "<|im_system|>system<|im_middle|>");
@@ -1961,7 +1958,7 @@ static void render_kimi(render *r, const variant *v, const cs_message *m, size_t
             emit(r, "</think>");
         }
         if (is(m[i].role, "assistant") && (calls || rev == 2)) {
-            kimi_content(r, &m[i]);
+            emit(r, m[i].content);
             if (calls) emit(r, "<|tool_calls_section_begin|>");
             for (size_t k = 0; calls && k < json_array_size(calls) && !r->failed; k++) {
                 const json_t *fn = call_function(json_array_get(calls, k));
@@ -1993,9 +1990,9 @@ static void render_kimi(render *r, const variant *v, const cs_message *m, size_t
                 }
                 emit(r, "\n");
             }
-            kimi_content(r, &m[i]);
+            emit(r, m[i].content);
         } else {
-            kimi_content(r, &m[i]);
+            emit(r, m[i].content);
         }
         emit(r, "<|im_end|>");
     }
