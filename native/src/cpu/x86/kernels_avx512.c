@@ -128,58 +128,27 @@ static inline __attribute__((always_inline)) vf vtab32(vqi i, int hi, vf t0, vf 
     __mmask16 k = _mm512_test_epi32_mask(_mm512_set1_epi32((int)qh), bit);
     return _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(i, t0), k, i, t1);
 }
-/* Q2_K (kernels_simd.inc bt_w): the values a_g q - c_g (q = 0..3; a, c the block's 16 group
- * factors, kernels_simd.inc q2k_factors; a_g q exact) of groups 8 h .. 8 h + 7, as 32
- * entries of two vectors: group 8 h + lg, code q at 4 lg + q */
-static inline __attribute__((always_inline)) void vq2k_tables(vf a, vf c, int h, vf *t0, vf *t1) {
-    const __m512i g4 = _mm512_add_epi32(_mm512_set1_epi32(8 * h),
-                                        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-    const __m512i g4b = _mm512_add_epi32(g4, _mm512_set1_epi32(4));
-    const vf q = _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
-    *t0 = _mm512_fmsub_ps(q, _mm512_permutexvar_ps(g4, a), _mm512_permutexvar_ps(g4, c)); /* a q + (-c) */
-    *t1 = _mm512_fmsub_ps(q, _mm512_permutexvar_ps(g4b, a), _mm512_permutexvar_ps(g4b, c));
+/* Q2_K (kernels_simd.inc bt_w): the values of one group of 16 elements, a vector, with code
+ * shift j; i: its 16 code bytes widened (vq4_idx; a byte's code of shift j at bits 2j, 2j + 1),
+ * a, c: the group's factors (a q exact, a q - c rounded once as the reference's). A lane's low
+ * four bits hold the codes of shifts j & ~1 and (j | 1), so it looks its value up in the
+ * group's 16-entry table of one of them (lane k: code k & 3, or k >> 2), and only j >= 2 shifts. */
+static inline __attribute__((always_inline)) vf vq2k(vqi i, int j, vf a, vf c) {
+    const vf q = j & 1 ? _mm512_setr_ps(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                       : _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    if (j >= 2) i = _mm512_srli_epi32(i, 4);
+    return _mm512_permutexvar_ps(i, _mm512_fmsub_ps(q, a, c));
 }
-/* the values of Q2_K elements 128 h + 32 j + 16 m + (0 .. 16) of the block whose tables of
- * half h are t0, t1 (vq2k_tables); qs: its 16 code bytes qs[32 h + 16 m ..] */
-static inline __attribute__((always_inline)) vf vq2k(const uint8_t *qs, int j, int m, vf t0, vf t1) {
-    __m512i i = _mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)), (unsigned)(2 * j));
-    /* (i & 3) | 4 lg, lg = 2 j + m the group within the half: bits 0-1 the code, 2-4 the group */
-    i = _mm512_ternarylogic_epi32(i, _mm512_set1_epi32(3), _mm512_set1_epi32(8 * j + 4 * m), 0xEA);
-    return _mm512_permutex2var_ps(t0, i, t1);
-}
-/* Q3_K (kernels_simd.inc bt_w): block b's 256 lookup indices, idx[64 j + 32 h + l] that of
- * element 128 h + 32 j + l: bits 0-1 its code, bit 2 its hmask bit, bits 3-4 the place
- * 2 (j % 2) + l / 16 of its group among the four of its tables (vq3k_tables). 512-bit
- * operations of AVX-512F only (32-bit shifts; the selects keep each byte's own bits). */
-static inline __attribute__((always_inline)) void vq3k_idx(const uint8_t *b, uint8_t *idx) {
-    const __m512i Q = _mm512_loadu_si512((const void *)(b + 32));
-    const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
-    /* bytes 0..31 (h = 0): hmask bit j at bit j; 32..63 (h = 1): bit 4 + j at bit j */
-    const __m512i H = _mm512_inserti64x4(_mm512_castsi256_si512(hm), _mm256_srli_epi32(hm, 4), 1);
-    const __m512i m3 = _mm512_set1_epi32(0x03030303), m7 = _mm512_set1_epi32(0x07070707);
-    const __m512i g0 = _mm512_setr_epi32(0, 0, 0, 0, 0x08080808, 0x08080808, 0x08080808, 0x08080808, 0, 0, 0, 0,
-                                         0x08080808, 0x08080808, 0x08080808, 0x08080808); /* l >= 16 */
-    const __m512i g1 = _mm512_add_epi32(g0, _mm512_set1_epi32(0x10101010));             /* odd j */
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) {
-        const __m512i A = _mm512_srli_epi32(Q, (unsigned)(2 * j)); /* the code at bits 0-1 */
-        const __m512i B = j < 2 ? _mm512_slli_epi32(H, (unsigned)(2 - j)) : j == 2 ? H : _mm512_srli_epi32(H, 1);
-        const __m512i X = _mm512_ternarylogic_epi32(A, B, m3, 0xE4); /* bits 0-1 of A, the rest of B */
-        _mm512_storeu_si512((void *)(idx + 64 * j), _mm512_ternarylogic_epi32(X, m7, j & 1 ? g1 : g0, 0xEA));
-    }
-}
-/* the values a_g (i - 4), i = 0..7 (code | hmask bit << 2), of groups 8 h + 4 jj + p,
- * p = 0..3, at 8 p + i of t0, t1: a_g from a[16] (bt_factors), each product the reference's */
-static inline __attribute__((always_inline)) void vq3k_tables(const float *a, int h, int jj, vf *t0, vf *t1) {
-    const vf av = _mm512_loadu_ps(a);
-    const __m512i g = _mm512_add_epi32(_mm512_set1_epi32(8 * h + 4 * jj),
-                                       _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+/* Q3_K (kernels_simd.inc bt_w): the values of one group of 16 elements, a vector: i its 16
+ * code bytes widened (the code of shift j at bits 2j, 2j + 1), hm its 16 hmask bytes widened
+ * (its bit at `bit`), a the group's factor. Index code | hmask bit << 2 looks the value
+ * a (k - 4) up in the group's table, each product the reference's. */
+static inline __attribute__((always_inline)) vf vq3k(vqi i, vqi hm, int bit, int j, vf a) {
     const vf q = _mm512_setr_ps(-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 3);
-    *t0 = vmul(_mm512_permutexvar_ps(g, av), q);
-    *t1 = vmul(_mm512_permutexvar_ps(_mm512_add_epi32(g, _mm512_set1_epi32(2)), av), q);
-}
-static inline __attribute__((always_inline)) vf vq3k(const uint8_t *idx, vf t0, vf t1) {
-    return _mm512_permutex2var_ps(t0, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)idx)), t1);
+    if (j) i = _mm512_srli_epi32(i, (unsigned)(2 * j));
+    hm = bit >= 2 ? _mm512_srli_epi32(hm, (unsigned)(bit - 2)) : _mm512_slli_epi32(hm, (unsigned)(2 - bit));
+    /* bits 0-1 of i, the rest (bit 2: the hmask bit; bit 3 picks a copy) of hm */
+    return _mm512_permutexvar_ps(_mm512_ternarylogic_epi32(i, hm, _mm512_set1_epi32(3), 0xE4), vmul(a, q));
 }
 /* dl * q - ml for q = 0..15 (vq5_tables: 0..31): one fused operation, the reference's two
  * (product, then difference) rounded once, since dl * q is exact (dl = d * sc has at most
