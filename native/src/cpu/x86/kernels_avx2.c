@@ -31,6 +31,16 @@ static inline __attribute__((always_inline)) vf vq4_table(float dl, float ml) {
 static inline __attribute__((always_inline)) vqi vq4_idx(const uint8_t *p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
+/* Q2_K (kernels_simd.inc bt_w): the values of 8 elements of one group, code shift j; i: their
+ * code bytes widened (vq4_idx; the code of shift j at bits 2j, 2j + 1), a, c: the group's
+ * factors (a q exact, a q - c rounded once as the reference's). The permute reads a lane's
+ * low three bits: after the shift, the code and one bit of the next, so the group's table
+ * holds code k mod 4's value at k (the same table for the group's two vectors). */
+#define CB_Q2K_LOOKUP 1
+static inline __attribute__((always_inline)) vf vq2k(vqi i, int j, vf a, vf c) {
+    if (j) i = _mm256_srli_epi32(i, 2 * j);
+    return _mm256_permutevar8x32_ps(_mm256_fmsub_ps(_mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3), a, c), i);
+}
 /* the lanes' bits s .. s + log2(m + 1) of i (m a mask of low bits; i's lanes bytes, as
  * vq4_idx makes them), as float (exact); no mask where the shift leaves only those bits */
 static inline __attribute__((always_inline)) vf vbits_f(vqi i, int s, int m) {

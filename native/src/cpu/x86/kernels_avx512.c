@@ -128,6 +128,7 @@ static inline __attribute__((always_inline)) vf vtab32(vqi i, int hi, vf t0, vf 
     __mmask16 k = _mm512_test_epi32_mask(_mm512_set1_epi32((int)qh), bit);
     return _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(i, t0), k, i, t1);
 }
+#define CB_Q2K_LOOKUP 1
 /* Q2_K (kernels_simd.inc bt_w): the values of one group of 16 elements, a vector, with code
  * shift j; i: its 16 code bytes widened (vq4_idx; a byte's code of shift j at bits 2j, 2j + 1),
  * a, c: the group's factors (a q exact, a q - c rounded once as the reference's). A lane's low
