@@ -167,7 +167,11 @@ def kimi_folder(tmp_path_factory):
 def ranks(kimi_folder):
     import tiktoken.load
 
-    return tiktoken.load.load_tiktoken_bpe(str(kimi_folder / "tiktoken.model"))
+    # an empty TIKTOKEN_CACHE_DIR: tiktoken would otherwise keep a copy of every file it reads,
+    # local ones too, in the temp folder's data-gym-cache (one per test run's path)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", "")
+        return tiktoken.load.load_tiktoken_bpe(str(kimi_folder / "tiktoken.model"))
 
 
 def _docs() -> list[str]:

@@ -128,6 +128,7 @@ def tiktoken_pair(args, text: str, tmp: Path):
     ct = colibri_lab.Tokenizer.from_section_bytes(section)
     cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     pat, reserved, _ = _tiktoken_code_facts(str(folder), cfg, str(model))
+    os.environ["TIKTOKEN_CACHE_DIR"] = ""  # no copy of the local file in the temp folder's data-gym-cache
     ranks = tiktoken.load.load_tiktoken_bpe(str(model))
     n = len(ranks)
     names = {i: f"<|reserved_token_{i}|>" for i in range(n, n + reserved)}
