@@ -120,12 +120,21 @@ def model_jobs(work: Path) -> tuple[list[dict], dict]:
             files[t] = str(work / f"{fam}-{t}.gguf")
             jobs.append({"model": str(folder), "outtype": t, "outfile": files[t], "pre": PRE[fam]})
         state[fam] = {"folder": str(folder), "hf": str(hf), "gguf": files}
+    # DeepSeek's downloadable GGUFs are split (a hub file is at most 50 GB): its q8_0 again,
+    # in shards of at most 9 tensors, the first holding only the metadata
+    split = work / "split"
+    split.mkdir()
+    jobs.append({"model": state["deepseek_v3"]["folder"], "outtype": "q8_0",
+                 "outfile": str(split / "deepseek_v3-q8_0.gguf"), "pre": PRE["deepseek_v3"],
+                 "args": ["--split-max-tensors", "9", "--no-tensor-first-split"]})
+    state["split"] = str(split)
     state["gpt_oss_mxfp4"] = _hub_mxfp4_checkpoint(work / "gpt_oss_mxfp4", jobs)
     return jobs, state
 
 
 def load_models(state: dict, src: Path) -> dict:
     """family -> dict(folder, tok, hf (the HF converter's f32 file), gguf {outtype: path});
+    "split" -> the shards of DeepSeek-V3's split q8_0 GGUF, in order;
     "gpt_oss_mxfp4" -> dict(folder, hf, blocks {(layer, name): ggml MXFP4 rows}, gguf)."""
     from tokenizers import Tokenizer
 
@@ -135,6 +144,7 @@ def load_models(state: dict, src: Path) -> dict:
         out[fam] = {"folder": Path(st["folder"]), "hf": Path(st["hf"]),
                     "gguf": {k: Path(v) for k, v in st["gguf"].items()},
                     "tok": Tokenizer.from_file(str(Path(st["folder"]) / "tokenizer.json"))}
+    out["split"] = sorted(Path(state["split"]).glob("deepseek_v3-q8_0-*-of-*.gguf"))
     st = state["gpt_oss_mxfp4"]
     with np.load(st["blocks"]) as z:
         blocks = {(int(k.split(":")[0]), k.split(":")[1]): z[k] for k in z.files}
@@ -292,6 +302,66 @@ def test_quantized_imports_run_as_their_values(models, imported, fam, outtype, t
         ref = eng.forward(ids)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, rtol=0, atol=TOL * max(1.0, float(np.abs(ref).max())))
+
+
+def _same_import(a: Path, b: Path) -> None:
+    """Two .colibri files of the same weights: every tensor's bytes, the tokenizer and the
+    metadata (less convert.source, which names the file read) equal."""
+    ia, ib = fmt_reader.inspect(a, verify=True), fmt_reader.inspect(b, verify=True)
+    assert [t.name for t in ia.tensors] == [t.name for t in ib.tensors]
+    for t in ia.tensors:
+        assert ia.read_tensor(t.name).tobytes() == ib.read_tensor(t.name).tobytes(), t.name
+    assert section_bytes(ia, "tokenizer") == section_bytes(ib, "tokenizer")
+    drop = ("convert.source",)
+    assert {k: v for k, v in ia.metadata.items() if k not in drop} == \
+        {k: v for k, v in ib.metadata.items() if k not in drop}
+
+
+def test_split_gguf_imports_whole_from_any_shard(models, imported, tmp_path):
+    """A split GGUF (convert_hf_to_gguf --split-max-tensors, the first shard metadata only):
+    imported from its first shard or from its last, the file equals the one-file GGUF's."""
+    shards = models["split"]
+    n = len(shards)
+    assert n >= 3 and shards[0].name == f"deepseek_v3-q8_0-00001-of-{n:05d}.gguf"
+    first = gguf.GGUFReader(shards[0])
+    assert len(first.tensors) == 0 and int(first.fields["split.count"].contents()) == n
+    whole = imported("deepseek_v3", "q8_0")
+    for i in (0, n - 1):
+        out = tmp_path / f"from-{i}.colibri"
+        assert convert_gguf(shards[i], out, progress=False) == str(out)
+        _same_import(whole, out)
+        src = fmt_reader.inspect(out).metadata["convert.source"]
+        assert f"{shards[0].name} (1 of {n} shards)" in src, src
+
+
+def test_split_gguf_refusals(models, tmp_path):
+    """A shard missing, shards renamed, and the shards of two files mixed: each refused by
+    a ConversionError that names the file and what to do, with no output left behind."""
+    shards = models["split"]
+    n = len(shards)
+    out = tmp_path / "out.colibri"
+
+    def refused(path, *words):
+        with pytest.raises(ConversionError) as e:
+            convert_gguf(path, out, progress=False)
+        for w in words:
+            assert w in str(e.value), str(e.value)
+        assert not out.exists() and not Path(str(out) + ".tmp").exists()
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    for s in shards[:-1]:
+        (gone / s.name).symlink_to(s)
+    refused(gone / shards[0].name, shards[-1].name, "same folder")
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    (renamed / "deepseek.gguf").symlink_to(shards[1])
+    refused(renamed / "deepseek.gguf", f"-00002-of-{n:05d}.gguf", "llama-gguf-split --merge")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for i, s in enumerate(shards):   # shard 2's place taken by shard 3's file
+        (mixed / s.name).symlink_to(shards[2] if i == 1 else s)
+    refused(mixed / shards[0].name, shards[1].name, "different files")
 
 
 @pytest.mark.parametrize("both", [False, True])

@@ -138,8 +138,9 @@ def make_ggufs(src: Path, jobs: list[dict], work: Path) -> None:
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise AssertionError("convert_hf_to_gguf.py failed:\n" + (r.stderr or r.stdout)[-4000:])
-    for j in jobs:
-        assert Path(j["outfile"]).is_file(), j
+    for j in jobs:   # a file, or the shards of a split one (--split-max-*: NAME-00001-of-N.gguf ...)
+        out = Path(j["outfile"])
+        assert out.is_file() or any(out.parent.glob(f"{out.stem}-00001-of-*.gguf")), j
 
 
 # --------------------------------------------------------------------------- checkpoints

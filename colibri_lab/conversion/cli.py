@@ -17,11 +17,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="colibri-convert",
         description="Convert a Hugging Face MoE checkpoint folder (Mixtral, Qwen2-MoE, "
-                    "Qwen3-MoE, OLMoE), or a llama.cpp GGUF file of one, into a .colibri file.")
+                    "Qwen3-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss), or a llama.cpp GGUF file of "
+                    "one, into a .colibri file.")
     p.add_argument("--model_name_or_path", required=True,
                    help="checkpoint folder: config.json, *.safetensors, optional tokenizer.model "
                         "or tokenizer.json; or a .gguf file, imported as it is stored (no "
-                        "requantizing: --dtype, --quantize_router and --block_size do not apply)")
+                        "requantizing: --dtype, --quantize_router and --block_size do not apply); "
+                        "a split GGUF (NAME-00001-of-00003.gguf ...) by any of its shards, the "
+                        "others in the same folder")
     p.add_argument("--output_path", required=True, help="the .colibri file to write")
     p.add_argument("--dtype", choices=list(FLOAT_DTYPES + QUANT_MIXES), default=None,
                    help="weight dtype (norm weights are always f32), or a block-quantized "

@@ -851,9 +851,11 @@ def _metadata(s: ModelSpec, name: str, router_dtype: str, weight_dtype: str, msl
 def convert_gguf(gguf_path, output_path, *, max_seq_len: int | None = None,
                  progress: bool = True, tokenizer: str = "auto") -> str:
     """Import the llama.cpp GGUF `gguf_path` (Mixtral = `llama` with experts, `qwen2moe`,
-    `qwen3moe`, `olmoe`, `deepseek2`, `gpt-oss`; tensors F32/F16/BF16/Q8_0/Q4_K/Q5_K/Q6_K) into `output_path`,
-    copying every weight's bytes (no requantization; rows reordered where llama.cpp
-    permuted them).
+    `qwen3moe`, `olmoe`, `deepseek2`, `gpt-oss`; tensors of the types in
+    SUPPORTED_GGML_TYPES) into `output_path`, copying every weight's bytes (no
+    requantization; rows reordered where llama.cpp permuted them). A split GGUF
+    (PREFIX-00001-of-0000N.gguf ..., llama.cpp's gguf-split) is imported whole from any of
+    its shards, the others in the same folder under their original names.
 
     max_seq_len: written to the header; default the GGUF's `{arch}.context_length`.
     progress: print stages and a progress bar to stderr.
@@ -868,10 +870,6 @@ def convert_gguf(gguf_path, output_path, *, max_seq_len: int | None = None,
     say = _Say(progress)
     say.stage(1, "reading the GGUF metadata")
     g = GgufFile(gguf_path)
-    n_split = g.get("split.count")
-    if n_split is not None and int(n_split) > 1:
-        raise ConversionError(f"{gguf_path}: one of {n_split} split GGUF files; merge them first "
-                              "(llama-gguf-split --merge)")
     arch = g.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES and arch not in ARCH_IMPORTERS:
         raise ConversionError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: "
@@ -899,8 +897,8 @@ def convert_gguf(gguf_path, output_path, *, max_seq_len: int | None = None,
     tok_bytes, tok_meta = _gguf_tokenizer(g, say, tokenizer)
 
     wname = _file_type_name(g)
-    name = g.get("general.name") or os.path.splitext(os.path.basename(gguf_path))[0]
-    source = (f"{IMPORTER_NAME} {_version()} from GGUF {os.path.basename(gguf_path)} "
+    name = g.get("general.name") or os.path.splitext(os.path.basename(g.path))[0]
+    source = (f"{IMPORTER_NAME} {_version()} from GGUF {g.label} "
               f"(llama.cpp file type {wname[5:]}, GGUF version "
               f"{int(g.reader.fields['GGUF.version'].contents())})")
     meta = _metadata(spec, str(name), router_dtype, wname, msl, tok_meta, source)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -49,44 +50,127 @@ class GTensor:
         return SUPPORTED_GGML_TYPES[self.type_name]
 
 
+# A split GGUF's shards (llama.cpp's gguf-split, convert_hf_to_gguf --split-max-*,
+# llama-quantize --keep-split): PREFIX-00001-of-00003.gguf ... (llama_split_path's name)
+_SHARD_NAME = re.compile(r"(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
+
+
+def _open_reader(path: str):
+    """gguf.GGUFReader over one file (memory-mapped), its failures as ConversionError."""
+    try:
+        import gguf
+    except ImportError as e:   # pragma: no cover - a dependency of the package
+        raise ConversionError(f"reading GGUF files needs the gguf package (pip install gguf): "
+                              f"{e}") from None
+    if not os.path.isfile(path):
+        raise ConversionError(f"{path}: no such GGUF file")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[:4] != b"GGUF":
+        raise ConversionError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:
+        raise ConversionError(f"{path}: cannot read this GGUF file ({type(e).__name__}: {e}); "
+                              "the file is truncated or damaged (an interrupted download?), "
+                              "or written by a newer llama.cpp than the installed gguf "
+                              "package reads") from None
+    if reader.byte_order != "I":
+        raise ConversionError(f"{path}: a big-endian GGUF; colibri reads little-endian files")
+    return reader
+
+
+def _read_fields(reader, path: str) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for k, fld in reader.fields.items():
+        if k.startswith("GGUF."):
+            continue
+        try:
+            fields[k] = fld.contents()
+        except Exception as e:
+            raise ConversionError(f"{path}: metadata key {k!r} cannot be read ({e}); the file "
+                                  "is damaged") from None
+    return fields
+
+
+def _shard_paths(path: str, no: int, count: int) -> list[str]:
+    """The paths of every shard of the split GGUF that `path` (shard `no`, 0-based, of
+    `count`) belongs to, by llama.cpp's naming; each must exist."""
+    folder, base = os.path.split(path)
+    m = _SHARD_NAME.fullmatch(base)
+    if m is None or int(m["no"]) != no + 1 or int(m["count"]) != count:
+        raise ConversionError(
+            f"{path}: shard {no + 1} of {count} of a split GGUF, but its name does not end in "
+            f"-{no + 1:05d}-of-{count:05d}.gguf as llama.cpp names shards, so the other shards "
+            "cannot be found; give their original names, or merge them into one file "
+            "(llama-gguf-split --merge)")
+    paths = [os.path.join(folder, f"{m['prefix']}-{i + 1:05d}-of-{count:05d}.gguf")
+             for i in range(count)]
+    missing = [os.path.basename(p) for p in paths if not os.path.isfile(p)]
+    if missing:
+        names = ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
+        raise ConversionError(
+            f"{path}: one of the {count} files of a split GGUF; {names} "
+            f"{'is' if len(missing) == 1 else 'are'} not in {folder or '.'}: every shard must be "
+            "in the same folder, under its original name")
+    return paths
+
+
+def _split_int(fields: dict[str, Any], key: str, path: str) -> int | None:
+    v = fields.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ConversionError(f"{path}: metadata {key} = {v!r} is not a count")
+    return int(v)
+
+
 class GgufFile:
-    """A GGUF file opened with gguf.GGUFReader (memory-mapped): metadata values and tensors."""
+    """A GGUF opened with gguf.GGUFReader (memory-mapped): metadata values and tensors. A
+    split GGUF (shards PREFIX-00001-of-0000N.gguf ..., as llama.cpp's gguf-split and
+    `--split-max-*` write them) is opened whole from any of its shards: the metadata is
+    the first shard's, the tensors those of every shard, each still a view of its own file."""
 
     def __init__(self, path: str):
-        try:
-            import gguf
-        except ImportError as e:   # pragma: no cover - a dependency of the package
-            raise ConversionError(f"reading GGUF files needs the gguf package (pip install gguf): "
-                                  f"{e}") from None
-        self.path = path
-        if not os.path.isfile(path):
-            raise ConversionError(f"{path}: no such GGUF file")
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-        if head[:4] != b"GGUF":
-            raise ConversionError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected b'GGUF')")
-        try:
-            self.reader = gguf.GGUFReader(path, "r")
-        except Exception as e:
-            raise ConversionError(f"{path}: cannot read this GGUF file ({type(e).__name__}: {e}); "
-                                  "the file is truncated or damaged (an interrupted download?), "
-                                  "or written by a newer llama.cpp than the installed gguf "
-                                  "package reads") from None
-        if self.reader.byte_order != "I":
-            raise ConversionError(f"{path}: a big-endian GGUF; colibri reads little-endian files")
-        self.fields: dict[str, Any] = {}
-        for k, fld in self.reader.fields.items():
-            if k.startswith("GGUF."):
-                continue
-            try:
-                self.fields[k] = fld.contents()
-            except Exception as e:
-                raise ConversionError(f"{path}: metadata key {k!r} cannot be read ({e}); the file "
-                                      "is damaged") from None
+        reader = _open_reader(path)
+        fields = _read_fields(reader, path)
+        count = _split_int(fields, "split.count", path)
+        paths = [path]
+        if count is not None and count > 1:
+            no = _split_int(fields, "split.no", path)
+            if no is None or no >= count:
+                raise ConversionError(f"{path}: split.count {count} with split.no {no!r}: not a "
+                                      "shard llama.cpp would read")
+            paths = _shard_paths(path, no, count)
+            if no != 0:   # the metadata is the first shard's
+                reader = _open_reader(paths[0])
+                fields = _read_fields(reader, paths[0])
+        self.path = paths[0]
+        self.paths = paths
+        self.reader = reader   # the first shard's: the metadata and GGUF version
+        self.fields = fields
         self.tensors: dict[str, GTensor] = {}
-        data = self.reader.data
-        for t in self.reader.tensors:
+        for i, p in enumerate(paths):
+            r = reader if i == 0 else _open_reader(p)
+            if len(paths) > 1:
+                sf = _read_fields(r, p) if i else fields
+                got = (_split_int(sf, "split.no", p), _split_int(sf, "split.count", p))
+                if got != (i, len(paths)):
+                    raise ConversionError(
+                        f"{p}: says it is shard {got[0]!r} of {got[1]!r}, but its name makes it "
+                        f"shard {i} of {len(paths)} (0-based) of {os.path.basename(paths[0])}'s "
+                        "split GGUF: the folder mixes the shards of different files")
+            self._add_tensors(r, p)
+        expect = _split_int(fields, "split.tensors.count", self.path) if len(paths) > 1 else None
+        if expect is not None and expect != len(self.tensors):
+            raise ConversionError(f"{self.path}: the split GGUF's shards hold {len(self.tensors)} "
+                                  f"tensors, its first shard says {expect} (split.tensors.count)")
+        self.used: set[str] = set()
+
+    def _add_tensors(self, reader, path: str) -> None:
+        size = os.path.getsize(path)
+        data = reader.data
+        for t in reader.tensors:
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
             start, nbytes = int(t.data_offset), int(t.n_bytes)
             if start + nbytes > size:
@@ -96,9 +180,16 @@ class GgufFile:
             if rows == 0 or nbytes % rows:
                 raise ConversionError(f"{path}: tensor {t.name} has shape {list(shape)} and "
                                       f"{nbytes} bytes, which do not divide into rows")
+            if t.name in self.tensors:
+                raise ConversionError(f"{path}: tensor {t.name} is in two shards of the split GGUF")
             raw = data[start:start + nbytes].reshape(rows, nbytes // rows)
             self.tensors[t.name] = GTensor(t.name, t.tensor_type.name, shape, raw)
-        self.used: set[str] = set()
+
+    @property
+    def label(self) -> str:
+        """The file's name as a source: its basename, and for a split GGUF its shard count."""
+        base = os.path.basename(self.path)
+        return base if len(self.paths) == 1 else f"{base} (1 of {len(self.paths)} shards)"
 
     # ---- metadata
     def get(self, key: str, default=None):
