@@ -114,6 +114,7 @@ def test_header_errors(good, tmp_path):
     data = good.read_bytes()
     cases = {}
     b = bytearray(data); b[0:8] = b"GGUF\0\0\0\0"; cases["magic"] = b
+    b = bytearray(data); b[0:8] = b"PK\x03\x04\0\0\0\0"; cases["other magic"] = b
     b = bytearray(data); struct.pack_into("<I", b, 8, 7); cases["version"] = fix_crcs(b)
     b = bytearray(data); b[30] ^= 0xFF; cases["header crc"] = b
     b = bytearray(data); struct.pack_into("<I", b, 24, 0); cases["0 experts"] = fix_crcs(b)
@@ -131,6 +132,8 @@ def test_header_errors(good, tmp_path):
         assert kind != "ok", f"{name}: opened"
         assert len(msg) > 15, f"{name}: message too short: {msg!r}"
     assert results["magic"][0] == "ColibriFormatError"
+    assert "llama.cpp GGUF" in results["magic"][1] and "colibri-convert" in results["magic"][1]
+    assert results["other magic"][0] == "ColibriFormatError" and "COLIBRI magic" in results["other magic"][1]
     assert results["version"][0] == "ColibriVersionError"
     assert "7" in results["version"][1]
     assert results["header crc"][0] == "ColibriChecksumError"

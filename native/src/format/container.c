@@ -452,6 +452,12 @@ colibri_status cb_file_open(cb_file *f, const uint8_t *map, uint64_t size, const
     f->size = size;
     static const uint8_t magic[8] = {'C', 'O', 'L', 'I', 'B', 'R', 'I', 0};
 
+    if (fs >= 4 && memcmp(m, "GGUF", 4) == 0) {
+        cb_set_err(err, len, "'%s' is a llama.cpp GGUF, not a .colibri file; import it once (its weights are "
+                   "copied, not requantized): colibri-convert --model_name_or_path '%s' --output_path "
+                   "MODEL.colibri", path, path);
+        return COLIBRI_E_FORMAT;
+    }
     if (fs < 8 || memcmp(m, magic, 8) != 0) {
         cb_set_err(err, len, "'%s' is not a .colibri file (it does not start with the COLIBRI magic); "
                    "convert the model with colibri-convert", path);
