@@ -334,6 +334,25 @@ def test_split_gguf_imports_whole_from_any_shard(models, imported, tmp_path):
         assert f"{shards[0].name} (1 of {n} shards)" in src, src
 
 
+def test_cli_imports_a_folder_of_one_gguf(models, imported, tmp_path, capsys):
+    """colibri-convert given a folder (a hub download of one quantization): the one split
+    GGUF its shards make is imported; a folder of two models is refused, naming both."""
+    from colibri_lab.conversion.cli import main as convert_main
+
+    folder = tmp_path / "DeepSeek-V3-Q8_0"
+    folder.mkdir()
+    for s in models["split"]:
+        (folder / s.name).symlink_to(s)
+    out = tmp_path / "folder.colibri"
+    assert convert_main(["--model_name_or_path", str(folder), "--output_path", str(out), "--quiet"]) == 0
+    _same_import(imported("deepseek_v3", "q8_0"), out)
+    (folder / "other.gguf").symlink_to(models["deepseek_v3"]["gguf"]["f32"])
+    assert convert_main(["--model_name_or_path", str(folder), "--output_path", str(tmp_path / "x.colibri"),
+                         "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "2 GGUF models" in err and "other.gguf" in err and "deepseek_v3-q8_0-*-of-" in err, err
+
+
 def test_split_gguf_refusals(models, tmp_path):
     """A shard missing, shards renamed, and the shards of two files mixed: each refused by
     a ConversionError that names the file and what to do, with no output left behind."""

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
                         "or tokenizer.json; or a .gguf file, imported as it is stored (no "
                         "requantizing: --dtype, --quantize_router and --block_size do not apply); "
                         "a split GGUF (NAME-00001-of-00003.gguf ...) by any of its shards, the "
-                        "others in the same folder")
+                        "others in the same folder, or by that folder")
     p.add_argument("--output_path", required=True, help="the .colibri file to write")
     p.add_argument("--dtype", choices=list(FLOAT_DTYPES + QUANT_MIXES), default=None,
                    help="weight dtype (norm weights are always f32), or a block-quantized "
@@ -41,13 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no stages, no progress bar")
     a = p.parse_args(argv)
     try:
-        if os.path.isfile(a.model_name_or_path):
+        src = a.model_name_or_path
+        if os.path.isdir(src) and not os.path.isfile(os.path.join(src, "config.json")):
+            from .gguf_file import gguf_in_folder
+
+            src = gguf_in_folder(src) or src   # a folder of one GGUF (or its shards)
+        if os.path.isfile(src):
             from .gguf import convert_gguf
 
             if any(x is not None for x in (a.dtype, a.quantize_router, a.block_size)):
                 raise ConversionError("a GGUF is imported with the dtypes it stores; --dtype, "
                                       "--quantize_router and --block_size do not apply to it")
-            convert_gguf(a.model_name_or_path, a.output_path, max_seq_len=a.max_seq_len,
+            convert_gguf(src, a.output_path, max_seq_len=a.max_seq_len,
                          progress=not a.quiet, tokenizer="none" if a.no_tokenizer else "auto")
             return 0
         convert(a.model_name_or_path, a.output_path, dtype=a.dtype or "bf16",

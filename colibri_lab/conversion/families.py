@@ -427,7 +427,8 @@ def read_config(model_dir: str) -> ModelSpec:
     p = os.path.join(model_dir, "config.json")
     if not os.path.isfile(p):
         raise ConversionError(f"no config.json in {model_dir}: give the folder of a Hugging "
-                              "Face checkpoint")
+                              "Face checkpoint (or a llama.cpp GGUF file, or a folder holding "
+                              "one: colibri-convert imports it)")
     with open(p) as f:
         cfg = json.load(f)
     w = text_wrapper(cfg)

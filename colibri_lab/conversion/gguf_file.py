@@ -125,6 +125,28 @@ def _split_int(fields: dict[str, Any], key: str, path: str) -> int | None:
     return int(v)
 
 
+def gguf_in_folder(folder: str) -> str | None:
+    """The GGUF a folder holds, for a folder given where a file is expected (a model hub's
+    download of one quantization, often the shards of a split GGUF): its one GGUF file, or
+    the first shard of its one split GGUF; None when it holds no .gguf file. Several
+    models in one folder are refused, naming them."""
+    names = sorted(n for n in os.listdir(folder) if n.lower().endswith(".gguf")
+                   and os.path.isfile(os.path.join(folder, n)))
+    models: dict[str, str] = {}   # model -> the file to open
+    for n in names:
+        m = _SHARD_NAME.fullmatch(n)
+        key = f"{m['prefix']}-*-of-{m['count']}.gguf" if m else n
+        if key not in models or (m and int(m["no"]) == 1):
+            models[key] = n
+    if not models:
+        return None
+    if len(models) > 1:
+        shown = ", ".join(sorted(models)[:6]) + (" ..." if len(models) > 6 else "")
+        raise ConversionError(f"{folder} holds {len(models)} GGUF models ({shown}); give the "
+                              "file (for a split GGUF, any of its shards) to import")
+    return os.path.join(folder, next(iter(models.values())))
+
+
 class GgufFile:
     """A GGUF opened with gguf.GGUFReader (memory-mapped): metadata values and tensors. A
     split GGUF (shards PREFIX-00001-of-0000N.gguf ..., as llama.cpp's gguf-split and
