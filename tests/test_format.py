@@ -358,7 +358,8 @@ def _patched(src: Path, dst: Path, at: int, data: bytes, fix_header_crc: bool = 
 
 
 @pytest.mark.parametrize("at,data,fix,match", [
-    (0, b"GGUF", False, "not a .colibri file"),
+    (0, b"GGUF", False, "a llama.cpp GGUF, not a .colibri file.*colibri-convert"),
+    (0, b"GGML", False, "not a .colibri file"),
     (8, struct.pack("<I", 3), True, "version 3"),
     (12, struct.pack("<I", 128), True, "header_size"),
     (40, b"\x01", False, "header CRC"),

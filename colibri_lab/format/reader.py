@@ -411,6 +411,10 @@ def inspect(path: str | os.PathLike, *, verify: bool = False) -> ColibriInfo:
             raise FormatError(f"{path}: {len(hdr)} bytes, too short for a .colibri header "
                               f"({HEADER_SIZE} bytes)")
         magic, version, header_size, file_size, *vals = _HDR_FIXED.unpack_from(hdr, 0)
+        if magic[:4] == b"GGUF":
+            raise FormatError(f"{path}: a llama.cpp GGUF, not a .colibri file; import it once "
+                              f"(weights copied, not requantized): colibri-convert "
+                              f"--model_name_or_path {path} --output_path MODEL.colibri")
         if magic != MAGIC:
             raise FormatError(f"{path}: not a .colibri file (magic {magic!r}, expected {MAGIC!r})")
         if version not in READ_VERSIONS:
