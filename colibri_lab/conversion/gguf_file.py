@@ -178,10 +178,12 @@ class GgufFile:
                 sf = _read_fields(r, p) if i else fields
                 got = (_split_int(sf, "split.no", p), _split_int(sf, "split.count", p))
                 if got != (i, len(paths)):
+                    says = "no split.no / split.count" if None in got else \
+                        f"shard {got[0] + 1} of {got[1]}"
                     raise ConversionError(
-                        f"{p}: says it is shard {got[0]!r} of {got[1]!r}, but its name makes it "
-                        f"shard {i} of {len(paths)} (0-based) of {os.path.basename(paths[0])}'s "
-                        "split GGUF: the folder mixes the shards of different files")
+                        f"{p}: its metadata says {says}, but its name makes it shard {i + 1} of "
+                        f"{len(paths)} of {os.path.basename(paths[0])}'s split GGUF: the folder "
+                        "mixes the shards of different files")
             self._add_tensors(r, p)
         expect = _split_int(fields, "split.tensors.count", self.path) if len(paths) > 1 else None
         if expect is not None and expect != len(self.tensors):
