@@ -501,6 +501,36 @@ def test_unsupported_pre_tokenizer_is_refused_by_name(models, tmp_path, capsys):
     assert info.metadata["tokenizer.type"] == "none"
 
 
+@pytest.mark.parametrize("pre", ["default", None])
+def test_default_pre_tokenizer(models, tmp_path, pre):
+    """tokenizer.ggml.pre "default", or no such key (a GGUF older than it): llama.cpp's
+    fallback pre-tokenizer, four splits in sequence (pattern 9); the ids those of
+    `tokenizers` with that sequence over the same vocabulary and merges. A missing key warns,
+    as llama.cpp does."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    from colibri_lab.conversion.bpe import LLAMA_DEFAULT_SPLITS
+
+    g = rewrite_gguf(models["deepseek_v2"]["gguf"]["f32"], tmp_path / "old.gguf",
+                     fields=lambda k, v: pre if k == "tokenizer.ggml.pre" else v)
+    out = tmp_path / "old.colibri"
+    if pre is None:
+        with pytest.warns(RuntimeWarning, match="names no pre-tokenizer.*'default'"):
+            convert_gguf(g, out, progress=False)
+    else:
+        convert_gguf(g, out, progress=False)
+    info = fmt_reader.inspect(out)
+    assert info.metadata["tokenizer.pattern"] == "llama_default"
+    hf = Tokenizer.from_file(str(models["deepseek_v2"]["folder"] / "tokenizer.json"))
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in LLAMA_DEFAULT_SPLITS]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    ct = colibri_lab.Tokenizer.from_section_bytes(section_bytes(info, "tokenizer"))
+    for text in TEXTS + MORE_TEXTS + ["x=12345678; (1,234.56)", "a+b<=c>d^e~f|g $$100 ¿¡…"]:
+        assert ct.encode(text.encode("utf-8"), add_bos=False) == \
+            hf.encode(text, add_special_tokens=False).ids, text
+
+
 def test_softmax_router_with_choice_bias_is_refused(models, tmp_path):
     """deepseek2 without expert_gating_func routes with a softmax (llama.cpp's default); a
     choice bias (exp_probs_b) with it is refused, not dropped."""

@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 
 import colibri_lab
-from colibri_lab.conversion.bpe import (DEEPSEEK_LLM_SPLITS, DEEPSEEK_V3_SPLITS, LLAMA3_PATTERN, O200K_PATTERN, QWEN2_PATTERN,
+from colibri_lab.conversion.bpe import (DEEPSEEK_LLM_SPLITS, DEEPSEEK_V3_SPLITS, LLAMA3_PATTERN, LLAMA_DEFAULT_SPLITS, O200K_PATTERN, QWEN2_PATTERN,
                               build_bpe_tokenizer_section)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -553,6 +553,48 @@ def test_dsllm_refusals(tmp_path, dsllm_style):
         p.write_text(json.dumps(tj), encoding="utf-8")
         with pytest.raises(ValueError, match="sequence of .* pre-tokenizer splits.*deepseek_v3.*deepseek_llm"):
             build_bpe_tokenizer_section(p)
+
+
+# llama.cpp's "default" pre-tokenizer: what each of its four splits cuts (punctuation and
+# $+<=>^~| runs, GPT-2's pieces, number runs, three ASCII digits at a time)
+LDF_BITS = ["12345678", " 1234567", "x=12345;", "a+b<=c>d^e~f|g", "$$$100", "¿¡…—–“”«»", "(1,234.5678)",
+            "٣٤٥٦٧", "¹²³⁴", "Ⅻ1234", "१२३४५", "\u3000。、！", "a\n\nb", " \t x", "don't 'll 'S",
+            "`tick`", "#1 @2 %3 &4 *5", "x__y--z", "..\r\n", "  12  345  ", "emoji🙂123🙂", "x\u00a0\u00a0y",
+            "π=3.14159265358979", "0x1F600", "🙂!!🙂"]
+
+
+def _ldf_doc(rng: random.Random) -> str:
+    if rng.random() < 0.4:
+        return _dsv3_doc(rng)
+    return "".join(rng.choice(LDF_BITS + DSLLM_BITS) + rng.choice(["", "", " ", "  ", "\n", ", ", "1", "12345", "\t"])
+                   for _ in range(rng.randint(20, 200)))
+
+
+@pytest.fixture(scope="module")
+def llama_default_style(tmp_path_factory, train_texts):
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    pt = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
+                                  for r in LLAMA_DEFAULT_SPLITS]
+                                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    rng = random.Random(83)
+    tok = _train(pt, normalizers.Sequence([]), train_texts + [_ldf_doc(rng) for _ in range(300)], 5000)
+    d = tmp_path_factory.mktemp("llama_default")
+    tok.save(str(d / "tokenizer.json"))
+    return d / "tokenizer.json"
+
+
+def test_llama_default_style_parity(llama_default_style):
+    """llama.cpp's "default" pre-tokenizer (a GGUF naming it or no pre-tokenizer): pattern 9,
+    byte for byte tokenizers' ids with its four splits in sequence."""
+    hf, ct, meta = _pair(llama_default_style)
+    assert meta["tokenizer.pattern"] == "llama_default" and meta["tokenizer.normalizer"] == "none"
+    rng = random.Random(11)
+    extra = LDF_BITS + DSLLM_BITS + [_ldf_doc(rng) for _ in range(1500)]
+    assert _parity(hf, ct, 12, "llama_default", extra_docs=extra) >= 1_400_000
+    for text in LDF_BITS + ["", "1", "12", "123", "1234", " ", "\n", "!"]:
+        ids = ct.encode(text.encode("utf-8"), add_bos=False)
+        assert ids == hf.encode(text, add_special_tokens=False).ids, text
 
 
 def test_special_ids_and_add_bos(qwen_style, gpt2_style):

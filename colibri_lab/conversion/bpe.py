@@ -14,7 +14,7 @@ exactly is accepted; anything else is refused with a ValueError naming the reaso
 * pre-tokenizer: ByteLevel(add_prefix_space=False, use_regex=True) (the GPT-2 pattern), or
   Sequence([Split(Regex(P), "Isolated", invert=False), ByteLevel(add_prefix_space=False,
   use_regex=False)]) where P is one of SUPPORTED_PATTERNS (GPT-2, Qwen2, Llama-3, o200k, Kimi), or
-  one of SPLIT_SEQUENCES (DeepSeek-V3's three Splits, DeepSeek-LLM / DeepSeek-V2's six) and
+  one of SPLIT_SEQUENCES (DeepSeek-V3's three Splits, DeepSeek-LLM / DeepSeek-V2's six, llama.cpp's default four) and
   ByteLevel(use_regex=False);
 * decoder: ByteLevel;
 * added tokens with lstrip / rstrip / single_word = false (those options are refused).
@@ -108,9 +108,22 @@ DEEPSEEK_LLM_SPLITS = (
     "\\p{N}+",
 )
 DEEPSEEK_LLM_PATTERN_ID = 7
+# llama.cpp's "default" BPE pre-tokenizer (LLAMA_VOCAB_PRE_TYPE_DEFAULT: a GGUF whose
+# tokenizer.ggml.pre is "default" or missing): four splits in sequence, applied as
+# DeepSeek's are (each regex's matches and the stretches between them are pieces): runs of
+# punctuation and of $+<=>^~|; GPT-2's regex (without its last `\s+`, which changes no piece:
+# the stretch it would match is a piece anyway); runs of numbers; three ASCII digits.
+LLAMA_DEFAULT_SPLITS = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)""",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
+LLAMA_DEFAULT_PATTERN_ID = 9
 # sequences of several Split regexes -> (id in the section, name)
 SPLIT_SEQUENCES = {DEEPSEEK_V3_SPLITS: (DEEPSEEK_V3_PATTERN_ID, "deepseek_v3"),
-                   DEEPSEEK_LLM_SPLITS: (DEEPSEEK_LLM_PATTERN_ID, "deepseek_llm")}
+                   DEEPSEEK_LLM_SPLITS: (DEEPSEEK_LLM_PATTERN_ID, "deepseek_llm"),
+                   LLAMA_DEFAULT_SPLITS: (LLAMA_DEFAULT_PATTERN_ID, "llama_default")}
 # mistral-common tekken_*.json (tiktoken `pat_str`)
 TEKKEN_PATTERN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"""
                   r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"""
@@ -465,7 +478,7 @@ def build_bpe_tokenizer_section(path: str | os.PathLike, extra_flags: int = 0) -
 
     The metadata has the keys of colibri_lab.conversion.spm.build_tokenizer_section's
     (tokenizer.type = "byte_level_bpe", tokenizer.bos_id / eos_id / unk_id / pad_id,
-    n_pieces) plus "tokenizer.pattern" (gpt2 / qwen2 / llama3 / o200k / deepseek_v3 / deepseek_llm), "tokenizer.normalizer"
+    n_pieces) plus "tokenizer.pattern" (gpt2 / qwen2 / llama3 / o200k / deepseek_v3 / deepseek_llm / kimi_k2 / llama_default), "tokenizer.normalizer"
     (none / NFC) and "tokenizer.special_source" (where bos/eos came from). For a tekken file
     the pattern is "tekken" and the special ids are those of <s>, </s>, <unk>, <pad>.
     `extra_flags`: header flag bits to set besides those the file implies (FLAG_CHUNKED for a

@@ -42,6 +42,7 @@ import math
 import os
 import struct
 import tempfile
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -102,12 +103,13 @@ BPE_PRE_TOKENIZERS = {
     # Kimi-K2 (a deepseek2 file): tokenization_kimi.py's tiktoken pattern (bpe.KIMI_K2_PATTERN);
     # ignore_merges as tiktoken (a whole pre-token that is a token stays one)
     "kimi-k2": ("kimi_k2", False, True),
+    # llama.cpp's fallback, for a file that names it or names no pre-tokenizer (GGUFs made
+    # before tokenizer.ggml.pre existed): four splits in sequence (bpe.LLAMA_DEFAULT_SPLITS)
+    "default": ("llama_default", False, False),
 }
 # Pre-tokenizers llama.cpp knows that colibri's tokenizer has no kind for: refused by name
 # with what they are (the weights can still be imported with tokenizer='none').
 UNSUPPORTED_PRE_TOKENIZERS = {
-    "default": "llama.cpp's fallback for files without a pre-tokenizer name (four GPT-2-era "
-               "regexes in sequence)",
     "deepseek-coder": "DeepSeek-Coder's regex sequence",
 }
 
@@ -572,6 +574,12 @@ def _gguf_tokenizer(g: GgufFile, say, tokenizer: str) -> tuple[bytes, dict]:
             if model == "llama":
                 data, info = _spm_section(g, tokens, types, tmp)
             elif model == "gpt2":
+                if g.get("tokenizer.ggml.pre") is None:
+                    warnings.warn(f"{g.path} names no pre-tokenizer (tokenizer.ggml.pre): using "
+                                  "llama.cpp's 'default', as llama.cpp does; such a file is older "
+                                  "than the key, and its model's own pre-tokenizer may differ "
+                                  "(llama.cpp warns that generation quality may be degraded)",
+                                  RuntimeWarning, stacklevel=2)
                 data, info = _bpe_section(g, tokens, types, tmp)
             else:
                 raise ConversionError(f"{g.path}: tokenizer.ggml.model {model!r} is not supported "
@@ -723,7 +731,7 @@ def _bpe_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
         bytes_to_unicode,
     )
 
-    pre = g.get("tokenizer.ggml.pre")
+    pre = g.get("tokenizer.ggml.pre", "default")   # none named: llama.cpp's fallback
     if pre not in BPE_PRE_TOKENIZERS:
         what = f" ({UNSUPPORTED_PRE_TOKENIZERS[pre]})" if pre in UNSUPPORTED_PRE_TOKENIZERS else ""
         raise ConversionError(f"{g.path}: byte-level BPE pre-tokenizer tokenizer.ggml.pre = {pre!r}"

@@ -1,8 +1,9 @@
 /*
  * fuzz_tokenizer.c — libFuzzer target over both tokenizers, the SentencePiece-BPE one
  * (native/src/tokenizer/tokenizer.c, section type 1) and the byte-level BPE one (bpe.c,
- * type 2, patterns GPT-2 / Qwen2 / Llama-3 / tekken / o200k / DeepSeek-V3 / Kimi, NFC): the
- * section is loaded with colibri_tokenizer_from_memory and, if it loads, text is encoded
+ * type 2, patterns GPT-2 / Qwen2 / Llama-3 / tekken / o200k / DeepSeek-V3 / Kimi /
+ * llama.cpp's default, NFC): the section is loaded with colibri_tokenizer_from_memory and,
+ * if it loads, text is encoded
  * (fixed strings and the input's own) and decoded, ids valid and not decoded, pieces read
  * (fuzz_common.c).
  *

@@ -59,7 +59,7 @@
 #define BF_KNOWN 0xFu
 
 enum { PAT_GPT2 = 1, PAT_QWEN2 = 2, PAT_LLAMA3 = 3, PAT_TEKKEN = 4, PAT_O200K = 5, PAT_DEEPSEEK_V3 = 6,
-       PAT_DEEPSEEK_LLM = 7, PAT_KIMI_K2 = 8 };
+       PAT_DEEPSEEK_LLM = 7, PAT_KIMI_K2 = 8, PAT_LLAMA_DEFAULT = 9 };
 
 #define EMPTY64 UINT64_MAX
 #define EMPTY32 UINT32_MAX
@@ -172,10 +172,11 @@ colibri_status cb_bpe_load(cb_bpe *b, const uint8_t *data, uint64_t size, char *
         return fail(err, err_len, COLIBRI_E_UNSUPPORTED,
                     "tokenizer section: unknown byte-level BPE flag bits 0x%x (written by a newer converter?)",
                     flags & ~BF_KNOWN);
-    if (pattern < PAT_GPT2 || pattern > PAT_KIMI_K2)
+    if (pattern < PAT_GPT2 || pattern > PAT_LLAMA_DEFAULT)
         return fail(err, err_len, COLIBRI_E_UNSUPPORTED,
                     "tokenizer section: pre-tokenizer pattern %u is not supported by this build "
-                    "(1 gpt2, 2 qwen2, 3 llama3, 4 tekken, 5 o200k, 6 deepseek_v3, 7 deepseek_llm, 8 kimi_k2)",
+                    "(1 gpt2, 2 qwen2, 3 llama3, 4 tekken, 5 o200k, 6 deepseek_v3, 7 deepseek_llm, 8 kimi_k2, "
+                    "9 llama_default)",
                     pattern);
     if (reserved != 0) return fail(err, err_len, F, "tokenizer section: reserved header bytes are not zero");
     if (merges_log2 < 1 || merges_log2 > 31 || vocab_log2 > 31 || n_merges >= ((uint64_t)1 << merges_log2) ||
@@ -1048,11 +1049,63 @@ static int dsl_split(benc_t *e, int k, const uint8_t *s, uint64_t len) {
     return 1;
 }
 
+/* llama.cpp's "default" BPE pre-tokenizer (pattern 9): four splits in sequence, each over
+ * the pieces of the one before (a match, or a stretch between matches, is a piece):
+ * (1) [\p{P}\$\+<=>\^~\|]+; (2) GPT-2's regex, whose matches cover a piece (match_gpt2);
+ * (3) \p{N}+; (4) [0-9][0-9][0-9]. */
+static int ldf_sym(uint32_t cp) {
+    int c = cb_ucat(cp);
+    return (c >= UC_Pc && c <= UC_Po) || cp == '$' || cp == '+' || cp == '<' || cp == '=' || cp == '>' ||
+           cp == '^' || cp == '~' || cp == '|';
+}
+static int ldf_digit(uint32_t cp) { return cp >= '0' && cp <= '9'; }
+
+/* The first match of split k (1, 3 or 4) at or after pos in s[0..len): [*ms, *me); 0 when none. */
+static int ldf_find(int k, const uint8_t *s, uint64_t len, uint64_t pos, uint64_t *ms, uint64_t *me) {
+    while (pos < len) {
+        uint32_t c0;
+        uint32_t l0 = dec(s, pos, &c0);
+        if (k == 4) {
+            if (pos + 3 <= len && ldf_digit(s[pos]) && ldf_digit(s[pos + 1]) && ldf_digit(s[pos + 2])) {
+                *ms = pos, *me = pos + 3;
+                return 1;
+            }
+        } else if (k == 1 ? ldf_sym(c0) : is_N(c0)) {
+            *ms = pos, *me = run_of(s, len, pos, k == 1 ? ldf_sym : is_N);
+            return 1;
+        }
+        pos += l0;
+    }
+    return 0;
+}
+
+static int ldf_split(benc_t *e, int k, const uint8_t *s, uint64_t len) {
+    if (k > 4) return bpe_word(e, s, len);
+    if (k == 2) {
+        for (uint64_t pos = 0; pos < len;) {
+            uint64_t end = match_gpt2(s, len, pos);
+            if (end <= pos || end > len) end = len; /* cannot happen; keeps the loop finite */
+            if (!ldf_split(e, 3, s + pos, end - pos)) return 0;
+            pos = end;
+        }
+        return 1;
+    }
+    uint64_t gap = 0, ms, me;
+    while (gap < len && ldf_find(k, s, len, gap, &ms, &me)) {
+        if (ms > gap && !ldf_split(e, k + 1, s + gap, ms - gap)) return 0;
+        if (!ldf_split(e, k + 1, s + ms, me - ms)) return 0;
+        gap = me;
+    }
+    if (len > gap && !ldf_split(e, k + 1, s + gap, len - gap)) return 0;
+    return 1;
+}
+
 /* Pre-tokenize and BPE a piece of normalized text without added tokens. */
 static int pretok_whole(benc_t *e, const uint8_t *s, uint64_t len) {
     uint64_t pos = 0;
     if (e->b->pattern == PAT_DEEPSEEK_V3) return ds_pretok(e, s, len);
     if (e->b->pattern == PAT_DEEPSEEK_LLM) return dsl_split(e, 1, s, len);
+    if (e->b->pattern == PAT_LLAMA_DEFAULT) return ldf_split(e, 1, s, len);
     while (pos < len) {
         uint64_t end;
         switch (e->b->pattern) {
