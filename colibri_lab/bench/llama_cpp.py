@@ -167,8 +167,8 @@ _BPE_STAND_IN = (
 def needs_bpe_stand_in(model_dir: Path) -> bool:
     """Whether `model_dir` is one of the bench's random models with a byte-level BPE
     (tokenizer.json, no SentencePiece model): its GGUF is made with the "default"
-    pre-tokenizer (see _BPE_STAND_IN), which colibri's importer refuses, so colibri imports
-    its weights only."""
+    pre-tokenizer (see _BPE_STAND_IN), not the model's own, so colibri imports its weights
+    only."""
     d = Path(model_dir)
     return ((d / "colibri_bench_shape.json").is_file() and (d / "tokenizer.json").is_file()
             and not (d / "tokenizer.model").is_file())
