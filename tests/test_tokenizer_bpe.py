@@ -428,6 +428,16 @@ DSV3_BITS = ["中文字符", "日本語のテキスト", "カタカナ", "ひら
              "\r\n\r\n", " \n ", "a\r\n", "!!\r\n", "'s", "'S", "don't", "HTTPServer", "ΣΊΣΥΦΟΣ", "नमस्ते"]
 
 
+def _split_sequence(splits):
+    """A tokenizer.json pre-tokenizer of Isolated splits in sequence, then ByteLevel without
+    its regex (DeepSeek's files, llama.cpp's default)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
+                                    for r in splits]
+                                   + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+
+
 def _dsv3_doc(rng: random.Random) -> str:
     if rng.random() < 0.15:
         turns = "".join(f"<｜User｜>{_prose(rng, rng.randint(3, 30))}<｜Assistant｜><think>{_prose(rng, 10)}</think>"
@@ -441,11 +451,9 @@ def _dsv3_doc(rng: random.Random) -> str:
 
 @pytest.fixture(scope="module")
 def dsv3_style(tmp_path_factory, train_texts):
-    from tokenizers import Regex, normalizers, pre_tokenizers
+    from tokenizers import normalizers
 
-    pt = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
-                                  for r in DEEPSEEK_V3_SPLITS]
-                                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    pt = _split_sequence(DEEPSEEK_V3_SPLITS)
     rng = random.Random(77)
     tok = _train(pt, normalizers.Sequence([]), train_texts + [_dsv3_doc(rng) for _ in range(300)], 5000,
                  specials=DSV3_SPECIALS)
@@ -512,11 +520,9 @@ def _dsllm_doc(rng: random.Random) -> str:
 
 @pytest.fixture(scope="module")
 def dsllm_style(tmp_path_factory, train_texts):
-    from tokenizers import Regex, normalizers, pre_tokenizers
+    from tokenizers import normalizers
 
-    pt = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
-                                  for r in DEEPSEEK_LLM_SPLITS]
-                                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    pt = _split_sequence(DEEPSEEK_LLM_SPLITS)
     rng = random.Random(79)
     tok = _train(pt, normalizers.Sequence([]), train_texts + [_dsllm_doc(rng) for _ in range(300)], 5000,
                  specials=DSV3_SPECIALS)
@@ -572,11 +578,9 @@ def _ldf_doc(rng: random.Random) -> str:
 
 @pytest.fixture(scope="module")
 def llama_default_style(tmp_path_factory, train_texts):
-    from tokenizers import Regex, normalizers, pre_tokenizers
+    from tokenizers import normalizers
 
-    pt = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
-                                  for r in LLAMA_DEFAULT_SPLITS]
-                                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    pt = _split_sequence(LLAMA_DEFAULT_SPLITS)
     rng = random.Random(83)
     tok = _train(pt, normalizers.Sequence([]), train_texts + [_ldf_doc(rng) for _ in range(300)], 5000)
     d = tmp_path_factory.mktemp("llama_default")

@@ -1035,18 +1035,25 @@ static int dsl_find(int k, const uint8_t *s, uint64_t len, uint64_t pos, uint64_
     return 0;
 }
 
-/* Split k over a piece: its matches and the unmatched stretches between them go to split
- * k + 1; after split 6, each piece is a word. */
-static int dsl_split(benc_t *e, int k, const uint8_t *s, uint64_t len) {
-    if (k > 6) return bpe_word(e, s, len);
+/* Split k of a sequence over a piece: its matches (find) and the unmatched stretches between
+ * them are the pieces split k + 1 takes (next). */
+typedef int (*split_find_fn)(int k, const uint8_t *s, uint64_t len, uint64_t pos, uint64_t *ms, uint64_t *me);
+typedef int (*split_next_fn)(benc_t *e, int k, const uint8_t *s, uint64_t len);
+static int split_pieces(benc_t *e, int k, const uint8_t *s, uint64_t len, split_find_fn find, split_next_fn next) {
     uint64_t gap = 0, ms, me;
-    while (gap < len && dsl_find(k, s, len, gap, &ms, &me)) {
-        if (ms > gap && !dsl_split(e, k + 1, s + gap, ms - gap)) return 0;
-        if (!dsl_split(e, k + 1, s + ms, me - ms)) return 0;
+    while (gap < len && find(k, s, len, gap, &ms, &me)) {
+        if (ms > gap && !next(e, k + 1, s + gap, ms - gap)) return 0;
+        if (!next(e, k + 1, s + ms, me - ms)) return 0;
         gap = me;
     }
-    if (len > gap && !dsl_split(e, k + 1, s + gap, len - gap)) return 0;
+    if (len > gap && !next(e, k + 1, s + gap, len - gap)) return 0;
     return 1;
+}
+
+/* DeepSeek-LLM's six splits; after split 6, each piece is a word. */
+static int dsl_split(benc_t *e, int k, const uint8_t *s, uint64_t len) {
+    if (k > 6) return bpe_word(e, s, len);
+    return split_pieces(e, k, s, len, dsl_find, dsl_split);
 }
 
 /* llama.cpp's "default" BPE pre-tokenizer (pattern 9): four splits in sequence, each over
@@ -1090,14 +1097,7 @@ static int ldf_split(benc_t *e, int k, const uint8_t *s, uint64_t len) {
         }
         return 1;
     }
-    uint64_t gap = 0, ms, me;
-    while (gap < len && ldf_find(k, s, len, gap, &ms, &me)) {
-        if (ms > gap && !ldf_split(e, k + 1, s + gap, ms - gap)) return 0;
-        if (!ldf_split(e, k + 1, s + ms, me - ms)) return 0;
-        gap = me;
-    }
-    if (len > gap && !ldf_split(e, k + 1, s + gap, len - gap)) return 0;
-    return 1;
+    return split_pieces(e, k, s, len, ldf_find, ldf_split);
 }
 
 /* Pre-tokenize and BPE a piece of normalized text without added tokens. */
