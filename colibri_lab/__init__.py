@@ -1,7 +1,8 @@
 """Colibri Lab: the Python package around the Colibri MoE inference engine.
 
 - :class:`Engine` runs a ``.colibri`` model (forward, generate, tokenizer);
-- :func:`convert` turns a Hugging Face checkpoint into a ``.colibri`` file;
+- :func:`convert` turns a Hugging Face checkpoint into a ``.colibri`` file, :func:`convert_gguf`
+  a llama.cpp GGUF (one file, or a split one by any of its shards);
 - :func:`inspect` reads a ``.colibri`` file's header, metadata and tensor directory.
 
 Errors from the engine are :class:`ColibriError` subclasses carrying the C message.
@@ -55,6 +56,7 @@ __all__ = [
     "Tokenizer",
     "Trace",
     "convert",
+    "convert_gguf",
     "inspect",
     "native_version",
 ]
@@ -84,8 +86,10 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(".runtime.engine", __name__), name)
     if name == "native_version":
         return importlib.import_module(".runtime._native", __name__).version
+    if name == "convert_gguf":   # on first use: the GGUF importers' imports take a while
+        return importlib.import_module(".conversion.gguf", __name__).convert_gguf
     raise AttributeError(f"module 'colibri_lab' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY_MODULES) | set(_ENGINE_NAMES) | {"native_version"})
+    return sorted(set(globals()) | set(_LAZY_MODULES) | set(_ENGINE_NAMES) | {"native_version", "convert_gguf"})

@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 
 from test_format import load_source, make_hf  # noqa: E402
 
+import colibri_lab  # noqa: E402
 from colibri_lab.conversion.spec import ConversionError
 from colibri_lab.conversion.hf import convert
 from colibri_lab.conversion.cli import main  # noqa: E402
@@ -287,7 +288,13 @@ def test_bad_arguments(hf5, tmp_path):
         convert(tmp_path / "nope", tmp_path / "m.colibri", progress=False)
     with pytest.raises(ConversionError, match="no config.json"):
         convert(tmp_path, tmp_path / "m.colibri", progress=False)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    with pytest.raises(ConversionError, match=r"is a file: .*colibri_lab\.convert_gguf"):
+        convert(tmp_path / "model.gguf", tmp_path / "m.colibri", progress=False)
+    (tmp_path / "model.gguf").unlink()
     assert leftovers(tmp_path) == []
+    from colibri_lab.conversion.gguf import convert_gguf
+    assert colibri_lab.convert_gguf is convert_gguf   # the GGUF importer, loaded on first use
 
 
 def test_big_endian_host_is_refused(hf5, tmp_path, monkeypatch):

@@ -592,6 +592,10 @@ def convert(model_dir, output_path, *, dtype: str = "bf16", quantize_router: str
     fmt.require_little_endian()
     model_dir = os.fspath(model_dir)
     output_path = os.fspath(output_path)
+    if os.path.isfile(model_dir):
+        raise ConversionError(f"{model_dir} is a file: convert() takes a Hugging Face checkpoint "
+                              "folder; a llama.cpp GGUF is imported with "
+                              "colibri_lab.convert_gguf(path, output_path) (or colibri-convert)")
     if dtype not in FLOAT_DTYPES + QUANT_MIXES:
         raise ConversionError(f"dtype {dtype!r}: choose one of "
                               f"{', '.join(FLOAT_DTYPES + QUANT_MIXES)}")
