@@ -574,12 +574,6 @@ def _gguf_tokenizer(g: GgufFile, say, tokenizer: str) -> tuple[bytes, dict]:
             if model == "llama":
                 data, info = _spm_section(g, tokens, types, tmp)
             elif model == "gpt2":
-                if g.get("tokenizer.ggml.pre") is None:
-                    warnings.warn(f"{g.path} names no pre-tokenizer (tokenizer.ggml.pre): using "
-                                  "llama.cpp's 'default', as llama.cpp does; such a file is older "
-                                  "than the key, and its model's own pre-tokenizer may differ "
-                                  "(llama.cpp warns that generation quality may be degraded)",
-                                  RuntimeWarning, stacklevel=2)
                 data, info = _bpe_section(g, tokens, types, tmp)
             else:
                 raise ConversionError(f"{g.path}: tokenizer.ggml.model {model!r} is not supported "
@@ -731,7 +725,13 @@ def _bpe_section(g: GgufFile, tokens: list[str], types: list[int], tmp: str):
         bytes_to_unicode,
     )
 
-    pre = g.get("tokenizer.ggml.pre", "default")   # none named: llama.cpp's fallback
+    pre = g.get("tokenizer.ggml.pre")
+    if pre is None:   # none named: llama.cpp's fallback, with its warning
+        warnings.warn(f"{g.path} names no pre-tokenizer (tokenizer.ggml.pre): using llama.cpp's "
+                      "'default', as llama.cpp does; such a file is older than the key, and its "
+                      "model's own pre-tokenizer may differ (llama.cpp warns that generation "
+                      "quality may be degraded)", RuntimeWarning, stacklevel=2)
+        pre = "default"
     if pre not in BPE_PRE_TOKENIZERS:
         what = f" ({UNSUPPORTED_PRE_TOKENIZERS[pre]})" if pre in UNSUPPORTED_PRE_TOKENIZERS else ""
         raise ConversionError(f"{g.path}: byte-level BPE pre-tokenizer tokenizer.ggml.pre = {pre!r}"

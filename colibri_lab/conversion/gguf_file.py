@@ -164,18 +164,23 @@ class GgufFile:
                 raise ConversionError(f"{path}: split.count {count} with split.no {no!r}: not a "
                                       "shard llama.cpp would read")
             paths = _shard_paths(path, no, count)
-            if no != 0:   # the metadata is the first shard's
-                reader = _open_reader(paths[0])
-                fields = _read_fields(reader, paths[0])
+        opened = {path: (reader, fields)}   # each shard opened once
+
+        def shard(p: str):
+            if p not in opened:
+                r = _open_reader(p)
+                opened[p] = (r, _read_fields(r, p))
+            return opened[p]
+
+        reader, fields = shard(paths[0])
         self.path = paths[0]
         self.paths = paths
         self.reader = reader   # the first shard's: the metadata and GGUF version
         self.fields = fields
         self.tensors: dict[str, GTensor] = {}
         for i, p in enumerate(paths):
-            r = reader if i == 0 else _open_reader(p)
+            r, sf = shard(p)
             if len(paths) > 1:
-                sf = _read_fields(r, p) if i else fields
                 got = (_split_int(sf, "split.no", p), _split_int(sf, "split.count", p))
                 if got != (i, len(paths)):
                     says = "no split.no / split.count" if None in got else \
