@@ -76,3 +76,57 @@ def test_dequantize_float_types_and_refusals():
     assert lib.colibri_dequantize(fmt.DTYPE_I8, raw.ctypes.data_as(ctypes.c_void_p), 4, p) != 0    # not a weight type
     assert lib.colibri_dequantize(99, raw.ctypes.data_as(ctypes.c_void_p), 32, p) != 0             # unknown
     assert lib.colibri_dequantize(fmt.DTYPE_Q8_0, None, 32, p) != 0
+
+
+def _engine_sumsq(dtype: int, raw, n: int) -> tuple[int, float]:
+    out = ctypes.c_double(-1.0)
+    src = None if raw is None else np.ascontiguousarray(raw).ctypes.data_as(ctypes.c_void_p)
+    st = _native.lib.colibri_dequantize_sumsq(dtype, src, n, ctypes.byref(out))
+    return st, out.value
+
+
+@pytest.mark.parametrize("dtype", list(TYPES) + [fmt.DTYPE_F32, fmt.DTYPE_F16, fmt.DTYPE_BF16],
+                         ids=lambda d: fmt.DTYPE_NAMES[d])
+def test_dequantize_sumsq(dtype):
+    """colibri_dequantize_sumsq: the f64 sum of squares of colibri_dequantize's values (a
+    converter's tensor norms), over chunks and float rows of any length; and the converter's
+    stored_sumsq gives it with the library and without (numpy)."""
+    from colibri_lab.conversion import spec as conv_spec
+    rng = np.random.default_rng(2000 + dtype)
+    if dtype in TYPES:
+        be, _ = fmt.DTYPE_BLOCKS[dtype]
+        cases = [(_random_blocks(dtype, nb, rng), nb * be) for nb in (1, 3, 37, 300)]  # 300: > one 4096 chunk
+    else:
+        cases = []
+        for n in (1, 7, 13, 4099, 9000):
+            x = (rng.standard_normal(n) * 3).astype(np.float32)
+            cases.append((fmt.f32_to_stored(x, dtype).reshape(-1), n))
+    for raw, n in cases:
+        vals = _engine_dequant(dtype, raw, n).astype(np.float64)
+        finite = np.isfinite(vals).all()
+        want = float(np.sum(vals * vals))
+        st, got = _engine_sumsq(dtype, raw, n)
+        assert st == 0
+        if finite:
+            assert got == pytest.approx(want, rel=1e-12, abs=1e-300), (fmt.DTYPE_NAMES[dtype], n)
+        row = raw.reshape(1, -1)
+        with_lib = conv_spec.stored_sumsq(row, dtype, n)
+        saved = conv_spec._native_sumsq
+        try:
+            conv_spec._native_sumsq = False          # as without the library: numpy dequantizes
+            without = conv_spec.stored_sumsq(row, dtype, n)
+        finally:
+            conv_spec._native_sumsq = saved
+        if finite:
+            assert with_lib == got
+            assert without == pytest.approx(want, rel=1e-12, abs=1e-300)
+
+
+def test_dequantize_sumsq_refusals():
+    raw = np.zeros(34 * 2, dtype=np.uint8)
+    for dt, n, src in ((fmt.DTYPE_Q8_0, 33, raw), (fmt.DTYPE_I8, 4, raw), (99, 32, raw), (fmt.DTYPE_Q8_0, 32, None),
+                       (fmt.DTYPE_Q8_0, -32, raw)):
+        st, got = _engine_sumsq(dt, src, n)
+        assert st != 0 and got == -1.0, (dt, n)      # refused, nothing written
+    assert _native.lib.colibri_dequantize_sumsq(fmt.DTYPE_Q8_0, raw.ctypes.data_as(ctypes.c_void_p), 32, None) != 0
+    assert _engine_sumsq(fmt.DTYPE_Q8_0, raw, 0) == (0, 0.0)

@@ -18,7 +18,7 @@ import numpy as np
 from ..format import blocks as quants
 from ..format import spec as fmt
 from ..format.spec import DTYPE_NUMPY
-from .spec import CHUNK_ELEMS, ConversionError
+from .spec import CHUNK_ELEMS, ConversionError, stored_sumsq
 
 # ggml type name (GGMLQuantizationType) -> colibri dtype id: the block bytes are the same
 # (docs/format.md, "Version 2"); from colibri_lab.format.blocks.GGML_TYPES, the one table
@@ -303,8 +303,7 @@ def _copy_producer(parts: list[Rows], type_name: str, cols: int) -> Callable[[],
         for p in parts:
             for a in range(0, p.count, step):
                 raw = p.take(a, min(p.count, a + step))
-                ss = fmt.sumsq_f64(_dequantize(raw, type_name, cols))
-                yield (raw.view(DTYPE_NUMPY[dt]) if dt not in fmt.QUANT_DTYPES else raw), ss
+                yield (raw.view(DTYPE_NUMPY[dt]) if dt not in fmt.QUANT_DTYPES else raw), stored_sumsq(raw, dt, cols)
     return gen
 
 

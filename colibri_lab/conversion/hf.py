@@ -61,6 +61,7 @@ from .spec import (
     ConversionError,
     ModelSpec,
     PlannedTensor,
+    stored_sumsq,
 )
 from .tokenizer import _tokenizer_section
 from .writer import _Say, build_metadata, write_colibri
@@ -77,7 +78,7 @@ def _to_stored(x: np.ndarray, src_dtype: int, dst_dtype: int) -> np.ndarray:
 
 
 def _with_sumsq(stored: np.ndarray, dtype: int) -> Chunk:
-    return stored, fmt.sumsq_f64(fmt.stored_to_f32(stored, dtype))
+    return stored, stored_sumsq(stored, dtype, stored.shape[-1])
 
 
 def _dense_producer(src: SrcTensor, dst: int) -> Callable[[], Iterator[Chunk]]:
@@ -125,15 +126,8 @@ def _rows_producer(parts: list[tuple[SrcTensor, int, int]], ncols: int,
                 x = fmt.stored_to_f32(src.read_rows(r0 + a, n, ncols), src.dtype_id)
                 st = quants.to_stored(x, dst)
                 del x
-                yield st, _sumsq(quants.from_stored(st, dst, ncols))
+                yield st, stored_sumsq(st, dst, ncols)
     return gen
-
-
-def _sumsq(x: np.ndarray) -> float:
-    """Sum of squares in f64, without BLAS: np.dot (fmt.sumsq_f64) wakes OpenBLAS's threads,
-    which took milliseconds per chunk next to the quantizer's thread pool."""
-    v = x.reshape(-1).astype(np.float64)
-    return float(np.einsum("i,i->", v, v))
 
 
 @dataclass

@@ -21,6 +21,39 @@ class ConversionError(ValueError):
     """The checkpoint cannot be converted; the message says why and what to do."""
 
 
+_native_sumsq = None   # the engine's colibri_dequantize_sumsq, once looked up (False: none)
+
+
+def stored_sumsq(stored: np.ndarray, dtype: int, n: int) -> float:
+    """The sum of squares, in f64, of the values `stored` holds (rows of `n` values of
+    `dtype`, as a tensor stores them): what a tensor's `l2norm` is the root of. With the
+    engine's library loadable, its `colibri_dequantize_sumsq` computes it without the values
+    in memory (the reference dequantizer's values, bit for bit numpy's `quants.dequantize`);
+    without it, numpy dequantizes. The two sum in different orders: the norm is checked to a
+    relative 1e-5 (docs/format.md). Plain numpy (`np.dot` would wake OpenBLAS's threads,
+    which took milliseconds per chunk next to the quantizer's thread pool)."""
+    global _native_sumsq
+    if _native_sumsq is None:
+        try:
+            from ..runtime import _native
+            _native_sumsq = _native.lib.colibri_dequantize_sumsq
+        except ImportError:
+            _native_sumsq = False
+    if not _native_sumsq or not (dtype in fmt.QUANT_DTYPES or dtype in (fmt.DTYPE_F32, fmt.DTYPE_F16, fmt.DTYPE_BF16)):
+        from ..format import blocks as quants
+        v = quants.from_stored(stored, dtype, n).reshape(-1).astype(np.float64)
+        return float(np.einsum("i,i->", v, v))
+    import ctypes
+    raw = np.ascontiguousarray(stored).view(np.uint8).reshape(-1)
+    count = raw.size // fmt.row_nbytes(dtype, n) * n
+    out = ctypes.c_double()
+    st = _native_sumsq(dtype, raw.ctypes.data_as(ctypes.c_void_p), count, ctypes.byref(out))
+    if st != 0 or raw.size != fmt.row_nbytes(dtype, n) * (count // n):
+        raise ConversionError(f"internal: {raw.size} bytes are not whole {fmt.DTYPE_NAMES[dtype]} "
+                              f"rows of {n}")
+    return out.value
+
+
 def _version() -> str:
     try:
         from importlib.metadata import version

@@ -169,6 +169,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "colibri_verify": (c_int, [ctx_p]),
     "colibri_verify_router": (c_int, [ctx_p]),
     "colibri_dequantize": (c_int, [c_int, c_void_p, c_int64, POINTER(c_float)]),
+    "colibri_dequantize_sumsq": (c_int, [c_int, c_void_p, c_int64, POINTER(c_double)]),
     "colibri_read_bandwidth": (
         c_int,
         [c_int32, c_int64, c_int32, c_int32, POINTER(c_double), POINTER(c_double), c_char_p, c_size_t],

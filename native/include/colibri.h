@@ -440,6 +440,12 @@ typedef enum colibri_dtype {
  * e = 255 (NaN in OCP) is read as the scale 2^127, as ggml reads it. */
 COLIBRI_API colibri_status colibri_dequantize(int dt, const void *src, int64_t n, float *dst);
 
+/* The sum of the squares of the n values colibri_dequantize gives for src, accumulated in
+ * double (element j into the j % 8th of eight sums, then those added pairwise): the square of
+ * the L2 norm a converter stores for a tensor, without its values in memory. The same
+ * arguments and refusals as colibri_dequantize; *sumsq is written only on COLIBRI_OK. */
+COLIBRI_API colibri_status colibri_dequantize_sumsq(int dt, const void *src, int64_t n, double *sumsq);
+
 /* colibri_options.populate's default: pre-fault the file when it is under half of the memory
  * available (MemAvailable in /proc/meminfo), else fault it in on demand. */
 #define COLIBRI_POPULATE_AUTO (-1)

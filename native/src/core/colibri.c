@@ -766,3 +766,25 @@ colibri_status colibri_dequantize(int dt, const void *src, int64_t n, float *dst
     cb_dtype_dequant((uint32_t)dt)(dst, src, n);
     return COLIBRI_OK;
 }
+
+colibri_status colibri_dequantize_sumsq(int dt, const void *src, int64_t n, double *sumsq) {
+    if (!src || !sumsq || n < 0 || dt < 0 || !cb_dtype_is_weight((uint32_t)dt) ||
+        (n > 0 && cb_row_bytes((uint32_t)dt, (uint64_t)n) == 0))
+        return COLIBRI_E_INVALID_ARG;
+    enum { CHUNK = 4096 }; /* a whole number of every dtype's blocks */
+    float buf[CHUNK];
+    const uint8_t *p = (const uint8_t *)src;
+    const size_t chunk_bytes = (size_t)cb_row_bytes((uint32_t)dt, CHUNK);
+    const cb_kernels *k = cb_kernels_best(); /* its dequant_row gives the reference's values */
+    double ss[8] = {0}; /* eight chains: element j into chain j % 8 */
+    for (int64_t i = 0; i < n; i += CHUNK, p += chunk_bytes) {
+        const int64_t m = n - i < CHUNK ? n - i : CHUNK;
+        k->dequant_row(buf, p, (uint32_t)dt, m);
+        int64_t j = 0;
+        for (; j + 8 <= m; j += 8)
+            for (int c = 0; c < 8; c++) ss[c] += (double)buf[j + c] * (double)buf[j + c];
+        for (; j < m; j++) ss[j % 8] += (double)buf[j] * (double)buf[j]; /* a float row's tail */
+    }
+    *sumsq = ((ss[0] + ss[1]) + (ss[2] + ss[3])) + ((ss[4] + ss[5]) + (ss[6] + ss[7]));
+    return COLIBRI_OK;
+}
