@@ -1,6 +1,6 @@
-"""The engine's reference dequantizer (colibri_dequantize, core/quant.c) against the
-`gguf` package's gguf.quants.dequantize, bit for bit, on random blocks of every quantized
-type; and its refusals."""
+"""The engine's reference dequantizer (colibri_dequantize, core/quant.c and quant_grid.c)
+against the `gguf` package's gguf.quants.dequantize, bit for bit, on random blocks of every
+quantized type; the grid types' codebooks and their refusals; and its refusals."""
 import ctypes
 
 import numpy as np
@@ -8,6 +8,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
+from colibri_lab.format import blocks
 from colibri_lab.format import spec as fmt
 from colibri_lab.runtime import _native
 
@@ -16,13 +17,17 @@ TYPES = {fmt.DTYPE_Q8_0: QT.Q8_0, fmt.DTYPE_Q4_K: QT.Q4_K, fmt.DTYPE_Q5_K: QT.Q5
          fmt.DTYPE_Q6_K: QT.Q6_K, fmt.DTYPE_MXFP4: QT.MXFP4, fmt.DTYPE_Q4_0: QT.Q4_0,
          fmt.DTYPE_Q4_1: QT.Q4_1, fmt.DTYPE_Q5_0: QT.Q5_0, fmt.DTYPE_Q5_1: QT.Q5_1,
          fmt.DTYPE_Q2_K: QT.Q2_K, fmt.DTYPE_Q3_K: QT.Q3_K, fmt.DTYPE_IQ4_NL: QT.IQ4_NL,
-         fmt.DTYPE_IQ4_XS: QT.IQ4_XS}
+         fmt.DTYPE_IQ4_XS: QT.IQ4_XS, fmt.DTYPE_IQ2_XXS: QT.IQ2_XXS, fmt.DTYPE_IQ2_XS: QT.IQ2_XS,
+         fmt.DTYPE_IQ2_S: QT.IQ2_S, fmt.DTYPE_IQ3_XXS: QT.IQ3_XXS, fmt.DTYPE_IQ3_S: QT.IQ3_S,
+         fmt.DTYPE_IQ1_S: QT.IQ1_S, fmt.DTYPE_IQ1_M: QT.IQ1_M}
 # byte offsets of each block's f16 fields (MXFP4: an e8m0 byte, every value is one)
 F16_AT = {fmt.DTYPE_Q8_0: (0,), fmt.DTYPE_Q4_K: (0, 2), fmt.DTYPE_Q5_K: (0, 2),
           fmt.DTYPE_Q6_K: (208,), fmt.DTYPE_MXFP4: (), fmt.DTYPE_Q4_0: (0,),
           fmt.DTYPE_Q4_1: (0, 2), fmt.DTYPE_Q5_0: (0,), fmt.DTYPE_Q5_1: (0, 2),
           fmt.DTYPE_Q2_K: (80, 82), fmt.DTYPE_Q3_K: (108,), fmt.DTYPE_IQ4_NL: (0,),
-          fmt.DTYPE_IQ4_XS: (0,)}
+          fmt.DTYPE_IQ4_XS: (0,), fmt.DTYPE_IQ2_XXS: (0,), fmt.DTYPE_IQ2_XS: (0,),
+          fmt.DTYPE_IQ2_S: (0,), fmt.DTYPE_IQ3_XXS: (0,), fmt.DTYPE_IQ3_S: (0,), fmt.DTYPE_IQ1_S: (0,),
+          fmt.DTYPE_IQ1_M: ()}   # IQ1_M's f16 is four scattered nibbles: random, as any bytes
 
 
 def _random_blocks(dtype: int, n_blocks: int, rng) -> np.ndarray:
@@ -41,6 +46,7 @@ def _random_blocks(dtype: int, n_blocks: int, rng) -> np.ndarray:
 
 
 def _engine_dequant(dtype: int, raw: np.ndarray, n: int) -> np.ndarray:
+    _native.install_codebook(dtype)          # the grid types' codebooks (the gguf package's)
     out = np.empty(n, dtype=np.float32)
     src = np.ascontiguousarray(raw)
     st = _native.lib.colibri_dequantize(dtype, src.ctypes.data_as(ctypes.c_void_p), n,
@@ -130,3 +136,34 @@ def test_dequantize_sumsq_refusals():
         assert st != 0 and got == -1.0, (dt, n)      # refused, nothing written
     assert _native.lib.colibri_dequantize_sumsq(fmt.DTYPE_Q8_0, raw.ctypes.data_as(ctypes.c_void_p), 32, None) != 0
     assert _engine_sumsq(fmt.DTYPE_Q8_0, raw, 0) == (0, 0.0)
+
+
+def test_codebooks():
+    """The grid types' codebooks: the gguf package's grids install (their CRC-32 is ggml's,
+    which the engine checks); a wrong size, a changed entry or a dtype without one is refused;
+    a grid type's blocks before any install are refused (COLIBRI_E_UNSUPPORTED, as
+    colibri_dequantize documents) — checked in a fresh process, since installs are per process."""
+    import subprocess
+    import sys
+    lib = _native.lib
+    for dt in fmt.GRID_DTYPES:
+        _native.install_codebook(dt)
+        grid = np.ascontiguousarray(blocks.codebook(fmt.CODEBOOK_OF[dt]))
+        assert lib.colibri_install_codebook(dt, grid.ctypes.data_as(ctypes.c_void_p), grid.nbytes) == 0  # again: same
+        assert lib.colibri_install_codebook(dt, grid.ctypes.data_as(ctypes.c_void_p), grid.nbytes - 1) != 0
+        bad = grid.copy()
+        bad.reshape(-1)[7] ^= 1
+        assert lib.colibri_install_codebook(dt, bad.ctypes.data_as(ctypes.c_void_p), bad.nbytes) != 0
+    g = np.zeros(16, np.int8)
+    assert lib.colibri_install_codebook(fmt.DTYPE_Q4_K, g.ctypes.data_as(ctypes.c_void_p), 16) != 0
+    code = ("import ctypes, numpy as np\n"
+            "from colibri_lab.runtime import _native\n"
+            "from colibri_lab.format import spec as fmt\n"
+            "raw = np.zeros(66, np.uint8); out = np.empty(256, np.float32)\n"
+            "st = _native.lib.colibri_dequantize(fmt.DTYPE_IQ2_XXS, raw.ctypes.data_as(ctypes.c_void_p), 256,"
+            " out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))\n"
+            "assert st == _native.E_UNSUPPORTED, st\n"
+            "_native.install_codebook(fmt.DTYPE_IQ2_XXS)\n"
+            "assert _native.lib.colibri_dequantize(fmt.DTYPE_IQ2_XXS, raw.ctypes.data_as(ctypes.c_void_p), 256,"
+            " out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))) == 0\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

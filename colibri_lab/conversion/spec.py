@@ -39,6 +39,9 @@ def stored_sumsq(stored: np.ndarray, dtype: int, n: int) -> float:
             _native_sumsq = _native.lib.colibri_dequantize_sumsq
         except ImportError:
             _native_sumsq = False
+    if _native_sumsq and dtype in fmt.GRID_DTYPES:
+        from ..runtime import _native
+        _native.install_codebook(dtype)      # the grid types' lookups (idempotent)
     if not _native_sumsq or not (dtype in fmt.QUANT_DTYPES or dtype in (fmt.DTYPE_F32, fmt.DTYPE_F16, fmt.DTYPE_BF16)):
         from ..format import blocks as quants
         v = quants.from_stored(stored, dtype, n).reshape(-1).astype(np.float64)

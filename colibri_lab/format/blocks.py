@@ -1,6 +1,7 @@
 """Block quantization of the `.colibri` format version 2 (docs/format.md, "Version 2"):
 Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K (written and read) and
-IQ4_NL, IQ4_XS (read), byte for byte ggml's blocks.
+IQ4_NL, IQ4_XS and the grid types IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M
+(read; `codebook` gives their grids), byte for byte ggml's blocks.
 
 What lives here:
 
@@ -52,7 +53,8 @@ def _ggml_tables() -> tuple[dict, dict]:
              DTYPE_Q4_K: gqt.Q4_K, DTYPE_Q5_K: gqt.Q5_K, DTYPE_Q6_K: gqt.Q6_K,
              DTYPE_Q4_0: gqt.Q4_0, DTYPE_Q4_1: gqt.Q4_1, DTYPE_Q5_0: gqt.Q5_0,
              DTYPE_Q5_1: gqt.Q5_1, DTYPE_Q2_K: gqt.Q2_K, DTYPE_Q3_K: gqt.Q3_K,
-             DTYPE_IQ4_NL: gqt.IQ4_NL, DTYPE_IQ4_XS: gqt.IQ4_XS}
+             DTYPE_IQ4_NL: gqt.IQ4_NL, DTYPE_IQ4_XS: gqt.IQ4_XS,
+             **{d: gqt[fmt.DTYPE_NAMES[d].upper()] for d in fmt.GRID_DTYPES}}
     if hasattr(gqt, "MXFP4"):  # GGML_TYPE_MXFP4 = 39 (gguf >= 0.17)
         types[DTYPE_MXFP4] = gqt.MXFP4
     return types, {v: k for k, v in types.items()}
@@ -660,8 +662,8 @@ _BLOCK_FN = {DTYPE_Q8_0: _q8_0_blocks, DTYPE_Q4_K: lambda b: _qk_blocks(b, 15),
              DTYPE_Q5_0: lambda b: _legacy_blocks(b, 5, False),
              DTYPE_Q5_1: lambda b: _legacy_blocks(b, 5, True),
              DTYPE_Q2_K: _q2_k_blocks, DTYPE_Q3_K: _q3_k_blocks}
-#: the block types `quantize` writes (llama.cpp's reference quantizers); IQ4_NL and IQ4_XS
-#: are read (GGUF import) but not written here
+#: the block types `quantize` writes (llama.cpp's reference quantizers); IQ4_NL, IQ4_XS and
+#: the grid types are read (GGUF import) but not written here
 WRITABLE_DTYPES = tuple(_BLOCK_FN)
 
 
@@ -726,9 +728,23 @@ def dequantize(raw: np.ndarray, dtype: int, n: int) -> np.ndarray:
     return np.ascontiguousarray(y, dtype=np.float32).reshape(rows, n)
 
 
+def codebook(name: str) -> np.ndarray:
+    """ggml's grid of a grid type's codebook (`fmt.CODEBOOK_SHAPES`: "iq2_xxs", ..., "iq1_s"),
+    as a .colibri file stores it: int8 [entries, width], the entries' values (IQ1: -1, 0, 1;
+    the others' magnitudes, below 128). From the `gguf` package's copy of ggml's grids."""
+    import gguf.quants as gq
+
+    cls = getattr(gq, name.upper())
+    cls.init_grid()
+    return cls.grid.reshape(fmt.CODEBOOK_SHAPES[name]).astype(np.int8)
+
+
 def _dequantize_blocks(b: np.ndarray, dtype: int) -> np.ndarray:
     nb = b.shape[0]
     f32 = np.float32
+    if dtype in fmt.GRID_DTYPES:      # the gguf package's own (its grids and their order)
+        import gguf.quants as gq
+        return gq.dequantize(b, _ggml_tables()[0][dtype]).reshape(nb, -1)
     if dtype == DTYPE_MXFP4:
         d = e8m0_to_f32_half(b[:, 0])[:, None]                          # [nb, 1]
         qs = b[:, 1:17]

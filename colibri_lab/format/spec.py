@@ -53,11 +53,22 @@ DTYPE_Q2_K = 16
 DTYPE_Q3_K = 17
 DTYPE_IQ4_NL = 18
 DTYPE_IQ4_XS = 19
+# ggml's grid types ("i-quants", super-blocks of 256, read only): indices into a codebook
+# (ggml's grid) that a file holding them carries as the int8 tensor "codebook.<name>"
+DTYPE_IQ2_XXS = 20
+DTYPE_IQ2_XS = 21
+DTYPE_IQ2_S = 22
+DTYPE_IQ3_XXS = 23
+DTYPE_IQ3_S = 24
+DTYPE_IQ1_S = 25
+DTYPE_IQ1_M = 26
 DTYPE_NAMES = {DTYPE_F32: "f32", DTYPE_F16: "f16", DTYPE_BF16: "bf16", DTYPE_I8: "i8",
                DTYPE_Q8_0: "q8_0", DTYPE_Q4_K: "q4_k", DTYPE_Q5_K: "q5_k", DTYPE_Q6_K: "q6_k",
                DTYPE_MXFP4: "mxfp4", DTYPE_Q4_0: "q4_0", DTYPE_Q4_1: "q4_1", DTYPE_Q5_0: "q5_0",
                DTYPE_Q5_1: "q5_1", DTYPE_Q2_K: "q2_k", DTYPE_Q3_K: "q3_k", DTYPE_IQ4_NL: "iq4_nl",
-               DTYPE_IQ4_XS: "iq4_xs"}
+               DTYPE_IQ4_XS: "iq4_xs", DTYPE_IQ2_XXS: "iq2_xxs", DTYPE_IQ2_XS: "iq2_xs",
+               DTYPE_IQ2_S: "iq2_s", DTYPE_IQ3_XXS: "iq3_xxs", DTYPE_IQ3_S: "iq3_s",
+               DTYPE_IQ1_S: "iq1_s", DTYPE_IQ1_M: "iq1_m"}
 DTYPE_IDS = {v: k for k, v in DTYPE_NAMES.items()}
 # elements per block and bytes per block; a float type is a block of one element
 DTYPE_BLOCKS = {DTYPE_F32: (1, 4), DTYPE_F16: (1, 2), DTYPE_BF16: (1, 2), DTYPE_I8: (1, 1),
@@ -65,10 +76,20 @@ DTYPE_BLOCKS = {DTYPE_F32: (1, 4), DTYPE_F16: (1, 2), DTYPE_BF16: (1, 2), DTYPE_
                 DTYPE_Q6_K: (256, 210), DTYPE_MXFP4: (32, 17), DTYPE_Q4_0: (32, 18),
                 DTYPE_Q4_1: (32, 20), DTYPE_Q5_0: (32, 22), DTYPE_Q5_1: (32, 24),
                 DTYPE_Q2_K: (256, 84), DTYPE_Q3_K: (256, 110), DTYPE_IQ4_NL: (32, 18),
-                DTYPE_IQ4_XS: (256, 136)}
+                DTYPE_IQ4_XS: (256, 136), DTYPE_IQ2_XXS: (256, 66), DTYPE_IQ2_XS: (256, 74),
+                DTYPE_IQ2_S: (256, 82), DTYPE_IQ3_XXS: (256, 98), DTYPE_IQ3_S: (256, 110),
+                DTYPE_IQ1_S: (256, 50), DTYPE_IQ1_M: (256, 56)}
 QUANT_DTYPES = (DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K, DTYPE_MXFP4, DTYPE_Q4_0,
                 DTYPE_Q4_1, DTYPE_Q5_0, DTYPE_Q5_1, DTYPE_Q2_K, DTYPE_Q3_K, DTYPE_IQ4_NL,
-                DTYPE_IQ4_XS)
+                DTYPE_IQ4_XS, DTYPE_IQ2_XXS, DTYPE_IQ2_XS, DTYPE_IQ2_S, DTYPE_IQ3_XXS,
+                DTYPE_IQ3_S, DTYPE_IQ1_S, DTYPE_IQ1_M)
+# the grid types, and the codebook each reads (IQ1_M reads IQ1_S's): name -> (entries, width)
+GRID_DTYPES = (DTYPE_IQ2_XXS, DTYPE_IQ2_XS, DTYPE_IQ2_S, DTYPE_IQ3_XXS, DTYPE_IQ3_S,
+               DTYPE_IQ1_S, DTYPE_IQ1_M)
+CODEBOOK_OF = {d: DTYPE_NAMES[d] for d in GRID_DTYPES}
+CODEBOOK_OF[DTYPE_IQ1_M] = "iq1_s"
+CODEBOOK_SHAPES = {"iq2_xxs": (256, 8), "iq2_xs": (512, 8), "iq2_s": (1024, 8),
+                   "iq3_xxs": (256, 4), "iq3_s": (512, 4), "iq1_s": (2048, 8)}
 # bytes per element of the element types (the block types have no element size)
 DTYPE_SIZES = {d: bb for d, (be, bb) in DTYPE_BLOCKS.items() if be == 1}
 # numpy storage type of each dtype (bf16 is kept as its raw uint16 bits; a quantized

@@ -170,6 +170,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "colibri_verify_router": (c_int, [ctx_p]),
     "colibri_dequantize": (c_int, [c_int, c_void_p, c_int64, POINTER(c_float)]),
     "colibri_dequantize_sumsq": (c_int, [c_int, c_void_p, c_int64, POINTER(c_double)]),
+    "colibri_install_codebook": (c_int, [c_int, c_void_p, c_int64]),
     "colibri_read_bandwidth": (
         c_int,
         [c_int32, c_int64, c_int32, c_int32, POINTER(c_double), POINTER(c_double), c_char_p, c_size_t],
@@ -360,6 +361,20 @@ _declare(lib)
 _check_abi(lib, lib_path)
 
 
+def install_codebook(dtype: int) -> None:
+    """Install the codebook a grid type (IQ2_XXS ... IQ1_M) reads, from the `gguf` package's
+    copy of ggml's grids, so that colibri_dequantize takes its blocks without a model (an
+    engine installs its file's own when it opens it). Idempotent; a no-op for other dtypes."""
+    import numpy as np
+
+    from ..format import blocks, spec as fmt
+    name = fmt.CODEBOOK_OF.get(dtype)
+    if name is None:
+        return
+    grid = np.ascontiguousarray(blocks.codebook(name))
+    check(lib.colibri_install_codebook(dtype, grid.ctypes.data_as(c_void_p), grid.nbytes))
+
+
 def version() -> str:
     """The library's version string."""
     return lib.colibri_version_string().decode("utf-8", "replace")
@@ -442,6 +457,7 @@ __all__ = [name for name in globals() if name.startswith("Colibri")] + [
     "ERRORS",
     "check",
     "error_for",
+    "install_codebook",
     "lib",
     "lib_path",
     "status_string",

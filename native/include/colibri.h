@@ -426,7 +426,18 @@ typedef enum colibri_dtype {
     /* ggml's non-linear 4-bit blocks (the kvalues_iq4nl table times a scale): IQ4_NL blocks
      * of 32 (18 bytes), IQ4_XS super-blocks of 256 with 6-bit sub-block scales (136 bytes) */
     COLIBRI_DTYPE_IQ4_NL = 18,
-    COLIBRI_DTYPE_IQ4_XS = 19
+    COLIBRI_DTYPE_IQ4_XS = 19,
+    /* ggml's grid ("i-quant") super-blocks of 256, read only: each 8 (IQ3: 4) weights the
+     * index of an entry of a fixed codebook (ggml's grid), with signs and scales. A file
+     * holding one carries its codebook (colibri_install_codebook). Bytes per block: IQ2_XXS
+     * 66, IQ2_XS 74, IQ2_S 82, IQ3_XXS 98, IQ3_S 110, IQ1_S 50, IQ1_M 56. */
+    COLIBRI_DTYPE_IQ2_XXS = 20,
+    COLIBRI_DTYPE_IQ2_XS = 21,
+    COLIBRI_DTYPE_IQ2_S = 22,
+    COLIBRI_DTYPE_IQ3_XXS = 23,
+    COLIBRI_DTYPE_IQ3_S = 24,
+    COLIBRI_DTYPE_IQ1_S = 25,
+    COLIBRI_DTYPE_IQ1_M = 26
 } colibri_dtype;
 
 /* Dequantize (or widen) n elements of a weight row of dtype dt (F32, F16, BF16 or a block
@@ -439,6 +450,17 @@ typedef enum colibri_dtype {
  * e2m1 values doubled, so the product is e2m1 * 2^(e - 127)); code 8 (-0) gives +0, and
  * e = 255 (NaN in OCP) is read as the scale 2^127, as ggml reads it. */
 COLIBRI_API colibri_status colibri_dequantize(int dt, const void *src, int64_t n, float *dst);
+
+/* The codebook of a grid type (IQ2_XXS ... IQ1_M; IQ1_M shares IQ1_S's): ggml's grid, its
+ * entries' values as bytes (int8 for the IQ1 types: -1, 0, 1), `bytes` long (IQ2_XXS 256 x 8,
+ * IQ2_XS 512 x 8, IQ2_S 1024 x 8, IQ3_XXS 256 x 4, IQ3_S 512 x 4, IQ1_S 2048 x 8). The engine
+ * installs a file's own when it opens it; a caller dequantizing blocks without a model
+ * installs it here first (the `gguf` package's grids: colibri_lab does). Refused
+ * (COLIBRI_E_FORMAT, nothing installed) when its size or its CRC-32 is not ggml's grid's, or
+ * when the process installed another before; COLIBRI_E_INVALID_ARG for a dtype without one.
+ * Process-wide and thread-safe. Until a type's codebook is installed colibri_dequantize
+ * refuses that type (COLIBRI_E_UNSUPPORTED). */
+COLIBRI_API colibri_status colibri_install_codebook(int dt, const void *data, int64_t bytes);
 
 /* The sum of the squares of the n values colibri_dequantize gives for src, accumulated in
  * double (element j into the j % 8th of eight sums, then those added pairwise): the square of

@@ -763,6 +763,7 @@ colibri_status colibri_dequantize(int dt, const void *src, int64_t n, float *dst
     if (!src || !dst || n < 0 || dt < 0 || !cb_dtype_is_weight((uint32_t)dt) ||
         (n > 0 && cb_row_bytes((uint32_t)dt, (uint64_t)n) == 0))
         return COLIBRI_E_INVALID_ARG;
+    if (!cb_dtype_ready((uint32_t)dt)) return COLIBRI_E_UNSUPPORTED; /* its codebook is not installed */
     cb_dtype_dequant((uint32_t)dt)(dst, src, n);
     return COLIBRI_OK;
 }
@@ -771,6 +772,7 @@ colibri_status colibri_dequantize_sumsq(int dt, const void *src, int64_t n, doub
     if (!src || !sumsq || n < 0 || dt < 0 || !cb_dtype_is_weight((uint32_t)dt) ||
         (n > 0 && cb_row_bytes((uint32_t)dt, (uint64_t)n) == 0))
         return COLIBRI_E_INVALID_ARG;
+    if (!cb_dtype_ready((uint32_t)dt)) return COLIBRI_E_UNSUPPORTED;
     enum { CHUNK = 4096 }; /* a whole number of every dtype's blocks */
     float buf[CHUNK];
     const uint8_t *p = (const uint8_t *)src;
@@ -787,4 +789,10 @@ colibri_status colibri_dequantize_sumsq(int dt, const void *src, int64_t n, doub
     }
     *sumsq = ((ss[0] + ss[1]) + (ss[2] + ss[3])) + ((ss[4] + ss[5]) + (ss[6] + ss[7]));
     return COLIBRI_OK;
+}
+
+colibri_status colibri_install_codebook(int dt, const void *data, int64_t bytes) {
+    const int book = dt < 0 ? -1 : cb_dtype_codebook((uint32_t)dt);
+    if (book < 0 || !data || bytes < 0) return COLIBRI_E_INVALID_ARG;
+    return cb_codebook_install(book, data, (uint64_t)bytes, NULL, 0);
 }

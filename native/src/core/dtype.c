@@ -40,6 +40,13 @@ static const struct {
     [COLIBRI_DTYPE_Q3_K] = {"q3_k", 256, 110, 1, 1, cb_dequant_q3_k},
     [COLIBRI_DTYPE_IQ4_NL] = {"iq4_nl", 32, 18, 1, 1, cb_dequant_iq4_nl},
     [COLIBRI_DTYPE_IQ4_XS] = {"iq4_xs", 256, 136, 1, 1, cb_dequant_iq4_xs},
+    [COLIBRI_DTYPE_IQ2_XXS] = {"iq2_xxs", 256, 66, 1, 1, cb_dequant_iq2_xxs},
+    [COLIBRI_DTYPE_IQ2_XS] = {"iq2_xs", 256, 74, 1, 1, cb_dequant_iq2_xs},
+    [COLIBRI_DTYPE_IQ2_S] = {"iq2_s", 256, 82, 1, 1, cb_dequant_iq2_s},
+    [COLIBRI_DTYPE_IQ3_XXS] = {"iq3_xxs", 256, 98, 1, 1, cb_dequant_iq3_xxs},
+    [COLIBRI_DTYPE_IQ3_S] = {"iq3_s", 256, 110, 1, 1, cb_dequant_iq3_s},
+    [COLIBRI_DTYPE_IQ1_S] = {"iq1_s", 256, 50, 1, 1, cb_dequant_iq1_s},
+    [COLIBRI_DTYPE_IQ1_M] = {"iq1_m", 256, 56, 1, 1, cb_dequant_iq1_m},
 };
 #define N_DTYPES (sizeof dtype_table / sizeof dtype_table[0])
 

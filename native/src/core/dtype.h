@@ -24,7 +24,7 @@ uint64_t cb_row_bytes(uint32_t dt, uint64_t n);
 /* 1 for the dtypes a weight matrix may have: F32, F16, BF16 and the block types. */
 int cb_dtype_is_weight(uint32_t dt);
 /* 1 for the block-quantized types (Q8_0, Q4_K, Q5_K, Q6_K, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1,
- * Q2_K, Q3_K, IQ4_NL, IQ4_XS). */
+ * Q2_K, Q3_K, IQ4_NL, IQ4_XS and the grid types IQ2_XXS ... IQ1_M). */
 int cb_dtype_is_quant(uint32_t dt);
 
 /* The reference dequantize-row of a weight dtype: n elements (whole blocks) of src into
@@ -32,7 +32,8 @@ int cb_dtype_is_quant(uint32_t dt);
 typedef void (*cb_dequant_fn)(float *dst, const void *src, int64_t n);
 cb_dequant_fn cb_dtype_dequant(uint32_t dt);
 /* Its name ("f32", "f16", "bf16", "int8", "i32", "i64", "u64", "q8_0", "q4_k", "q5_k",
- * "q6_k", "mxfp4", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "iq4_nl", "iq4_xs");
+ * "q6_k", "mxfp4", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "iq4_nl", "iq4_xs",
+ * "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m");
  * "unknown" otherwise. */
 const char *cb_dtype_name(uint32_t dt);
 /* 1 when a tensor of a .colibri file may have this dtype (docs/format.md, "Tensor
@@ -73,6 +74,31 @@ void cb_dequant_q2_k(float *dst, const void *src, int64_t n);
 void cb_dequant_q3_k(float *dst, const void *src, int64_t n);
 void cb_dequant_iq4_nl(float *dst, const void *src, int64_t n);
 void cb_dequant_iq4_xs(float *dst, const void *src, int64_t n);
+/* core/quant_grid.c: the grid types' (ggml's i-quants), which read their codebook */
+void cb_dequant_iq2_xxs(float *dst, const void *src, int64_t n);
+void cb_dequant_iq2_xs(float *dst, const void *src, int64_t n);
+void cb_dequant_iq2_s(float *dst, const void *src, int64_t n);
+void cb_dequant_iq3_xxs(float *dst, const void *src, int64_t n);
+void cb_dequant_iq3_s(float *dst, const void *src, int64_t n);
+void cb_dequant_iq1_s(float *dst, const void *src, int64_t n);
+void cb_dequant_iq1_m(float *dst, const void *src, int64_t n);
+
+/* The grid types' codebooks (quant_grid.c): process-wide, installed from a file (or by
+ * colibri_install_codebook) once their size and CRC-32 are ggml's grid's. */
+enum { CB_BOOK_IQ2_XXS, CB_BOOK_IQ2_XS, CB_BOOK_IQ2_S, CB_BOOK_IQ3_XXS, CB_BOOK_IQ3_S, CB_BOOK_IQ1_S, CB_N_CODEBOOKS };
+/* the codebook a dtype reads, or -1 */
+int cb_dtype_codebook(uint32_t dt);
+/* its name ("iq2_xxs", ...: a file's tensor "codebook.<name>") and size in bytes */
+const char *cb_codebook_name(int book);
+uint64_t cb_codebook_bytes(int book);
+/* 1 once installed; cb_dtype_ready: 1 for a dtype without a codebook or whose is installed */
+int cb_codebook_ready(int book);
+int cb_dtype_ready(uint32_t dt);
+/* install (err: why not); _any skips the CRC (tests, with codebooks of their own) */
+colibri_status cb_codebook_install(int book, const void *data, uint64_t bytes, char *err, size_t len);
+colibri_status cb_codebook_install_any(int book, const void *data, uint64_t bytes);
+/* the installed codebook's bytes (entry e at width * e), NULL before */
+const uint8_t *cb_codebook(int book);
 
 /* IQ4_NL / IQ4_XS: the value of a 4-bit code (ggml's kvalues_iq4nl), times the block's or
  * sub-block's scale. */

@@ -277,6 +277,33 @@ colibri_status cb_meta_opt(const cb_file *f, const char *key, uint32_t type, uin
 
 /* ---- tensor directory ---- */
 
+/* The grid types' codebooks (core/quant_grid.c): a file holding a tensor of such a type carries
+ * its codebook as the int8 tensor "codebook.<type>" [entries, width]; installed (process-wide)
+ * once its size and CRC-32 are ggml's grid's. */
+static colibri_status install_codebooks(const cb_file *f, char *err, size_t len) {
+    for (int book = 0; book < CB_N_CODEBOOKS; book++) {
+        const cb_tensor *user = NULL;
+        for (uint64_t i = 0; i < f->n_tensors && !user; i++)
+            if (cb_dtype_codebook(f->tensors[i].dtype) == book) user = &f->tensors[i];
+        if (!user) continue;
+        char name[32], why[192];
+        snprintf(name, sizeof name, "codebook.%s", cb_codebook_name(book));
+        const cb_tensor *t = cb_file_tensor(f, name);
+        if (!t || t->dtype != COLIBRI_DTYPE_I8) {
+            cb_set_err(err, len, "tensor '%.*s' has dtype %s, whose codebook (the int8 tensor '%s') the file %s; "
+                       RECONVERT, (int)user->name_len, (const char *)user->name, cb_dtype_name(user->dtype), name,
+                       t ? "stores with another dtype" : "lacks");
+            return COLIBRI_E_FORMAT;
+        }
+        colibri_status st = cb_codebook_install(book, f->map + t->offset, t->nbytes, why, sizeof why);
+        if (st != COLIBRI_OK) {
+            cb_set_err(err, len, "tensor '%s': %s; " RECONVERT, name, why);
+            return st;
+        }
+    }
+    return COLIBRI_OK;
+}
+
 colibri_status cb_file_tensors(cb_file *f, char *err, size_t len) {
     const cb_header *c = &f->h;
     const cb_section *sec = &c->sections[CB_SEC_TDIR];
@@ -335,7 +362,8 @@ colibri_status cb_file_tensors(cb_file *f, char *err, size_t len) {
         if (!cb_dtype_in_file(t->dtype)) {
             cb_set_err(err, len, "tensor '%.*s' has dtype %u, which this build does not know "
                        "(known: 0 f32, 1 f16, 2 bf16, 3 i8, 7 q8_0, 8 q4_k, 9 q5_k, 10 q6_k, 11 mxfp4, "
-                       "12 q4_0, 13 q4_1, 14 q5_0, 15 q5_1, 16 q2_k, 17 q3_k, 18 iq4_nl, 19 iq4_xs); use a newer "
+                       "12 q4_0, 13 q4_1, 14 q5_0, 15 q5_1, 16 q2_k, 17 q3_k, 18 iq4_nl, 19 iq4_xs, 20 iq2_xxs, "
+                       "21 iq2_xs, 22 iq2_s, 23 iq3_xxs, 24 iq3_s, 25 iq1_s, 26 iq1_m); use a newer "
                        "Colibri or " RECONVERT, NL, NM, t->dtype);
             return COLIBRI_E_UNSUPPORTED;
         }
@@ -426,7 +454,7 @@ colibri_status cb_file_tensors(cb_file *f, char *err, size_t len) {
             return COLIBRI_E_FORMAT;
         }
     }
-    return COLIBRI_OK;
+    return install_codebooks(f, err, len);
 truncated:
     cb_set_err(err, len, "tensor directory is cut short (a record runs past its %llu bytes); " RECONVERT,
                (unsigned long long)sec->size);
