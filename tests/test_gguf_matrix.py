@@ -105,14 +105,22 @@ TOKENIZERS = {"mixtral": None, "qwen2_moe": ("qwen2", "qwen2"), "qwen3_moe": ("q
               "qwen3_moe_160": ("qwen2", "qwen2")}
 # llama-quantize ftype -> the block type its file must hold
 FTYPES = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q2_K": "Q2_K",
-          "Q3_K_M": "Q3_K", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS"}
+          "Q3_K_M": "Q3_K", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS",
+          # the grid types (ggml's i-quants), quantized with an importance matrix as published
+          # files are (llama-quantize refuses IQ2 and IQ1 without one): IQ2_M's mix is IQ2_S
+          # blocks, IQ3_M's IQ3_S
+          "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "IQ2_M": "IQ2_S", "IQ3_XXS": "IQ3_XXS",
+          "IQ3_M": "IQ3_S", "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_M"}
+IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ2_M", "IQ3_XXS", "IQ3_M", "IQ1_S", "IQ1_M"}
 FALLBACK = {"Q4_K_M": "Q5_0"}    # qwen3_moe_160's file: rows of 160 hold no Q4_K
 FAMILIES = [f for f in SHAPES if f != "qwen3_moe_160"]
 FULL = [(f, t) for f in FAMILIES for t in FTYPES] + [("qwen3_moe_160", t) for t in FALLBACK]
 # the default: every family and every type at least once
 DIAGONAL = [("mixtral", "Q4_0"), ("qwen2_moe", "Q5_1"), ("qwen3_moe", "IQ4_XS"), ("olmoe", "Q4_1"),
             ("deepseek_v2", "Q3_K_M"), ("deepseek_v3", "Q2_K"), ("gpt_oss", "IQ4_NL"),
-            ("gpt_oss", "Q5_0"), ("qwen3_moe_160", "Q4_K_M")]
+            ("gpt_oss", "Q5_0"), ("qwen3_moe_160", "Q4_K_M"),
+            ("mixtral", "IQ3_XXS"), ("qwen3_moe", "IQ2_XXS"), ("deepseek_v2", "IQ2_M"),
+            ("olmoe", "IQ1_M"), ("qwen2_moe", "IQ1_S"), ("deepseek_v3", "IQ3_M"), ("gpt_oss", "IQ2_XS")]
 _ASKED = os.environ.get("COLIBRI_GGUF_MATRIX", "")   # "full", or family:ftype,... (those alone)
 CASES = FULL if _ASKED == "full" else [tuple(c.split(":")) for c in _ASKED.split(",")] if _ASKED else DIAGONAL
 BASE = 0x3F800000   # index checkpoint: value bits = BASE + position (floats 1.0 ...)
@@ -326,13 +334,33 @@ def _follow(eng, prompt: str, theirs: bytes, piece, banned: list[int]) -> list[t
     return out
 
 
+def _imatrix(f32: Path, out: Path, seed: int) -> Path:
+    """A legacy-format importance matrix (llama-imatrix's .dat) for every matrix of `f32`:
+    per tensor its row width (times the experts of a 3-D one) of positive random mean squares,
+    as llama-imatrix measures them on text."""
+    import struct
+
+    rng = np.random.default_rng(seed)
+    entries = []
+    for t in gguf.GGUFReader(f32).tensors:
+        if len(t.shape) < 2:
+            continue
+        nval = int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) > 2 else 1)   # ne0 x ne2
+        vals = (0.2 + rng.random(nval) ** 2 * 4).astype(np.float32)
+        name = t.name.encode()
+        entries.append(struct.pack("<i", len(name)) + name + struct.pack("<ii", 1, nval) + vals.tobytes())
+    out.write_bytes(struct.pack("<i", len(entries)) + b"".join(entries))
+    return out
+
+
 @pytest.mark.parametrize("fam,ftype", CASES)
 def test_llama_quantize_file(models, fam, ftype, tmp_path, record_property):
     from helpers import hf_logits, random_ids
 
     m = models[fam]
     q = tmp_path / f"{fam}-{ftype}.gguf"
-    r = subprocess.run([str(models["quantize"]), str(m["f32"]), str(q), ftype], capture_output=True, text=True)
+    im = ["--imatrix", str(_imatrix(m["f32"], tmp_path / "imatrix.dat", 72))] if ftype in IMATRIX else []
+    r = subprocess.run([str(models["quantize"]), *im, str(m["f32"]), str(q), ftype], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     types = sorted({t.tensor_type.name for t in gguf.GGUFReader(q).tensors})
     record_property("types", " ".join(types))

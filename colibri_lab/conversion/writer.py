@@ -158,6 +158,23 @@ SPLIT_FFN_SUFFIXES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate
                       "ffn_down", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 
 
+def codebook_tensors(tensors: list[PlannedTensor]) -> list[PlannedTensor]:
+    """The codebooks the grid-type tensors among `tensors` read (IQ2_XXS ... IQ1_M: ggml's
+    grids, from the gguf package), one int8 tensor "codebook.<name>" [entries, width] each in
+    the dense section, which the engine checks and installs when it opens the file."""
+    names = sorted({fmt.CODEBOOK_OF[t.dtype] for t in tensors if t.dtype in fmt.GRID_DTYPES})
+    out = []
+    for name in names:
+        def produce(name=name):
+            from ..format import blocks
+            g = np.ascontiguousarray(blocks.codebook(name))
+            v = g.astype(np.float64).reshape(-1)
+            yield g, float(v @ v)
+        out.append(PlannedTensor(f"codebook.{name}", fmt.DTYPE_I8, fmt.LAYOUT_ROW_MAJOR,
+                                 fmt.CODEBOOK_SHAPES[name], fmt.SECTION_DENSE, produce))
+    return out
+
+
 def write_colibri(output_path: str, spec: "ModelSpec", tensors: list[PlannedTensor],
                   meta: bytes, tok_bytes: bytes, *, msl: int, int8_router: bool,
                   block_size: int, say=None) -> str:
@@ -167,6 +184,7 @@ def write_colibri(output_path: str, spec: "ModelSpec", tensors: list[PlannedTens
     error nothing is left behind."""
     if say is None:
         say = _Say(False)
+    tensors = tensors + codebook_tensors(tensors)
     version = file_version(tensors)
 
     # ---- layout
