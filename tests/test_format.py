@@ -428,7 +428,7 @@ def _with_record_change(good_file, out, change: dict):
 
 def test_reader_refuses_bad_directory_record(good_file, tmp_path):
     """Re-encode the directory with one wrong field (and fix the CRCs): each is refused."""
-    for change, match in [({"dtype_id": 20}, "unknown dtype id 20"),
+    for change, match in [({"dtype_id": 27}, "unknown dtype id 27"),
                           ({"dtype_id": fmt.DTYPE_Q4_K}, "not a multiple"),
                           ({"layout_id": 7}, "unknown layout id 7"),
                           ({"offset": 1}, "not a multiple of the alignment"),
@@ -439,7 +439,7 @@ def test_reader_refuses_bad_directory_record(good_file, tmp_path):
             inspect(p)
 
 
-@pytest.mark.parametrize("dtype_id", [4, 5, 6, 20, 200])
+@pytest.mark.parametrize("dtype_id", [4, 5, 6, 27, 200])
 def test_engine_refuses_array_only_and_unknown_dtypes(good_file, tmp_path, dtype_id):
     """colibri_dtype is one name space: ids 4-6 (I32, I64, U64) name the API's arrays and are
     refused in a file exactly like an id the engine has never heard of."""

@@ -426,3 +426,45 @@ def test_llama_quantize_file(models, fam, ftype, tmp_path, record_property):
     # Q8_K): its text is recorded (steps: rank and gap of each of its tokens among the engine's
     # logits), not asserted, since where it parts from the engine's is decided by its arithmetic
     # (its text on the same values as F32, above, is the engine's)
+
+
+def test_grid_codebook_is_checked(models, tmp_path):
+    """A file of a grid type carries its codebook (codebook.<name>, int8 [entries, width]); the
+    engine refuses it by name when the codebook is missing or is not ggml's grid (its CRC-32
+    is checked before it is installed), and runs it otherwise."""
+    import struct
+    import zlib
+
+    from colibri_lab import ColibriFormatError, Engine
+
+    m = models["qwen3_moe"]
+    q = tmp_path / "iq2_xxs.gguf"
+    im = _imatrix(m["f32"], tmp_path / "imatrix.dat", 73)
+    r = subprocess.run([str(models["quantize"]), "--imatrix", str(im), str(m["f32"]), str(q), "IQ2_XXS"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    good = convert_gguf(q, tmp_path / "good.colibri", progress=False)
+    info = fmt_reader.inspect(good, verify=True)
+    books = {t.name: t for t in info.tensors if t.name.startswith("codebook.")}
+    assert "codebook.iq2_xxs" in books, books
+    cb = books["codebook.iq2_xxs"]
+    assert cb.dtype == "i8" and tuple(cb.shape) == (256, 8)
+    with Engine(good) as eng:
+        assert np.isfinite(eng.forward([1, 2, 3])).all()
+    raw = bytearray(Path(good).read_bytes())
+
+    bad = bytearray(raw)
+    bad[cb.offset + 100] ^= 0x01                    # one entry changed
+    (tmp_path / "bad.colibri").write_bytes(bytes(bad))
+    with pytest.raises(ColibriFormatError, match="codebook.iq2_xxs.*not ggml's grid"):
+        Engine(tmp_path / "bad.colibri")
+
+    td = info.section("tensor_directory")            # the codebook renamed: the file lacks it
+    gone = bytearray(raw)
+    body = bytes(gone[td.offset:td.offset + td.size]).replace(b"codebook.iq2_xxs", b"codebook.iq2_xxz")
+    gone[td.offset:td.offset + td.size] = body
+    struct.pack_into("<I", gone, 56 + 24 + 16, zlib.crc32(body))
+    struct.pack_into("<I", gone, 252, zlib.crc32(bytes(gone[:252])))
+    (tmp_path / "gone.colibri").write_bytes(bytes(gone))
+    with pytest.raises(ColibriFormatError, match="dtype iq2_xxs, whose codebook .*codebook.iq2_xxs.* lacks"):
+        Engine(tmp_path / "gone.colibri")

@@ -34,7 +34,9 @@ F16_FIELDS = {DTYPE_Q8_0: [(0, 1)], DTYPE_Q4_K: [(0, 2)], DTYPE_Q5_K: [(0, 2)],
               DTYPE_Q6_K: [(208, 1)], DTYPE_MXFP4: [],   # MXFP4: an e8m0 byte, any value
               DTYPE_Q4_0: [(0, 1)], DTYPE_Q4_1: [(0, 2)], DTYPE_Q5_0: [(0, 1)],
               DTYPE_Q5_1: [(0, 2)], DTYPE_Q2_K: [(80, 2)], DTYPE_Q3_K: [(108, 1)],
-              DTYPE_IQ4_NL: [(0, 1)], DTYPE_IQ4_XS: [(0, 1)]}
+              DTYPE_IQ4_NL: [(0, 1)], DTYPE_IQ4_XS: [(0, 1)],
+              # ggml's grid types (IQ1_M's f16 is four scattered nibbles: any bits, as MXFP4's)
+              **{d: [(0, 1)] for d in fmt.GRID_DTYPES if d != fmt.DTYPE_IQ1_M}, fmt.DTYPE_IQ1_M: []}
 # the types `quantize` writes; the others are read only
 WRITABLE = Q.WRITABLE_DTYPES
 # the integer-grid types (MXFP4's grid is e2m1's: its bounds are tests/test_mxfp4.py's)
@@ -112,7 +114,10 @@ def test_ggml_types_map():
                             DTYPE_Q6_K: GQT.Q6_K, DTYPE_MXFP4: GQT.MXFP4, DTYPE_Q4_0: GQT.Q4_0,
                             DTYPE_Q4_1: GQT.Q4_1, DTYPE_Q5_0: GQT.Q5_0, DTYPE_Q5_1: GQT.Q5_1,
                             DTYPE_Q2_K: GQT.Q2_K, DTYPE_Q3_K: GQT.Q3_K, DTYPE_IQ4_NL: GQT.IQ4_NL,
-                            DTYPE_IQ4_XS: GQT.IQ4_XS}
+                            DTYPE_IQ4_XS: GQT.IQ4_XS, fmt.DTYPE_IQ2_XXS: GQT.IQ2_XXS,
+                            fmt.DTYPE_IQ2_XS: GQT.IQ2_XS, fmt.DTYPE_IQ2_S: GQT.IQ2_S,
+                            fmt.DTYPE_IQ3_XXS: GQT.IQ3_XXS, fmt.DTYPE_IQ3_S: GQT.IQ3_S,
+                            fmt.DTYPE_IQ1_S: GQT.IQ1_S, fmt.DTYPE_IQ1_M: GQT.IQ1_M}
     assert Q.DTYPE_OF_GGML[GQT.Q6_K] == DTYPE_Q6_K
     for d in QUANT_DTYPES:   # the block sizes agree with gguf's
         assert gguf.GGML_QUANT_SIZES[Q.GGML_TYPES[d]] == fmt.DTYPE_BLOCKS[d]

@@ -794,7 +794,22 @@ static void test_down_parts(const cb_kernels *K) {
 static const uint32_t QTYPES[] = {COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K, COLIBRI_DTYPE_Q5_K, COLIBRI_DTYPE_Q6_K,
                                   COLIBRI_DTYPE_MXFP4, COLIBRI_DTYPE_Q4_0, COLIBRI_DTYPE_Q4_1, COLIBRI_DTYPE_Q5_0,
                                   COLIBRI_DTYPE_Q5_1, COLIBRI_DTYPE_Q2_K, COLIBRI_DTYPE_Q3_K, COLIBRI_DTYPE_IQ4_NL,
-                                  COLIBRI_DTYPE_IQ4_XS};
+                                  COLIBRI_DTYPE_IQ4_XS, COLIBRI_DTYPE_IQ2_XXS, COLIBRI_DTYPE_IQ2_XS,
+                                  COLIBRI_DTYPE_IQ2_S, COLIBRI_DTYPE_IQ3_XXS, COLIBRI_DTYPE_IQ3_S,
+                                  COLIBRI_DTYPE_IQ1_S, COLIBRI_DTYPE_IQ1_M};
+/* The grid types' codebooks for these tests: random entries (magnitudes below 64; IQ1's -1, 0,
+ * 1), installed without the CRC check that holds files to ggml's grids. The kernels read
+ * whatever codebook is installed, so any one tests them. */
+static void install_test_codebooks(void) {
+    static uint8_t book[2048 * 8];
+    for (int b = 0; b < CB_N_CODEBOOKS; b++) {
+        uint64_t n = cb_codebook_bytes(b);
+        for (uint64_t i = 0; i < n; i++)
+            book[i] = b == CB_BOOK_IQ1_S ? (uint8_t)(int8_t)((int)((urand() + 1.0) * 1.5) - 1)
+                                         : (uint8_t)((urand() + 1.0) * 31.5);
+        if (cb_codebook_install_any(b, book, n) != COLIBRI_OK) FAIL("installing the test codebook %s", cb_codebook_name(b));
+    }
+}
 /* The block types of the fast mode's int8 path (the others run the exact kernels there: fast.h) */
 static const uint32_t FAST_QTYPES[] = {COLIBRI_DTYPE_Q8_0,   COLIBRI_DTYPE_Q4_K, COLIBRI_DTYPE_Q5_K,
                                        COLIBRI_DTYPE_Q6_K,   COLIBRI_DTYPE_Q4_0, COLIBRI_DTYPE_Q4_1,
@@ -840,6 +855,10 @@ static wbuf make_q(uint32_t dt, int64_t rows, int64_t K) {
         } else if (dt == COLIBRI_DTYPE_Q3_K) put_f16(blk + 108, (float)(urand() * 0.004));
         else if (dt == COLIBRI_DTYPE_IQ4_NL) put_f16(blk, (float)(urand() * 0.004));
         else if (dt == COLIBRI_DTYPE_IQ4_XS) put_f16(blk, (float)(urand() * 0.0001));
+        else if (dt == COLIBRI_DTYPE_IQ1_M) { /* its f16 d: the top nibbles of its four u16 scales */
+            uint16_t h = cb_f32_to_f16((float)(urand() * 0.02));
+            for (int k = 0; k < 4; k++) blk[49 + 2 * k] = (uint8_t)((blk[49 + 2 * k] & 0x0F) | (((h >> (4 * k)) & 0xF) << 4));
+        } else if (cb_dtype_codebook(dt) >= 0) put_f16(blk, (float)(urand() * 0.002)); /* the grid types */
         else {
             put_f16(blk, (float)(urand() * 0.0005));
             put_f16(blk + 2, (float)(urand() * 0.0005));
@@ -1815,6 +1834,7 @@ static int probe(void) {
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--probe")) return probe();
     setvbuf(stdout, NULL, _IOLBF, 0); /* a line as each table ends (the emulated runs are long) */
+    install_test_codebooks();
     test_conversions();
     test_table(cb_kernels_ref());
     printf("test_kernels: table reference checked (%s)\n", n_fail ? "FAILED" : "ok");
