@@ -335,22 +335,8 @@ def _follow(eng, prompt: str, theirs: bytes, piece, banned: list[int]) -> list[t
 
 
 def _imatrix(f32: Path, out: Path, seed: int) -> Path:
-    """A legacy-format importance matrix (llama-imatrix's .dat) for every matrix of `f32`:
-    per tensor its row width (times the experts of a 3-D one) of positive random mean squares,
-    as llama-imatrix measures them on text."""
-    import struct
-
-    rng = np.random.default_rng(seed)
-    entries = []
-    for t in gguf.GGUFReader(f32).tensors:
-        if len(t.shape) < 2:
-            continue
-        nval = int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) > 2 else 1)   # ne0 x ne2
-        vals = (0.2 + rng.random(nval) ** 2 * 4).astype(np.float32)
-        name = t.name.encode()
-        entries.append(struct.pack("<i", len(name)) + name + struct.pack("<ii", 1, nval) + vals.tobytes())
-    out.write_bytes(struct.pack("<i", len(entries)) + b"".join(entries))
-    return out
+    from colibri_lab.bench.llama_cpp import synthetic_imatrix
+    return synthetic_imatrix(f32, out, seed)
 
 
 @pytest.mark.parametrize("fam,ftype", CASES)

@@ -20,7 +20,12 @@ LLAMA_TARGETS = ("llama-bench", "llama-quantize", "llama-completion", "llama-ser
 #: The benchmark's quantized dtypes and the llama-quantize type that makes each.
 QUANT_TYPES = {"q8_0": "Q8_0", "q4_k_m": "Q4_K_M", "q4_0": "Q4_0", "q4_1": "Q4_1",
                "q5_0": "Q5_0", "q5_1": "Q5_1", "q3_k_m": "Q3_K_M", "q2_k": "Q2_K",
-               "iq4_nl": "IQ4_NL", "iq4_xs": "IQ4_XS"}
+               "iq4_nl": "IQ4_NL", "iq4_xs": "IQ4_XS", "iq2_xxs": "IQ2_XXS", "iq2_xs": "IQ2_XS",
+               "iq2_m": "IQ2_M", "iq3_xxs": "IQ3_XXS", "iq3_m": "IQ3_M", "iq1_s": "IQ1_S",
+               "iq1_m": "IQ1_M"}
+#: The types quantized with an importance matrix (llama-quantize refuses the IQ2 and IQ1 mixes
+#: without one; published files of every grid type are made with one): `synthetic_imatrix`.
+IMATRIX_TYPES = ("iq2_xxs", "iq2_xs", "iq2_m", "iq3_xxs", "iq3_m", "iq1_s", "iq1_m")
 #: The outtypes of convert_hf_to_gguf.py a quantized GGUF can be made from.
 QUANT_BASES = ("f32", "bf16")
 
@@ -203,7 +208,8 @@ def gguf_file(src: Path, model_dir: Path, dtype: str, cache: Path, *, quant_from
 def quantized_gguf(src: Path, model_dir: Path, dtype: str, cache: Path, *, quant_from: str = "f32",
                    threads: int = 2) -> Path:
     """llama-quantize's `dtype` (q8_0: Q8_0, q4_k_m: Q4_K_M, llama.cpp's own per-tensor
-    mix) of the model's `quant_from` GGUF (made by :func:`gguf_file` first), cached."""
+    mix) of the model's `quant_from` GGUF (made by :func:`gguf_file` first), cached; the grid
+    types with a synthetic importance matrix (`synthetic_imatrix`)."""
     if dtype not in QUANT_TYPES:
         raise ValueError(f"no llama-quantize type for {dtype!r}; known: {', '.join(QUANT_TYPES)}")
     if quant_from not in QUANT_BASES:
@@ -218,13 +224,39 @@ def quantized_gguf(src: Path, model_dir: Path, dtype: str, cache: Path, *, quant
     base = gguf_file(src, model_dir, quant_from, cache)
     tmp = out.with_suffix(".tmp")
     _say(f"quantizing {base.name} to {QUANT_TYPES[dtype]}: {out}")
-    r = subprocess.run([str(exe), str(base), str(tmp), QUANT_TYPES[dtype], str(max(1, threads))],
+    im = []
+    if dtype in IMATRIX_TYPES:
+        im = ["--imatrix", str(synthetic_imatrix(base, out.with_suffix(".imatrix.dat")))]
+    r = subprocess.run([str(exe), *im, str(base), str(tmp), QUANT_TYPES[dtype], str(max(1, threads))],
                        capture_output=True, text=True, check=False)  # fmt: skip
     if r.returncode != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
         raise RuntimeError("llama-quantize failed: " + " | ".join(tail))
     tmp.rename(out)
+    return out
+
+
+def synthetic_imatrix(f32_gguf: Path, out: Path, seed: int = 0) -> Path:
+    """An importance matrix in llama-imatrix's legacy format (.dat) for every matrix of
+    `f32_gguf`: per tensor its row width (times the experts of a 3-D one) of positive random
+    mean squares of activations, standing in for one measured on text (the random models
+    have no text to measure it on). llama-quantize reads it with `--imatrix`."""
+    import struct
+
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    entries = []
+    for t in gguf.GGUFReader(f32_gguf).tensors:
+        if len(t.shape) < 2:
+            continue
+        nval = int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) > 2 else 1)   # ne0 x ne2
+        vals = (0.2 + rng.random(nval) ** 2 * 4).astype("<f4")
+        name = t.name.encode()
+        entries.append(struct.pack("<i", len(name)) + name + struct.pack("<ii", 1, nval) + vals.tobytes())
+    out.write_bytes(struct.pack("<i", len(entries)) + b"".join(entries))
     return out
 
 

@@ -881,7 +881,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "models.QWEN3_MOE_A3B_3L)")
     p.add_argument("--dtype", default="f32",
                    help="comma-separated f32, bf16, q8_0, q4_k_m, q4_0, q4_1, q5_0, q5_1, q3_k_m, q2_k, "
-                        "iq4_nl, iq4_xs "
+                        "iq4_nl, iq4_xs, iq2_xxs, iq2_xs, iq2_m, iq3_xxs, iq3_m, iq1_s, iq1_m "
                         "(llama.cpp's quantized types; Colibri runs the same GGUF, imported), "
                         "e.g. f32,bf16 (default f32)")
     p.add_argument("--quant-from", default="f32", choices=QUANT_BASES,
