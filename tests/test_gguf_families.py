@@ -549,27 +549,16 @@ def test_greedy_text_equals_llama_cpp(models, imported, fam):
     the same greedy bytes (DeepSeek-V3: MLA, q LoRA, groups, exp_probs_b, YaRN; gpt-oss:
     sinks, sliding layers, biases, clamped SwiGLU, YaRN; both tokenizers). Compared as
     bytes: random weights produce bytes that are not UTF-8. Needs llama.cpp's
-    llama-completion (the benchmarks build it); skipped without it. This llama-completion
-    writes its output from a log thread that main() does not wait for, so on a busy machine a
-    run can lose its tail (status 0, no closing performance summary); it is run up to 20
-    times until a run is whole. Not DeepSeek-V2: llama.cpp refuses a `deepseek2`
+    llama-completion (the benchmarks build it); skipped without it (test_gguf_import's
+    llama_completion runs it until a run's output is whole). Not DeepSeek-V2: llama.cpp refuses a `deepseek2`
     file without q LoRA unless it has one of its "lite" layer counts."""
-    import subprocess
-
     from colibri_lab.conversion.bpe import bytes_to_unicode
     from colibri_lab.conversion.gguf import gguf_end_ids
-    from test_gguf_import import _llama_program
+    from test_gguf_import import _llama_program, llama_completion
 
     exe = _llama_program(models["src"], "llama-completion")
     prompt = "def forward(self, x):"
-    for _ in range(20):
-        r = subprocess.run([str(exe), "-m", str(models[fam]["gguf"]["f32"]), "-p", prompt,
-                            "-n", "12", "--temp", "0", "--ignore-eos", "-no-cnv", "-t", "2",
-                            "--no-warmup", "-c", "256"], capture_output=True, timeout=300,
-                           stdin=subprocess.DEVNULL, check=False)
-        assert r.returncode == 0, r.stderr[-2000:].decode("utf-8", "replace")
-        if b"common_perf_print" in r.stderr:   # its summary: a run that finished
-            break
+    out = llama_completion(exe, models[fam]["gguf"]["f32"], prompt, 12)
     ban = {i: -1e9 for i in gguf_end_ids(str(models[fam]["gguf"]["f32"]))}   # as --ignore-eos
     with _engine(imported(fam, "f32")) as eng:
         ids = [t.id for t in eng.generate(prompt, max_new_tokens=12, stop_at_eos=False, logit_bias=ban)]
@@ -577,8 +566,7 @@ def test_greedy_text_equals_llama_cpp(models, imported, fam):
     tok = models[fam]["tok"]
     got = b"".join(bytes(inv[c] for c in tok.id_to_token(i)) for i in ids)
     assert len(ids) == 12
-    assert b"common_perf_print" in r.stderr, "llama-completion never finished a run"
-    assert r.stdout.rstrip(b"\n") == prompt.encode() + got
+    assert out.rstrip(b"\n") == prompt.encode() + got
 
 
 def test_gptoss_hub_mxfp4_gguf(models, tmp_path):

@@ -337,6 +337,25 @@ def no_vocab(key, value):
     return None if key.startswith("tokenizer.") else value
 
 
+def llama_completion(exe: Path, gguf_path: Path, prompt: str, n_new: int, f32_attention: bool = False) -> bytes:
+    """llama-completion's greedy continuation of `prompt` (its stdout: the prompt, then `n_new`
+    tokens, --ignore-eos), with f32_attention its KV cache in f32 and its flash attention off
+    (by default: an f16 cache, flash attention on the CPU). Its output (stdout too) is written
+    by a log thread that main() does not wait for (its logger is leaked at exit by design), so
+    a run can lose its tail (status 0, no closing performance summary): on a tiny model, whose
+    run takes milliseconds, most runs do. It is run again, up to 200 times (each of those runs
+    is as short), until one prints its summary."""
+    kv = ["-ctk", "f32", "-ctv", "f32", "-fa", "off"] if f32_attention else []
+    for _ in range(200):
+        r = subprocess.run([str(exe), "-m", str(gguf_path), "-p", prompt, "-n", str(n_new), "--temp", "0",
+                            "--ignore-eos", "-no-cnv", "-t", "2", "--no-warmup", "-c", "256", *kv],
+                           capture_output=True, timeout=300, stdin=subprocess.DEVNULL, check=False)
+        assert r.returncode == 0, r.stderr[-2000:].decode("utf-8", "replace")
+        if b"common_perf_print" in r.stderr:
+            return r.stdout
+    raise AssertionError("llama-completion never finished a run")
+
+
 def dequantized(name, ttype, data):
     """A rewrite_gguf transform: every tensor as F32 values (gguf.quants.dequantize)."""
     if ttype == gguf.GGMLQuantizationType.F32:
@@ -897,18 +916,7 @@ def test_greedy_text_equals_llama_cpp(models, imported, fam):
     do not load the attention biases these checkpoints have."""
     exe = _llama_program(models["src"], "llama-completion")
     prompt = "The router sends each token"
-    # llama-completion's log (stdout too) is written by a thread main() does not wait for: a busy
-    # machine loses the tail of a run's output (status 0, no closing summary); run again until one is whole
-    for _ in range(20):
-        r = subprocess.run([str(exe), "-m", str(models[fam]["gguf"]["f32"]), "-p", prompt, "-n",
-                            "12", "--temp", "0", "--ignore-eos", "-no-cnv", "-t", "2",
-                            "--no-warmup", "-c", "256"], capture_output=True, timeout=300,
-                           stdin=subprocess.DEVNULL)
-        assert r.returncode == 0, r.stderr[-2000:].decode("utf-8", "replace")
-        if b"common_perf_print" in r.stderr:
-            break
-    assert b"common_perf_print" in r.stderr, "llama-completion never finished a run"
-    out = r.stdout.decode("utf-8", "replace")   # random weights: any bytes may come out
+    out = llama_completion(exe, models[fam]["gguf"]["f32"], prompt, 12).decode("utf-8", "replace")
     ban = {i: -1e9 for i in gguf_end_ids(str(models[fam]["gguf"]["f32"]))}   # as --ignore-eos
     with _engine(imported(fam, "f32")) as eng:
         ids = [t.id for t in eng.generate(prompt, max_new_tokens=12, stop_at_eos=False, logit_bias=ban)]

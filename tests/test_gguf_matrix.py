@@ -60,7 +60,7 @@ from colibri_lab.conversion.gguf import convert_gguf, gguf_end_ids  # noqa: E402
 from colibri_lab.format import reader as fmt_reader  # noqa: E402
 from test_gguf_import import (  # noqa: E402
     CHATML, MIXTRAL_TEMPLATE, SPECIALS, _corpus, _llama_program, _llama_root, _native_or_fail,
-    dequantized, llama_cpp_source, make_ggufs, rewrite_gguf,
+    dequantized, llama_completion, llama_cpp_source, make_ggufs, rewrite_gguf,
 )
 
 TOL = 1e-4
@@ -259,23 +259,6 @@ def _dequantized_checkpoint(m: dict, q: Path, out: Path) -> Path:
     return out
 
 
-def _llama_completion(exe: Path, gguf_path: Path, prompt: str, f32_attention: bool = False) -> bytes:
-    """llama-completion's greedy continuation (stdout); with f32_attention its KV cache in f32
-    and its flash attention off (by default: an f16 cache, flash attention on the CPU); run up
-    to 20 times until a run prints its closing performance summary: its log (stdout too) is
-    written by a thread that main() does not wait for, so a busy machine loses the tail of a
-    run's output (status 0)."""
-    kv = ["-ctk", "f32", "-ctv", "f32", "-fa", "off"] if f32_attention else []
-    for _ in range(20):
-        r = subprocess.run([str(exe), "-m", str(gguf_path), "-p", prompt, "-n", str(N_NEW), "--temp", "0",
-                            "--ignore-eos", "-no-cnv", "-t", "2", "--no-warmup", "-c", "256", *kv],
-                           capture_output=True, timeout=300, stdin=subprocess.DEVNULL, check=False)
-        assert r.returncode == 0, r.stderr[-2000:].decode("utf-8", "replace")
-        if b"common_perf_print" in r.stderr:
-            return r.stdout
-    raise AssertionError("llama-completion never finished a run")
-
-
 def _piece_bytes(tok, folder: Path):
     """id -> the bytes llama-completion prints for it: none for control tokens, and a piece
     only up to its first NUL byte (it prints each piece as a C string)."""
@@ -365,7 +348,7 @@ def test_llama_quantize_file(models, fam, ftype, tmp_path, record_property):
     # llama.cpp on the file itself, and on the same values as F32 (rewritten with gguf.quants)
     conts = {}
     for kind, path in (("file", q), ("values", rewrite_gguf(q, tmp_path / "deq.gguf", tensors=dequantized))):
-        theirs = _llama_completion(models["completion"], path, prompt, f32_attention=kind == "values")
+        theirs = llama_completion(models["completion"], path, prompt, N_NEW, f32_attention=kind == "values")
         assert prompt.encode() in theirs, theirs
         conts[kind] = theirs.split(prompt.encode(), 1)[1]
     cont = conts["file"]
