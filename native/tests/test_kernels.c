@@ -797,18 +797,16 @@ static const uint32_t QTYPES[] = {COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K, COLIBR
                                   COLIBRI_DTYPE_IQ4_XS, COLIBRI_DTYPE_IQ2_XXS, COLIBRI_DTYPE_IQ2_XS,
                                   COLIBRI_DTYPE_IQ2_S, COLIBRI_DTYPE_IQ3_XXS, COLIBRI_DTYPE_IQ3_S,
                                   COLIBRI_DTYPE_IQ1_S, COLIBRI_DTYPE_IQ1_M};
-/* The grid types' codebooks for these tests: random entries (magnitudes 1 to 63, never 0, as
- * ggml's IQ2 / IQ3 grids: the SIMD tables' decode negates the code where the reference negates
- * the product, the same bits but for a zero's sign; IQ1's -1, 0, 1), installed without the CRC
- * check that holds files to ggml's grids. The kernels read whatever codebook is installed, so
- * any one tests them. */
+/* The grid types' codebooks for these tests: random entries (IQ2 / IQ3: magnitudes 0 to 63;
+ * IQ1: -1, 0, 1), installed without the CRC check that holds files to ggml's grids. The kernels
+ * read whatever codebook is installed, so any one tests them. */
 static void install_test_codebooks(void) {
     static uint8_t book[2048 * 8];
     for (int b = 0; b < CB_N_CODEBOOKS; b++) {
         uint64_t n = cb_codebook_bytes(b);
         for (uint64_t i = 0; i < n; i++)
             book[i] = b == CB_BOOK_IQ1_S ? (uint8_t)(int8_t)((int)((urand() + 1.0) * 1.5) - 1)
-                                         : (uint8_t)(1 + (int)((urand() + 1.0) * 31.0));
+                                         : (uint8_t)((urand() + 1.0) * 31.5);
         if (cb_codebook_install_any(b, book, n) != COLIBRI_OK) FAIL("installing the test codebook %s", cb_codebook_name(b));
     }
 }
