@@ -127,6 +127,10 @@ static inline uint32_t rd_u32(const uint8_t *p) {
 /* ggml's ksigns_iq2xs: 7 stored sign bits, the eighth making the parity even */
 static inline unsigned ksigns(unsigned i) { return i | (unsigned)(__builtin_popcount(i) & 1) << 7; }
 static inline float sgn(unsigned signs, int j) { return (signs >> j) & 1 ? -1.0f : 1.0f; }
+/* n weights of one codebook entry g: (db * g[j]) * sign j */
+static inline void put_signed(float *y, float db, const uint8_t *g, unsigned signs, int j0, int n) {
+    for (int j = 0; j < n; j++) y[j] = db * (float)g[j] * sgn(signs, j0 + j);
+}
 
 /* IQ2_XXS (66 bytes): f16 d, then per 32 weights two u32: four grid indices (bytes) and
  * (four 7-bit sign patterns | scale << 28); value d (0.5 + scale) 0.25 * grid * sign */
@@ -140,9 +144,7 @@ void cb_dequant_iq2_xxs(float *dst, const void *src, int64_t n) {
             const float db = d * (0.5f + (float)(aux >> 28)) * 0.25f;
             float *y = dst + i + 32 * s;
             for (int l = 0; l < 4; l++) {
-                const uint8_t *g = grid + 8 * q[l];
-                const unsigned sg = ksigns((aux >> (7 * l)) & 127);
-                for (int j = 0; j < 8; j++) y[8 * l + j] = db * (float)g[j] * sgn(sg, j);
+                put_signed(y + 8 * l, db, grid + 8 * q[l], ksigns((aux >> (7 * l)) & 127), 0, 8);
             }
         }
     }
@@ -160,9 +162,7 @@ void cb_dequant_iq2_xs(float *dst, const void *src, int64_t n) {
             float *y = dst + i + 32 * s;
             for (int l = 0; l < 4; l++) {
                 const unsigned q = rd_u16(b + 2 + 2 * (4 * s + l));
-                const uint8_t *g = grid + 8 * (q & 511);
-                const unsigned sg = ksigns(q >> 9);
-                for (int j = 0; j < 8; j++) y[8 * l + j] = db[l / 2] * (float)g[j] * sgn(sg, j);
+                put_signed(y + 8 * l, db[l / 2], grid + 8 * (q & 511), ksigns(q >> 9), 0, 8);
             }
         }
     }
@@ -180,8 +180,7 @@ void cb_dequant_iq2_s(float *dst, const void *src, int64_t n) {
             float *y = dst + i + 32 * s;
             for (int l = 0; l < 4; l++) {
                 const uint8_t *g = grid + 8 * (qs[4 * s + l] | (((qh[s] >> (2 * l)) & 3) << 8));
-                const unsigned sg = signs[4 * s + l];
-                for (int j = 0; j < 8; j++) y[8 * l + j] = db[l / 2] * (float)g[j] * sgn(sg, j);
+                put_signed(y + 8 * l, db[l / 2], g, signs[4 * s + l], 0, 8);
             }
         }
     }
@@ -200,11 +199,8 @@ void cb_dequant_iq3_xxs(float *dst, const void *src, int64_t n) {
             float *y = dst + i + 32 * s;
             for (int l = 0; l < 4; l++) {
                 const unsigned sg = ksigns((aux >> (7 * l)) & 127);
-                const uint8_t *g1 = grid + 4 * qs[2 * l], *g2 = grid + 4 * qs[2 * l + 1];
-                for (int j = 0; j < 4; j++) {
-                    y[8 * l + j] = db * (float)g1[j] * sgn(sg, j);
-                    y[8 * l + j + 4] = db * (float)g2[j] * sgn(sg, j + 4);
-                }
+                put_signed(y + 8 * l, db, grid + 4 * qs[2 * l], sg, 0, 4);
+                put_signed(y + 8 * l + 4, db, grid + 4 * qs[2 * l + 1], sg, 4, 4);
             }
         }
     }
@@ -223,8 +219,7 @@ void cb_dequant_iq3_s(float *dst, const void *src, int64_t n) {
             for (int l = 0; l < 8; l++) { /* 4 weights each */
                 const int k = 8 * s + l;
                 const uint8_t *g = grid + 4 * (qs[k] | (((qh[k / 8] >> (k % 8)) & 1) << 8));
-                const unsigned sg = signs[4 * s + l / 2];
-                for (int j = 0; j < 4; j++) y[4 * l + j] = db * (float)g[j] * sgn(sg, 4 * (l % 2) + j);
+                put_signed(y + 4 * l, db, g, signs[4 * s + l / 2], 4 * (l % 2), 4);
             }
         }
     }
