@@ -427,7 +427,7 @@ def _gptoss_rows_producer(src: SrcTensor, E: int, nrows: int, ncols: int, pick,
                 x = m[r0:r0 + step]
                 if dst in QUANT_DTYPES:
                     st = quants.to_stored(x, dst)
-                    yield st, _sumsq(quants.from_stored(st, dst, x.shape[1]))
+                    yield st, stored_sumsq(st, dst, x.shape[1])
                 else:
                     yield _with_sumsq(fmt.f32_to_stored(x, dst), dst)
             del m
@@ -455,7 +455,7 @@ def _gptoss_mxfp4_producer(blocks: SrcTensor, scales: SrcTensor, E: int, rows: i
             q = np.ascontiguousarray(quants.mxfp4_from_hf(b, sc)[sel])
             del b, sc
             if dst == fmt.DTYPE_MXFP4:
-                yield q, _sumsq(quants.from_stored(q, dst, K))
+                yield q, stored_sumsq(q, dst, K)
                 continue
             x = np.asarray(quants.from_stored(q, fmt.DTYPE_MXFP4, K), dtype=np.float32).reshape(-1, K)
             step = max(1, CHUNK_ELEMS // K)
@@ -463,7 +463,7 @@ def _gptoss_mxfp4_producer(blocks: SrcTensor, scales: SrcTensor, E: int, rows: i
                 c = x[r0:r0 + step]
                 if dst in QUANT_DTYPES:
                     st = quants.to_stored(c, dst)
-                    yield st, _sumsq(quants.from_stored(st, dst, K))
+                    yield st, stored_sumsq(st, dst, K)
                 else:
                     yield _with_sumsq(fmt.f32_to_stored(c, dst), dst)
     return gen

@@ -797,16 +797,18 @@ static const uint32_t QTYPES[] = {COLIBRI_DTYPE_Q8_0, COLIBRI_DTYPE_Q4_K, COLIBR
                                   COLIBRI_DTYPE_IQ4_XS, COLIBRI_DTYPE_IQ2_XXS, COLIBRI_DTYPE_IQ2_XS,
                                   COLIBRI_DTYPE_IQ2_S, COLIBRI_DTYPE_IQ3_XXS, COLIBRI_DTYPE_IQ3_S,
                                   COLIBRI_DTYPE_IQ1_S, COLIBRI_DTYPE_IQ1_M};
-/* The grid types' codebooks for these tests: random entries (IQ2 / IQ3: magnitudes 0 to 63;
- * IQ1: -1, 0, 1), installed without the CRC check that holds files to ggml's grids. The kernels
- * read whatever codebook is installed, so any one tests them. */
+/* The grid types' codebooks for these tests: random entries within ggml's grids' ranges (IQ2
+ * magnitudes 0 to 43, IQ3_XXS 0 to 62, IQ3_S 0 to 15: the fast mode's bytes are sized for them,
+ * cb_fast_grid_off; IQ1: -1, 0, 1), installed without the CRC check that holds files to ggml's
+ * grids. The kernels read whatever codebook is installed, so any such one tests them. */
 static void install_test_codebooks(void) {
     static uint8_t book[2048 * 8];
     for (int b = 0; b < CB_N_CODEBOOKS; b++) {
         uint64_t n = cb_codebook_bytes(b);
+        const double top = b == CB_BOOK_IQ3_XXS ? 62.0 : b == CB_BOOK_IQ3_S ? 15.0 : 43.0;
         for (uint64_t i = 0; i < n; i++)
             book[i] = b == CB_BOOK_IQ1_S ? (uint8_t)(int8_t)((int)((urand() + 1.0) * 1.5) - 1)
-                                         : (uint8_t)((urand() + 1.0) * 31.5);
+                                         : (uint8_t)((urand() + 1.0) * 0.5 * (top + 0.999));
         if (cb_codebook_install_any(b, book, n) != COLIBRI_OK) FAIL("installing the test codebook %s", cb_codebook_name(b));
     }
 }
@@ -814,7 +816,10 @@ static void install_test_codebooks(void) {
 static const uint32_t FAST_QTYPES[] = {COLIBRI_DTYPE_Q8_0,   COLIBRI_DTYPE_Q4_K, COLIBRI_DTYPE_Q5_K,
                                        COLIBRI_DTYPE_Q6_K,   COLIBRI_DTYPE_Q4_0, COLIBRI_DTYPE_Q4_1,
                                        COLIBRI_DTYPE_Q5_0,   COLIBRI_DTYPE_Q5_1, COLIBRI_DTYPE_Q2_K,
-                                       COLIBRI_DTYPE_Q3_K,   COLIBRI_DTYPE_IQ4_NL, COLIBRI_DTYPE_IQ4_XS};
+                                       COLIBRI_DTYPE_Q3_K,   COLIBRI_DTYPE_IQ4_NL, COLIBRI_DTYPE_IQ4_XS,
+                                       COLIBRI_DTYPE_IQ2_XXS, COLIBRI_DTYPE_IQ2_XS, COLIBRI_DTYPE_IQ2_S,
+                                       COLIBRI_DTYPE_IQ3_XXS, COLIBRI_DTYPE_IQ3_S,  COLIBRI_DTYPE_IQ1_S,
+                                       COLIBRI_DTYPE_IQ1_M};
 
 /* MXFP4 scale bytes of make_q: 0, typical ones (weights up to 0.75, as the float tests'), or
  * the extremes a matmul can still sum finitely (subnormal 2^-128 .. 2^-125 scales, 2^0, 2^33) */
@@ -1112,6 +1117,10 @@ static void test_qpanels(const cb_fast_kernels *F) {
         uint32_t dt = FAST_QTYPES[qi];
         int64_t blk = cb_dtype_block(dt);
         const char *dn = cb_dtype_name(dt);
+        n_check++;
+        if (cb_qpanel_takes(dt, 16, 256) != (cb_dtype_codebook(dt) < 0))
+            FAIL("cb_qpanel_takes %s: the grid types have no copies, every other int8 type has", dn);
+        if (!cb_qpanel_takes(dt, 16, 256)) continue; /* the grid types: row-major blocks only */
         { /* placement: in group g's block b (at (g nb + b) 8 bb), byte i of row 8g + r's block at
            * (8 (i / 4) + r) 4 + i % 4 — the block without its scale kept apart, where the type
            * has one (at s: then the 8 rows' scales are 16 bytes, row r's at 2r, before the
@@ -1256,7 +1265,7 @@ static void test_fast_q8(const cb_fast_kernels *F) {
                 if (bad) FAIL("[fast %s] quant_rows T%lld K%lld: not cb_fast_quant_act's bytes", F->name, (long long)T,
                               (long long)K);
                 cb_fast_qrows xq = {q, ab};
-                for (int il = 0; il <= (F->qpanels ? 1 : 0); il++) {
+                for (int il = 0; il <= (F->qpanels && cb_dtype_codebook(dt) < 0 ? 1 : 0); il++) {
                     const void *wm = w.raw;
                     uint8_t *cp = NULL;
                     if (il) {
@@ -1291,7 +1300,7 @@ static void test_fast_q8(const cb_fast_kernels *F) {
             fill(x, Rr * H, 1.0);
             F->quant_rows(q, ab, x, Rr, H);
             cb_fast_qrows xq = {q, ab};
-            for (int il = 0; il <= (F->qpanels ? 1 : 0); il++) {
+            for (int il = 0; il <= (F->qpanels && cb_dtype_codebook(dt) < 0 ? 1 : 0); il++) {
                 size_t rp = (size_t)cb_qpanel_row_bytes(dt, (uint64_t)H);
                 uint8_t *gq = il ? malloc((size_t)I * rp) : NULL, *uq = il ? malloc((size_t)I * rp) : NULL;
                 if (il) cb_qpanel_pack(gq, g.raw, dt, I, H), cb_qpanel_pack(uq, u.raw, dt, I, H);

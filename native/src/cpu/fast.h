@@ -16,7 +16,9 @@
  *    ws = d sc, wm = -dmin m; Q6_K ws = d sc, wm = -32 ws; Q4_0 ws = d, wm = -8 d; Q5_0
  *    ws = d, wm = -16 d; Q4_1/Q5_1 ws = d, wm = m; IQ4_NL u = kvalue + 128, ws = d,
  *    wm = -128 d; IQ4_XS the same with ws = d (ls - 32); Q3_K u = q + 4, ws = d (sc - 32),
- *    wm = -4 ws; Q2_K ws = d sc, wm = -dmin m; every product rounded to float as the
+ *    wm = -4 ws; Q2_K ws = d sc, wm = -dmin m; the grid types (G = 16) u = their signed code
+ *    + 64 (IQ2, IQ3_XXS) or + 16 (IQ3_S; IQ1, whose code is 8 g +- 1), ws = the sub-block's
+ *    factor, wm = -64 ws or -16 ws (cb_fast_grid_off); every product rounded to float as the
  *    reference dequantizer rounds it, so that ws u + wm is the weight up to one rounding);
  *  - y[t, n] is ONE float chain over the sub-blocks in ascending order, starting at 0:
  *        acc = fma((float)isum_g, ws[g] * d_b, acc);  acc = fma(wm[g], dS_g, acc)
@@ -45,6 +47,7 @@
 #include <string.h>
 
 #include "core/dtype.h"
+#include "core/quant_grid.h" /* the grid types' codes (cb_fast_unpack) */
 #include "cpu/bf16.h" /* cb_round_bf16 */
 #include "cpu/kernels.h" /* cb_kv_view, CB_ATT_HEADS */
 #include "cpu/panel.h"
@@ -201,9 +204,22 @@ static inline int cb_fast_int8_type(uint32_t dt) {
     case COLIBRI_DTYPE_Q2_K:
     case COLIBRI_DTYPE_Q3_K:
     case COLIBRI_DTYPE_IQ4_NL:
-    case COLIBRI_DTYPE_IQ4_XS: return 1;
+    case COLIBRI_DTYPE_IQ4_XS:
+    case COLIBRI_DTYPE_IQ2_XXS:
+    case COLIBRI_DTYPE_IQ2_XS:
+    case COLIBRI_DTYPE_IQ2_S:
+    case COLIBRI_DTYPE_IQ3_XXS:
+    case COLIBRI_DTYPE_IQ3_S:
+    case COLIBRI_DTYPE_IQ1_S:
+    case COLIBRI_DTYPE_IQ1_M: return 1;
     default: return 0;
     }
+}
+/* The grid types (core/quant_grid.h): u = their signed code + this offset (IQ2 and IQ3_XXS:
+ * codes up to +-43 and +-62, IQ3_S +-15, IQ1 8 g +- 1 up to +-9: ggml's grids, which a file's
+ * codebook is checked to be), so that every u is below 128 */
+static inline int cb_fast_grid_off(uint32_t dt) {
+    return dt == COLIBRI_DTYPE_IQ3_S || dt == COLIBRI_DTYPE_IQ1_S || dt == COLIBRI_DTYPE_IQ1_M ? 16 : 64;
 }
 /* 1 when the fast table computes a matrix of dtype dt with rows of K (else the exact
  * kernels run it, on bf16-rounded activations for BF16). MXFP4 is not a fast-mode type: in
@@ -250,7 +266,10 @@ const cb_fast_kernels *cb_fast_neon_bf16(void);
 
 /* Weights per sub-block (its own scale and offset) of a block type in fast mode. */
 static inline int64_t cb_fast_group(uint32_t dt) {
-    return dt == COLIBRI_DTYPE_Q6_K || dt == COLIBRI_DTYPE_Q2_K || dt == COLIBRI_DTYPE_Q3_K ? 16 : 32;
+    return dt == COLIBRI_DTYPE_Q6_K || dt == COLIBRI_DTYPE_Q2_K || dt == COLIBRI_DTYPE_Q3_K ||
+                   (dt >= COLIBRI_DTYPE_IQ2_XXS && dt <= COLIBRI_DTYPE_IQ1_M)
+               ? 16
+               : 32;
 }
 /* 1 when a block type's bytes u reach 128 or more (Q8_0, IQ4_NL, IQ4_XS): the tables whose
  * integer dot multiplies signed bytes split them (fast_simd.inc's WIDE). */
@@ -270,6 +289,13 @@ static inline int cb_fast_umax(uint32_t dt) {
     case COLIBRI_DTYPE_Q5_1:
     case COLIBRI_DTYPE_Q5_K: return 31;
     case COLIBRI_DTYPE_Q6_K: return 63;
+    case COLIBRI_DTYPE_IQ2_XXS:
+    case COLIBRI_DTYPE_IQ2_XS:
+    case COLIBRI_DTYPE_IQ2_S: return 64 + 43;
+    case COLIBRI_DTYPE_IQ3_XXS: return 64 + 62;
+    case COLIBRI_DTYPE_IQ3_S: return 16 + 15;
+    case COLIBRI_DTYPE_IQ1_S:
+    case COLIBRI_DTYPE_IQ1_M: return 16 + 9;
     default: return 255;
     }
 }
@@ -315,6 +341,32 @@ static inline void cb_fast_unpack(const void *row, uint32_t dt, int64_t k0, int6
                                   float *wm) {
     const uint8_t *r = (const uint8_t *)row;
     switch (dt) {
+    case COLIBRI_DTYPE_IQ2_XXS:
+    case COLIBRI_DTYPE_IQ2_XS:
+    case COLIBRI_DTYPE_IQ2_S:
+    case COLIBRI_DTYPE_IQ3_XXS:
+    case COLIBRI_DTYPE_IQ3_S:
+    case COLIBRI_DTYPE_IQ1_S:
+    case COLIBRI_DTYPE_IQ1_M: { /* sub-blocks of 16: u = the signed code + off, ws = its factor, wm = -off ws */
+        const int one = dt == COLIBRI_DTYPE_IQ1_S || dt == COLIBRI_DTYPE_IQ1_M, off = cb_fast_grid_off(dt);
+        const size_t bb = cb_dtype_block_bytes(dt);
+        const uint8_t *b = r + k0 / 256 * bb;
+        for (int64_t s = 0; s < kc / 256; s++, b += bb) {
+            uint8_t q[256];
+            float a[16];
+            uint32_t sg[8];
+            cb_grid_decode(b, q, a, sg, dt);
+            for (int g = 0; g < 16; g++) {
+                ws[s * 16 + g] = a[g];
+                wm[s * 16 + g] = -(float)off * a[g];
+            }
+            for (int j = 0; j < 256; j++) {
+                int v = one ? (int8_t)q[j] : (sg[j / 32] >> (j % 32)) & 1 ? -(int)q[j] : (int)q[j];
+                u[s * 256 + j] = (uint8_t)(v + off);
+            }
+        }
+        return;
+    }
     case COLIBRI_DTYPE_Q8_0: {
         const uint8_t *b = r + k0 / 32 * 34;
         for (int64_t g = 0; g < kc / 32; g++, b += 34) {

@@ -9,6 +9,8 @@
 #include "cpu/fast.h" /* cb_fast_int8_type */
 
 int cb_qpanel_takes(uint32_t dt, int64_t N, int64_t K) {
+    /* the grid types have no interleaved layout: the fast tables unpack their row-major blocks */
+    if (cb_dtype_codebook(dt) >= 0) return 0;
     return cb_fast_int8_type(dt) && N > 0 && N % CB_QPANEL_ROWS == 0 && K > 0 && K % cb_dtype_block(dt) == 0;
 }
 
