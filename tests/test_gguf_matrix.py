@@ -397,10 +397,13 @@ def test_llama_quantize_file(models, fam, ftype, tmp_path, record_property):
     # (its text on the same values as F32, above, is the engine's)
 
 
-def test_grid_codebook_is_checked(models, tmp_path):
+def test_grid_codebook_is_checked(models, tmp_path, monkeypatch):
     """A file of a grid type carries its codebook (codebook.<name>, int8 [entries, width]); the
     engine refuses it by name when the codebook is missing or is not ggml's grid (its CRC-32
-    is checked before it is installed), and runs it otherwise."""
+    is checked before it is installed), and runs it otherwise: in fast mode on the int8 path,
+    the int8 table this CPU picks giving the plain-C reference table's logits bit for bit (its
+    int8 table alone where the CPU's table has an attention of its own)."""
+    import re
     import struct
     import zlib
 
@@ -418,8 +421,24 @@ def test_grid_codebook_is_checked(models, tmp_path):
     assert "codebook.iq2_xxs" in books, books
     cb = books["codebook.iq2_xxs"]
     assert cb.dtype == "i8" and tuple(cb.shape) == (256, 8)
+    ids = list(range(3, 40))
     with Engine(good) as eng:
-        assert np.isfinite(eng.forward([1, 2, 3])).all()
+        exact = eng.forward(ids)
+    with Engine(good, precision="fast") as eng:
+        kernels = eng.config.kernels
+        fast = eng.forward(ids)
+    int8 = re.search(r"fast\(int8 ([\w-]+)", kernels)
+    assert int8, kernels
+    assert np.isfinite(exact).all() and np.isfinite(fast).all() and not np.array_equal(fast, exact)
+    if ", attention " in kernels:
+        monkeypatch.setenv("COLIBRI_FAST_KERNELS", int8[1])
+        with Engine(good, precision="fast") as eng:
+            fast = eng.forward(ids)
+    monkeypatch.setenv("COLIBRI_FAST_KERNELS", "reference")
+    with Engine(good, precision="fast") as eng:
+        assert "fast(int8 reference," in eng.config.kernels, eng.config.kernels
+        assert np.array_equal(fast, eng.forward(ids)), f"{int8[1]}: not the reference's bits"
+    monkeypatch.delenv("COLIBRI_FAST_KERNELS")
     raw = bytearray(Path(good).read_bytes())
 
     bad = bytearray(raw)
