@@ -107,11 +107,12 @@ TOKENIZERS = {"mixtral": None, "qwen2_moe": ("qwen2", "qwen2"), "qwen3_moe": ("q
 FTYPES = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q2_K": "Q2_K",
           "Q3_K_M": "Q3_K", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS",
           # the grid types (ggml's i-quants), quantized with an importance matrix as published
-          # files are (llama-quantize refuses IQ2 and IQ1 without one): IQ2_M's mix is IQ2_S
-          # blocks, IQ3_M's IQ3_S
-          "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "IQ2_M": "IQ2_S", "IQ3_XXS": "IQ3_XXS",
-          "IQ3_M": "IQ3_S", "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_M"}
-IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ2_M", "IQ3_XXS", "IQ3_M", "IQ1_S", "IQ1_M"}
+          # files are (llama-quantize refuses IQ2 and IQ1 without one): the IQ2_S mix is IQ2_XS
+          # blocks (with IQ3_S), IQ2_M's IQ2_S, IQ3_XS's IQ3_XXS (with IQ3_S), IQ3_M's IQ3_S
+          "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "IQ2_S": "IQ2_XS", "IQ2_M": "IQ2_S",
+          "IQ3_XXS": "IQ3_XXS", "IQ3_XS": "IQ3_XXS", "IQ3_S": "IQ3_S", "IQ3_M": "IQ3_S",
+          "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_M"}
+IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ1_S", "IQ1_M"}
 FALLBACK = {"Q4_K_M": "Q5_0"}    # qwen3_moe_160's file: rows of 160 hold no Q4_K
 FAMILIES = [f for f in SHAPES if f != "qwen3_moe_160"]
 FULL = [(f, t) for f in FAMILIES for t in FTYPES] + [("qwen3_moe_160", t) for t in FALLBACK]
