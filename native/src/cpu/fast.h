@@ -204,15 +204,8 @@ static inline int cb_fast_int8_type(uint32_t dt) {
     case COLIBRI_DTYPE_Q2_K:
     case COLIBRI_DTYPE_Q3_K:
     case COLIBRI_DTYPE_IQ4_NL:
-    case COLIBRI_DTYPE_IQ4_XS:
-    case COLIBRI_DTYPE_IQ2_XXS:
-    case COLIBRI_DTYPE_IQ2_XS:
-    case COLIBRI_DTYPE_IQ2_S:
-    case COLIBRI_DTYPE_IQ3_XXS:
-    case COLIBRI_DTYPE_IQ3_S:
-    case COLIBRI_DTYPE_IQ1_S:
-    case COLIBRI_DTYPE_IQ1_M: return 1;
-    default: return 0;
+    case COLIBRI_DTYPE_IQ4_XS: return 1;
+    default: return cb_dtype_codebook(dt) >= 0; /* the grid types */
     }
 }
 /* The grid types (core/quant_grid.h): u = their signed code + this offset (IQ2 and IQ3_XXS:
@@ -340,14 +333,7 @@ static inline float cb_fast_f16(const uint8_t *p) { return cb_f16_to_f32((uint16
 static inline void cb_fast_unpack(const void *row, uint32_t dt, int64_t k0, int64_t kc, uint8_t *u, float *ws,
                                   float *wm) {
     const uint8_t *r = (const uint8_t *)row;
-    switch (dt) {
-    case COLIBRI_DTYPE_IQ2_XXS:
-    case COLIBRI_DTYPE_IQ2_XS:
-    case COLIBRI_DTYPE_IQ2_S:
-    case COLIBRI_DTYPE_IQ3_XXS:
-    case COLIBRI_DTYPE_IQ3_S:
-    case COLIBRI_DTYPE_IQ1_S:
-    case COLIBRI_DTYPE_IQ1_M: { /* sub-blocks of 16: u = the signed code + off, ws = its factor, wm = -off ws */
+    if (cb_dtype_codebook(dt) >= 0) { /* the grid types, sub-blocks of 16: u = the signed code + off, ws = its factor, wm = -off ws */
         const int one = dt == COLIBRI_DTYPE_IQ1_S || dt == COLIBRI_DTYPE_IQ1_M, off = cb_fast_grid_off(dt);
         const size_t bb = cb_dtype_block_bytes(dt);
         const uint8_t *b = r + k0 / 256 * bb;
@@ -376,6 +362,7 @@ static inline void cb_fast_unpack(const void *row, uint32_t dt, int64_t k0, int6
         }
         return;
     }
+    switch (dt) {
     case COLIBRI_DTYPE_Q8_0: {
         const uint8_t *b = r + k0 / 32 * 34;
         for (int64_t g = 0; g < kc / 32; g++, b += 34) {
