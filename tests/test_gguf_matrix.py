@@ -2,7 +2,8 @@
 each family's random checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2,
 DeepSeek-V3, gpt-oss; hidden and expert widths 256, so that the K and IQ4_XS blocks fit
 whole rows) converted by convert_hf_to_gguf.py to f32, then quantized by llama-quantize to
-Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K_M, IQ4_NL and IQ4_XS, and one file whose rows are not
+Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K_M, IQ4_NL and IQ4_XS, with an importance matrix to the grid
+types' mixes (IQ1_S/M, IQ2_XXS/XS/S/M, IQ3_XXS/XS/S/M), and one file whose rows are not
 multiples of 256 (Q4_K_M falling back to Q5_0 / Q8_0). For each file:
 
 * it imports, and holds the block type asked for;
@@ -30,8 +31,9 @@ replaced by a float whose bits are its position in the checkpoint), so each GGUF
 position in the checkpoint is read from the index GGUF (checked: the real f32 GGUF maps back
 to the checkpoint bit for bit).
 
-By default each family runs with one or two types and each type with at least one family
-(COLIBRI_GGUF_MATRIX=full runs every pair). Needs llama.cpp's convert_hf_to_gguf.py, a built
+By default each family runs with one or two of the classic types and one grid type, each
+classic type with at least one family (COLIBRI_GGUF_MATRIX=full runs every pair). A grid
+type's file also carries its codebook, which the engine checks (test_grid_codebook_is_checked). Needs llama.cpp's convert_hf_to_gguf.py, a built
 llama-quantize and llama-completion (the benchmarks build them); skipped, naming the missing
 file, without them.
 """
