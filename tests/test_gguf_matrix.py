@@ -55,6 +55,7 @@ pytest.importorskip("tokenizers")
 gguf = pytest.importorskip("gguf")
 
 import colibri_lab  # noqa: E402
+from colibri_lab.bench.llama_cpp import synthetic_imatrix  # noqa: E402
 from colibri_lab.bench.models import (  # noqa: E402
     DeepseekShape, FamilyShape, MixtralShape, build_model, byte_level_bpe, load_model, save_checkpoint,
 )
@@ -320,18 +321,13 @@ def _follow(eng, prompt: str, theirs: bytes, piece, banned: list[int]) -> list[t
     return out
 
 
-def _imatrix(f32: Path, out: Path, seed: int) -> Path:
-    from colibri_lab.bench.llama_cpp import synthetic_imatrix
-    return synthetic_imatrix(f32, out, seed)
-
-
 @pytest.mark.parametrize("fam,ftype", CASES)
 def test_llama_quantize_file(models, fam, ftype, tmp_path, record_property):
     from helpers import hf_logits, random_ids
 
     m = models[fam]
     q = tmp_path / f"{fam}-{ftype}.gguf"
-    im = ["--imatrix", str(_imatrix(m["f32"], tmp_path / "imatrix.dat", 72))] if ftype in IMATRIX else []
+    im = ["--imatrix", str(synthetic_imatrix(m["f32"], tmp_path / "imatrix.dat", 72))] if ftype in IMATRIX else []
     r = subprocess.run([str(models["quantize"]), *im, str(m["f32"]), str(q), ftype], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     types = sorted({t.tensor_type.name for t in gguf.GGUFReader(q).tensors})
@@ -414,7 +410,7 @@ def test_grid_codebook_is_checked(models, tmp_path, monkeypatch):
 
     m = models["qwen3_moe"]
     q = tmp_path / "iq2_xxs.gguf"
-    im = _imatrix(m["f32"], tmp_path / "imatrix.dat", 73)
+    im = synthetic_imatrix(m["f32"], tmp_path / "imatrix.dat", 73)
     r = subprocess.run([str(models["quantize"]), "--imatrix", str(im), str(m["f32"]), str(q), "IQ2_XXS"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]

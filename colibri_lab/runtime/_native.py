@@ -361,18 +361,24 @@ _declare(lib)
 _check_abi(lib, lib_path)
 
 
+_installed_codebooks: set[str] = set()
+
+
 def install_codebook(dtype: int) -> None:
     """Install the codebook a grid type (IQ2_XXS ... IQ1_M) reads, from the `gguf` package's
     copy of ggml's grids, so that colibri_dequantize takes its blocks without a model (an
-    engine installs its file's own when it opens it). Idempotent; a no-op for other dtypes."""
+    engine installs its file's own when it opens it). Once per codebook and process (a
+    converter asks for every chunk); a no-op for other dtypes."""
+    from ..format import spec as fmt
+    name = fmt.CODEBOOK_OF.get(dtype)
+    if name is None or name in _installed_codebooks:
+        return
     import numpy as np
 
-    from ..format import blocks, spec as fmt
-    name = fmt.CODEBOOK_OF.get(dtype)
-    if name is None:
-        return
+    from ..format import blocks
     grid = np.ascontiguousarray(blocks.codebook(name))
     check(lib.colibri_install_codebook(dtype, grid.ctypes.data_as(c_void_p), grid.nbytes))
+    _installed_codebooks.add(name)
 
 
 def version() -> str:

@@ -21,6 +21,7 @@
 #include <stdio.h>
 
 #include "core/dtype.h"
+#include "core/quant_grid.h" /* grid_ksigns, grid_rd32 */
 #include "format/container.h"
 
 /* ---- the codebooks ---- */
@@ -121,11 +122,6 @@ const uint8_t *cb_codebook(int book) { return cb_codebook_ready(book) ? book_dat
 
 static inline float rd_f16(const uint8_t *p) { return cb_f16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
 static inline uint16_t rd_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-static inline uint32_t rd_u32(const uint8_t *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-/* ggml's ksigns_iq2xs: 7 stored sign bits, the eighth making the parity even */
-static inline unsigned ksigns(unsigned i) { return i | (unsigned)(__builtin_popcount(i) & 1) << 7; }
 static inline float sgn(unsigned signs, int j) { return (signs >> j) & 1 ? -1.0f : 1.0f; }
 /* n weights of one codebook entry g: (db * g[j]) * sign j */
 static inline void put_signed(float *y, float db, const uint8_t *g, unsigned signs, int j0, int n) {
@@ -140,11 +136,11 @@ void cb_dequant_iq2_xxs(float *dst, const void *src, int64_t n) {
         const float d = rd_f16(b);
         for (int s = 0; s < 8; s++) {
             const uint8_t *q = b + 2 + 8 * s;
-            const uint32_t aux = rd_u32(q + 4);
+            const uint32_t aux = grid_rd32(q + 4);
             const float db = d * (0.5f + (float)(aux >> 28)) * 0.25f;
             float *y = dst + i + 32 * s;
             for (int l = 0; l < 4; l++) {
-                put_signed(y + 8 * l, db, grid + 8 * q[l], ksigns((aux >> (7 * l)) & 127), 0, 8);
+                put_signed(y + 8 * l, db, grid + 8 * q[l], grid_ksigns((aux >> (7 * l)) & 127), 0, 8);
             }
         }
     }
@@ -162,7 +158,7 @@ void cb_dequant_iq2_xs(float *dst, const void *src, int64_t n) {
             float *y = dst + i + 32 * s;
             for (int l = 0; l < 4; l++) {
                 const unsigned q = rd_u16(b + 2 + 2 * (4 * s + l));
-                put_signed(y + 8 * l, db[l / 2], grid + 8 * (q & 511), ksigns(q >> 9), 0, 8);
+                put_signed(y + 8 * l, db[l / 2], grid + 8 * (q & 511), grid_ksigns(q >> 9), 0, 8);
             }
         }
     }
@@ -194,11 +190,11 @@ void cb_dequant_iq3_xxs(float *dst, const void *src, int64_t n) {
         const float d = rd_f16(b);
         for (int s = 0; s < 8; s++) {
             const uint8_t *qs = b + 2 + 8 * s;
-            const uint32_t aux = rd_u32(b + 66 + 4 * s);
+            const uint32_t aux = grid_rd32(b + 66 + 4 * s);
             const float db = d * (0.5f + (float)(aux >> 28)) * 0.5f;
             float *y = dst + i + 32 * s;
             for (int l = 0; l < 4; l++) {
-                const unsigned sg = ksigns((aux >> (7 * l)) & 127);
+                const unsigned sg = grid_ksigns((aux >> (7 * l)) & 127);
                 put_signed(y + 8 * l, db, grid + 4 * qs[2 * l], sg, 0, 4);
                 put_signed(y + 8 * l + 4, db, grid + 4 * qs[2 * l + 1], sg, 4, 4);
             }
